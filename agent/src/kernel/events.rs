@@ -1,0 +1,205 @@
+//! The stream of kernel events: an async reader over the programs' ring buffer (woken by the
+//! ring buffer's fd through epoll, no polling), decoding raw records into domain types.
+
+use aya::maps::{MapData, RingBuf};
+use tokio::io::unix::AsyncFd;
+use valet_common::{KernelEvent, event_flags, event_kind};
+
+use crate::error::{Error, Result};
+
+/// How a process ended, decoded from a wait(2) status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProcessEnd {
+    /// `exit(n)` or return from main.
+    Exited(i32),
+    /// Killed by a signal.
+    Signaled { signal: i32, core_dumped: bool },
+}
+
+impl ProcessEnd {
+    /// Decodes `task_struct.exit_code`: status in bits 8–15, signal in bits 0–6, core in bit 7.
+    pub fn from_wait_status(raw: u32) -> ProcessEnd {
+        let signal = (raw & 0x7f) as i32;
+        if signal == 0 {
+            ProcessEnd::Exited(((raw >> 8) & 0xff) as i32)
+        } else {
+            ProcessEnd::Signaled { signal, core_dumped: raw & 0x80 != 0 }
+        }
+    }
+
+    /// The exit code a container runtime reports for this end (128 + signal for signals).
+    pub fn container_exit_code(&self) -> i32 {
+        match *self {
+            ProcessEnd::Exited(code) => code,
+            ProcessEnd::Signaled { signal, .. } => 128 + signal,
+        }
+    }
+}
+
+/// A whole-process exit in a watched cgroup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessExit {
+    pub ktime_ns: u64,
+    pub cgroup_id: u64,
+    pub watched_cgroup_id: u64,
+    pub tgid: u32,
+    /// The thread that ended the group.
+    pub pid: u32,
+    pub ns_pid: u32,
+    /// `None` when the kernel layout did not allow reading the exit code.
+    pub end: Option<ProcessEnd>,
+    /// The process was its pid namespace's init: the container ended.
+    pub ns_init: bool,
+    pub comm: String,
+}
+
+/// A process stopped at exec, waiting for user space to release it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldProcess {
+    pub ktime_ns: u64,
+    pub cgroup_id: u64,
+    pub watched_cgroup_id: u64,
+    pub tgid: u32,
+    pub comm: String,
+}
+
+/// One decoded kernel event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    Exit(ProcessExit),
+    Held(HeldProcess),
+}
+
+fn comm(raw: &[u8; 16]) -> String {
+    let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+    String::from_utf8_lossy(&raw[..end]).into_owned()
+}
+
+impl Event {
+    /// Decodes one ring buffer record; `None` for records of unknown kind or size.
+    pub fn decode(bytes: &[u8]) -> Option<Event> {
+        if bytes.len() < size_of::<KernelEvent>() {
+            return None;
+        }
+        // SAFETY: size checked; KernelEvent is plain data valid for any bit pattern; the read is
+        // unaligned-safe.
+        let raw: KernelEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+        match raw.kind {
+            event_kind::EXIT => Some(Event::Exit(ProcessExit {
+                ktime_ns: raw.ktime_ns,
+                cgroup_id: raw.cgroup_id,
+                watched_cgroup_id: raw.watched_cgroup_id,
+                tgid: raw.tgid,
+                pid: raw.pid,
+                ns_pid: raw.ns_pid,
+                end: (raw.flags & event_flags::NO_EXIT_CODE == 0)
+                    .then(|| ProcessEnd::from_wait_status(raw.exit_status)),
+                ns_init: raw.flags & event_flags::NS_INIT != 0,
+                comm: comm(&raw.comm),
+            })),
+            event_kind::HELD => Some(Event::Held(HeldProcess {
+                ktime_ns: raw.ktime_ns,
+                cgroup_id: raw.cgroup_id,
+                watched_cgroup_id: raw.watched_cgroup_id,
+                tgid: raw.tgid,
+                comm: comm(&raw.comm),
+            })),
+            _ => None,
+        }
+    }
+}
+
+/// Async reader of kernel events.
+pub struct EventStream {
+    fd: AsyncFd<RingBuf<MapData>>,
+    /// Records that could not be decoded (a kernel/user layout mismatch).
+    pub undecodable: u64,
+}
+
+impl EventStream {
+    pub fn new(ring: RingBuf<MapData>) -> Result<EventStream> {
+        // SAFETY: the ring buffer owns its fd and keeps it open while registered.
+        let fd = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
+            .map_err(|e| Error::io("poll ring buffer", e.into()))?;
+        Ok(EventStream { fd, undecodable: 0 })
+    }
+
+    /// Waits for the next batch of events and returns it (never empty).
+    pub async fn next_batch(&mut self) -> Result<Vec<Event>> {
+        loop {
+            let mut guard = self.fd.readable_mut().await.map_err(|e| Error::io("poll ring buffer", e))?;
+            let ring = guard.get_inner_mut();
+            let mut batch = Vec::new();
+            while let Some(item) = ring.next() {
+                match Event::decode(&item) {
+                    Some(event) => batch.push(event),
+                    None => self.undecodable += 1,
+                }
+            }
+            guard.clear_ready();
+            if !batch.is_empty() {
+                return Ok(batch);
+            }
+        }
+    }
+}
+
+/// CLOCK_MONOTONIC now, in the same clock as `bpf_ktime_get_ns`, to measure kernel→user latency.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid pointer to a timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decodes_wait_statuses() {
+        assert_eq!(ProcessEnd::from_wait_status(0), ProcessEnd::Exited(0));
+        assert_eq!(ProcessEnd::from_wait_status(42 << 8), ProcessEnd::Exited(42));
+        assert_eq!(ProcessEnd::from_wait_status(255 << 8), ProcessEnd::Exited(255));
+        assert_eq!(
+            ProcessEnd::from_wait_status(9),
+            ProcessEnd::Signaled { signal: 9, core_dumped: false }
+        );
+        assert_eq!(
+            ProcessEnd::from_wait_status(0x80 | 11),
+            ProcessEnd::Signaled { signal: 11, core_dumped: true }
+        );
+        assert_eq!(ProcessEnd::from_wait_status(15).container_exit_code(), 143);
+    }
+
+    #[test]
+    fn decodes_records_and_rejects_short_ones() {
+        let mut raw = KernelEvent::zeroed();
+        raw.kind = event_kind::EXIT;
+        raw.flags = event_flags::NS_INIT;
+        raw.exit_status = 3 << 8;
+        raw.tgid = 77;
+        raw.comm[..4].copy_from_slice(b"app\0");
+        // SAFETY: plain data viewed as bytes.
+        let bytes = unsafe {
+            std::slice::from_raw_parts((&raw as *const KernelEvent).cast::<u8>(), size_of::<KernelEvent>())
+        };
+        match Event::decode(bytes) {
+            Some(Event::Exit(exit)) => {
+                assert_eq!(exit.end, Some(ProcessEnd::Exited(3)));
+                assert!(exit.ns_init);
+                assert_eq!(exit.tgid, 77);
+                assert_eq!(exit.comm, "app");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert_eq!(Event::decode(&bytes[..10]), None);
+        let mut unknown = raw;
+        unknown.kind = 99;
+        // SAFETY: as above.
+        let bytes = unsafe {
+            std::slice::from_raw_parts((&unknown as *const KernelEvent).cast::<u8>(), size_of::<KernelEvent>())
+        };
+        assert_eq!(Event::decode(bytes), None);
+    }
+}

@@ -1,0 +1,90 @@
+//! Kernel layout facts for the kernel programs, read from the running kernel at load time:
+//! struct offsets from BTF, tracepoint record offsets from tracefs format files.
+
+use std::path::{Path, PathBuf};
+
+use valet_common::{KernelLayout, OFFSET_UNKNOWN};
+
+use super::btf::Btf;
+use crate::error::{Error, Result};
+
+/// Where tracefs may be mounted, in order of preference.
+pub const TRACEFS_CANDIDATES: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
+
+/// Finds a mounted tracefs (a directory with an `events` subdirectory).
+pub fn find_tracefs(host_root: &Path) -> Result<PathBuf> {
+    for candidate in TRACEFS_CANDIDATES {
+        let path = host_root.join(candidate.trim_start_matches('/'));
+        if path.join("events").is_dir() {
+            return Ok(path);
+        }
+    }
+    Err(Error::Ebpf(
+        "tracefs is not mounted (mount -t tracefs tracefs /sys/kernel/tracing)".into(),
+    ))
+}
+
+/// Offset of `field` in a tracepoint format file's text (`field:bool group_dead; offset:32; ...`).
+pub fn tracepoint_field_offset(format: &str, field: &str) -> Option<u32> {
+    format.lines().find_map(|line| {
+        let line = line.trim();
+        let decl = line.strip_prefix("field:")?.split(';').next()?;
+        let name = decl.rsplit([' ', '*']).next()?;
+        let name = name.split('[').next()?;
+        if name != field {
+            return None;
+        }
+        line.split(';')
+            .find_map(|part| part.trim().strip_prefix("offset:"))
+            .and_then(|v| v.trim().parse().ok())
+    })
+}
+
+/// Reads every layout fact the programs use. Missing facts become [`OFFSET_UNKNOWN`], which the
+/// programs treat as "feature unavailable" (flagged in events), never as an address.
+pub fn read_layout(btf: &Btf, tracefs: &Path) -> Result<KernelLayout> {
+    let opt = |r: Result<u32>| r.unwrap_or(OFFSET_UNKNOWN);
+    let format_path = tracefs.join("events/sched/sched_process_exit/format");
+    let format = std::fs::read_to_string(&format_path)
+        .map_err(|e| Error::io(format!("read {}", format_path.display()), e))?;
+    let layout = KernelLayout {
+        task_exit_code: opt(btf.member_offset("task_struct", "exit_code")),
+        task_thread_pid: opt(btf.member_offset("task_struct", "thread_pid")),
+        task_signal: opt(btf.member_offset("task_struct", "signal")),
+        signal_live: opt(btf.member_offset("signal_struct", "live")),
+        pid_level: opt(btf.member_offset("pid", "level")),
+        pid_numbers: opt(btf.member_offset("pid", "numbers")),
+        upid_size: opt(btf.struct_size("upid")),
+        upid_nr: opt(btf.member_offset("upid", "nr")),
+        tp_exit_group_dead: tracepoint_field_offset(&format, "group_dead").unwrap_or(OFFSET_UNKNOWN),
+    };
+    if layout.task_exit_code == OFFSET_UNKNOWN {
+        return Err(Error::Btf("task_struct.exit_code not found: cannot report exit codes".into()));
+    }
+    Ok(layout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXIT_FORMAT: &str = "name: sched_process_exit\nID: 369\nformat:\n\
+        \tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\
+        \tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;\n\n\
+        \tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n\
+        \tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n\
+        \tfield:int prio;\toffset:28;\tsize:4;\tsigned:1;\n\
+        \tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n";
+
+    #[test]
+    fn parses_tracepoint_offsets() {
+        assert_eq!(tracepoint_field_offset(EXIT_FORMAT, "group_dead"), Some(32));
+        assert_eq!(tracepoint_field_offset(EXIT_FORMAT, "pid"), Some(24));
+        assert_eq!(tracepoint_field_offset(EXIT_FORMAT, "comm"), Some(8));
+        assert_eq!(tracepoint_field_offset(EXIT_FORMAT, "missing"), None);
+        // Older kernels: no group_dead field.
+        let old = EXIT_FORMAT.replace("group_dead", "other");
+        assert_eq!(tracepoint_field_offset(&old, "group_dead"), None);
+        assert_eq!(tracepoint_field_offset("garbage\nfield:;;;", "x"), None);
+    }
+}

@@ -1,0 +1,182 @@
+//! The one place where the kernel programs and the user-space agent agree on layouts.
+//!
+//! Everything here is `#[repr(C)]`, fixed-size and `no_std`, so the BPF object and the agent read
+//! the same bytes. Map names and global names are constants so neither side can misspell them.
+#![no_std]
+
+/// Name of the hash map of watched cgroups (key: cgroup id, value: [`WatchFlags`] bits).
+/// A process matches when its own cgroup or any ancestor is in this map.
+pub const MAP_WATCHED: &str = "WATCHED";
+/// Name of the ring buffer that carries [`KernelEvent`]s to user space.
+pub const MAP_EVENTS: &str = "EVENTS";
+/// Name of the per-CPU array of counters, indexed by [`Counter`].
+pub const MAP_COUNTERS: &str = "COUNTERS";
+/// Name of the LRU map of container cgroups whose first init exec was already judged.
+pub const MAP_EXEC_SEEN: &str = "EXEC_SEEN";
+/// Name of the hash map where user space classifies container cgroups before they exec
+/// (key: cgroup id, value: [`EXEC_CLASS_HOLD`] or [`EXEC_CLASS_PASS`]).
+pub const MAP_EXEC_CLASS: &str = "EXEC_CLASS";
+
+/// Name of the exit tracepoint program (`sched/sched_process_exit`).
+pub const PROG_EXIT: &str = "valet_exit";
+/// Name of the exec tracepoint program (`sched/sched_process_exec`).
+pub const PROG_EXEC: &str = "valet_exec";
+
+/// Ring buffer size in bytes (a power of two, a multiple of the page size).
+pub const EVENTS_RING_BYTES: u32 = 256 * 1024;
+/// Capacity of [`MAP_WATCHED`]: pod and container cgroups of one node.
+pub const WATCHED_CAPACITY: u32 = 16 * 1024;
+/// Capacity of [`MAP_EXEC_SEEN`] and [`MAP_EXEC_CLASS`].
+pub const EXEC_CAPACITY: u32 = 16 * 1024;
+/// How many cgroup ancestor levels the kernel programs look at (kubelet pods sit at depth 2–4;
+/// nested or hybrid hosts add a few).
+pub const MAX_CGROUP_DEPTH: u32 = 12;
+
+/// Bits of a [`MAP_WATCHED`] value.
+pub mod watch_flags {
+    /// Report whole-process exits of processes in or below this cgroup.
+    pub const EXITS: u32 = 1;
+    /// Stop (SIGSTOP) the first pid-namespace-init exec in each child cgroup of this cgroup.
+    pub const HOLD: u32 = 2;
+}
+
+/// [`MAP_EXEC_CLASS`] value: stop the first init exec in this cgroup (an app container).
+pub const EXEC_CLASS_HOLD: u32 = 1;
+/// [`MAP_EXEC_CLASS`] value: never stop execs in this cgroup (sidecar, init container, sandbox).
+pub const EXEC_CLASS_PASS: u32 = 2;
+
+/// Kinds of [`KernelEvent`].
+pub mod event_kind {
+    /// A whole process (its thread group) exited.
+    pub const EXIT: u32 = 1;
+    /// A process was stopped with SIGSTOP right after exec, before its first instruction.
+    pub const HELD: u32 = 2;
+}
+
+/// Bits of [`KernelEvent::flags`].
+pub mod event_flags {
+    /// The process was pid 1 of a non-root pid namespace: a container's init. Its exit ends the
+    /// container (the kernel kills the rest of the namespace).
+    pub const NS_INIT: u32 = 1;
+    /// The kernel offsets needed to read the exit code were not available; `exit_status` is 0.
+    pub const NO_EXIT_CODE: u32 = 2;
+    /// The kernel offsets needed to tell a pid-namespace init were not available.
+    pub const NO_NS_INFO: u32 = 4;
+}
+
+/// One event from the kernel programs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelEvent {
+    /// One of [`event_kind`].
+    pub kind: u32,
+    /// Bits of [`event_flags`].
+    pub flags: u32,
+    /// `bpf_ktime_get_ns()` when the program ran (CLOCK_MONOTONIC).
+    pub ktime_ns: u64,
+    /// The process's own cgroup (v2) id: the container's cgroup.
+    pub cgroup_id: u64,
+    /// The watched cgroup that matched: the process's own or one of its ancestors (the pod).
+    pub watched_cgroup_id: u64,
+    /// Thread-group id (the pid user space sees).
+    pub tgid: u32,
+    /// Id of the thread that ran the program (the last thread of the group for exits).
+    pub pid: u32,
+    /// Raw `task_struct.exit_code`: a wait(2) status (exit status in bits 8–15, terminating
+    /// signal in bits 0–6, core dump in bit 7). Zero for [`event_kind::HELD`].
+    pub exit_status: u32,
+    /// Pid of the process inside its own pid namespace.
+    pub ns_pid: u32,
+    /// `comm` of the task, NUL padded.
+    pub comm: [u8; 16],
+}
+
+impl KernelEvent {
+    pub const fn zeroed() -> Self {
+        KernelEvent {
+            kind: 0,
+            flags: 0,
+            ktime_ns: 0,
+            cgroup_id: 0,
+            watched_cgroup_id: 0,
+            tgid: 0,
+            pid: 0,
+            exit_status: 0,
+            ns_pid: 0,
+            comm: [0; 16],
+        }
+    }
+}
+
+/// Indexes of the [`MAP_COUNTERS`] per-CPU array.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// Events that matched a watched cgroup but did not fit in the ring buffer.
+    EventsLost = 0,
+    /// Whole-process exits reported.
+    ExitsReported = 1,
+    /// Processes stopped at exec.
+    Held = 2,
+    /// Kernel reads that failed (bad offsets, unexpected layout).
+    ReadErrors = 3,
+}
+
+/// Number of entries in [`MAP_COUNTERS`].
+pub const COUNTER_SLOTS: u32 = 4;
+
+/// Kernel layout facts the programs need, read by user space from the running kernel's BTF
+/// (and the tracepoint format file) and written into the object as read-only globals before load.
+/// A value of [`OFFSET_UNKNOWN`] switches the feature off instead of reading garbage.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelLayout {
+    /// `task_struct.exit_code`.
+    pub task_exit_code: u32,
+    /// `task_struct.thread_pid` (a `struct pid *`).
+    pub task_thread_pid: u32,
+    /// `task_struct.signal` (a `struct signal_struct *`).
+    pub task_signal: u32,
+    /// `signal_struct.live` (an `atomic_t`), used when the tracepoint has no `group_dead`.
+    pub signal_live: u32,
+    /// `struct pid.level`.
+    pub pid_level: u32,
+    /// `struct pid.numbers` (array of `struct upid`).
+    pub pid_numbers: u32,
+    /// `sizeof(struct upid)`.
+    pub upid_size: u32,
+    /// `struct upid.nr`.
+    pub upid_nr: u32,
+    /// Offset of `group_dead` in the `sched_process_exit` tracepoint record.
+    pub tp_exit_group_dead: u32,
+}
+
+/// Marks an offset the running kernel does not provide.
+pub const OFFSET_UNKNOWN: u32 = u32::MAX;
+
+impl KernelLayout {
+    pub const fn unknown() -> Self {
+        KernelLayout {
+            task_exit_code: OFFSET_UNKNOWN,
+            task_thread_pid: OFFSET_UNKNOWN,
+            task_signal: OFFSET_UNKNOWN,
+            signal_live: OFFSET_UNKNOWN,
+            pid_level: OFFSET_UNKNOWN,
+            pid_numbers: OFFSET_UNKNOWN,
+            upid_size: OFFSET_UNKNOWN,
+            upid_nr: OFFSET_UNKNOWN,
+            tp_exit_group_dead: OFFSET_UNKNOWN,
+        }
+    }
+}
+
+/// Name of the global in the BPF object that holds the [`KernelLayout`].
+pub const GLOBAL_LAYOUT: &str = "LAYOUT";
+
+#[cfg(feature = "user")]
+mod user {
+    // SAFETY: plain-old-data, repr(C), no padding-dependent invariants.
+    unsafe impl aya::Pod for super::KernelEvent {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::KernelLayout {}
+}

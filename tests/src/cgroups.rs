@@ -1,0 +1,89 @@
+//! Throwaway kubelet-shaped cgroups for kernel tests, removed on drop.
+
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+
+use anyhow::{Context as _, Result};
+use valet_agent::cgroup::root::find_cgroup2_root;
+
+/// A tree of cgroup directories created for one test; removed (children first) on drop after
+/// killing whatever still runs in them.
+pub struct TestCgroups {
+    pub root: PathBuf,
+    created: Vec<PathBuf>,
+}
+
+impl TestCgroups {
+    pub fn new() -> Result<TestCgroups> {
+        let root = find_cgroup2_root(None, Path::new("/proc")).context("cgroup2 root")?;
+        Ok(TestCgroups { root, created: Vec::new() })
+    }
+
+    /// Creates every missing directory of a relative cgroup path; returns its absolute path.
+    pub fn create(&mut self, rel: &str) -> Result<PathBuf> {
+        let mut path = self.root.clone();
+        for part in rel.trim_matches('/').split('/') {
+            path.push(part);
+            if !path.exists() {
+                std::fs::create_dir(&path).with_context(|| format!("mkdir {}", path.display()))?;
+                self.created.push(path.clone());
+            }
+        }
+        Ok(path)
+    }
+
+    /// The cgroup id (inode) of a relative path.
+    pub fn id(&self, rel: &str) -> Result<u64> {
+        use std::os::unix::fs::MetadataExt as _;
+        Ok(std::fs::metadata(self.root.join(rel.trim_start_matches('/')))?.ino())
+    }
+
+    /// Spawns `cmd` with its first process placed into the cgroup before it execs.
+    pub fn spawn_in(&self, rel: &str, cmd: &mut Command) -> Result<Child> {
+        let procs = self.root.join(rel.trim_start_matches('/')).join("cgroup.procs");
+        let procs_c = std::ffi::CString::new(procs.as_os_str().as_encoded_bytes())?;
+        // SAFETY: only async-signal-safe calls (open/write/close) between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(procs_c.as_ptr(), libc::O_WRONLY);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let ok = libc::write(fd, b"0\n".as_ptr().cast(), 2);
+                libc::close(fd);
+                if ok < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        cmd.spawn().context("spawn in cgroup")
+    }
+}
+
+impl Drop for TestCgroups {
+    fn drop(&mut self) {
+        for dir in self.created.iter().rev() {
+            for _ in 0..50 {
+                let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+                let pids: Vec<i32> = procs.lines().filter_map(|l| l.parse().ok()).collect();
+                for pid in &pids {
+                    // SAFETY: plain syscall.
+                    unsafe { libc::kill(*pid, libc::SIGKILL) };
+                }
+                if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+/// Fails the test run when not root: privileged tests must never be skipped silently.
+pub fn require_root() {
+    // SAFETY: plain syscall.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "privileged tests need root (run them with `cargo xtask test`)");
+}
