@@ -2,30 +2,63 @@
 //! `OUT_DIR`, where `src/kernel/programs.rs` embeds it: `target/release/valet-agent` is one
 //! self-contained binary.
 //!
-//! Toolchain: `nightly` with `rust-src` by default (the aya route). `VALET_EBPF_TOOLCHAIN` names
-//! another rustup toolchain, e.g. `stable` (with `RUSTC_BOOTSTRAP=1`, which `cargo xtask` sets)
-//! or a linked system toolchain (`rustup toolchain link valet-system /usr`, the Debian fallback
-//! that `cargo xtask setup` installs when rustup cannot add `rust-src`).
-use anyhow::Context as _;
+//! Toolchain for the BPF build, first match wins:
+//! 1. `VALET_EBPF_TOOLCHAIN=<rustup toolchain>` if set;
+//! 2. `nightly` with `rust-src` (the aya route on a laptop);
+//! 3. `stable` with `rust-src` and `RUSTC_BOOTSTRAP=1` (what `cargo xtask setup` installs here);
+//! 4. `valet-system`, Debian's rustc-web + rust-web-src linked into rustup by `cargo xtask setup`
+//!    when rustup cannot add `rust-src`, also with `RUSTC_BOOTSTRAP=1`.
+use std::process::Command;
+
+use anyhow::{Context as _, bail};
+
+/// Whether a rustup toolchain exists and has the standard library source (`-Z build-std`).
+fn has_rust_src(toolchain: &str) -> bool {
+    let Ok(out) = Command::new("rustup").args(["run", toolchain, "rustc", "--print", "sysroot"]).output()
+    else {
+        return false;
+    };
+    if !out.status.success() {
+        return false;
+    }
+    let sysroot = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    std::path::Path::new(&sysroot).join("lib/rustlib/src/rust/library/core/Cargo.toml").exists()
+}
 
 fn main() -> anyhow::Result<()> {
     println!("cargo:rerun-if-env-changed=VALET_EBPF_TOOLCHAIN");
     let root = std::env::var("CARGO_MANIFEST_DIR").context("CARGO_MANIFEST_DIR")?;
-    let ebpf_dir = std::path::Path::new(&root).join("../agent-ebpf");
+    let root = std::path::Path::new(&root);
+    let ebpf_dir = root.join("../agent-ebpf");
     let ebpf_dir = ebpf_dir.to_str().context("non-UTF-8 path")?.to_owned();
-    let common_dir = std::path::Path::new(&root).join("../common");
-    println!("cargo:rerun-if-changed={}", common_dir.display());
-    let toolchain = std::env::var("VALET_EBPF_TOOLCHAIN").ok();
-    let toolchain = match toolchain.as_deref() {
-        None | Some("") | Some("nightly") => aya_build::Toolchain::Nightly,
-        Some(name) => aya_build::Toolchain::Custom(name),
+    println!("cargo:rerun-if-changed={}", root.join("../common").display());
+
+    let chosen = match std::env::var("VALET_EBPF_TOOLCHAIN") {
+        Ok(name) if !name.is_empty() => name,
+        _ => {
+            let Some(found) = ["nightly", "stable", "valet-system"].into_iter().find(|t| has_rust_src(t))
+            else {
+                bail!(
+                    "no Rust toolchain with rust-src for the BPF build: run `cargo xtask setup`, or \
+                     `rustup toolchain install nightly --component rust-src`"
+                );
+            };
+            found.to_owned()
+        }
+    };
+    if chosen != "nightly" {
+        // Lets a stable compiler take `-Z build-std=core`; aya-build reads it and the BPF cargo
+        // inherits it.
+        // SAFETY: build scripts are single-threaded here.
+        unsafe { std::env::set_var("RUSTC_BOOTSTRAP", "1") };
+    }
+    let toolchain = if chosen == "nightly" {
+        aya_build::Toolchain::Nightly
+    } else {
+        aya_build::Toolchain::Custom(&chosen)
     };
     aya_build::build_ebpf(
-        [aya_build::Package {
-            name: "valet-agent-ebpf",
-            root_dir: &ebpf_dir,
-            ..Default::default()
-        }],
+        [aya_build::Package { name: "valet-agent-ebpf", root_dir: &ebpf_dir, ..Default::default() }],
         toolchain,
     )
 }

@@ -1,1 +1,86 @@
-fn main() {}
+//! valet-agent: wires configuration, telemetry, the kernel programs, the API client, the metrics
+//! server and the controller loop together.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser as _;
+use tracing::{error, info};
+use tracing_subscriber::EnvFilter;
+use valet_agent::cgroup::CgroupFs;
+use valet_agent::cgroup::root::find_cgroup2_root;
+use valet_agent::config::{Config, LogFormat};
+use valet_agent::controller::Controller;
+use valet_agent::kernel::{Attach, EventStream, Programs};
+use valet_agent::metrics::Metrics;
+use valet_agent::server::{self, Health};
+
+fn init_logging(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+/// Resolves on SIGTERM (the kubelet stopping the pod) or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM received"),
+        _ = int.recv() => info!("SIGINT received"),
+    }
+}
+
+async fn run(cfg: Config) -> anyhow::Result<()> {
+    cfg.validate()?;
+    let cfg = Arc::new(cfg);
+    let cgroup_root = find_cgroup2_root(cfg.cgroup_root.as_deref(), &cfg.host_proc)?;
+    info!(node = %cfg.node_name, cgroup_root = %cgroup_root.display(), "starting valet-agent {}", env!("CARGO_PKG_VERSION"));
+
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::default());
+    // Bind first: a bad or busy address is a configuration error, reported before anything else.
+    let listener = server::bind(cfg.metrics_addr).await?;
+    tokio::spawn(server::serve(listener, metrics.clone(), health.clone()));
+
+    let client = kube::Client::try_default().await.context("Kubernetes client (in-cluster or KUBECONFIG)")?;
+
+    let mut programs = Programs::load(&cfg.host_root, Attach::default()).context("load kernel programs")?;
+    if let Some(logger) = programs.take_logger() {
+        tokio::spawn(valet_agent::kernel::programs::drain_kernel_log(logger));
+    }
+    let ring = programs.take_events().context("kernel event ring buffer")?;
+    let events = EventStream::new(ring)?;
+
+    let controller = Controller::new(cfg.clone(), client, CgroupFs::new(cgroup_root), programs, metrics, health);
+    // Leave time within the usual 30 s grace period for in-flight quits to finish.
+    controller.run(events, shutdown_signal(), Duration::from_secs(10)).await;
+    info!("stopped");
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    let cfg = Config::parse();
+    init_logging(cfg.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("valet-agent: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cfg)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,1 +1,254 @@
-fn main() {}
+//! valet's developer tasks.
+//!
+//! * `cargo xtask setup`  installs what building and testing need (idempotent, quiet when done).
+//! * `cargo xtask test`   runs every test: unit, privileged integration (as root), manifests.
+//! * `cargo xtask demo`   runs the agent against a simulated node on this host.
+//! * `cargo xtask bench`  prints the performance figures.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "valet developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install missing build and test prerequisites (rust-src, bpf-linker, tracefs, test tools).
+    Setup,
+    /// Run the whole test suite (needs root: privileged tests are never skipped).
+    Test {
+        /// Only run tests whose name contains this filter (Rust tests only).
+        filter: Option<String>,
+    },
+    /// Run the agent against a simulated node on this host and print a timeline.
+    Demo {
+        /// Extra arguments for the demo driver.
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
+    /// Print latency and overhead figures.
+    Bench {
+        /// Extra arguments for the bench driver (e.g. `--runs 200`).
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("spawn {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn succeeds(cmd: &mut Command) -> bool {
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn on_path(bin: &str) -> bool {
+    succeeds(Command::new("sh").args(["-c", &format!("command -v {bin}")]))
+}
+
+/// Says what setup did, once per action.
+fn did(what: &str) {
+    println!("xtask setup: {what}");
+}
+
+fn apt_install(packages: &[&str]) -> Result<()> {
+    let installed = |p: &str| {
+        Command::new("dpkg-query")
+            .args(["-W", "-f=${Status}", p])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+            .unwrap_or(false)
+    };
+    let missing: Vec<&str> = packages.iter().copied().filter(|p| !installed(p)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!("missing Debian packages {missing:?}: install them (as root: apt-get install {})", missing.join(" "));
+    }
+    did(&format!("apt-get install {}", missing.join(" ")));
+    run(Command::new("apt-get").args(["update", "-qq"]))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+fn has_rust_src(toolchain: &str) -> bool {
+    let Ok(out) = Command::new("rustup").args(["run", toolchain, "rustc", "--print", "sysroot"]).output() else {
+        return false;
+    };
+    out.status.success()
+        && Path::new(String::from_utf8_lossy(&out.stdout).trim())
+            .join("lib/rustlib/src/rust/library/core/Cargo.toml")
+            .exists()
+}
+
+/// A toolchain that can build the BPF object (`-Z build-std=core` needs rust-src).
+fn ensure_rust_src() -> Result<()> {
+    if ["nightly", "stable", "valet-system"].iter().any(|t| has_rust_src(t)) {
+        return Ok(());
+    }
+    for toolchain in ["nightly", "stable"] {
+        if succeeds(Command::new("rustup").args(["run", toolchain, "rustc", "--version"]))
+            && succeeds(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", toolchain]))
+            && has_rust_src(toolchain)
+        {
+            did(&format!("rustup component add rust-src --toolchain {toolchain}"));
+            return Ok(());
+        }
+    }
+    // Fallback: Debian's compiler and library source, linked into rustup under a fixed name
+    // that agent/build.rs looks for.
+    apt_install(&["rustc-web", "cargo-web", "rust-web-src"])?;
+    run(Command::new("rustup").args(["toolchain", "link", "valet-system", "/usr"]))?;
+    did("linked Debian rustc-web + rust-web-src as rustup toolchain valet-system");
+    if !has_rust_src("valet-system") {
+        bail!("no toolchain with rust-src after setup");
+    }
+    Ok(())
+}
+
+fn ensure_bpf_linker() -> Result<()> {
+    if on_path("bpf-linker") {
+        return Ok(());
+    }
+    // bpf-linker's default wants LLVM 23; Debian 12 backports carry LLVM 22.
+    apt_install(&["llvm-22-dev", "libpolly-22-dev", "libzstd-dev", "zlib1g-dev"])?;
+    did("cargo install bpf-linker (against LLVM 22, about a minute)");
+    let path = format!("/usr/lib/llvm-22/bin:{}", std::env::var("PATH").unwrap_or_default());
+    run(Command::new("cargo")
+        .args(["install", "--locked", "bpf-linker", "--version", "0.13.0", "--no-default-features", "--features", "llvm-22"])
+        .env("PATH", path)
+        .env("LLVM_SYS_221_PREFIX", "/usr/lib/llvm-22")
+        .env("LLVM_SYS_220_PREFIX", "/usr/lib/llvm-22"))
+}
+
+fn ensure_tracefs() -> Result<()> {
+    if Path::new("/sys/kernel/tracing/events").is_dir() || Path::new("/sys/kernel/debug/tracing/events").is_dir() {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!("tracefs is not mounted: as root, mount -t tracefs tracefs /sys/kernel/tracing");
+    }
+    run(Command::new("mount").args(["-t", "tracefs", "tracefs", "/sys/kernel/tracing"]))?;
+    did("mounted tracefs at /sys/kernel/tracing");
+    Ok(())
+}
+
+/// Tools only the test suite needs: iproute2 for network namespaces, promtool and Prometheus for
+/// the metrics tests, Python for the manifest checks.
+fn ensure_test_tools(root: &Path) -> Result<()> {
+    apt_install(&["iproute2", "prometheus", "python3-venv", "util-linux", "procps"])?;
+    let venv = root.join(".venv");
+    let requirements = root.join("deploy/tests/requirements.txt");
+    let stamp = venv.join(".valet-requirements");
+    let wanted = std::fs::read_to_string(&requirements).unwrap_or_default();
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) {
+        return Ok(());
+    }
+    if !venv.join("bin/python").exists() {
+        run(Command::new("/usr/bin/python3").args(["-m", "venv"]).arg(&venv))?;
+    }
+    did("pip install -r deploy/tests/requirements.txt into .venv");
+    run(Command::new(venv.join("bin/pip"))
+        .args(["install", "-q", "--disable-pip-version-check", "-r"])
+        .arg(&requirements))?;
+    std::fs::write(&stamp, wanted)?;
+    Ok(())
+}
+
+fn setup(root: &Path, for_tests: bool) -> Result<()> {
+    ensure_rust_src()?;
+    ensure_bpf_linker()?;
+    ensure_tracefs()?;
+    if for_tests {
+        ensure_test_tools(root)?;
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn test(root: &Path, filter: Option<String>) -> Result<()> {
+    if !is_root() {
+        bail!("the test suite has privileged tests (eBPF, cgroups, namespaces): run it as root");
+    }
+    setup(root, true)?;
+    // The agent binary is what the end-to-end tests run, like a DaemonSet would.
+    run(cargo().current_dir(root).args(["build", "--release", "-p", "valet-agent"]))?;
+    let mut cmd = cargo();
+    cmd.current_dir(root)
+        .args(["test", "--workspace", "--exclude", "valet-agent-ebpf", "--no-fail-fast"])
+        .env("VALET_AGENT_BIN", root.join("target/release/valet-agent"))
+        .env("VALET_REQUIRE_PRIVILEGED", "1");
+    if let Some(f) = &filter {
+        cmd.args(["--", f.as_str()]);
+    }
+    run(&mut cmd)?;
+    if filter.is_none() && root.join("deploy/tests").is_dir() {
+        run(Command::new(root.join(".venv/bin/python"))
+            .current_dir(root)
+            .args(["-m", "pytest", "-q", "deploy/tests"]))?;
+    }
+    Ok(())
+}
+
+fn sim_binary(root: &Path, bin: &str, args: &[String]) -> Result<()> {
+    setup(root, false)?;
+    run(cargo().current_dir(root).args(["build", "--release", "-p", "valet-agent", "-p", "valet-tests", "-p", "valet-sim"]))?;
+    let release = root.join("target/release");
+    run(Command::new(release.join(bin))
+        .args(args)
+        .env("VALET_AGENT_BIN", release.join("valet-agent"))
+        .env("VALET_STANDIN_BIN", release.join("valet-standin-proxy")))
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let root = workspace_root();
+    match cli.task {
+        Task::Setup => setup(&root, true),
+        Task::Test { filter } => test(&root, filter),
+        Task::Demo { args } => {
+            if !is_root() {
+                bail!("the demo creates cgroups and network namespaces: run it as root");
+            }
+            sim_binary(&root, "valet-demo", &args)
+        }
+        Task::Bench { args } => {
+            if !is_root() {
+                bail!("the benchmarks load eBPF programs: run them as root");
+            }
+            sim_binary(&root, "valet-bench", &args)
+        }
+    }
+}

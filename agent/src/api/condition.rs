@@ -1,0 +1,79 @@
+//! The `valet.dev/ProxyReady` pod condition, written through `pods/status` with a strategic merge
+//! patch (conditions merge by `type`, so the kubelet's own conditions are untouched).
+
+use k8s_openapi::api::core::v1::{Pod, PodCondition};
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client};
+
+use crate::error::Result;
+
+pub const CONDITION_TYPE: &str = "valet.dev/ProxyReady";
+
+/// The condition valet wants on a pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProxyReady {
+    pub ready: bool,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// Whether the pod already carries this condition with the same status and reason: then no
+/// write is needed.
+pub fn already_set(pod: &Pod, want: &ProxyReady) -> bool {
+    current(pod).is_some_and(|c| {
+        c.status == if want.ready { "True" } else { "False" } && c.reason.as_deref() == Some(want.reason)
+    })
+}
+
+/// The pod's current valet condition, if any.
+pub fn current(pod: &Pod) -> Option<&PodCondition> {
+    pod.status.as_ref()?.conditions.as_ref()?.iter().find(|c| c.type_ == CONDITION_TYPE)
+}
+
+/// The strategic merge patch body for `want`.
+pub fn patch_body(want: &ProxyReady, now: &str) -> serde_json::Value {
+    serde_json::json!({
+        "status": {
+            "conditions": [{
+                "type": CONDITION_TYPE,
+                "status": if want.ready { "True" } else { "False" },
+                "reason": want.reason,
+                "message": want.message,
+                "lastTransitionTime": now,
+                "lastProbeTime": serde_json::Value::Null,
+            }]
+        }
+    })
+}
+
+/// Writes the condition.
+pub async fn write(client: Client, namespace: &str, name: &str, want: &ProxyReady) -> Result<()> {
+    let api: Api<Pod> = Api::namespaced(client, namespace);
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    api.patch_status(name, &PatchParams::default(), &Patch::Strategic(patch_body(want, &now))).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detects_an_unchanged_condition() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p"},
+            "status": {"conditions": [
+                {"type": "Ready", "status": "False"},
+                {"type": CONDITION_TYPE, "status": "True", "reason": "ProxyReady"}
+            ]}
+        }))
+        .expect("pod");
+        let ready = ProxyReady { ready: true, reason: "ProxyReady", message: "m".into() };
+        assert!(already_set(&pod, &ready));
+        assert!(!already_set(&pod, &ProxyReady { ready: false, ..ready.clone() }));
+        assert!(!already_set(&pod, &ProxyReady { reason: "HoldTimeout", ..ready }));
+        let body = patch_body(&ProxyReady { ready: false, reason: "ProxyNotReady", message: "x".into() }, "t");
+        assert_eq!(body["status"]["conditions"][0]["type"], CONDITION_TYPE);
+        assert_eq!(body["status"]["conditions"][0]["status"], "False");
+    }
+}

@@ -1,0 +1,165 @@
+//! The cgroup v2 file system of the node: finding a pod's cgroups, their ids (directory inode
+//! numbers, the same value `bpf_get_current_cgroup_id()` returns) and their processes.
+
+use std::os::unix::fs::MetadataExt as _;
+use std::path::{Path, PathBuf};
+
+use super::layout::{CgroupKind, ContainerCgroup, PodCgroup, classify, pod_cgroup_candidates};
+use crate::error::{Error, Result};
+
+/// How deep to look for a pod cgroup below the root when it is not at a standard place
+/// (nested kubelet roots such as kind's `/kubelet.slice/kubelet-kubepods.slice/...`).
+const POD_SEARCH_DEPTH: usize = 5;
+
+/// A container cgroup of a pod, found on disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ContainerDir {
+    /// Path relative to the cgroup2 root, starting with `/`.
+    pub rel: String,
+    pub id: u64,
+    pub container: ContainerCgroup,
+}
+
+/// A pod cgroup found on disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodDir {
+    pub rel: String,
+    pub id: u64,
+    pub pod: PodCgroup,
+}
+
+/// The cgroup2 hierarchy under `root`.
+#[derive(Clone, Debug)]
+pub struct CgroupFs {
+    root: PathBuf,
+}
+
+impl CgroupFs {
+    pub fn new(root: impl Into<PathBuf>) -> CgroupFs {
+        CgroupFs { root: root.into() }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Absolute path of a relative cgroup path.
+    pub fn abs(&self, rel: &str) -> PathBuf {
+        self.root.join(rel.trim_start_matches('/'))
+    }
+
+    /// The cgroup id (inode number) of a relative cgroup path.
+    pub fn id_of(&self, rel: &str) -> Result<u64> {
+        let path = self.abs(rel);
+        std::fs::metadata(&path)
+            .map(|m| m.ino())
+            .map_err(|e| Error::io(format!("stat {}", path.display()), e))
+    }
+
+    /// Finds the cgroup of the pod with this UID, if the kubelet created it yet.
+    pub fn find_pod(&self, uid: &str) -> Option<PodDir> {
+        for rel in pod_cgroup_candidates(uid) {
+            if let Some(found) = self.pod_dir(&rel, uid) {
+                return Some(found);
+            }
+        }
+        // Not at a standard place: a bounded walk for nested kubelet roots.
+        let mut frontier = vec![String::new()];
+        for _ in 0..POD_SEARCH_DEPTH {
+            let mut next = Vec::new();
+            for rel in frontier {
+                for child in self.child_dirs(&rel) {
+                    if let Some(found) = self.pod_dir(&child, uid) {
+                        return Some(found);
+                    }
+                    // Only descend through kubelet-looking directories to keep the walk cheap.
+                    if child.contains("kube") {
+                        next.push(child);
+                    }
+                }
+            }
+            frontier = next;
+        }
+        None
+    }
+
+    fn pod_dir(&self, rel: &str, uid: &str) -> Option<PodDir> {
+        match classify(rel) {
+            CgroupKind::Pod(pod) if pod.uid == uid => {
+                let id = self.id_of(rel).ok()?;
+                Some(PodDir { rel: rel.to_owned(), id, pod })
+            }
+            _ => None,
+        }
+    }
+
+    /// Relative paths of the direct child cgroups of `rel`.
+    pub fn child_dirs(&self, rel: &str) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(self.abs(rel)) else { return Vec::new() };
+        entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
+            .filter_map(|e| e.file_name().into_string().ok())
+            .map(|name| format!("{}/{}", rel.trim_end_matches('/'), name))
+            .collect()
+    }
+
+    /// The container cgroups of a pod (including the sandbox's).
+    pub fn containers(&self, pod_rel: &str) -> Vec<ContainerDir> {
+        self.child_dirs(pod_rel)
+            .into_iter()
+            .filter_map(|rel| match classify(&rel) {
+                CgroupKind::Container(container) => {
+                    let id = self.id_of(&rel).ok()?;
+                    Some(ContainerDir { rel, id, container })
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Processes directly in a cgroup (`cgroup.procs`).
+    pub fn procs(&self, rel: &str) -> Vec<u32> {
+        std::fs::read_to_string(self.abs(rel).join("cgroup.procs"))
+            .map(|text| text.lines().filter_map(|l| l.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Processes in a cgroup and every cgroup below it.
+    pub fn procs_recursive(&self, rel: &str) -> Vec<u32> {
+        let mut out = self.procs(rel);
+        let mut stack = self.child_dirs(rel);
+        let mut budget = 1024;
+        while let Some(child) = stack.pop() {
+            budget -= 1;
+            if budget == 0 {
+                break;
+            }
+            out.extend(self.procs(&child));
+            stack.extend(self.child_dirs(&child));
+        }
+        out
+    }
+}
+
+/// The cgroup v2 path of a process (`0::/path` in `/proc/<pid>/cgroup`).
+pub fn cgroup_of_pid(host_proc: &Path, pid: u32) -> Option<String> {
+    let text = std::fs::read_to_string(host_proc.join(pid.to_string()).join("cgroup")).ok()?;
+    text.lines().find_map(|l| l.strip_prefix("0::").map(str::to_owned))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_own_cgroup_and_its_procs() {
+        let root = super::super::root::find_cgroup2_root(None, Path::new("/proc")).expect("cgroup2");
+        let fs = CgroupFs::new(&root);
+        let me = std::process::id();
+        let rel = cgroup_of_pid(Path::new("/proc"), me).expect("own cgroup");
+        assert!(fs.id_of(&rel).expect("id") > 0);
+        assert!(fs.procs(&rel).contains(&me), "{rel} lists this process");
+        assert!(fs.find_pod("00000000-0000-0000-0000-000000000000").is_none());
+    }
+}

@@ -1,0 +1,169 @@
+//! Configuration: flags, each also readable from a `VALET_*` environment variable (the node name
+//! from `NODE_NAME`, set by the downward API), validated at start with clear errors.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+
+use crate::error::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Parses Go-style durations as Kubernetes users write them: `500ms`, `2s`, `1m30s`, `1h`.
+pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Err("empty duration".into());
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(rest.len());
+        if digits == 0 {
+            return Err(format!("{text:?}: expected a number"));
+        }
+        let value: f64 = rest[..digits].parse().map_err(|_| format!("{text:?}: bad number"))?;
+        rest = &rest[digits..];
+        let unit_len = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
+        let unit = &rest[..unit_len];
+        rest = &rest[unit_len..];
+        let seconds = match unit {
+            "ms" => value / 1000.0,
+            "s" => value,
+            "m" => value * 60.0,
+            "h" => value * 3600.0,
+            "" => return Err(format!("{text:?}: missing unit (ms, s, m, h)")),
+            other => return Err(format!("{text:?}: unknown unit {other:?}")),
+        };
+        if !seconds.is_finite() || seconds > 1e9 {
+            return Err(format!("{text:?}: out of range"));
+        }
+        total += Duration::from_secs_f64(seconds);
+    }
+    Ok(total)
+}
+
+/// valet node agent: ends sidecar proxies when a pod's work is done and holds apps until the
+/// proxy is ready, for pods labelled valet.dev/enabled=true on this node.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "valet-agent", version, about, long_about = None)]
+pub struct Config {
+    /// This node's name (the DaemonSet sets NODE_NAME from spec.nodeName).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+
+    /// Address for /metrics, /healthz and /readyz.
+    #[arg(long, env = "VALET_METRICS_ADDR", default_value = "0.0.0.0:9090")]
+    pub metrics_addr: SocketAddr,
+
+    /// Where the host's /proc is visible (the agent finds pod processes and namespaces there).
+    #[arg(long, env = "VALET_HOST_PROC", default_value = "/proc")]
+    pub host_proc: PathBuf,
+
+    /// The host's cgroup v2 mount; found in the mount table when not given.
+    #[arg(long, env = "VALET_CGROUP_ROOT")]
+    pub cgroup_root: Option<PathBuf>,
+
+    /// Where the host's /sys is visible under (tracefs and BTF are looked up below it).
+    #[arg(long, env = "VALET_HOST_ROOT", default_value = "/")]
+    pub host_root: PathBuf,
+
+    /// Container names treated as sidecars unless a pod's valet.dev/sidecars annotation says otherwise.
+    #[arg(
+        long,
+        env = "VALET_SIDECAR_NAMES",
+        value_delimiter = ',',
+        default_value = "istio-proxy,linkerd-proxy,cloud-sql-proxy"
+    )]
+    pub sidecar_names: Vec<String>,
+
+    /// Total time for one quit request (connect included).
+    #[arg(long, env = "VALET_QUIT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub quit_timeout: Duration,
+
+    /// How long to keep retrying a quit that fails (with backoff) before escalating.
+    #[arg(long, env = "VALET_QUIT_RETRY_FOR", default_value = "20s", value_parser = parse_duration)]
+    pub quit_retry_for: Duration,
+
+    /// Send SIGTERM to a sidecar still running this long after it accepted a quit.
+    #[arg(long, env = "VALET_ESCALATE_AFTER", default_value = "15s", value_parser = parse_duration)]
+    pub escalate_after: Duration,
+
+    /// Never signal sidecars; only ask them to quit.
+    #[arg(long, env = "VALET_NO_ESCALATION")]
+    pub no_escalation: bool,
+
+    /// Interval between readiness probes of a proxy that is not ready yet.
+    #[arg(long, env = "VALET_PROBE_INTERVAL", default_value = "100ms", value_parser = parse_duration)]
+    pub probe_interval: Duration,
+
+    /// Default time an app is held before it is released anyway (valet.dev/hold-timeout overrides).
+    #[arg(long, env = "VALET_HOLD_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
+    pub hold_timeout: Duration,
+
+    /// Log format.
+    #[arg(long, env = "VALET_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+impl Config {
+    /// Checks what clap cannot.
+    pub fn validate(&self) -> Result<()> {
+        if self.node_name.trim().is_empty() {
+            return Err(Error::Config("--node-name / NODE_NAME is empty".into()));
+        }
+        if !self.host_proc.join("self").exists() {
+            return Err(Error::Config(format!("--host-proc {} is not a proc file system", self.host_proc.display())));
+        }
+        if self.sidecar_names.iter().any(|n| n.trim().is_empty()) {
+            return Err(Error::Config("--sidecar-names has an empty entry".into()));
+        }
+        for (flag, d) in [
+            ("--quit-timeout", self.quit_timeout),
+            ("--probe-interval", self.probe_interval),
+            ("--hold-timeout", self.hold_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(Error::Config(format!("{flag} must be greater than zero")));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
+        for bad in ["", "10", "s", "5x", "-1s", "1e99h"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?} must be rejected");
+        }
+    }
+
+    #[test]
+    fn flags_and_validation() {
+        let cfg = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--metrics-addr", "127.0.0.1:0"])
+            .expect("parse");
+        assert_eq!(cfg.sidecar_names, ["istio-proxy", "linkerd-proxy", "cloud-sql-proxy"]);
+        assert!(cfg.validate().is_ok());
+        assert!(Config::try_parse_from(["valet-agent", "--node-name", "n1", "--metrics-addr", "nope"]).is_err());
+        assert!(
+            Config::try_parse_from(["valet-agent", "--node-name", "n1", "--quit-timeout", "forever"]).is_err()
+        );
+        let mut bad = cfg.clone();
+        bad.host_proc = "/nonexistent".into();
+        assert!(bad.validate().is_err());
+    }
+}

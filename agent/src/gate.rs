@@ -1,0 +1,488 @@
+//! Startup gating: learn when each opted-in pod's proxy is ready, publish it as the
+//! `valet.dev/ProxyReady` condition, and release app processes the kernel held at exec
+//! (`valet.dev/hold-app`) as soon as the proxy is ready, or when the hold times out (fail open).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use tokio::sync::{mpsc, watch};
+use tracing::{debug, info, warn};
+
+use crate::api::condition::{self, ProxyReady};
+use crate::api::events::{EventSink, pod_reference};
+use crate::cgroup::signal::signal_in_cgroup;
+use crate::cgroup::{CgroupFs, PodDir};
+use crate::config::Config;
+use crate::controller::ActionResult;
+use crate::kernel::HeldProcess;
+use crate::kernel::events::monotonic_ns;
+use crate::metrics::{Metrics, ReasonLabels, ResultLabels};
+use crate::pod::spec::{PodPlan, Sidecar, SidecarKind};
+use crate::sidecar::http::{self, Limits};
+use crate::sidecar::netns::open_pod_netns;
+
+/// Probe interval while an app is held: the release latency is about half of it.
+const HELD_PROBE_INTERVAL: Duration = Duration::from_millis(5);
+/// Probe interval once the proxy was seen ready (keeps the condition current, cheaply).
+const READY_PROBE_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Results of the gate's background tasks.
+#[derive(Debug)]
+pub enum GateAction {
+    Probed { uid: String, ready: bool, detail: String },
+    ConditionWritten { uid: String, want: ProxyReady, ok: bool, error: Option<String> },
+}
+
+/// How a probe loop should pace itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pace {
+    /// An app is held: probe fast.
+    Urgent,
+    /// Not ready yet, nothing held.
+    Normal,
+    /// Seen ready: refresh slowly.
+    Relaxed,
+    /// Pod done: stop.
+    Stop,
+}
+
+/// A process held at exec.
+#[derive(Clone, Debug)]
+struct Held {
+    tgid: u32,
+    container_rel: String,
+    container_id: Option<String>,
+    since_ktime: u64,
+}
+
+#[derive(Default)]
+struct GatePod {
+    ready: Option<bool>,
+    held: Vec<Held>,
+    hold_started: Option<Instant>,
+    failed_open: bool,
+    /// Last condition written (or being written), to write only on change.
+    written: Option<ProxyReady>,
+    pace: Option<watch::Sender<Pace>>,
+    adopted: bool,
+}
+
+/// The startup gate of every tracked pod.
+pub struct Gate {
+    cfg: Arc<Config>,
+    client: Client,
+    cgroups: CgroupFs,
+    metrics: Arc<Metrics>,
+    events: EventSink,
+    results: mpsc::UnboundedSender<ActionResult>,
+    pods: HashMap<String, GatePod>,
+}
+
+fn sidecar_ready_in_api(pod: &Pod, plan: &PodPlan) -> bool {
+    let statuses = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref());
+    !plan.sidecars.is_empty()
+        && plan.sidecars.iter().all(|sc| {
+            statuses.into_iter().flatten().any(|s| s.name == sc.name && s.ready)
+        })
+}
+
+fn all_apps_finished(pod: &Pod, plan: &PodPlan) -> bool {
+    let statuses = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref());
+    !plan.apps.is_empty()
+        && plan.apps.iter().all(|a| {
+            statuses
+                .into_iter()
+                .flatten()
+                .any(|s| s.name == *a && s.state.as_ref().is_some_and(|st| st.terminated.is_some()))
+        })
+}
+
+/// One readiness probe of one sidecar.
+fn probe_once(sidecar: &Sidecar, pod_ip: Option<IpAddr>, host_proc: &std::path::Path, cgroups: &CgroupFs, pod_rel: Option<&str>) -> (bool, String) {
+    let limits = Limits { connect_timeout: Duration::from_millis(200), total_timeout: Duration::from_millis(500), max_response_bytes: 4096 };
+    let path = sidecar.ready.path.clone();
+    let port = sidecar.ready.port;
+    // Envoy's admin listener is loopback-only; the others listen on the pod IP like kubelet probes.
+    let loopback_only = matches!(sidecar.kind, SidecarKind::Envoy);
+    let result = match (pod_ip, loopback_only, pod_rel) {
+        (Some(ip), false, _) => http::request(SocketAddr::new(ip, port), "GET", &path, limits),
+        (_, _, Some(rel)) => {
+            let netns = match open_pod_netns(host_proc, cgroups, rel) {
+                Ok(n) => n,
+                Err(e) => return (false, e.to_string()),
+            };
+            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+            match netns.run_blocking(move || http::request(addr, "GET", &path, limits)) {
+                Ok(r) => r,
+                Err(e) => return (false, e.to_string()),
+            }
+        }
+        _ => return (false, "no pod IP and no pod cgroup yet".into()),
+    };
+    match result {
+        Ok(r) if (200..300).contains(&r.status) => (true, format!("{} answered {}", sidecar.name, r.status)),
+        Ok(r) => (false, format!("{} answered {}", sidecar.name, r.status)),
+        Err(f) => (false, format!("{}: {f}", sidecar.name)),
+    }
+}
+
+impl Gate {
+    pub fn new(
+        cfg: Arc<Config>,
+        client: Client,
+        cgroups: CgroupFs,
+        metrics: Arc<Metrics>,
+        events: EventSink,
+        results: mpsc::UnboundedSender<ActionResult>,
+    ) -> Gate {
+        Gate { cfg, client, cgroups, metrics, events, results, pods: HashMap::new() }
+    }
+
+    /// Whether the kernel should hold this pod's app containers.
+    pub fn wants_hold(&self, plan: &PodPlan) -> bool {
+        plan.hold_app && !plan.istio_holds_app && plan.native_sidecars.is_empty() && !plan.sidecars.is_empty() && !plan.apps.is_empty()
+    }
+
+    /// Called whenever the pod changed: starts probing, re-classifies held processes, adopts
+    /// processes an earlier agent left stopped.
+    pub fn on_pod(&mut self, uid: &str, pod: &Pod, plan: &PodPlan, pod_dir: Option<&PodDir>) {
+        if plan.sidecars.is_empty() || plan.deleting {
+            self.stop(uid);
+            return;
+        }
+        let hold = self.wants_hold(plan);
+        let done = all_apps_finished(pod, plan);
+        let needs_probe = !done && self.pods.get(uid).is_none_or(|p| p.pace.is_none());
+        let probe = needs_probe.then(|| self.spawn_probe(uid, pod, plan, pod_dir));
+        let entry = self.pods.entry(uid.to_owned()).or_default();
+        if done {
+            if let Some(pace) = &entry.pace {
+                let _ = pace.send(Pace::Stop);
+            }
+        } else if let Some(probe) = probe {
+            entry.pace = Some(probe);
+        }
+        // Adopt processes left stopped by an earlier instance of the agent.
+        if hold && !entry.adopted && let Some(dir) = pod_dir {
+            entry.adopted = true;
+            for c in self.cgroups.containers(&dir.rel) {
+                let name = name_of_id(pod, &c.container.id);
+                if !name.as_ref().is_some_and(|n| plan.apps.contains(n)) {
+                    continue;
+                }
+                for pid in self.cgroups.procs(&c.rel) {
+                    if process_stopped(&self.cfg.host_proc, pid) {
+                        info!(pod = %pod_name(pod), pid, "found an app process left held by an earlier agent");
+                        entry.held.push(Held { tgid: pid, container_rel: c.rel.clone(), container_id: Some(c.container.id.clone()), since_ktime: monotonic_ns() });
+                        entry.hold_started.get_or_insert_with(Instant::now);
+                    }
+                }
+            }
+        }
+        // Held processes whose container turned out not to be an app: release now.
+        let mut release = Vec::new();
+        entry.held.retain(|h| {
+            let name = h.container_id.as_deref().and_then(|id| name_of_id(pod, id));
+            match name {
+                Some(n) if !plan.apps.contains(&n) => {
+                    release.push((h.clone(), "not_app"));
+                    false
+                }
+                _ => true,
+            }
+        });
+        let api_ready = sidecar_ready_in_api(pod, plan);
+        for (h, why) in release {
+            self.release(uid, pod, &h, why);
+        }
+        if api_ready {
+            self.on_ready(uid, pod, "the API reports the sidecar ready".into());
+        }
+        self.update_pace(uid);
+        self.sync_condition(uid, pod);
+    }
+
+    fn spawn_probe(&self, uid: &str, pod: &Pod, plan: &PodPlan, pod_dir: Option<&PodDir>) -> watch::Sender<Pace> {
+        let (tx, mut rx) = watch::channel(Pace::Normal);
+        let sidecars = plan.sidecars.clone();
+        let pod_ip: Option<IpAddr> = plan.pod_ip.as_deref().and_then(|ip| ip.parse().ok());
+        let _ = pod;
+        let host_proc = self.cfg.host_proc.clone();
+        let cgroups = self.cgroups.clone();
+        let pod_rel = pod_dir.map(|d| d.rel.clone());
+        let results = self.results.clone();
+        let uid = uid.to_owned();
+        let normal = self.cfg.probe_interval;
+        tokio::spawn(async move {
+            let mut backoff = normal;
+            loop {
+                let pace = *rx.borrow();
+                if pace == Pace::Stop {
+                    return;
+                }
+                let (sidecars, host_proc, cgroups, pod_rel) = (sidecars.clone(), host_proc.clone(), cgroups.clone(), pod_rel.clone());
+                let probed = tokio::task::spawn_blocking(move || {
+                    let mut detail = Vec::new();
+                    let mut ready = true;
+                    for sc in &sidecars {
+                        let (ok, why) = probe_once(sc, pod_ip, &host_proc, &cgroups, pod_rel.as_deref());
+                        ready &= ok;
+                        detail.push(why);
+                    }
+                    (ready, detail.join("; "))
+                })
+                .await;
+                let (ready, detail) = probed.unwrap_or((false, "probe task failed".into()));
+                if results.send(ActionResult::Gate(GateAction::Probed { uid: uid.clone(), ready, detail })).is_err() {
+                    return;
+                }
+                let wait = match *rx.borrow() {
+                    Pace::Urgent => HELD_PROBE_INTERVAL,
+                    Pace::Relaxed => READY_PROBE_INTERVAL,
+                    Pace::Stop => return,
+                    Pace::Normal => {
+                        // Back off while nothing waits on the answer.
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                        backoff
+                    }
+                };
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    changed = rx.changed() => if changed.is_err() { return },
+                }
+            }
+        });
+        tx
+    }
+
+    fn update_pace(&mut self, uid: &str) {
+        let Some(p) = self.pods.get(uid) else { return };
+        let Some(pace) = &p.pace else { return };
+        let want = if !p.held.is_empty() {
+            Pace::Urgent
+        } else if p.ready == Some(true) {
+            Pace::Relaxed
+        } else {
+            Pace::Normal
+        };
+        if *pace.borrow() != Pace::Stop && *pace.borrow() != want {
+            let _ = pace.send(want);
+        }
+    }
+
+    /// A process was stopped by the kernel at exec.
+    pub fn on_held(
+        &mut self,
+        held: HeldProcess,
+        uid: Option<String>,
+        context: Option<(Pod, PodPlan, PodDir, Option<String>)>,
+    ) -> Vec<GateAction> {
+        self.metrics.holds.inc();
+        let container_rel = context.as_ref().and_then(|(_, _, dir, _)| {
+            self.cgroups.containers(&dir.rel).into_iter().find(|c| c.id == held.cgroup_id).map(|c| (c.rel, c.container.id))
+        });
+        let (Some(uid), Some((pod, plan, _, name)), Some((rel, container_id))) = (uid, context, container_rel) else {
+            // Held in a pod we no longer track, or a container we cannot place: never leave it.
+            warn!(pid = held.tgid, "held process outside a tracked pod: releasing");
+            // SAFETY: plain syscall on a pid the kernel just reported, still stopped.
+            unsafe { libc::kill(held.tgid as i32, libc::SIGCONT) };
+            self.metrics.releases.get_or_create(&ReasonLabels { reason: "untracked" }).inc();
+            return Vec::new();
+        };
+        let h = Held { tgid: held.tgid, container_rel: rel, container_id: Some(container_id), since_ktime: held.ktime_ns };
+        let is_app = name.as_ref().is_some_and(|n| plan.apps.contains(n));
+        if name.is_some() && !is_app {
+            self.release(&uid, &pod, &h, "not_app");
+            return Vec::new();
+        }
+        let entry = self.pods.entry(uid.clone()).or_default();
+        if entry.ready == Some(true) || entry.failed_open {
+            self.release(&uid, &pod, &h, "ready");
+            return Vec::new();
+        }
+        info!(pod = %pod_name(&pod), container = name.as_deref().unwrap_or("<not yet in the API>"), pid = held.tgid, "holding app until the proxy is ready");
+        entry.hold_started.get_or_insert_with(Instant::now);
+        entry.held.push(h);
+        self.update_pace(&uid);
+        Vec::new()
+    }
+
+    fn release(&mut self, uid: &str, pod: &Pod, h: &Held, reason: &'static str) {
+        match signal_in_cgroup(&self.cgroups, h.tgid, &h.container_rel, libc::SIGCONT) {
+            Ok(()) => {
+                let held_for = monotonic_ns().saturating_sub(h.since_ktime) as f64 / 1e9;
+                self.metrics.hold_duration.observe(held_for);
+                self.metrics.releases.get_or_create(&ReasonLabels { reason }).inc();
+                info!(pod = %pod_name(pod), pid = h.tgid, reason, held_ms = held_for * 1e3, "released app");
+            }
+            Err(e) => debug!(pod = %pod_name(pod), pid = h.tgid, "release: {e}"),
+        }
+        let _ = uid;
+    }
+
+    fn on_ready(&mut self, uid: &str, pod: &Pod, detail: String) {
+        let Some(entry) = self.pods.get_mut(uid) else { return };
+        if entry.ready != Some(true) {
+            debug!(pod = %pod_name(pod), %detail, "proxy ready");
+        }
+        entry.ready = Some(true);
+        let held = std::mem::take(&mut entry.held);
+        for h in &held {
+            self.release(uid, pod, h, "ready");
+        }
+    }
+
+    /// Results of probe and condition tasks.
+    pub fn on_action(&mut self, action: GateAction, pod_of: impl Fn(&str) -> Option<Pod>) {
+        match action {
+            GateAction::Probed { uid, ready, detail } => {
+                let Some(pod) = pod_of(&uid) else { return };
+                if ready {
+                    self.on_ready(&uid, &pod, detail);
+                } else if let Some(entry) = self.pods.get_mut(&uid) {
+                    if entry.ready == Some(true) {
+                        debug!(pod = %pod_name(&pod), %detail, "proxy no longer ready");
+                    }
+                    entry.ready = Some(false);
+                }
+                self.update_pace(&uid);
+                self.sync_condition(&uid, &pod);
+            }
+            GateAction::ConditionWritten { uid, want, ok, error } => {
+                let result = if ok { "ok" } else { "error" };
+                self.metrics.condition_patches.get_or_create(&ResultLabels { result }).inc();
+                if !ok {
+                    warn!(%uid, "write {} condition: {}", condition::CONDITION_TYPE, error.unwrap_or_default());
+                    // Let the next change retry the write.
+                    if let Some(entry) = self.pods.get_mut(&uid)
+                        && entry.written.as_ref() == Some(&want)
+                    {
+                        entry.written = None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes the condition when what we want differs from what the pod shows and what we wrote.
+    fn sync_condition(&mut self, uid: &str, pod: &Pod) {
+        let Some(entry) = self.pods.get_mut(uid) else { return };
+        let want = match (entry.ready, entry.failed_open) {
+            (Some(true), _) => ProxyReady { ready: true, reason: "ProxyReady", message: "the sidecar proxy reports ready".into() },
+            (_, true) => ProxyReady {
+                ready: false,
+                reason: "HoldTimeout",
+                message: "the proxy was not ready in time; the app was released anyway".into(),
+            },
+            (Some(false), false) => ProxyReady { ready: false, reason: "ProxyNotReady", message: "the sidecar proxy is not ready yet".into() },
+            (None, false) => return,
+        };
+        if entry.written.as_ref() == Some(&want) || condition::already_set(pod, &want) {
+            entry.written = Some(want);
+            return;
+        }
+        entry.written = Some(want.clone());
+        let client = self.client.clone();
+        let results = self.results.clone();
+        let (namespace, name) = (pod.metadata.namespace.clone().unwrap_or_else(|| "default".into()), pod.metadata.name.clone().unwrap_or_default());
+        let uid = uid.to_owned();
+        tokio::spawn(async move {
+            let r = condition::write(client, &namespace, &name, &want).await;
+            let (ok, error) = match r {
+                Ok(()) => (true, None),
+                Err(e) => (false, Some(e.to_string())),
+            };
+            let _ = results.send(ActionResult::Gate(GateAction::ConditionWritten { uid, want, ok, error }));
+        });
+    }
+
+    /// Periodic work: fail open on hold timeouts.
+    pub fn tick(&mut self, pods: &[(String, Pod, PodPlan, Option<PodDir>)]) -> Vec<GateAction> {
+        for (uid, pod, plan, _) in pods {
+            let timeout = plan.hold_timeout.min(Duration::from_secs(3600));
+            let Some(entry) = self.pods.get_mut(uid) else { continue };
+            let expired = entry.hold_started.is_some_and(|t| t.elapsed() >= timeout);
+            if !expired || entry.held.is_empty() || entry.failed_open {
+                continue;
+            }
+            entry.failed_open = true;
+            let held = std::mem::take(&mut entry.held);
+            warn!(pod = %pod_name(pod), waited_s = timeout.as_secs(), "proxy not ready in time: releasing the app anyway");
+            self.metrics.fail_opens.inc();
+            self.events.publish(
+                pod_reference(pod),
+                true,
+                "HoldTimeout",
+                "Release",
+                format!("the sidecar proxy was not ready after {}s; released the app anyway", timeout.as_secs()),
+            );
+            for h in &held {
+                self.release(uid, pod, h, "timeout");
+            }
+            self.update_pace(uid);
+            self.sync_condition(uid, pod);
+        }
+        Vec::new()
+    }
+
+    /// Releases everything held (agent shutdown).
+    pub fn release_all(&mut self, reason: &'static str) {
+        let all: Vec<Held> = self.pods.values_mut().flat_map(|p| std::mem::take(&mut p.held)).collect();
+        for h in all {
+            match signal_in_cgroup(&self.cgroups, h.tgid, &h.container_rel, libc::SIGCONT) {
+                Ok(()) => {
+                    self.metrics.releases.get_or_create(&ReasonLabels { reason }).inc();
+                    info!(pid = h.tgid, reason, "released app");
+                }
+                Err(e) => debug!(pid = h.tgid, "release: {e}"),
+            }
+        }
+    }
+
+    fn stop(&mut self, uid: &str) {
+        if let Some(p) = self.pods.get(uid)
+            && let Some(pace) = &p.pace
+        {
+            let _ = pace.send(Pace::Stop);
+        }
+    }
+
+    /// The pod is gone: stop probing, release anything still held.
+    pub fn forget(&mut self, uid: &str) {
+        self.stop(uid);
+        if let Some(p) = self.pods.remove(uid) {
+            for h in p.held {
+                let _ = signal_in_cgroup(&self.cgroups, h.tgid, &h.container_rel, libc::SIGCONT);
+            }
+        }
+    }
+}
+
+fn pod_name(pod: &Pod) -> String {
+    format!("{}/{}", pod.metadata.namespace.as_deref().unwrap_or("default"), pod.metadata.name.as_deref().unwrap_or("?"))
+}
+
+fn name_of_id(pod: &Pod, id: &str) -> Option<String> {
+    let status = pod.status.as_ref()?;
+    status
+        .container_statuses
+        .iter()
+        .flatten()
+        .chain(status.init_container_statuses.iter().flatten())
+        .find(|s| {
+            s.container_id.as_deref().and_then(crate::cgroup::layout::parse_container_id).is_some_and(|(_, i)| i == id)
+        })
+        .map(|s| s.name.clone())
+}
+
+/// Whether a process is stopped (state `T` in /proc/<pid>/stat).
+fn process_stopped(host_proc: &std::path::Path, pid: u32) -> bool {
+    std::fs::read_to_string(host_proc.join(pid.to_string()).join("stat"))
+        .ok()
+        .and_then(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()).map(|st| st == "T"))
+        .unwrap_or(false)
+}

@@ -1,0 +1,7 @@
+//! The pure decision step: a pod's spec as plain data (`spec`), and what to do given what has
+//! been observed of its containers (`decide`). No I/O here.
+pub mod decide;
+pub mod spec;
+
+#[cfg(test)]
+mod fixtures;

@@ -1,0 +1,906 @@
+//! A `Pod` turned into the plain data valet decides on (`PodPlan`): which containers are the app,
+//! which are proxy sidecars and how to reach them, and whether to hold the app at start.
+//!
+//! Bad input is an error with the annotation, the value and why, never a guess: a pod valet
+//! misreads could lose its proxy while the app still needs it, or keep a Job running forever.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Container, Pod};
+
+/// Every valet annotation lives under this prefix; unknown keys under it are errors.
+pub const ANNOTATION_PREFIX: &str = "valet.dev/";
+/// Comma-separated container names: the pod's sidecars, replacing the agent's default names.
+pub const SIDECARS: &str = "valet.dev/sidecars";
+/// `istio|envoy|linkerd|cloudsql` for one container (suffix: the container name).
+pub const SIDECAR_KIND_PREFIX: &str = "valet.dev/sidecar-kind.";
+/// Port of one sidecar's quit endpoint (suffix: the container name).
+pub const QUIT_PORT_PREFIX: &str = "valet.dev/quit-port.";
+/// Port of one sidecar's readiness endpoint (suffix: the container name).
+pub const READY_PORT_PREFIX: &str = "valet.dev/ready-port.";
+/// `true|false`: hold the app's first process until the proxy is ready.
+pub const HOLD_APP: &str = "valet.dev/hold-app";
+/// Go-style duration: how long an app is held at most (then released anyway).
+pub const HOLD_TIMEOUT: &str = "valet.dev/hold-timeout";
+/// Istio's pilot-agent status port, which also serves `/quitquitquit`.
+pub const ISTIO_STATUS_PORT: &str = "status.sidecar.istio.io/port";
+/// Istio's per-pod ProxyConfig (YAML).
+pub const ISTIO_PROXY_CONFIG: &str = "proxy.istio.io/config";
+
+pub const DEFAULT_HOLD_TIMEOUT: Duration = Duration::from_secs(120);
+const MIN_HOLD_TIMEOUT: Duration = Duration::from_secs(1);
+const MAX_HOLD_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Annotation values are quoted in errors (and so in Events): keep them short.
+const MAX_SHOWN_VALUE: usize = 80;
+
+/// The pod's `spec.restartPolicy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RestartPolicy {
+    Never,
+    OnFailure,
+    /// Also when the field is absent, as in Kubernetes.
+    Always,
+}
+
+/// The proxies valet knows how to quit and probe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SidecarKind {
+    Istio,
+    Envoy,
+    Linkerd,
+    CloudSql,
+}
+
+/// An HTTP endpoint on the pod's loopback.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    pub port: u16,
+    pub path: String,
+}
+
+impl Endpoint {
+    fn new(port: u16, path: &str) -> Endpoint {
+        Endpoint { port, path: path.to_owned() }
+    }
+}
+
+impl SidecarKind {
+    pub const ALL: [SidecarKind; 4] =
+        [SidecarKind::Istio, SidecarKind::Envoy, SidecarKind::Linkerd, SidecarKind::CloudSql];
+
+    /// The name used in annotations, logs and metric labels.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SidecarKind::Istio => "istio",
+            SidecarKind::Envoy => "envoy",
+            SidecarKind::Linkerd => "linkerd",
+            SidecarKind::CloudSql => "cloudsql",
+        }
+    }
+
+    /// Where the proxy accepts `POST` to exit cleanly (exit code 0).
+    pub fn quit_endpoint(&self) -> Endpoint {
+        match self {
+            // pilot-agent, not Envoy: pilot-agent would restart an Envoy that quit alone.
+            SidecarKind::Istio => Endpoint::new(15020, "/quitquitquit"),
+            SidecarKind::Envoy => Endpoint::new(15000, "/quitquitquit"),
+            SidecarKind::Linkerd => Endpoint::new(4191, "/shutdown"),
+            SidecarKind::CloudSql => Endpoint::new(9091, "/quitquitquit"),
+        }
+    }
+
+    /// Where `GET` answers 2xx once the proxy can carry the app's traffic.
+    pub fn ready_endpoint(&self) -> Endpoint {
+        match self {
+            SidecarKind::Istio => Endpoint::new(15021, "/healthz/ready"),
+            SidecarKind::Envoy => Endpoint::new(15000, "/ready"),
+            SidecarKind::Linkerd => Endpoint::new(4191, "/ready"),
+            SidecarKind::CloudSql => Endpoint::new(9090, "/readiness"),
+        }
+    }
+}
+
+impl fmt::Display for SidecarKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A kind name that is none of `istio`, `envoy`, `linkerd`, `cloudsql`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown sidecar kind {0:?} (valet knows istio, envoy, linkerd, cloudsql)")]
+pub struct UnknownKind(pub String);
+
+/// Parses a kind name. ASCII case and surrounding spaces are ignored (`Istio` is `istio`): the
+/// names cannot be confused with each other, so being lenient here cannot pick a wrong proxy.
+impl FromStr for SidecarKind {
+    type Err = UnknownKind;
+
+    fn from_str(text: &str) -> Result<SidecarKind, UnknownKind> {
+        let wanted = text.trim();
+        SidecarKind::ALL
+            .into_iter()
+            .find(|k| k.as_str().eq_ignore_ascii_case(wanted))
+            .ok_or_else(|| UnknownKind(text.to_owned()))
+    }
+}
+
+/// One proxy sidecar of a pod and where to reach it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Sidecar {
+    pub name: String,
+    pub kind: SidecarKind,
+    pub quit: Endpoint,
+    pub ready: Endpoint,
+}
+
+/// What valet needs to know about a pod, as plain data.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodPlan {
+    pub uid: String,
+    pub namespace: String,
+    pub name: String,
+    pub restart_policy: RestartPolicy,
+    /// `spec.containers` in order, minus the sidecars.
+    pub apps: Vec<String>,
+    /// In `spec.containers` order.
+    pub sidecars: Vec<Sidecar>,
+    pub init_containers: Vec<String>,
+    /// Init containers with `restartPolicy: Always` (KEP-753): the kubelet ends those itself.
+    pub native_sidecars: Vec<String>,
+    /// `valet.dev/hold-app: "true"`.
+    pub hold_app: bool,
+    pub hold_timeout: Duration,
+    /// Istio already holds the app (holdApplicationUntilProxyStarts): valet should not hold too.
+    pub istio_holds_app: bool,
+    pub pod_ip: Option<String>,
+    /// `metadata.deletionTimestamp` is set.
+    pub deleting: bool,
+}
+
+/// The agent-wide defaults a pod's annotations can override.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SidecarDefaults {
+    /// Container names that are sidecars when the pod has no `valet.dev/sidecars` annotation.
+    pub names: Vec<String>,
+}
+
+impl Default for SidecarDefaults {
+    fn default() -> SidecarDefaults {
+        SidecarDefaults { names: ["istio-proxy", "linkerd-proxy", "cloud-sql-proxy"].map(String::from).to_vec() }
+    }
+}
+
+/// Why a pod cannot be planned. Every variant says what to fix.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    #[error("pod {field}: {why}")]
+    InvalidPod { field: &'static str, why: String },
+    #[error("annotation {key}={value:?}: {why}")]
+    MalformedAnnotation { key: String, value: String, why: String },
+    #[error("annotation {key}={value:?}: unknown sidecar kind (valet knows istio, envoy, linkerd, cloudsql)")]
+    UnknownSidecarKind { key: String, value: String },
+    #[error(
+        "cannot tell which proxy sidecar {container:?} runs (image {image:?}); \
+         set the annotation {key} to istio, envoy, linkerd or cloudsql"
+    )]
+    UndeterminedSidecarKind { container: String, image: String, key: String },
+    #[error("annotation {key}={value:?}: container {container:?} {why}")]
+    UnknownSidecar { key: String, value: String, container: String, why: &'static str },
+    #[error(
+        "unknown annotation {key}={value:?} (valet knows {SIDECARS}, {HOLD_APP}, {HOLD_TIMEOUT}, \
+         {SIDECAR_KIND_PREFIX}<container>, {QUIT_PORT_PREFIX}<container>, {READY_PORT_PREFIX}<container>)"
+    )]
+    UnknownAnnotation { key: String, value: String },
+}
+
+impl SpecError {
+    /// A short CamelCase reason for a Kubernetes Event (and a low-cardinality metric label).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            SpecError::InvalidPod { .. } => "InvalidPod",
+            SpecError::MalformedAnnotation { .. } => "MalformedAnnotation",
+            SpecError::UnknownSidecarKind { .. } => "UnknownSidecarKind",
+            SpecError::UndeterminedSidecarKind { .. } => "UndeterminedSidecarKind",
+            SpecError::UnknownSidecar { .. } => "UnknownSidecar",
+            SpecError::UnknownAnnotation { .. } => "UnknownAnnotation",
+        }
+    }
+
+    fn malformed(key: &str, value: &str, why: impl Into<String>) -> SpecError {
+        SpecError::MalformedAnnotation { key: key.to_owned(), value: shown(value), why: why.into() }
+    }
+}
+
+/// An annotation value as quoted in an error.
+fn shown(value: &str) -> String {
+    match value.char_indices().nth(MAX_SHOWN_VALUE) {
+        Some((cut, _)) => format!("{}…", &value[..cut]),
+        None => value.to_owned(),
+    }
+}
+
+/// The valet annotations of one pod, parsed by key but not yet checked against the containers.
+#[derive(Default)]
+struct ValetAnnotations<'a> {
+    sidecars: Option<&'a str>,
+    hold_app: Option<&'a str>,
+    hold_timeout: Option<&'a str>,
+    /// Container name → (annotation key, value).
+    kinds: BTreeMap<&'a str, (&'a str, &'a str)>,
+    quit_ports: BTreeMap<&'a str, (&'a str, &'a str)>,
+    ready_ports: BTreeMap<&'a str, (&'a str, &'a str)>,
+}
+
+impl<'a> ValetAnnotations<'a> {
+    fn parse(annotations: &'a BTreeMap<String, String>) -> Result<ValetAnnotations<'a>, SpecError> {
+        let mut out = ValetAnnotations::default();
+        for (key, value) in annotations {
+            let (key, value) = (key.as_str(), value.as_str());
+            if !key.starts_with(ANNOTATION_PREFIX) {
+                continue;
+            }
+            let per_container = [
+                (SIDECAR_KIND_PREFIX, &mut out.kinds),
+                (QUIT_PORT_PREFIX, &mut out.quit_ports),
+                (READY_PORT_PREFIX, &mut out.ready_ports),
+            ];
+            let mut known = true;
+            match key {
+                SIDECARS => out.sidecars = Some(value),
+                HOLD_APP => out.hold_app = Some(value),
+                HOLD_TIMEOUT => out.hold_timeout = Some(value),
+                _ => {
+                    known = false;
+                    for (prefix, map) in per_container {
+                        if let Some(container) = key.strip_prefix(prefix)
+                            && !container.is_empty()
+                        {
+                            map.insert(container, (key, value));
+                            known = true;
+                        }
+                    }
+                }
+            }
+            if !known {
+                return Err(SpecError::UnknownAnnotation { key: key.to_owned(), value: shown(value) });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every per-container annotation, for checking that it names a sidecar.
+    fn per_container(&self) -> impl Iterator<Item = (&'a str, &'a str, &'a str)> + '_ {
+        [&self.kinds, &self.quit_ports, &self.ready_ports]
+            .into_iter()
+            .flat_map(|m| m.iter().map(|(c, (k, v))| (*c, *k, *v)))
+    }
+}
+
+/// Turns a pod into its plan, or says what is wrong with it.
+pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError> {
+    let meta = &pod.metadata;
+    let required = |field: &'static str, value: &Option<String>| match value {
+        Some(v) if !v.is_empty() => Ok(v.clone()),
+        _ => Err(SpecError::InvalidPod { field, why: "missing".into() }),
+    };
+    let uid = required("metadata.uid", &meta.uid)?;
+    let name = required("metadata.name", &meta.name)?;
+    let namespace = required("metadata.namespace", &meta.namespace)?;
+    let Some(spec) = pod.spec.as_ref() else {
+        return Err(SpecError::InvalidPod { field: "spec", why: "missing".into() });
+    };
+    let restart_policy = match spec.restart_policy.as_deref() {
+        None | Some("Always") => RestartPolicy::Always,
+        Some("OnFailure") => RestartPolicy::OnFailure,
+        Some("Never") => RestartPolicy::Never,
+        Some(other) => {
+            return Err(SpecError::InvalidPod {
+                field: "spec.restartPolicy",
+                why: format!("unknown value {:?}", shown(other)),
+            });
+        }
+    };
+    let init = spec.init_containers.as_deref().unwrap_or_default();
+    let empty = BTreeMap::new();
+    let annotations = meta.annotations.as_ref().unwrap_or(&empty);
+    let valet = ValetAnnotations::parse(annotations)?;
+
+    let sidecar_names = sidecar_names(&valet, &spec.containers, init, defaults)?;
+    for (container, key, value) in valet.per_container() {
+        if !sidecar_names.contains(container) {
+            let why = if spec.containers.iter().any(|c| c.name == container) {
+                "is not a sidecar of this pod (list it in valet.dev/sidecars)"
+            } else {
+                "is not in spec.containers"
+            };
+            return Err(SpecError::UnknownSidecar {
+                key: key.to_owned(),
+                value: shown(value),
+                container: container.to_owned(),
+                why,
+            });
+        }
+    }
+
+    let mut apps = Vec::new();
+    let mut sidecars = Vec::new();
+    for container in &spec.containers {
+        if sidecar_names.contains(container.name.as_str()) {
+            sidecars.push(sidecar(container, &valet, annotations)?);
+        } else {
+            apps.push(container.name.clone());
+        }
+    }
+
+    let hold_app = match valet.hold_app {
+        None => false,
+        Some("true") => true,
+        Some("false") => false,
+        Some(other) => return Err(SpecError::malformed(HOLD_APP, other, "expected \"true\" or \"false\"")),
+    };
+    let hold_timeout = match valet.hold_timeout {
+        None => DEFAULT_HOLD_TIMEOUT,
+        Some(text) => hold_timeout(text)?,
+    };
+    let istio_holds_app = annotations.get(ISTIO_PROXY_CONFIG).is_some_and(|c| proxy_config_holds_app(c))
+        || spec.containers.iter().chain(init).any(runs_pilot_agent_wait);
+
+    Ok(PodPlan {
+        uid,
+        namespace,
+        name,
+        restart_policy,
+        apps,
+        sidecars,
+        init_containers: init.iter().map(|c| c.name.clone()).collect(),
+        native_sidecars: init
+            .iter()
+            .filter(|c| c.restart_policy.as_deref() == Some("Always"))
+            .map(|c| c.name.clone())
+            .collect(),
+        hold_app,
+        hold_timeout,
+        istio_holds_app,
+        pod_ip: pod.status.as_ref().and_then(|s| s.pod_ip.clone()).filter(|ip| !ip.is_empty()),
+        deleting: meta.deletion_timestamp.is_some(),
+    })
+}
+
+/// The sidecar container names: the pod's own list, or the agent's defaults that the pod has.
+fn sidecar_names<'a>(
+    valet: &ValetAnnotations<'a>,
+    containers: &'a [Container],
+    init: &[Container],
+    defaults: &SidecarDefaults,
+) -> Result<BTreeSet<&'a str>, SpecError> {
+    let Some(list) = valet.sidecars else {
+        return Ok(containers
+            .iter()
+            .map(|c| c.name.as_str())
+            .filter(|n| defaults.names.iter().any(|d| d == n))
+            .collect());
+    };
+    let mut names = BTreeSet::new();
+    for entry in list.split(',').map(str::trim) {
+        if entry.is_empty() {
+            return Err(SpecError::malformed(SIDECARS, list, "empty entry (expected \"name1,name2\")"));
+        }
+        let Some(container) = containers.iter().find(|c| c.name == entry) else {
+            let why = if init.iter().any(|c| c.name == entry) {
+                "is an init container (native sidecars are left to the kubelet)"
+            } else {
+                "is not in spec.containers"
+            };
+            return Err(SpecError::UnknownSidecar {
+                key: SIDECARS.to_owned(),
+                value: shown(list),
+                container: entry.to_owned(),
+                why,
+            });
+        };
+        if !names.insert(container.name.as_str()) {
+            return Err(SpecError::malformed(SIDECARS, list, format!("lists {entry:?} twice")));
+        }
+    }
+    Ok(names)
+}
+
+fn sidecar(
+    container: &Container,
+    valet: &ValetAnnotations<'_>,
+    annotations: &BTreeMap<String, String>,
+) -> Result<Sidecar, SpecError> {
+    let name = container.name.as_str();
+    let kind = match valet.kinds.get(name) {
+        Some((key, value)) => value.parse::<SidecarKind>().map_err(|_| SpecError::UnknownSidecarKind {
+            key: (*key).to_owned(),
+            value: shown(value),
+        })?,
+        None => kind_from_name(name)
+            .or_else(|| container.image.as_deref().and_then(kind_from_image))
+            .ok_or_else(|| SpecError::UndeterminedSidecarKind {
+                container: name.to_owned(),
+                image: container.image.clone().unwrap_or_default(),
+                key: format!("{SIDECAR_KIND_PREFIX}{name}"),
+            })?,
+    };
+    let mut quit = kind.quit_endpoint();
+    let mut ready = kind.ready_endpoint();
+    match valet.quit_ports.get(name) {
+        Some((key, value)) => quit.port = port(key, value)?,
+        // pilot-agent serves /quitquitquit on its status port, which this annotation moves.
+        None if kind == SidecarKind::Istio => {
+            if let Some(value) = annotations.get(ISTIO_STATUS_PORT) {
+                quit.port = port(ISTIO_STATUS_PORT, value).map_err(|_| {
+                    SpecError::malformed(
+                        ISTIO_STATUS_PORT,
+                        value,
+                        format!(
+                            "pilot-agent's status port serves /quitquitquit and must be 1..=65535 \
+                             (or set {QUIT_PORT_PREFIX}{name})"
+                        ),
+                    )
+                })?;
+            }
+        }
+        None => {}
+    }
+    if let Some((key, value)) = valet.ready_ports.get(name) {
+        ready.port = port(key, value)?;
+    }
+    Ok(Sidecar { name: name.to_owned(), kind, quit, ready })
+}
+
+fn port(key: &str, value: &str) -> Result<u16, SpecError> {
+    // Digits only: `u16::from_str` would also take "+80".
+    let parsed = if value.bytes().all(|b| b.is_ascii_digit()) { value.parse::<u16>().ok() } else { None };
+    match parsed {
+        Some(p) if p > 0 => Ok(p),
+        _ => Err(SpecError::malformed(key, value, "expected a port number 1..=65535")),
+    }
+}
+
+fn hold_timeout(text: &str) -> Result<Duration, SpecError> {
+    let d = crate::config::parse_duration(text).map_err(|why| SpecError::malformed(HOLD_TIMEOUT, text, why))?;
+    if !(MIN_HOLD_TIMEOUT..=MAX_HOLD_TIMEOUT).contains(&d) {
+        return Err(SpecError::malformed(HOLD_TIMEOUT, text, "must be between 1s and 1h"));
+    }
+    Ok(d)
+}
+
+/// The kind the well-known injected container names stand for.
+fn kind_from_name(name: &str) -> Option<SidecarKind> {
+    match name {
+        "istio-proxy" => Some(SidecarKind::Istio),
+        "linkerd-proxy" => Some(SidecarKind::Linkerd),
+        "cloud-sql-proxy" => Some(SidecarKind::CloudSql),
+        "envoy" => Some(SidecarKind::Envoy),
+        _ => None,
+    }
+}
+
+/// The kind an image reference stands for, from its repository path (registry, tag and digest
+/// do not matter: mirrors keep the path).
+fn kind_from_image(image: &str) -> Option<SidecarKind> {
+    let without_digest = image.split('@').next().unwrap_or(image);
+    let mut path: Vec<&str> = without_digest.split('/').collect();
+    let last = path.pop().unwrap_or_default();
+    let last = last.split(':').next().unwrap_or(last);
+    path.push(last);
+    let any = |pred: fn(&str) -> bool| path.iter().any(|c| pred(c));
+    if last == "proxyv2" {
+        Some(SidecarKind::Istio)
+    } else if any(|c| c == "envoyproxy") && last.starts_with("envoy") {
+        Some(SidecarKind::Envoy)
+    } else if any(|c| c.contains("linkerd")) && last.ends_with("proxy") {
+        // `linkerd/proxy`, older `linkerd-io/proxy`; `proxy-init` is the init container.
+        Some(SidecarKind::Linkerd)
+    } else if any(|c| matches!(c, "cloud-sql-proxy" | "cloudsql-proxy" | "cloud-sql-connectors")) {
+        Some(SidecarKind::CloudSql)
+    } else {
+        None
+    }
+}
+
+/// Whether Istio's per-pod ProxyConfig turns on holdApplicationUntilProxyStarts. The value is
+/// YAML (or JSON, which is YAML); a key/value scan is enough for this one top-level flag.
+fn proxy_config_holds_app(config: &str) -> bool {
+    let unquote = |s: &str| s.trim().trim_matches(|c| c == '"' || c == '\'').to_owned();
+    config.split(['\n', ',', '{', '}']).any(|segment| {
+        let segment = segment.split('#').next().unwrap_or_default();
+        segment.split_once(':').is_some_and(|(key, value)| {
+            unquote(key) == "holdApplicationUntilProxyStarts" && unquote(value).eq_ignore_ascii_case("true")
+        })
+    })
+}
+
+/// Istio injects `postStart: exec: pilot-agent wait` when it holds the app itself (whatever
+/// turned it on: pod annotation or mesh-wide config).
+fn runs_pilot_agent_wait(container: &Container) -> bool {
+    let Some(command) = container
+        .lifecycle
+        .as_ref()
+        .and_then(|l| l.post_start.as_ref())
+        .and_then(|h| h.exec.as_ref())
+        .and_then(|e| e.command.as_ref())
+    else {
+        return false;
+    };
+    let words: Vec<&str> = command.iter().flat_map(|arg| arg.split_whitespace()).collect();
+    words.windows(2).any(|w| (w[0] == "pilot-agent" || w[0].ends_with("/pilot-agent")) && w[1] == "wait")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pod::fixtures;
+    use serde_json::json;
+
+    fn defaults() -> SidecarDefaults {
+        SidecarDefaults::default()
+    }
+
+    fn plan_of(pod: &Pod) -> PodPlan {
+        match plan(pod, &defaults()) {
+            Ok(p) => p,
+            Err(e) => panic!("plan failed: {e}"),
+        }
+    }
+
+    fn err_of(pod: &Pod) -> SpecError {
+        match plan(pod, &defaults()) {
+            Ok(p) => panic!("expected an error, got {p:?}"),
+            Err(e) => e,
+        }
+    }
+
+    fn endpoint(port: u16, path: &str) -> Endpoint {
+        Endpoint::new(port, path)
+    }
+
+    #[test]
+    fn istio_job_pod() {
+        let p = plan_of(&fixtures::istio_job());
+        assert_eq!(p.uid, fixtures::UID);
+        assert_eq!((p.namespace.as_str(), p.name.as_str()), ("batch", "report-28712345-x7k2p"));
+        assert_eq!(p.restart_policy, RestartPolicy::Never);
+        assert_eq!(p.apps, ["report"]);
+        assert_eq!(
+            p.sidecars,
+            [Sidecar {
+                name: "istio-proxy".into(),
+                kind: SidecarKind::Istio,
+                quit: endpoint(15020, "/quitquitquit"),
+                ready: endpoint(15021, "/healthz/ready"),
+            }]
+        );
+        assert_eq!(p.init_containers, ["istio-init"]);
+        assert!(p.native_sidecars.is_empty());
+        assert!(!p.hold_app);
+        assert_eq!(p.hold_timeout, DEFAULT_HOLD_TIMEOUT);
+        assert!(!p.istio_holds_app);
+        assert_eq!(p.pod_ip.as_deref(), Some("10.244.1.17"));
+        assert!(!p.deleting);
+    }
+
+    #[test]
+    fn istio_status_port_moves_quit_only() {
+        let pod = fixtures::with_annotations(fixtures::istio_job(), &[(ISTIO_STATUS_PORT, "15120")]);
+        let p = plan_of(&pod);
+        assert_eq!(p.sidecars[0].quit, endpoint(15120, "/quitquitquit"));
+        assert_eq!(p.sidecars[0].ready, endpoint(15021, "/healthz/ready"));
+        // valet's own annotation wins over Istio's.
+        let pod = fixtures::with_annotations(
+            pod,
+            &[("valet.dev/quit-port.istio-proxy", "15999"), ("valet.dev/ready-port.istio-proxy", "15998")],
+        );
+        let p = plan_of(&pod);
+        assert_eq!(p.sidecars[0].quit, endpoint(15999, "/quitquitquit"));
+        assert_eq!(p.sidecars[0].ready, endpoint(15998, "/healthz/ready"));
+        for bad in ["0", "abc", "70000", ""] {
+            let pod = fixtures::with_annotations(fixtures::istio_job(), &[(ISTIO_STATUS_PORT, bad)]);
+            let e = err_of(&pod);
+            assert_eq!(e.reason(), "MalformedAnnotation", "{bad:?}: {e}");
+            assert!(e.to_string().contains(ISTIO_STATUS_PORT), "{e}");
+        }
+        // Istio's annotation is not valet's business on a pod without an Istio sidecar.
+        let pod = fixtures::with_annotations(fixtures::linkerd_job(), &[(ISTIO_STATUS_PORT, "0")]);
+        assert!(plan(&pod, &defaults()).is_ok());
+    }
+
+    #[test]
+    fn linkerd_pod() {
+        let p = plan_of(&fixtures::linkerd_job());
+        assert_eq!(p.restart_policy, RestartPolicy::OnFailure);
+        assert_eq!(p.apps, ["migrate"]);
+        assert_eq!(p.sidecars.len(), 1);
+        let s = &p.sidecars[0];
+        assert_eq!((s.name.as_str(), s.kind), ("linkerd-proxy", SidecarKind::Linkerd));
+        assert_eq!(s.quit, endpoint(4191, "/shutdown"));
+        assert_eq!(s.ready, endpoint(4191, "/ready"));
+        assert_eq!(p.init_containers, ["linkerd-init"]);
+        assert!(p.native_sidecars.is_empty());
+    }
+
+    #[test]
+    fn cloud_sql_proxy_pod() {
+        let p = plan_of(&fixtures::cloud_sql_job());
+        assert_eq!(p.apps, ["etl", "notify"]);
+        let s = &p.sidecars[0];
+        assert_eq!((s.name.as_str(), s.kind), ("cloud-sql-proxy", SidecarKind::CloudSql));
+        assert_eq!(s.quit, endpoint(9091, "/quitquitquit"));
+        assert_eq!(s.ready, endpoint(9090, "/readiness"));
+        assert!(p.hold_app);
+        assert_eq!(p.hold_timeout, Duration::from_secs(90));
+        assert_eq!(p.restart_policy, RestartPolicy::Never);
+    }
+
+    #[test]
+    fn sidecars_override_and_kinds_from_annotation_and_image() {
+        let p = plan_of(&fixtures::override_job());
+        // Spec order, not annotation order; `db-proxy` is not a default name but is listed.
+        assert_eq!(p.apps, ["worker", "istio-proxy"]);
+        let names: Vec<_> = p.sidecars.iter().map(|s| (s.name.as_str(), s.kind)).collect();
+        assert_eq!(
+            names,
+            [("mesh", SidecarKind::Envoy), ("db-proxy", SidecarKind::CloudSql), ("l5d", SidecarKind::Linkerd)]
+        );
+        assert_eq!(p.sidecars[0].quit, endpoint(9901, "/quitquitquit"));
+        assert_eq!(p.sidecars[0].ready, endpoint(9901, "/ready"));
+        assert_eq!(p.sidecars[1].ready, endpoint(8090, "/readiness"));
+        assert_eq!(p.restart_policy, RestartPolicy::Always);
+    }
+
+    #[test]
+    fn defaults_are_configurable() {
+        let custom = SidecarDefaults { names: vec!["envoy".into()] };
+        let pod = fixtures::pod(json!({
+            "containers": [{"name": "app", "image": "busybox"}, {"name": "envoy", "image": "envoyproxy/envoy:v1.30.1"},
+                           {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.22.0"}],
+            "restartPolicy": "Never"
+        }));
+        let Ok(p) = plan(&pod, &custom) else { panic!("plan") };
+        assert_eq!(p.apps, ["app", "istio-proxy"]);
+        assert_eq!(p.sidecars.len(), 1);
+        assert_eq!((p.sidecars[0].name.as_str(), p.sidecars[0].kind), ("envoy", SidecarKind::Envoy));
+        let Ok(p) = plan(&pod, &defaults()) else { panic!("plan") };
+        assert_eq!(p.apps, ["app", "envoy"]);
+        assert_eq!(p.sidecars[0].name, "istio-proxy");
+    }
+
+    #[test]
+    fn no_sidecars_and_no_annotations() {
+        let pod = fixtures::pod(json!({"containers": [{"name": "app", "image": "busybox"}]}));
+        let p = plan_of(&pod);
+        assert_eq!(p.restart_policy, RestartPolicy::Always);
+        assert_eq!(p.apps, ["app"]);
+        assert!(p.sidecars.is_empty() && p.init_containers.is_empty() && p.pod_ip.is_none());
+    }
+
+    #[test]
+    fn native_sidecar_pod() {
+        let p = plan_of(&fixtures::native_sidecar_job());
+        assert_eq!(p.init_containers, ["istio-validation", "istio-proxy"]);
+        assert_eq!(p.native_sidecars, ["istio-proxy"]);
+        assert_eq!(p.apps, ["train"]);
+        assert!(p.sidecars.is_empty());
+        // Istio 1.27 as a native sidecar still gets its postStart hook when it holds the app.
+        assert!(p.istio_holds_app);
+    }
+
+    #[test]
+    fn istio_hold_detected_from_annotation_or_hook() {
+        let p = plan_of(&fixtures::istio_hold_job());
+        assert!(p.istio_holds_app);
+        // The injector moves istio-proxy first; the app list stays the rest in order.
+        assert_eq!(p.apps, ["report"]);
+        assert_eq!(p.sidecars[0].name, "istio-proxy");
+
+        // The annotation alone (hook stripped) is enough.
+        let mut pod = fixtures::istio_hold_job();
+        if let Some(spec) = pod.spec.as_mut() {
+            spec.containers[0].lifecycle = None;
+        }
+        assert!(plan_of(&pod).istio_holds_app);
+
+        // The hook alone (annotation removed) is enough: mesh-wide config has no pod annotation.
+        let mut pod = fixtures::istio_hold_job();
+        if let Some(a) = pod.metadata.annotations.as_mut() {
+            a.remove(ISTIO_PROXY_CONFIG);
+        }
+        assert!(plan_of(&pod).istio_holds_app);
+    }
+
+    #[test]
+    fn proxy_config_variants() {
+        for yes in [
+            "holdApplicationUntilProxyStarts: true",
+            "holdApplicationUntilProxyStarts: true\n",
+            "  holdApplicationUntilProxyStarts:   true  # hold it\n",
+            "\"holdApplicationUntilProxyStarts\": \"true\"",
+            "'holdApplicationUntilProxyStarts': True",
+            "concurrency: 2\nholdApplicationUntilProxyStarts: true\nterminationDrainDuration: 10s\n",
+            "{\"holdApplicationUntilProxyStarts\": true, \"concurrency\": 2}",
+            "{ concurrency: 2, holdApplicationUntilProxyStarts: true }",
+        ] {
+            assert!(proxy_config_holds_app(yes), "{yes:?}");
+        }
+        for no in [
+            "",
+            "holdApplicationUntilProxyStarts: false",
+            "holdApplicationUntilProxyStarts:",
+            "# holdApplicationUntilProxyStarts: true",
+            "holdApplicationUntilProxyStartsX: true",
+            "concurrency: 2",
+            "holdApplicationUntilProxyStarts true",
+        ] {
+            assert!(!proxy_config_holds_app(no), "{no:?}");
+        }
+    }
+
+    #[test]
+    fn image_kinds() {
+        for (image, kind) in [
+            ("docker.io/istio/proxyv2:1.22.0", Some(SidecarKind::Istio)),
+            ("gcr.io/istio-release/proxyv2:1.22.0-distroless", Some(SidecarKind::Istio)),
+            ("proxyv2", Some(SidecarKind::Istio)),
+            ("registry.local:5000/mirror/istio/proxyv2@sha256:abcd", Some(SidecarKind::Istio)),
+            ("envoyproxy/envoy:v1.30.1", Some(SidecarKind::Envoy)),
+            ("docker.io/envoyproxy/envoy-distroless:v1.30.1", Some(SidecarKind::Envoy)),
+            ("cr.l5d.io/linkerd/proxy:edge-24.5.1", Some(SidecarKind::Linkerd)),
+            ("gcr.io/linkerd-io/proxy:stable-2.10.2", Some(SidecarKind::Linkerd)),
+            ("cr.l5d.io/linkerd/proxy-init:v2.4.0", None),
+            ("gcr.io/cloud-sql-connectors/cloud-sql-proxy:2.11.0", Some(SidecarKind::CloudSql)),
+            ("example.com/tools/cloudsql-proxy:1", Some(SidecarKind::CloudSql)),
+            ("busybox:1.36", None),
+            ("nginx", None),
+            ("", None),
+            ("istio/pilot:1.22.0", None),
+        ] {
+            assert_eq!(kind_from_image(image), kind, "{image:?}");
+        }
+    }
+
+    #[test]
+    fn kind_names_and_endpoints() {
+        for kind in SidecarKind::ALL {
+            assert_eq!(kind.as_str().parse(), Ok(kind));
+            assert_eq!(kind.as_str().to_uppercase().parse(), Ok(kind));
+            assert_eq!(format!(" {kind} ").parse(), Ok(kind));
+            assert!(kind.quit_endpoint().path.starts_with('/') && kind.ready_endpoint().path.starts_with('/'));
+        }
+        for bad in ["", "istio-proxy", "cloud-sql", "consul"] {
+            assert_eq!(bad.parse::<SidecarKind>(), Err(UnknownKind(bad.into())), "{bad:?}");
+        }
+        assert_eq!(SidecarKind::Envoy.quit_endpoint(), endpoint(15000, "/quitquitquit"));
+        assert_eq!(SidecarKind::Envoy.ready_endpoint(), endpoint(15000, "/ready"));
+    }
+
+    #[test]
+    fn hold_annotations() {
+        let cases = [("90s", 90_000), ("2m", 120_000), ("1m30s", 90_000), ("1s", 1_000), ("1h", 3_600_000)];
+        for (text, ms) in cases {
+            let pod = fixtures::with_annotations(fixtures::istio_job(), &[(HOLD_TIMEOUT, text), (HOLD_APP, "true")]);
+            let p = plan_of(&pod);
+            assert_eq!(p.hold_timeout, Duration::from_millis(ms), "{text}");
+            assert!(p.hold_app);
+        }
+        let pod = fixtures::with_annotations(fixtures::istio_job(), &[(HOLD_APP, "false")]);
+        assert!(!plan_of(&pod).hold_app);
+    }
+
+    /// Every malformed annotation names its key and gets the right reason.
+    #[test]
+    fn malformed_annotations() {
+        let cases: &[(&str, &str, &str)] = &[
+            (HOLD_APP, "yes", "MalformedAnnotation"),
+            (HOLD_APP, "True", "MalformedAnnotation"),
+            (HOLD_APP, "", "MalformedAnnotation"),
+            (HOLD_TIMEOUT, "500ms", "MalformedAnnotation"),
+            (HOLD_TIMEOUT, "2h", "MalformedAnnotation"),
+            (HOLD_TIMEOUT, "90", "MalformedAnnotation"),
+            (HOLD_TIMEOUT, "soon", "MalformedAnnotation"),
+            (HOLD_TIMEOUT, "-5s", "MalformedAnnotation"),
+            (HOLD_TIMEOUT, "", "MalformedAnnotation"),
+            ("valet.dev/quit-port.istio-proxy", "0", "MalformedAnnotation"),
+            ("valet.dev/quit-port.istio-proxy", "65536", "MalformedAnnotation"),
+            ("valet.dev/quit-port.istio-proxy", "+80", "MalformedAnnotation"),
+            ("valet.dev/quit-port.istio-proxy", "http", "MalformedAnnotation"),
+            ("valet.dev/ready-port.istio-proxy", "-1", "MalformedAnnotation"),
+            ("valet.dev/ready-port.istio-proxy", " 15021", "MalformedAnnotation"),
+            (SIDECARS, "istio-proxy,", "MalformedAnnotation"),
+            (SIDECARS, "", "MalformedAnnotation"),
+            (SIDECARS, "istio-proxy, istio-proxy", "MalformedAnnotation"),
+            ("valet.dev/sidecar-kind.istio-proxy", "consul", "UnknownSidecarKind"),
+            ("valet.dev/sidecar-kind.istio-proxy", "", "UnknownSidecarKind"),
+            (SIDECARS, "istio-proxy,missing", "UnknownSidecar"),
+            (SIDECARS, "istio-init", "UnknownSidecar"),
+            ("valet.dev/quit-port.report", "8080", "UnknownSidecar"),
+            ("valet.dev/sidecar-kind.nope", "envoy", "UnknownSidecar"),
+            ("valet.dev/hold-apps", "true", "UnknownAnnotation"),
+            ("valet.dev/sidecar", "istio-proxy", "UnknownAnnotation"),
+            ("valet.dev/quit-port.", "15020", "UnknownAnnotation"),
+            ("valet.dev/quitport.istio-proxy", "15020", "UnknownAnnotation"),
+            ("valet.dev/enabled", "true", "UnknownAnnotation"),
+        ];
+        for &(key, value, reason) in cases {
+            let pod = fixtures::with_annotations(fixtures::istio_job(), &[(key, value)]);
+            let e = err_of(&pod);
+            assert_eq!(e.reason(), reason, "{key}={value:?}: {e}");
+            assert!(e.to_string().contains(key), "{key}={value:?}: message names the key: {e}");
+        }
+    }
+
+    #[test]
+    fn error_details() {
+        let pod = fixtures::with_annotations(fixtures::istio_job(), &[(SIDECARS, "istio-init")]);
+        let e = err_of(&pod);
+        assert!(e.to_string().contains("init container"), "{e}");
+        let pod = fixtures::with_annotations(fixtures::istio_job(), &[("valet.dev/quit-port.report", "1")]);
+        assert_eq!(
+            err_of(&pod),
+            SpecError::UnknownSidecar {
+                key: "valet.dev/quit-port.report".into(),
+                value: "1".into(),
+                container: "report".into(),
+                why: "is not a sidecar of this pod (list it in valet.dev/sidecars)",
+            }
+        );
+        let long = "x".repeat(500);
+        let pod = fixtures::with_annotations(fixtures::istio_job(), &[(HOLD_APP, long.as_str())]);
+        assert!(err_of(&pod).to_string().len() < 300, "long values are cut in messages");
+        // Foreign annotations are not valet's concern, however odd.
+        let pod = fixtures::with_annotations(
+            fixtures::istio_job(),
+            &[("example.com/valet.dev/x", "?"), ("valet.dev.example.com/x", "?")],
+        );
+        assert!(plan(&pod, &defaults()).is_ok());
+    }
+
+    #[test]
+    fn undeterminable_sidecar_kind() {
+        let pod = fixtures::with_annotations(fixtures::istio_job(), &[(SIDECARS, "report")]);
+        let e = err_of(&pod);
+        assert_eq!(
+            e,
+            SpecError::UndeterminedSidecarKind {
+                container: "report".into(),
+                image: "registry.example.com/batch/report:2024.06".into(),
+                key: "valet.dev/sidecar-kind.report".into(),
+            }
+        );
+        assert_eq!(e.reason(), "UndeterminedSidecarKind");
+        // The same pod with the kind given is fine.
+        let pod = fixtures::with_annotations(pod, &[("valet.dev/sidecar-kind.report", "Envoy")]);
+        let p = plan_of(&pod);
+        assert_eq!(p.apps, ["istio-proxy"]);
+        assert_eq!(p.sidecars[0].kind, SidecarKind::Envoy);
+    }
+
+    #[test]
+    fn invalid_pods() {
+        let mut pod = fixtures::istio_job();
+        pod.metadata.uid = None;
+        assert_eq!(err_of(&pod), SpecError::InvalidPod { field: "metadata.uid", why: "missing".into() });
+        let mut pod = fixtures::istio_job();
+        pod.spec = None;
+        assert_eq!(err_of(&pod).reason(), "InvalidPod");
+        let mut pod = fixtures::istio_job();
+        if let Some(spec) = pod.spec.as_mut() {
+            spec.restart_policy = Some("Sometimes".into());
+        }
+        assert!(err_of(&pod).to_string().contains("spec.restartPolicy"));
+    }
+
+    #[test]
+    fn deleting_pod() {
+        let mut pod = fixtures::istio_job();
+        pod.metadata.deletion_timestamp = serde_json::from_value(json!("2024-06-01T12:00:00Z")).ok();
+        assert!(pod.metadata.deletion_timestamp.is_some());
+        assert!(plan_of(&pod).deleting);
+    }
+}

@@ -1,0 +1,254 @@
+//! A deliberately small, blocking HTTP/1.1 client for sidecar endpoints: one request per
+//! connection, hard connect and total deadlines, and a cap on what it reads, so a hung or
+//! hostile endpoint can cost at most the deadline and a few kilobytes.
+
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// Limits for one request.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub connect_timeout: Duration,
+    /// Whole exchange, connect included.
+    pub total_timeout: Duration,
+    /// Most bytes read from the response (status line, headers and body).
+    pub max_response_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            connect_timeout: Duration::from_millis(500),
+            total_timeout: Duration::from_secs(2),
+            max_response_bytes: 16 * 1024,
+        }
+    }
+}
+
+/// What came back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Response {
+    pub status: u16,
+    /// Body bytes read (up to the cap), lossily decoded.
+    pub body: String,
+}
+
+/// Why a request failed, in words that fit a log line and an Event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Failure {
+    Refused,
+    ConnectTimeout,
+    Timeout,
+    Malformed(String),
+    Io(String),
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Refused => write!(f, "connection refused"),
+            Failure::ConnectTimeout => write!(f, "connect timed out"),
+            Failure::Timeout => write!(f, "no complete answer before the deadline"),
+            Failure::Malformed(why) => write!(f, "malformed response: {why}"),
+            Failure::Io(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl Failure {
+    /// Short label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Failure::Refused => "refused",
+            Failure::ConnectTimeout => "connect_timeout",
+            Failure::Timeout => "timeout",
+            Failure::Malformed(_) => "malformed",
+            Failure::Io(_) => "io",
+        }
+    }
+}
+
+impl From<Failure> for Error {
+    fn from(f: Failure) -> Self {
+        Error::Endpoint(f.to_string())
+    }
+}
+
+/// Sends `method path` to `addr` and reads the status and (capped) body.
+pub fn request(addr: SocketAddr, method: &str, path: &str, limits: Limits) -> Result<Response, Failure> {
+    let started = Instant::now();
+    let mut stream = TcpStream::connect_timeout(&addr, limits.connect_timeout).map_err(|e| match e.kind() {
+        std::io::ErrorKind::ConnectionRefused => Failure::Refused,
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => Failure::ConnectTimeout,
+        _ => Failure::Io(e.to_string()),
+    })?;
+    let _ = stream.set_nodelay(true);
+    let left = |started: Instant| {
+        limits.total_timeout.checked_sub(started.elapsed()).filter(|d| !d.is_zero()).ok_or(Failure::Timeout)
+    };
+    stream.set_write_timeout(Some(left(started)?)).map_err(|e| Failure::Io(e.to_string()))?;
+    let host = match addr {
+        SocketAddr::V4(a) => format!("{}:{}", a.ip(), a.port()),
+        SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
+    };
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: valet\r\nAccept: */*\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    stream.write_all(req.as_bytes()).map_err(|e| io_failure(&e))?;
+
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 4096];
+    loop {
+        stream.set_read_timeout(Some(left(started)?)).map_err(|e| Failure::Io(e.to_string()))?;
+        match stream.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => {
+                let room = limits.max_response_bytes.saturating_sub(buf.len());
+                buf.extend_from_slice(&chunk[..n.min(room)]);
+                if buf.len() >= limits.max_response_bytes || complete(&buf) {
+                    break;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                // A status line that already arrived is an answer, even if the rest hangs.
+                if parse(&buf).is_ok() {
+                    break;
+                }
+                return Err(io_failure(&e));
+            }
+        }
+    }
+    parse(&buf)
+}
+
+fn io_failure(e: &std::io::Error) -> Failure {
+    match e.kind() {
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => Failure::Timeout,
+        _ => Failure::Io(e.to_string()),
+    }
+}
+
+/// Whether headers and a Content-Length body are complete.
+fn complete(buf: &[u8]) -> bool {
+    let Some(end) = find(buf, b"\r\n\r\n") else { return false };
+    let head = String::from_utf8_lossy(&buf[..end]);
+    let length = head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case("content-length").then(|| v.trim().parse::<usize>().ok()).flatten()
+    });
+    match length {
+        Some(n) => buf.len() >= end + 4 + n,
+        None => false,
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+fn parse(buf: &[u8]) -> Result<Response, Failure> {
+    let line_end = find(buf, b"\r\n").ok_or_else(|| {
+        if buf.is_empty() { Failure::Malformed("empty response".into()) } else { Failure::Malformed("no status line".into()) }
+    })?;
+    let line = String::from_utf8_lossy(&buf[..line_end]);
+    let mut parts = line.splitn(3, ' ');
+    let version = parts.next().unwrap_or_default();
+    if !version.starts_with("HTTP/1.") {
+        return Err(Failure::Malformed(format!("not HTTP/1.x: {:.40}", line)));
+    }
+    let status = parts
+        .next()
+        .and_then(|s| s.parse::<u16>().ok())
+        .filter(|s| (100..600).contains(s))
+        .ok_or_else(|| Failure::Malformed(format!("bad status line: {:.40}", line)))?;
+    let body = match find(buf, b"\r\n\r\n") {
+        Some(end) => String::from_utf8_lossy(&buf[end + 4..]).into_owned(),
+        None => String::new(),
+    };
+    Ok(Response { status, body })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    fn serve(reply: &'static [u8], hold: Duration) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        std::thread::spawn(move || {
+            if let Ok((mut s, _)) = listener.accept() {
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf);
+                let _ = s.write_all(reply);
+                std::thread::sleep(hold);
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn reads_status_and_body() {
+        let addr = serve(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK", Duration::ZERO);
+        let r = request(addr, "POST", "/quitquitquit", Limits::default()).expect("answer");
+        assert_eq!(r, Response { status: 200, body: "OK".into() });
+    }
+
+    #[test]
+    fn a_status_line_then_silence_is_still_an_answer() {
+        let addr = serve(b"HTTP/1.1 403 Forbidden\r\n\r\nOnly requests from localhost", Duration::from_secs(3));
+        let limits = Limits { total_timeout: Duration::from_millis(300), ..Limits::default() };
+        let started = Instant::now();
+        let r = request(addr, "POST", "/quitquitquit", limits).expect("answer");
+        assert_eq!(r.status, 403);
+        assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    #[test]
+    fn a_hung_endpoint_times_out() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let _keep = std::thread::spawn(move || {
+            let conn = listener.accept();
+            std::thread::sleep(Duration::from_secs(2));
+            drop(conn);
+        });
+        let limits = Limits { total_timeout: Duration::from_millis(200), ..Limits::default() };
+        let started = Instant::now();
+        assert_eq!(request(addr, "POST", "/q", limits), Err(Failure::Timeout));
+        assert!(started.elapsed() < Duration::from_secs(1));
+    }
+
+    #[test]
+    fn an_endless_answer_is_capped() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        std::thread::spawn(move || {
+            if let Ok((mut s, _)) = listener.accept() {
+                let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\n");
+                let junk = [b'x'; 8192];
+                while s.write_all(&junk).is_ok() {}
+            }
+        });
+        let r = request(addr, "GET", "/ready", Limits::default()).expect("answer");
+        assert_eq!(r.status, 200);
+        assert!(r.body.len() <= Limits::default().max_response_bytes);
+    }
+
+    #[test]
+    fn refused_and_garbage_are_clear_errors() {
+        let addr = {
+            let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+            l.local_addr().expect("addr")
+        };
+        assert_eq!(request(addr, "GET", "/", Limits::default()), Err(Failure::Refused));
+        let addr = serve(b"SSH-2.0-OpenSSH\r\n", Duration::ZERO);
+        assert!(matches!(request(addr, "GET", "/", Limits::default()), Err(Failure::Malformed(_))));
+        let addr = serve(b"", Duration::ZERO);
+        assert!(matches!(request(addr, "GET", "/", Limits::default()), Err(Failure::Malformed(_))));
+    }
+}
