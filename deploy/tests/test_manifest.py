@@ -1,0 +1,131 @@
+"""The agent's pod spec keeps the properties its comments promise (least privilege, the
+wiring between env, ports and probes). Schemas and checkov cannot see these."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import COMPONENTS, Render
+
+CAPABILITIES = {"BPF", "PERFMON", "SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE"}
+ENV = {
+    "VALET_HOST_PROC": "/proc",
+    "VALET_CGROUP_ROOT": "/host/sys/fs/cgroup",
+    "VALET_METRICS_ADDR": "0.0.0.0:9090",
+    "VALET_LOG_FORMAT": "json",
+    "RUST_LOG": "info",
+}
+# hostPath -> mount path, in the base. All read-only.
+HOST_PATHS = {
+    "/sys/fs/cgroup": "/host/sys/fs/cgroup",
+    "/sys/kernel/tracing": "/sys/kernel/tracing",
+    "/sys/kernel/btf": "/sys/kernel/btf",
+}
+AGENT_RENDERS = ["base", "base+components"] + [f"base+{c.name}" for c in COMPONENTS]
+
+
+def agent(render: Render) -> tuple[dict, dict]:
+    ds = render.one("DaemonSet", "valet-agent")
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return pod, container
+
+
+@pytest.mark.parametrize("name", AGENT_RENDERS)
+def test_least_privilege(renders: dict[str, Render], name: str) -> None:
+    pod, c = agent(renders[name])
+    sc = c["securityContext"]
+    assert sc["privileged"] is False
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["runAsUser"] == 0
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert set(sc["capabilities"]["add"]) == CAPABILITIES
+    # The API rejects allowPrivilegeEscalation=false with "CAP_SYS_ADMIN"; keep the short form.
+    assert not any(cap.startswith("CAP_") for cap in sc["capabilities"]["add"])
+    assert pod["hostPID"] is True
+    assert not pod.get("hostNetwork") and not pod.get("hostIPC")
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert "initContainers" not in pod
+    for v in pod["volumes"]:
+        path = v["hostPath"]["path"]
+        assert path not in ("/", "/proc", "/run", "/var/run") and not path.endswith(".sock")
+        assert not path.startswith(("/run/containerd", "/var/run/containerd", "/var/run/crio"))
+    host_volumes = {v["name"] for v in pod["volumes"] if "hostPath" in v}
+    for m in c["volumeMounts"]:
+        if m["name"] in host_volumes:
+            assert m.get("readOnly") is True, f"{name}: {m['mountPath']} is writable"
+
+
+def test_apparmor_annotation_names_the_container(renders: dict[str, Render]) -> None:
+    # The API rejects a pod whose AppArmor annotation names a container it does not have.
+    ds = renders["base"].one("DaemonSet", "valet-agent")
+    annotations = ds["spec"]["template"]["metadata"]["annotations"]
+    _, c = agent(renders["base"])
+    prefix = "container.apparmor.security.beta.kubernetes.io/"
+    apparmor = {k[len(prefix):]: v for k, v in annotations.items() if k.startswith(prefix)}
+    assert apparmor == {c["name"]: "unconfined"}
+    assert "appArmorProfile" not in c["securityContext"]  # not in the 1.29 API
+
+
+def test_base_host_paths(renders: dict[str, Render]) -> None:
+    pod, c = agent(renders["base"])
+    by_name = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
+    mounts = {by_name[m["name"]]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts == HOST_PATHS
+
+
+def test_scheduling(renders: dict[str, Render]) -> None:
+    ds = renders["base"].one("DaemonSet", "valet-agent")
+    pod, _ = agent(renders["base"])
+    assert pod["tolerations"] == [{"operator": "Exists"}]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["terminationGracePeriodSeconds"] == 30
+    assert pod["automountServiceAccountToken"] is True
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": "10%"},
+    }
+    selector = ds["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    assert ds["metadata"]["labels"]["app.kubernetes.io/name"] == "valet"
+
+
+def test_env_ports_and_probes(renders: dict[str, Render]) -> None:
+    _, c = agent(renders["base"])
+    assert c["image"] == "ghcr.io/valet-dev/valet-agent:0.1.0"
+    assert c["command"] == ["/usr/local/bin/valet-agent"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert {k: env[k]["value"] for k in ENV} == ENV
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
+    port = ENV["VALET_METRICS_ADDR"].rsplit(":", 1)[1]
+    assert str(c["ports"][0]["containerPort"]) == port
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    res = c["resources"]
+    assert set(res) == {"requests", "limits"}
+    assert set(res["requests"]) == set(res["limits"]) == {"cpu", "memory"}
+
+
+def test_namespace_admits_the_agent(renders: dict[str, Render]) -> None:
+    ns = renders["base"].one("Namespace", "valet-system")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    for d in renders["base"].docs:
+        if d["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
+            assert d["metadata"]["namespace"] == "valet-system", d["kind"]
+
+
+def test_image_and_dockerfile_agree(renders: dict[str, Render]) -> None:
+    from pathlib import Path
+
+    dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
+    _, c = agent(renders["base"])
+    stages = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("FROM ")]
+    assert stages[0] == "rust:${RUST_VERSION}-bookworm"
+    assert stages[-1].startswith("gcr.io/distroless/cc-debian12")
+    assert f'ENTRYPOINT ["{c["command"][0]}"]' in dockerfile
+    assert "COPY --from=build /out/valet-agent /usr/local/bin/valet-agent" in dockerfile
+    # The BPF toolchain: rust-src, and bpf-linker built against the LLVM of that rustc.
+    assert "rustup component add rust-src" in dockerfile
+    assert "--features llvm-22" in dockerfile and "llvm-22-dev" in dockerfile

@@ -1,0 +1,140 @@
+"""(c) RBAC grants exactly what the agent uses.
+
+Fails if any Role or ClusterRole in any render grants pods/exec, pods/attach,
+pods/portforward, secrets, a `*` anywhere, a nonResourceURL, an aggregation, or any
+(apiGroup, resource, verb) outside ALLOWED; or if a binding reaches a role that is not
+ours or a subject that is not the agent.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import Render
+
+# (apiGroup, resource) -> verbs. Everything valet calls, nothing else.
+ALLOWED: dict[tuple[str, str], set[str]] = {
+    ("", "pods"): {"get", "list", "watch"},
+    ("", "pods/status"): {"get", "patch"},
+    ("", "events"): {"create", "patch"},
+    ("events.k8s.io", "events"): {"create", "patch"},
+}
+FORBIDDEN_RESOURCES = {"pods/exec", "pods/attach", "pods/portforward", "secrets"}
+ROLE_KINDS = {"Role", "ClusterRole"}
+BINDING_KINDS = {"RoleBinding", "ClusterRoleBinding"}
+AGENT_SA = {"kind": "ServiceAccount", "name": "valet-agent", "namespace": "valet-system"}
+
+
+def rbac_violations(role: dict) -> list[str]:
+    """Everything wrong with one Role/ClusterRole, as messages (empty: acceptable)."""
+    name = f"{role['kind']}/{role['metadata']['name']}"
+    out = []
+    if "aggregationRule" in role:
+        out.append(f"{name}: aggregationRule (grants whatever other roles match)")
+    for i, rule in enumerate(role.get("rules") or []):
+        where = f"{name} rule {i}"
+        groups = rule.get("apiGroups") or []
+        resources = rule.get("resources") or []
+        verbs = rule.get("verbs") or []
+        if rule.get("nonResourceURLs"):
+            out.append(f"{where}: nonResourceURLs {rule['nonResourceURLs']}")
+        for field, values in (("apiGroups", groups), ("resources", resources), ("verbs", verbs)):
+            if any("*" in v for v in values):
+                out.append(f"{where}: wildcard in {field}: {values}")
+        for res in resources:
+            base = res.split("/")[0]
+            if res in FORBIDDEN_RESOURCES or base == "secrets":
+                out.append(f"{where}: forbidden resource {res!r}")
+        for g in groups:
+            for res in resources:
+                for v in verbs:
+                    if v not in ALLOWED.get((g, res), set()):
+                        out.append(f"{where}: not allowed: {v} {g or 'core'}/{res}")
+    return out
+
+
+def grants(role: dict) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in role.get("rules") or []:
+        for g in rule.get("apiGroups") or []:
+            for res in rule.get("resources") or []:
+                out.setdefault((g, res), set()).update(rule.get("verbs") or [])
+    return out
+
+
+def roles(renders: dict[str, Render]) -> list[tuple[str, dict]]:
+    return [(r.name, d) for r in renders.values() for d in r.docs if d["kind"] in ROLE_KINDS]
+
+
+def test_no_role_grants_more_than_allowed(renders: dict[str, Render]) -> None:
+    found = roles(renders)
+    assert found, "no Role/ClusterRole rendered"
+    problems = [f"{render}: {p}" for render, role in found for p in rbac_violations(role)]
+    assert not problems, "\n".join(problems)
+
+
+def test_agent_role_grants_exactly_what_it_needs(renders: dict[str, Render]) -> None:
+    role = renders["base"].one("ClusterRole", "valet-agent")
+    assert grants(role) == ALLOWED
+
+
+def test_only_the_agent_role_exists(renders: dict[str, Render]) -> None:
+    names = {(render, d["kind"], d["metadata"]["name"]) for render, d in roles(renders)}
+    assert {(k, n) for _, k, n in names} == {("ClusterRole", "valet-agent")}
+
+
+def test_bindings_give_our_role_to_the_agent_only(renders: dict[str, Render]) -> None:
+    for r in renders.values():
+        ours = {(d["kind"], d["metadata"]["name"]) for d in r.docs if d["kind"] in ROLE_KINDS}
+        for b in (d for d in r.docs if d["kind"] in BINDING_KINDS):
+            ref = b["roleRef"]
+            # A binding to a built-in role (cluster-admin, edit, ...) would bypass the checks
+            # above: only roles rendered here may be bound.
+            assert (ref["kind"], ref["name"]) in ours, f"{r.name}: binds {ref}"
+            assert b["subjects"] == [AGENT_SA], f"{r.name}: subjects {b['subjects']}"
+    ds = renders["base"].one("DaemonSet", "valet-agent")
+    assert ds["spec"]["template"]["spec"]["serviceAccountName"] == AGENT_SA["name"]
+    sa = renders["base"].one("ServiceAccount", "valet-agent")
+    assert sa["metadata"]["namespace"] == AGENT_SA["namespace"]
+
+
+def _role(*rules: dict) -> dict:
+    return {"kind": "ClusterRole", "metadata": {"name": "t"}, "rules": list(rules)}
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["pods/attach"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["pods/portforward"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
+        {"apiGroups": ["*"], "resources": ["pods"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["*"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["*"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["delete"]},
+        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["update"]},
+        {"apiGroups": [""], "resources": ["pods/ephemeralcontainers"], "verbs": ["patch"]},
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+        {"apiGroups": ["apps"], "resources": ["pods"], "verbs": ["get"]},
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["delete"]},
+        {"nonResourceURLs": ["/metrics"], "verbs": ["get"]},
+    ],
+    ids=lambda rule: "-".join(rule.get("resources") or rule.get("nonResourceURLs")) + ":"
+    + ",".join(rule["verbs"]),
+)
+def test_checker_rejects(rule: dict) -> None:
+    assert rbac_violations(_role(rule))
+
+
+def test_checker_rejects_aggregation() -> None:
+    role = _role()
+    role["aggregationRule"] = {"clusterRoleSelectors": [{"matchLabels": {"x": "y"}}]}
+    assert rbac_violations(role)
+
+
+def test_checker_accepts_the_allowed_set() -> None:
+    rules = [
+        {"apiGroups": [g], "resources": [r], "verbs": sorted(v)} for (g, r), v in ALLOWED.items()
+    ]
+    assert rbac_violations(_role(*rules)) == []

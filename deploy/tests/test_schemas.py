@@ -1,0 +1,78 @@
+"""(b) Every rendered object validates against the Kubernetes OpenAPI schemas (strict: unknown
+fields are errors) of every release from 1.29 to the newest kubernetes-validate ships.
+
+kubernetes-validate carries its schemas in the package, so this runs offline. Custom
+resources have no schema there; the only one allowed is the PodMonitor, checked by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import kubernetes_validate
+import pytest
+from kubernetes_validate.utils import all_versions
+from packaging.version import Version
+
+from conftest import Render
+
+OLDEST = Version("1.29")
+VERSIONS = sorted({v for v in all_versions() if Version(v) >= OLDEST}, key=Version)
+
+# (apiVersion, kind) of custom resources: no schema in kubernetes-validate.
+CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PodMonitor")}
+
+
+def test_version_range() -> None:
+    assert VERSIONS[0] == "1.29.0"
+    assert Version(VERSIONS[-1]) >= Version("1.32"), VERSIONS
+    # No gap between the oldest and the newest minor release.
+    minors = [Version(v).minor for v in VERSIONS]
+    assert minors == list(range(minors[0], minors[-1] + 1))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_rendered_objects_validate(renders: dict[str, Render], version: str) -> None:
+    errors = []
+    for r in renders.values():
+        for doc in r.docs:
+            key = (doc["apiVersion"], doc["kind"])
+            what = f"{r.name}: {doc['kind']}/{doc['metadata']['name']}"
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.SchemaNotFoundError:
+                if key not in CUSTOM_RESOURCES:
+                    errors.append(f"{what}: no schema for {key} in {version}")
+            except kubernetes_validate.ValidationError as e:
+                path = ".".join(str(p) for p in e.path)
+                errors.append(f"{what}: {path}: {e.message}")
+            else:
+                assert key not in CUSTOM_RESOURCES, f"{key} unexpectedly has a schema"
+    assert not errors, f"Kubernetes {version}:\n" + "\n".join(errors)
+
+
+def test_strict_validation_catches_a_typo(renders: dict[str, Render]) -> None:
+    """The validator is not a no-op: an unknown field in the pod template is an error."""
+    ds = copy.deepcopy(renders["base"].one("DaemonSet", "valet-agent"))
+    ds["spec"]["template"]["spec"]["hostPid"] = True  # sic: hostPID
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(ds, VERSIONS[-1], strict=True)
+
+
+def test_podmonitor_by_hand(renders: dict[str, Render]) -> None:
+    """The PodMonitor (no schema above) selects the agent pods and scrapes a port they have."""
+    r = renders["base+podmonitor"]
+    pm = r.one("PodMonitor", "valet-agent")
+    ds = r.one("DaemonSet", "valet-agent")
+    assert pm["metadata"]["namespace"] == ds["metadata"]["namespace"] == "valet-system"
+    selector = pm["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    port_names = {
+        p["name"] for c in ds["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])
+    }
+    endpoints = pm["spec"]["podMetricsEndpoints"]
+    assert endpoints and all(e["port"] in port_names for e in endpoints)
+    assert all(e.get("path", "/metrics") == "/metrics" for e in endpoints)
+    known = {"port", "path", "interval", "scrapeTimeout", "relabelings", "metricRelabelings"}
+    for e in endpoints:
+        assert set(e) <= known, f"unexpected PodMonitor endpoint fields: {set(e) - known}"
