@@ -14,8 +14,7 @@ use anyhow::{Context as _, bail};
 
 /// Whether a rustup toolchain exists and has the standard library source (`-Z build-std`).
 fn has_rust_src(toolchain: &str) -> bool {
-    let Ok(out) = Command::new("rustup").args(["run", toolchain, "rustc", "--print", "sysroot"]).output()
-    else {
+    let Ok(out) = Command::new("rustup").args(["run", toolchain, "rustc", "--print", "sysroot"]).output() else {
         return false;
     };
     if !out.status.success() {
@@ -36,8 +35,7 @@ fn main() -> anyhow::Result<()> {
     let chosen = match std::env::var("VALET_EBPF_TOOLCHAIN") {
         Ok(name) if !name.is_empty() => name,
         _ => {
-            let Some(found) = ["nightly", "stable", "valet-system"].into_iter().find(|t| has_rust_src(t))
-            else {
+            let Some(found) = ["nightly", "stable", "valet-system"].into_iter().find(|t| has_rust_src(t)) else {
                 bail!(
                     "no Rust toolchain with rust-src for the BPF build: run `cargo xtask setup`, or \
                      `rustup toolchain install nightly --component rust-src`"
@@ -52,11 +50,8 @@ fn main() -> anyhow::Result<()> {
         // SAFETY: build scripts are single-threaded here.
         unsafe { std::env::set_var("RUSTC_BOOTSTRAP", "1") };
     }
-    let toolchain = if chosen == "nightly" {
-        aya_build::Toolchain::Nightly
-    } else {
-        aya_build::Toolchain::Custom(&chosen)
-    };
+    let toolchain =
+        if chosen == "nightly" { aya_build::Toolchain::Nightly } else { aya_build::Toolchain::Custom(&chosen) };
     aya_build::build_ebpf(
         [aya_build::Package { name: "valet-agent-ebpf", root_dir: &ebpf_dir, ..Default::default() }],
         toolchain,

@@ -16,8 +16,7 @@ use aya_ebpf::{
     helpers::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel,
         generated::{
-            bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_get_current_task,
-            bpf_send_signal,
+            bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_get_current_task, bpf_send_signal,
         },
     },
     macros::{map, tracepoint},
@@ -26,9 +25,8 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use valet_common::{
-    COUNTER_SLOTS, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY, EXEC_CLASS_PASS, KernelEvent,
-    KernelLayout, MAX_CGROUP_DEPTH, OFFSET_UNKNOWN, WATCHED_CAPACITY, event_flags, event_kind,
-    watch_flags,
+    COUNTER_SLOTS, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY, EXEC_CLASS_PASS, KernelEvent, KernelLayout,
+    MAX_CGROUP_DEPTH, OFFSET_UNKNOWN, WATCHED_CAPACITY, event_flags, event_kind, watch_flags,
 };
 
 const SIGSTOP: u32 = 19;

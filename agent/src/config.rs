@@ -159,9 +159,7 @@ mod tests {
         assert_eq!(cfg.sidecar_names, ["istio-proxy", "linkerd-proxy", "cloud-sql-proxy"]);
         assert!(cfg.validate().is_ok());
         assert!(Config::try_parse_from(["valet-agent", "--node-name", "n1", "--metrics-addr", "nope"]).is_err());
-        assert!(
-            Config::try_parse_from(["valet-agent", "--node-name", "n1", "--quit-timeout", "forever"]).is_err()
-        );
+        assert!(Config::try_parse_from(["valet-agent", "--node-name", "n1", "--quit-timeout", "forever"]).is_err());
         let mut bad = cfg.clone();
         bad.host_proc = "/nonexistent".into();
         assert!(bad.validate().is_err());

@@ -210,8 +210,15 @@ impl Controller {
     ) -> Controller {
         let (results_tx, results_rx) = mpsc::unbounded_channel();
         let events = EventSink::new(client.clone(), &cfg.node_name);
-        let defaults = SidecarDefaults { names: cfg.sidecar_names.clone() };
-        let gate = Gate::new(cfg.clone(), client.clone(), cgroups.clone(), metrics.clone(), events.clone(), results_tx.clone());
+        let defaults = SidecarDefaults { names: cfg.sidecar_names.clone(), hold_timeout: cfg.hold_timeout };
+        let gate = Gate::new(
+            cfg.clone(),
+            client.clone(),
+            cgroups.clone(),
+            metrics.clone(),
+            events.clone(),
+            results_tx.clone(),
+        );
         Controller {
             cfg,
             client,
@@ -234,7 +241,12 @@ impl Controller {
 
     /// Runs until `shutdown` resolves; then releases held apps and lets in-flight quits finish
     /// (bounded by `drain`).
-    pub async fn run(mut self, mut kernel: EventStream, shutdown: impl std::future::Future<Output = ()>, drain: Duration) {
+    pub async fn run(
+        mut self,
+        mut kernel: EventStream,
+        shutdown: impl std::future::Future<Output = ()>,
+        drain: Duration,
+    ) {
         let watch = crate::api::watch::pods_on_node(self.client.clone(), &self.cfg.node_name);
         let mut watch = std::pin::pin!(watch);
         let mut shutdown = std::pin::pin!(shutdown);
@@ -314,8 +326,9 @@ impl Controller {
         // The server filters by node and label; checked again so a misbehaving server can never
         // make us act on another node's pod.
         let on_node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(self.cfg.node_name.as_str());
-        let labelled = pod.metadata.labels.as_ref().and_then(|l| l.get(crate::api::watch::ENABLED_LABEL)).map(String::as_str)
-            == Some("true");
+        let labelled =
+            pod.metadata.labels.as_ref().and_then(|l| l.get(crate::api::watch::ENABLED_LABEL)).map(String::as_str)
+                == Some("true");
         if !on_node || !labelled {
             self.remove(&uid);
             return;
@@ -333,7 +346,13 @@ impl Controller {
                 if tracked.spec_error.as_deref() != Some(text.as_str()) {
                     warn!(pod = %tracked.name(), "skipping pod: {text}");
                     self.metrics.skip("bad_annotation");
-                    self.events.publish(pod_reference(&tracked.pod), true, e.reason(), "Skip", format!("valet ignores this pod: {text}"));
+                    self.events.publish(
+                        pod_reference(&tracked.pod),
+                        true,
+                        e.reason(),
+                        "Skip",
+                        format!("valet ignores this pod: {text}"),
+                    );
                     tracked.spec_error = Some(text);
                 }
                 tracked.plan = None;
@@ -506,7 +525,8 @@ impl Controller {
                         if let Some(ns) = after {
                             self.metrics.quit_latency.observe(ns as f64 / 1e9);
                         }
-                        let after_text = after.map(|ns| format!(" {}µs after the app finished", ns / 1000)).unwrap_or_default();
+                        let after_text =
+                            after.map(|ns| format!(" {}µs after the app finished", ns / 1000)).unwrap_or_default();
                         info!(pod = %tracked.name(), %sidecar, status, attempts, quit_after_us = after.map(|n| n / 1000), "sidecar accepted quit");
                         self.events.publish(
                             reference,
@@ -519,12 +539,24 @@ impl Controller {
                     QuitOutcome::Rejected { status, body } => {
                         tracked.quits.insert(sidecar.clone(), QuitState::Failed);
                         warn!(pod = %tracked.name(), %sidecar, status, %body, "sidecar refused to quit");
-                        self.events.publish(reference, true, "SidecarQuitFailed", "Quit", format!("{sidecar} refused to quit: HTTP {status} {body}"));
+                        self.events.publish(
+                            reference,
+                            true,
+                            "SidecarQuitFailed",
+                            "Quit",
+                            format!("{sidecar} refused to quit: HTTP {status} {body}"),
+                        );
                     }
                     QuitOutcome::Failed { last, attempts, .. } => {
                         tracked.quits.insert(sidecar.clone(), QuitState::Failed);
                         warn!(pod = %tracked.name(), %sidecar, attempts, %last, "could not quit sidecar");
-                        self.events.publish(reference, true, "SidecarQuitFailed", "Quit", format!("could not quit {sidecar} after {attempts} attempts: {last}"));
+                        self.events.publish(
+                            reference,
+                            true,
+                            "SidecarQuitFailed",
+                            "Quit",
+                            format!("could not quit {sidecar} after {attempts} attempts: {last}"),
+                        );
                     }
                 }
             }
@@ -571,7 +603,13 @@ impl Controller {
             Decision::Wait(_) | Decision::Done => {}
             Decision::Quit(sidecars) => {
                 if tracked.done_ktime.is_none() {
-                    tracked.done_ktime = plan.apps.iter().filter_map(|a| tracked.current_id(a)).filter_map(|id| tracked.kernel_ends.get(&id)).map(|e| e.ktime_ns).max();
+                    tracked.done_ktime = plan
+                        .apps
+                        .iter()
+                        .filter_map(|a| tracked.current_id(a))
+                        .filter_map(|id| tracked.kernel_ends.get(&id))
+                        .map(|e| e.ktime_ns)
+                        .max();
                 }
                 let Some(dir) = tracked.pod_dir.clone() else {
                     debug!(pod = %tracked.name(), "work done but the pod cgroup is not found yet");
@@ -597,7 +635,15 @@ impl Controller {
         }
     }
 
-    fn spawn_quit(&self, uid: String, sidecar: String, port: u16, path: String, pod_cgroup: String, sidecar_cgroup: Option<String>) {
+    fn spawn_quit(
+        &self,
+        uid: String,
+        sidecar: String,
+        port: u16,
+        path: String,
+        pod_cgroup: String,
+        sidecar_cgroup: Option<String>,
+    ) {
         let req = QuitRequest {
             host_proc: self.cfg.host_proc.clone(),
             cgroups: self.cgroups.clone(),

@@ -68,6 +68,8 @@ struct GatePod {
     /// Last condition written (or being written), to write only on change.
     written: Option<ProxyReady>,
     pace: Option<watch::Sender<Pace>>,
+    /// What the running probe loop was started with (pod IP, pod cgroup); a change restarts it.
+    probe_target: (Option<String>, Option<String>),
     adopted: bool,
 }
 
@@ -85,9 +87,7 @@ pub struct Gate {
 fn sidecar_ready_in_api(pod: &Pod, plan: &PodPlan) -> bool {
     let statuses = pod.status.as_ref().and_then(|s| s.container_statuses.as_ref());
     !plan.sidecars.is_empty()
-        && plan.sidecars.iter().all(|sc| {
-            statuses.into_iter().flatten().any(|s| s.name == sc.name && s.ready)
-        })
+        && plan.sidecars.iter().all(|sc| statuses.into_iter().flatten().any(|s| s.name == sc.name && s.ready))
 }
 
 fn all_apps_finished(pod: &Pod, plan: &PodPlan) -> bool {
@@ -102,8 +102,18 @@ fn all_apps_finished(pod: &Pod, plan: &PodPlan) -> bool {
 }
 
 /// One readiness probe of one sidecar.
-fn probe_once(sidecar: &Sidecar, pod_ip: Option<IpAddr>, host_proc: &std::path::Path, cgroups: &CgroupFs, pod_rel: Option<&str>) -> (bool, String) {
-    let limits = Limits { connect_timeout: Duration::from_millis(200), total_timeout: Duration::from_millis(500), max_response_bytes: 4096 };
+fn probe_once(
+    sidecar: &Sidecar,
+    pod_ip: Option<IpAddr>,
+    host_proc: &std::path::Path,
+    cgroups: &CgroupFs,
+    pod_rel: Option<&str>,
+) -> (bool, String) {
+    let limits = Limits {
+        connect_timeout: Duration::from_millis(200),
+        total_timeout: Duration::from_millis(500),
+        max_response_bytes: 4096,
+    };
     let path = sidecar.ready.path.clone();
     let port = sidecar.ready.port;
     // Envoy's admin listener is loopback-only; the others listen on the pod IP like kubelet probes.
@@ -144,7 +154,11 @@ impl Gate {
 
     /// Whether the kernel should hold this pod's app containers.
     pub fn wants_hold(&self, plan: &PodPlan) -> bool {
-        plan.hold_app && !plan.istio_holds_app && plan.native_sidecars.is_empty() && !plan.sidecars.is_empty() && !plan.apps.is_empty()
+        plan.hold_app
+            && !plan.istio_holds_app
+            && plan.native_sidecars.is_empty()
+            && !plan.sidecars.is_empty()
+            && !plan.apps.is_empty()
     }
 
     /// Called whenever the pod changed: starts probing, re-classifies held processes, adopts
@@ -156,18 +170,25 @@ impl Gate {
         }
         let hold = self.wants_hold(plan);
         let done = all_apps_finished(pod, plan);
-        let needs_probe = !done && self.pods.get(uid).is_none_or(|p| p.pace.is_none());
-        let probe = needs_probe.then(|| self.spawn_probe(uid, pod, plan, pod_dir));
+        let target = (plan.pod_ip.clone(), pod_dir.map(|d| d.rel.clone()));
+        let needs_probe = !done && self.pods.get(uid).is_none_or(|p| p.pace.is_none() || p.probe_target != target);
+        let probe = needs_probe.then(|| self.spawn_probe(uid, plan, pod_dir));
         let entry = self.pods.entry(uid.to_owned()).or_default();
         if done {
             if let Some(pace) = &entry.pace {
                 let _ = pace.send(Pace::Stop);
             }
         } else if let Some(probe) = probe {
-            entry.pace = Some(probe);
+            if let Some(old) = entry.pace.replace(probe) {
+                let _ = old.send(Pace::Stop);
+            }
+            entry.probe_target = target;
         }
         // Adopt processes left stopped by an earlier instance of the agent.
-        if hold && !entry.adopted && let Some(dir) = pod_dir {
+        if hold
+            && !entry.adopted
+            && let Some(dir) = pod_dir
+        {
             entry.adopted = true;
             for c in self.cgroups.containers(&dir.rel) {
                 let name = name_of_id(pod, &c.container.id);
@@ -177,7 +198,12 @@ impl Gate {
                 for pid in self.cgroups.procs(&c.rel) {
                     if process_stopped(&self.cfg.host_proc, pid) {
                         info!(pod = %pod_name(pod), pid, "found an app process left held by an earlier agent");
-                        entry.held.push(Held { tgid: pid, container_rel: c.rel.clone(), container_id: Some(c.container.id.clone()), since_ktime: monotonic_ns() });
+                        entry.held.push(Held {
+                            tgid: pid,
+                            container_rel: c.rel.clone(),
+                            container_id: Some(c.container.id.clone()),
+                            since_ktime: monotonic_ns(),
+                        });
                         entry.hold_started.get_or_insert_with(Instant::now);
                     }
                 }
@@ -206,11 +232,10 @@ impl Gate {
         self.sync_condition(uid, pod);
     }
 
-    fn spawn_probe(&self, uid: &str, pod: &Pod, plan: &PodPlan, pod_dir: Option<&PodDir>) -> watch::Sender<Pace> {
+    fn spawn_probe(&self, uid: &str, plan: &PodPlan, pod_dir: Option<&PodDir>) -> watch::Sender<Pace> {
         let (tx, mut rx) = watch::channel(Pace::Normal);
         let sidecars = plan.sidecars.clone();
         let pod_ip: Option<IpAddr> = plan.pod_ip.as_deref().and_then(|ip| ip.parse().ok());
-        let _ = pod;
         let host_proc = self.cfg.host_proc.clone();
         let cgroups = self.cgroups.clone();
         let pod_rel = pod_dir.map(|d| d.rel.clone());
@@ -224,7 +249,8 @@ impl Gate {
                 if pace == Pace::Stop {
                     return;
                 }
-                let (sidecars, host_proc, cgroups, pod_rel) = (sidecars.clone(), host_proc.clone(), cgroups.clone(), pod_rel.clone());
+                let (sidecars, host_proc, cgroups, pod_rel) =
+                    (sidecars.clone(), host_proc.clone(), cgroups.clone(), pod_rel.clone());
                 let probed = tokio::task::spawn_blocking(move || {
                     let mut detail = Vec::new();
                     let mut ready = true;
@@ -283,7 +309,11 @@ impl Gate {
     ) -> Vec<GateAction> {
         self.metrics.holds.inc();
         let container_rel = context.as_ref().and_then(|(_, _, dir, _)| {
-            self.cgroups.containers(&dir.rel).into_iter().find(|c| c.id == held.cgroup_id).map(|c| (c.rel, c.container.id))
+            self.cgroups
+                .containers(&dir.rel)
+                .into_iter()
+                .find(|c| c.id == held.cgroup_id)
+                .map(|c| (c.rel, c.container.id))
         });
         let (Some(uid), Some((pod, plan, _, name)), Some((rel, container_id))) = (uid, context, container_rel) else {
             // Held in a pod we no longer track, or a container we cannot place: never leave it.
@@ -293,7 +323,8 @@ impl Gate {
             self.metrics.releases.get_or_create(&ReasonLabels { reason: "untracked" }).inc();
             return Vec::new();
         };
-        let h = Held { tgid: held.tgid, container_rel: rel, container_id: Some(container_id), since_ktime: held.ktime_ns };
+        let h =
+            Held { tgid: held.tgid, container_rel: rel, container_id: Some(container_id), since_ktime: held.ktime_ns };
         let is_app = name.as_ref().is_some_and(|n| plan.apps.contains(n));
         if name.is_some() && !is_app {
             self.release(&uid, &pod, &h, "not_app");
@@ -372,13 +403,19 @@ impl Gate {
     fn sync_condition(&mut self, uid: &str, pod: &Pod) {
         let Some(entry) = self.pods.get_mut(uid) else { return };
         let want = match (entry.ready, entry.failed_open) {
-            (Some(true), _) => ProxyReady { ready: true, reason: "ProxyReady", message: "the sidecar proxy reports ready".into() },
+            (Some(true), _) => {
+                ProxyReady { ready: true, reason: "ProxyReady", message: "the sidecar proxy reports ready".into() }
+            }
             (_, true) => ProxyReady {
                 ready: false,
                 reason: "HoldTimeout",
                 message: "the proxy was not ready in time; the app was released anyway".into(),
             },
-            (Some(false), false) => ProxyReady { ready: false, reason: "ProxyNotReady", message: "the sidecar proxy is not ready yet".into() },
+            (Some(false), false) => ProxyReady {
+                ready: false,
+                reason: "ProxyNotReady",
+                message: "the sidecar proxy is not ready yet".into(),
+            },
             (None, false) => return,
         };
         if entry.written.as_ref() == Some(&want) || condition::already_set(pod, &want) {
@@ -388,7 +425,10 @@ impl Gate {
         entry.written = Some(want.clone());
         let client = self.client.clone();
         let results = self.results.clone();
-        let (namespace, name) = (pod.metadata.namespace.clone().unwrap_or_else(|| "default".into()), pod.metadata.name.clone().unwrap_or_default());
+        let (namespace, name) = (
+            pod.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+            pod.metadata.name.clone().unwrap_or_default(),
+        );
         let uid = uid.to_owned();
         tokio::spawn(async move {
             let r = condition::write(client, &namespace, &name, &want).await;
@@ -463,7 +503,11 @@ impl Gate {
 }
 
 fn pod_name(pod: &Pod) -> String {
-    format!("{}/{}", pod.metadata.namespace.as_deref().unwrap_or("default"), pod.metadata.name.as_deref().unwrap_or("?"))
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or("default"),
+        pod.metadata.name.as_deref().unwrap_or("?")
+    )
 }
 
 fn name_of_id(pod: &Pod, id: &str) -> Option<String> {

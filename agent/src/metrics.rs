@@ -70,8 +70,8 @@ pub struct Metrics {
 /// Latency buckets from 50 µs to 30 s: the fast path is sub-millisecond, fallbacks take seconds.
 fn latency_buckets() -> impl Iterator<Item = f64> {
     [
-        0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-        10.0, 30.0,
+        0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+        30.0,
     ]
     .into_iter()
 }

@@ -39,11 +39,9 @@ fn reply(status: StatusCode, content_type: &str, body: String) -> Response<Full<
 
 fn route(req: &Request<Incoming>, metrics: &Metrics, health: &Health) -> Response<Full<Bytes>> {
     match (req.method().as_str(), req.uri().path()) {
-        ("GET", "/metrics") => reply(
-            StatusCode::OK,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            metrics.encode(),
-        ),
+        ("GET", "/metrics") => {
+            reply(StatusCode::OK, "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.encode())
+        }
         ("GET", "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n".into()),
         ("GET", "/readyz") if health.ready() => reply(StatusCode::OK, "text/plain", "ready\n".into()),
         ("GET", "/readyz") => {

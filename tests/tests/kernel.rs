@@ -14,7 +14,14 @@ const CGROUPFS_POD: &str = "kubepods/burstable/pod{U}";
 fn uid() -> String {
     let n = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     let x = n.as_nanos() as u64 ^ ((std::process::id() as u64) << 20);
-    format!("{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}", x as u32, (x >> 32) as u16, x & 0xfff, (x >> 12) & 0xfff, x & 0xffff_ffff_ffff)
+    format!(
+        "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+        x as u32,
+        (x >> 32) as u16,
+        x & 0xfff,
+        (x >> 12) & 0xfff,
+        x & 0xffff_ffff_ffff
+    )
 }
 
 fn container_id(n: u8) -> String {
@@ -161,7 +168,13 @@ async fn pid_namespace_init_is_the_container_end_and_children_are_not() {
         .cgroups
         .spawn_in(
             &pod.container_rel,
-            Command::new("unshare").args(["--pid", "--fork", "/bin/sh", "-c", "/bin/sh -c 'exit 7'; sleep 0.05; exit 3"]),
+            Command::new("unshare").args([
+                "--pid",
+                "--fork",
+                "/bin/sh",
+                "-c",
+                "/bin/sh -c 'exit 7'; sleep 0.05; exit 3",
+            ]),
         )
         .expect("spawn");
     let unshare_pid = child.id();

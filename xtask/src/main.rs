@@ -61,11 +61,7 @@ fn succeeds(cmd: &mut Command) -> bool {
 }
 
 fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
+    Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false)
 }
 
 fn on_path(bin: &str) -> bool {
@@ -144,7 +140,16 @@ fn ensure_bpf_linker() -> Result<()> {
     did("cargo install bpf-linker (against LLVM 22, about a minute)");
     let path = format!("/usr/lib/llvm-22/bin:{}", std::env::var("PATH").unwrap_or_default());
     run(Command::new("cargo")
-        .args(["install", "--locked", "bpf-linker", "--version", "0.13.0", "--no-default-features", "--features", "llvm-22"])
+        .args([
+            "install",
+            "--locked",
+            "bpf-linker",
+            "--version",
+            "0.13.0",
+            "--no-default-features",
+            "--features",
+            "llvm-22",
+        ])
         .env("PATH", path)
         .env("LLVM_SYS_221_PREFIX", "/usr/lib/llvm-22")
         .env("LLVM_SYS_220_PREFIX", "/usr/lib/llvm-22"))
@@ -215,16 +220,28 @@ fn test(root: &Path, filter: Option<String>) -> Result<()> {
     }
     run(&mut cmd)?;
     if filter.is_none() && root.join("deploy/tests").is_dir() {
-        run(Command::new(root.join(".venv/bin/python"))
-            .current_dir(root)
-            .args(["-m", "pytest", "-q", "deploy/tests"]))?;
+        run(Command::new(root.join(".venv/bin/python")).current_dir(root).args([
+            "-m",
+            "pytest",
+            "-q",
+            "deploy/tests",
+        ]))?;
     }
     Ok(())
 }
 
 fn sim_binary(root: &Path, bin: &str, args: &[String]) -> Result<()> {
     setup(root, false)?;
-    run(cargo().current_dir(root).args(["build", "--release", "-p", "valet-agent", "-p", "valet-tests", "-p", "valet-sim"]))?;
+    run(cargo().current_dir(root).args([
+        "build",
+        "--release",
+        "-p",
+        "valet-agent",
+        "-p",
+        "valet-tests",
+        "-p",
+        "valet-sim",
+    ]))?;
     let release = root.join("target/release");
     run(Command::new(release.join(bin))
         .args(args)

@@ -108,7 +108,9 @@ const CRIO_CONMON_PREFIX: &str = "crio-conmon-";
 /// The kubepods root is found anywhere in the path, so nested kubelet roots work
 /// (`/kubelet.slice/kubelet-kubepods.slice/...` in kind, `/kubelet/kubepods/...`).
 pub fn classify(path: &str) -> CgroupKind {
-    let Some(components) = components(path) else { return CgroupKind::NotPodContainer };
+    let Some(components) = components(path) else {
+        return CgroupKind::NotPodContainer;
+    };
     // A prefix could itself contain a kubepods-looking component: try each, first match wins.
     for (i, name) in components.iter().enumerate() {
         let rest = &components[i + 1..];
@@ -137,9 +139,8 @@ fn components(path: &str) -> Option<Vec<&str>> {
     // One trailing slash is fine (a directory); more means an empty component.
     let inner = inner.strip_suffix('/').unwrap_or(inner);
     let components: Vec<&str> = inner.split('/').collect();
-    let valid = components
-        .iter()
-        .all(|c| !c.is_empty() && *c != "." && *c != ".." && c.bytes().all(|b| b.is_ascii_graphic()));
+    let valid =
+        components.iter().all(|c| !c.is_empty() && *c != "." && *c != ".." && c.bytes().all(|b| b.is_ascii_graphic()));
     valid.then_some(components)
 }
 
@@ -149,7 +150,9 @@ fn classify_cgroupfs(rest: &[&str]) -> CgroupKind {
         Some(qos) => (qos, &rest[1..]),
         None => (Qos::Guaranteed, rest),
     };
-    let Some(pod_name) = rest.first() else { return CgroupKind::NotPodContainer };
+    let Some(pod_name) = rest.first() else {
+        return CgroupKind::NotPodContainer;
+    };
     let Some(uid) = pod_name.strip_prefix("pod").and_then(canonical_uid) else {
         return CgroupKind::NotPodContainer;
     };
@@ -173,14 +176,18 @@ fn classify_cgroupfs(rest: &[&str]) -> CgroupKind {
 /// `prefix` is what precedes `kubepods.slice` in its name (`""`, or `kubelet-` in kind); systemd
 /// repeats it in every slice below. `rest` is `[<qos slice>,] <pod slice> [, <scope>]`.
 fn classify_systemd(prefix: &str, rest: &[&str]) -> CgroupKind {
-    let Some(first) = rest.first() else { return CgroupKind::NotPodContainer };
+    let Some(first) = rest.first() else {
+        return CgroupKind::NotPodContainer;
+    };
     let Some(first) = first.strip_prefix(prefix).and_then(|n| n.strip_prefix("kubepods-")) else {
         return CgroupKind::NotPodContainer;
     };
     // Either `kubepods-<qos>.slice` (then the pod slice follows) or `kubepods-pod<UID_>.slice`.
     let (qos, pod_slice, rest) = match first.strip_suffix(".slice").and_then(Qos::from_component) {
         Some(qos) => {
-            let Some(pod_slice) = rest.get(1) else { return CgroupKind::NotPodContainer };
+            let Some(pod_slice) = rest.get(1) else {
+                return CgroupKind::NotPodContainer;
+            };
             (qos, *pod_slice, &rest[2..])
         }
         None => (Qos::Guaranteed, rest[0], &rest[1..]),
@@ -190,10 +197,8 @@ fn classify_systemd(prefix: &str, rest: &[&str]) -> CgroupKind {
         Some(q) => format!("{prefix}kubepods-{q}-pod"),
         None => format!("{prefix}kubepods-pod"),
     };
-    let Some(uid) = pod_slice
-        .strip_prefix(expected_head.as_str())
-        .and_then(|n| n.strip_suffix(".slice"))
-        .and_then(systemd_uid)
+    let Some(uid) =
+        pod_slice.strip_prefix(expected_head.as_str()).and_then(|n| n.strip_suffix(".slice")).and_then(systemd_uid)
     else {
         return CgroupKind::NotPodContainer;
     };
@@ -201,7 +206,9 @@ fn classify_systemd(prefix: &str, rest: &[&str]) -> CgroupKind {
     match rest {
         [] => CgroupKind::Pod(pod),
         [scope] => {
-            let Some(name) = scope.strip_suffix(".scope") else { return CgroupKind::NotPodContainer };
+            let Some(name) = scope.strip_suffix(".scope") else {
+                return CgroupKind::NotPodContainer;
+            };
             if name.starts_with(CRIO_CONMON_PREFIX) {
                 return CgroupKind::NotPodContainer;
             }
@@ -245,12 +252,16 @@ fn canonical_uid(text: &str) -> Option<String> {
 /// Every path (without a nested kubelet root) where the cgroup of the pod with this UID can be:
 /// both drivers, every QoS class. Empty when `uid` is not a UUID. Upper-case input is accepted.
 pub fn pod_cgroup_candidates(uid: &str) -> Vec<String> {
-    let Some(uid) = canonical_uid(&uid.to_ascii_lowercase()) else { return Vec::new() };
+    let Some(uid) = canonical_uid(&uid.to_ascii_lowercase()) else {
+        return Vec::new();
+    };
     let systemd_uid = uid.replace('-', "_");
     let mut out = Vec::with_capacity(6);
     for qos in Qos::ALL {
         out.push(match qos.component() {
-            Some(q) => format!("/{SYSTEMD_ROOT}/kubepods-{q}.slice/kubepods-{q}-pod{systemd_uid}.slice"),
+            Some(q) => {
+                format!("/{SYSTEMD_ROOT}/kubepods-{q}.slice/kubepods-{q}-pod{systemd_uid}.slice")
+            }
             None => format!("/{SYSTEMD_ROOT}/kubepods-pod{systemd_uid}.slice"),
         });
     }
@@ -393,7 +404,10 @@ mod tests {
 
     #[test]
     fn container_names() {
-        assert_eq!(container_cgroup_name(Driver::Systemd, Runtime::Containerd, ID), format!("cri-containerd-{ID}.scope"));
+        assert_eq!(
+            container_cgroup_name(Driver::Systemd, Runtime::Containerd, ID),
+            format!("cri-containerd-{ID}.scope")
+        );
         assert_eq!(container_cgroup_name(Driver::Systemd, Runtime::CriO, ID), format!("crio-{ID}.scope"));
         assert_eq!(container_cgroup_name(Driver::Systemd, Runtime::Docker, ID), format!("docker-{ID}.scope"));
         assert_eq!(container_cgroup_name(Driver::Cgroupfs, Runtime::Containerd, ID), ID);
@@ -461,7 +475,9 @@ mod tests {
             format!("/xkubepods.slice/xkubepods-pod{UID_}.slice"),
             // Wrong nesting: QoS level missing or doubled, pod at the wrong depth.
             format!("/kubepods/burstable/burstable/pod{UID}/{ID}"),
-            format!("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_}.slice"),
+            format!(
+                "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_}.slice"
+            ),
             // Bad container IDs and leaves.
             format!("/kubepods/pod{UID}/{}", &ID[1..]),
             format!("/kubepods/pod{UID}/{ID}0"),
@@ -501,7 +517,9 @@ mod tests {
     fn arbitrary_bytes_never_panic() {
         // A cheap deterministic fuzz: mutate valid paths byte by byte.
         let seeds = [
-            format!("/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-burstable.slice/kubelet-kubepods-burstable-pod{UID_}.slice/crio-{ID}.scope"),
+            format!(
+                "/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-burstable.slice/kubelet-kubepods-burstable-pod{UID_}.slice/crio-{ID}.scope"
+            ),
             format!("/kubepods/besteffort/pod{UID}/crio-{ID}"),
         ];
         let replacements = [b'/', b'-', b'_', b'.', b'x', b'0'];

@@ -24,10 +24,7 @@ fn unescape_octal(s: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'\\'
-            && i + 3 < bytes.len()
-            && bytes[i + 1..i + 4].iter().all(|b| (b'0'..=b'7').contains(b))
-        {
+        if bytes[i] == b'\\' && i + 3 < bytes.len() && bytes[i + 1..i + 4].iter().all(|b| (b'0'..=b'7').contains(b)) {
             let v = (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
             out.push(v);
             i += 4;
@@ -46,17 +43,13 @@ pub fn find_cgroup2_root(configured: Option<&Path>, host_proc: &Path) -> Result<
         if path.join("cgroup.procs").exists() {
             return Ok(path.to_path_buf());
         }
-        return Err(Error::Cgroup(format!(
-            "{} is not a cgroup v2 root (no cgroup.procs)",
-            path.display()
-        )));
+        return Err(Error::Cgroup(format!("{} is not a cgroup v2 root (no cgroup.procs)", path.display())));
     }
     let mountinfo_path = host_proc.join("self/mountinfo");
     let text = std::fs::read_to_string(&mountinfo_path)
         .map_err(|e| Error::io(format!("read {}", mountinfo_path.display()), e))?;
-    cgroup2_mount_from_mountinfo(&text).ok_or_else(|| {
-        Error::Cgroup("no cgroup2 mount found (valet needs cgroup v2 on the node)".into())
-    })
+    cgroup2_mount_from_mountinfo(&text)
+        .ok_or_else(|| Error::Cgroup("no cgroup2 mount found (valet needs cgroup v2 on the node)".into()))
 }
 
 #[cfg(test)]
@@ -65,22 +58,17 @@ mod tests {
 
     #[test]
     fn finds_unified_and_hybrid_mounts() {
-        let node = "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate\n";
+        let node =
+            "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate\n";
         assert_eq!(cgroup2_mount_from_mountinfo(node), Some(PathBuf::from("/sys/fs/cgroup")));
         let hybrid = "25 24 0:22 / /sys/fs/cgroup ro,nosuid shared:5 - tmpfs tmpfs ro,mode=755\n\
             26 25 0:23 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:6 - cgroup2 cgroup2 rw\n\
             27 25 0:24 / /sys/fs/cgroup/cpu rw shared:7 - cgroup cgroup rw,cpu\n";
-        assert_eq!(
-            cgroup2_mount_from_mountinfo(hybrid),
-            Some(PathBuf::from("/sys/fs/cgroup/unified"))
-        );
+        assert_eq!(cgroup2_mount_from_mountinfo(hybrid), Some(PathBuf::from("/sys/fs/cgroup/unified")));
         let v1_only = "27 25 0:24 / /sys/fs/cgroup/cpu rw shared:7 - cgroup cgroup rw,cpu\n";
         assert_eq!(cgroup2_mount_from_mountinfo(v1_only), None);
         let escaped = "30 23 0:26 / /host/with\\040space rw - cgroup2 cgroup2 rw\n";
-        assert_eq!(
-            cgroup2_mount_from_mountinfo(escaped),
-            Some(PathBuf::from("/host/with space"))
-        );
+        assert_eq!(cgroup2_mount_from_mountinfo(escaped), Some(PathBuf::from("/host/with space")));
         assert_eq!(cgroup2_mount_from_mountinfo("garbage\n - \n"), None);
     }
 

@@ -1,9 +1,9 @@
 //! Signals to processes identified through cgroups, safe against pid reuse: the pid is pinned
 //! with a pidfd first, then its cgroup is checked, then the signal goes through the pidfd.
 
-use std::os::fd::{FromRawFd as _, OwnedFd, AsRawFd as _};
 use super::tree::CgroupFs;
 use crate::error::{Error, Result};
+use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
 
 fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
     // SAFETY: plain syscall; a non-negative return is a new fd we own.

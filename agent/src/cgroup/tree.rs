@@ -51,9 +51,7 @@ impl CgroupFs {
     /// The cgroup id (inode number) of a relative cgroup path.
     pub fn id_of(&self, rel: &str) -> Result<u64> {
         let path = self.abs(rel);
-        std::fs::metadata(&path)
-            .map(|m| m.ino())
-            .map_err(|e| Error::io(format!("stat {}", path.display()), e))
+        std::fs::metadata(&path).map(|m| m.ino()).map_err(|e| Error::io(format!("stat {}", path.display()), e))
     }
 
     /// Finds the cgroup of the pod with this UID, if the kubelet created it yet.

@@ -161,10 +161,7 @@ impl Btf {
     /// Byte offset of `member` in `struct name`, looking through anonymous structs and unions
     /// (the kernel wraps many fields in them, e.g. under randomized layouts).
     pub fn member_offset(&self, name: &str, member: &str) -> Result<u32> {
-        let id = self
-            .structs
-            .get(name)
-            .ok_or_else(|| Error::Btf(format!("struct {name} not found")))?;
+        let id = self.structs.get(name).ok_or_else(|| Error::Btf(format!("struct {name} not found")))?;
         self.find_member(*id, member, 0)
             .map(|bits| bits / 8)
             .ok_or_else(|| Error::Btf(format!("{name}.{member} not found")))

@@ -161,14 +161,8 @@ mod tests {
         assert_eq!(ProcessEnd::from_wait_status(0), ProcessEnd::Exited(0));
         assert_eq!(ProcessEnd::from_wait_status(42 << 8), ProcessEnd::Exited(42));
         assert_eq!(ProcessEnd::from_wait_status(255 << 8), ProcessEnd::Exited(255));
-        assert_eq!(
-            ProcessEnd::from_wait_status(9),
-            ProcessEnd::Signaled { signal: 9, core_dumped: false }
-        );
-        assert_eq!(
-            ProcessEnd::from_wait_status(0x80 | 11),
-            ProcessEnd::Signaled { signal: 11, core_dumped: true }
-        );
+        assert_eq!(ProcessEnd::from_wait_status(9), ProcessEnd::Signaled { signal: 9, core_dumped: false });
+        assert_eq!(ProcessEnd::from_wait_status(0x80 | 11), ProcessEnd::Signaled { signal: 11, core_dumped: true });
         assert_eq!(ProcessEnd::from_wait_status(15).container_exit_code(), 143);
     }
 
@@ -181,9 +175,8 @@ mod tests {
         raw.tgid = 77;
         raw.comm[..4].copy_from_slice(b"app\0");
         // SAFETY: plain data viewed as bytes.
-        let bytes = unsafe {
-            std::slice::from_raw_parts((&raw as *const KernelEvent).cast::<u8>(), size_of::<KernelEvent>())
-        };
+        let bytes =
+            unsafe { std::slice::from_raw_parts((&raw as *const KernelEvent).cast::<u8>(), size_of::<KernelEvent>()) };
         match Event::decode(bytes) {
             Some(Event::Exit(exit)) => {
                 assert_eq!(exit.end, Some(ProcessEnd::Exited(3)));

@@ -19,9 +19,7 @@ pub fn find_tracefs(host_root: &Path) -> Result<PathBuf> {
             return Ok(path);
         }
     }
-    Err(Error::Ebpf(
-        "tracefs is not mounted (mount -t tracefs tracefs /sys/kernel/tracing)".into(),
-    ))
+    Err(Error::Ebpf("tracefs is not mounted (mount -t tracefs tracefs /sys/kernel/tracing)".into()))
 }
 
 /// Offset of `field` in a tracepoint format file's text (`field:bool group_dead; offset:32; ...`).
@@ -34,9 +32,7 @@ pub fn tracepoint_field_offset(format: &str, field: &str) -> Option<u32> {
         if name != field {
             return None;
         }
-        line.split(';')
-            .find_map(|part| part.trim().strip_prefix("offset:"))
-            .and_then(|v| v.trim().parse().ok())
+        line.split(';').find_map(|part| part.trim().strip_prefix("offset:")).and_then(|v| v.trim().parse().ok())
     })
 }
 
@@ -45,8 +41,8 @@ pub fn tracepoint_field_offset(format: &str, field: &str) -> Option<u32> {
 pub fn read_layout(btf: &Btf, tracefs: &Path) -> Result<KernelLayout> {
     let opt = |r: Result<u32>| r.unwrap_or(OFFSET_UNKNOWN);
     let format_path = tracefs.join("events/sched/sched_process_exit/format");
-    let format = std::fs::read_to_string(&format_path)
-        .map_err(|e| Error::io(format!("read {}", format_path.display()), e))?;
+    let format =
+        std::fs::read_to_string(&format_path).map_err(|e| Error::io(format!("read {}", format_path.display()), e))?;
     let layout = KernelLayout {
         task_exit_code: opt(btf.member_offset("task_struct", "exit_code")),
         task_thread_pid: opt(btf.member_offset("task_struct", "thread_pid")),

@@ -8,8 +8,8 @@ use aya::{
 };
 use tracing::{debug, info, warn};
 use valet_common::{
-    Counter, EXEC_CLASS_HOLD, EXEC_CLASS_PASS, GLOBAL_LAYOUT, KernelLayout, MAP_COUNTERS,
-    MAP_EVENTS, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_WATCHED, PROG_EXEC, PROG_EXIT,
+    Counter, EXEC_CLASS_HOLD, EXEC_CLASS_PASS, GLOBAL_LAYOUT, KernelLayout, MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS,
+    MAP_EXEC_SEEN, MAP_WATCHED, PROG_EXEC, PROG_EXIT,
 };
 
 use super::btf::Btf;
@@ -98,29 +98,16 @@ impl Programs {
             ebpf.take_map(name).ok_or_else(|| Error::Ebpf(format!("map {name} missing from object")))
         };
         let watched = HashMap::try_from(take(&mut ebpf, MAP_WATCHED)?).map_err(map_err(MAP_WATCHED))?;
-        let exec_class =
-            HashMap::try_from(take(&mut ebpf, MAP_EXEC_CLASS)?).map_err(map_err(MAP_EXEC_CLASS))?;
-        let exec_seen = HashMap::try_from(take(&mut ebpf, MAP_EXEC_SEEN)?)
-            .map_err(map_err(MAP_EXEC_SEEN))?;
-        let counters =
-            PerCpuArray::try_from(take(&mut ebpf, MAP_COUNTERS)?).map_err(map_err(MAP_COUNTERS))?;
+        let exec_class = HashMap::try_from(take(&mut ebpf, MAP_EXEC_CLASS)?).map_err(map_err(MAP_EXEC_CLASS))?;
+        let exec_seen = HashMap::try_from(take(&mut ebpf, MAP_EXEC_SEEN)?).map_err(map_err(MAP_EXEC_SEEN))?;
+        let counters = PerCpuArray::try_from(take(&mut ebpf, MAP_COUNTERS)?).map_err(map_err(MAP_COUNTERS))?;
         let events = RingBuf::try_from(take(&mut ebpf, MAP_EVENTS)?).map_err(map_err(MAP_EVENTS))?;
         info!(
             attached = ?links.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
             group_dead_field = layout.tp_exit_group_dead != valet_common::OFFSET_UNKNOWN,
             "kernel programs attached"
         );
-        Ok(Programs {
-            ebpf,
-            watched,
-            exec_class,
-            exec_seen,
-            counters,
-            events: Some(events),
-            logger,
-            layout,
-            links,
-        })
+        Ok(Programs { ebpf, watched, exec_class, exec_seen, counters, events: Some(events), logger, layout, links })
     }
 
     /// The layout the programs were loaded with.
@@ -205,8 +192,7 @@ impl Programs {
 /// Drains the kernel log channel into our log until the task is dropped.
 pub async fn drain_kernel_log(logger: aya_log::EbpfLogger<&'static dyn log::Log>) {
     // SAFETY: the logger owns its ring buffer fd and keeps it open while registered.
-    let registered =
-        unsafe { tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE) };
+    let registered = unsafe { tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE) };
     let Ok(mut fd) = registered else {
         warn!("kernel log channel cannot be polled");
         return;

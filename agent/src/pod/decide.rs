@@ -142,8 +142,8 @@ fn ignore_reason(plan: &PodPlan) -> Option<IgnoreReason> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pod::spec::{self, DEFAULT_HOLD_TIMEOUT, Sidecar, SidecarDefaults, SidecarKind};
     use crate::pod::fixtures;
+    use crate::pod::spec::{self, DEFAULT_HOLD_TIMEOUT, Sidecar, SidecarDefaults, SidecarKind};
 
     const OUTCOMES: [ExitOutcome; 5] = [
         ExitOutcome::Code(0),
@@ -218,7 +218,13 @@ mod tests {
     #[test]
     fn exit_outcomes() {
         assert!(ExitOutcome::Code(0).success());
-        for o in [ExitOutcome::Code(1), ExitOutcome::Code(137), ExitOutcome::Code(-1), ExitOutcome::Signal(9), ExitOutcome::Signal(0)] {
+        for o in [
+            ExitOutcome::Code(1),
+            ExitOutcome::Code(137),
+            ExitOutcome::Code(-1),
+            ExitOutcome::Signal(9),
+            ExitOutcome::Signal(0),
+        ] {
             assert!(!o.success(), "{o:?}");
         }
     }
@@ -238,7 +244,11 @@ mod tests {
             }
             for outcome in OUTCOMES {
                 let o = observed(&[("app", AppState::Exited(outcome))], &sc, &[]);
-                assert_eq!(decide(&p, &o), expected_after_all_exit(policy, outcome, &["app"]), "{policy:?} {outcome:?}");
+                assert_eq!(
+                    decide(&p, &o),
+                    expected_after_all_exit(policy, outcome, &["app"]),
+                    "{policy:?} {outcome:?}"
+                );
             }
         }
     }
@@ -362,14 +372,20 @@ mod tests {
 
             let mut p = plan(policy, &["app"], &[]);
             p.native_sidecars = names(&["istio-proxy"]);
-            let want = if policy == RestartPolicy::Always { IgnoreReason::RestartAlways } else { IgnoreReason::NativeSidecars };
+            let want = if policy == RestartPolicy::Always {
+                IgnoreReason::RestartAlways
+            } else {
+                IgnoreReason::NativeSidecars
+            };
             assert_eq!(decide(&p, &all_done), Decision::Ignore(want), "{policy:?}");
             // Native and regular sidecars together: still the kubelet's business.
             let mut p = plan(policy, &["app"], &["cloud-sql-proxy"]);
             p.native_sidecars = names(&["istio-proxy"]);
             assert_eq!(decide(&p, &all_done), Decision::Ignore(want), "{policy:?}");
 
-            let want = |r| if policy == RestartPolicy::Always { IgnoreReason::RestartAlways } else { r };
+            let want = |r| {
+                if policy == RestartPolicy::Always { IgnoreReason::RestartAlways } else { r }
+            };
             let p = plan(policy, &["app"], &[]);
             assert_eq!(decide(&p, &all_done), Decision::Ignore(want(IgnoreReason::NoSidecars)), "{policy:?}");
             let p = plan(policy, &[], &["istio-proxy"]);

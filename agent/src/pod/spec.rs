@@ -166,11 +166,16 @@ pub struct PodPlan {
 pub struct SidecarDefaults {
     /// Container names that are sidecars when the pod has no `valet.dev/sidecars` annotation.
     pub names: Vec<String>,
+    /// Hold timeout when the pod has no `valet.dev/hold-timeout` annotation (`--hold-timeout`).
+    pub hold_timeout: Duration,
 }
 
 impl Default for SidecarDefaults {
     fn default() -> SidecarDefaults {
-        SidecarDefaults { names: ["istio-proxy", "linkerd-proxy", "cloud-sql-proxy"].map(String::from).to_vec() }
+        SidecarDefaults {
+            names: ["istio-proxy", "linkerd-proxy", "cloud-sql-proxy"].map(String::from).to_vec(),
+            hold_timeout: DEFAULT_HOLD_TIMEOUT,
+        }
     }
 }
 
@@ -340,10 +345,12 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
         None => false,
         Some("true") => true,
         Some("false") => false,
-        Some(other) => return Err(SpecError::malformed(HOLD_APP, other, "expected \"true\" or \"false\"")),
+        Some(other) => {
+            return Err(SpecError::malformed(HOLD_APP, other, "expected \"true\" or \"false\""));
+        }
     };
     let hold_timeout = match valet.hold_timeout {
-        None => DEFAULT_HOLD_TIMEOUT,
+        None => defaults.hold_timeout,
         Some(text) => hold_timeout(text)?,
     };
     let istio_holds_app = annotations.get(ISTIO_PROXY_CONFIG).is_some_and(|c| proxy_config_holds_app(c))
@@ -415,19 +422,19 @@ fn sidecar(
     annotations: &BTreeMap<String, String>,
 ) -> Result<Sidecar, SpecError> {
     let name = container.name.as_str();
-    let kind = match valet.kinds.get(name) {
-        Some((key, value)) => value.parse::<SidecarKind>().map_err(|_| SpecError::UnknownSidecarKind {
-            key: (*key).to_owned(),
-            value: shown(value),
-        })?,
-        None => kind_from_name(name)
-            .or_else(|| container.image.as_deref().and_then(kind_from_image))
-            .ok_or_else(|| SpecError::UndeterminedSidecarKind {
-                container: name.to_owned(),
-                image: container.image.clone().unwrap_or_default(),
-                key: format!("{SIDECAR_KIND_PREFIX}{name}"),
-            })?,
-    };
+    let kind =
+        match valet.kinds.get(name) {
+            Some((key, value)) => value
+                .parse::<SidecarKind>()
+                .map_err(|_| SpecError::UnknownSidecarKind { key: (*key).to_owned(), value: shown(value) })?,
+            None => kind_from_name(name).or_else(|| container.image.as_deref().and_then(kind_from_image)).ok_or_else(
+                || SpecError::UndeterminedSidecarKind {
+                    container: name.to_owned(),
+                    image: container.image.clone().unwrap_or_default(),
+                    key: format!("{SIDECAR_KIND_PREFIX}{name}"),
+                },
+            )?,
+        };
     let mut quit = kind.quit_endpoint();
     let mut ready = kind.ready_endpoint();
     match valet.quit_ports.get(name) {
@@ -657,7 +664,7 @@ mod tests {
 
     #[test]
     fn defaults_are_configurable() {
-        let custom = SidecarDefaults { names: vec!["envoy".into()] };
+        let custom = SidecarDefaults { names: vec!["envoy".into()], ..SidecarDefaults::default() };
         let pod = fixtures::pod(json!({
             "containers": [{"name": "app", "image": "busybox"}, {"name": "envoy", "image": "envoyproxy/envoy:v1.30.1"},
                            {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.22.0"}],

@@ -152,7 +152,11 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 
 fn parse(buf: &[u8]) -> Result<Response, Failure> {
     let line_end = find(buf, b"\r\n").ok_or_else(|| {
-        if buf.is_empty() { Failure::Malformed("empty response".into()) } else { Failure::Malformed("no status line".into()) }
+        if buf.is_empty() {
+            Failure::Malformed("empty response".into())
+        } else {
+            Failure::Malformed("no status line".into())
+        }
     })?;
     let line = String::from_utf8_lossy(&buf[..line_end]);
     let mut parts = line.splitn(3, ' ');

@@ -49,8 +49,8 @@ impl QuitOutcome {
 
 /// One POST to the quit endpoint inside the pod's network namespace.
 async fn attempt(req: &QuitRequest) -> Result<Response, (String, &'static str)> {
-    let netns = open_pod_netns(&req.host_proc, &req.cgroups, &req.pod_cgroup)
-        .map_err(|e| (e.to_string(), "no_netns"))?;
+    let netns =
+        open_pod_netns(&req.host_proc, &req.cgroups, &req.pod_cgroup).map_err(|e| (e.to_string(), "no_netns"))?;
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, req.port));
     let (path, limits) = (req.path.clone(), req.limits);
     match netns.run(move || http::request(addr, "POST", &path, limits)).await {
