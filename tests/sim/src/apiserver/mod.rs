@@ -1,0 +1,283 @@
+//! A fake Kubernetes API server for Pods and Events over plain HTTP/1.1, faithful to the wire
+//! protocol kube-rs and client-go speak (lists, watches with bookmarks and 410 expiry, the four
+//! PATCH flavours, Status errors), plus a synchronous test-control API.
+//!
+//! The server runs on its own thread with its own tokio runtime, so tests can drive it from
+//! plain `#[test]`s and from any async runtime alike.
+
+mod http;
+pub mod patch;
+pub mod selector;
+pub mod status;
+pub mod store;
+mod watch;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, anyhow};
+use serde_json::Value;
+
+pub use patch::{PatchKind, Schema};
+pub use selector::{FieldSelector, LabelSelector};
+pub use status::ApiError;
+pub use store::{ChangeType, EventGroup, Filter, ListParams, Subresource};
+
+use store::Store;
+
+/// Knobs of a [`FakeApiServer`].
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// How often a watch with `allowWatchBookmarks=true` gets a BOOKMARK (real servers: ~1 min).
+    pub bookmark_interval: Duration,
+    /// How many pod changes the watch history keeps; older RVs become "too old".
+    pub history_limit: usize,
+    /// Deviation from the real server (which treats the list as atomic): merge
+    /// `status.containerStatuses` by `name` in strategic merge patches.
+    pub container_statuses_merge_by_name: bool,
+    /// Worker threads of the server's runtime.
+    pub worker_threads: usize,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            bookmark_interval: Duration::from_secs(1),
+            history_limit: 10_000,
+            container_statuses_merge_by_name: false,
+            worker_threads: 2,
+        }
+    }
+}
+
+/// One request as the server received it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordedRequest {
+    pub method: String,
+    pub path: String,
+    /// The raw query string (without `?`), percent-encoded as sent.
+    pub query: String,
+    pub content_type: Option<String>,
+    /// The body as text (lossy UTF-8).
+    pub body: String,
+}
+
+impl RecordedRequest {
+    /// The decoded value of a query parameter.
+    pub fn query_param(&self, name: &str) -> Option<String> {
+        form_urlencoded::parse(self.query.as_bytes()).find(|(k, _)| k == name).map(|(_, v)| v.into_owned())
+    }
+
+    /// Whether this was a watch request.
+    pub fn is_watch(&self) -> bool {
+        matches!(self.query_param("watch").as_deref(), Some("true" | "1")) || self.path.starts_with("/api/v1/watch/")
+    }
+
+    /// The body parsed as JSON, if it is JSON.
+    pub fn json(&self) -> Option<Value> {
+        serde_json::from_str(&self.body).ok()
+    }
+}
+
+/// State shared between the control API and the server tasks.
+pub(crate) struct Shared {
+    pub store: Mutex<Store>,
+    /// Latest RV, so watch tasks wake up on changes.
+    pub rv_tx: tokio::sync::watch::Sender<u64>,
+    /// Bumped by `drop_watches`.
+    pub drop_tx: tokio::sync::watch::Sender<u64>,
+    pub requests: Mutex<Vec<RecordedRequest>>,
+    /// (remaining, code) of injected failures.
+    pub fail: Mutex<(u32, u16)>,
+    pub watch_count: AtomicU64,
+    pub opts: ServerOptions,
+    pub addr: SocketAddr,
+}
+
+/// Locks ignoring poisoning: a panicking test must not wedge the server for the others.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Shared {
+    /// Runs `f` on the store and wakes the watches if the RV moved.
+    pub fn mutate<T>(&self, f: impl FnOnce(&mut Store) -> T) -> T {
+        let (out, rv) = {
+            let mut st = lock(&self.store);
+            let out = f(&mut st);
+            (out, st.rv)
+        };
+        self.rv_tx.send_if_modified(|cur| {
+            let changed = *cur != rv;
+            *cur = rv;
+            changed
+        });
+        out
+    }
+}
+
+/// The fake API server. Dropping it shuts it down.
+pub struct FakeApiServer {
+    shared: Arc<Shared>,
+    shutdown_tx: tokio::sync::watch::Sender<bool>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl FakeApiServer {
+    /// Starts a server with default options on 127.0.0.1 and a free port.
+    pub fn start() -> Result<FakeApiServer> {
+        FakeApiServer::start_with(ServerOptions::default())
+    }
+
+    /// Starts a server with the given options.
+    pub fn start_with(opts: ServerOptions) -> Result<FakeApiServer> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").context("bind 127.0.0.1:0")?;
+        listener.set_nonblocking(true).context("nonblocking listener")?;
+        let addr = listener.local_addr()?;
+        let schema = Schema { container_statuses_by_name: opts.container_statuses_merge_by_name, ..Schema::pod() };
+        let shared = Arc::new(Shared {
+            store: Mutex::new(Store::new(opts.history_limit, schema)),
+            rv_tx: tokio::sync::watch::Sender::new(1),
+            drop_tx: tokio::sync::watch::Sender::new(0),
+            requests: Mutex::new(Vec::new()),
+            fail: Mutex::new((0, 0)),
+            watch_count: AtomicU64::new(0),
+            opts: opts.clone(),
+            addr,
+        });
+        let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(opts.worker_threads.max(1))
+            .thread_name("fake-apiserver")
+            .enable_all()
+            .build()
+            .context("build the server runtime")?;
+        let srv = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("fake-apiserver".into())
+            .spawn(move || {
+                rt.block_on(http::serve(srv, listener, shutdown_rx));
+                // Dropping the runtime aborts open connections and watch tasks.
+                rt.shutdown_timeout(Duration::from_millis(200));
+            })
+            .context("spawn the server thread")?;
+        Ok(FakeApiServer { shared, shutdown_tx, thread: Mutex::new(Some(thread)) })
+    }
+
+    /// `http://127.0.0.1:<port>`
+    pub fn url(&self) -> String {
+        format!("http://{}", self.shared.addr)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.shared.addr
+    }
+
+    /// Writes a kubeconfig whose current context points at this server (plain HTTP, no credentials).
+    pub fn write_kubeconfig(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let text = format!(
+            "apiVersion: v1\n\
+             kind: Config\n\
+             clusters:\n\
+             - name: valet-sim\n  cluster:\n    server: {url}\n    insecure-skip-tls-verify: true\n\
+             users:\n\
+             - name: valet-sim\n  user: {{}}\n\
+             contexts:\n\
+             - name: valet-sim\n  context:\n    cluster: valet-sim\n    user: valet-sim\n    namespace: default\n\
+             current-context: valet-sim\n\
+             preferences: {{}}\n",
+            url = self.url()
+        );
+        std::fs::write(path, text).with_context(|| format!("write kubeconfig {}", path.display()))
+    }
+
+    /// The current global resourceVersion.
+    pub fn resource_version(&self) -> u64 {
+        lock(&self.shared.store).rv
+    }
+
+    /// Stores a pod as the kubelet/scheduler would have it (status kept). Fills uid,
+    /// creationTimestamp, resourceVersion, namespace ("default") and spec defaults.
+    pub fn create_pod(&self, pod: Value) -> Result<Value> {
+        self.shared.mutate(|st| st.create_pod(None, pod, false)).map_err(|e| anyhow!(e))
+    }
+
+    /// Changes a pod in place (any field, like the kubelet writing status); one MODIFIED event.
+    pub fn modify_pod(&self, namespace: &str, name: &str, f: impl FnOnce(&mut Value)) -> Result<Value> {
+        self.shared
+            .mutate(|st| {
+                let mut pod = st.get_pod(namespace, name).ok_or_else(|| ApiError::not_found("pods", name))?;
+                f(&mut pod);
+                st.update_pod(namespace, name, pod, Subresource::Control, None)
+            })
+            .map_err(|e| anyhow!(e))
+    }
+
+    /// Removes a pod at once (DELETED event), like the kubelet's final delete.
+    pub fn delete_pod(&self, namespace: &str, name: &str) -> Result<Value> {
+        self.shared.mutate(|st| st.remove_pod(namespace, name)).map_err(|e| anyhow!(e))
+    }
+
+    pub fn get_pod(&self, namespace: &str, name: &str) -> Option<Value> {
+        lock(&self.shared.store).get_pod(namespace, name)
+    }
+
+    /// All pods, ordered by namespace/name.
+    pub fn pods(&self) -> Vec<Value> {
+        lock(&self.shared.store).pods()
+    }
+
+    /// All events, core/v1 first then events.k8s.io/v1.
+    pub fn events(&self) -> Vec<Value> {
+        lock(&self.shared.store).events()
+    }
+
+    /// Every request received so far, in order.
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        lock(&self.shared.requests).clone()
+    }
+
+    pub fn clear_requests(&self) {
+        lock(&self.shared.requests).clear();
+    }
+
+    /// Abruptly ends every open watch stream (connection aborted mid-stream).
+    pub fn drop_watches(&self) {
+        self.shared.drop_tx.send_modify(|g| *g += 1);
+    }
+
+    /// Forgets the change history: watches (and continue tokens, exact lists) resuming from any
+    /// RV handed out so far get 410 Expired. Open, caught-up watches keep going.
+    pub fn expire_history(&self) {
+        self.shared.mutate(Store::expire_history);
+    }
+
+    /// The next `n` requests (of any kind) fail with `status_code` and a Status body.
+    pub fn fail_next(&self, n: u32, status_code: u16) {
+        *lock(&self.shared.fail) = (n, status_code);
+    }
+
+    /// How many watch streams were started.
+    pub fn watch_count(&self) -> u64 {
+        self.shared.watch_count.load(Ordering::SeqCst)
+    }
+
+    /// Stops the server (idempotent); open connections are cut.
+    pub fn shutdown(&self) {
+        self.shutdown_tx.send_replace(true);
+        if let Some(t) = lock(&self.thread).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for FakeApiServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

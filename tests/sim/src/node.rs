@@ -1,0 +1,1203 @@
+//! Kubelet-shaped pods made of real kernel objects (needs root): the kubelet's cgroup layout
+//! for either cgroup driver and runtime, a network namespace with a veth to the host, and
+//! container processes placed in their cgroup, netns and (optionally) their own pid namespace
+//! before they exec.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io;
+use std::net::Ipv4Addr;
+use std::os::fd::AsRawFd as _;
+use std::os::unix::fs::MetadataExt as _;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use serde_json::{Map, Value, json};
+
+use crate::util;
+
+/// Finds the cgroup2 mount.
+pub struct CgroupRoot;
+
+impl CgroupRoot {
+    /// The cgroup2 mount point from `/proc/self/mountinfo` (`/sys/fs/cgroup` on cgroup v2 hosts,
+    /// `/sys/fs/cgroup/unified` on hybrid ones).
+    pub fn detect() -> Result<PathBuf> {
+        let text = std::fs::read_to_string("/proc/self/mountinfo").context("read /proc/self/mountinfo")?;
+        CgroupRoot::from_mountinfo(&text).ok_or_else(|| anyhow!("no cgroup2 filesystem is mounted"))
+    }
+
+    /// Parses mountinfo text; prefers the usual locations when several cgroup2 mounts exist.
+    pub fn from_mountinfo(text: &str) -> Option<PathBuf> {
+        let mut found = Vec::new();
+        for line in text.lines() {
+            let Some((left, right)) = line.split_once(" - ") else {
+                continue;
+            };
+            if right.split_whitespace().next() != Some("cgroup2") {
+                continue;
+            }
+            if let Some(mp) = left.split_whitespace().nth(4) {
+                found.push(PathBuf::from(unescape_mountinfo(mp)));
+            }
+        }
+        for preferred in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"] {
+            if let Some(p) = found.iter().find(|p| p.as_os_str() == preferred) {
+                return Some(p.clone());
+            }
+        }
+        found.into_iter().next()
+    }
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The cgroup id the kernel reports (`bpf_get_current_cgroup_id`): the directory's inode.
+pub fn cgroup_id(path: impl AsRef<Path>) -> Result<u64> {
+    let p = path.as_ref();
+    Ok(std::fs::metadata(p).with_context(|| format!("stat {}", p.display()))?.ino())
+}
+
+/// Runs `f` on a fresh thread that has joined the network namespace at `netns` (a
+/// `/run/netns/NAME` or `/proc/PID/ns/net` path), the way valet reaches a pod's loopback.
+pub fn in_netns<T: Send>(netns: impl AsRef<Path>, f: impl FnOnce() -> T + Send) -> Result<T> {
+    let path = netns.as_ref();
+    let file = File::open(path).with_context(|| format!("open {}", path.display()))?;
+    std::thread::scope(|s| {
+        s.spawn(move || -> Result<T> {
+            // SAFETY: plain syscall on a valid fd; it only changes this short-lived thread.
+            if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(io::Error::last_os_error()).context("setns(CLONE_NEWNET)");
+            }
+            Ok(f())
+        })
+        .join()
+        .map_err(|_| anyhow!("the closure run in the netns panicked"))?
+    })
+}
+
+/// Kubernetes QoS class of a pod (decides the cgroup parent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QosClass {
+    Guaranteed,
+    Burstable,
+    BestEffort,
+}
+
+impl QosClass {
+    /// As `status.qosClass` spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QosClass::Guaranteed => "Guaranteed",
+            QosClass::Burstable => "Burstable",
+            QosClass::BestEffort => "BestEffort",
+        }
+    }
+    /// As the cgroup names spell it; None for Guaranteed (no QoS level in the path).
+    fn cgroup_name(self) -> Option<&'static str> {
+        match self {
+            QosClass::Guaranteed => None,
+            QosClass::Burstable => Some("burstable"),
+            QosClass::BestEffort => Some("besteffort"),
+        }
+    }
+}
+
+/// The kubelet's cgroup driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CgroupDriver {
+    Systemd,
+    Cgroupfs,
+}
+
+/// The container runtime (decides scope prefixes and the containerID scheme).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Runtime {
+    Containerd,
+    Crio,
+    Docker,
+}
+
+impl Runtime {
+    /// The systemd scope prefix.
+    pub fn scope_prefix(self) -> &'static str {
+        match self {
+            Runtime::Containerd => "cri-containerd-",
+            Runtime::Crio => "crio-",
+            Runtime::Docker => "docker-",
+        }
+    }
+    /// The scheme of `status.containerStatuses[].containerID`.
+    pub fn id_scheme(self) -> &'static str {
+        match self {
+            Runtime::Containerd => "containerd",
+            Runtime::Crio => "cri-o",
+            Runtime::Docker => "docker",
+        }
+    }
+}
+
+/// One container to create.
+#[derive(Debug, Clone, Default)]
+pub struct ContainerOptions {
+    pub name: String,
+    /// 64 hex characters; random when None.
+    pub id: Option<String>,
+    /// Image for the pod JSON (defaults from the name: `istio-proxy` → an Istio proxy image).
+    pub image: Option<String>,
+    /// Container ports for the pod JSON.
+    pub ports: Vec<u16>,
+}
+
+impl ContainerOptions {
+    pub fn new(name: &str) -> ContainerOptions {
+        ContainerOptions { name: name.to_string(), ..Default::default() }
+    }
+}
+
+/// What [`SimPod::create`] builds.
+#[derive(Debug, Clone)]
+pub struct SimPodOptions {
+    pub name: String,
+    pub namespace: String,
+    /// Pod UID; a random UUID v4 when None.
+    pub uid: Option<String>,
+    pub qos: QosClass,
+    pub driver: CgroupDriver,
+    pub runtime: Runtime,
+    pub containers: Vec<ContainerOptions>,
+    /// Create a network namespace with a veth pair and a pod IP.
+    pub netns: bool,
+    /// Override the cgroup2 root (default: [`CgroupRoot::detect`]).
+    pub cgroup_root: Option<PathBuf>,
+}
+
+impl SimPodOptions {
+    /// A Burstable containerd pod with the systemd driver, a netns and no containers yet.
+    pub fn new(name: &str) -> SimPodOptions {
+        SimPodOptions {
+            name: name.to_string(),
+            namespace: "default".into(),
+            uid: None,
+            qos: QosClass::Burstable,
+            driver: CgroupDriver::Systemd,
+            runtime: Runtime::Containerd,
+            containers: Vec::new(),
+            netns: true,
+            cgroup_root: None,
+        }
+    }
+    pub fn namespace(mut self, ns: &str) -> Self {
+        self.namespace = ns.to_string();
+        self
+    }
+    pub fn uid(mut self, uid: &str) -> Self {
+        self.uid = Some(uid.to_string());
+        self
+    }
+    pub fn qos(mut self, qos: QosClass) -> Self {
+        self.qos = qos;
+        self
+    }
+    pub fn driver(mut self, driver: CgroupDriver) -> Self {
+        self.driver = driver;
+        self
+    }
+    pub fn runtime(mut self, runtime: Runtime) -> Self {
+        self.runtime = runtime;
+        self
+    }
+    pub fn container(mut self, name: &str) -> Self {
+        self.containers.push(ContainerOptions::new(name));
+        self
+    }
+    pub fn container_with(mut self, c: ContainerOptions) -> Self {
+        self.containers.push(c);
+        self
+    }
+    pub fn netns(mut self, on: bool) -> Self {
+        self.netns = on;
+        self
+    }
+    pub fn cgroup_root(mut self, root: impl Into<PathBuf>) -> Self {
+        self.cgroup_root = Some(root.into());
+        self
+    }
+}
+
+/// A created container (or the sandbox).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimContainer {
+    pub name: String,
+    /// 64 hex characters.
+    pub id: String,
+    pub image: String,
+    pub ports: Vec<u16>,
+    /// Absolute path of its cgroup directory.
+    pub cgroup: PathBuf,
+}
+
+#[derive(Debug)]
+struct PodNet {
+    ns_name: String,
+    ns_path: PathBuf,
+    host_if: String,
+    pod_ip: Ipv4Addr,
+    host_ip: Ipv4Addr,
+}
+
+/// Where container processes' output goes.
+#[derive(Debug, Clone, Default)]
+pub enum Output {
+    Inherit,
+    #[default]
+    Null,
+    /// Appended to this file.
+    File(PathBuf),
+}
+
+impl Output {
+    fn stdio(&self) -> Result<Stdio> {
+        Ok(match self {
+            Output::Inherit => Stdio::inherit(),
+            Output::Null => Stdio::null(),
+            Output::File(p) => Stdio::from(
+                File::options().create(true).append(true).open(p).with_context(|| format!("open {}", p.display()))?,
+            ),
+        })
+    }
+}
+
+/// How [`SimPod::spawn`] starts a process.
+#[derive(Debug, Clone)]
+pub struct SpawnOptions {
+    /// Start as pid 1 of a new pid namespace, like a container's main process (default true).
+    pub pid_namespace: bool,
+    pub env: Vec<(String, String)>,
+    pub stdout: Output,
+    pub stderr: Output,
+    pub cwd: Option<PathBuf>,
+}
+
+impl Default for SpawnOptions {
+    fn default() -> Self {
+        SpawnOptions { pid_namespace: true, env: Vec::new(), stdout: Output::Null, stderr: Output::Inherit, cwd: None }
+    }
+}
+
+/// A running container process.
+#[derive(Debug)]
+pub struct SimProcess {
+    child: Child,
+    host_pid: u32,
+    pid_namespace: bool,
+    container: String,
+    status: Option<ExitStatus>,
+}
+
+impl SimProcess {
+    /// Its pid in the host (initial) pid namespace.
+    pub fn host_pid(&self) -> u32 {
+        self.host_pid
+    }
+    /// Its pid inside its own pid namespace (1 when it has one).
+    pub fn ns_pid(&self) -> u32 {
+        if self.pid_namespace { 1 } else { self.host_pid }
+    }
+    pub fn container(&self) -> &str {
+        &self.container
+    }
+    /// The exit status if it has exited (reaps it).
+    pub fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait().context("waitpid")?;
+        }
+        Ok(self.status)
+    }
+    /// Waits up to `timeout` for the exit; None if still running.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<ExitStatus>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.try_wait()? {
+                return Ok(Some(s));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    /// [`Self::wait_timeout`] without blocking an async runtime's thread.
+    pub async fn wait_timeout_async(&mut self, timeout: Duration) -> Result<Option<ExitStatus>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.try_wait()? {
+                return Ok(Some(s));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    /// Sends a signal (a no-op once it has been reaped, so a recycled pid is never hit).
+    pub fn signal(&mut self, sig: i32) -> Result<()> {
+        if self.try_wait()?.is_some() {
+            return Ok(());
+        }
+        // SAFETY: plain syscall; the pid is our unreaped child, so it cannot have been recycled.
+        if unsafe { libc::kill(self.host_pid as i32, sig) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ESRCH) {
+                return Err(e).context("kill");
+            }
+        }
+        Ok(())
+    }
+    /// SIGKILL and reap. Killing a pid namespace's init also kills the rest of the namespace.
+    pub fn kill(&mut self) -> Result<ExitStatus> {
+        self.signal(libc::SIGKILL)?;
+        if let Some(s) = self.status {
+            return Ok(s);
+        }
+        let s = self.child.wait().context("waitpid")?;
+        self.status = Some(s);
+        Ok(s)
+    }
+}
+
+impl Drop for SimProcess {
+    fn drop(&mut self) {
+        let _ = self.kill();
+    }
+}
+
+/// Cgroup directories shared by pods of this process (`kubepods.slice`, the QoS level) with the
+/// number of pods using each: the last user removes a directory the sim created.
+static SHARED_DIRS: Mutex<BTreeMap<PathBuf, usize>> = Mutex::new(BTreeMap::new());
+
+/// A pod made of kernel objects; everything it created is removed on drop.
+#[derive(Debug)]
+pub struct SimPod {
+    name: String,
+    namespace: String,
+    uid: String,
+    qos: QosClass,
+    driver: CgroupDriver,
+    runtime: Runtime,
+    root: PathBuf,
+    pod_cgroup: PathBuf,
+    sandbox: SimContainer,
+    containers: Vec<SimContainer>,
+    /// Shared ancestors this pod holds a reference on, root first.
+    shared_held: Vec<PathBuf>,
+    /// Directories this pod created, parents first.
+    owned: Vec<PathBuf>,
+    net: Option<PodNet>,
+    /// Whether the network setup got as far as creating these.
+    netns_created: Option<String>,
+    host_if_created: Option<String>,
+    /// Random id naming the netns and veth.
+    short: String,
+    /// The lease file recording what this pod created.
+    lease: Option<PathBuf>,
+}
+
+impl SimPod {
+    /// Creates the cgroups (and the netns when asked). On error, whatever was made is removed.
+    pub fn create(opts: SimPodOptions) -> Result<SimPod> {
+        let root = match &opts.cgroup_root {
+            Some(r) => r.clone(),
+            None => CgroupRoot::detect()?,
+        };
+        let uid = opts.uid.clone().unwrap_or_else(util::uuid_v4);
+        let uid_ = uid.replace('-', "_");
+        let (shared, pod_dir): (Vec<String>, String) = match (opts.driver, opts.qos.cgroup_name()) {
+            (CgroupDriver::Systemd, Some(q)) => {
+                (vec!["kubepods.slice".into(), format!("kubepods-{q}.slice")], format!("kubepods-{q}-pod{uid_}.slice"))
+            }
+            (CgroupDriver::Systemd, None) => (vec!["kubepods.slice".into()], format!("kubepods-pod{uid_}.slice")),
+            (CgroupDriver::Cgroupfs, Some(q)) => (vec!["kubepods".into(), q.into()], format!("pod{uid}")),
+            (CgroupDriver::Cgroupfs, None) => (vec!["kubepods".into()], format!("pod{uid}")),
+        };
+        let mut parent = root.clone();
+        for s in &shared {
+            parent.push(s);
+        }
+        let pod_cgroup = parent.join(&pod_dir);
+        let leaf = |id: &str| -> String {
+            match (opts.driver, opts.runtime) {
+                (CgroupDriver::Systemd, rt) => format!("{}{id}.scope", rt.scope_prefix()),
+                // CRI-O names its cgroupfs leaves crio-<ID> too; containerd and Docker use the bare ID.
+                (CgroupDriver::Cgroupfs, Runtime::Crio) => format!("crio-{id}"),
+                (CgroupDriver::Cgroupfs, _) => id.to_string(),
+            }
+        };
+        let sandbox_id = util::random_container_id();
+        let sandbox = SimContainer {
+            name: "POD".into(),
+            image: "registry.k8s.io/pause:3.10".into(),
+            ports: Vec::new(),
+            cgroup: pod_cgroup.join(leaf(&sandbox_id)),
+            id: sandbox_id,
+        };
+        let mut containers = Vec::new();
+        for c in &opts.containers {
+            let id = match &c.id {
+                Some(id) if id.len() == 64 && id.chars().all(|x| x.is_ascii_hexdigit()) => id.to_ascii_lowercase(),
+                Some(id) => bail!("container {} id {id:?} is not 64 hex characters", c.name),
+                None => util::random_container_id(),
+            };
+            if containers.iter().any(|x: &SimContainer| x.name == c.name) {
+                bail!("duplicate container name {}", c.name);
+            }
+            containers.push(SimContainer {
+                name: c.name.clone(),
+                image: c.image.clone().unwrap_or_else(|| default_image(&c.name)),
+                ports: c.ports.clone(),
+                cgroup: pod_cgroup.join(leaf(&id)),
+                id,
+            });
+        }
+        let mut pod = SimPod {
+            name: opts.name.clone(),
+            namespace: opts.namespace.clone(),
+            uid,
+            qos: opts.qos,
+            driver: opts.driver,
+            runtime: opts.runtime,
+            root: root.clone(),
+            pod_cgroup: pod_cgroup.clone(),
+            sandbox,
+            containers,
+            shared_held: Vec::new(),
+            owned: Vec::new(),
+            net: None,
+            netns_created: None,
+            host_if_created: None,
+            short: util::random_hex(4),
+            lease: None,
+        };
+        reap_stale_leases();
+        // From here on, an early return drops `pod`, which undoes what was done so far.
+        pod.write_lease(&shared, &root, opts.netns)?;
+        let mut path = root;
+        for s in &shared {
+            path.push(s);
+            pod.acquire_shared(&path)?;
+        }
+        pod.make_owned_dir(&pod_cgroup)?;
+        let mut leaves = vec![pod.sandbox.cgroup.clone()];
+        leaves.extend(pod.containers.iter().map(|c| c.cgroup.clone()));
+        if opts.runtime == Runtime::Crio && opts.driver == CgroupDriver::Systemd {
+            // CRI-O puts each container's conmon in a sibling scope.
+            let ids: Vec<String> =
+                std::iter::once(pod.sandbox.id.clone()).chain(pod.containers.iter().map(|c| c.id.clone())).collect();
+            leaves.extend(ids.iter().map(|id| pod_cgroup.join(format!("crio-conmon-{id}.scope"))));
+        }
+        for l in leaves {
+            pod.make_owned_dir(&l)?;
+        }
+        if opts.netns {
+            pod.setup_net()?;
+        }
+        Ok(pod)
+    }
+
+    fn acquire_shared(&mut self, path: &Path) -> Result<()> {
+        let mut reg = SHARED_DIRS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = reg.get_mut(path) {
+            *n += 1;
+            self.shared_held.push(path.to_path_buf());
+            return Ok(());
+        }
+        match std::fs::create_dir(path) {
+            Ok(()) => {
+                reg.insert(path.to_path_buf(), 1);
+                self.shared_held.push(path.to_path_buf());
+                Ok(())
+            }
+            // Someone else's (the host's or another process'): use it, never remove it.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+            Err(e) => Err(e).with_context(|| format!("mkdir {}", path.display())),
+        }
+    }
+
+    fn make_owned_dir(&mut self, path: &Path) -> Result<()> {
+        let mut tries = 0;
+        loop {
+            match std::fs::create_dir(path) {
+                Ok(()) => {
+                    self.owned.push(path.to_path_buf());
+                    return Ok(());
+                }
+                // A parent removed by another process between our mkdirs: recreate and retry.
+                Err(e) if e.kind() == io::ErrorKind::NotFound && tries < 3 => {
+                    tries += 1;
+                    if let Some(p) = path.parent() {
+                        let _ = std::fs::create_dir_all(p);
+                    }
+                }
+                Err(e) => return Err(e).with_context(|| format!("mkdir {}", path.display())),
+            }
+        }
+    }
+
+    /// Records what this pod is about to create, so a later run can clean up after a test
+    /// process that died without dropping it.
+    fn write_lease(&mut self, shared: &[String], root: &Path, netns: bool) -> Result<()> {
+        let mut dirs = vec![self.pod_cgroup.clone(), self.sandbox.cgroup.clone()];
+        dirs.extend(self.containers.iter().map(|c| c.cgroup.clone()));
+        if self.runtime == Runtime::Crio && self.driver == CgroupDriver::Systemd {
+            let ids = std::iter::once(&self.sandbox.id).chain(self.containers.iter().map(|c| &c.id));
+            dirs.extend(ids.map(|id| self.pod_cgroup.join(format!("crio-conmon-{id}.scope"))));
+        }
+        let mut shared_paths = Vec::new();
+        let mut p = root.to_path_buf();
+        for s in shared {
+            p.push(s);
+            shared_paths.push(p.clone());
+        }
+        let pid = std::process::id();
+        let lease = json!({
+            "pid": pid,
+            "start": process_start_time(pid),
+            "dirs": dirs,
+            "shared": shared_paths,
+            "netns": netns.then(|| format!("valet-{}", self.short)),
+            "host_if": netns.then(|| format!("vh-{}", self.short)),
+        });
+        std::fs::create_dir_all(LEASE_DIR).with_context(|| format!("mkdir {LEASE_DIR}"))?;
+        let path = Path::new(LEASE_DIR).join(&self.short);
+        std::fs::write(&path, lease.to_string()).with_context(|| format!("write {}", path.display()))?;
+        self.lease = Some(path);
+        Ok(())
+    }
+
+    fn setup_net(&mut self) -> Result<()> {
+        let short = self.short.clone();
+        let ns_name = format!("valet-{short}");
+        let host_if = format!("vh-{short}");
+        let tmp_if = format!("vp-{short}");
+        ip(&["netns", "add", &ns_name])?;
+        self.netns_created = Some(ns_name.clone());
+        // Allocation and address assignment under one lock so parallel tests get distinct subnets.
+        let _lock = IpamLock::acquire()?;
+        let n = free_subnet()?;
+        let host_ip = Ipv4Addr::new(10, 244, n, 1);
+        let pod_ip = Ipv4Addr::new(10, 244, n, 2);
+        ip(&["link", "add", &host_if, "type", "veth", "peer", "name", &tmp_if])?;
+        self.host_if_created = Some(host_if.clone());
+        ip(&["link", "set", &tmp_if, "netns", &ns_name])?;
+        ip(&["addr", "add", &format!("{host_ip}/24"), "dev", &host_if])?;
+        ip(&["link", "set", &host_if, "up"])?;
+        ip(&["-n", &ns_name, "link", "set", &tmp_if, "name", "eth0"])?;
+        ip(&["-n", &ns_name, "addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"])?;
+        ip(&["-n", &ns_name, "link", "set", "eth0", "up"])?;
+        ip(&["-n", &ns_name, "link", "set", "lo", "up"])?;
+        ip(&["-n", &ns_name, "route", "add", "default", "via", &host_ip.to_string()])?;
+        self.net =
+            Some(PodNet { ns_path: PathBuf::from(format!("/run/netns/{ns_name}")), ns_name, host_if, pod_ip, host_ip });
+        Ok(())
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+    pub fn uid(&self) -> &str {
+        &self.uid
+    }
+    pub fn qos(&self) -> QosClass {
+        self.qos
+    }
+    pub fn driver(&self) -> CgroupDriver {
+        self.driver
+    }
+    pub fn runtime(&self) -> Runtime {
+        self.runtime
+    }
+    /// The cgroup2 mount the pod lives under.
+    pub fn cgroup_root(&self) -> &Path {
+        &self.root
+    }
+    /// Absolute path of the pod-level cgroup.
+    pub fn pod_cgroup_path(&self) -> &Path {
+        &self.pod_cgroup
+    }
+    /// The sandbox ("pause") container.
+    pub fn sandbox(&self) -> &SimContainer {
+        &self.sandbox
+    }
+    pub fn containers(&self) -> &[SimContainer] {
+        &self.containers
+    }
+    pub fn container(&self, name: &str) -> Result<&SimContainer> {
+        if name == "POD" {
+            return Ok(&self.sandbox);
+        }
+        self.containers
+            .iter()
+            .find(|c| c.name == name)
+            .ok_or_else(|| anyhow!("pod {} has no container {name}", self.name))
+    }
+    /// Absolute path of a container's cgroup (`POD` names the sandbox).
+    pub fn container_cgroup_path(&self, name: &str) -> Result<&Path> {
+        Ok(&self.container(name)?.cgroup)
+    }
+    /// A cgroup path as `/proc/<pid>/cgroup` shows it (`/kubepods.slice/...`).
+    pub fn relative_cgroup(&self, abs: &Path) -> Result<String> {
+        let rel = abs
+            .strip_prefix(&self.root)
+            .with_context(|| format!("{} is not under {}", abs.display(), self.root.display()))?;
+        Ok(format!("/{}", rel.display()))
+    }
+    /// `containerd://<ID>` (or `cri-o://`, `docker://`).
+    pub fn container_id_uri(&self, name: &str) -> Result<String> {
+        Ok(format!("{}://{}", self.runtime.id_scheme(), self.container(name)?.id))
+    }
+    /// The pod IP, when the pod has a network namespace.
+    pub fn pod_ip(&self) -> Option<Ipv4Addr> {
+        self.net.as_ref().map(|n| n.pod_ip)
+    }
+    /// The host end of the veth (the pod's default gateway).
+    pub fn host_ip(&self) -> Option<Ipv4Addr> {
+        self.net.as_ref().map(|n| n.host_ip)
+    }
+    /// `/run/netns/valet-<short>`.
+    pub fn netns_path(&self) -> Option<&Path> {
+        self.net.as_ref().map(|n| n.ns_path.as_path())
+    }
+    pub fn netns_name(&self) -> Option<&str> {
+        self.net.as_ref().map(|n| n.ns_name.as_str())
+    }
+    /// The host-side veth interface name.
+    pub fn host_interface(&self) -> Option<&str> {
+        self.net.as_ref().map(|n| n.host_if.as_str())
+    }
+
+    /// Runs `f` inside the pod's network namespace (on a fresh thread).
+    pub fn in_netns<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T> {
+        let p = self.netns_path().ok_or_else(|| anyhow!("pod {} has no network namespace", self.name))?;
+        in_netns(p, f)
+    }
+
+    /// Starts `cmd` as a process of `container` (`POD` = the sandbox): it joins the container's
+    /// cgroup and the pod's netns before exec, and with `pid_namespace` it is pid 1 of a new
+    /// pid namespace while the returned handle holds its host pid and can wait for its status.
+    pub fn spawn(&self, container: &str, cmd: &[&str], opts: &SpawnOptions) -> Result<SimProcess> {
+        let c = self.container(container)?;
+        let (prog, args) = cmd.split_first().ok_or_else(|| anyhow!("empty command"))?;
+        let procs_path = c.cgroup.join("cgroup.procs");
+        let procs =
+            File::options().write(true).open(&procs_path).with_context(|| format!("open {}", procs_path.display()))?;
+        let netns = match self.netns_path() {
+            Some(p) => Some(File::open(p).with_context(|| format!("open {}", p.display()))?),
+            None => None,
+        };
+        let mut command = Command::new(prog);
+        command.args(args).stdin(Stdio::null()).stdout(opts.stdout.stdio()?).stderr(opts.stderr.stdio()?);
+        for (k, v) in &opts.env {
+            command.env(k, v);
+        }
+        if let Some(d) = &opts.cwd {
+            command.current_dir(d);
+        }
+        let procs_fd = procs.as_raw_fd();
+        let ns_fd = netns.as_ref().map(|f| f.as_raw_fd());
+        // SAFETY: between fork and exec only async-signal-safe syscalls on fds opened beforehand
+        // (they are O_CLOEXEC, so the program never sees them).
+        unsafe {
+            command.pre_exec(move || {
+                // "0" means the writing process itself, whatever pid namespace it is in.
+                if libc::write(procs_fd, b"0".as_ptr().cast(), 1) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                if let Some(fd) = ns_fd
+                    && libc::setns(fd, libc::CLONE_NEWNET) != 0
+                {
+                    return Err(io::Error::last_os_error());
+                }
+                // Own session: ^C in the test's terminal must not reach the container.
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let child = if opts.pid_namespace {
+            // unshare(CLONE_NEWPID) affects the children of the calling thread only, so fork from
+            // a throwaway thread: its first child becomes pid 1 of the new namespace.
+            std::thread::scope(|s| {
+                s.spawn(|| -> io::Result<Child> {
+                    // SAFETY: plain syscall; only this thread's pid_for_children changes.
+                    if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    command.spawn()
+                })
+                .join()
+                .map_err(|_| io::Error::other("spawn thread panicked"))?
+            })
+        } else {
+            command.spawn()
+        }
+        .with_context(|| format!("spawn {prog} in {}/{container}", self.name))?;
+        drop(procs);
+        drop(netns);
+        Ok(SimProcess {
+            host_pid: child.id(),
+            child,
+            pid_namespace: opts.pid_namespace,
+            container: container.to_string(),
+            status: None,
+        })
+    }
+
+    /// Starts a pause-like process (`sleep infinity`) in the sandbox, so the pod has a live
+    /// process holding its namespaces as a real sandbox does.
+    pub fn spawn_pause(&self) -> Result<SimProcess> {
+        self.spawn("POD", &["sleep", "infinity"], &SpawnOptions::default())
+    }
+
+    /// A realistic v1 Pod for this pod, as the kubelet would have reported it.
+    pub fn pod_json(&self, o: &PodJsonOptions) -> Value {
+        let now = util::now_rfc3339();
+        let resources = match self.qos {
+            QosClass::Guaranteed => {
+                json!({"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}})
+            }
+            QosClass::Burstable => json!({"requests": {"cpu": "50m", "memory": "32Mi"}}),
+            QosClass::BestEffort => json!({}),
+        };
+        let spec_of = |c: &SimContainer, sidecar: bool| {
+            let mut v = json!({
+                "name": c.name, "image": c.image, "imagePullPolicy": "IfNotPresent",
+                "resources": resources,
+                "terminationMessagePath": "/dev/termination-log", "terminationMessagePolicy": "File",
+            });
+            if !c.ports.is_empty() {
+                v["ports"] = c.ports.iter().map(|p| json!({"containerPort": p, "protocol": "TCP"})).collect();
+            }
+            if sidecar {
+                v["restartPolicy"] = json!("Always");
+            }
+            v
+        };
+        let status_of = |c: &SimContainer| {
+            let mut v = json!({
+                "name": c.name, "image": c.image, "imageID": format!("{}@sha256:{}", c.image, util::random_hex(32)),
+                "ready": true, "started": true, "restartCount": 0,
+                "state": {"running": {"startedAt": now}}, "lastState": {},
+            });
+            if o.container_ids {
+                v["containerID"] = json!(format!("{}://{}", self.runtime.id_scheme(), c.id));
+            }
+            v
+        };
+        let is_sidecar = |c: &SimContainer| o.native_sidecars.contains(&c.name);
+        let main: Vec<&SimContainer> = self.containers.iter().filter(|c| !is_sidecar(c)).collect();
+        let init: Vec<&SimContainer> = self.containers.iter().filter(|c| is_sidecar(c)).collect();
+        let mut labels: Map<String, Value> = o.labels.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+        let mut meta = json!({"name": self.name, "namespace": self.namespace, "uid": self.uid});
+        if let Some(job) = &o.job_name {
+            let job_uid = util::uuid_v4();
+            for (k, v) in [
+                ("batch.kubernetes.io/controller-uid", job_uid.as_str()),
+                ("batch.kubernetes.io/job-name", job.as_str()),
+                ("controller-uid", job_uid.as_str()),
+                ("job-name", job.as_str()),
+            ] {
+                labels.entry(k).or_insert(json!(v));
+            }
+            meta["ownerReferences"] = json!([{"apiVersion": "batch/v1", "kind": "Job", "name": job, "uid": job_uid,
+                                               "controller": true, "blockOwnerDeletion": true}]);
+            meta["generateName"] = json!(format!("{job}-"));
+        }
+        meta["labels"] = Value::Object(labels);
+        meta["annotations"] = Value::Object(o.annotations.iter().map(|(k, v)| (k.clone(), json!(v))).collect());
+        let pod_ip = self.pod_ip().map(|i| i.to_string());
+        let host_ip =
+            o.host_ip.clone().or_else(|| self.host_ip().map(|i| i.to_string())).unwrap_or_else(|| "10.0.0.10".into());
+        let cond = |t: &str| json!({"type": t, "status": "True", "lastProbeTime": null, "lastTransitionTime": now});
+        let mut status = json!({
+            "phase": o.phase,
+            "qosClass": self.qos.as_str(),
+            "hostIP": host_ip,
+            "hostIPs": [{"ip": host_ip}],
+            "startTime": now,
+            "conditions": [cond("PodReadyToStartContainers"), cond("Initialized"), cond("Ready"), cond("ContainersReady"), cond("PodScheduled")],
+            "containerStatuses": main.iter().map(|c| status_of(c)).collect::<Vec<_>>(),
+        });
+        if let Some(ip) = &pod_ip {
+            status["podIP"] = json!(ip);
+            status["podIPs"] = json!([{"ip": ip}]);
+        }
+        let mut spec = json!({
+            "nodeName": o.node_name,
+            "restartPolicy": o.restart_policy,
+            "terminationGracePeriodSeconds": 30,
+            "dnsPolicy": "ClusterFirst",
+            "schedulerName": "default-scheduler",
+            "serviceAccountName": "default",
+            "enableServiceLinks": true,
+            "priority": 0,
+            "securityContext": {},
+            "containers": main.iter().map(|c| spec_of(c, false)).collect::<Vec<_>>(),
+            "tolerations": [
+                {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+                {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300}],
+        });
+        if !init.is_empty() {
+            spec["initContainers"] = init.iter().map(|c| spec_of(c, true)).collect();
+            status["initContainerStatuses"] = init.iter().map(|c| status_of(c)).collect();
+        }
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec, "status": status})
+    }
+}
+
+/// Inputs of [`SimPod::pod_json`].
+#[derive(Debug, Clone)]
+pub struct PodJsonOptions {
+    pub node_name: String,
+    pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+    /// `Never` (default), `OnFailure` or `Always`.
+    pub restart_policy: String,
+    /// `status.phase` (default `Running`).
+    pub phase: String,
+    /// `status.hostIP`; default: the host end of the pod's veth.
+    pub host_ip: Option<String>,
+    /// Make it a Job's pod: ownerReferences and the job labels.
+    pub job_name: Option<String>,
+    /// Containers declared as native sidecars (init containers with `restartPolicy: Always`).
+    pub native_sidecars: Vec<String>,
+    /// Report containerIDs in the statuses (false: the kubelet has not synced them yet).
+    pub container_ids: bool,
+}
+
+impl Default for PodJsonOptions {
+    fn default() -> Self {
+        PodJsonOptions {
+            node_name: "sim-node".into(),
+            labels: BTreeMap::new(),
+            annotations: BTreeMap::new(),
+            restart_policy: "Never".into(),
+            phase: "Running".into(),
+            host_ip: None,
+            job_name: None,
+            native_sidecars: Vec::new(),
+            container_ids: true,
+        }
+    }
+}
+
+impl PodJsonOptions {
+    pub fn node(node_name: &str) -> PodJsonOptions {
+        PodJsonOptions { node_name: node_name.to_string(), ..Default::default() }
+    }
+    pub fn label(mut self, k: &str, v: &str) -> Self {
+        self.labels.insert(k.into(), v.into());
+        self
+    }
+    pub fn annotation(mut self, k: &str, v: &str) -> Self {
+        self.annotations.insert(k.into(), v.into());
+        self
+    }
+    pub fn restart_policy(mut self, p: &str) -> Self {
+        self.restart_policy = p.into();
+        self
+    }
+    pub fn job(mut self, name: &str) -> Self {
+        self.job_name = Some(name.into());
+        self
+    }
+    pub fn native_sidecar(mut self, container: &str) -> Self {
+        self.native_sidecars.push(container.into());
+        self
+    }
+    pub fn without_container_ids(mut self) -> Self {
+        self.container_ids = false;
+        self
+    }
+}
+
+fn container_status_mut<'a>(pod: &'a mut Value, container: &str) -> Option<&'a mut Value> {
+    let status = pod.get_mut("status")?;
+    for list in ["containerStatuses", "initContainerStatuses"] {
+        if let Some(Value::Array(items)) = status.get(list)
+            && let Some(i) = items.iter().position(|c| c["name"] == container)
+        {
+            return status.get_mut(list).and_then(|l| l.get_mut(i));
+        }
+    }
+    None
+}
+
+/// Marks a container terminated in a pod JSON as the kubelet reports it (reason `Completed` for
+/// exit 0, `Error` otherwise), keeping its containerID and start time.
+pub fn mark_container_terminated(pod: &mut Value, container: &str, exit_code: i32) -> Result<()> {
+    let pod_name = pod.pointer("/metadata/name").and_then(Value::as_str).unwrap_or("").to_string();
+    let cs = container_status_mut(pod, container)
+        .ok_or_else(|| anyhow!("pod {pod_name} has no status for container {container}"))?;
+    let now = util::now_rfc3339();
+    let started = cs.pointer("/state/running/startedAt").cloned().unwrap_or_else(|| json!(now));
+    let mut term = json!({
+        "exitCode": exit_code,
+        "reason": if exit_code == 0 { "Completed" } else { "Error" },
+        "startedAt": started,
+        "finishedAt": now,
+    });
+    if let Some(id) = cs.get("containerID") {
+        term["containerID"] = id.clone();
+    }
+    cs["state"] = json!({"terminated": term});
+    cs["ready"] = json!(false);
+    cs["started"] = json!(false);
+    Ok(())
+}
+
+/// Sets `status.phase` (and, for terminal phases, the Ready conditions to False).
+pub fn set_pod_phase(pod: &mut Value, phase: &str) {
+    pod["status"]["phase"] = json!(phase);
+    if matches!(phase, "Succeeded" | "Failed")
+        && let Some(Value::Array(conds)) = pod.pointer_mut("/status/conditions")
+    {
+        for c in conds {
+            if matches!(c["type"].as_str(), Some("Ready" | "ContainersReady")) {
+                c["status"] = json!("False");
+                c["reason"] = json!("PodCompleted");
+            }
+        }
+    }
+}
+
+fn default_image(name: &str) -> String {
+    match name {
+        "istio-proxy" => "docker.io/istio/proxyv2:1.26.0".into(),
+        "linkerd-proxy" => "cr.l5d.io/linkerd/proxy:edge-25.4.1".into(),
+        "cloud-sql-proxy" => "gcr.io/cloud-sql-connectors/cloud-sql-proxy:2.15.0".into(),
+        "envoy" => "docker.io/envoyproxy/envoy:v1.34.0".into(),
+        other => format!("docker.io/library/{other}:latest"),
+    }
+}
+
+fn ip(args: &[&str]) -> Result<()> {
+    let out = Command::new("ip").args(args).output().context("run ip (iproute2)")?;
+    if !out.status.success() {
+        bail!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(())
+}
+
+fn ip_output(args: &[&str]) -> Result<String> {
+    let out = Command::new("ip").args(args).output().context("run ip (iproute2)")?;
+    if !out.status.success() {
+        bail!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// A host-wide lock (flock) around subnet allocation, shared by all test processes.
+struct IpamLock {
+    _file: File,
+}
+
+impl IpamLock {
+    fn acquire() -> Result<IpamLock> {
+        std::fs::create_dir_all("/run/valet-sim").context("mkdir /run/valet-sim")?;
+        let f = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open("/run/valet-sim/ipam.lock")
+            .context("open the ipam lock")?;
+        // SAFETY: plain syscall on a valid fd; the lock is released when the file closes.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(io::Error::last_os_error()).context("flock");
+        }
+        Ok(IpamLock { _file: f })
+    }
+}
+
+/// The first 10.244.N.0/24 no address or route on the host uses.
+fn free_subnet() -> Result<u8> {
+    let used = ip_output(&["-4", "-o", "addr", "show"])? + &ip_output(&["-4", "route", "show"])?;
+    (1..=254u8)
+        .find(|n| !used.contains(&format!("10.244.{n}.")))
+        .ok_or_else(|| anyhow!("no free 10.244.N.0/24 subnet left"))
+}
+
+/// Kills what runs in a cgroup and waits until it is empty.
+fn kill_cgroup(dir: &Path) {
+    let kill_file = dir.join("cgroup.kill");
+    let have_kill = std::fs::write(&kill_file, "1").is_ok();
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+        let pids: Vec<i32> = procs.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        if pids.is_empty() || Instant::now() >= deadline {
+            return;
+        }
+        if !have_kill {
+            for p in pids {
+                // SAFETY: plain syscall.
+                unsafe { libc::kill(p, libc::SIGKILL) };
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn rmdir_retry(dir: &Path) {
+    for _ in 0..100 {
+        match std::fs::remove_dir(dir) {
+            Ok(()) => return,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return,
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => std::thread::sleep(Duration::from_millis(10)),
+            Err(_) => return,
+        }
+    }
+}
+
+impl Drop for SimPod {
+    fn drop(&mut self) {
+        for dir in self.owned.iter().rev() {
+            kill_cgroup(dir);
+        }
+        for dir in self.owned.iter().rev() {
+            rmdir_retry(dir);
+        }
+        {
+            let mut reg = SHARED_DIRS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            for dir in self.shared_held.iter().rev() {
+                if let Some(n) = reg.get_mut(dir) {
+                    *n -= 1;
+                    if *n == 0 {
+                        reg.remove(dir);
+                        // Not empty if another process put things there: then it stays.
+                        let _ = std::fs::remove_dir(dir);
+                    }
+                }
+            }
+        }
+        if let Some(ns) = self.netns_created.take() {
+            let _ = ip(&["netns", "del", &ns]);
+        }
+        if let Some(h) = self.host_if_created.take() {
+            // Usually gone with its peer's namespace already.
+            let _ = Command::new("ip").args(["link", "del", &h]).stderr(Stdio::null()).status();
+        }
+        if let Some(l) = self.lease.take() {
+            let _ = std::fs::remove_file(l);
+        }
+    }
+}
+
+const LEASE_DIR: &str = "/run/valet-sim/leases";
+
+/// Field 22 of /proc/PID/stat (start time in clock ticks): tells a live owner from a recycled pid.
+fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may contain spaces and parentheses: count fields after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Removes what sim pods of dead processes left behind (a test killed by a timeout, say).
+pub fn reap_stale_leases() {
+    let Ok(entries) = std::fs::read_dir(LEASE_DIR) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let Ok(lease) = serde_json::from_str::<Value>(&text) else {
+            let _ = std::fs::remove_file(&path);
+            continue;
+        };
+        let pid = lease["pid"].as_u64().unwrap_or(0) as u32;
+        let alive = pid != 0 && process_start_time(pid).is_some() && process_start_time(pid) == lease["start"].as_u64();
+        if alive {
+            continue;
+        }
+        let paths = |k: &str| -> Vec<PathBuf> {
+            lease[k]
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_str).map(PathBuf::from).collect())
+                .unwrap_or_default()
+        };
+        let dirs = paths("dirs");
+        for d in dirs.iter().rev() {
+            if d.exists() {
+                kill_cgroup(d);
+            }
+        }
+        for d in dirs.iter().rev() {
+            rmdir_retry(d);
+        }
+        for d in paths("shared").iter().rev() {
+            // Only goes if empty: other pods may still live there.
+            let _ = std::fs::remove_dir(d);
+        }
+        if let Some(ns) = lease["netns"].as_str() {
+            let _ = Command::new("ip").args(["netns", "del", ns]).stderr(Stdio::null()).status();
+        }
+        if let Some(h) = lease["host_if"].as_str() {
+            let _ = Command::new("ip").args(["link", "del", h]).stderr(Stdio::null()).status();
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_hybrid_and_unified() {
+        let hybrid = "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n\
+                      41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n";
+        assert_eq!(CgroupRoot::from_mountinfo(hybrid), Some(PathBuf::from("/sys/fs/cgroup/unified")));
+        let unified = "30 23 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n";
+        assert_eq!(CgroupRoot::from_mountinfo(unified), Some(PathBuf::from("/sys/fs/cgroup")));
+        let odd = "30 23 0:26 / /mnt/my\\040cg rw - cgroup2 none rw\n";
+        assert_eq!(CgroupRoot::from_mountinfo(odd), Some(PathBuf::from("/mnt/my cg")));
+        assert_eq!(CgroupRoot::from_mountinfo("31 23 0:28 / /x rw - tmpfs tmpfs rw\n"), None);
+    }
+
+    #[test]
+    fn terminated_marking() {
+        let mut pod = json!({"metadata": {"name": "p"}, "status": {"containerStatuses": [
+            {"name": "app", "containerID": "containerd://abc", "ready": true, "started": true,
+             "state": {"running": {"startedAt": "2025-01-01T00:00:00Z"}}}]}});
+        mark_container_terminated(&mut pod, "app", 1).expect("marked");
+        let t = &pod["status"]["containerStatuses"][0]["state"]["terminated"];
+        assert_eq!(t["exitCode"], 1);
+        assert_eq!(t["reason"], "Error");
+        assert_eq!(t["startedAt"], "2025-01-01T00:00:00Z");
+        assert_eq!(t["containerID"], "containerd://abc");
+        assert!(mark_container_terminated(&mut pod, "nope", 0).is_err());
+    }
+}

@@ -1,0 +1,708 @@
+//! Stand-in sidecar proxies: small HTTP servers with the readiness and quit endpoints of Istio's
+//! pilot-agent/Envoy, plain Envoy, Linkerd's proxy and cloud-sql-proxy, including who may call
+//! quit (loopback only) and what answers look like. The binary `valet-standin-proxy` runs
+//! [`run`]; [`crate::node::SimPod::spawn_standin`] starts it inside a sim pod's container.
+//!
+//! Everything here is std only (a thread per listener and per connection): small and robust.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+
+use crate::node::{SimPod, SimProcess, SpawnOptions};
+use crate::util::monotonic_ns;
+
+/// Which proxy to imitate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyKind {
+    /// pilot-agent status server :15020 (`POST /quitquitquit`, `GET /healthz/ready`), Envoy's health
+    /// listener :15021 (`GET /healthz/ready`) and Envoy admin 127.0.0.1:15000 (whose quit only
+    /// restarts Envoy under pilot-agent: it answers but the process stays).
+    Istio,
+    /// Envoy admin 127.0.0.1:15000: `POST /quitquitquit`, `GET /ready`.
+    Envoy,
+    /// linkerd-proxy admin :4191: `GET /ready`, `GET /live`, `POST /shutdown` (loopback only).
+    Linkerd,
+    /// cloud-sql-proxy v2: health :9090 (`/readiness`, `/liveness`, `/startup`), admin
+    /// 127.0.0.1:9091 `/quitquitquit`.
+    CloudSql,
+}
+
+impl ProxyKind {
+    pub fn parse(s: &str) -> Result<ProxyKind> {
+        Ok(match s {
+            "istio" => ProxyKind::Istio,
+            "envoy" => ProxyKind::Envoy,
+            "linkerd" => ProxyKind::Linkerd,
+            "cloudsql" | "cloud-sql" | "cloud-sql-proxy" => ProxyKind::CloudSql,
+            other => bail!("unknown --kind {other:?} (istio|envoy|linkerd|cloudsql)"),
+        })
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProxyKind::Istio => "istio",
+            ProxyKind::Envoy => "envoy",
+            ProxyKind::Linkerd => "linkerd",
+            ProxyKind::CloudSql => "cloudsql",
+        }
+    }
+}
+
+/// Command-line options of the stand-in (see `--help`).
+#[derive(Debug, Clone)]
+pub struct StandinOptions {
+    pub kind: ProxyKind,
+    /// Not ready before this much time after start.
+    pub ready_after: Option<Duration>,
+    /// Ready only while this file exists.
+    pub ready_file: Option<PathBuf>,
+    /// Accept connections but never answer.
+    pub hang: bool,
+    /// Answer every request with an endless body.
+    pub flood: bool,
+    /// Answer quit with success but keep running.
+    pub quit_ignored: bool,
+    /// Append `<CLOCK_MONOTONIC ns> <method> <path> <peer>` per request to this file.
+    pub events: Option<PathBuf>,
+    /// Istio status port (15020).
+    pub status_port: Option<u16>,
+    /// Istio health (15021) / cloud-sql-proxy health (9090) port.
+    pub health_port: Option<u16>,
+    /// Envoy admin (15000) / Linkerd admin (4191) / cloud-sql-proxy admin (9091) port.
+    pub admin_port: Option<u16>,
+    /// Bind address of the Envoy / cloud-sql-proxy admin listener (127.0.0.1).
+    pub admin_addr: Option<IpAddr>,
+    /// Delay between SIGTERM and exit (Istio's terminationDrainDuration: 5 s; others 0).
+    pub drain: Option<Duration>,
+    /// Exit code on SIGTERM (cloud-sql-proxy without --exit-zero-on-sigterm: 143; others 0).
+    pub sigterm_exit_code: Option<i32>,
+    /// Linkerd's default in recent releases: `/shutdown` is not served.
+    pub linkerd_shutdown_disabled: bool,
+}
+
+impl StandinOptions {
+    pub fn new(kind: ProxyKind) -> StandinOptions {
+        StandinOptions {
+            kind,
+            ready_after: None,
+            ready_file: None,
+            hang: false,
+            flood: false,
+            quit_ignored: false,
+            events: None,
+            status_port: None,
+            health_port: None,
+            admin_port: None,
+            admin_addr: None,
+            drain: None,
+            sigterm_exit_code: None,
+            linkerd_shutdown_disabled: false,
+        }
+    }
+
+    /// The flags that reproduce these options.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec!["--kind".to_string(), self.kind.as_str().to_string()];
+        let mut push = |k: &str, v: String| {
+            a.push(k.to_string());
+            a.push(v);
+        };
+        if let Some(d) = self.ready_after {
+            push("--ready-after-ms", d.as_millis().to_string());
+        }
+        if let Some(p) = &self.ready_file {
+            push("--ready-file", p.display().to_string());
+        }
+        if let Some(p) = &self.events {
+            push("--events", p.display().to_string());
+        }
+        if let Some(p) = self.status_port {
+            push("--status-port", p.to_string());
+        }
+        if let Some(p) = self.health_port {
+            push("--health-port", p.to_string());
+        }
+        if let Some(p) = self.admin_port {
+            push("--admin-port", p.to_string());
+        }
+        if let Some(ip) = self.admin_addr {
+            push("--admin-addr", ip.to_string());
+        }
+        if let Some(d) = self.drain {
+            push("--drain-ms", d.as_millis().to_string());
+        }
+        if let Some(c) = self.sigterm_exit_code {
+            push("--sigterm-exit-code", c.to_string());
+        }
+        for (on, flag) in [
+            (self.hang, "--hang"),
+            (self.flood, "--flood"),
+            (self.quit_ignored, "--quit-ignored"),
+            (self.linkerd_shutdown_disabled, "--linkerd-shutdown-disabled"),
+        ] {
+            if on {
+                a.push(flag.to_string());
+            }
+        }
+        a
+    }
+
+    /// Parses the flags (without the program name).
+    pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<StandinOptions> {
+        let mut o = StandinOptions::new(ProxyKind::Istio);
+        let mut it = args.into_iter();
+        while let Some(flag) = it.next() {
+            let (flag, inline) = match flag.split_once('=') {
+                Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+                _ => (flag, None),
+            };
+            let mut value = |name: &str| -> Result<String> {
+                match inline.clone() {
+                    Some(v) => Ok(v),
+                    None => it.next().ok_or_else(|| anyhow!("{name} needs a value")),
+                }
+            };
+            let ms = |v: String| -> Result<Duration> {
+                Ok(Duration::from_millis(v.parse().with_context(|| format!("bad number {v:?}"))?))
+            };
+            let port = |v: String| -> Result<u16> { v.parse().with_context(|| format!("bad port {v:?}")) };
+            match flag.as_str() {
+                "--kind" => o.kind = ProxyKind::parse(&value("--kind")?)?,
+                "--ready-after-ms" => o.ready_after = Some(ms(value("--ready-after-ms")?)?),
+                "--ready-file" => o.ready_file = Some(PathBuf::from(value("--ready-file")?)),
+                "--events" => o.events = Some(PathBuf::from(value("--events")?)),
+                "--status-port" => o.status_port = Some(port(value("--status-port")?)?),
+                "--health-port" => o.health_port = Some(port(value("--health-port")?)?),
+                "--admin-port" => o.admin_port = Some(port(value("--admin-port")?)?),
+                "--admin-addr" => o.admin_addr = Some(value("--admin-addr")?.parse().context("bad --admin-addr")?),
+                "--drain-ms" => o.drain = Some(ms(value("--drain-ms")?)?),
+                "--sigterm-exit-code" => {
+                    o.sigterm_exit_code = Some(value("--sigterm-exit-code")?.parse().context("bad exit code")?)
+                }
+                "--hang" => o.hang = true,
+                "--flood" => o.flood = true,
+                "--quit-ignored" => o.quit_ignored = true,
+                "--linkerd-shutdown-disabled" => o.linkerd_shutdown_disabled = true,
+                other => bail!("unknown flag {other:?}\n{USAGE}"),
+            }
+        }
+        Ok(o)
+    }
+
+    /// Port and path of the readiness endpoint a kubelet would probe.
+    pub fn ready_endpoint(&self) -> (u16, &'static str) {
+        match self.kind {
+            ProxyKind::Istio => (self.health_port.unwrap_or(15021), "/healthz/ready"),
+            ProxyKind::Envoy => (self.admin_port.unwrap_or(15000), "/ready"),
+            ProxyKind::Linkerd => (self.admin_port.unwrap_or(4191), "/ready"),
+            ProxyKind::CloudSql => (self.health_port.unwrap_or(9090), "/readiness"),
+        }
+    }
+
+    /// Port and path of the quit endpoint (always `POST`).
+    pub fn quit_endpoint(&self) -> (u16, &'static str) {
+        match self.kind {
+            ProxyKind::Istio => (self.status_port.unwrap_or(15020), "/quitquitquit"),
+            ProxyKind::Envoy => (self.admin_port.unwrap_or(15000), "/quitquitquit"),
+            ProxyKind::Linkerd => (self.admin_port.unwrap_or(4191), "/shutdown"),
+            ProxyKind::CloudSql => (self.admin_port.unwrap_or(9091), "/quitquitquit"),
+        }
+    }
+
+    fn listeners(&self) -> Vec<(Role, SocketAddr)> {
+        let any = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+        let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let admin = self.admin_addr.unwrap_or(lo);
+        match self.kind {
+            ProxyKind::Istio => vec![
+                (Role::IstioStatus, SocketAddr::new(any, self.status_port.unwrap_or(15020))),
+                (Role::IstioHealth, SocketAddr::new(any, self.health_port.unwrap_or(15021))),
+                (Role::IstioEnvoyAdmin, SocketAddr::new(lo, self.admin_port.unwrap_or(15000))),
+            ],
+            ProxyKind::Envoy => vec![(Role::EnvoyAdmin, SocketAddr::new(admin, self.admin_port.unwrap_or(15000)))],
+            ProxyKind::Linkerd => vec![(Role::LinkerdAdmin, SocketAddr::new(any, self.admin_port.unwrap_or(4191)))],
+            ProxyKind::CloudSql => vec![
+                (Role::CloudSqlHealth, SocketAddr::new(any, self.health_port.unwrap_or(9090))),
+                (Role::CloudSqlAdmin, SocketAddr::new(admin, self.admin_port.unwrap_or(9091))),
+            ],
+        }
+    }
+}
+
+pub const USAGE: &str =
+    "usage: valet-standin-proxy [--kind istio|envoy|linkerd|cloudsql] [--ready-after-ms N | --ready-file PATH]
+       [--hang] [--flood] [--quit-ignored] [--events PATH]
+       [--status-port N] [--health-port N] [--admin-port N] [--admin-addr IP]
+       [--drain-ms N] [--sigterm-exit-code N] [--linkerd-shutdown-disabled]";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    IstioStatus,
+    IstioHealth,
+    IstioEnvoyAdmin,
+    EnvoyAdmin,
+    LinkerdAdmin,
+    CloudSqlHealth,
+    CloudSqlAdmin,
+}
+
+/// What to do with a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Action {
+    Reply {
+        code: u16,
+        body: &'static str,
+    },
+    /// Reply, then exit with this code once the response is flushed.
+    ReplyThenExit {
+        code: u16,
+        body: &'static str,
+        exit: i32,
+    },
+}
+
+struct State {
+    opts: StandinOptions,
+    started: Instant,
+    events: Option<Mutex<File>>,
+}
+
+impl State {
+    fn ready(&self) -> bool {
+        self.opts.ready_after.is_none_or(|d| self.started.elapsed() >= d)
+            && self.opts.ready_file.as_ref().is_none_or(|f| f.exists())
+    }
+
+    fn quit(&self, code: u16, body: &'static str) -> Action {
+        if self.opts.quit_ignored {
+            Action::Reply { code, body }
+        } else {
+            Action::ReplyThenExit { code, body, exit: 0 }
+        }
+    }
+
+    fn decide(&self, role: Role, method: &str, path: &str, loopback: bool) -> Action {
+        use Action::Reply;
+        let ready = self.ready();
+        match (role, path) {
+            // pilot-agent: the source check comes before the method check.
+            (Role::IstioStatus, "/quitquitquit") => {
+                if !loopback {
+                    Reply { code: 403, body: "Only requests from localhost are allowed\n" }
+                } else if method != "POST" {
+                    Reply { code: 405, body: "Method Not Allowed\n" }
+                } else {
+                    self.quit(200, "OK")
+                }
+            }
+            (Role::IstioStatus | Role::IstioHealth, "/healthz/ready") => {
+                if ready {
+                    Reply { code: 200, body: "" }
+                } else {
+                    Reply { code: 503, body: "envoy not ready\n" }
+                }
+            }
+            (Role::IstioEnvoyAdmin | Role::EnvoyAdmin, "/quitquitquit") => {
+                if method != "POST" {
+                    Reply { code: 405, body: "Method not allowed, POST required.\n" }
+                } else if role == Role::IstioEnvoyAdmin {
+                    // Envoy exits, pilot-agent restarts it: the pod's proxy keeps running.
+                    Reply { code: 200, body: "OK\n" }
+                } else {
+                    self.quit(200, "OK\n")
+                }
+            }
+            (Role::IstioEnvoyAdmin | Role::EnvoyAdmin, "/ready") => {
+                if ready {
+                    Reply { code: 200, body: "LIVE\n" }
+                } else {
+                    Reply { code: 503, body: "PRE_INITIALIZING\n" }
+                }
+            }
+            (Role::IstioEnvoyAdmin | Role::EnvoyAdmin, _) => {
+                Reply { code: 404, body: "invalid path. admin commands are:\n" }
+            }
+            (Role::LinkerdAdmin, "/ready") => {
+                if ready {
+                    Reply { code: 200, body: "ready\n" }
+                } else {
+                    Reply { code: 503, body: "not ready\n" }
+                }
+            }
+            (Role::LinkerdAdmin, "/live") => Reply { code: 200, body: "live\n" },
+            (Role::LinkerdAdmin, "/shutdown") if !self.opts.linkerd_shutdown_disabled => {
+                // linkerd2-proxy: the method check comes before the source check.
+                if method != "POST" {
+                    Reply { code: 405, body: "" }
+                } else if !loopback {
+                    Reply { code: 403, body: "Requests are only permitted from localhost." }
+                } else {
+                    self.quit(200, "shutdown\n")
+                }
+            }
+            (Role::LinkerdAdmin, _) => Reply { code: 404, body: "" },
+            (Role::CloudSqlHealth, "/readiness" | "/startup") => {
+                if ready {
+                    Reply { code: 200, body: "ok" }
+                } else {
+                    Reply { code: 503, body: "error: proxy not ready" }
+                }
+            }
+            (Role::CloudSqlHealth, "/liveness") => Reply { code: 200, body: "ok" },
+            (Role::CloudSqlAdmin, "/quitquitquit") => {
+                if method != "POST" && method != "GET" {
+                    Reply { code: 400, body: "" }
+                } else {
+                    self.quit(200, "")
+                }
+            }
+            _ => Reply { code: 404, body: "404 page not found\n" },
+        }
+    }
+
+    fn log(&self, method: &str, path: &str, peer: SocketAddr) {
+        if let Some(f) = &self.events {
+            let line = format!("{} {method} {path} {peer}\n", monotonic_ns());
+            let mut f = f.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            // One write per line on an O_APPEND file: lines from threads never interleave.
+            let _ = f.write_all(line.as_bytes());
+        }
+    }
+}
+
+fn reason(code: u16) -> &'static str {
+    match code {
+        200 => "OK",
+        400 => "Bad Request",
+        403 => "Forbidden",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        503 => "Service Unavailable",
+        _ => "Unknown",
+    }
+}
+
+/// Reads the request head; (method, path without query). None if the peer sent nothing usable.
+fn read_head(r: &mut BufReader<TcpStream>) -> Option<(String, String, usize)> {
+    let mut line = String::new();
+    r.read_line(&mut line).ok()?;
+    let mut parts = line.split_whitespace();
+    let method = parts.next()?.to_string();
+    let target = parts.next()?;
+    let path = target.split('?').next().unwrap_or("/").to_string();
+    let mut content_length = 0usize;
+    let mut total = line.len();
+    loop {
+        let mut h = String::new();
+        if r.read_line(&mut h).ok()? == 0 {
+            return None;
+        }
+        total += h.len();
+        if total > 64 * 1024 {
+            return None;
+        }
+        let t = h.trim_end();
+        if t.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = t.split_once(':')
+            && k.trim().eq_ignore_ascii_case("content-length")
+        {
+            content_length = v.trim().parse().unwrap_or(0);
+        }
+    }
+    Some((method, path, content_length))
+}
+
+fn handle(stream: TcpStream, role: Role, state: &State) {
+    let peer = match stream.peer_addr() {
+        Ok(p) => p,
+        Err(_) => return,
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+    let Ok(write_half) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(stream);
+    let Some((method, path, content_length)) = read_head(&mut reader) else {
+        return;
+    };
+    state.log(&method, &path, peer);
+    if state.opts.hang {
+        // Hold the connection open and never answer (until the peer gives up).
+        let _ = reader.get_ref().set_read_timeout(None);
+        let mut sink = [0u8; 4096];
+        while matches!(reader.read(&mut sink), Ok(n) if n > 0) {}
+        return;
+    }
+    let _ = std::io::copy(&mut (&mut reader).take(content_length as u64), &mut std::io::sink());
+    let mut w = write_half;
+    if state.opts.flood {
+        let _ = w.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n");
+        let chunk = vec![b'x'; 64 * 1024];
+        while w.write_all(&chunk).is_ok() {}
+        return;
+    }
+    let loopback = peer.ip().is_loopback()
+        || matches!(peer.ip(), IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()));
+    let action = state.decide(role, &method, &path, loopback);
+    let (code, body, exit) = match action {
+        Action::Reply { code, body } => (code, body, None),
+        Action::ReplyThenExit { code, body, exit } => (code, body, Some(exit)),
+    };
+    let ct = if body.is_empty() { "" } else { "Content-Type: text/plain; charset=utf-8\r\n" };
+    let resp = format!(
+        "HTTP/1.1 {code} {}\r\n{ct}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        reason(code),
+        body.len()
+    );
+    let _ = w.write_all(resp.as_bytes());
+    let _ = w.flush();
+    let _ = w.shutdown(Shutdown::Write);
+    if let Some(code) = exit {
+        std::process::exit(code);
+    }
+}
+
+/// Serves until a quit request or a signal ends the process.
+pub fn run(opts: StandinOptions) -> Result<()> {
+    use nix::sys::signal::{SigSet, Signal};
+    // Block the stop signals before any thread exists so all inherit the mask and the main
+    // thread can take them with sigwait (also works as pid 1 of a pid namespace, where
+    // default-disposition signals would be ignored).
+    let mut sigs = SigSet::empty();
+    sigs.add(Signal::SIGTERM);
+    sigs.add(Signal::SIGINT);
+    sigs.thread_block().context("block SIGTERM/SIGINT")?;
+    let events = match &opts.events {
+        Some(p) => Some(Mutex::new(
+            File::options().create(true).append(true).open(p).with_context(|| format!("open {}", p.display()))?,
+        )),
+        None => None,
+    };
+    let listeners = opts
+        .listeners()
+        .into_iter()
+        .map(|(role, addr)| Ok((role, TcpListener::bind(addr).with_context(|| format!("bind {addr}"))?)))
+        .collect::<Result<Vec<_>>>()?;
+    let state = Arc::new(State { opts, started: Instant::now(), events });
+    for (role, l) in listeners {
+        let state = state.clone();
+        std::thread::Builder::new().name(format!("{role:?}")).spawn(move || {
+            for conn in l.incoming() {
+                let Ok(conn) = conn else {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
+                let state = state.clone();
+                let _ = std::thread::Builder::new().spawn(move || handle(conn, role, &state));
+            }
+        })?;
+    }
+    let sig = sigs.wait().context("sigwait")?;
+    let default_drain = if state.opts.kind == ProxyKind::Istio { Duration::from_secs(5) } else { Duration::ZERO };
+    let default_code = if state.opts.kind == ProxyKind::CloudSql && sig == Signal::SIGTERM { 143 } else { 0 };
+    std::thread::sleep(state.opts.drain.unwrap_or(default_drain));
+    std::process::exit(state.opts.sigterm_exit_code.unwrap_or(default_code));
+}
+
+static BINARY: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+/// Tells this process where `valet-standin-proxy` is (integration tests of this crate pass
+/// `env!("CARGO_BIN_EXE_valet-standin-proxy")`); thread-safe, unlike setting an env var.
+pub fn set_binary_path(path: impl Into<PathBuf>) {
+    *BINARY.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(path.into());
+}
+
+/// Path of the `valet-standin-proxy` binary: the one given to [`set_binary_path`], else
+/// `$VALET_STANDIN_PROXY`, else next to the running test executable (`target/<profile>/`,
+/// also when running from `target/<profile>/deps/`).
+pub fn binary_path() -> Result<PathBuf> {
+    if let Some(p) = BINARY.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone() {
+        return Ok(p);
+    }
+    if let Some(p) = std::env::var_os("VALET_STANDIN_PROXY") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().context("current_exe")?;
+    let mut dir = exe.parent();
+    for _ in 0..2 {
+        let Some(d) = dir else { break };
+        let candidate = d.join("valet-standin-proxy");
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+        dir = d.parent();
+    }
+    bail!(
+        "valet-standin-proxy not found: build it (`cargo build -p valet-sim --bin valet-standin-proxy`) or set VALET_STANDIN_PROXY"
+    )
+}
+
+impl SimPod {
+    /// Starts the stand-in proxy as `container`'s main process (pid 1 of its pid namespace
+    /// unless `spawn.pid_namespace` is off), in the pod's cgroup and netns.
+    pub fn spawn_standin(&self, container: &str, opts: &StandinOptions, spawn: &SpawnOptions) -> Result<SimProcess> {
+        let bin = binary_path()?;
+        let bin_s = bin.to_string_lossy().into_owned();
+        let args = opts.to_args();
+        let mut cmd: Vec<&str> = vec![bin_s.as_str()];
+        cmd.extend(args.iter().map(String::as_str));
+        self.spawn(container, &cmd, spawn)
+    }
+
+    /// Waits until the stand-in in this pod answers its readiness endpoint with 200 (probed
+    /// on the pod IP from the host, like the kubelet; on 127.0.0.1 inside the netns for the
+    /// loopback-only Envoy admin).
+    pub fn wait_standin_ready(&self, opts: &StandinOptions, timeout: Duration) -> Result<()> {
+        let (port, path) = opts.ready_endpoint();
+        let loopback_only = matches!(opts.kind, ProxyKind::Envoy) && opts.admin_addr.is_none_or(|a| a.is_loopback());
+        if loopback_only || self.pod_ip().is_none() {
+            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+            return match self.netns_path() {
+                Some(_) => self.in_netns(|| wait_http_ok(addr, path, timeout))?,
+                None => wait_http_ok(addr, path, timeout),
+            };
+        }
+        let ip = self.pod_ip().ok_or_else(|| anyhow!("no pod IP"))?;
+        wait_http_ok(SocketAddr::from((ip, port)), path, timeout)
+    }
+}
+
+/// Polls `GET path` until it answers 200.
+pub fn wait_http_ok(addr: SocketAddr, path: &str, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut last = String::from("no attempt");
+    while Instant::now() < deadline {
+        match crate::client::get(addr, path, Duration::from_millis(500)) {
+            Ok(r) if r.status == 200 => return Ok(()),
+            Ok(r) => last = format!("HTTP {}", r.status),
+            Err(e) => last = format!("{e:#}"),
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    bail!("{addr}{path} not ready after {timeout:?}: {last}")
+}
+
+/// One line of an `--events` file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestEvent {
+    /// CLOCK_MONOTONIC ns when the request head had been read (compare with [`monotonic_ns`]).
+    pub mono_ns: u64,
+    pub method: String,
+    pub path: String,
+    pub peer: SocketAddr,
+}
+
+/// Reads an `--events` file (missing file = no events yet).
+pub fn read_events(path: impl AsRef<Path>) -> Result<Vec<RequestEvent>> {
+    let text = match std::fs::read_to_string(path.as_ref()) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("read {}", path.as_ref().display())),
+    };
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.len() != 4 {
+                bail!("bad event line {l:?}");
+            }
+            Ok(RequestEvent {
+                mono_ns: f[0].parse().with_context(|| format!("bad timestamp in {l:?}"))?,
+                method: f[1].to_string(),
+                path: f[2].to_string(),
+                peer: f[3].parse().with_context(|| format!("bad peer in {l:?}"))?,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(kind: ProxyKind) -> State {
+        State { opts: StandinOptions::new(kind), started: Instant::now(), events: None }
+    }
+
+    #[test]
+    fn args_round_trip() {
+        let mut o = StandinOptions::new(ProxyKind::CloudSql);
+        o.ready_after = Some(Duration::from_millis(250));
+        o.quit_ignored = true;
+        o.admin_port = Some(19091);
+        o.events = Some(PathBuf::from("/tmp/ev"));
+        let p = StandinOptions::parse_args(o.to_args()).expect("parses");
+        assert_eq!(p.kind, ProxyKind::CloudSql);
+        assert_eq!(p.ready_after, Some(Duration::from_millis(250)));
+        assert!(p.quit_ignored);
+        assert_eq!(p.admin_port, Some(19091));
+        assert_eq!(p.to_args(), o.to_args());
+        assert!(StandinOptions::parse_args(["--bogus".to_string()]).is_err());
+        let p = StandinOptions::parse_args(["--kind=linkerd".to_string()]).expect("parses");
+        assert_eq!(p.kind, ProxyKind::Linkerd);
+    }
+
+    #[test]
+    fn istio_quit_rules() {
+        let s = state(ProxyKind::Istio);
+        assert_eq!(
+            s.decide(Role::IstioStatus, "POST", "/quitquitquit", false),
+            Action::Reply { code: 403, body: "Only requests from localhost are allowed\n" }
+        );
+        assert_eq!(
+            s.decide(Role::IstioStatus, "GET", "/quitquitquit", true),
+            Action::Reply { code: 405, body: "Method Not Allowed\n" }
+        );
+        assert_eq!(
+            s.decide(Role::IstioStatus, "POST", "/quitquitquit", true),
+            Action::ReplyThenExit { code: 200, body: "OK", exit: 0 }
+        );
+        assert_eq!(
+            s.decide(Role::IstioEnvoyAdmin, "POST", "/quitquitquit", true),
+            Action::Reply { code: 200, body: "OK\n" }
+        );
+        assert_eq!(s.decide(Role::IstioHealth, "GET", "/healthz/ready", false), Action::Reply { code: 200, body: "" });
+    }
+
+    #[test]
+    fn linkerd_and_cloudsql_rules() {
+        let s = state(ProxyKind::Linkerd);
+        assert_eq!(s.decide(Role::LinkerdAdmin, "GET", "/shutdown", true), Action::Reply { code: 405, body: "" });
+        assert_eq!(
+            s.decide(Role::LinkerdAdmin, "POST", "/shutdown", false).clone(),
+            Action::Reply { code: 403, body: "Requests are only permitted from localhost." }
+        );
+        assert!(matches!(
+            s.decide(Role::LinkerdAdmin, "POST", "/shutdown", true),
+            Action::ReplyThenExit { code: 200, .. }
+        ));
+        let c = state(ProxyKind::CloudSql);
+        assert!(matches!(c.decide(Role::CloudSqlAdmin, "POST", "/quitquitquit", true), Action::ReplyThenExit { .. }));
+        assert_eq!(c.decide(Role::CloudSqlAdmin, "PUT", "/quitquitquit", true), Action::Reply { code: 400, body: "" });
+    }
+
+    #[test]
+    fn readiness_gates() {
+        let mut s = state(ProxyKind::Envoy);
+        s.opts.ready_after = Some(Duration::from_secs(3600));
+        assert_eq!(
+            s.decide(Role::EnvoyAdmin, "GET", "/ready", true),
+            Action::Reply { code: 503, body: "PRE_INITIALIZING\n" }
+        );
+        s.opts.ready_after = None;
+        s.opts.ready_file = Some(PathBuf::from("/nonexistent/valet-ready"));
+        assert!(!s.ready());
+        s.opts.quit_ignored = true;
+        assert_eq!(
+            s.decide(Role::EnvoyAdmin, "POST", "/quitquitquit", true),
+            Action::Reply { code: 200, body: "OK\n" }
+        );
+    }
+}

@@ -1,0 +1,265 @@
+//! The fake API server driven by the real client valet uses: kube-rs (Api<Pod>, watcher,
+//! event recorder).
+
+use std::time::Duration;
+
+use futures::{Stream, StreamExt as _};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::events::{Event as KEvent, EventType, Recorder, Reporter};
+use kube::runtime::watcher::{self, Event};
+use kube::{Client, Config};
+use serde_json::{Value, json};
+use valet_sim::apiserver::{FakeApiServer, ServerOptions};
+
+fn pod(name: &str) -> Value {
+    json!({
+        "metadata": {"name": name, "namespace": "default", "labels": {"app": "job"}},
+        "spec": {"nodeName": "node-a", "restartPolicy": "Never",
+                 "containers": [{"name": "app", "image": "busybox"}, {"name": "istio-proxy", "image": "proxyv2"}]},
+        "status": {"phase": "Running", "conditions": [
+            {"type": "Ready", "status": "True"},
+            {"type": "PodScheduled", "status": "True"}]}
+    })
+}
+
+async fn client_for(server: &FakeApiServer) -> Client {
+    let dir = std::env::temp_dir().join(format!("valet-sim-kc-{}", valet_sim::util::random_hex(6)));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("kubeconfig");
+    server.write_kubeconfig(&path).expect("kubeconfig");
+    let kc = Kubeconfig::read_from(&path).expect("kubeconfig parses");
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.expect("config");
+    let _ = std::fs::remove_dir_all(&dir);
+    Client::try_from(config).expect("client")
+}
+
+/// The next watcher event that is not an error, as a short label.
+async fn next(stream: &mut (impl Stream<Item = watcher::Result<Event<Pod>>> + Unpin)) -> String {
+    loop {
+        let item = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("watcher event in time")
+            .expect("watcher stream continues");
+        let name = |p: &Pod| p.metadata.name.clone().unwrap_or_default();
+        match item {
+            Ok(Event::Init) => return "Init".into(),
+            Ok(Event::InitApply(p)) => return format!("InitApply {}", name(&p)),
+            Ok(Event::InitDone) => return "InitDone".into(),
+            Ok(Event::Apply(p)) => return format!("Apply {}", name(&p)),
+            Ok(Event::Delete(p)) => return format!("Delete {}", name(&p)),
+            Err(_) => continue, // dropped/expired watches surface as errors, then recover
+        }
+    }
+}
+
+fn list_requests(server: &FakeApiServer) -> usize {
+    server.requests().iter().filter(|r| r.method == "GET" && r.path.ends_with("/pods") && !r.is_watch()).count()
+}
+
+#[tokio::test]
+async fn watcher_sees_changes_and_survives_drops_and_expiry() {
+    let server =
+        FakeApiServer::start_with(ServerOptions { bookmark_interval: Duration::from_secs(5), ..Default::default() })
+            .expect("server");
+    server.create_pod(pod("p1")).expect("create");
+    let client = client_for(&server).await;
+    let api: Api<Pod> = Api::namespaced(client, "default");
+    let mut w = watcher::watcher(api, watcher::Config::default().labels("app=job")).boxed();
+
+    assert_eq!(next(&mut w).await, "Init");
+    assert_eq!(next(&mut w).await, "InitApply p1");
+    assert_eq!(next(&mut w).await, "InitDone");
+
+    server.create_pod(pod("p2")).expect("create");
+    assert_eq!(next(&mut w).await, "Apply p2");
+    server.modify_pod("default", "p2", |p| p["status"]["phase"] = json!("Succeeded")).expect("modify");
+    assert_eq!(next(&mut w).await, "Apply p2");
+    server.delete_pod("default", "p2").expect("delete");
+    assert_eq!(next(&mut w).await, "Delete p2");
+    assert_eq!(list_requests(&server), 1);
+
+    // A dropped connection: the watcher re-watches from its last RV without re-listing.
+    let watches = server.watch_count();
+    server.drop_watches();
+    server.create_pod(pod("p3")).expect("create");
+    assert_eq!(next(&mut w).await, "Apply p3");
+    assert!(server.watch_count() > watches);
+    assert_eq!(list_requests(&server), 1);
+
+    // Expired history plus a drop: the resumed watch gets 410 and the watcher re-lists.
+    server.expire_history();
+    server.drop_watches();
+    assert_eq!(next(&mut w).await, "Init");
+    let mut init = vec![next(&mut w).await, next(&mut w).await];
+    init.sort();
+    assert_eq!(init, ["InitApply p1", "InitApply p3"]);
+    assert_eq!(next(&mut w).await, "InitDone");
+    assert_eq!(list_requests(&server), 2);
+    server.create_pod(pod("p4")).expect("create");
+    assert_eq!(next(&mut w).await, "Apply p4");
+    // The resumed watch saw the ERROR event the real server sends (HTTP 200, then 410 Status).
+    assert!(
+        server.requests().iter().any(|r| r.is_watch() && r.query_param("resourceVersion").is_some_and(|rv| rv != "0"))
+    );
+}
+
+#[tokio::test]
+async fn streaming_list_watcher() {
+    let server = FakeApiServer::start().expect("server");
+    server.create_pod(pod("p1")).expect("create");
+    let api: Api<Pod> = Api::namespaced(client_for(&server).await, "default");
+    let mut w = watcher::watcher(api, watcher::Config::default().streaming_lists()).boxed();
+    assert_eq!(next(&mut w).await, "Init");
+    assert_eq!(next(&mut w).await, "InitApply p1");
+    assert_eq!(next(&mut w).await, "InitDone");
+    server.create_pod(pod("p2")).expect("create");
+    assert_eq!(next(&mut w).await, "Apply p2");
+    assert_eq!(list_requests(&server), 0);
+}
+
+#[tokio::test]
+async fn patch_status_strategic_merges_conditions_by_type() {
+    let server = FakeApiServer::start().expect("server");
+    server.create_pod(pod("p1")).expect("create");
+    let api: Api<Pod> = Api::namespaced(client_for(&server).await, "default");
+
+    let patch = json!({"status": {"conditions": [
+        {"type": "Ready", "status": "False", "reason": "SidecarsQuit"},
+        {"type": "valet.dev/SidecarsQuit", "status": "True"}]}});
+    let out = api.patch_status("p1", &PatchParams::default(), &Patch::Strategic(&patch)).await.expect("patch");
+    let conds = out.status.and_then(|s| s.conditions).expect("conditions");
+    let summary: Vec<(String, String)> = conds.iter().map(|c| (c.type_.clone(), c.status.clone())).collect();
+    assert_eq!(
+        summary,
+        [
+            ("Ready".to_string(), "False".to_string()),
+            ("PodScheduled".to_string(), "True".to_string()),
+            ("valet.dev/SidecarsQuit".to_string(), "True".to_string())
+        ]
+    );
+    let rec = server.requests().into_iter().rev().find(|r| r.method == "PATCH").expect("recorded");
+    assert_eq!(rec.path, "/api/v1/namespaces/default/pods/p1/status");
+    assert_eq!(rec.content_type.as_deref(), Some("application/strategic-merge-patch+json"));
+
+    // Status patches leave spec and metadata alone; main-resource patches leave status alone.
+    let out = api
+        .patch_status(
+            "p1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"x": "y"}}, "status": {"phase": "Succeeded"}})),
+        )
+        .await
+        .expect("patch");
+    assert_eq!(out.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded"));
+    assert!(out.metadata.labels.as_ref().is_some_and(|l| !l.contains_key("x")));
+    let out = api
+        .patch(
+            "p1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"x": "y"}}, "status": {"phase": "Failed"}})),
+        )
+        .await
+        .expect("patch");
+    assert_eq!(out.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded"));
+    assert_eq!(out.metadata.labels.as_ref().and_then(|l| l.get("x")).map(String::as_str), Some("y"));
+
+    // Server-side apply and JSON patch.
+    let out = api
+        .patch_status(
+            "p1",
+            &PatchParams::apply("valet").force(),
+            &Patch::Apply(json!({"apiVersion": "v1", "kind": "Pod", "status": {"conditions": [{"type": "valet.dev/Applied", "status": "True"}]}})),
+        )
+        .await
+        .expect("apply");
+    assert_eq!(out.status.and_then(|s| s.conditions).map(|c| c.len()), Some(4));
+    // JSON patch (kube needs its `jsonpatch` feature for it; send it raw).
+    let r = valet_sim::client::request(
+        server.addr(),
+        "PATCH",
+        "/api/v1/namespaces/default/pods/p1/status",
+        Some("application/json-patch+json"),
+        br#"[{"op":"replace","path":"/status/phase","value":"Failed"}]"#,
+        Duration::from_secs(5),
+    )
+    .expect("json patch");
+    assert_eq!(r.status, 200);
+    assert_eq!(api.get_status("p1").await.expect("get").status.and_then(|s| s.phase), Some("Failed".into()));
+
+    // Errors come back as kube::Error::Api with the Status fields.
+    match api.get("nope").await {
+        Err(kube::Error::Api(s)) => {
+            assert_eq!(s.code, 404);
+            assert_eq!(s.reason, "NotFound");
+        }
+        other => panic!("expected a 404, got {other:?}"),
+    }
+    let mut stale = api.get("p1").await.expect("get");
+    stale.metadata.resource_version = Some("2".into());
+    match api.replace("p1", &PostParams::default(), &stale).await {
+        Err(kube::Error::Api(s)) => assert_eq!(s.code, 409),
+        other => panic!("expected a 409, got {other:?}"),
+    }
+    server.fail_next(1, 500);
+    assert!(api.get("p1").await.is_err());
+    assert!(api.get("p1").await.is_ok());
+}
+
+#[tokio::test]
+async fn paginated_list_and_selectors() {
+    let server = FakeApiServer::start().expect("server");
+    for i in 0..7 {
+        let mut p = pod(&format!("p{i}"));
+        if i % 2 == 0 {
+            p["spec"]["nodeName"] = json!("node-b");
+        }
+        server.create_pod(p).expect("create");
+    }
+    let api: Api<Pod> = Api::all(client_for(&server).await);
+    let mut names = Vec::new();
+    let mut lp = ListParams::default().limit(3);
+    loop {
+        let page = api.list(&lp).await.expect("list");
+        names.extend(page.items.iter().filter_map(|p| p.metadata.name.clone()));
+        match page.metadata.continue_ {
+            Some(c) if !c.is_empty() => lp = lp.continue_token(&c),
+            _ => break,
+        }
+    }
+    assert_eq!(names.len(), 7);
+    let b = api.list(&ListParams::default().fields("spec.nodeName=node-b")).await.expect("list");
+    assert_eq!(b.items.len(), 4);
+    let none = api.list(&ListParams::default().labels("app!=job")).await.expect("list");
+    assert!(none.items.is_empty());
+}
+
+#[tokio::test]
+async fn event_recorder_creates_then_patches_series() {
+    let server = FakeApiServer::start().expect("server");
+    let client = client_for(&server).await;
+    let recorder = Recorder::new(client, Reporter { controller: "valet".into(), instance: Some("node-a".into()) });
+    let reference = ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        name: Some("p1".into()),
+        namespace: Some("default".into()),
+        ..Default::default()
+    };
+    let ev = KEvent {
+        type_: EventType::Normal,
+        reason: "SidecarQuit".into(),
+        note: Some("istio-proxy quit".into()),
+        action: "Quit".into(),
+        secondary: None,
+    };
+    recorder.publish(&ev, &reference).await.expect("first publish");
+    recorder.publish(&ev, &reference).await.expect("second publish");
+    let events = server.events();
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0]["apiVersion"], "events.k8s.io/v1");
+    assert_eq!(events[0]["series"]["count"], 2);
+    let methods: Vec<String> = server.requests().iter().map(|r| r.method.clone()).collect();
+    assert_eq!(methods, ["POST", "PATCH"]);
+}
