@@ -2,3 +2,4 @@
 //! `cargo xtask test`): small cgroup and process helpers on top of `valet-sim`.
 
 pub mod cgroups;
+pub mod harness;

@@ -261,7 +261,13 @@ impl Store {
         if self.pods.contains_key(&key) {
             return Err(ApiError::already_exists("pods", &name));
         }
+        // Test control may bring the uid the simulated kubelet named the pod's cgroups after;
+        // a create through the API always gets a fresh one, as on a real server.
+        let given_uid = if from_api { None } else { meta_str(&obj, "uid").map(str::to_string) };
         stamp_new_object(&mut obj, "v1", "Pod")?;
+        if let Some(uid) = given_uid {
+            meta_mut(&mut obj)?.insert("uid".into(), Value::String(uid));
+        }
         default_pod_spec(&mut obj);
         let has_status = obj.get("status").is_some_and(|s| s.as_object().is_some_and(|m| !m.is_empty()));
         if from_api || !has_status {
