@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::Value;
-use valet_sim::node::{PodJsonOptions, SimPod, SimPodOptions, SimProcess, SpawnOptions};
+use valet_sim::node::{CgroupDriver, PodJsonOptions, QosClass, Runtime, SimPod, SimPodOptions, SimProcess, SpawnOptions};
 use valet_sim::standin::{ProxyKind, StandinOptions};
 use valet_sim::{FakeApiServer, ServerOptions};
 
@@ -123,7 +123,11 @@ impl Node {
     /// pause process and a running stand-in pilot-agent; the pod object is posted to the API.
     pub fn job_pod(&self, spec: JobSpec) -> Result<JobPod> {
         let name = format!("{}-{}", spec.name, valet_sim::util::random_hex(3));
-        let mut opts = SimPodOptions::new(&name).namespace("jobs");
+        let mut opts = SimPodOptions::new(&name)
+            .namespace("jobs")
+            .driver(spec.driver)
+            .runtime(spec.runtime)
+            .qos(spec.qos);
         for app in &spec.apps {
             opts = opts.container(app);
         }
@@ -136,6 +140,7 @@ impl Node {
         standin.ready_file = spec.ready_file.clone();
         standin.hang = spec.proxy_hangs;
         standin.quit_ignored = spec.proxy_ignores_quit;
+        standin.flood = spec.proxy_floods;
         let proxy = sim.spawn_standin("istio-proxy", &standin, &SpawnOptions::default())?;
         if spec.ready_file.is_none() {
             sim.wait_standin_ready(&standin, Duration::from_secs(5))?;
@@ -150,6 +155,14 @@ impl Node {
             json_opts = json_opts.annotation(k, v);
         }
         let mut pod = sim.pod_json(&json_opts);
+        if spec.ready_file.is_some() {
+            // The kubelet reports a proxy that is not ready yet as such.
+            for status in pod["status"]["containerStatuses"].as_array_mut().into_iter().flatten() {
+                if status["name"] == "istio-proxy" {
+                    status["ready"] = Value::Bool(false);
+                }
+            }
+        }
         for app in &spec.already_exited {
             valet_sim::node::mark_container_terminated(&mut pod, app, 0)?;
         }
@@ -196,8 +209,17 @@ pub struct JobSpec {
     pub ready_file: Option<PathBuf>,
     pub proxy_hangs: bool,
     pub proxy_ignores_quit: bool,
+    /// The stand-in answers every request with an endless body (set `ready_file` too: the
+    /// readiness wait cannot read such an answer).
+    pub proxy_floods: bool,
     /// Post the pod object to the API now.
     pub post: bool,
+    /// The kubelet's cgroup driver (default systemd).
+    pub driver: CgroupDriver,
+    /// The container runtime (default containerd).
+    pub runtime: Runtime,
+    /// The pod's QoS class (default Burstable).
+    pub qos: QosClass,
 }
 
 impl JobSpec {
@@ -213,8 +235,19 @@ impl JobSpec {
             ready_file: None,
             proxy_hangs: false,
             proxy_ignores_quit: false,
+            proxy_floods: false,
             post: true,
+            driver: CgroupDriver::Systemd,
+            runtime: Runtime::Containerd,
+            qos: QosClass::Burstable,
         }
+    }
+    /// Cgroup driver, runtime and QoS class of the simulated pod.
+    pub fn cgroup_layout(mut self, driver: CgroupDriver, runtime: Runtime, qos: QosClass) -> Self {
+        self.driver = driver;
+        self.runtime = runtime;
+        self.qos = qos;
+        self
     }
     pub fn apps(mut self, apps: &[&str]) -> Self {
         self.apps = apps.iter().map(|s| s.to_string()).collect();
@@ -257,6 +290,11 @@ impl JobPod {
             .into_iter()
             .filter(|e| e.method == "POST" && e.path == "/quitquitquit")
             .collect()
+    }
+
+    /// Quit requests that came from the pod's own loopback (the ones the proxy accepts).
+    pub fn loopback_quits(&self) -> Vec<valet_sim::standin::RequestEvent> {
+        self.quits().into_iter().filter(|e| e.peer.ip().is_loopback()).collect()
     }
 
     /// Waits for the proxy to exit; its exit code (None: still running at the deadline).

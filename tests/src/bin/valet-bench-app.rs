@@ -1,0 +1,26 @@
+//! A stand-in app for the demo and benchmarks: appends CLOCK_MONOTONIC (ns) to a file, then
+//! exits with the given code. `valet-bench-app <stamp-file> <exit-code> [sleep-ms]`
+//! (with a sleep, the stamp is taken after it, right before the exit).
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let (Some(file), Some(code)) = (args.get(1), args.get(2).and_then(|c| c.parse::<i32>().ok())) else {
+        eprintln!("usage: valet-bench-app <stamp-file> <exit-code> [sleep-ms]");
+        std::process::exit(2);
+    };
+    if let Some(ms) = args.get(3).and_then(|m| m.parse::<u64>().ok()) {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+    let line = format!("{}\n", monotonic_ns());
+    use std::io::Write as _;
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(file) {
+        let _ = f.write_all(line.as_bytes());
+    }
+    std::process::exit(code);
+}
