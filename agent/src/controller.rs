@@ -18,7 +18,7 @@ use valet_common::{Counter, watch_flags};
 use crate::api::events::{EventSink, pod_reference};
 use crate::cgroup::layout::parse_container_id;
 use crate::cgroup::signal::signal_cgroup;
-use crate::cgroup::{CgroupFs, PodDir};
+use crate::cgroup::{CgroupFs, ContainerDir, PodDir};
 use crate::config::Config;
 use crate::gate::{Gate, GateAction};
 use crate::kernel::events::monotonic_ns;
@@ -28,6 +28,7 @@ use crate::pod::decide::{AppState, Decision, ExitOutcome, IgnoreReason, Observed
 use crate::pod::spec::{PodPlan, SidecarDefaults, plan};
 use crate::server::Health;
 use crate::sidecar::http::Limits;
+use crate::sidecar::netns::{PodNetns, open_pod_netns};
 use crate::sidecar::quit::{QuitOutcome, QuitRequest, quit};
 
 /// Results of actuator tasks, fed back into the loop.
@@ -59,8 +60,10 @@ struct Tracked {
     /// The last spec error reported (reported again only when it changes).
     spec_error: Option<String>,
     pod_dir: Option<PodDir>,
-    /// Container cgroup id → container id (64 hex), from the pod's cgroup directory.
-    container_ids: HashMap<u64, String>,
+    /// Container cgroup id → its directory (path, container id), from the pod's cgroup directory.
+    containers: HashMap<u64, ContainerDir>,
+    /// The pod's network namespace, opened ahead of time so a quit does not search for it.
+    netns: Option<Arc<PodNetns>>,
     /// Container id → its end as the kernel saw it (the container's init exit).
     kernel_ends: HashMap<String, KernelEnd>,
     quits: BTreeMap<String, QuitState>,
@@ -77,7 +80,8 @@ impl Tracked {
             plan: None,
             spec_error: None,
             pod_dir: None,
-            container_ids: HashMap::new(),
+            containers: HashMap::new(),
+            netns: None,
             kernel_ends: HashMap::new(),
             quits: BTreeMap::new(),
             done_ktime: None,
@@ -376,7 +380,7 @@ impl Controller {
             if let Some(dir) = &tracked.pod_dir {
                 let _ = self.programs.unwatch(dir.id);
                 self.pod_by_cgroup.remove(&dir.id);
-                for cg in tracked.container_ids.keys() {
+                for cg in tracked.containers.keys() {
                     self.programs.forget_exec(*cg);
                 }
             }
@@ -403,25 +407,34 @@ impl Controller {
             return;
         }
         self.pod_by_cgroup.insert(dir.id, uid.to_owned());
-        // Classify known containers before they exec: sidecars, init containers and the
-        // sandbox are never held.
-        if hold {
-            for c in self.cgroups.containers(&dir.rel) {
-                tracked.container_ids.insert(c.id, c.container.id.clone());
-                if !self.programs.exec_seen(c.id) {
-                    let is_app = tracked.name_of_id(&c.container.id).is_some_and(|n| plan.apps.contains(&n));
-                    let known = tracked.name_of_id(&c.container.id).is_some();
-                    if known && let Err(e) = self.programs.classify_exec(c.id, is_app) {
-                        debug!("classify container cgroup: {e}");
-                    }
-                }
+        let rel = dir.rel.clone();
+        for c in self.cgroups.containers(&rel) {
+            // Classify known containers before they exec: sidecars, init containers and the
+            // sandbox are never held.
+            if hold && !self.programs.exec_seen(c.id)
+                && let Some(name) = tracked.name_of_id(&c.container.id)
+                && let Err(e) = self.programs.classify_exec(c.id, plan.apps.contains(&name))
+            {
+                debug!("classify container cgroup: {e}");
+            }
+            tracked.containers.insert(c.id, c);
+        }
+        // Opened ahead of time: the quit then needs no search (retries open it afresh).
+        if tracked.netns.is_none() {
+            match open_pod_netns(&self.cfg.host_proc, &self.cgroups, &rel) {
+                Ok(netns) => tracked.netns = Some(Arc::new(netns)),
+                Err(e) => debug!(pod = %tracked.name(), "pod network namespace not open yet: {e}"),
             }
         }
     }
 
     fn on_tick(&mut self) {
-        let missing: Vec<String> =
-            self.pods.iter().filter(|(_, t)| t.pod_dir.is_none() && t.plan.is_some()).map(|(u, _)| u.clone()).collect();
+        let missing: Vec<String> = self
+            .pods
+            .iter()
+            .filter(|(_, t)| (t.pod_dir.is_none() || t.netns.is_none()) && t.plan.is_some())
+            .map(|(u, _)| u.clone())
+            .collect();
         for uid in missing {
             self.attach_cgroup(&uid);
         }
@@ -446,14 +459,14 @@ impl Controller {
     /// The container id (hex) of a container cgroup of a tracked pod.
     fn container_id(&mut self, uid: &str, cgroup_id: u64) -> Option<String> {
         let tracked = self.pods.get_mut(uid)?;
-        if let Some(id) = tracked.container_ids.get(&cgroup_id) {
-            return Some(id.clone());
+        if let Some(c) = tracked.containers.get(&cgroup_id) {
+            return Some(c.container.id.clone());
         }
         let dir = tracked.pod_dir.as_ref()?;
         for c in self.cgroups.containers(&dir.rel) {
-            tracked.container_ids.insert(c.id, c.container.id.clone());
+            tracked.containers.insert(c.id, c);
         }
-        tracked.container_ids.get(&cgroup_id).cloned()
+        tracked.containers.get(&cgroup_id).map(|c| c.container.id.clone())
     }
 
     fn on_kernel(&mut self, event: Event) {
@@ -622,14 +635,17 @@ impl Controller {
                     }
                     let Some(sidecar) = plan.sidecars.iter().find(|s| s.name == name) else { continue };
                     tracked.quits.insert(name.clone(), QuitState::InFlight);
-                    let sidecar_cgroup = tracked
-                        .current_id(&name)
-                        .and_then(|id| self.cgroups.containers(&dir.rel).into_iter().find(|c| c.container.id == id))
-                        .map(|c| c.rel);
+                    let sidecar_cgroup = tracked.current_id(&name).and_then(|id| {
+                        let cached = tracked.containers.values().find(|c| c.container.id == id).map(|c| c.rel.clone());
+                        cached.or_else(|| {
+                            self.cgroups.containers(&dir.rel).into_iter().find(|c| c.container.id == id).map(|c| c.rel)
+                        })
+                    });
                     start.push((name, sidecar.quit.port, sidecar.quit.path.clone(), sidecar_cgroup));
                 }
+                let netns = tracked.netns.clone();
                 for (name, port, path, sidecar_cgroup) in start {
-                    self.spawn_quit(uid.to_owned(), name, port, path, dir.rel.clone(), sidecar_cgroup);
+                    self.spawn_quit(uid.to_owned(), name, port, path, dir.rel.clone(), sidecar_cgroup, netns.clone());
                 }
             }
         }
@@ -643,8 +659,10 @@ impl Controller {
         path: String,
         pod_cgroup: String,
         sidecar_cgroup: Option<String>,
+        netns: Option<Arc<PodNetns>>,
     ) {
         let req = QuitRequest {
+            netns,
             host_proc: self.cfg.host_proc.clone(),
             cgroups: self.cgroups.clone(),
             pod_cgroup,

@@ -208,13 +208,14 @@ fn test(root: &Path, filter: Option<String>) -> Result<()> {
         bail!("the test suite has privileged tests (eBPF, cgroups, namespaces): run it as root");
     }
     setup(root, true)?;
-    // The agent binary is what the end-to-end tests run, like a DaemonSet would.
-    run(cargo().current_dir(root).args(["build", "--release", "-p", "valet-agent"]))?;
+    // The agent binary is what the end-to-end tests run, like a DaemonSet would; the stand-in
+    // proxy is what they run as the sidecar.
+    run(cargo().current_dir(root).args(["build", "--release", "-p", "valet-agent", "-p", "valet-sim", "--bins"]))?;
     let mut cmd = cargo();
     cmd.current_dir(root)
         .args(["test", "--workspace", "--exclude", "valet-agent-ebpf", "--no-fail-fast"])
         .env("VALET_AGENT_BIN", root.join("target/release/valet-agent"))
-        .env("VALET_REQUIRE_PRIVILEGED", "1");
+        .env("VALET_STANDIN_PROXY", root.join("target/release/valet-standin-proxy"));
     if let Some(f) = &filter {
         cmd.args(["--", f.as_str()]);
     }
@@ -246,7 +247,7 @@ fn sim_binary(root: &Path, bin: &str, args: &[String]) -> Result<()> {
     run(Command::new(release.join(bin))
         .args(args)
         .env("VALET_AGENT_BIN", release.join("valet-agent"))
-        .env("VALET_STANDIN_BIN", release.join("valet-standin-proxy")))
+        .env("VALET_STANDIN_PROXY", release.join("valet-standin-proxy")))
 }
 
 fn main() -> Result<()> {

@@ -3,17 +3,21 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::debug;
 
 use super::http::{self, Limits, Response};
-use super::netns::open_pod_netns;
+use super::netns::{PodNetns, open_pod_netns};
 use crate::cgroup::CgroupFs;
 
 /// Where and how to reach one sidecar.
 #[derive(Clone, Debug)]
 pub struct QuitRequest {
+    /// The pod's network namespace if already open; otherwise (and for retries) it is found
+    /// through the processes of `pod_cgroup`.
+    pub netns: Option<Arc<PodNetns>>,
     pub host_proc: PathBuf,
     pub cgroups: CgroupFs,
     /// The pod's cgroup (relative path): the network namespace is found through its processes.
@@ -48,9 +52,13 @@ impl QuitOutcome {
 }
 
 /// One POST to the quit endpoint inside the pod's network namespace.
-async fn attempt(req: &QuitRequest) -> Result<Response, (String, &'static str)> {
-    let netns =
-        open_pod_netns(&req.host_proc, &req.cgroups, &req.pod_cgroup).map_err(|e| (e.to_string(), "no_netns"))?;
+async fn attempt(req: &QuitRequest, first: bool) -> Result<Response, (String, &'static str)> {
+    let netns = match (&req.netns, first) {
+        (Some(netns), true) => netns.clone(),
+        _ => Arc::new(
+            open_pod_netns(&req.host_proc, &req.cgroups, &req.pod_cgroup).map_err(|e| (e.to_string(), "no_netns"))?,
+        ),
+    };
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, req.port));
     let (path, limits) = (req.path.clone(), req.limits);
     match netns.run(move || http::request(addr, "POST", &path, limits)).await {
@@ -67,7 +75,7 @@ pub async fn quit(req: &QuitRequest) -> QuitOutcome {
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let (last, label) = match attempt(req).await {
+        let (last, label) = match attempt(req, attempts == 1).await {
             Ok(r) if (200..300).contains(&r.status) => return QuitOutcome::Accepted { status: r.status, attempts },
             // 408/429 are worth another try; any other 4xx is the endpoint saying no.
             Ok(r) if (400..500).contains(&r.status) && r.status != 408 && r.status != 429 => {
