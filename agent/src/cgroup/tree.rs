@@ -116,6 +116,22 @@ impl CgroupFs {
             .collect()
     }
 
+    /// The path of the cgroup with this id (inode) at or below `within`, searching at most
+    /// `budget` directories: the way back from an id the kernel reported to a path.
+    pub fn find_by_id(&self, id: u64, within: &str, budget: usize) -> Option<String> {
+        let mut stack = vec![within.trim_end_matches('/').to_owned()];
+        let mut left = budget;
+        while let Some(rel) = stack.pop() {
+            let rel = if rel.is_empty() { "/".to_owned() } else { rel };
+            if self.id_of(&rel).ok() == Some(id) {
+                return Some(rel);
+            }
+            left = left.checked_sub(1)?;
+            stack.extend(self.child_dirs(rel.trim_end_matches('/')));
+        }
+        None
+    }
+
     /// Processes directly in a cgroup (`cgroup.procs`).
     pub fn procs(&self, rel: &str) -> Vec<u32> {
         std::fs::read_to_string(self.abs(rel).join("cgroup.procs"))
@@ -159,5 +175,16 @@ mod tests {
         assert!(fs.id_of(&rel).expect("id") > 0);
         assert!(fs.procs(&rel).contains(&me), "{rel} lists this process");
         assert!(fs.find_pod("00000000-0000-0000-0000-000000000000").is_none());
+        // Path → id → path, on a throwaway child cgroup.
+        let child = format!("{}/valet-unit-{me}", rel.trim_end_matches('/'));
+        std::fs::create_dir(fs.abs(&child)).expect("mkdir child cgroup");
+        let id = fs.id_of(&child).expect("id");
+        let found = (fs.find_by_id(id, &rel, 100_000), fs.find_by_id(id, &child, 1), fs.find_by_id(id, &rel, 0));
+        let missing = fs.find_by_id(u64::MAX, &child, 100);
+        std::fs::remove_dir(fs.abs(&child)).expect("rmdir child cgroup");
+        assert_eq!(found.0.as_deref(), Some(child.as_str()));
+        assert_eq!(found.1.as_deref(), Some(child.as_str()));
+        assert_eq!(found.2, None, "the budget bounds the walk");
+        assert_eq!(missing, None);
     }
 }

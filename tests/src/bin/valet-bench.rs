@@ -144,6 +144,30 @@ fn overhead() -> Result<()> {
     Ok(())
 }
 
+/// The agent's memory and CPU, to size the DaemonSet's requests and limits from measurement.
+fn print_resources(pid: u32, wall: Duration, pods: usize) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_owned()).unwrap_or_default()
+    };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or_default().split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the command name.
+    let ticks: u64 = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0)
+        + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    // SAFETY: plain sysconf query.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let cpu = ticks as f64 / hz;
+    println!(
+        "  agent resources over {:.0} s and {pods} pods: RSS {} (peak {}), CPU {:.2} s = {:.1} millicores on average",
+        wall.as_secs_f64(),
+        field("VmRSS:"),
+        field("VmHWM:"),
+        cpu,
+        cpu / wall.as_secs_f64() * 1000.0
+    );
+}
+
 fn read_stamp(path: &Path) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.lines().next()?.trim().parse().ok()
 }
@@ -189,8 +213,12 @@ fn quit_latency(runs: usize) -> Result<()> {
         }
         Ok(samples)
     };
+    let started = Instant::now();
     let wrapper_samples = measure(false)?;
     let valet_samples = measure(true)?;
+    if let Some(pid) = agent.pid() {
+        print_resources(pid, started.elapsed(), 2 * runs);
+    }
     let w = report("in-pod wrapper (waitpid, then POST)", wrapper_samples);
     let v = report("valet (eBPF exit → setns → POST)", valet_samples);
     println!("  valet median ÷ wrapper median = {:.2} (goal ≤ 1.5)", v / w);
