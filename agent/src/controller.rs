@@ -410,12 +410,21 @@ impl Controller {
         let rel = dir.rel.clone();
         for c in self.cgroups.containers(&rel) {
             // Classify known containers before they exec: sidecars, init containers and the
-            // sandbox are never held.
-            if hold && !self.programs.exec_seen(c.id)
-                && let Some(name) = tracked.name_of_id(&c.container.id)
-                && let Err(e) = self.programs.classify_exec(c.id, plan.apps.contains(&name))
-            {
-                debug!("classify container cgroup: {e}");
+            // sandbox are never held. A container whose init an earlier agent left held has had
+            // its first exec: what it execs once released runs freely.
+            if hold && !self.programs.exec_seen(c.id) {
+                let held_before =
+                    self.cgroups.procs(&c.rel).into_iter().any(|p| crate::gate::held_at_exec(&self.cfg.host_proc, p));
+                let hold_it = if held_before {
+                    Some(false)
+                } else {
+                    tracked.name_of_id(&c.container.id).map(|name| plan.apps.contains(&name))
+                };
+                if let Some(hold_it) = hold_it
+                    && let Err(e) = self.programs.classify_exec(c.id, hold_it)
+                {
+                    debug!("classify container cgroup: {e}");
+                }
             }
             tracked.containers.insert(c.id, c);
         }
@@ -477,10 +486,6 @@ impl Controller {
     }
 
     fn on_exit(&mut self, exit: ProcessExit) {
-        // Only a container's init ending ends the container.
-        if !exit.ns_init {
-            return;
-        }
         let Some(uid) = self.pod_by_cgroup.get(&exit.watched_cgroup_id).cloned() else { return };
         let Some(id) = self.container_id(&uid, exit.cgroup_id) else {
             debug!(cgroup = exit.cgroup_id, "exit in an unknown container cgroup of a tracked pod");
@@ -488,6 +493,20 @@ impl Controller {
         };
         let seen_after_us = monotonic_ns().saturating_sub(exit.ktime_ns) / 1000;
         let Some(tracked) = self.pods.get_mut(&uid) else { return };
+        if tracked.kernel_ends.contains_key(&id) {
+            // Already ended (its init exited); these are the rest of its processes going.
+            return;
+        }
+        // A container ends when its pid namespace's init exits (the kernel then kills the rest).
+        // Without a pid namespace of its own (shareProcessNamespace), it ends when its last
+        // process leaves its cgroup.
+        if !exit.ns_init {
+            let Some(dir) = tracked.containers.get(&exit.cgroup_id) else { return };
+            let left = self.cgroups.procs_recursive(&dir.rel);
+            if left.iter().any(|pid| *pid != exit.tgid) {
+                return;
+            }
+        }
         let name = tracked.name_of_id(&id);
         info!(
             pod = %tracked.name(),
