@@ -664,32 +664,24 @@ impl Controller {
                 }
                 let netns = tracked.netns.clone();
                 for (name, port, path, sidecar_cgroup) in start {
-                    self.spawn_quit(uid.to_owned(), name, port, path, dir.rel.clone(), sidecar_cgroup, netns.clone());
+                    let req = QuitRequest {
+                        netns: netns.clone(),
+                        host_proc: self.cfg.host_proc.clone(),
+                        cgroups: self.cgroups.clone(),
+                        pod_cgroup: dir.rel.clone(),
+                        port,
+                        path,
+                        limits: Limits { total_timeout: self.cfg.quit_timeout, ..Limits::default() },
+                        retry_for: self.cfg.quit_retry_for,
+                    };
+                    self.spawn_quit(uid.to_owned(), name, req, sidecar_cgroup);
                 }
             }
         }
     }
 
-    fn spawn_quit(
-        &self,
-        uid: String,
-        sidecar: String,
-        port: u16,
-        path: String,
-        pod_cgroup: String,
-        sidecar_cgroup: Option<String>,
-        netns: Option<Arc<PodNetns>>,
-    ) {
-        let req = QuitRequest {
-            netns,
-            host_proc: self.cfg.host_proc.clone(),
-            cgroups: self.cgroups.clone(),
-            pod_cgroup,
-            port,
-            path,
-            limits: Limits { total_timeout: self.cfg.quit_timeout, ..Limits::default() },
-            retry_for: self.cfg.quit_retry_for,
-        };
+    /// Quits one sidecar in the background; escalates with SIGTERM when the quit does not end it.
+    fn spawn_quit(&self, uid: String, sidecar: String, req: QuitRequest, sidecar_cgroup: Option<String>) {
         let tx = self.results_tx.clone();
         let escalate = (!self.cfg.no_escalation).then_some(self.cfg.escalate_after);
         tokio::spawn(async move {
