@@ -1,12 +1,18 @@
 //! Node-level metrics for Prometheus. Labels are low-cardinality by construction: enums and
 //! fixed strings only, never pod names, pids or ids.
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+
+use crate::pod::spec::SidecarKind;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 pub enum ExitOutcome {
@@ -46,6 +52,26 @@ pub struct ResultLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
     pub version: &'static str,
+}
+
+/// A labelled family that is exposed (`# HELP`, `# TYPE`) even before its first series:
+/// prometheus-client leaves empty families out, and a family missing from `/metrics` is
+/// indistinguishable from one the agent does not have.
+#[derive(Debug)]
+struct Declared<M>(M);
+
+impl<M: EncodeMetric> EncodeMetric for Declared<M> {
+    fn encode(&self, encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        self.0.encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        self.0.metric_type()
+    }
+
+    fn is_empty(&self) -> bool {
+        false
+    }
 }
 
 /// Every metric the agent exports, registered once.
@@ -103,12 +129,16 @@ impl Metrics {
             build_info: Family::default(),
         };
         registry.register("pods_tracked", "Opted-in pods on this node that valet tracks", m.pods_tracked.clone());
-        registry.register("container_exits", "App container exits seen, by outcome", m.exits.clone());
-        registry.register("sidecar_quits", "Quit requests to sidecars, by sidecar kind and result", m.quits.clone());
+        registry.register("container_exits", "Container ends (app and sidecar) seen in the kernel, by outcome", Declared(m.exits.clone()));
+        registry.register(
+            "sidecar_quits",
+            "Quit requests to sidecars, by sidecar kind and result",
+            Declared(m.quits.clone()),
+        );
         registry.register(
             "sidecar_escalations",
             "Sidecars sent SIGTERM because a quit did not end them",
-            m.escalations.clone(),
+            Declared(m.escalations.clone()),
         );
         registry.register(
             "quit_latency_seconds",
@@ -116,7 +146,7 @@ impl Metrics {
             m.quit_latency.clone(),
         );
         registry.register("app_holds", "App processes held at exec until the proxy is ready", m.holds.clone());
-        registry.register("app_releases", "Held app processes released, by reason", m.releases.clone());
+        registry.register("app_releases", "Held app processes released, by reason", Declared(m.releases.clone()));
         registry.register(
             "app_hold_fail_opens",
             "Held apps released because the proxy was not ready in time",
@@ -126,7 +156,7 @@ impl Metrics {
         registry.register(
             "condition_patches",
             "Writes of the valet.dev/ProxyReady pod condition, by result",
-            m.condition_patches.clone(),
+            Declared(m.condition_patches.clone()),
         );
         registry.register(
             "kernel_events_lost",
@@ -134,24 +164,174 @@ impl Metrics {
             m.events_lost.clone(),
         );
         registry.register("watch_restarts", "Restarts of the pod watch (errors, re-lists)", m.watch_restarts.clone());
-        registry.register("pod_skips", "Pods or actions skipped, by reason", m.skips.clone());
-        registry.register("build_info", "Build information", m.build_info.clone());
+        registry.register("pod_skips", "Pods or actions skipped, by reason", Declared(m.skips.clone()));
+        registry.register("build_info", "Build information", Declared(m.build_info.clone()));
         m.build_info.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION") }).set(1);
+        // Series whose label values are known in advance start at 0, so rates and alerts on them
+        // see 0 rather than nothing until the first event.
+        for outcome in [ExitOutcome::Success, ExitOutcome::Failure, ExitOutcome::Signal] {
+            let _ = m.exits.get_or_create(&ExitLabels { outcome });
+        }
+        for kind in SidecarKind::ALL.map(|k| k.as_str()) {
+            let _ = m.quits.get_or_create(&QuitLabels { kind, result: "ok" });
+            let _ = m.escalations.get_or_create(&KindLabels { kind });
+        }
         Metrics { registry, ..m }
     }
 
-    /// The OpenMetrics text exposition.
+    /// The OpenMetrics text exposition (empty if encoding fails).
     pub fn encode(&self) -> String {
+        self.render(Format::OpenMetrics).unwrap_or_default()
+    }
+
+    /// The exposition in `format`.
+    pub fn render(&self, format: Format) -> Result<String, std::fmt::Error> {
         let mut out = String::new();
-        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
-            out.clear();
-        }
-        out
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
+        Ok(match format {
+            Format::OpenMetrics => out,
+            Format::Text => openmetrics_to_text(&out),
+        })
     }
 
     pub fn skip(&self, reason: &'static str) {
         self.skips.get_or_create(&ReasonLabels { reason }).inc();
     }
+}
+
+/// The exposition formats `/metrics` serves. prometheus-client writes only OpenMetrics; the
+/// classic Prometheus text format is derived from it ([`openmetrics_to_text`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// OpenMetrics 1.0.0 text: what Prometheus asks for first.
+    OpenMetrics,
+    /// The Prometheus text format 0.0.4: for every other client (promtool, older scrapers, curl).
+    Text,
+}
+
+impl Format {
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            Format::Text => "text/plain; version=0.0.4; charset=utf-8",
+        }
+    }
+
+    /// The format for a request's `Accept` header (all its values joined with `,`), chosen like
+    /// Prometheus' own client libraries do: media ranges in order of preference (`q`, then
+    /// header order), ranges with `q=0` refused; the first `application/openmetrics-text`
+    /// (version 1.0.0, 0.0.1 or none) or `text/plain` (version 0.0.4 or none) decides;
+    /// wildcards and other types do not. No header, or no match: the text format.
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        let Some(accept) = accept else { return Format::Text };
+        let mut ranges: Vec<(f64, Option<Format>)> = Vec::new();
+        for range in accept.split(',') {
+            let mut parts = range.split(';');
+            let media = parts.next().unwrap_or_default().trim().to_ascii_lowercase();
+            let (mut q, mut version) = (1.0, None);
+            for param in parts {
+                let Some((k, v)) = param.split_once('=') else { continue };
+                let v = v.trim().trim_matches('"');
+                match k.trim().to_ascii_lowercase().as_str() {
+                    "q" => q = v.parse::<f64>().ok().filter(|q| (0.0..=1.0).contains(q)).unwrap_or(0.0),
+                    "version" => version = Some(v.to_owned()),
+                    _ => {}
+                }
+            }
+            if q <= 0.0 {
+                continue;
+            }
+            let format = match (media.as_str(), version.as_deref()) {
+                ("application/openmetrics-text", None | Some("1.0.0" | "0.0.1")) => Some(Format::OpenMetrics),
+                ("text/plain", None | Some("0.0.4")) => Some(Format::Text),
+                _ => None,
+            };
+            ranges.push((q, format));
+        }
+        // Stable: equal preferences keep the header's order.
+        ranges.sort_by(|a, b| b.0.total_cmp(&a.0));
+        ranges.into_iter().find_map(|(_, f)| f).unwrap_or(Format::Text)
+    }
+}
+
+/// The end of a sample's name and label set: the index just past `}` (or the name), honouring
+/// quoted label values with escapes.
+fn sample_series_end(line: &str) -> usize {
+    let bytes = line.as_bytes();
+    let name_end = bytes.iter().position(|b| *b == b'{' || *b == b' ').unwrap_or(bytes.len());
+    if bytes.get(name_end) != Some(&b'{') {
+        return name_end;
+    }
+    let (mut quoted, mut escaped) = (false, false);
+    for (i, b) in bytes.iter().enumerate().skip(name_end + 1) {
+        match (quoted, escaped, *b) {
+            (true, true, _) => escaped = false,
+            (true, false, b'\\') => escaped = true,
+            (_, false, b'"') => quoted = !quoted,
+            (false, _, b'}') => return i + 1,
+            _ => {}
+        }
+    }
+    bytes.len()
+}
+
+/// Converts OpenMetrics text (as prometheus-client writes it) into the Prometheus text format
+/// 0.0.4, sample for sample:
+/// - counters: the family is named like its samples, with `_total`;
+/// - info metrics become gauges named `<name>_info`; `unknown` becomes `untyped`; state sets
+///   gauges; gauge histograms (no classic equivalent) `untyped`;
+/// - `# UNIT`, `_created` samples, exemplars and `# EOF` have no equivalent and are dropped;
+///   sample timestamps go from seconds to milliseconds;
+/// - `\"` in help texts, an OpenMetrics-only escape, is unescaped.
+pub fn openmetrics_to_text(openmetrics: &str) -> String {
+    let types: HashMap<&str, &str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_once(' '))
+        .map(|(name, t)| (name, t.trim()))
+        .collect();
+    let classic_name = |name: &str| -> String {
+        match types.get(name) {
+            Some(&"counter") => format!("{name}_total"),
+            Some(&"info") => format!("{name}_info"),
+            _ => name.to_owned(),
+        }
+    };
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" {
+            break;
+        }
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            let _ = writeln!(out, "# HELP {} {}", classic_name(name), help.replace("\\\"", "\""));
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, t) = rest.split_once(' ').unwrap_or((rest, "unknown"));
+            let t = match t.trim() {
+                t @ ("counter" | "gauge" | "histogram" | "summary") => t,
+                "info" | "stateset" => "gauge",
+                _ => "untyped",
+            };
+            let _ = writeln!(out, "# TYPE {} {t}", classic_name(name));
+        } else if line.starts_with('#') || line.trim().is_empty() {
+            // `# UNIT`, and nothing else OpenMetrics allows.
+        } else {
+            let series_end = sample_series_end(line);
+            let name = &line[..line.find(['{', ' ']).unwrap_or(line.len())];
+            let created_of = name.strip_suffix("_created").and_then(|f| types.get(f));
+            if matches!(created_of, Some(&("counter" | "histogram" | "summary" | "gaugehistogram"))) {
+                continue;
+            }
+            let mut rest = line[series_end..].split_whitespace().take_while(|t| *t != "#");
+            let Some(value) = rest.next() else { continue };
+            let _ = write!(out, "{} {value}", &line[..series_end]);
+            if let Some(seconds) = rest.next().and_then(|t| t.parse::<f64>().ok()) {
+                let _ = write!(out, " {}", (seconds * 1000.0).round() as i64);
+            }
+            out.push('\n');
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -179,5 +359,153 @@ mod tests {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn text_format_names_counter_families_like_their_samples() {
+        let m = Metrics::new();
+        m.quits.get_or_create(&QuitLabels { kind: "istio", result: "ok" }).inc();
+        m.quit_latency.observe(0.0004);
+        let text = m.render(Format::Text).expect("render");
+        assert!(
+            text.contains("# HELP valet_sidecar_quits_total Quit requests to sidecars, by sidecar kind and result.\n")
+        );
+        assert!(text.contains("# TYPE valet_sidecar_quits_total counter\nvalet_sidecar_quits_total{"));
+        assert!(text.contains("\nvalet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} 1\n"));
+        assert!(text.contains("# TYPE valet_quit_latency_seconds histogram\n"));
+        assert!(text.contains("valet_quit_latency_seconds_bucket{le=\"+Inf\"} 1\n"));
+        assert!(text.contains("# TYPE valet_build_info gauge\nvalet_build_info{version=\""));
+        assert!(text.contains("# TYPE valet_pods_tracked gauge\nvalet_pods_tracked 0\n"));
+        assert!(!text.contains("# EOF") && !text.contains("# UNIT"), "{text}");
+        // Every sample is kept as is.
+        let samples = |t: &str| t.lines().filter(|l| !l.starts_with('#')).map(str::to_owned).collect::<Vec<_>>();
+        assert_eq!(samples(&text), samples(&m.encode()));
+        // Every TYPE line names the samples that follow it.
+        let mut family = String::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                family = rest.split(' ').next().unwrap_or_default().to_owned();
+            } else if !line.starts_with('#') {
+                let name = &line[..line.find(['{', ' ']).unwrap_or(line.len())];
+                let base = ["_bucket", "_sum", "_count"].iter().find_map(|s| name.strip_suffix(s)).unwrap_or(name);
+                assert!(name == family || base == family, "{name} under # TYPE {family}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_family_is_exposed_from_the_start() {
+        let text = Metrics::new().render(Format::Text).expect("render");
+        let families: Vec<&str> =
+            text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).filter_map(|l| l.split(' ').next()).collect();
+        assert_eq!(
+            families,
+            [
+                "valet_pods_tracked",
+                "valet_container_exits_total",
+                "valet_sidecar_quits_total",
+                "valet_sidecar_escalations_total",
+                "valet_quit_latency_seconds",
+                "valet_app_holds_total",
+                "valet_app_releases_total",
+                "valet_app_hold_fail_opens_total",
+                "valet_app_hold_duration_seconds",
+                "valet_condition_patches_total",
+                "valet_kernel_events_lost_total",
+                "valet_watch_restarts_total",
+                "valet_pod_skips_total",
+                "valet_build_info",
+            ]
+        );
+        for zero in [
+            "valet_container_exits_total{outcome=\"Signal\"} 0\n",
+            "valet_sidecar_quits_total{kind=\"cloudsql\",result=\"ok\"} 0\n",
+            "valet_sidecar_escalations_total{kind=\"linkerd\"} 0\n",
+        ] {
+            assert!(text.contains(zero), "{zero} in\n{text}");
+        }
+        assert!(text.contains("# TYPE valet_app_releases_total counter\n# HELP valet_app_hold_fail_opens_total"));
+    }
+
+    #[test]
+    fn help_texts_need_no_escaping_in_either_format() {
+        // prometheus-client writes help texts raw: they must not contain what either format escapes.
+        let text = Metrics::new().encode();
+        for help in text.lines().filter_map(|l| l.strip_prefix("# HELP ")) {
+            assert!(!help.contains(['\\', '"']), "{help}");
+        }
+    }
+
+    #[test]
+    fn converts_every_openmetrics_construct() {
+        let om = concat!(
+            "# HELP a_seconds A \\\"quoted\\\" help.\n",
+            "# TYPE a_seconds counter\n",
+            "# UNIT a_seconds seconds\n",
+            "a_seconds_total{l=\"x} # {\\\"y\\\\\"} 2 # {trace_id=\"1\"} 1.0 1700000000.5\n",
+            "a_seconds_created{l=\"x} # {\\\"y\\\\\"} 1700000000.25\n",
+            "# HELP b B.\n",
+            "# TYPE b info\n",
+            "b_info{v=\"1\"} 1\n",
+            "# HELP c C.\n",
+            "# TYPE c unknown\n",
+            "c 3.5 1700000000.001\n",
+            "# HELP h H.\n",
+            "# TYPE h histogram\n",
+            "h_bucket{le=\"1.0\"} 1 # {a=\"b\"} 0.5\n",
+            "h_bucket{le=\"+Inf\"} 1\n",
+            "h_sum 0.5\n",
+            "h_count 1\n",
+            "h_created 1700000000.0\n",
+            "# EOF\n",
+        );
+        let want = concat!(
+            "# HELP a_seconds_total A \"quoted\" help.\n",
+            "# TYPE a_seconds_total counter\n",
+            "a_seconds_total{l=\"x} # {\\\"y\\\\\"} 2\n",
+            "# HELP b_info B.\n",
+            "# TYPE b_info gauge\n",
+            "b_info{v=\"1\"} 1\n",
+            "# HELP c C.\n",
+            "# TYPE c untyped\n",
+            "c 3.5 1700000000001\n",
+            "# HELP h H.\n",
+            "# TYPE h histogram\n",
+            "h_bucket{le=\"1.0\"} 1\n",
+            "h_bucket{le=\"+Inf\"} 1\n",
+            "h_sum 0.5\n",
+            "h_count 1\n",
+        );
+        assert_eq!(openmetrics_to_text(om), want);
+    }
+
+    #[test]
+    fn negotiates_like_prometheus_client_libraries() {
+        use Format::{OpenMetrics, Text};
+        let prometheus = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,\
+                          text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        for (accept, want) in [
+            (None, Text),
+            (Some(""), Text),
+            (Some(prometheus), OpenMetrics),
+            (Some("application/openmetrics-text"), OpenMetrics),
+            (Some("Application/OpenMetrics-Text; Version=\"1.0.0\""), OpenMetrics),
+            (Some("application/openmetrics-text; version=0.0.1"), OpenMetrics),
+            (Some("application/openmetrics-text; version=2.0.0"), Text),
+            (Some("text/plain;version=0.0.4"), Text),
+            (Some("text/plain"), Text),
+            (Some("*/*"), Text),
+            (Some("application/json, */*"), Text),
+            (Some("text/plain;version=0.0.4;q=0.5,application/openmetrics-text;version=1.0.0;q=0.2"), Text),
+            (Some("text/plain;q=0.2,application/openmetrics-text;q=0.5"), OpenMetrics),
+            (Some("application/openmetrics-text;q=0,text/plain"), Text),
+            (Some("application/openmetrics-text;q=bogus"), Text),
+            (Some("*/*,application/openmetrics-text;q=0.5"), OpenMetrics),
+            (Some("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited"), Text),
+        ] {
+            assert_eq!(Format::negotiate(accept), want, "Accept: {accept:?}");
+        }
+        assert_eq!(OpenMetrics.content_type(), "application/openmetrics-text; version=1.0.0; charset=utf-8");
+        assert_eq!(Text.content_type(), "text/plain; version=0.0.4; charset=utf-8");
     }
 }

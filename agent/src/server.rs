@@ -7,13 +7,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
 use http_body_util::Full;
-use hyper::{Request, Response, StatusCode, body::Incoming, service::service_fn};
+use hyper::header::{self, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode, service::service_fn};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tracing::{debug, info};
 
 use crate::error::{Error, Result};
-use crate::metrics::Metrics;
+use crate::metrics::{Format, Metrics};
 
 /// Readiness shared between the agent loop and the server.
 #[derive(Default)]
@@ -32,28 +33,43 @@ fn reply(status: StatusCode, content_type: &str, body: String) -> Response<Full<
     let mut r = Response::new(Full::new(Bytes::from(body)));
     *r.status_mut() = status;
     if let Ok(v) = content_type.parse() {
-        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+        r.headers_mut().insert(header::CONTENT_TYPE, v);
     }
     r
 }
 
-fn route(req: &Request<Incoming>, metrics: &Metrics, health: &Health) -> Response<Full<Bytes>> {
-    match (req.method().as_str(), req.uri().path()) {
-        ("GET", "/metrics") => {
-            reply(StatusCode::OK, "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.encode())
-        }
-        ("GET", "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n".into()),
-        ("GET", "/readyz") if health.ready() => reply(StatusCode::OK, "text/plain", "ready\n".into()),
-        ("GET", "/readyz") => {
+/// `/metrics` in the format the request's `Accept` header negotiates: OpenMetrics for
+/// Prometheus (which asks for it first), the classic text format for everything else.
+fn metrics_reply<B>(req: &Request<B>, metrics: &Metrics) -> Response<Full<Bytes>> {
+    let accept: Vec<&str> = req.headers().get_all(header::ACCEPT).iter().filter_map(|v| v.to_str().ok()).collect();
+    let format = Format::negotiate((!accept.is_empty()).then(|| accept.join(",")).as_deref());
+    let mut r = match metrics.render(format) {
+        Ok(body) => reply(StatusCode::OK, format.content_type(), body),
+        Err(_) => reply(StatusCode::INTERNAL_SERVER_ERROR, "text/plain", "cannot encode metrics\n".into()),
+    };
+    r.headers_mut().insert(header::VARY, HeaderValue::from_static("accept"));
+    r
+}
+
+fn route<B>(req: &Request<B>, metrics: &Metrics, health: &Health) -> Response<Full<Bytes>> {
+    let path = req.uri().path();
+    let known = matches!(path, "/metrics" | "/healthz" | "/readyz");
+    if known && !matches!(*req.method(), Method::GET | Method::HEAD) {
+        let mut r = reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "method not allowed\n".into());
+        r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return r;
+    }
+    match path {
+        "/metrics" => metrics_reply(req, metrics),
+        "/healthz" => reply(StatusCode::OK, "text/plain", "ok\n".into()),
+        "/readyz" if health.ready() => reply(StatusCode::OK, "text/plain", "ready\n".into()),
+        "/readyz" => {
             let why = if health.programs_attached.load(Ordering::Relaxed) {
                 "waiting for the first pod list\n"
             } else {
                 "kernel programs not attached\n"
             };
             reply(StatusCode::SERVICE_UNAVAILABLE, "text/plain", why.into())
-        }
-        (_, "/metrics" | "/healthz" | "/readyz") => {
-            reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "method not allowed\n".into())
         }
         _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n".into()),
     }
@@ -85,5 +101,72 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, health: Arc<Hea
                 debug!("metrics connection: {e}");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(method: &str, path: &str, accept: &[&str]) -> Request<()> {
+        let mut b = Request::builder().method(method).uri(path);
+        for a in accept {
+            b = b.header(header::ACCEPT, *a);
+        }
+        b.body(()).expect("request")
+    }
+
+    fn ready() -> Health {
+        let h = Health::default();
+        h.programs_attached.store(true, Ordering::Relaxed);
+        h.pods_listed.store(true, Ordering::Relaxed);
+        h
+    }
+
+    fn content_type(r: &Response<Full<Bytes>>) -> &str {
+        r.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default()
+    }
+
+    #[test]
+    fn metrics_format_follows_the_accept_header() {
+        let (m, h) = (Metrics::new(), ready());
+        let prometheus = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,\
+                          text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        let r = route(&request("GET", "/metrics", &[prometheus]), &m, &h);
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(content_type(&r), "application/openmetrics-text; version=1.0.0; charset=utf-8");
+        assert_eq!(r.headers().get(header::VARY).map(|v| v.as_bytes()), Some(&b"accept"[..]));
+        for accept in [&[][..], &["text/plain;version=0.0.4"], &["application/json", "*/*"]] {
+            let r = route(&request("GET", "/metrics", accept), &m, &h);
+            assert_eq!(content_type(&r), "text/plain; version=0.0.4; charset=utf-8", "{accept:?}");
+        }
+        // Several Accept headers count as one list.
+        let r = route(&request("GET", "/metrics", &["text/plain;q=0.1", "application/openmetrics-text"]), &m, &h);
+        assert_eq!(content_type(&r), "application/openmetrics-text; version=1.0.0; charset=utf-8");
+    }
+
+    #[test]
+    fn routes_and_methods() {
+        let (m, h) = (Metrics::new(), ready());
+        for (method, path, status) in [
+            ("GET", "/healthz", StatusCode::OK),
+            ("HEAD", "/healthz", StatusCode::OK),
+            ("GET", "/readyz", StatusCode::OK),
+            ("HEAD", "/metrics", StatusCode::OK),
+            ("GET", "/nope", StatusCode::NOT_FOUND),
+            ("POST", "/nope", StatusCode::NOT_FOUND),
+            ("POST", "/metrics", StatusCode::METHOD_NOT_ALLOWED),
+            ("PUT", "/healthz", StatusCode::METHOD_NOT_ALLOWED),
+            ("DELETE", "/readyz", StatusCode::METHOD_NOT_ALLOWED),
+        ] {
+            let r = route(&request(method, path, &[]), &m, &h);
+            assert_eq!(r.status(), status, "{method} {path}");
+            if status == StatusCode::METHOD_NOT_ALLOWED {
+                assert_eq!(r.headers().get(header::ALLOW).map(|v| v.as_bytes()), Some(&b"GET, HEAD"[..]));
+            }
+        }
+        let unready = Health::default();
+        assert_eq!(route(&request("GET", "/readyz", &[]), &m, &unready).status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(route(&request("GET", "/healthz", &[]), &m, &unready).status(), StatusCode::OK);
     }
 }

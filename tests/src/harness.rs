@@ -99,6 +99,13 @@ impl Node {
 
     /// Starts the agent binary for this node, with `extra` flags.
     pub fn start_agent(&self, extra: &[&str]) -> Result<Agent> {
+        let mut agent = self.spawn_agent(extra)?;
+        agent.wait_ready(Duration::from_secs(20))?;
+        Ok(agent)
+    }
+
+    /// Starts the agent binary for this node, with `extra` flags, without waiting for `/readyz`.
+    pub fn spawn_agent(&self, extra: &[&str]) -> Result<Agent> {
         let port = free_port()?;
         let metrics: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let log = self.scratch.path(&format!("agent-{port}.log"));
@@ -114,14 +121,25 @@ impl Node {
             .stderr(Stdio::from(log_file))
             .spawn()
             .context("start valet-agent")?;
-        let mut agent = Agent { child: Some(child), metrics, log };
-        agent.wait_ready(Duration::from_secs(20))?;
-        Ok(agent)
+        Ok(Agent { child: Some(child), metrics, log })
     }
 
     /// Builds an Istio-injected Job pod on this node: real cgroups, a netns with a pod IP, a
     /// pause process and a running stand-in pilot-agent; the pod object is posted to the API.
     pub fn job_pod(&self, spec: JobSpec) -> Result<JobPod> {
+        self.build_job_pod(spec, None)
+    }
+
+    /// Like [`Node::job_pod`], but the pod object is posted to the API first (`spec.post` is
+    /// ignored) and the stand-in proxy is started only after `before_proxy` returned, so a test
+    /// can wait until the agent knows the pod before the sidecar's first exec.
+    pub fn job_pod_proxy_later(&self, spec: JobSpec, before_proxy: impl FnOnce() -> Result<()>) -> Result<JobPod> {
+        let mut hook = Some(before_proxy);
+        let mut call = || hook.take().map_or(Ok(()), |f| f());
+        self.build_job_pod(spec, Some(&mut call))
+    }
+
+    fn build_job_pod(&self, spec: JobSpec, before_proxy: Option<&mut dyn FnMut() -> Result<()>>) -> Result<JobPod> {
         let name = format!("{}-{}", spec.name, valet_sim::util::random_hex(3));
         let mut opts = SimPodOptions::new(&name)
             .namespace("jobs")
@@ -141,10 +159,14 @@ impl Node {
         standin.hang = spec.proxy_hangs;
         standin.quit_ignored = spec.proxy_ignores_quit;
         standin.flood = spec.proxy_floods;
-        let proxy = sim.spawn_standin("istio-proxy", &standin, &SpawnOptions::default())?;
-        if spec.ready_file.is_none() {
-            sim.wait_standin_ready(&standin, Duration::from_secs(5))?;
-        }
+        let start_proxy = || -> Result<SimProcess> {
+            let proxy = sim.spawn_standin("istio-proxy", &standin, &SpawnOptions::default())?;
+            if spec.ready_file.is_none() {
+                sim.wait_standin_ready(&standin, Duration::from_secs(5))?;
+            }
+            Ok(proxy)
+        };
+        let early_proxy = if before_proxy.is_none() { Some(start_proxy()?) } else { None };
         let mut json_opts = PodJsonOptions::node(spec.node.as_deref().unwrap_or(&self.name))
             .restart_policy(&spec.restart_policy)
             .job(&spec.name);
@@ -166,9 +188,17 @@ impl Node {
         for app in &spec.already_exited {
             valet_sim::node::mark_container_terminated(&mut pod, app, 0)?;
         }
-        if spec.post {
+        if spec.post || before_proxy.is_some() {
             self.api.create_pod(pod.clone())?;
         }
+        let proxy = match (early_proxy, before_proxy) {
+            (Some(p), _) => p,
+            (None, Some(hook)) => {
+                hook()?;
+                start_proxy()?
+            }
+            (None, None) => bail!("no proxy started"),
+        };
         Ok(JobPod { sim, pause, proxy, apps: Vec::new(), events, json: pod, name })
     }
 
