@@ -279,6 +279,12 @@ impl Controller {
 
     async fn shutdown(&mut self, drain: Duration) {
         info!("shutting down: releasing held apps and finishing in-flight quits");
+        // Hold nothing more: containers that start while the agent stops run freely.
+        for t in self.pods.values() {
+            if let Some(dir) = &t.pod_dir {
+                let _ = self.programs.watch(dir.id, watch_flags::EXITS);
+            }
+        }
         self.gate.release_all("shutdown");
         let deadline = Instant::now() + drain;
         while self.pods.values().any(|p| p.quits.values().any(|q| *q == QuitState::InFlight)) {
@@ -413,9 +419,7 @@ impl Controller {
             // sandbox are never held. A container whose init an earlier agent left held has had
             // its first exec: what it execs once released runs freely.
             if hold && !self.programs.exec_seen(c.id) {
-                let held_before =
-                    self.cgroups.procs(&c.rel).into_iter().any(|p| crate::gate::held_at_exec(&self.cfg.host_proc, p));
-                let hold_it = if held_before {
+                let hold_it = if self.gate.exec_done_before(uid, &c) {
                     Some(false)
                 } else {
                     tracked.name_of_id(&c.container.id).map(|name| plan.apps.contains(&name))
@@ -446,6 +450,11 @@ impl Controller {
             .collect();
         for uid in missing {
             self.attach_cgroup(&uid);
+            // The work may have been done already (the API showed it) while the cgroup was
+            // missing: decide again now that the quit has somewhere to go.
+            if self.pods.get(&uid).is_some_and(|t| t.pod_dir.is_some()) {
+                self.evaluate(&uid);
+            }
         }
         let lost = self.programs.counter(Counter::EventsLost);
         if lost > self.events_lost_seen {

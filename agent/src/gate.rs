@@ -15,7 +15,7 @@ use tracing::{debug, info, warn};
 use crate::api::condition::{self, ProxyReady};
 use crate::api::events::{EventSink, pod_reference};
 use crate::cgroup::signal::signal_in_cgroup;
-use crate::cgroup::{CgroupFs, PodDir};
+use crate::cgroup::{CgroupFs, ContainerDir, PodDir};
 use crate::config::Config;
 use crate::controller::ActionResult;
 use crate::kernel::HeldProcess;
@@ -71,6 +71,12 @@ struct GatePod {
     /// What the running probe loop was started with (pod IP, pod cgroup); a change restarts it.
     probe_target: (Option<String>, Option<String>),
     adopted: bool,
+    /// Container cgroups whose init an earlier agent held: their first exec is done.
+    adopted_from: Vec<u64>,
+    /// Whether the kernel holds this pod's containers, and the pod's cgroup (for the sweep at
+    /// shutdown).
+    hold: bool,
+    pod_rel: Option<String>,
 }
 
 /// The startup gate of every tracked pod.
@@ -174,6 +180,10 @@ impl Gate {
         let needs_probe = !done && self.pods.get(uid).is_none_or(|p| p.pace.is_none() || p.probe_target != target);
         let probe = needs_probe.then(|| self.spawn_probe(uid, plan, pod_dir));
         let entry = self.pods.entry(uid.to_owned()).or_default();
+        entry.hold = hold;
+        if let Some(dir) = pod_dir {
+            entry.pod_rel = Some(dir.rel.clone());
+        }
         if done {
             if let Some(pace) = &entry.pace {
                 let _ = pace.send(Pace::Stop);
@@ -184,31 +194,10 @@ impl Gate {
             }
             entry.probe_target = target;
         }
-        // Adopt processes left stopped by an earlier instance of the agent.
-        if hold
-            && !entry.adopted
-            && let Some(dir) = pod_dir
-        {
-            entry.adopted = true;
-            for c in self.cgroups.containers(&dir.rel) {
-                let name = name_of_id(pod, &c.container.id);
-                if !name.as_ref().is_some_and(|n| plan.apps.contains(n)) {
-                    continue;
-                }
-                for pid in self.cgroups.procs(&c.rel) {
-                    if process_stopped(&self.cfg.host_proc, pid) {
-                        info!(pod = %pod_name(pod), pid, "found an app process left held by an earlier agent");
-                        entry.held.push(Held {
-                            tgid: pid,
-                            container_rel: c.rel.clone(),
-                            container_id: Some(c.container.id.clone()),
-                            since_ktime: monotonic_ns(),
-                        });
-                        entry.hold_started.get_or_insert_with(Instant::now);
-                    }
-                }
-            }
+        if hold && let Some(dir) = pod_dir {
+            self.adopt(uid, pod, plan, dir);
         }
+        let Some(entry) = self.pods.get_mut(uid) else { return };
         // Held processes whose container turned out not to be an app: release now.
         let mut release = Vec::new();
         entry.held.retain(|h| {
@@ -221,15 +210,72 @@ impl Gate {
                 _ => true,
             }
         });
-        let api_ready = sidecar_ready_in_api(pod, plan);
+        // The kubelet's own readiness probe of the sidecar passed: the proxy has been ready, so
+        // nothing is left to wait for. Only a release trigger: the condition reflects the agent's
+        // own probe, so a lagging API view can never make it flap.
+        if sidecar_ready_in_api(pod, plan) {
+            release.extend(std::mem::take(&mut entry.held).into_iter().map(|h| (h, "ready")));
+        }
+        if entry.held.is_empty() {
+            entry.hold_started = None;
+        }
         for (h, why) in release {
             self.release(uid, pod, &h, why);
         }
-        if api_ready {
-            self.on_ready(uid, pod, "the API reports the sidecar ready".into());
-        }
         self.update_pace(uid);
         self.sync_condition(uid, pod);
+    }
+
+    /// Takes over processes an earlier instance of the agent left stopped at exec (it was killed
+    /// while holding them), once per pod, as soon as the pod's cgroup is known: those of app
+    /// containers and of containers the API does not name yet are held again (released on
+    /// readiness or the hold timeout, never left stopped); those of known non-app containers
+    /// (the sidecar, init containers) are released at once.
+    fn adopt(&mut self, uid: &str, pod: &Pod, plan: &PodPlan, dir: &PodDir) {
+        let Some(entry) = self.pods.get_mut(uid) else { return };
+        if entry.adopted {
+            return;
+        }
+        entry.adopted = true;
+        let mut release = Vec::new();
+        for c in self.cgroups.containers(&dir.rel) {
+            let name = name_of_id(pod, &c.container.id);
+            let is_app = name.as_ref().is_some_and(|n| plan.apps.contains(n));
+            for pid in self.cgroups.procs(&c.rel) {
+                if entry.held.iter().any(|h| h.tgid == pid) || !held_at_exec(&self.cfg.host_proc, pid) {
+                    continue;
+                }
+                entry.adopted_from.push(c.id);
+                let h = Held {
+                    tgid: pid,
+                    container_rel: c.rel.clone(),
+                    container_id: Some(c.container.id.clone()),
+                    since_ktime: monotonic_ns(),
+                };
+                if name.is_some() && !is_app {
+                    release.push(h);
+                    continue;
+                }
+                info!(
+                    pod = %pod_name(pod),
+                    container = name.as_deref().unwrap_or("<not yet in the API>"),
+                    pid,
+                    "found a process left held by an earlier agent"
+                );
+                entry.held.push(h);
+                entry.hold_started.get_or_insert_with(Instant::now);
+            }
+        }
+        for h in release {
+            self.release(uid, pod, &h, "not_app");
+        }
+    }
+
+    /// Whether a container's first exec happened before this agent could judge it (an earlier
+    /// agent held its init): then what it execs later must never be held.
+    pub fn exec_done_before(&self, uid: &str, container: &ContainerDir) -> bool {
+        self.pods.get(uid).is_some_and(|p| p.adopted_from.contains(&container.id))
+            || self.cgroups.procs(&container.rel).into_iter().any(|pid| held_at_exec(&self.cfg.host_proc, pid))
     }
 
     fn spawn_probe(&self, uid: &str, plan: &PodPlan, pod_dir: Option<&PodDir>) -> watch::Sender<Pace> {
@@ -331,8 +377,17 @@ impl Gate {
             return Vec::new();
         }
         let entry = self.pods.entry(uid.clone()).or_default();
-        if entry.ready == Some(true) || entry.failed_open {
+        if entry.held.iter().any(|x| x.tgid == h.tgid) {
+            // Already adopted from the cgroup before its event arrived.
+            return Vec::new();
+        }
+        if entry.ready == Some(true) {
             self.release(&uid, &pod, &h, "ready");
+            return Vec::new();
+        }
+        if entry.failed_open {
+            // The pod already failed open: its later containers do not wait either.
+            self.release(&uid, &pod, &h, "timeout");
             return Vec::new();
         }
         info!(pod = %pod_name(&pod), container = name.as_deref().unwrap_or("<not yet in the API>"), pid = held.tgid, "holding app until the proxy is ready");
@@ -361,6 +416,7 @@ impl Gate {
             debug!(pod = %pod_name(pod), %detail, "proxy ready");
         }
         entry.ready = Some(true);
+        entry.hold_started = None;
         let held = std::mem::take(&mut entry.held);
         for h in &held {
             self.release(uid, pod, h, "ready");
@@ -440,8 +496,18 @@ impl Gate {
         });
     }
 
-    /// Periodic work: fail open on hold timeouts.
+    /// Periodic work: catch up with pod cgroups found since the last pod update (probe through
+    /// the pod's netns, adopt processes an earlier agent left held); fail open on hold timeouts.
     pub fn tick(&mut self, pods: &[(String, Pod, PodPlan, Option<PodDir>)]) -> Vec<GateAction> {
+        for (uid, pod, plan, dir) in pods {
+            let Some(dir) = dir else { continue };
+            let Some(entry) = self.pods.get(uid) else { continue };
+            let probing = entry.pace.as_ref().is_some_and(|p| *p.borrow() != Pace::Stop);
+            let stale_probe = probing && entry.probe_target.1.as_deref() != Some(dir.rel.as_str());
+            if !plan.deleting && (stale_probe || (!entry.adopted && self.wants_hold(plan))) {
+                self.on_pod(uid, pod, plan, Some(dir));
+            }
+        }
         for (uid, pod, plan, _) in pods {
             let timeout = plan.hold_timeout.min(Duration::from_secs(3600));
             let Some(entry) = self.pods.get_mut(uid) else { continue };
@@ -450,6 +516,7 @@ impl Gate {
                 continue;
             }
             entry.failed_open = true;
+            entry.hold_started = None;
             let held = std::mem::take(&mut entry.held);
             warn!(pod = %pod_name(pod), waited_s = timeout.as_secs(), "proxy not ready in time: releasing the app anyway");
             self.metrics.fail_opens.inc();
@@ -469,9 +536,20 @@ impl Gate {
         Vec::new()
     }
 
-    /// Releases everything held (agent shutdown).
+    /// Releases everything held (agent shutdown). Call after the kernel was told to hold nothing
+    /// more: this also releases processes it stopped whose events were still on their way.
     pub fn release_all(&mut self, reason: &'static str) {
-        let all: Vec<Held> = self.pods.values_mut().flat_map(|p| std::mem::take(&mut p.held)).collect();
+        let mut all: Vec<Held> = self.pods.values_mut().flat_map(|p| std::mem::take(&mut p.held)).collect();
+        for p in self.pods.values().filter(|p| p.hold) {
+            let Some(rel) = &p.pod_rel else { continue };
+            for c in self.cgroups.containers(rel) {
+                for pid in self.cgroups.procs(&c.rel) {
+                    if !all.iter().any(|h| h.tgid == pid) && held_at_exec(&self.cfg.host_proc, pid) {
+                        all.push(Held { tgid: pid, container_rel: c.rel.clone(), container_id: None, since_ktime: 0 });
+                    }
+                }
+            }
+        }
         for h in all {
             match signal_in_cgroup(&self.cgroups, h.tgid, &h.container_rel, libc::SIGCONT) {
                 Ok(()) => {
@@ -529,4 +607,37 @@ fn process_stopped(host_proc: &std::path::Path, pid: u32) -> bool {
         .ok()
         .and_then(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()).map(|st| st == "T"))
         .unwrap_or(false)
+}
+
+/// Whether a process is pid 1 of a pid namespace below the host's (the last `NSpid` entry is 1),
+/// that is a container's init, the only kind of process the kernel holds.
+fn is_ns_init(host_proc: &std::path::Path, pid: u32) -> bool {
+    std::fs::read_to_string(host_proc.join(pid.to_string()).join("status"))
+        .ok()
+        .and_then(|s| {
+            let ids: Vec<&str> = s.lines().find_map(|l| l.strip_prefix("NSpid:"))?.split_whitespace().collect();
+            Some(ids.len() > 1 && ids.last() == Some(&"1"))
+        })
+        .unwrap_or(false)
+}
+
+/// Whether a process looks held at exec: a container's init, stopped. A killed agent leaves
+/// such processes behind; its successor takes them over.
+fn held_at_exec(host_proc: &std::path::Path, pid: u32) -> bool {
+    process_stopped(host_proc, pid) && is_ns_init(host_proc, pid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_stopped_namespace_inits_look_held() {
+        let proc = std::path::Path::new("/proc");
+        let me = std::process::id();
+        // This test process is neither stopped nor (normally) a pid namespace's init.
+        assert!(!process_stopped(proc, me));
+        assert!(!held_at_exec(proc, me));
+        assert!(!held_at_exec(proc, u32::MAX), "a missing process is not held");
+    }
 }

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::Value;
-use valet_sim::node::{CgroupDriver, PodJsonOptions, QosClass, Runtime, SimPod, SimPodOptions, SimProcess, SpawnOptions};
+use valet_sim::node::{
+    CgroupDriver, PodJsonOptions, QosClass, Runtime, SimPod, SimPodOptions, SimProcess, SpawnOptions,
+};
 use valet_sim::standin::{ProxyKind, StandinOptions};
 use valet_sim::{FakeApiServer, ServerOptions};
 
@@ -141,11 +143,8 @@ impl Node {
 
     fn build_job_pod(&self, spec: JobSpec, before_proxy: Option<&mut dyn FnMut() -> Result<()>>) -> Result<JobPod> {
         let name = format!("{}-{}", spec.name, valet_sim::util::random_hex(3));
-        let mut opts = SimPodOptions::new(&name)
-            .namespace("jobs")
-            .driver(spec.driver)
-            .runtime(spec.runtime)
-            .qos(spec.qos);
+        let mut opts =
+            SimPodOptions::new(&name).namespace("jobs").driver(spec.driver).runtime(spec.runtime).qos(spec.qos);
         for app in &spec.apps {
             opts = opts.container(app);
         }

@@ -1,0 +1,483 @@
+//! End to end, issue "startup gating": the real agent binary holds an app container's first
+//! process at exec (in the kernel) until the pod's proxy is ready, fails open on the hold
+//! timeout, survives its own restarts without leaving apps stopped, and publishes the
+//! `valet.dev/ProxyReady` pod condition without redundant writes.
+//!
+//! The tests run one at a time (a file-wide lock): they measure release latencies and hold
+//! timings that a busy 2-core machine would blur.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually};
+
+const HOLD: &str = "valet.dev/hold-app";
+const HOLD_TIMEOUT: &str = "valet.dev/hold-timeout";
+const CONDITION: &str = "valet.dev/ProxyReady";
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The state letter of a process (`R`, `S`, `T`, `Z`, ...), None once it is gone.
+fn state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')').next()?.split_whitespace().next()?.chars().next()
+}
+
+/// An app script that writes `marker` the moment it runs, then lives a little.
+fn marker_script(marker: &Path) -> String {
+    format!("echo ran > {}; sleep 0.2", marker.display())
+}
+
+/// A held Job pod whose stand-in proxy is ready only once `ready` exists.
+fn held_spec(name: &str, ready: &Path) -> JobSpec {
+    let mut spec = JobSpec::new(name).annotation(HOLD, "true");
+    spec.ready_file = Some(ready.to_path_buf());
+    spec
+}
+
+/// Polls every 200 µs (fine enough to measure release latency) until `path` exists.
+fn wait_file(path: &Path, timeout: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if path.exists() {
+            return Some(start.elapsed());
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    None
+}
+
+/// The agent's `valet.dev/ProxyReady` condition on the pod, as (status, reason).
+fn condition(node: &Node, job: &JobPod) -> Option<(String, String)> {
+    let pod = node.pod(job)?;
+    pod["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == CONDITION).map(|c| {
+        (c["status"].as_str().unwrap_or_default().to_owned(), c["reason"].as_str().unwrap_or_default().to_owned())
+    })
+}
+
+fn wait_condition(node: &Node, job: &JobPod, agent: &Agent, status: &str, reason: &str) {
+    let want = Some((status.to_owned(), reason.to_owned()));
+    assert!(
+        eventually(Duration::from_secs(5), || condition(node, job) == want),
+        "condition {CONDITION} {status}/{reason} on {}: have {:?}\n{}",
+        job.name,
+        condition(node, job),
+        agent.log_text()
+    );
+}
+
+/// PATCH requests to the pod's status subresource (the agent's condition writes).
+fn status_patches(node: &Node, job: &JobPod) -> Vec<valet_sim::RecordedRequest> {
+    let path = format!("/api/v1/namespaces/jobs/pods/{}/status", job.name);
+    node.api.requests().into_iter().filter(|r| r.method == "PATCH" && r.path == path).collect()
+}
+
+/// The app container's main process of a job (its first `run_app`).
+fn app_pid(job: &JobPod) -> u32 {
+    job.apps[0].host_pid()
+}
+
+/// Asserts the app is held: stopped at exec and not having run a single line.
+fn assert_held(job: &JobPod, marker: &Path, agent: &Agent, what: &str) {
+    assert!(!marker.exists(), "{what}: the held app must not have run\n{}", agent.log_text());
+    assert_eq!(state(app_pid(job)), Some('T'), "{what}: the app is stopped\n{}", agent.log_text());
+}
+
+#[test]
+fn held_app_runs_once_the_proxy_is_ready() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let ready = node.scratch.path("ready");
+    let marker = node.scratch.path("marker");
+    let mut job = node.job_pod(held_spec("held", &ready)).expect("pod");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    // The agent probed the proxy (not ready): it knows the pod and its cgroup.
+    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+
+    job.run_app("app", &marker_script(&marker)).expect("app");
+    std::thread::sleep(Duration::from_secs(1));
+    assert_held(&job, &marker, &agent, "1 s after start with the proxy not ready");
+    assert_eq!(agent.metric("valet_app_holds_total "), 1.0);
+    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 0.0);
+
+    std::fs::write(&ready, "").expect("ready file");
+    let delay = wait_file(&marker, Duration::from_secs(1));
+    println!("proxy ready -> app ran: {delay:?}");
+    let delay = delay
+        .unwrap_or_else(|| panic!("the app did not run within 1 s of the proxy turning ready\n{}", agent.log_text()));
+    assert!(delay < Duration::from_secs(1));
+    assert_ne!(state(app_pid(&job)), Some('T'));
+
+    wait_condition(&node, &job, &agent, "True", "ProxyReady");
+    assert_eq!(agent.metric("valet_app_holds_total "), 1.0);
+    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 1.0);
+    assert_eq!(agent.metric("valet_app_hold_fail_opens_total "), 0.0);
+    assert_eq!(agent.metric("valet_app_hold_duration_seconds_count "), 1.0);
+    // The app ran to its end (no second hold of its later execs).
+    let status = job.apps[0].wait_timeout(Duration::from_secs(3)).expect("wait app");
+    assert!(status.is_some_and(|s| s.success()), "app finished: {status:?}\n{}", agent.log_text());
+}
+
+#[test]
+fn without_a_pod_ip_the_proxy_is_probed_inside_the_pod_netns() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let ready = node.scratch.path("ready");
+    let marker = node.scratch.path("marker");
+    let mut spec = held_spec("no-ip", &ready);
+    spec.post = false;
+    let mut job = node.job_pod(spec).expect("pod");
+    // The API has not reported the pod IP yet: the proxy is reachable on the pod's loopback only.
+    let status = job.json["status"].as_object_mut().expect("status");
+    status.remove("podIP");
+    status.remove("podIPs");
+    node.api.create_pod(job.json.clone()).expect("post pod");
+    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    job.run_app("app", &marker_script(&marker)).expect("app");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_held(&job, &marker, &agent, "before the proxy is ready");
+    std::fs::write(&ready, "").expect("ready file");
+    let delay = wait_file(&marker, Duration::from_secs(1));
+    println!("no pod IP: proxy ready -> app ran: {delay:?}");
+    assert!(delay.is_some(), "released through the netns probe\n{}", agent.log_text());
+    wait_condition(&node, &job, &agent, "True", "ProxyReady");
+    // The stand-in saw the agent's probes come from its own loopback.
+    let probes: Vec<_> = valet_sim::standin::read_events(&job.events)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e.method == "GET" && e.path == "/healthz/ready")
+        .collect();
+    assert!(!probes.is_empty() && probes.iter().all(|e| e.peer.ip().is_loopback()), "probes: {probes:?}");
+}
+
+#[test]
+fn release_latency_median_is_well_under_the_probe_budget() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut delays = Vec::new();
+    for round in 0..7 {
+        let ready = node.scratch.path(&format!("ready-{round}"));
+        let marker = node.scratch.path(&format!("marker-{round}"));
+        let mut job = node.job_pod(held_spec("latency", &ready)).expect("pod");
+        wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+        job.run_app("app", &marker_script(&marker)).expect("app");
+        assert!(
+            eventually(Duration::from_secs(2), || state(app_pid(&job)) == Some('T')),
+            "round {round}: app held\n{}",
+            agent.log_text()
+        );
+        // Let the agent switch to its fast probe pace (and a probe cycle start at a random phase).
+        std::thread::sleep(Duration::from_millis(100 + 7 * round));
+        assert!(!marker.exists());
+        std::fs::write(&ready, "").expect("ready file");
+        let delay = wait_file(&marker, Duration::from_secs(1))
+            .unwrap_or_else(|| panic!("round {round}: not released within 1 s\n{}", agent.log_text()));
+        delays.push(delay);
+    }
+    delays.sort();
+    let median = delays[delays.len() / 2];
+    println!("proxy ready -> app ran, sorted: {delays:?}; median {median:?}");
+    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 7.0);
+    assert!(median < Duration::from_micros(12_500), "median release latency {median:?} (target < 12.5 ms)");
+}
+
+#[test]
+fn hold_times_out_and_fails_open() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let ready = node.scratch.path("never-ready");
+    let marker = node.scratch.path("marker");
+    let mut job = node.job_pod(held_spec("timeout", &ready).annotation(HOLD_TIMEOUT, "2s")).expect("pod");
+    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+
+    let started = Instant::now();
+    job.run_app("app", &marker_script(&marker)).expect("app");
+    std::thread::sleep(Duration::from_secs(1));
+    assert_held(&job, &marker, &agent, "1 s into a 2 s hold");
+    let ran_after = wait_file(&marker, Duration::from_secs(4)).map(|_| started.elapsed());
+    println!("fail-open: the app ran {ran_after:?} after its start (hold timeout 2 s)");
+    let ran_after = ran_after.unwrap_or_else(|| panic!("never released\n{}", agent.log_text()));
+    assert!(ran_after >= Duration::from_millis(1500), "released too early: {ran_after:?}");
+    assert!(ran_after <= Duration::from_millis(3500), "released too late: {ran_after:?}");
+
+    wait_condition(&node, &job, &agent, "False", "HoldTimeout");
+    assert!(
+        eventually(Duration::from_secs(3), || {
+            node.api.events().iter().any(|e| {
+                let regarding = e.get("regarding").or_else(|| e.get("involvedObject"));
+                regarding.and_then(|r| r.get("name")).and_then(Value::as_str) == Some(job.name.as_str())
+                    && e["reason"] == "HoldTimeout"
+                    && e["type"] == "Warning"
+            })
+        }),
+        "a Warning Event HoldTimeout: {:?}",
+        node.api.events()
+    );
+    assert_eq!(agent.metric("valet_app_hold_fail_opens_total "), 1.0);
+    assert_eq!(agent.metric("valet_app_releases_total{reason=\"timeout\"} "), 1.0);
+    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 0.0);
+}
+
+#[test]
+fn agent_killed_while_holding_leaves_apps_to_its_successor() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let mut agent = node.start_agent(&[]).expect("agent");
+    // a: the proxy turns ready after the restart; c: it turns ready while no agent runs;
+    // b: the API has not reported the app's container ID yet and the proxy never turns ready.
+    let paths = |tag: &str| (node.scratch.path(&format!("ready-{tag}")), node.scratch.path(&format!("marker-{tag}")));
+    let ((ready_a, marker_a), (ready_b, marker_b), (ready_c, marker_c)) = (paths("a"), paths("b"), paths("c"));
+    let script = |marker: &PathBuf| format!("echo ran > {}; exec sleep 0.3", marker.display());
+    let mut a = node.job_pod(held_spec("restart-a", &ready_a)).expect("pod a");
+    let mut c = node.job_pod(held_spec("restart-c", &ready_c)).expect("pod c");
+    let mut spec_b = held_spec("restart-b", &ready_b).annotation(HOLD_TIMEOUT, "3s");
+    spec_b.post = false;
+    let mut b = node.job_pod(spec_b).expect("pod b");
+    for status in b.json["status"]["containerStatuses"].as_array_mut().expect("statuses") {
+        if status["name"] == "app" {
+            status.as_object_mut().expect("status").remove("containerID");
+        }
+    }
+    node.api.create_pod(b.json.clone()).expect("post pod b");
+    agent.wait_tracked(3, Duration::from_secs(5)).expect("tracked");
+    for job in [&a, &b, &c] {
+        wait_condition(&node, job, &agent, "False", "ProxyNotReady");
+    }
+    for (job, marker) in [(&mut a, &marker_a), (&mut b, &marker_b), (&mut c, &marker_c)] {
+        job.run_app("app", &script(marker)).expect("app");
+    }
+    for (job, marker, what) in [(&a, &marker_a, "a"), (&b, &marker_b, "b"), (&c, &marker_c, "c")] {
+        assert!(eventually(Duration::from_secs(2), || state(app_pid(job)) == Some('T')), "{what} held");
+        assert!(!marker.exists());
+    }
+    assert_eq!(agent.metric("valet_app_holds_total "), 3.0);
+
+    agent.stop(libc::SIGKILL, Duration::from_secs(5)).expect("kill the agent");
+    std::fs::write(&ready_c, "").expect("ready c");
+    std::thread::sleep(Duration::from_millis(500));
+    for (job, marker, what) in [(&a, &marker_a, "a"), (&b, &marker_b, "b"), (&c, &marker_c, "c")] {
+        assert_held(job, marker, &agent, &format!("{what}, 0.5 s after the agent was killed"));
+    }
+
+    let agent = node.start_agent(&[]).expect("second agent");
+    let restarted = Instant::now();
+    // c: its proxy is already ready: released right away.
+    let c_after = wait_file(&marker_c, Duration::from_secs(3)).map(|_| restarted.elapsed());
+    println!("c released {c_after:?} after the new agent was ready");
+    assert!(c_after.is_some(), "c released by the new agent\n{}", agent.log_text());
+    // a: adopted and still held while its proxy is not ready.
+    std::thread::sleep(Duration::from_millis(700));
+    assert_held(&a, &marker_a, &agent, "a, adopted by the new agent");
+    std::fs::write(&ready_a, "").expect("ready a");
+    let a_delay = wait_file(&marker_a, Duration::from_secs(1));
+    println!("a: proxy ready -> app ran after the restart: {a_delay:?}");
+    assert!(a_delay.is_some(), "a released once its proxy is ready\n{}", agent.log_text());
+    // b: in a container the API does not name yet: still released, by the hold timeout.
+    let b_after = wait_file(&marker_b, Duration::from_secs(5)).map(|_| restarted.elapsed());
+    println!("b (container unknown to the API) released {b_after:?} after the restart (hold timeout 3 s)");
+    let b_after = b_after.unwrap_or_else(|| panic!("b left stopped\n{}", agent.log_text()));
+    assert!(b_after >= Duration::from_secs(2), "b released before its hold timeout: {b_after:?}");
+    wait_condition(&node, &b, &agent, "False", "HoldTimeout");
+
+    // Every app ran to its end: the released processes' later execs were not held again.
+    for (job, what) in [(&mut a, "a"), (&mut b, "b"), (&mut c, "c")] {
+        let status = job.apps[0].wait_timeout(Duration::from_secs(3)).expect("wait");
+        assert!(status.is_some_and(|s| s.success()), "{what} finished: {status:?}\n{}", agent.log_text());
+    }
+    assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "no new holds after the restart\n{}", agent.log_text());
+    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 2.0);
+    assert_eq!(agent.metric("valet_app_releases_total{reason=\"timeout\"} "), 1.0);
+}
+
+#[test]
+fn sigterm_releases_held_apps_before_the_agent_exits() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let mut agent = node.start_agent(&[]).expect("agent");
+    let ready = node.scratch.path("ready");
+    let marker = node.scratch.path("marker");
+    let mut job = node.job_pod(held_spec("graceful", &ready)).expect("pod");
+    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    job.run_app("app", &marker_script(&marker)).expect("app");
+    assert!(eventually(Duration::from_secs(2), || state(app_pid(&job)) == Some('T')), "held");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_held(&job, &marker, &agent, "before SIGTERM");
+
+    let status = agent.stop(libc::SIGTERM, Duration::from_secs(10)).expect("agent stops");
+    // Checked the moment the agent is gone: the release happened before its exit.
+    let after_exit = state(app_pid(&job));
+    assert!(status.is_some_and(|s| s.success()), "agent exit status {status:?}\n{}", agent.log_text());
+    assert_ne!(after_exit, Some('T'), "the app was still stopped when the agent exited\n{}", agent.log_text());
+    assert!(wait_file(&marker, Duration::from_secs(1)).is_some(), "the app ran");
+    let log = agent.log_text();
+    assert!(
+        log.lines().any(|l| l.contains("released app") && l.contains("shutdown")),
+        "the agent logged the shutdown release:\n{log}"
+    );
+}
+
+#[test]
+fn pods_that_must_not_be_held_run_at_once() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    // Not opted in to holding (the proxy is not ready either).
+    let ready = node.scratch.path("never-ready");
+    let mut plain_spec = JobSpec::new("plain");
+    plain_spec.ready_file = Some(ready.clone());
+    let mut plain = node.job_pod(plain_spec).expect("plain pod");
+    // Istio holds the app itself (holdApplicationUntilProxyStarts): valet must not hold too.
+    let istio_spec =
+        held_spec("istio-holds", &ready).annotation("proxy.istio.io/config", "holdApplicationUntilProxyStarts: true");
+    let mut istio = node.job_pod(istio_spec).expect("istio pod");
+    agent.wait_tracked(2, Duration::from_secs(5)).expect("tracked");
+    wait_condition(&node, &plain, &agent, "False", "ProxyNotReady");
+    wait_condition(&node, &istio, &agent, "False", "ProxyNotReady");
+
+    for (job, tag) in [(&mut plain, "plain"), (&mut istio, "istio")] {
+        let marker = node.scratch.path(&format!("marker-{tag}"));
+        job.run_app("app", &marker_script(&marker)).expect("app");
+        let ran = wait_file(&marker, Duration::from_secs(1));
+        println!("{tag}: app ran {ran:?} after its start");
+        assert!(ran.is_some(), "{tag}: the app runs at once\n{}", agent.log_text());
+        assert_ne!(state(app_pid(job)), Some('T'));
+    }
+    assert_eq!(agent.metric("valet_app_holds_total "), 0.0);
+}
+
+#[test]
+fn the_sidecar_of_a_held_pod_is_never_held() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    // The proxy is ready as soon as it serves (the file exists); the API still says not ready.
+    let ready = node.scratch.path("ready");
+    std::fs::write(&ready, "").expect("ready file");
+    let spec = held_spec("sidecar", &ready);
+    let mut job = node
+        .job_pod_proxy_later(spec, || {
+            agent.wait_tracked(1, Duration::from_secs(5))?;
+            // The agent's first probe (nothing listens yet) shows it has placed the pod.
+            let probed = eventually(Duration::from_secs(5), || {
+                node.api.pods().iter().any(|p| {
+                    p["status"]["conditions"]
+                        .as_array()
+                        .is_some_and(|cs| cs.iter().any(|c| c["type"] == CONDITION && c["reason"] == "ProxyNotReady"))
+                })
+            });
+            anyhow::ensure!(probed, "the agent never probed the pod");
+            Ok(())
+        })
+        .expect("pod");
+    let proxy = job.proxy.host_pid();
+    let deadline = Instant::now() + Duration::from_millis(500);
+    let mut states = String::new();
+    while Instant::now() < deadline {
+        let s = state(proxy);
+        assert_ne!(s, Some('T'), "the sidecar was stopped at exec\n{}", agent.log_text());
+        if let Some(s) = s
+            && !states.ends_with(s)
+        {
+            states.push(s);
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    println!("proxy states over 0.5 s: {states}");
+    job.sim
+        .wait_standin_ready(
+            &{
+                let mut o = valet_sim::StandinOptions::new(valet_sim::ProxyKind::Istio);
+                o.ready_file = Some(ready.clone());
+                o
+            },
+            Duration::from_secs(3),
+        )
+        .expect("the proxy serves");
+    wait_condition(&node, &job, &agent, "True", "ProxyReady");
+    assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "the sidecar's start was not held");
+
+    // The app of the same pod is still held at its start, and released since the proxy is ready.
+    let marker = node.scratch.path("marker");
+    job.run_app("app", &marker_script(&marker)).expect("app");
+    assert!(wait_file(&marker, Duration::from_secs(1)).is_some(), "app released\n{}", agent.log_text());
+    assert!(eventually(Duration::from_secs(1), || agent.metric("valet_app_holds_total ") == 1.0));
+    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 1.0);
+    assert_eq!(agent.metric("valet_app_releases_total{reason=\"not_app\"} "), 0.0);
+}
+
+#[test]
+fn condition_is_patched_once_per_change_and_keeps_the_kubelets() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let ready = node.scratch.path("ready");
+    let marker = node.scratch.path("marker");
+    let mut job = node.job_pod(held_spec("conditions", &ready)).expect("pod");
+    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    job.run_app("app", &marker_script(&marker)).expect("app");
+    assert!(eventually(Duration::from_secs(2), || state(app_pid(&job)) == Some('T')), "held");
+
+    // Unrelated updates, as the kubelet and controllers make them, while the app is held...
+    let touch = |n: usize| {
+        node.api
+            .modify_pod("jobs", &job.name, |pod| {
+                pod["metadata"]["annotations"][format!("example.com/touch-{n}")] = Value::from(n.to_string());
+                if let Some(c) = pod["status"]["conditions"].as_array_mut().and_then(|cs| cs.first_mut()) {
+                    c["lastProbeTime"] = Value::from(valet_sim::util::now_rfc3339());
+                }
+            })
+            .expect("modify pod");
+        std::thread::sleep(Duration::from_millis(150));
+    };
+    for n in 0..3 {
+        touch(n);
+    }
+    assert_held(&job, &marker, &agent, "after unrelated pod updates");
+    std::fs::write(&ready, "").expect("ready file");
+    assert!(wait_file(&marker, Duration::from_secs(1)).is_some(), "released");
+    wait_condition(&node, &job, &agent, "True", "ProxyReady");
+    // ... and after the proxy turned ready.
+    for n in 3..6 {
+        touch(n);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+
+    let patches = status_patches(&node, &job);
+    let seen: Vec<(String, String, String)> = patches
+        .iter()
+        .map(|p| {
+            let body = p.json().unwrap_or_default();
+            let conds = body["status"]["conditions"].as_array().cloned().unwrap_or_default();
+            assert_eq!(conds.len(), 1, "one condition per patch: {body}");
+            assert_eq!(conds[0]["type"], CONDITION);
+            assert_eq!(p.content_type.as_deref(), Some("application/strategic-merge-patch+json"), "{p:?}");
+            let s = |k: &str| conds[0][k].as_str().unwrap_or_default().to_owned();
+            (s("status"), s("reason"), s("message"))
+        })
+        .collect();
+    println!("condition patches: {seen:?}");
+    let short: Vec<(&str, &str)> = seen.iter().map(|(s, r, _)| (s.as_str(), r.as_str())).collect();
+    assert_eq!(short, [("False", "ProxyNotReady"), ("True", "ProxyReady")], "{seen:?}");
+    assert_eq!(agent.metric("valet_condition_patches_total{result=\"ok\"} "), 2.0);
+
+    // The kubelet's conditions survive next to the agent's (merged by type).
+    let pod = node.pod(&job).expect("pod");
+    let mut types: Vec<&str> =
+        pod["status"]["conditions"].as_array().expect("conditions").iter().filter_map(|c| c["type"].as_str()).collect();
+    types.sort_unstable();
+    assert_eq!(
+        types,
+        ["ContainersReady", "Initialized", "PodReadyToStartContainers", "PodScheduled", "Ready", CONDITION],
+        "{pod}"
+    );
+}
