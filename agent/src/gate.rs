@@ -201,13 +201,11 @@ impl Gate {
         // Held processes whose container turned out not to be an app: release now.
         let mut release = Vec::new();
         entry.held.retain(|h| {
-            let name = h.container_id.as_deref().and_then(|id| name_of_id(pod, id));
-            match name {
-                Some(n) if !plan.apps.contains(&n) => {
-                    release.push((h.clone(), "not_app"));
-                    false
-                }
-                _ => true,
+            if h.container_id.as_deref().is_some_and(|id| !may_be_app(pod, plan, id)) {
+                release.push((h.clone(), "not_app"));
+                false
+            } else {
+                true
             }
         });
         // The kubelet's own readiness probe of the sidecar passed: the proxy has been ready, so
@@ -370,9 +368,10 @@ impl Gate {
             return Vec::new();
         };
         let h =
-            Held { tgid: held.tgid, container_rel: rel, container_id: Some(container_id), since_ktime: held.ktime_ns };
-        let is_app = name.as_ref().is_some_and(|n| plan.apps.contains(n));
-        if name.is_some() && !is_app {
+            Held { tgid: held.tgid, container_rel: rel, container_id: Some(container_id.clone()), since_ktime: held.ktime_ns };
+        // The pod sandbox's pause process starts before any container the API could name.
+        let sandbox = name.is_none() && held.comm == "pause";
+        if sandbox || !may_be_app(&pod, &plan, &container_id) {
             self.release(&uid, &pod, &h, "not_app");
             return Vec::new();
         }
@@ -578,6 +577,30 @@ impl Gate {
             }
         }
     }
+}
+
+/// Whether a container (by id) may be one of the pod's app containers: it is named one in the
+/// API, or it is not named yet and some app container's id is still unknown. A container the
+/// API does not name while every app's id is known is the sandbox, an init container or a
+/// sidecar.
+fn may_be_app(pod: &Pod, plan: &PodPlan, container_id: &str) -> bool {
+    match name_of_id(pod, container_id) {
+        Some(name) => plan.apps.contains(&name),
+        None => plan.apps.iter().any(|app| current_id(pod, app).is_none()),
+    }
+}
+
+/// The current container id (hex) of a container, from the API.
+fn current_id(pod: &Pod, name: &str) -> Option<String> {
+    pod.status
+        .as_ref()?
+        .container_statuses
+        .iter()
+        .flatten()
+        .find(|s| s.name == name)
+        .and_then(|s| s.container_id.as_deref())
+        .and_then(crate::cgroup::layout::parse_container_id)
+        .map(|(_, id)| id)
 }
 
 fn pod_name(pod: &Pod) -> String {
