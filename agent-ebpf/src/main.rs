@@ -185,7 +185,12 @@ pub fn valet_exit(ctx: TracePointContext) -> u32 {
             count(Counter::ReadErrors);
         }
     }
-    match ns_pid(&l, task) {
+    // The thread that ends the group is not always its leader (a worker thread calling
+    // exit_group, or the last one left after the leader exited alone); the process's pid in its
+    // namespace is the leader's. A leader that exited first stays a zombie with its pid until the
+    // whole group is gone, so it can still be read here.
+    let leader = read_u64(task, l.task_group_leader).unwrap_or(task);
+    match ns_pid(&l, leader).or_else(|| ns_pid(&l, task)) {
         Some((nr, level)) => {
             event.ns_pid = nr;
             if nr == 1 && level > 0 {

@@ -149,6 +149,9 @@ pub struct KernelLayout {
     pub upid_nr: u32,
     /// Offset of `group_dead` in the `sched_process_exit` tracepoint record.
     pub tp_exit_group_dead: u32,
+    /// `task_struct.group_leader` (a `struct task_struct *`): the last thread of a process to
+    /// exit need not be its leader, and only the leader is "pid 1" of a container's namespace.
+    pub task_group_leader: u32,
 }
 
 /// Marks an offset the running kernel does not provide.
@@ -166,6 +169,7 @@ impl KernelLayout {
             upid_size: OFFSET_UNKNOWN,
             upid_nr: OFFSET_UNKNOWN,
             tp_exit_group_dead: OFFSET_UNKNOWN,
+            task_group_leader: OFFSET_UNKNOWN,
         }
     }
 }

@@ -1,9 +1,19 @@
 //! End to end, issue "exec-free sidecar shutdown": the real agent binary against the fake API
 //! server, real cgroups, network namespaces and a stand-in Istio pilot-agent.
+//!
+//! Every test starts its own node (API server) and agent, so they run in parallel. Negative
+//! checks ("no quit") always run next to a pod that does quit in the same agent, or check an
+//! exact metric, so a dead agent cannot pass them.
 
-use std::time::Duration;
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
 
-use valet_tests::harness::{JobSpec, Node, eventually};
+use serde_json::Value;
+use valet_sim::node::{CgroupDriver, QosClass, Runtime};
+use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually};
+
+/// How long a "no quit" check watches after the app exited.
+const QUIET: Duration = Duration::from_millis(1500);
 
 #[test]
 fn labelled_job_pod_proxy_quits_when_the_app_exits() {
@@ -23,4 +33,583 @@ fn labelled_job_pod_proxy_quits_when_the_app_exits() {
         node.events_for(&job)
     );
     assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+}
+
+/// restartPolicy Never: the app failing (exit 3) still ends the work; the proxy is quit and exits
+/// 0 (the Job's failure is the app's, not the sidecar's). Also the cgroupfs driver, CRI-O's
+/// `crio-<ID>` leaves and a Guaranteed pod (no QoS level in the path).
+#[test]
+fn never_policy_failed_app_still_quits_cgroupfs_crio_guaranteed() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let spec = JobSpec::new("fails").cgroup_layout(CgroupDriver::Cgroupfs, Runtime::Crio, QosClass::Guaranteed);
+    let mut job = node.job_pod(spec).expect("pod");
+    assert!(
+        job.sim.pod_cgroup_path().to_string_lossy().contains(&format!("/kubepods/pod{}", job.sim.uid())),
+        "cgroupfs Guaranteed layout: {}",
+        job.sim.pod_cgroup_path().display()
+    );
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    job.run_app("app", "sleep 0.1; exit 3").expect("app");
+    let app = job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").expect("app exited");
+    assert_eq!(app.code(), Some(3));
+    let code = job.wait_proxy_exit(Duration::from_secs(5)).expect("wait");
+    assert_eq!(code, Some(0), "proxy quit and exited 0\n{}", agent.log_text());
+    let quits = job.quits();
+    assert_eq!(quits.len(), 1, "exactly one quit: {quits:?}");
+    assert!(quits[0].peer.ip().is_loopback(), "sent from inside the pod: {:?}", quits[0].peer);
+    // The kernel path saw the app's failure (the API was never told) and the proxy's clean end.
+    assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Failure\"} "), 1.0);
+    assert!(
+        eventually(Duration::from_secs(2), || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
+        "{}",
+        agent.metrics_text().unwrap_or_default()
+    );
+    assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Signal\"} "), 0.0);
+    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+}
+
+/// Pods without the label and pods of another node are never touched, while a labelled pod of
+/// this node, in the same agent at the same time, is.
+#[test]
+fn unlabelled_and_other_node_pods_are_left_alone() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut unlabelled = JobSpec::new("unlabelled");
+    unlabelled.labelled = false;
+    let mut unlabelled = node.job_pod(unlabelled).expect("unlabelled pod");
+    let mut foreign = JobSpec::new("foreign");
+    foreign.node = Some("other".into());
+    let mut foreign = node.job_pod(foreign).expect("foreign pod");
+    let mut good = node.job_pod(JobSpec::new("good")).expect("good pod");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+
+    for job in [&mut unlabelled, &mut foreign, &mut good] {
+        job.run_app("app", "exit 0").expect("app");
+    }
+    for job in [&mut unlabelled, &mut foreign] {
+        assert!(job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").is_some());
+        job.report_terminated(&node, "app", 0).expect("report");
+    }
+    assert_eq!(good.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(good.quits().len(), 1);
+
+    std::thread::sleep(QUIET);
+    for job in [&mut unlabelled, &mut foreign] {
+        assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "{} proxy must still run", job.name);
+        assert!(job.quits().is_empty(), "{}: no quit at all: {:?}", job.name, job.quits());
+        assert!(node.events_for(job).is_empty(), "{}: no Events: {:?}", job.name, node.events_for(job));
+    }
+    // Only the labelled pod's cgroup is watched by the kernel programs: its app's and its proxy's
+    // ends are seen, none of the other pods'.
+    assert_eq!(agent.metric("valet_pods_tracked "), 1.0);
+    assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Success\"} "), 2.0);
+    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
+}
+
+/// restartPolicy OnFailure: an app that failed is restarted in place by the kubelet, so its proxy
+/// stays; an app that succeeded ends the work.
+#[test]
+fn on_failure_policy_quits_only_after_success() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut failing = node.job_pod(JobSpec::new("retry").restart_policy("OnFailure")).expect("pod");
+    let mut ok = node.job_pod(JobSpec::new("retry-ok").restart_policy("OnFailure")).expect("pod");
+    agent.wait_tracked(2, Duration::from_secs(5)).expect("tracked");
+
+    failing.run_app("app", "exit 1").expect("app");
+    let status = failing.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").expect("exited");
+    assert_eq!(status.code(), Some(1));
+    assert!(
+        eventually(Duration::from_secs(3), || agent.metric("valet_container_exits_total{outcome=\"Failure\"} ") == 1.0),
+        "the agent saw the failure\n{}",
+        agent.log_text()
+    );
+    // The API's view agrees a moment later: still no quit.
+    failing.report_terminated(&node, "app", 1).expect("report");
+    std::thread::sleep(QUIET);
+    assert_eq!(failing.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "proxy kept for the restart");
+    assert!(failing.quits().is_empty(), "no quit after a failure: {:?}", failing.quits());
+
+    ok.run_app("app", "exit 0").expect("app");
+    assert_eq!(ok.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(ok.quits().len(), 1);
+    assert!(failing.quits().is_empty(), "still no quit for the failed pod: {:?}", failing.quits());
+    assert_eq!(failing.wait_proxy_exit(Duration::ZERO).expect("poll"), None);
+    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
+}
+
+/// Several app containers: the proxy is quit only after the last one, exactly once.
+#[test]
+fn multi_container_pod_quits_after_the_last_app() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut job = node.job_pod(JobSpec::new("multi").apps(&["a", "b"])).expect("pod");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    let go = node.scratch.path(&format!("{}.b-go", job.name));
+    job.run_app("a", "exit 0").expect("app a");
+    job.run_app("b", &format!("while [ ! -e {} ]; do sleep 0.02; done; exit 0", go.display())).expect("app b");
+
+    assert!(job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait a").is_some(), "a exited");
+    assert!(
+        eventually(Duration::from_secs(3), || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
+        "the agent saw a's exit\n{}",
+        agent.log_text()
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(job.quits().is_empty(), "no quit while b runs: {:?}", job.quits());
+    assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None);
+
+    std::fs::write(&go, b"").expect("release b");
+    assert_eq!(job.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    // The kubelet reports both a moment later: nothing more happens.
+    job.report_terminated(&node, "a", 0).expect("report a");
+    job.report_terminated(&node, "b", 0).expect("report b");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(job.quits().len(), 1, "exactly one quit: {:?}", job.quits());
+    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
+    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+}
+
+/// A multi-threaded app whose process is ended by a worker thread after the main thread is gone
+/// (as Go's `os.Exit` or a runtime's exit path can do), with a child process still running: the
+/// container ends with the app's own exit (6), not with its child's (killed by the kernel when
+/// the namespace's init is gone). Seen by the kernel path; the API is never told here.
+#[test]
+fn multithreaded_app_ended_by_a_worker_thread_quits() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut job = node.job_pod(JobSpec::new("threads")).expect("pod");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    let threads = env!("CARGO_BIN_EXE_valet-test-threads");
+    job.run_app("app", &format!("sleep 30 & exec {threads} leader-first")).expect("app");
+    let status = job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").expect("exited");
+    assert_eq!(status.code(), Some(6));
+    assert_eq!(job.wait_proxy_exit(Duration::from_secs(3)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(job.quits().len(), 1);
+    assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Failure\"} "), 1.0, "{}", agent.log_text());
+    assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Signal\"} "), 0.0, "{}", agent.log_text());
+}
+
+/// The app ends before the API shows its containerID (the kubelet syncs statuses about a second
+/// later): the kernel's end is kept by container ID and used as soon as the API names the
+/// container, even while the API still shows it running.
+#[test]
+fn exit_before_the_api_shows_container_ids_is_used_when_they_arrive() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut spec = JobSpec::new("no-ids");
+    spec.post = false;
+    let mut job = node.job_pod(spec).expect("pod");
+    let mut pod = job.json.clone();
+    for status in pod["status"]["containerStatuses"].as_array_mut().expect("statuses") {
+        status.as_object_mut().expect("status").remove("containerID");
+    }
+    node.api.create_pod(pod).expect("post");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+
+    job.run_app("app", "exit 0").expect("app");
+    assert!(
+        eventually(Duration::from_secs(3), || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
+        "the agent saw the exit\n{}",
+        agent.log_text()
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(job.quits().is_empty(), "which container ended is not known yet: {:?}", job.quits());
+
+    // The kubelet's next status sync names the containers (the app still shown running).
+    let ids = job.json["status"]["containerStatuses"].clone();
+    node.api.modify_pod("jobs", &job.name, |pod| pod["status"]["containerStatuses"] = ids).expect("sync");
+    assert_eq!(job.wait_proxy_exit(Duration::from_secs(2)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(job.quits().len(), 1);
+}
+
+/// The app exited while no agent ran: the API shows it terminated, and the agent quits the proxy
+/// soon after it starts.
+#[test]
+fn agent_started_after_the_app_exited_quits_from_the_api_view() {
+    let node = Node::new().expect("node");
+    let mut spec = JobSpec::new("late");
+    spec.already_exited = vec!["app".into()];
+    let mut job = node.job_pod(spec).expect("pod");
+    let started = Instant::now();
+    let agent = node.start_agent(&[]).expect("agent");
+    let code = job.wait_proxy_exit(Duration::from_secs(5).saturating_sub(started.elapsed())).expect("wait");
+    assert_eq!(code, Some(0), "quit within 5 s of the agent's start\n{}", agent.log_text());
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert_eq!(job.quits().len(), 1, "{:?}", job.quits());
+    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+    // The only container end the kernel saw is the proxy's own: the app's came from the API.
+    assert!(
+        eventually(Duration::from_secs(2), || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
+        "{}",
+        agent.metrics_text().unwrap_or_default()
+    );
+    assert_eq!(metric_sum(&agent, "valet_container_exits_total"), 1.0);
+}
+
+/// The pod object (its app already shown terminated) arrives before the kubelet made the pod's
+/// cgroup: the agent quits the proxy once the cgroup appears, without waiting for another update.
+#[test]
+fn pod_seen_before_its_cgroup_is_quit_once_the_cgroup_appears() {
+    use valet_sim::node::{ContainerOptions, PodJsonOptions, SimPod, SimPodOptions, SpawnOptions};
+    use valet_sim::standin::{ProxyKind, StandinOptions};
+
+    let node = Node::new().expect("node");
+    let name = format!("early-{}", valet_sim::util::random_hex(3));
+    let uid = valet_sim::util::uuid_v4();
+    let (app_id, proxy_id) = (valet_sim::util::random_container_id(), valet_sim::util::random_container_id());
+    let options = || {
+        SimPodOptions::new(&name)
+            .namespace("jobs")
+            .uid(&uid)
+            .container_with(ContainerOptions { id: Some(app_id.clone()), ..ContainerOptions::new("app") })
+            .container_with(ContainerOptions { id: Some(proxy_id.clone()), ..ContainerOptions::new("istio-proxy") })
+    };
+    // The pod object as the API will show it; its cgroups are removed again at once.
+    let mut pod = SimPod::create(options())
+        .expect("sim pod")
+        .pod_json(&PodJsonOptions::node(&node.name).label("valet.dev/enabled", "true").job("early"));
+    valet_sim::node::mark_container_terminated(&mut pod, "app", 0).expect("terminated");
+    node.api.create_pod(pod).expect("post");
+    let agent = node.start_agent(&[]).expect("agent");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    std::thread::sleep(Duration::from_millis(600));
+
+    // Now the kubelet's cgroups, the sandbox and the proxy.
+    let sim = SimPod::create(options()).expect("sim pod again");
+    let _pause = sim.spawn_pause().expect("pause");
+    let events = node.scratch.path(&format!("{name}.proxy-events"));
+    let mut standin = StandinOptions::new(ProxyKind::Istio);
+    standin.events = Some(events.clone());
+    let mut proxy = sim.spawn_standin("istio-proxy", &standin, &SpawnOptions::default()).expect("proxy");
+    let status = proxy.wait_timeout(Duration::from_secs(5)).expect("wait");
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "proxy quit once its cgroup appeared\n{}", agent.log_text());
+    let quits = valet_sim::standin::read_events(&events).expect("events");
+    assert_eq!(quits.iter().filter(|e| e.path == "/quitquitquit").count(), 1, "{quits:?}");
+}
+
+/// The watch is cut and its history expired (the agent must re-list): a pod added afterwards is
+/// still handled, and the restart is counted.
+#[test]
+fn watch_dropped_and_history_expired_pod_added_afterwards_is_handled() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let _before = node.job_pod(JobSpec::new("before")).expect("pod");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    let restarts = agent.metric("valet_watch_restarts_total ");
+    let watches = node.api.watch_count();
+
+    node.api.expire_history();
+    node.api.drop_watches();
+    let mut job = node.job_pod(JobSpec::new("after")).expect("pod");
+    job.run_app("app", "sleep 0.2; exit 0").expect("app");
+    assert!(job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").is_some());
+    // As the kubelet would, a second later: covers an exit the kernel path could not attribute yet.
+    job.report_terminated(&node, "app", 0).expect("report");
+    assert_eq!(job.wait_proxy_exit(Duration::from_secs(10)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(job.quits().len(), 1);
+    assert_eq!(agent.metric("valet_pods_tracked "), 2.0);
+    assert!(node.api.watch_count() > watches, "the agent watched again");
+    assert!(
+        eventually(Duration::from_secs(3), || agent.metric("valet_watch_restarts_total ") > restarts),
+        "watch restart counted: {} → {}",
+        restarts,
+        agent.metric("valet_watch_restarts_total ")
+    );
+    // It re-listed (the old resourceVersion was gone) rather than resuming.
+    let lists = node.api.requests().into_iter().filter(|r| r.path == "/api/v1/pods" && !r.is_watch()).count();
+    assert!(lists >= 2, "initial list and a re-list: {lists}");
+}
+
+/// A stand-in that accepts connections and never answers: its quit times out and is retried for
+/// `--quit-retry-for` while another pod is handled at once; then it is escalated (SIGTERM).
+#[test]
+fn hung_proxy_does_not_block_other_pods_and_is_escalated() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&["--quit-retry-for", "2s", "--escalate-after", "1s"]).expect("agent");
+    let mut hung = JobSpec::new("hung");
+    hung.proxy_hangs = true;
+    // A hung stand-in never answers its readiness endpoint either.
+    hung.ready_file = Some(node.scratch.path("hung-never-ready"));
+    let mut hung = node.job_pod(hung).expect("hung pod");
+    wait_listening(&hung, 15020);
+    let mut normal = node.job_pod(JobSpec::new("normal")).expect("pod");
+    agent.wait_tracked(2, Duration::from_secs(5)).expect("tracked");
+
+    hung.run_app("app", "exit 0").expect("app");
+    assert!(
+        eventually(Duration::from_secs(3), || !hung.quits().is_empty()),
+        "the hung proxy got a quit\n{}",
+        agent.log_text()
+    );
+    normal.run_app("app", "exit 0").expect("app");
+    let app_exit = Instant::now();
+    assert_eq!(normal.wait_proxy_exit(Duration::from_secs(2)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert!(app_exit.elapsed() < Duration::from_secs(2));
+    // Meanwhile the hung pod's quit is still timing out.
+    assert_eq!(hung.wait_proxy_exit(Duration::ZERO).expect("poll"), None);
+    assert_eq!(agent.metric("valet_sidecar_escalations_total{kind=\"istio\"} "), 0.0);
+    assert!(agent.metrics_text().is_ok(), "the agent answers while a quit hangs");
+
+    // After the retry window: SIGTERM; the stand-in drains (5 s, as pilot-agent) and exits 0.
+    assert_eq!(hung.wait_proxy_exit(Duration::from_secs(12)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(agent.metric("valet_sidecar_escalations_total{kind=\"istio\"} "), 1.0);
+    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"timeout\"} "), 1.0);
+    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+    assert!(
+        eventually(Duration::from_secs(3), || {
+            let events = node.events_for(&hung);
+            events.iter().any(|(r, _)| r == "SidecarTerminated") && events.iter().any(|(r, _)| r == "SidecarQuitFailed")
+        }),
+        "SidecarQuitFailed and SidecarTerminated Events: {:?}",
+        node.events_for(&hung)
+    );
+    assert!(!node.events_for(&normal).iter().any(|(r, _)| r == "SidecarTerminated"));
+    assert!(normal.quits().len() == 1, "{:?}", normal.quits());
+}
+
+/// A stand-in that answers quit with an endless body: the agent reads a capped amount, takes the
+/// 200, handles another pod meanwhile, and escalates when the proxy is still running.
+#[test]
+fn endlessly_answering_proxy_is_capped_and_escalated() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&["--quit-retry-for", "2s", "--escalate-after", "1s"]).expect("agent");
+    let mut flood = JobSpec::new("flood");
+    flood.proxy_floods = true;
+    flood.ready_file = Some(node.scratch.path("flood-ready"));
+    let mut flood = node.job_pod(flood).expect("flood pod");
+    wait_listening(&flood, 15020);
+    let mut normal = node.job_pod(JobSpec::new("normal")).expect("pod");
+    agent.wait_tracked(2, Duration::from_secs(5)).expect("tracked");
+
+    flood.run_app("app", "exit 0").expect("app");
+    normal.run_app("app", "exit 0").expect("app");
+    assert_eq!(normal.wait_proxy_exit(Duration::from_secs(2)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert!(
+        eventually(Duration::from_secs(2), || agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ")
+            == 2.0),
+        "both quits answered 200\n{}",
+        agent.log_text()
+    );
+    assert_eq!(flood.quits().len(), 1, "{:?}", flood.quits());
+    assert_eq!(flood.wait_proxy_exit(Duration::from_secs(9)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(agent.metric("valet_sidecar_escalations_total{kind=\"istio\"} "), 1.0);
+    assert_eq!(flood.quits().len(), 1, "never sent twice after a success");
+}
+
+/// A stand-in that says 200 to the quit but keeps running: SIGTERM after `--escalate-after`, and
+/// the quit is never sent a second time.
+#[test]
+fn proxy_that_ignores_the_quit_is_escalated_after_the_delay() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&["--quit-retry-for", "2s", "--escalate-after", "1s"]).expect("agent");
+    let mut spec = JobSpec::new("stubborn");
+    spec.proxy_ignores_quit = true;
+    let mut job = node.job_pod(spec).expect("pod");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    job.run_app("app", "exit 0").expect("app");
+    assert!(eventually(Duration::from_secs(3), || job.quits().len() == 1), "quit sent\n{}", agent.log_text());
+    let quit_ns = job.quits()[0].mono_ns;
+
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "the proxy ignored the quit");
+    assert_eq!(agent.metric("valet_sidecar_escalations_total{kind=\"istio\"} "), 0.0, "not before --escalate-after");
+
+    assert!(
+        eventually(Duration::from_secs(3), || agent.metric("valet_sidecar_escalations_total{kind=\"istio\"} ") == 1.0),
+        "escalated\n{}",
+        agent.log_text()
+    );
+    let after = Duration::from_nanos(valet_sim::util::monotonic_ns().saturating_sub(quit_ns));
+    assert!(after >= Duration::from_millis(950), "escalated {after:?} after the quit, want >= 1 s");
+    // SIGTERM: pilot-agent drains 5 s and exits 0.
+    assert_eq!(job.wait_proxy_exit(Duration::from_secs(8)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(job.quits().len(), 1, "never sent twice after a success: {:?}", job.quits());
+    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
+    assert!(
+        eventually(Duration::from_secs(3), || node.events_for(&job).iter().any(|(r, _)| r == "SidecarTerminated")),
+        "a SidecarTerminated Event: {:?}",
+        node.events_for(&job)
+    );
+}
+
+/// Malformed valet annotations: the pod is skipped with one Warning Event naming the problem and
+/// a counted skip; other pods are handled as usual.
+#[test]
+fn malformed_annotations_skip_the_pod_with_one_warning() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let cases = [
+        ("bad-kind", "valet.dev/sidecar-kind.istio-proxy", "nonsense", "UnknownSidecarKind"),
+        ("bad-hold", "valet.dev/hold-app", "maybe", "MalformedAnnotation"),
+        ("bad-key", "valet.dev/typo", "1", "UnknownAnnotation"),
+    ];
+    let mut bad: Vec<(JobPod, &str)> = cases
+        .iter()
+        .map(|(name, k, v, reason)| (node.job_pod(JobSpec::new(name).annotation(k, v)).expect("pod"), *reason))
+        .collect();
+    let mut good = node.job_pod(JobSpec::new("good")).expect("pod");
+    agent.wait_tracked(4, Duration::from_secs(5)).expect("tracked");
+
+    for (job, _) in bad.iter_mut() {
+        job.run_app("app", "exit 0").expect("app");
+    }
+    good.run_app("app", "exit 0").expect("app");
+    assert_eq!(good.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    // Updates with the same error are not reported again.
+    for (job, _) in &bad {
+        job.report_terminated(&node, "app", 0).expect("report");
+        node.api
+            .modify_pod("jobs", &job.name, |pod| pod["metadata"]["labels"]["touched"] = Value::from("yes"))
+            .expect("touch");
+    }
+    std::thread::sleep(QUIET);
+    for (job, reason) in bad.iter_mut() {
+        assert!(job.quits().is_empty(), "{}: no quit: {:?}", job.name, job.quits());
+        assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "{}", job.name);
+        let events = typed_events(&node, job);
+        assert_eq!(events.len(), 1, "{}: exactly one Event: {events:?}", job.name);
+        assert_eq!((events[0].0.as_str(), events[0].1.as_str()), ("Warning", *reason), "{}", job.name);
+    }
+    assert_eq!(agent.metric("valet_pod_skips_total{reason=\"bad_annotation\"} "), 3.0);
+    assert_eq!(good.quits().len(), 1);
+    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
+}
+
+/// API errors (500s) while a pod is handled: the agent keeps running, retries its watch, handles
+/// the pod and a pod created while the API failed.
+#[test]
+fn api_errors_do_not_stop_the_agent() {
+    let node = Node::new().expect("node");
+    let mut agent = node.start_agent(&[]).expect("agent");
+    let mut first = node.job_pod(JobSpec::new("first")).expect("pod");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    let restarts = agent.metric("valet_watch_restarts_total ");
+
+    node.api.fail_next(3, 500);
+    node.api.drop_watches();
+    let mut second = node.job_pod(JobSpec::new("second")).expect("pod");
+    first.run_app("app", "exit 0").expect("app");
+    assert_eq!(first.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+
+    // The watch comes back through the failures (with backoff) and finds the new pod.
+    agent.wait_tracked(2, Duration::from_secs(15)).expect("second pod tracked after the errors");
+    second.run_app("app", "exit 0").expect("app");
+    assert_eq!(second.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(first.quits().len() + second.quits().len(), 2);
+    assert!(agent.metric("valet_watch_restarts_total ") > restarts, "the failed watch was counted");
+    agent.wait_ready(Duration::from_secs(2)).expect("the agent is alive and ready");
+    assert!(!agent.log_text().contains("panicked"), "{}", agent.log_text());
+}
+
+/// restartPolicy Always: never act, and count (and log) the skip once per pod however often the
+/// pod changes.
+#[test]
+fn restart_always_pod_is_skipped_once() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut job = node.job_pod(JobSpec::new("deploy").restart_policy("Always")).expect("pod");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    assert!(
+        eventually(Duration::from_secs(3), || agent.metric("valet_pod_skips_total{reason=\"restart_always\"} ") == 1.0),
+        "skip counted\n{}",
+        agent.log_text()
+    );
+    for i in 0..3 {
+        node.api
+            .modify_pod("jobs", &job.name, |pod| pod["metadata"]["annotations"]["example.com/rev"] = Value::from(i))
+            .expect("update");
+    }
+    job.run_app("app", "exit 0").expect("app");
+    assert!(job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").is_some());
+    assert!(
+        eventually(Duration::from_secs(3), || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
+        "the agent saw the exit\n{}",
+        agent.log_text()
+    );
+    job.report_terminated(&node, "app", 0).expect("report");
+    std::thread::sleep(QUIET);
+    assert!(job.quits().is_empty(), "no quit: {:?}", job.quits());
+    assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None);
+    assert_eq!(agent.metric("valet_pod_skips_total{reason=\"restart_always\"} "), 1.0);
+    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 0.0);
+    let log = agent.log_text();
+    let said = log.lines().filter(|l| l.contains(&job.name) && l.contains("no sidecar shutdown")).count();
+    assert_eq!(said, 1, "logged once:\n{log}");
+}
+
+/// SIGTERM (the kubelet stopping the DaemonSet pod): the agent exits 0 within a few seconds.
+#[test]
+fn sigterm_stops_the_agent_cleanly() {
+    let node = Node::new().expect("node");
+    let mut agent = node.start_agent(&[]).expect("agent");
+    let _job = node.job_pod(JobSpec::new("idle")).expect("pod");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    let started = Instant::now();
+    let status = agent.stop(libc::SIGTERM, Duration::from_secs(5)).expect("stopped in time").expect("was running");
+    assert_eq!(status.code(), Some(0), "exit 0: {status:?}\n{}", agent.log_text());
+    assert!(started.elapsed() < Duration::from_secs(3), "took {:?}", started.elapsed());
+    assert!(agent.log_text().contains("stopped"), "{}", agent.log_text());
+}
+
+/// SIGTERM while a quit hangs: the agent gives the in-flight quit its bounded time (here
+/// `--quit-retry-for 2s`) and still exits 0.
+#[test]
+fn sigterm_with_a_hung_quit_in_flight_exits_after_the_bounded_wait() {
+    let node = Node::new().expect("node");
+    let mut agent = node.start_agent(&["--quit-retry-for", "2s", "--escalate-after", "1s"]).expect("agent");
+    let mut spec = JobSpec::new("hung-at-stop");
+    spec.proxy_hangs = true;
+    spec.ready_file = Some(node.scratch.path("hung-at-stop-never-ready"));
+    let mut job = node.job_pod(spec).expect("pod");
+    wait_listening(&job, 15020);
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    job.run_app("app", "exit 0").expect("app");
+    assert!(eventually(Duration::from_secs(3), || !job.quits().is_empty()), "quit in flight\n{}", agent.log_text());
+    let started = Instant::now();
+    let status = agent.stop(libc::SIGTERM, Duration::from_secs(8)).expect("stopped in time").expect("was running");
+    assert_eq!(status.code(), Some(0), "exit 0: {status:?}\n{}", agent.log_text());
+    assert!(started.elapsed() < Duration::from_secs(4), "took {:?}", started.elapsed());
+    assert!(agent.log_text().contains("could not quit sidecar"), "the quit finished first:\n{}", agent.log_text());
+}
+
+/// The sum of every sample of a metric family (all label sets).
+fn metric_sum(agent: &Agent, family: &str) -> f64 {
+    agent
+        .metrics_text()
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(family)?;
+            if !(rest.starts_with('{') || rest.starts_with(' ')) {
+                return None;
+            }
+            l.rsplit(' ').next()?.parse::<f64>().ok()
+        })
+        .sum()
+}
+
+/// Events about a pod as (type, reason).
+fn typed_events(node: &Node, job: &JobPod) -> Vec<(String, String)> {
+    node.api
+        .events()
+        .into_iter()
+        .filter(|e| {
+            let regarding = e.get("regarding").or_else(|| e.get("involvedObject"));
+            regarding.and_then(|r| r.get("name")).and_then(Value::as_str) == Some(job.name.as_str())
+        })
+        .map(|e| {
+            (e["type"].as_str().unwrap_or_default().to_owned(), e["reason"].as_str().unwrap_or_default().to_owned())
+        })
+        .collect()
+}
+
+/// Waits until something listens on `port` on the pod's loopback (a bare connect sends no request).
+fn wait_listening(job: &JobPod, port: u16) {
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let up = eventually(Duration::from_secs(5), || {
+        job.sim.in_netns(|| TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()).unwrap_or(false)
+    });
+    assert!(up, "{}: nothing listens on {addr}", job.name);
 }

@@ -53,6 +53,7 @@ pub fn read_layout(btf: &Btf, tracefs: &Path) -> Result<KernelLayout> {
         upid_size: opt(btf.struct_size("upid")),
         upid_nr: opt(btf.member_offset("upid", "nr")),
         tp_exit_group_dead: tracepoint_field_offset(&format, "group_dead").unwrap_or(OFFSET_UNKNOWN),
+        task_group_leader: opt(btf.member_offset("task_struct", "group_leader")),
     };
     if layout.task_exit_code == OFFSET_UNKNOWN {
         return Err(Error::Btf("task_struct.exit_code not found: cannot report exit codes".into()));
