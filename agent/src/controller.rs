@@ -199,6 +199,8 @@ pub struct Controller {
     results_rx: mpsc::UnboundedReceiver<ActionResult>,
     /// Pods seen during a re-list, to drop the ones that vanished meanwhile.
     relist: Option<HashSet<String>>,
+    /// A watch error was counted and its re-list is still to come (one restart, counted once).
+    watch_error_counted: bool,
     lists_done: u64,
     events_lost_seen: u64,
 }
@@ -238,6 +240,7 @@ impl Controller {
             results_tx,
             results_rx,
             relist: None,
+            watch_error_counted: false,
             lists_done: 0,
             events_lost_seen: 0,
         }
@@ -268,7 +271,13 @@ impl Controller {
                 Some(result) = self.results_rx.recv() => self.on_result(result),
                 event = watch.next() => match event {
                     Some(Ok(event)) => self.on_watch(event),
-                    Some(Err(e)) => { self.metrics.watch_restarts.inc(); warn!("pod watch: {e} (retrying)"); }
+                    Some(Err(e)) => {
+                        if !self.watch_error_counted {
+                            self.metrics.watch_restarts.inc();
+                            self.watch_error_counted = true;
+                        }
+                        warn!("pod watch: {e} (retrying)");
+                    }
                     None => { warn!("pod watch ended"); break; }
                 },
                 _ = tick.tick() => self.on_tick(),
@@ -298,12 +307,20 @@ impl Controller {
     }
 
     fn on_watch(&mut self, event: watcher::Event<Pod>) {
+        if !matches!(event, watcher::Event::Init) {
+            // The watch is flowing again: the next error is a new restart.
+            self.watch_error_counted = false;
+        }
         match event {
             watcher::Event::Init => {
                 if self.lists_done > 0 {
-                    self.metrics.watch_restarts.inc();
+                    // A re-list after an error is the same restart the error already counted.
+                    if !self.watch_error_counted {
+                        self.metrics.watch_restarts.inc();
+                    }
                     info!("pod watch restarted: re-listing");
                 }
+                self.watch_error_counted = false;
                 self.relist = Some(HashSet::new());
             }
             watcher::Event::InitApply(pod) => {
@@ -462,16 +479,15 @@ impl Controller {
             warn!(lost = lost - self.events_lost_seen, "kernel events lost (ring buffer full)");
             self.events_lost_seen = lost;
         }
-        for action in self.gate.tick(&self.pods_for_gate()) {
+        let pods: Vec<_> = self
+            .pods
+            .iter()
+            .filter_map(|(uid, t)| Some((uid.as_str(), &t.pod, t.plan.as_ref()?, t.pod_dir.as_ref())))
+            .collect();
+        let actions = self.gate.tick(&pods);
+        for action in actions {
             self.on_result(ActionResult::Gate(action));
         }
-    }
-
-    fn pods_for_gate(&self) -> Vec<(String, Pod, PodPlan, Option<PodDir>)> {
-        self.pods
-            .iter()
-            .filter_map(|(uid, t)| Some((uid.clone(), t.pod.clone(), t.plan.clone()?, t.pod_dir.clone())))
-            .collect()
     }
 
     /// The container id (hex) of a container cgroup of a tracked pod.

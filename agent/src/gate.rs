@@ -497,8 +497,8 @@ impl Gate {
 
     /// Periodic work: catch up with pod cgroups found since the last pod update (probe through
     /// the pod's netns, adopt processes an earlier agent left held); fail open on hold timeouts.
-    pub fn tick(&mut self, pods: &[(String, Pod, PodPlan, Option<PodDir>)]) -> Vec<GateAction> {
-        for (uid, pod, plan, dir) in pods {
+    pub fn tick(&mut self, pods: &[(&str, &Pod, &PodPlan, Option<&PodDir>)]) -> Vec<GateAction> {
+        for &(uid, pod, plan, dir) in pods {
             let Some(dir) = dir else { continue };
             let Some(entry) = self.pods.get(uid) else { continue };
             let probing = entry.pace.as_ref().is_some_and(|p| *p.borrow() != Pace::Stop);
@@ -507,7 +507,7 @@ impl Gate {
                 self.on_pod(uid, pod, plan, Some(dir));
             }
         }
-        for (uid, pod, plan, _) in pods {
+        for &(uid, pod, plan, _) in pods {
             let timeout = plan.hold_timeout.min(Duration::from_secs(3600));
             let Some(entry) = self.pods.get_mut(uid) else { continue };
             let expired = entry.hold_started.is_some_and(|t| t.elapsed() >= timeout);
