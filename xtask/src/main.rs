@@ -220,7 +220,7 @@ impl Tally {
         if cargo.is_none() && !pytest {
             return;
         }
-        let words: Vec<&str> = cargo.unwrap_or(line).split(|c: char| c == ' ' || c == ';' || c == ',').collect();
+        let words: Vec<&str> = cargo.unwrap_or(line).split([' ', ';', ',']).collect();
         for pair in words.windows(2) {
             let Ok(n) = pair[0].parse::<u64>() else { continue };
             match pair[1] {
@@ -283,23 +283,6 @@ fn test(root: &Path, filter: Option<String>) -> Result<()> {
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::Tally;
-
-    #[test]
-    fn counts_cargo_and_pytest_summaries() {
-        let mut t = Tally::default();
-        t.read("test result: ok. 18 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 20.72s");
-        t.read("test result: FAILED. 3 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1s");
-        t.read("51 passed in 8.70s");
-        t.read("2 failed, 49 passed in 9.10s");
-        t.read("test never_policy_failed_app ... ok");
-        t.read("running 18 tests");
-        assert_eq!((t.passed, t.failed), (18 + 3 + 51 + 49, 2 + 2));
-    }
-}
-
 fn sim_binary(root: &Path, bin: &str, args: &[String]) -> Result<()> {
     setup(root, false)?;
     run(cargo().current_dir(root).args([
@@ -337,5 +320,22 @@ fn main() -> Result<()> {
             }
             sim_binary(&root, "valet-bench", &args)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Tally;
+
+    #[test]
+    fn counts_cargo_and_pytest_summaries() {
+        let mut t = Tally::default();
+        t.read("test result: ok. 18 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 20.72s");
+        t.read("test result: FAILED. 3 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1s");
+        t.read("51 passed in 8.70s");
+        t.read("2 failed, 49 passed in 9.10s");
+        t.read("test never_policy_failed_app ... ok");
+        t.read("running 18 tests");
+        assert_eq!((t.passed, t.failed), (18 + 3 + 51 + 49, 2 + 2));
     }
 }
