@@ -16,7 +16,6 @@ use tracing::{debug, info, warn};
 use valet_common::{Counter, watch_flags};
 
 use crate::api::events::{EventSink, pod_reference};
-use crate::cgroup::layout::parse_container_id;
 use crate::cgroup::signal::signal_cgroup;
 use crate::cgroup::{CgroupFs, ContainerDir, PodDir};
 use crate::config::Config;
@@ -26,6 +25,7 @@ use crate::kernel::{Event, EventStream, HeldProcess, ProcessEnd, ProcessExit, Pr
 use crate::metrics::{self, KindLabels, Metrics, QuitLabels};
 use crate::pod::decide::{AppState, Decision, ExitOutcome, IgnoreReason, Observed, SidecarState, decide};
 use crate::pod::spec::{PodPlan, SidecarDefaults, plan};
+use crate::pod::status;
 use crate::server::Health;
 use crate::sidecar::http::Limits;
 use crate::sidecar::netns::{PodNetns, open_pod_netns};
@@ -90,44 +90,21 @@ impl Tracked {
     }
 
     fn name(&self) -> String {
-        format!(
-            "{}/{}",
-            self.pod.metadata.namespace.as_deref().unwrap_or("default"),
-            self.pod.metadata.name.as_deref().unwrap_or("?")
-        )
+        status::pod_name(&self.pod)
     }
 
     fn statuses(&self) -> impl Iterator<Item = &ContainerStatus> {
-        let status = self.pod.status.as_ref();
-        status
-            .and_then(|s| s.container_statuses.as_ref())
-            .into_iter()
-            .flatten()
-            .chain(status.and_then(|s| s.init_container_statuses.as_ref()).into_iter().flatten())
+        status::statuses(&self.pod)
     }
 
     /// Current container id (hex) of a container, from the API.
     fn current_id(&self, name: &str) -> Option<String> {
-        self.statuses()
-            .find(|s| s.name == name)
-            .and_then(|s| s.container_id.as_deref())
-            .and_then(parse_container_id)
-            .map(|(_, id)| id)
+        status::current_id(&self.pod, name)
     }
 
     /// Which container a container id belongs to, from the API (current or previous instance).
     fn name_of_id(&self, id: &str) -> Option<String> {
-        self.statuses().find_map(|s| {
-            let current = s.container_id.as_deref().and_then(parse_container_id).map(|(_, i)| i);
-            let previous = s
-                .last_state
-                .as_ref()
-                .and_then(|l| l.terminated.as_ref())
-                .and_then(|t| t.container_id.as_deref())
-                .and_then(parse_container_id)
-                .map(|(_, i)| i);
-            (current.as_deref() == Some(id) || previous.as_deref() == Some(id)).then(|| s.name.clone())
-        })
+        status::name_of_id(&self.pod, id)
     }
 
     /// Merges the API's view and the kernel's into the decision's input.

@@ -22,6 +22,7 @@ use crate::kernel::HeldProcess;
 use crate::kernel::events::monotonic_ns;
 use crate::metrics::{Metrics, ReasonLabels, ResultLabels};
 use crate::pod::spec::{PodPlan, Sidecar, SidecarKind};
+use crate::pod::status::{current_id, name_of_id, pod_name};
 use crate::sidecar::http::{self, Limits};
 use crate::sidecar::netns::open_pod_netns;
 
@@ -367,8 +368,12 @@ impl Gate {
             self.metrics.releases.get_or_create(&ReasonLabels { reason: "untracked" }).inc();
             return Vec::new();
         };
-        let h =
-            Held { tgid: held.tgid, container_rel: rel, container_id: Some(container_id.clone()), since_ktime: held.ktime_ns };
+        let h = Held {
+            tgid: held.tgid,
+            container_rel: rel,
+            container_id: Some(container_id.clone()),
+            since_ktime: held.ktime_ns,
+        };
         // The pod sandbox's pause process starts before any container the API could name.
         let sandbox = name.is_none() && held.comm == "pause";
         if sandbox || !may_be_app(&pod, &plan, &container_id) {
@@ -588,40 +593,6 @@ fn may_be_app(pod: &Pod, plan: &PodPlan, container_id: &str) -> bool {
         Some(name) => plan.apps.contains(&name),
         None => plan.apps.iter().any(|app| current_id(pod, app).is_none()),
     }
-}
-
-/// The current container id (hex) of a container, from the API.
-fn current_id(pod: &Pod, name: &str) -> Option<String> {
-    pod.status
-        .as_ref()?
-        .container_statuses
-        .iter()
-        .flatten()
-        .find(|s| s.name == name)
-        .and_then(|s| s.container_id.as_deref())
-        .and_then(crate::cgroup::layout::parse_container_id)
-        .map(|(_, id)| id)
-}
-
-fn pod_name(pod: &Pod) -> String {
-    format!(
-        "{}/{}",
-        pod.metadata.namespace.as_deref().unwrap_or("default"),
-        pod.metadata.name.as_deref().unwrap_or("?")
-    )
-}
-
-fn name_of_id(pod: &Pod, id: &str) -> Option<String> {
-    let status = pod.status.as_ref()?;
-    status
-        .container_statuses
-        .iter()
-        .flatten()
-        .chain(status.init_container_statuses.iter().flatten())
-        .find(|s| {
-            s.container_id.as_deref().and_then(crate::cgroup::layout::parse_container_id).is_some_and(|(_, i)| i == id)
-        })
-        .map(|s| s.name.clone())
 }
 
 /// Whether a process is stopped (state `T` in /proc/<pid>/stat).

@@ -129,7 +129,11 @@ impl Metrics {
             build_info: Family::default(),
         };
         registry.register("pods_tracked", "Opted-in pods on this node that valet tracks", m.pods_tracked.clone());
-        registry.register("container_exits", "Container ends (app and sidecar) seen in the kernel, by outcome", Declared(m.exits.clone()));
+        registry.register(
+            "container_exits",
+            "Container ends (app and sidecar) seen in the kernel, by outcome",
+            Declared(m.exits.clone()),
+        );
         registry.register(
             "sidecar_quits",
             "Quit requests to sidecars, by sidecar kind and result",

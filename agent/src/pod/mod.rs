@@ -2,6 +2,7 @@
 //! been observed of its containers (`decide`). No I/O here.
 pub mod decide;
 pub mod spec;
+pub mod status;
 
 #[cfg(test)]
 mod fixtures;
