@@ -107,6 +107,13 @@ pub struct Config {
     #[arg(long, env = "VALET_HOLD_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub hold_timeout: Duration,
 
+    /// Container runtime state directories holding the containers' OCI bundles (config.json),
+    /// to know a container by name before the API reports its id: containerd
+    /// /run/containerd/io.containerd.runtime.v2.task/k8s.io, CRI-O
+    /// /run/containers/storage/overlay-containers. None by default.
+    #[arg(long, env = "VALET_RUNTIME_STATE_DIRS", value_delimiter = ',')]
+    pub runtime_state_dirs: Vec<PathBuf>,
+
     /// Log format.
     #[arg(long, env = "VALET_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -120,6 +127,9 @@ impl Config {
         }
         if !self.host_proc.join("self").exists() {
             return Err(Error::Config(format!("--host-proc {} is not a proc file system", self.host_proc.display())));
+        }
+        if let Some(dir) = self.runtime_state_dirs.iter().find(|d| !d.is_dir()) {
+            return Err(Error::Config(format!("--runtime-state-dirs: {} is not a directory", dir.display())));
         }
         if self.sidecar_names.iter().any(|n| n.trim().is_empty()) {
             return Err(Error::Config("--sidecar-names has an empty entry".into()));

@@ -26,6 +26,7 @@ use crate::metrics::{self, KindLabels, Metrics, QuitLabels};
 use crate::pod::decide::{AppState, Decision, ExitOutcome, IgnoreReason, Observed, SidecarState, decide};
 use crate::pod::spec::{PodPlan, SidecarDefaults, plan};
 use crate::pod::status;
+use crate::runtime::RuntimeBundles;
 use crate::server::Health;
 use crate::sidecar::http::Limits;
 use crate::sidecar::netns::{PodNetns, open_pod_netns};
@@ -66,6 +67,8 @@ struct Tracked {
     netns: Option<Arc<PodNetns>>,
     /// Container id → its end as the kernel saw it (the container's init exit).
     kernel_ends: HashMap<String, KernelEnd>,
+    /// Container id → name from the runtime's bundle, for ids the API does not show yet.
+    bundle_names: HashMap<String, String>,
     quits: BTreeMap<String, QuitState>,
     /// Kernel time of the exit that completed the work (for the latency figure).
     done_ktime: Option<u64>,
@@ -83,6 +86,7 @@ impl Tracked {
             containers: HashMap::new(),
             netns: None,
             kernel_ends: HashMap::new(),
+            bundle_names: HashMap::new(),
             quits: BTreeMap::new(),
             done_ktime: None,
             ignored: None,
@@ -102,9 +106,10 @@ impl Tracked {
         status::current_id(&self.pod, name)
     }
 
-    /// Which container a container id belongs to, from the API (current or previous instance).
+    /// Which container a container id belongs to: from the API (current or previous instance),
+    /// else from the runtime's bundle (the sandbox is [`SANDBOX_NAME`]).
     fn name_of_id(&self, id: &str) -> Option<String> {
-        status::name_of_id(&self.pod, id)
+        status::name_of_id(&self.pod, id).or_else(|| self.bundle_names.get(id).cloned())
     }
 
     /// Merges the API's view and the kernel's into the decision's input.
@@ -136,6 +141,16 @@ impl Tracked {
         // The kernel is faster than the API: its end of the current instance wins over "running".
         if let Some(id) = &current
             && let Some(end) = self.kernel_ends.get(id)
+        {
+            return AppState::Exited(outcome(end.end));
+        }
+        // The API shows no instance yet: an end the runtime's bundle names is the first one's.
+        if current.is_none()
+            && let Some(end) = self
+                .kernel_ends
+                .iter()
+                .find(|(id, _)| self.bundle_names.get(*id).is_some_and(|n| n == name))
+                .map(|(_, end)| end)
         {
             return AppState::Exited(outcome(end.end));
         }
@@ -171,6 +186,7 @@ pub struct Controller {
     defaults: SidecarDefaults,
     pods: HashMap<String, Tracked>,
     pod_by_cgroup: HashMap<u64, String>,
+    bundles: RuntimeBundles,
     gate: Gate,
     results_tx: mpsc::UnboundedSender<ActionResult>,
     results_rx: mpsc::UnboundedReceiver<ActionResult>,
@@ -192,6 +208,7 @@ impl Controller {
         health: Arc<Health>,
     ) -> Controller {
         let (results_tx, results_rx) = mpsc::unbounded_channel();
+        let bundles = RuntimeBundles::new(cfg.runtime_state_dirs.clone());
         let events = EventSink::new(client.clone(), &cfg.node_name);
         let defaults = SidecarDefaults { names: cfg.sidecar_names.clone(), hold_timeout: cfg.hold_timeout };
         let gate = Gate::new(
@@ -213,6 +230,7 @@ impl Controller {
             defaults,
             pods: HashMap::new(),
             pod_by_cgroup: HashMap::new(),
+            bundles,
             gate,
             results_tx,
             results_rx,
@@ -409,6 +427,13 @@ impl Controller {
         self.pod_by_cgroup.insert(dir.id, uid.to_owned());
         let rel = dir.rel.clone();
         for c in self.cgroups.containers(&rel) {
+            if hold
+                && self.bundles.enabled()
+                && tracked.name_of_id(&c.container.id).is_none()
+                && let Some(role) = self.bundles.role(&c.container.id, uid)
+            {
+                tracked.bundle_names.insert(c.container.id.clone(), role.name().to_owned());
+            }
             // Classify known containers before they exec: sidecars, init containers and the
             // sandbox are never held. A container whose init an earlier agent left held has had
             // its first exec: what it execs once released runs freely.
@@ -467,17 +492,24 @@ impl Controller {
         }
     }
 
-    /// The container id (hex) of a container cgroup of a tracked pod.
+    /// The container id (hex) of a container cgroup of a tracked pod; learns the container's
+    /// name from the runtime's bundle when the API does not show the id yet.
     fn container_id(&mut self, uid: &str, cgroup_id: u64) -> Option<String> {
         let tracked = self.pods.get_mut(uid)?;
-        if let Some(c) = tracked.containers.get(&cgroup_id) {
-            return Some(c.container.id.clone());
+        if !tracked.containers.contains_key(&cgroup_id) {
+            let dir = tracked.pod_dir.as_ref()?;
+            for c in self.cgroups.containers(&dir.rel) {
+                tracked.containers.insert(c.id, c);
+            }
         }
-        let dir = tracked.pod_dir.as_ref()?;
-        for c in self.cgroups.containers(&dir.rel) {
-            tracked.containers.insert(c.id, c);
+        let id = tracked.containers.get(&cgroup_id)?.container.id.clone();
+        if self.bundles.enabled()
+            && tracked.name_of_id(&id).is_none()
+            && let Some(role) = self.bundles.role(&id, uid)
+        {
+            tracked.bundle_names.insert(id.clone(), role.name().to_owned());
         }
-        tracked.containers.get(&cgroup_id).map(|c| c.container.id.clone())
+        Some(id)
     }
 
     fn on_kernel(&mut self, event: Event) {

@@ -376,7 +376,11 @@ impl Gate {
         };
         // The pod sandbox's pause process starts before any container the API could name.
         let sandbox = name.is_none() && held.comm == "pause";
-        if sandbox || !may_be_app(&pod, &plan, &container_id) {
+        let could_be_app = match &name {
+            Some(n) => plan.apps.contains(n),
+            None => may_be_app(&pod, &plan, &container_id),
+        };
+        if sandbox || !could_be_app {
             self.release(&uid, &pod, &h, "not_app");
             return Vec::new();
         }

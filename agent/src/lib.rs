@@ -13,6 +13,7 @@ pub mod gate;
 pub mod kernel;
 pub mod metrics;
 pub mod pod;
+pub mod runtime;
 pub mod server;
 pub mod sidecar;
 

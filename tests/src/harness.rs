@@ -57,7 +57,8 @@ pub struct Scratch(pub PathBuf);
 
 impl Scratch {
     pub fn new(tag: &str) -> Result<Scratch> {
-        let dir = std::env::temp_dir().join(format!("valet-{tag}-{}-{}", std::process::id(), valet_sim::util::random_hex(4)));
+        let dir =
+            std::env::temp_dir().join(format!("valet-{tag}-{}-{}", std::process::id(), valet_sim::util::random_hex(4)));
         std::fs::create_dir_all(&dir)?;
         Ok(Scratch(dir))
     }
@@ -150,6 +151,9 @@ impl Node {
         }
         opts = opts.container("istio-proxy");
         let sim = SimPod::create(opts)?;
+        if let Some(dir) = &spec.bundles_dir {
+            write_bundles(&sim, &name, dir)?;
+        }
         let pause = sim.spawn_pause()?;
         let events = self.scratch.path(&format!("{name}.proxy-events"));
         let mut standin = StandinOptions::new(ProxyKind::Istio);
@@ -187,8 +191,16 @@ impl Node {
         for app in &spec.already_exited {
             valet_sim::node::mark_container_terminated(&mut pod, app, 0)?;
         }
+        let mut posted = pod.clone();
+        if !spec.container_ids {
+            for status in posted["status"]["containerStatuses"].as_array_mut().into_iter().flatten() {
+                if let Some(o) = status.as_object_mut() {
+                    o.remove("containerID");
+                }
+            }
+        }
         if spec.post || before_proxy.is_some() {
-            self.api.create_pod(pod.clone())?;
+            self.api.create_pod(posted)?;
         }
         let proxy = match (early_proxy, before_proxy) {
             (Some(p), _) => p,
@@ -249,6 +261,10 @@ pub struct JobSpec {
     pub runtime: Runtime,
     /// The pod's QoS class (default Burstable).
     pub qos: QosClass,
+    /// Whether the posted pod shows container ids (false: the kubelet has not synced yet).
+    pub container_ids: bool,
+    /// Write the runtime's OCI bundles for the pod's containers here when creating them.
+    pub bundles_dir: Option<PathBuf>,
 }
 
 impl JobSpec {
@@ -269,6 +285,8 @@ impl JobSpec {
             driver: CgroupDriver::Systemd,
             runtime: Runtime::Containerd,
             qos: QosClass::Burstable,
+            container_ids: true,
+            bundles_dir: None,
         }
     }
     /// Cgroup driver, runtime and QoS class of the simulated pod.
@@ -332,6 +350,11 @@ impl JobPod {
             use std::os::unix::process::ExitStatusExt as _;
             s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
         }))
+    }
+
+    /// Writes the runtime's OCI bundles for this pod (see [`write_bundles`]).
+    pub fn write_bundles(&self, dir: &Path) -> Result<()> {
+        write_bundles(&self.sim, &self.name, dir)
     }
 
     /// Marks an app terminated in the API, as the kubelet would a second later.
@@ -456,4 +479,28 @@ pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Writes containerd-style OCI bundles (`<dir>/<id>/config.json` with the kubelet's annotations)
+/// for the sandbox and every container of a pod, as the runtime does before it starts them.
+pub fn write_bundles(sim: &SimPod, pod_name: &str, dir: &Path) -> Result<()> {
+    let uid = sim.uid();
+    let mut entries = vec![(sim.sandbox().id.clone(), "sandbox", "POD".to_owned())];
+    entries.extend(sim.containers().iter().map(|c| (c.id.clone(), "container", c.name.clone())));
+    for (id, kind, name) in entries {
+        let bundle = dir.join(&id);
+        std::fs::create_dir_all(&bundle)?;
+        let config = serde_json::json!({
+            "ociVersion": "1.1.0",
+            "annotations": {
+                "io.kubernetes.cri.container-type": kind,
+                "io.kubernetes.cri.container-name": name,
+                "io.kubernetes.cri.sandbox-uid": uid,
+                "io.kubernetes.cri.sandbox-name": pod_name,
+                "io.kubernetes.cri.sandbox-namespace": "jobs",
+            }
+        });
+        std::fs::write(bundle.join("config.json"), serde_json::to_vec(&config)?)?;
+    }
+    Ok(())
 }

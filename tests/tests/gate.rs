@@ -477,3 +477,38 @@ fn the_pod_sandbox_is_released_at_once() {
     assert_ne!(state(pid), Some('T'), "the pause process runs");
     assert_eq!(agent.metric("valet_app_holds_total "), 1.0);
 }
+
+#[test]
+fn runtime_bundles_keep_the_sidecar_unheld_before_the_api_names_it() {
+    // The API shows no container ids yet (as for the first second of a real pod); the runtime's
+    // bundles name the containers, so the sidecar is let through and only the app waits.
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let bundles = node.scratch.path("bundles");
+    std::fs::create_dir_all(&bundles).expect("bundle dir");
+    let agent = node.start_agent(&["--runtime-state-dirs", bundles.to_str().expect("path")]).expect("agent");
+    let ready = node.scratch.path("ready");
+    let mut spec = held_spec("bundled", &ready);
+    spec.container_ids = false;
+    spec.bundles_dir = Some(bundles.clone());
+    let mut job = node
+        .job_pod_proxy_later(spec, || {
+            agent.wait_tracked(1, Duration::from_secs(5))?;
+            Ok(())
+        })
+        .expect("pod");
+    let proxy = job.proxy.host_pid();
+    std::fs::write(&ready, "").expect("ready file");
+    // The proxy serves (it was not stopped at its exec) ...
+    let serves = eventually(Duration::from_secs(3), || condition(&node, &job).is_some_and(|(s, _)| s == "True"));
+    assert!(serves, "the proxy was probed ready\n{}", agent.log_text());
+    assert_ne!(state(proxy), Some('T'));
+    assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "the sidecar's start was let through");
+    // ... and the app, unnamed in the API too, is known from its bundle and released as ready.
+    std::fs::remove_file(&ready).expect("not ready again");
+    let marker = node.scratch.path("marker");
+    job.run_app("app", &marker_script(&marker)).expect("app");
+    assert!(eventually(Duration::from_secs(3), || agent.metric("valet_app_holds_total ") == 1.0));
+    assert_eq!(agent.metric("valet_app_releases_total{reason=\"not_app\"} "), 0.0);
+    let _ = job.apps.len();
+}

@@ -613,3 +613,66 @@ fn wait_listening(job: &JobPod, port: u16) {
     });
     assert!(up, "{}: nothing listens on {addr}", job.name);
 }
+
+/// With the runtime's state directory, the agent names a container from its OCI bundle: an app
+/// that exits before the API shows any container id is acted on at once.
+#[test]
+fn runtime_bundles_name_an_app_that_exits_before_the_api_shows_its_id() {
+    let node = Node::new().expect("node");
+    let bundles = node.scratch.path("bundles");
+    std::fs::create_dir_all(&bundles).expect("bundle dir");
+    let agent = node.start_agent(&["--runtime-state-dirs", bundles.to_str().expect("path")]).expect("agent");
+    let mut spec = JobSpec::new("bundled");
+    spec.post = false;
+    let mut job = node.job_pod(spec).expect("pod");
+    job.write_bundles(&bundles).expect("bundles");
+    let mut pod = job.json.clone();
+    for status in pod["status"]["containerStatuses"].as_array_mut().expect("statuses") {
+        status.as_object_mut().expect("status").remove("containerID");
+    }
+    node.api.create_pod(pod).expect("post");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+
+    job.run_app("app", "exit 0").expect("app");
+    assert_eq!(
+        job.wait_proxy_exit(Duration::from_secs(3)).expect("wait"),
+        Some(0),
+        "quit without waiting for the API\n{}",
+        agent.log_text()
+    );
+    assert_eq!(job.loopback_quits().len(), 1);
+}
+
+/// A bundle of another pod never names a container of this one.
+#[test]
+fn runtime_bundles_of_another_pod_are_ignored() {
+    let node = Node::new().expect("node");
+    let bundles = node.scratch.path("bundles");
+    std::fs::create_dir_all(&bundles).expect("bundle dir");
+    let agent = node.start_agent(&["--runtime-state-dirs", bundles.to_str().expect("path")]).expect("agent");
+    let mut spec = JobSpec::new("foreign");
+    spec.post = false;
+    let mut job = node.job_pod(spec).expect("pod");
+    job.write_bundles(&bundles).expect("bundles");
+    // Rewrite the bundles as if they belonged to another pod.
+    for entry in std::fs::read_dir(&bundles).expect("read").flatten() {
+        let path = entry.path().join("config.json");
+        let text = std::fs::read_to_string(&path)
+            .expect("config")
+            .replace(job.sim.uid(), "11111111-2222-4333-8444-555555555555");
+        std::fs::write(&path, text).expect("write");
+    }
+    let mut pod = job.json.clone();
+    for status in pod["status"]["containerStatuses"].as_array_mut().expect("statuses") {
+        status.as_object_mut().expect("status").remove("containerID");
+    }
+    node.api.create_pod(pod).expect("post");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    job.run_app("app", "exit 0").expect("app");
+    assert_eq!(
+        job.wait_proxy_exit(Duration::from_millis(1500)).expect("wait"),
+        None,
+        "no quit on a foreign bundle's word"
+    );
+    assert!(job.quits().is_empty());
+}

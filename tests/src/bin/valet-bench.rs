@@ -108,8 +108,9 @@ fn spawn_rate(window: Duration) -> f64 {
     n as f64 / start.elapsed().as_secs_f64()
 }
 
-/// 2. Overhead on unrelated processes: alternating detached/attached windows; the ratio of each
-/// adjacent pair cancels slow drift in machine load, and the median of the pairs is reported.
+/// Overhead on unrelated processes (figure 2): alternating detached/attached windows; the ratio
+/// of each adjacent pair cancels slow drift in machine load, and the median of the pairs is
+/// reported.
 fn overhead() -> Result<()> {
     println!("\n[2] fork+exec+exit throughput of unrelated processes, attached ÷ detached");
     let pairs = 10;
@@ -128,7 +129,10 @@ fn overhead() -> Result<()> {
         }
         let attached = spawn_rate(window);
         drop(programs);
-        println!("  pair {pair}: detached {detached:>7.0}/s   attached {attached:>7.0}/s   ratio {:.3}", attached / detached);
+        println!(
+            "  pair {pair}: detached {detached:>7.0}/s   attached {attached:>7.0}/s   ratio {:.3}",
+            attached / detached
+        );
         off.push(detached);
         on.push(attached);
         ratios.push(attached / detached);
@@ -138,18 +142,15 @@ fn overhead() -> Result<()> {
         percentile(v, 0.5)
     };
     let (m_off, m_on, m_ratio) = (median(&mut off), median(&mut on), median(&mut ratios));
-    println!(
-        "  median detached {m_off:.0}/s, attached {m_on:.0}/s; median pair ratio {m_ratio:.3} (goal ≥ 0.99)"
-    );
+    println!("  median detached {m_off:.0}/s, attached {m_on:.0}/s; median pair ratio {m_ratio:.3} (goal ≥ 0.99)");
     Ok(())
 }
 
 /// The agent's memory and CPU, to size the DaemonSet's requests and limits from measurement.
 fn print_resources(pid: u32, wall: Duration, pods: usize) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        status.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_owned()).unwrap_or_default()
-    };
+    let field =
+        |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_owned()).unwrap_or_default();
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or_default().split_whitespace().collect();
     // utime and stime are fields 14 and 15 of stat, 12 and 13 after the command name.

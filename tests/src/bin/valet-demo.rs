@@ -133,12 +133,17 @@ fn main() -> Result<()> {
     let node = Node::new()?;
     println!("fake Kubernetes API server at {} (node {})", node.api.url(), node.name);
     let agent = node.start_agent(&[])?;
-    println!("valet-agent running: kernel programs attached, pods listed (metrics at http://{}/metrics)", agent.metrics);
+    println!(
+        "valet-agent running: kernel programs attached, pods listed (metrics at http://{}/metrics)",
+        agent.metrics
+    );
     part1(&node, &agent, &app)?;
     part2(&node, &agent, &app)?;
     println!("\nmetrics excerpt:");
     for line in agent.metrics_text()?.lines() {
-        if !line.starts_with('#') && (line.contains("quits_total") || line.contains("app_releases_total") || line.contains("holds_total")) {
+        if !line.starts_with('#')
+            && (line.contains("quits_total") || line.contains("app_releases_total") || line.contains("holds_total"))
+        {
             println!("  {line}");
         }
     }
