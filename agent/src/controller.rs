@@ -112,6 +112,14 @@ impl Tracked {
         status::name_of_id(&self.pod, id).or_else(|| self.bundle_names.get(id).cloned())
     }
 
+    /// The kind of a sidecar, as a metric label.
+    fn sidecar_kind(&self, sidecar: &str) -> &'static str {
+        self.plan
+            .as_ref()
+            .and_then(|p| p.sidecars.iter().find(|s| s.name == sidecar))
+            .map_or("unknown", |s| s.kind.as_str())
+    }
+
     /// Merges the API's view and the kernel's into the decision's input.
     fn observe(&self, plan: &PodPlan) -> Observed {
         let mut observed = Observed::default();
@@ -576,12 +584,7 @@ impl Controller {
         match result {
             ActionResult::Quit { uid, sidecar, outcome } => {
                 let Some(tracked) = self.pods.get_mut(&uid) else { return };
-                let kind = tracked
-                    .plan
-                    .as_ref()
-                    .and_then(|p| p.sidecars.iter().find(|s| s.name == sidecar))
-                    .map(|s| s.kind.as_str())
-                    .unwrap_or("unknown");
+                let kind = tracked.sidecar_kind(&sidecar);
                 self.metrics.quits.get_or_create(&QuitLabels { kind, result: outcome.label() }).inc();
                 let reference = pod_reference(&tracked.pod);
                 match &outcome {
@@ -628,12 +631,7 @@ impl Controller {
             }
             ActionResult::Escalated { uid, sidecar, signalled } => {
                 let Some(tracked) = self.pods.get(&uid) else { return };
-                let kind = tracked
-                    .plan
-                    .as_ref()
-                    .and_then(|p| p.sidecars.iter().find(|s| s.name == sidecar))
-                    .map(|s| s.kind.as_str())
-                    .unwrap_or("unknown");
+                let kind = tracked.sidecar_kind(&sidecar);
                 self.metrics.escalations.get_or_create(&KindLabels { kind }).inc();
                 warn!(pod = %tracked.name(), %sidecar, signalled, "sidecar still running: sent SIGTERM");
                 self.events.publish(

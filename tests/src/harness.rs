@@ -217,8 +217,8 @@ impl Node {
         self.api.get_pod("jobs", &job.name)
     }
 
-    /// Events the agent posted about a pod (both API groups), as (reason, note) pairs.
-    pub fn events_for(&self, job: &JobPod) -> Vec<(String, String)> {
+    /// Events the agent posted about a pod (both API groups), as the API stores them.
+    pub fn events_about(&self, job: &JobPod) -> Vec<Value> {
         self.api
             .events()
             .into_iter()
@@ -226,6 +226,13 @@ impl Node {
                 let regarding = e.get("regarding").or_else(|| e.get("involvedObject"));
                 regarding.and_then(|r| r.get("name")).and_then(Value::as_str) == Some(job.name.as_str())
             })
+            .collect()
+    }
+
+    /// Events the agent posted about a pod, as (reason, note) pairs.
+    pub fn events_for(&self, job: &JobPod) -> Vec<(String, String)> {
+        self.events_about(job)
+            .into_iter()
             .map(|e| {
                 let reason = e["reason"].as_str().unwrap_or_default().to_owned();
                 let note = e.get("note").or_else(|| e.get("message")).and_then(Value::as_str).unwrap_or_default();

@@ -592,13 +592,8 @@ fn metric_sum(agent: &Agent, family: &str) -> f64 {
 
 /// Events about a pod as (type, reason).
 fn typed_events(node: &Node, job: &JobPod) -> Vec<(String, String)> {
-    node.api
-        .events()
+    node.events_about(job)
         .into_iter()
-        .filter(|e| {
-            let regarding = e.get("regarding").or_else(|| e.get("involvedObject"));
-            regarding.and_then(|r| r.get("name")).and_then(Value::as_str) == Some(job.name.as_str())
-        })
         .map(|e| {
             (e["type"].as_str().unwrap_or_default().to_owned(), e["reason"].as_str().unwrap_or_default().to_owned())
         })
