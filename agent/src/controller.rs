@@ -528,12 +528,12 @@ impl Controller {
     }
 
     fn on_exit(&mut self, exit: ProcessExit) {
+        let seen_after_us = monotonic_ns().saturating_sub(exit.ktime_ns) / 1000;
         let Some(uid) = self.pod_by_cgroup.get(&exit.watched_cgroup_id).cloned() else { return };
         let Some(id) = self.container_id(&uid, exit.cgroup_id) else {
             debug!(cgroup = exit.cgroup_id, "exit in an unknown container cgroup of a tracked pod");
             return;
         };
-        let seen_after_us = monotonic_ns().saturating_sub(exit.ktime_ns) / 1000;
         let Some(tracked) = self.pods.get_mut(&uid) else { return };
         if tracked.kernel_ends.contains_key(&id) {
             // Already ended (its init exited); these are the rest of its processes going.
