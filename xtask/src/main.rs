@@ -216,7 +216,9 @@ impl Tally {
     fn read(&mut self, line: &str) {
         let line = line.trim();
         let cargo = line.strip_prefix("test result: ");
-        let pytest = !line.starts_with("test ") && (line.contains(" passed") || line.contains(" failed")) && line.contains(" in ");
+        let pytest = !line.starts_with("test ")
+            && (line.contains(" passed") || line.contains(" failed"))
+            && line.contains(" in ");
         if cargo.is_none() && !pytest {
             return;
         }
@@ -235,10 +237,7 @@ impl Tally {
 /// Runs a test runner, echoing its output and counting its results.
 fn run_counted(cmd: &mut Command, tally: &mut Tally) -> Result<bool> {
     use std::io::BufRead as _;
-    let mut child = cmd
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .with_context(|| format!("spawn {cmd:?}"))?;
+    let mut child = cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("spawn {cmd:?}"))?;
     if let Some(out) = child.stdout.take() {
         for line in std::io::BufReader::new(out).lines() {
             let line = line?;
