@@ -123,22 +123,22 @@ fn probe_once(
     };
     let path = sidecar.ready.path.clone();
     let port = sidecar.ready.port;
-    // Envoy's admin listener is loopback-only; the others listen on the pod IP like kubelet probes.
-    let loopback_only = matches!(sidecar.kind, SidecarKind::Envoy);
-    let result = match (pod_ip, loopback_only, pod_rel) {
-        (Some(ip), false, _) => http::request(SocketAddr::new(ip, port), "GET", &path, limits),
-        (_, _, Some(rel)) => {
-            let netns = match open_pod_netns(host_proc, cgroups, rel) {
-                Ok(n) => n,
-                Err(e) => return (false, e.to_string()),
-            };
+    // From inside the pod's network namespace first: health listeners bound to loopback
+    // (Envoy's admin, cloud-sql-proxy's default) answer there, and no network policy or routing
+    // stands between. The pod IP, as the kubelet probes, until the pod's processes are found.
+    let in_pod = pod_rel.and_then(|rel| open_pod_netns(host_proc, cgroups, rel).ok());
+    let result = match (in_pod, pod_ip) {
+        (Some(netns), _) => {
             let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
             match netns.run_blocking(move || http::request(addr, "GET", &path, limits)) {
                 Ok(r) => r,
                 Err(e) => return (false, e.to_string()),
             }
         }
-        _ => return (false, "no pod IP and no pod cgroup yet".into()),
+        (None, Some(ip)) if !matches!(sidecar.kind, SidecarKind::Envoy) => {
+            http::request(SocketAddr::new(ip, port), "GET", &path, limits)
+        }
+        _ => return (false, "no live process of the pod and no reachable pod IP yet".into()),
     };
     match result {
         Ok(r) if (200..300).contains(&r.status) => (true, format!("{} answered {}", sidecar.name, r.status)),

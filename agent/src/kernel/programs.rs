@@ -54,7 +54,10 @@ impl Programs {
     /// `host_root` is where the host's `/sys` is visible (`/` outside a container).
     pub fn load(host_root: &std::path::Path, attach: Attach) -> Result<Programs> {
         raise_memlock_limit();
-        let tracefs = find_tracefs(host_root)?;
+        let tracefs = match find_tracefs(host_root) {
+            Ok(path) => path,
+            Err(e) => mount_tracefs(host_root).ok_or(e)?,
+        };
         let btf_path = host_root.join("sys/kernel/btf/vmlinux");
         let btf = Btf::from_file(&btf_path)?;
         let layout = read_layout(&btf, &tracefs)?;
@@ -207,6 +210,30 @@ pub async fn drain_kernel_log(logger: aya_log::EbpfLogger<&'static dyn log::Log>
                 warn!("kernel log channel: {e}");
                 return;
             }
+        }
+    }
+}
+
+/// Tracepoints are attached by id, read from tracefs. A host that never mounted it (tracing
+/// tools mount it on first use) gets it mounted at its standard place, as they would.
+fn mount_tracefs(host_root: &std::path::Path) -> Option<std::path::PathBuf> {
+    let target = host_root.join("sys/kernel/tracing");
+    let mounted = nix::mount::mount(
+        Some("tracefs"),
+        &target,
+        Some("tracefs"),
+        nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV | nix::mount::MsFlags::MS_NOEXEC,
+        None::<&str>,
+    );
+    match mounted {
+        Ok(()) if target.join("events").is_dir() => {
+            info!(path = %target.display(), "mounted tracefs");
+            Some(target)
+        }
+        Ok(()) => None,
+        Err(e) => {
+            warn!(path = %target.display(), "tracefs is not mounted and mounting it failed: {e}");
+            None
         }
     }
 }
