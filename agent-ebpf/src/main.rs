@@ -193,6 +193,9 @@ pub fn valet_exit(ctx: TracePointContext) -> u32 {
     match ns_pid(&l, leader).or_else(|| ns_pid(&l, task)) {
         Some((nr, level)) => {
             event.ns_pid = nr;
+            if level > 0 {
+                event.flags |= event_flags::CHILD_PID_NS;
+            }
             if nr == 1 && level > 0 {
                 event.flags |= event_flags::NS_INIT;
             }

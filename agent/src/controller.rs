@@ -52,6 +52,8 @@ enum QuitState {
 struct KernelEnd {
     end: Option<ProcessEnd>,
     ktime_ns: u64,
+    /// Its pid namespace's init exited (final); otherwise its last process left the cgroup.
+    by_init: bool,
 }
 
 /// What the agent knows about one opted-in pod.
@@ -535,14 +537,19 @@ impl Controller {
             return;
         };
         let Some(tracked) = self.pods.get_mut(&uid) else { return };
-        if tracked.kernel_ends.contains_key(&id) {
+        if tracked.kernel_ends.get(&id).is_some_and(|e| e.by_init) {
             // Already ended (its init exited); these are the rest of its processes going.
             return;
         }
         // A container ends when its pid namespace's init exits (the kernel then kills the rest).
-        // Without a pid namespace of its own (shareProcessNamespace), it ends when its last
-        // process leaves its cgroup.
+        // A process inside such a namespace never ends it. Without a pid namespace of its own
+        // (shareProcessNamespace) a container ends when its last process leaves its cgroup; as
+        // the cgroup is read after the fact, a later exit of the same container replaces the
+        // end recorded from an earlier one.
         if !exit.ns_init {
+            if exit.child_pid_ns {
+                return;
+            }
             let Some(dir) = tracked.containers.get(&exit.cgroup_id) else { return };
             let left = self.cgroups.procs_recursive(&dir.rel);
             if left.iter().any(|pid| *pid != exit.tgid) {
@@ -563,7 +570,7 @@ impl Controller {
             _ => metrics::ExitOutcome::Failure,
         };
         self.metrics.exits.get_or_create(&metrics::ExitLabels { outcome: label }).inc();
-        tracked.kernel_ends.insert(id, KernelEnd { end: exit.end, ktime_ns: exit.ktime_ns });
+        tracked.kernel_ends.insert(id, KernelEnd { end: exit.end, ktime_ns: exit.ktime_ns, by_init: exit.ns_init });
         self.evaluate(&uid);
     }
 

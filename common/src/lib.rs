@@ -62,6 +62,9 @@ pub mod event_flags {
     pub const NO_EXIT_CODE: u32 = 2;
     /// The kernel offsets needed to tell a pid-namespace init were not available.
     pub const NO_NS_INFO: u32 = 4;
+    /// The process lived in a pid namespace below the host's (a container with a pid namespace
+    /// of its own): its container ends with that namespace's init, not with it.
+    pub const CHILD_PID_NS: u32 = 8;
 }
 
 /// One event from the kernel programs.

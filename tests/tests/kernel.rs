@@ -95,6 +95,7 @@ async fn run_and_expect(systemd: bool, n: u8, cmd: &mut Command, expect: Process
     assert_eq!(exit.end, Some(expect));
     assert_eq!(exit.watched_cgroup_id, pod_id, "matched through the pod cgroup (an ancestor)");
     assert!(!exit.ns_init, "not in its own pid namespace");
+    assert!(!exit.child_pid_ns, "in the host's pid namespace");
     // Nothing else arrives for that cgroup.
     assert!(exits(&mut stream, container_id, 1, Duration::from_millis(200)).await.is_empty());
 }
@@ -193,7 +194,9 @@ async fn pid_namespace_init_is_the_container_end_and_children_are_not() {
     assert!(init.ns_init, "pid 1 of the namespace");
     assert_eq!(init.ns_pid, 1);
     assert_eq!(got.iter().filter(|e| e.ns_init).count(), 1, "one container end");
+    assert!(inner.child_pid_ns && got[1].child_pid_ns && init.child_pid_ns, "inside the new namespace");
     let outer = &got[3];
+    assert!(!outer.child_pid_ns, "unshare itself runs in the host's namespace");
     assert_eq!(outer.tgid, unshare_pid);
     assert!(!outer.ns_init);
     assert!(inner.ktime_ns < init.ktime_ns && init.ktime_ns <= outer.ktime_ns);

@@ -671,3 +671,21 @@ fn runtime_bundles_of_another_pod_are_ignored() {
     );
     assert!(job.quits().is_empty());
 }
+
+/// A container without a pid namespace of its own (shareProcessNamespace pods) has no namespace
+/// init: it ends when its last process leaves its cgroup.
+#[test]
+fn container_without_its_own_pid_namespace_ends_with_its_last_process() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut job = node.job_pod(JobSpec::new("shared-pidns").restart_policy("OnFailure")).expect("pod");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    let opts = valet_sim::node::SpawnOptions { pid_namespace: false, ..Default::default() };
+    // A child exits first (the container goes on), then the main process exits 0.
+    let started = Instant::now();
+    let p = job.sim.spawn("app", &["/bin/sh", "-c", "/bin/sh -c 'exit 0'; sleep 0.3; exit 0"], &opts).expect("app");
+    job.apps.push(p);
+    assert_eq!(job.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert!(started.elapsed() >= Duration::from_millis(300), "not before the main process ended");
+    assert_eq!(job.loopback_quits().len(), 1);
+}

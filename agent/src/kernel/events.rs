@@ -50,6 +50,8 @@ pub struct ProcessExit {
     pub end: Option<ProcessEnd>,
     /// The process was its pid namespace's init: the container ended.
     pub ns_init: bool,
+    /// The process lived in a pid namespace below the host's.
+    pub child_pid_ns: bool,
     pub comm: String,
 }
 
@@ -95,6 +97,7 @@ impl Event {
                 end: (raw.flags & event_flags::NO_EXIT_CODE == 0)
                     .then(|| ProcessEnd::from_wait_status(raw.exit_status)),
                 ns_init: raw.flags & event_flags::NS_INIT != 0,
+                child_pid_ns: raw.flags & event_flags::CHILD_PID_NS != 0,
                 comm: comm(&raw.comm),
             })),
             event_kind::HELD => Some(Event::Held(HeldProcess {
