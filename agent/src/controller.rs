@@ -671,8 +671,10 @@ impl Controller {
                     tracked.ignored = Some(label.to_owned());
                 }
             }
-            Decision::Wait(_) | Decision::Done => {}
+            Decision::Wait(_) => {}
+            Decision::Done => self.gate.finish(uid),
             Decision::Quit(sidecars) => {
+                self.gate.finish(uid);
                 if tracked.done_ktime.is_none() {
                     tracked.done_ktime = plan
                         .apps

@@ -68,6 +68,12 @@ struct GatePod {
     failed_open: bool,
     /// Last condition written (or being written), to write only on change.
     written: Option<ProxyReady>,
+    /// A condition write is in flight: the next one waits for it, so writes never overtake each
+    /// other and leave an older state on the pod.
+    writing: bool,
+    /// The pod's work is done (its sidecars are being quit): no more probes or condition writes,
+    /// so the proxy going away does not flip the condition back.
+    finished: bool,
     pace: Option<watch::Sender<Pace>>,
     /// What the running probe loop was started with (pod IP, pod cgroup); a change restarts it.
     probe_target: (Option<String>, Option<String>),
@@ -176,7 +182,7 @@ impl Gate {
             return;
         }
         let hold = self.wants_hold(plan);
-        let done = all_apps_finished(pod, plan);
+        let done = all_apps_finished(pod, plan) || self.pods.get(uid).is_some_and(|p| p.finished);
         let target = (plan.pod_ip.clone(), pod_dir.map(|d| d.rel.clone()));
         let needs_probe = !done && self.pods.get(uid).is_none_or(|p| p.pace.is_none() || p.probe_target != target);
         let probe = needs_probe.then(|| self.spawn_probe(uid, plan, pod_dir));
@@ -436,6 +442,9 @@ impl Gate {
         match action {
             GateAction::Probed { uid, ready, detail } => {
                 let Some(pod) = pod_of(&uid) else { return };
+                if self.pods.get(&uid).is_some_and(|p| p.finished) {
+                    return;
+                }
                 if ready {
                     self.on_ready(&uid, &pod, detail);
                 } else if let Some(entry) = self.pods.get_mut(&uid) {
@@ -452,12 +461,18 @@ impl Gate {
                 self.metrics.condition_patches.get_or_create(&ResultLabels { result }).inc();
                 if !ok {
                     warn!(%uid, "write {} condition: {}", condition::CONDITION_TYPE, error.unwrap_or_default());
-                    // Let the next change retry the write.
-                    if let Some(entry) = self.pods.get_mut(&uid)
-                        && entry.written.as_ref() == Some(&want)
-                    {
+                }
+                if let Some(entry) = self.pods.get_mut(&uid) {
+                    entry.writing = false;
+                    // Let the next change retry a failed write.
+                    if !ok && entry.written.as_ref() == Some(&want) {
                         entry.written = None;
                     }
+                }
+                // What changed while the write was in flight is written now, in order (a failed
+                // write is retried by the next probe result, not in a loop against the API).
+                if ok && let Some(pod) = pod_of(&uid) {
+                    self.sync_condition(&uid, &pod);
                 }
             }
         }
@@ -482,11 +497,15 @@ impl Gate {
             },
             (None, false) => return,
         };
+        if entry.writing {
+            return;
+        }
         if entry.written.as_ref() == Some(&want) || condition::already_set(pod, &want) {
             entry.written = Some(want);
             return;
         }
         entry.written = Some(want.clone());
+        entry.writing = true;
         let client = self.client.clone();
         let results = self.results.clone();
         let (namespace, name) = (
@@ -542,6 +561,15 @@ impl Gate {
             self.sync_condition(uid, pod);
         }
         Vec::new()
+    }
+
+    /// The pod's work is done (the controller decided to quit its sidecars): stop probing and
+    /// leave the condition as it is.
+    pub fn finish(&mut self, uid: &str) {
+        self.stop(uid);
+        if let Some(p) = self.pods.get_mut(uid) {
+            p.finished = true;
+        }
     }
 
     /// Releases everything held (agent shutdown). Call after the kernel was told to hold nothing

@@ -519,3 +519,26 @@ fn runtime_bundles_keep_the_sidecar_unheld_before_the_api_names_it() {
     assert_eq!(agent.metric("valet_app_releases_total{reason=\"not_app\"} "), 0.0);
     let _ = job.apps.len();
 }
+
+#[test]
+fn condition_stays_ready_after_the_work_is_done_and_the_proxy_quits() {
+    // Once the app has finished and the proxy is quit, probes stop: the proxy going away does
+    // not write the condition back to False.
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let ready = node.scratch.path("ready");
+    let marker = node.scratch.path("marker");
+    let mut job = node.job_pod(held_spec("done", &ready)).expect("pod");
+    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    job.run_app("app", &format!("echo ran > {}", marker.display())).expect("app");
+    assert!(eventually(Duration::from_secs(2), || state(app_pid(&job)) == Some('T')), "held");
+    std::fs::write(&ready, "").expect("ready");
+    assert_eq!(job.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    wait_condition(&node, &job, &agent, "True", "ProxyReady");
+    // Longer than the probe interval of a ready proxy (5 s).
+    std::thread::sleep(Duration::from_millis(6000));
+    assert_eq!(condition(&node, &job), Some(("True".into(), "ProxyReady".into())), "{}", agent.log_text());
+    let patches = status_patches(&node, &job);
+    assert_eq!(patches.len(), 2, "False then True, nothing after: {patches:?}");
+}

@@ -78,13 +78,27 @@ fn part1(node: &Node, agent: &valet_tests::harness::Agent, app: &str) -> Result<
     Ok(())
 }
 
+/// The status of the pod's `valet.dev/ProxyReady` condition, if set.
+fn condition(node: &Node, job: &valet_tests::harness::JobPod) -> Option<String> {
+    let pod = node.pod(job)?;
+    let conditions = pod["status"]["conditions"].as_array()?;
+    let c = conditions.iter().find(|c| c["type"] == "valet.dev/ProxyReady")?;
+    c["status"].as_str().map(str::to_owned)
+}
+
 fn part2(node: &Node, agent: &valet_tests::harness::Agent, app: &str) -> Result<()> {
     println!("\n━━ 2. The app must not start before its proxy is ready ━━");
     let ready = node.scratch.path("proxy-ready");
     let mut spec = JobSpec::new("migrate").annotation("valet.dev/hold-app", "true");
     spec.ready_file = Some(ready.clone());
     let mut job = node.job_pod(spec)?;
-    agent.wait_tracked(1, Duration::from_secs(5))?;
+    // The first pod is still on the node: the agent tracks both once it has seen this one.
+    agent.wait_tracked(2, Duration::from_secs(5))?;
+    // It has placed the pod (its cgroup registered for holding) once it reports the proxy.
+    let probed = eventually(Duration::from_secs(5), || condition(node, &job).as_deref() == Some("False"));
+    if !probed {
+        bail!("the agent never reported the proxy of the held pod\n{}", agent.log_text());
+    }
     println!("pod jobs/{} (valet.dev/hold-app: \"true\"); the proxy is not ready yet", job.name);
     let ran = node.scratch.path("app-ran");
     let ran_s = ran.to_string_lossy().into_owned();
@@ -111,17 +125,7 @@ fn part2(node: &Node, agent: &valet_tests::harness::Agent, app: &str) -> Result<
     println!("  {:>12}  proxy turns ready", "0");
     println!("  {:>12}  app runs its first instruction", ms(t_ready, started));
     println!("  (Istio's holdApplicationUntilProxyStarts polls every 500 ms: 250 ms late on average)");
-    let got_condition = eventually(Duration::from_secs(3), || {
-        node.pod(&job)
-            .and_then(|p| {
-                p["status"]["conditions"]
-                    .as_array()?
-                    .iter()
-                    .find(|c| c["type"] == "valet.dev/ProxyReady")
-                    .map(|c| c["status"] == "True")
-            })
-            .unwrap_or(false)
-    });
+    let got_condition = eventually(Duration::from_secs(3), || condition(node, &job).as_deref() == Some("True"));
     println!("pod condition valet.dev/ProxyReady=True: {got_condition}");
     Ok(())
 }
