@@ -474,7 +474,10 @@ impl Controller {
         let missing: Vec<String> = self
             .pods
             .iter()
-            .filter(|(_, t)| (t.pod_dir.is_none() || t.netns.is_none()) && t.plan.is_some())
+            // A finished pod (its cgroup gone or empty) is not searched for again every tick.
+            .filter(|(_, t)| {
+                (t.pod_dir.is_none() || t.netns.is_none()) && t.plan.is_some() && !status::terminal(&t.pod)
+            })
             .map(|(u, _)| u.clone())
             .collect();
         for uid in missing {

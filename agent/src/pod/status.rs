@@ -35,6 +35,12 @@ pub fn name_of_id(pod: &Pod, id: &str) -> Option<String> {
     })
 }
 
+/// The pod has finished for good (phase Succeeded or Failed): every container has ended and
+/// nothing is left to quit, hold or probe.
+pub fn terminal(pod: &Pod) -> bool {
+    matches!(pod.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"))
+}
+
 /// `namespace/name` for logs.
 pub fn pod_name(pod: &Pod) -> String {
     format!(
@@ -75,5 +81,10 @@ mod tests {
         assert_eq!(name_of_id(&pod, &"d".repeat(64)), None);
         assert_eq!(current_id(&pod, "nope"), None);
         assert_eq!(pod_name(&pod), "jobs/p");
+        assert!(!terminal(&pod), "no phase yet");
+        for (phase, done) in [("Pending", false), ("Running", false), ("Succeeded", true), ("Failed", true)] {
+            let p: Pod = serde_json::from_value(serde_json::json!({"status": {"phase": phase}})).expect("pod");
+            assert_eq!(terminal(&p), done, "{phase}");
+        }
     }
 }
