@@ -108,9 +108,10 @@ pub struct Config {
     pub hold_timeout: Duration,
 
     /// Container runtime state directories holding the containers' OCI bundles (config.json),
-    /// to know a container by name before the API reports its id: containerd
-    /// /run/containerd/io.containerd.runtime.v2.task/k8s.io, CRI-O
-    /// /run/containers/storage/overlay-containers. None by default.
+    /// to know a container by name before the API reports its id (about a second later). By
+    /// default the well-known ones under --host-root: containerd's
+    /// /run/containerd/io.containerd.runtime.v2.task/k8s.io and CRI-O's
+    /// /run/containers/storage/overlay-containers (whichever exist, looked up as needed).
     #[arg(long, env = "VALET_RUNTIME_STATE_DIRS", value_delimiter = ',')]
     pub runtime_state_dirs: Vec<PathBuf>,
 
@@ -120,6 +121,15 @@ pub struct Config {
 }
 
 impl Config {
+    /// The runtime state directories to read bundles from: the flag's, else the well-known ones
+    /// under the host root.
+    pub fn runtime_dirs(&self) -> Vec<PathBuf> {
+        if !self.runtime_state_dirs.is_empty() {
+            return self.runtime_state_dirs.clone();
+        }
+        crate::runtime::WELL_KNOWN_STATE_DIRS.iter().map(|d| self.host_root.join(d)).collect()
+    }
+
     /// Checks what clap cannot.
     pub fn validate(&self) -> Result<()> {
         if self.node_name.trim().is_empty() {

@@ -1,15 +1,18 @@
 //! valet's node agent as a library: the binary in `main.rs` only wires these parts together.
 //!
-//! Data flow: kernel events (`kernel`) and API events (`api`) come in, the pure decision step
-//! (`pod`) says what to do, small actuators do it (`sidecar` quits a proxy, `gate` holds and
-//! releases apps and publishes the readiness condition), `metrics` observes every step.
+//! Data flow: kernel events (`kernel`) and API events (`api`) come in; the `controller` routes
+//! each to one pod's state machine (`pod::state`, pure: it decides with `pod::decide` and returns
+//! `effect`s); small actuators (`act`) carry the effects out — ask a sidecar to quit (`sidecar`),
+//! release a held app, write the readiness condition — and feed their results back; `metrics`
+//! observes every step.
 
+pub mod act;
 pub mod api;
 pub mod cgroup;
 pub mod config;
 pub mod controller;
+pub mod effect;
 pub mod error;
-pub mod gate;
 pub mod kernel;
 pub mod metrics;
 pub mod pod;

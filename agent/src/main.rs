@@ -8,13 +8,19 @@ use anyhow::Context as _;
 use clap::Parser as _;
 use tracing::{error, info};
 use tracing_subscriber::EnvFilter;
+use valet_agent::act::{Actuators, Settings};
+use valet_agent::api::events::EventSink;
 use valet_agent::cgroup::CgroupFs;
 use valet_agent::cgroup::root::find_cgroup2_root;
 use valet_agent::config::{Config, LogFormat};
 use valet_agent::controller::Controller;
 use valet_agent::kernel::{Attach, EventStream, Programs};
 use valet_agent::metrics::Metrics;
+use valet_agent::pod::spec::SidecarDefaults;
+use valet_agent::pod::state::Rules;
+use valet_agent::runtime::RuntimeBundles;
 use valet_agent::server::{self, Health};
+use valet_agent::sidecar::netns::PodNetwork;
 
 fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
@@ -61,9 +67,32 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let ring = programs.take_events().context("kernel event ring buffer")?;
     let events = EventStream::new(ring)?;
 
-    let controller = Controller::new(cfg.clone(), client, CgroupFs::new(cgroup_root), programs, metrics, health);
+    let cgroups = CgroupFs::new(cgroup_root);
+    let (reports_tx, reports_rx) = tokio::sync::mpsc::unbounded_channel();
+    let act = Actuators::new(
+        Settings {
+            host_proc: cfg.host_proc.clone(),
+            quit_timeout: cfg.quit_timeout,
+            quit_retry_for: cfg.quit_retry_for,
+            probe_interval: cfg.probe_interval,
+        },
+        cgroups.clone(),
+        RuntimeBundles::new(cfg.runtime_dirs()),
+        programs,
+        Arc::new(PodNetwork::new(cfg.host_proc.clone(), cgroups)),
+        client.clone(),
+        EventSink::new(client.clone(), &cfg.node_name),
+        metrics,
+        reports_tx,
+    );
+    let rules = Rules {
+        defaults: SidecarDefaults { names: cfg.sidecar_names.clone(), hold_timeout: cfg.hold_timeout },
+        escalate_after: (!cfg.no_escalation).then_some(cfg.escalate_after),
+    };
+    let controller = Controller::new(&cfg.node_name, rules, act, reports_rx, health);
+    let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node_name);
     // Leave time within the usual 30 s grace period for in-flight quits to finish.
-    controller.run(events, shutdown_signal(), Duration::from_secs(10)).await;
+    controller.run(events, watch, shutdown_signal(), Duration::from_secs(10)).await;
     info!("stopped");
     Ok(())
 }

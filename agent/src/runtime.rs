@@ -13,6 +13,13 @@ use std::path::PathBuf;
 
 /// The most of a `config.json` read (they are tens of kilobytes; environments can be large).
 const MAX_CONFIG_BYTES: u64 = 4 * 1024 * 1024;
+/// The most of a `mountinfo` read.
+const MAX_MOUNTINFO_BYTES: u64 = 1024 * 1024;
+
+/// Where the runtimes keep the bundles of Kubernetes containers, relative to the host root:
+/// containerd's CRI namespace and CRI-O's storage.
+pub const WELL_KNOWN_STATE_DIRS: [&str; 2] =
+    ["run/containerd/io.containerd.runtime.v2.task/k8s.io", "run/containers/storage/overlay-containers"];
 
 /// The name the kubelet gives the pod sandbox (infra container). Container names are DNS-1123
 /// labels, lower case: no app or sidecar can be called this.
@@ -63,6 +70,31 @@ impl BundleRole {
     }
 }
 
+/// The container a process belongs to, from the kubelet's per-container mounts in its
+/// `mountinfo`: the kubelet bind-mounts `/var/lib/kubelet/pods/<uid>/containers/<name>/<n>` as
+/// the container's termination log. Only mounts of pod `pod_uid` count.
+pub fn name_from_mountinfo(mountinfo: &str, pod_uid: &str) -> Option<String> {
+    let marker = format!("/pods/{pod_uid}/containers/");
+    mountinfo.lines().find_map(|line| {
+        // Field 4 is the mount's root within its file system.
+        let root = line.split(' ').nth(3)?;
+        let rest = &root[root.find(&marker)? + marker.len()..];
+        let name = rest.split('/').next()?;
+        let valid = !name.is_empty()
+            && name.len() <= 63
+            && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        valid.then(|| name.to_owned())
+    })
+}
+
+/// [`name_from_mountinfo`] for a live process, read from `<host_proc>/<pid>/mountinfo`.
+pub fn name_of_process(host_proc: &std::path::Path, pid: u32, pod_uid: &str) -> Option<String> {
+    let file = std::fs::File::open(host_proc.join(pid.to_string()).join("mountinfo")).ok()?;
+    let mut text = String::new();
+    file.take(MAX_MOUNTINFO_BYTES).read_to_string(&mut text).ok()?;
+    name_from_mountinfo(&text, pod_uid)
+}
+
 impl RuntimeBundles {
     pub fn new(dirs: Vec<PathBuf>) -> RuntimeBundles {
         RuntimeBundles { dirs }
@@ -107,6 +139,21 @@ mod tests {
         "io.kubernetes.cri-o.ContainerType":"sandbox",
         "io.kubernetes.pod.uid":"0b5e1f6e-2a4b-4c3d-8e9f-0a1b2c3d4e5f"}}"#;
     const UID: &str = "0b5e1f6e-2a4b-4c3d-8e9f-0a1b2c3d4e5f";
+
+    #[test]
+    fn names_a_container_from_the_kubelets_mounts() {
+        let info = format!(
+            "1301 1290 0:112 / / rw,relatime - overlay overlay rw\n\
+             1320 1301 8:1 /var/lib/kubelet/pods/{UID}/etc-hosts /etc/hosts rw - ext4 /dev/sda1 rw\n\
+             1321 1301 8:1 /var/lib/kubelet/pods/{UID}/containers/istio-proxy/5a1c2e3f /dev/termination-log rw - ext4 /dev/sda1 rw\n"
+        );
+        assert_eq!(name_from_mountinfo(&info, UID).as_deref(), Some("istio-proxy"));
+        assert_eq!(name_from_mountinfo(&info, "11111111-2222-4333-8444-555555555555"), None, "another pod's");
+        let odd = format!("1 1 8:1 /var/lib/kubelet/pods/{UID}/containers/Bad_Name/1 /x rw - ext4 /dev/sda1 rw\n");
+        assert_eq!(name_from_mountinfo(&odd, UID), None);
+        assert_eq!(name_from_mountinfo("garbage", UID), None);
+        assert_eq!(name_of_process(std::path::Path::new("/proc"), std::process::id(), UID), None);
+    }
 
     #[test]
     fn parses_both_runtimes_and_rejects_the_rest() {

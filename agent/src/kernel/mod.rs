@@ -1,8 +1,72 @@
-//! The kernel side seen from user space: layout discovery (BTF), program loading, event stream.
+//! The kernel side seen from user space: layout discovery (BTF), program loading, event stream,
+//! and the two traits the controller works through, so its loop can run against a stand-in.
 pub mod btf;
 pub mod events;
 pub mod layout;
 pub mod programs;
 
+use std::future::Future;
+
+use valet_common::Counter;
+
 pub use events::{Event, EventStream, HeldProcess, ProcessEnd, ProcessExit};
 pub use programs::{Attach, Programs};
+
+use crate::error::Result;
+
+/// What the controller tells the loaded kernel programs and reads back from them.
+pub trait KernelControl: Send {
+    /// Starts watching a pod cgroup with [`valet_common::watch_flags`].
+    fn watch(&mut self, cgroup_id: u64, flags: u32) -> Result<()>;
+    fn unwatch(&mut self, cgroup_id: u64) -> Result<()>;
+    /// Whether the first exec of a container's main process is held.
+    fn classify_exec(&mut self, container_cgroup_id: u64, hold: bool) -> Result<()>;
+    /// Whether the kernel already judged a container's first exec.
+    fn exec_seen(&self, container_cgroup_id: u64) -> bool;
+    /// Drops every map entry of a container cgroup.
+    fn forget_container(&mut self, container_cgroup_id: u64);
+    fn counter(&self, counter: Counter) -> u64;
+    fn detach(&mut self);
+}
+
+/// Batches of decoded kernel events.
+pub trait EventSource: Send {
+    /// Waits for the next batch (never empty).
+    fn next_batch(&mut self) -> impl Future<Output = Result<Vec<Event>>> + Send;
+}
+
+impl KernelControl for Programs {
+    fn watch(&mut self, cgroup_id: u64, flags: u32) -> Result<()> {
+        Programs::watch(self, cgroup_id, flags)
+    }
+
+    fn unwatch(&mut self, cgroup_id: u64) -> Result<()> {
+        Programs::unwatch(self, cgroup_id)
+    }
+
+    fn classify_exec(&mut self, container_cgroup_id: u64, hold: bool) -> Result<()> {
+        Programs::classify_exec(self, container_cgroup_id, hold)
+    }
+
+    fn exec_seen(&self, container_cgroup_id: u64) -> bool {
+        Programs::exec_seen(self, container_cgroup_id)
+    }
+
+    fn forget_container(&mut self, container_cgroup_id: u64) {
+        Programs::forget_exec(self, container_cgroup_id);
+    }
+
+    fn counter(&self, counter: Counter) -> u64 {
+        Programs::counter(self, counter)
+    }
+
+    fn detach(&mut self) {
+        Programs::detach(self);
+    }
+}
+
+impl EventSource for EventStream {
+    fn next_batch(&mut self) -> impl Future<Output = Result<Vec<Event>>> + Send {
+        EventStream::next_batch(self)
+    }
+}

@@ -60,7 +60,8 @@ pub enum IgnoreReason {
     Deleting,
     /// `restartPolicy: Always`: the containers never finish.
     RestartAlways,
-    /// Sidecars are native (init containers with `restartPolicy: Always`): the kubelet ends them.
+    /// The only sidecars are native (init containers with `restartPolicy: Always`): the kubelet
+    /// ends them.
     NativeSidecars,
     /// No container is a sidecar.
     NoSidecars,
@@ -128,7 +129,8 @@ fn ignore_reason(plan: &PodPlan) -> Option<IgnoreReason> {
         Some(IgnoreReason::Deleting)
     } else if plan.restart_policy == RestartPolicy::Always {
         Some(IgnoreReason::RestartAlways)
-    } else if !plan.native_sidecars.is_empty() {
+    } else if plan.sidecars.is_empty() && !plan.native_sidecars.is_empty() {
+        // Native sidecars are ended by the kubelet; a regular sidecar beside them is still ours.
         Some(IgnoreReason::NativeSidecars)
     } else if plan.sidecars.is_empty() {
         Some(IgnoreReason::NoSidecars)
@@ -173,6 +175,7 @@ mod tests {
                     kind,
                     quit: kind.quit_endpoint(),
                     ready: kind.ready_endpoint(),
+                    quit_signal: libc::SIGTERM,
                 })
                 .collect(),
             init_containers: Vec::new(),
@@ -378,10 +381,21 @@ mod tests {
                 IgnoreReason::NativeSidecars
             };
             assert_eq!(decide(&p, &all_done), Decision::Ignore(want), "{policy:?}");
-            // Native and regular sidecars together: still the kubelet's business.
+            // Native and regular sidecars together: the native one is the kubelet's business,
+            // the regular one is quit (otherwise the Job hangs on it).
             let mut p = plan(policy, &["app"], &["cloud-sql-proxy"]);
             p.native_sidecars = names(&["istio-proxy"]);
-            assert_eq!(decide(&p, &all_done), Decision::Ignore(want), "{policy:?}");
+            let want_mixed = if policy == RestartPolicy::Always {
+                Decision::Ignore(IgnoreReason::RestartAlways)
+            } else {
+                quit(&["cloud-sql-proxy"])
+            };
+            let mixed_done = observed(
+                &[("app", AppState::Exited(ExitOutcome::Code(0)))],
+                &[("cloud-sql-proxy", SidecarState::Running)],
+                &[],
+            );
+            assert_eq!(decide(&p, &mixed_done), want_mixed, "{policy:?}");
 
             let want = |r| {
                 if policy == RestartPolicy::Always { IgnoreReason::RestartAlways } else { r }

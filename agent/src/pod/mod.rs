@@ -1,7 +1,9 @@
-//! The pure decision step: a pod's spec as plain data (`spec`), and what to do given what has
-//! been observed of its containers (`decide`). No I/O here.
+//! The pure part of the agent: a pod's spec as plain data (`spec`), its container statuses
+//! (`status`), what to do given what has been observed (`decide`), and the per-pod state machine
+//! that holds it all (`state`). No I/O here.
 pub mod decide;
 pub mod spec;
+pub mod state;
 pub mod status;
 
 #[cfg(test)]

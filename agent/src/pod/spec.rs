@@ -15,12 +15,18 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 pub const ANNOTATION_PREFIX: &str = "valet.dev/";
 /// Comma-separated container names: the pod's sidecars, replacing the agent's default names.
 pub const SIDECARS: &str = "valet.dev/sidecars";
-/// `istio|envoy|linkerd|cloudsql` for one container (suffix: the container name).
+/// `istio|envoy|linkerd|cloudsql|http|signal` for one container (suffix: the container name).
 pub const SIDECAR_KIND_PREFIX: &str = "valet.dev/sidecar-kind.";
 /// Port of one sidecar's quit endpoint (suffix: the container name).
 pub const QUIT_PORT_PREFIX: &str = "valet.dev/quit-port.";
+/// Path of one sidecar's quit endpoint (suffix: the container name).
+pub const QUIT_PATH_PREFIX: &str = "valet.dev/quit-path.";
 /// Port of one sidecar's readiness endpoint (suffix: the container name).
 pub const READY_PORT_PREFIX: &str = "valet.dev/ready-port.";
+/// Path of one sidecar's readiness endpoint (suffix: the container name).
+pub const READY_PATH_PREFIX: &str = "valet.dev/ready-path.";
+/// The signal that ends a `signal` sidecar (suffix: the container name), `SIGTERM` by default.
+pub const QUIT_SIGNAL_PREFIX: &str = "valet.dev/quit-signal.";
 /// `true|false`: hold the app's first process until the proxy is ready.
 pub const HOLD_APP: &str = "valet.dev/hold-app";
 /// Go-style duration: how long an app is held at most (then released anyway).
@@ -45,13 +51,16 @@ pub enum RestartPolicy {
     Always,
 }
 
-/// The proxies valet knows how to quit and probe.
+/// The sidecars valet knows how to quit and probe: proxies with known endpoints, any helper with
+/// an HTTP quit endpoint the pod names (`http`), and any helper that ends on a signal (`signal`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SidecarKind {
     Istio,
     Envoy,
     Linkerd,
     CloudSql,
+    Http,
+    Signal,
 }
 
 /// An HTTP endpoint on the pod's loopback.
@@ -68,8 +77,14 @@ impl Endpoint {
 }
 
 impl SidecarKind {
-    pub const ALL: [SidecarKind; 4] =
-        [SidecarKind::Istio, SidecarKind::Envoy, SidecarKind::Linkerd, SidecarKind::CloudSql];
+    pub const ALL: [SidecarKind; 6] = [
+        SidecarKind::Istio,
+        SidecarKind::Envoy,
+        SidecarKind::Linkerd,
+        SidecarKind::CloudSql,
+        SidecarKind::Http,
+        SidecarKind::Signal,
+    ];
 
     /// The name used in annotations, logs and metric labels.
     pub fn as_str(&self) -> &'static str {
@@ -78,27 +93,33 @@ impl SidecarKind {
             SidecarKind::Envoy => "envoy",
             SidecarKind::Linkerd => "linkerd",
             SidecarKind::CloudSql => "cloudsql",
+            SidecarKind::Http => "http",
+            SidecarKind::Signal => "signal",
         }
     }
 
-    /// Where the proxy accepts `POST` to exit cleanly (exit code 0).
-    pub fn quit_endpoint(&self) -> Endpoint {
+    /// Where the proxy accepts `POST` to exit cleanly (exit code 0); none for the generic kinds
+    /// (`http` takes it from the pod's annotations, `signal` has none).
+    pub fn quit_endpoint(&self) -> Option<Endpoint> {
         match self {
             // pilot-agent, not Envoy: pilot-agent would restart an Envoy that quit alone.
-            SidecarKind::Istio => Endpoint::new(15020, "/quitquitquit"),
-            SidecarKind::Envoy => Endpoint::new(15000, "/quitquitquit"),
-            SidecarKind::Linkerd => Endpoint::new(4191, "/shutdown"),
-            SidecarKind::CloudSql => Endpoint::new(9091, "/quitquitquit"),
+            SidecarKind::Istio => Some(Endpoint::new(15020, "/quitquitquit")),
+            SidecarKind::Envoy => Some(Endpoint::new(15000, "/quitquitquit")),
+            SidecarKind::Linkerd => Some(Endpoint::new(4191, "/shutdown")),
+            SidecarKind::CloudSql => Some(Endpoint::new(9091, "/quitquitquit")),
+            SidecarKind::Http | SidecarKind::Signal => None,
         }
     }
 
-    /// Where `GET` answers 2xx once the proxy can carry the app's traffic.
-    pub fn ready_endpoint(&self) -> Endpoint {
+    /// Where `GET` answers 2xx once the proxy can carry the app's traffic; none for the generic
+    /// kinds unless the pod names one.
+    pub fn ready_endpoint(&self) -> Option<Endpoint> {
         match self {
-            SidecarKind::Istio => Endpoint::new(15021, "/healthz/ready"),
-            SidecarKind::Envoy => Endpoint::new(15000, "/ready"),
-            SidecarKind::Linkerd => Endpoint::new(4191, "/ready"),
-            SidecarKind::CloudSql => Endpoint::new(9090, "/readiness"),
+            SidecarKind::Istio => Some(Endpoint::new(15021, "/healthz/ready")),
+            SidecarKind::Envoy => Some(Endpoint::new(15000, "/ready")),
+            SidecarKind::Linkerd => Some(Endpoint::new(4191, "/ready")),
+            SidecarKind::CloudSql => Some(Endpoint::new(9090, "/readiness")),
+            SidecarKind::Http | SidecarKind::Signal => None,
         }
     }
 }
@@ -111,7 +132,7 @@ impl fmt::Display for SidecarKind {
 
 /// A kind name that is none of `istio`, `envoy`, `linkerd`, `cloudsql`.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unknown sidecar kind {0:?} (valet knows istio, envoy, linkerd, cloudsql)")]
+#[error("unknown sidecar kind {0:?} (valet knows istio, envoy, linkerd, cloudsql, http, signal)")]
 pub struct UnknownKind(pub String);
 
 /// Parses a kind name. ASCII case and surrounding spaces are ignored (`Istio` is `istio`): the
@@ -128,13 +149,17 @@ impl FromStr for SidecarKind {
     }
 }
 
-/// One proxy sidecar of a pod and where to reach it.
+/// One sidecar of a pod and how to end it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Sidecar {
     pub name: String,
     pub kind: SidecarKind,
-    pub quit: Endpoint,
-    pub ready: Endpoint,
+    /// Its HTTP quit endpoint; none: it is ended with `quit_signal`.
+    pub quit: Option<Endpoint>,
+    /// Its readiness endpoint; none: valet cannot tell when it is ready (no hold, no condition).
+    pub ready: Option<Endpoint>,
+    /// The signal that ends a sidecar without a quit endpoint.
+    pub quit_signal: i32,
 }
 
 /// What valet needs to know about a pod, as plain data.
@@ -186,18 +211,21 @@ pub enum SpecError {
     InvalidPod { field: &'static str, why: String },
     #[error("annotation {key}={value:?}: {why}")]
     MalformedAnnotation { key: String, value: String, why: String },
-    #[error("annotation {key}={value:?}: unknown sidecar kind (valet knows istio, envoy, linkerd, cloudsql)")]
+    #[error(
+        "annotation {key}={value:?}: unknown sidecar kind (valet knows istio, envoy, linkerd, cloudsql, http, signal)"
+    )]
     UnknownSidecarKind { key: String, value: String },
     #[error(
         "cannot tell which proxy sidecar {container:?} runs (image {image:?}); \
-         set the annotation {key} to istio, envoy, linkerd or cloudsql"
+         set the annotation {key} to istio, envoy, linkerd, cloudsql, http or signal"
     )]
     UndeterminedSidecarKind { container: String, image: String, key: String },
     #[error("annotation {key}={value:?}: container {container:?} {why}")]
     UnknownSidecar { key: String, value: String, container: String, why: &'static str },
     #[error(
         "unknown annotation {key}={value:?} (valet knows {SIDECARS}, {HOLD_APP}, {HOLD_TIMEOUT}, \
-         {SIDECAR_KIND_PREFIX}<container>, {QUIT_PORT_PREFIX}<container>, {READY_PORT_PREFIX}<container>)"
+         {SIDECAR_KIND_PREFIX}<container>, {QUIT_PORT_PREFIX}<container>, {QUIT_PATH_PREFIX}<container>, \
+         {READY_PORT_PREFIX}<container>, {READY_PATH_PREFIX}<container>, {QUIT_SIGNAL_PREFIX}<container>)"
     )]
     UnknownAnnotation { key: String, value: String },
 }
@@ -237,7 +265,10 @@ struct ValetAnnotations<'a> {
     /// Container name → (annotation key, value).
     kinds: BTreeMap<&'a str, (&'a str, &'a str)>,
     quit_ports: BTreeMap<&'a str, (&'a str, &'a str)>,
+    quit_paths: BTreeMap<&'a str, (&'a str, &'a str)>,
     ready_ports: BTreeMap<&'a str, (&'a str, &'a str)>,
+    ready_paths: BTreeMap<&'a str, (&'a str, &'a str)>,
+    quit_signals: BTreeMap<&'a str, (&'a str, &'a str)>,
 }
 
 impl<'a> ValetAnnotations<'a> {
@@ -251,7 +282,10 @@ impl<'a> ValetAnnotations<'a> {
             let per_container = [
                 (SIDECAR_KIND_PREFIX, &mut out.kinds),
                 (QUIT_PORT_PREFIX, &mut out.quit_ports),
+                (QUIT_PATH_PREFIX, &mut out.quit_paths),
                 (READY_PORT_PREFIX, &mut out.ready_ports),
+                (READY_PATH_PREFIX, &mut out.ready_paths),
+                (QUIT_SIGNAL_PREFIX, &mut out.quit_signals),
             ];
             let mut known = true;
             match key {
@@ -279,7 +313,7 @@ impl<'a> ValetAnnotations<'a> {
 
     /// Every per-container annotation, for checking that it names a sidecar.
     fn per_container(&self) -> impl Iterator<Item = (&'a str, &'a str, &'a str)> + '_ {
-        [&self.kinds, &self.quit_ports, &self.ready_ports]
+        [&self.kinds, &self.quit_ports, &self.quit_paths, &self.ready_ports, &self.ready_paths, &self.quit_signals]
             .into_iter()
             .flat_map(|m| m.iter().map(|(c, (k, v))| (*c, *k, *v)))
     }
@@ -416,9 +450,9 @@ fn sidecar_names<'a>(
     Ok(names)
 }
 
-fn sidecar(
+fn sidecar<'a>(
     container: &Container,
-    valet: &ValetAnnotations<'_>,
+    valet: &ValetAnnotations<'a>,
     annotations: &BTreeMap<String, String>,
 ) -> Result<Sidecar, SpecError> {
     let name = container.name.as_str();
@@ -437,12 +471,20 @@ fn sidecar(
         };
     let mut quit = kind.quit_endpoint();
     let mut ready = kind.ready_endpoint();
-    match valet.quit_ports.get(name) {
-        Some((key, value)) => quit.port = port(key, value)?,
+    let given = |map: &BTreeMap<&'a str, (&'a str, &'a str)>| map.get(name).copied();
+    match given(&valet.quit_ports) {
+        Some((key, value)) => {
+            let port = port(key, value)?;
+            match (&mut quit, kind) {
+                (Some(q), _) => q.port = port,
+                (None, SidecarKind::Http) => quit = Some(Endpoint::new(port, "/quitquitquit")),
+                (None, _) => return Err(SpecError::malformed(key, value, "a signal sidecar has no quit port")),
+            }
+        }
         // pilot-agent serves /quitquitquit on its status port, which this annotation moves.
         None if kind == SidecarKind::Istio => {
-            if let Some(value) = annotations.get(ISTIO_STATUS_PORT) {
-                quit.port = port(ISTIO_STATUS_PORT, value).map_err(|_| {
+            if let (Some(value), Some(q)) = (annotations.get(ISTIO_STATUS_PORT), quit.as_mut()) {
+                q.port = port(ISTIO_STATUS_PORT, value).map_err(|_| {
                     SpecError::malformed(
                         ISTIO_STATUS_PORT,
                         value,
@@ -454,12 +496,72 @@ fn sidecar(
                 })?;
             }
         }
+        None if kind == SidecarKind::Http => {
+            return Err(SpecError::malformed(
+                &format!("{SIDECAR_KIND_PREFIX}{name}"),
+                "http",
+                format!("an http sidecar needs its quit port: set {QUIT_PORT_PREFIX}{name}"),
+            ));
+        }
         None => {}
     }
-    if let Some((key, value)) = valet.ready_ports.get(name) {
-        ready.port = port(key, value)?;
+    if let Some((key, value)) = given(&valet.quit_paths) {
+        let Some(q) = quit.as_mut() else {
+            return Err(SpecError::malformed(key, value, "a signal sidecar has no quit path"));
+        };
+        q.path = http_path(key, value)?;
     }
-    Ok(Sidecar { name: name.to_owned(), kind, quit, ready })
+    if let Some((key, value)) = given(&valet.ready_ports) {
+        let port = port(key, value)?;
+        match ready.as_mut() {
+            Some(r) => r.port = port,
+            None => ready = Some(Endpoint::new(port, "/")),
+        }
+    }
+    if let Some((key, value)) = given(&valet.ready_paths) {
+        let Some(r) = ready.as_mut() else {
+            return Err(SpecError::malformed(key, value, format!("set {READY_PORT_PREFIX}{name} too")));
+        };
+        r.path = http_path(key, value)?;
+    }
+    let quit_signal = match given(&valet.quit_signals) {
+        None => libc::SIGTERM,
+        Some((key, value)) if kind == SidecarKind::Signal => signal(key, value)?,
+        Some((key, value)) => {
+            return Err(SpecError::malformed(key, value, "only a sidecar of kind signal is ended with a signal"));
+        }
+    };
+    Ok(Sidecar { name: name.to_owned(), kind, quit, ready, quit_signal })
+}
+
+/// A request path: absolute, printable ASCII, no spaces (it goes into the request line as is).
+fn http_path(key: &str, value: &str) -> Result<String, SpecError> {
+    let ok = value.starts_with('/') && value.len() <= 256 && value.bytes().all(|b| b.is_ascii_graphic());
+    if ok {
+        Ok(value.to_owned())
+    } else {
+        Err(SpecError::malformed(key, value, "expected an absolute path like /quit"))
+    }
+}
+
+/// The signals a helper may be ended with.
+fn signal(key: &str, value: &str) -> Result<i32, SpecError> {
+    let name = value.trim().to_ascii_uppercase();
+    let name = name.strip_prefix("SIG").unwrap_or(&name);
+    match name {
+        "TERM" => Ok(libc::SIGTERM),
+        "INT" => Ok(libc::SIGINT),
+        "QUIT" => Ok(libc::SIGQUIT),
+        "HUP" => Ok(libc::SIGHUP),
+        "USR1" => Ok(libc::SIGUSR1),
+        "USR2" => Ok(libc::SIGUSR2),
+        "KILL" => Ok(libc::SIGKILL),
+        _ => Err(SpecError::malformed(
+            key,
+            value,
+            "expected SIGTERM, SIGINT, SIGQUIT, SIGHUP, SIGUSR1, SIGUSR2 or SIGKILL",
+        )),
+    }
 }
 
 fn port(key: &str, value: &str) -> Result<u16, SpecError> {
@@ -565,8 +667,8 @@ mod tests {
         }
     }
 
-    fn endpoint(port: u16, path: &str) -> Endpoint {
-        Endpoint::new(port, path)
+    fn endpoint(port: u16, path: &str) -> Option<Endpoint> {
+        Some(Endpoint::new(port, path))
     }
 
     #[test]
@@ -583,6 +685,7 @@ mod tests {
                 kind: SidecarKind::Istio,
                 quit: endpoint(15020, "/quitquitquit"),
                 ready: endpoint(15021, "/healthz/ready"),
+                quit_signal: libc::SIGTERM,
             }]
         );
         assert_eq!(p.init_containers, ["istio-init"]);
@@ -778,7 +881,9 @@ mod tests {
             assert_eq!(kind.as_str().parse(), Ok(kind));
             assert_eq!(kind.as_str().to_uppercase().parse(), Ok(kind));
             assert_eq!(format!(" {kind} ").parse(), Ok(kind));
-            assert!(kind.quit_endpoint().path.starts_with('/') && kind.ready_endpoint().path.starts_with('/'));
+            let paths = [kind.quit_endpoint(), kind.ready_endpoint()].into_iter().flatten();
+            assert!(paths.map(|e| e.path).all(|p| p.starts_with('/')));
+            assert_eq!(kind.quit_endpoint().is_none(), matches!(kind, SidecarKind::Http | SidecarKind::Signal));
         }
         for bad in ["", "istio-proxy", "cloud-sql", "consul"] {
             assert_eq!(bad.parse::<SidecarKind>(), Err(UnknownKind(bad.into())), "{bad:?}");

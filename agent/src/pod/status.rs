@@ -15,7 +15,8 @@ pub fn statuses(pod: &Pod) -> impl Iterator<Item = &ContainerStatus> {
         .chain(status.and_then(|s| s.init_container_statuses.as_ref()).into_iter().flatten())
 }
 
-fn hex_id(status_id: Option<&str>) -> Option<String> {
+/// The 64-hex id in a status's `containerID` (`containerd://<id>`).
+pub fn hex_id(status_id: Option<&str>) -> Option<String> {
     status_id.and_then(parse_container_id).map(|(_, id)| id)
 }
 

@@ -1,4 +1,49 @@
-//! Actuators that talk to sidecar proxies: quit them, probe their readiness.
+//! Talking to a pod's sidecars: quit them, probe their readiness. Their admin endpoints accept
+//! loopback callers only, so every request is made from inside the pod's own network namespace.
 pub mod http;
 pub mod netns;
 pub mod quit;
+
+use std::future::Future;
+use std::net::IpAddr;
+use std::pin::Pin;
+
+use self::http::{Limits, Response};
+
+/// Where a pod's sidecars are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodTarget {
+    pub uid: String,
+    /// The pod's cgroup (relative path): its network namespace is found through its processes.
+    pub pod_rel: Option<String>,
+    /// Used only for readiness, and only until the pod's namespace can be entered (the kubelet
+    /// probes the pod IP the same way).
+    pub pod_ip: Option<IpAddr>,
+}
+
+/// A request's failure: what happened, and a low-cardinality label for metrics.
+pub type Failed = (String, &'static str);
+
+/// A boxed, sendable future.
+pub type Pending<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// How the agent reaches a pod's sidecars (the network namespace and HTTP in production, a
+/// stand-in in tests of the loop).
+pub trait SidecarLink: Send + Sync + 'static {
+    /// Opens the pod's network namespace ahead of time, so a quit needs no search.
+    fn open(&self, uid: &str, pod_rel: &str) -> Result<(), String>;
+    /// Drops what `open` kept.
+    fn close(&self, uid: &str);
+    /// One request to `127.0.0.1:port` in the pod's network namespace; `fresh` enters it anew
+    /// (a retry); `pod_ip_fallback` sends it to the pod IP while the namespace cannot be entered.
+    fn request(
+        &self,
+        target: PodTarget,
+        port: u16,
+        method: &'static str,
+        path: String,
+        limits: Limits,
+        fresh: bool,
+        pod_ip_fallback: bool,
+    ) -> Pending<Result<Response, Failed>>;
+}

@@ -1,0 +1,364 @@
+//! The actuators: small pieces that carry out what a pod's state machine decided. Reads of the
+//! node (cgroups, bundles, `/proc`) and kernel map updates happen here, at once, and their result
+//! is handed straight back; network calls (quits, probes, API writes) run as tasks that report
+//! back on the feedback channel.
+
+pub mod probe;
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use tokio::sync::mpsc;
+use tracing::{debug, info, warn};
+use valet_common::watch_flags;
+
+use crate::api::condition;
+use crate::api::events::{EventSink, pod_reference};
+use crate::cgroup::CgroupFs;
+use crate::cgroup::signal::{signal_cgroup, signal_in_cgroup};
+use crate::effect::{ContainerSeen, Count, Effect, Feedback, LeftHeld, Nanos, RuntimeName};
+use crate::kernel::KernelControl;
+use crate::metrics::{self, KindLabels, Metrics, QuitLabels, ReasonLabels, ResultLabels};
+use crate::runtime::{BundleRole, RuntimeBundles, name_of_process};
+use crate::sidecar::http::Limits;
+use crate::sidecar::quit::quit;
+use crate::sidecar::{PodTarget, SidecarLink};
+
+/// Feedback for one pod, from a task.
+pub type Report = (String, Feedback);
+
+/// What the actuators need to know of the agent's configuration.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub host_proc: PathBuf,
+    pub quit_timeout: Duration,
+    pub quit_retry_for: Duration,
+    pub probe_interval: Duration,
+}
+
+/// Everything that acts on the world, for every pod.
+pub struct Actuators<K, L> {
+    settings: Settings,
+    cgroups: CgroupFs,
+    bundles: RuntimeBundles,
+    kernel: K,
+    link: Arc<L>,
+    client: Client,
+    events: EventSink,
+    metrics: Arc<Metrics>,
+    reports: mpsc::UnboundedSender<Report>,
+    probes: HashMap<String, probe::Handle>,
+}
+
+impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        settings: Settings,
+        cgroups: CgroupFs,
+        bundles: RuntimeBundles,
+        kernel: K,
+        link: Arc<L>,
+        client: Client,
+        events: EventSink,
+        metrics: Arc<Metrics>,
+        reports: mpsc::UnboundedSender<Report>,
+    ) -> Actuators<K, L> {
+        Actuators { settings, cgroups, bundles, kernel, link, client, events, metrics, reports, probes: HashMap::new() }
+    }
+
+    pub fn kernel(&mut self) -> &mut K {
+        &mut self.kernel
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Carries out one effect of pod `uid` (`pod`: its latest object, for Events and the
+    /// condition). Returns the feedback that is available at once.
+    pub fn apply(&mut self, uid: &str, pod: Option<&Pod>, effect: Effect, now: Nanos) -> Option<Feedback> {
+        match effect {
+            Effect::FindPodCgroup => {
+                self.cgroups.find_pod(uid).map(|dir| Feedback::PodCgroup { rel: dir.rel, id: dir.id })
+            }
+            Effect::ScanContainers { pod_rel } => Some(Feedback::Containers(self.scan(uid, &pod_rel))),
+            Effect::FindLeftHeld { pod_rel } => Some(Feedback::LeftHeld(self.left_held(&pod_rel, now))),
+            Effect::Watch { pod_cgroup, hold } => {
+                let flags = watch_flags::EXITS | if hold { watch_flags::HOLD } else { 0 };
+                if let Err(e) = self.kernel.watch(pod_cgroup, flags) {
+                    warn!(%uid, "register pod cgroup with the kernel: {e}");
+                }
+                None
+            }
+            Effect::Unwatch { pod_cgroup } => {
+                if let Err(e) = self.kernel.unwatch(pod_cgroup) {
+                    debug!(%uid, "unwatch pod cgroup: {e}");
+                }
+                None
+            }
+            Effect::ClassifyExec { container_cgroup, hold } => {
+                if let Err(e) = self.kernel.classify_exec(container_cgroup, hold) {
+                    debug!(%uid, "classify container cgroup: {e}");
+                }
+                None
+            }
+            Effect::ForgetContainer { container_cgroup } => {
+                self.kernel.forget_container(container_cgroup);
+                None
+            }
+            Effect::OpenNetwork { pod_rel } => {
+                let opened = self.link.open(uid, &pod_rel);
+                Some(Feedback::Network { ok: opened.is_ok(), detail: opened.err().unwrap_or_default() })
+            }
+            Effect::CloseNetwork => {
+                self.link.close(uid);
+                None
+            }
+            Effect::Quit { sidecar, instance, endpoint, pod_rel } => {
+                let target = PodTarget { uid: uid.to_owned(), pod_rel: Some(pod_rel), pod_ip: None };
+                let limits = Limits { total_timeout: self.settings.quit_timeout, ..Limits::default() };
+                let (link, reports, retry_for, uid) =
+                    (self.link.clone(), self.reports.clone(), self.settings.quit_retry_for, uid.to_owned());
+                debug!(%uid, %sidecar, ?instance, "asking sidecar to quit");
+                tokio::spawn(async move {
+                    let outcome = quit(link.as_ref(), &target, &endpoint, limits, retry_for).await;
+                    let _ = reports.send((uid, Feedback::QuitDone { sidecar, outcome }));
+                });
+                None
+            }
+            Effect::Signal { sidecar, container_rel, signal } => {
+                let signalled = if self.cgroups.procs_recursive(&container_rel).is_empty() {
+                    0
+                } else {
+                    signal_cgroup(&self.cgroups, &container_rel, signal)
+                };
+                Some(Feedback::Signalled { sidecar, signal, signalled })
+            }
+            Effect::StartProbe { sidecars, pod_rel, pod_ip, pace } => {
+                let target = PodTarget {
+                    uid: uid.to_owned(),
+                    pod_rel,
+                    pod_ip: pod_ip.as_deref().and_then(|ip| ip.parse::<IpAddr>().ok()),
+                };
+                let handle = probe::start(
+                    self.link.clone(),
+                    target,
+                    sidecars,
+                    pace,
+                    self.settings.probe_interval,
+                    self.reports.clone(),
+                );
+                self.probes.insert(uid.to_owned(), handle);
+                None
+            }
+            Effect::SetPace(pace) => {
+                if let Some(p) = self.probes.get(uid) {
+                    p.set_pace(pace);
+                }
+                None
+            }
+            Effect::StopProbe => {
+                self.probes.remove(uid);
+                None
+            }
+            Effect::Release { tgid, container_rel, reason, since } => {
+                self.release(tgid, &container_rel, reason, now.saturating_sub(since));
+                None
+            }
+            Effect::WriteCondition(want) => {
+                let (client, reports, uid) = (self.client.clone(), self.reports.clone(), uid.to_owned());
+                let (namespace, name) = pod.map_or_else(Default::default, |p| {
+                    (p.metadata.namespace.clone().unwrap_or_default(), p.metadata.name.clone().unwrap_or_default())
+                });
+                tokio::spawn(async move {
+                    let error = condition::write(client, &namespace, &name, &want).await.err().map(|e| e.to_string());
+                    let _ = reports.send((uid, Feedback::ConditionWritten { want, error }));
+                });
+                None
+            }
+            Effect::Publish { warning, reason, action, note } => {
+                if let Some(pod) = pod {
+                    self.events.publish(pod_reference(pod), warning, reason, action, note);
+                }
+                None
+            }
+            Effect::Count(count) => {
+                self.count(count);
+                None
+            }
+        }
+    }
+
+    /// The pod's container cgroups, named from the runtime's bundles where they exist.
+    fn scan(&self, uid: &str, pod_rel: &str) -> Vec<ContainerSeen> {
+        self.cgroups
+            .containers(pod_rel)
+            .into_iter()
+            .map(|c| {
+                let procs = self.cgroups.procs(&c.rel);
+                // The runtime's bundle first; else the kubelet's per-container mount, as a
+                // process of the container sees it.
+                let runtime_name = self
+                    .bundles
+                    .role(&c.container.id, uid)
+                    .map(|role| match role {
+                        BundleRole::Sandbox => RuntimeName::Sandbox,
+                        BundleRole::Container(name) => RuntimeName::Container(name),
+                    })
+                    .or_else(|| {
+                        procs
+                            .iter()
+                            .find_map(|pid| name_of_process(&self.settings.host_proc, *pid, uid))
+                            .map(RuntimeName::Container)
+                    });
+                let exec_done = self.kernel.exec_seen(c.id)
+                    || procs.into_iter().any(|pid| held_at_exec(&self.settings.host_proc, pid));
+                ContainerSeen { cgroup_id: c.id, rel: c.rel, id: c.container.id, runtime_name, exec_done }
+            })
+            .collect()
+    }
+
+    /// Processes stopped at exec in the pod's containers.
+    fn left_held(&self, pod_rel: &str, now: Nanos) -> Vec<LeftHeld> {
+        let proc = &self.settings.host_proc;
+        let mut found = Vec::new();
+        for c in self.cgroups.containers(pod_rel) {
+            for pid in self.cgroups.procs(&c.rel) {
+                if held_at_exec(proc, pid) {
+                    found.push(LeftHeld { tgid: pid, container_cgroup: c.id, since: stopped_since(proc, pid, now) });
+                }
+            }
+        }
+        found
+    }
+
+    fn release(&self, tgid: u32, container_rel: &str, reason: &'static str, held_ns: u64) {
+        let sent = if container_rel.is_empty() {
+            // Held in a container valet cannot place: never leave it stopped.
+            // SAFETY: plain syscall; SIGCONT to a process that is not stopped does nothing.
+            if unsafe { libc::kill(tgid as i32, libc::SIGCONT) } == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error().to_string())
+            }
+        } else {
+            signal_in_cgroup(&self.cgroups, tgid, container_rel, libc::SIGCONT).map_err(|e| e.to_string())
+        };
+        match sent {
+            Ok(()) => {
+                let held_for = held_ns as f64 / 1e9;
+                self.metrics.hold_duration.observe(held_for);
+                self.metrics.releases.get_or_create(&ReasonLabels { reason }).inc();
+                info!(pid = tgid, reason, held_ms = held_for * 1e3, "released app");
+            }
+            Err(e) => debug!(pid = tgid, "release: {e}"),
+        }
+    }
+
+    fn count(&self, count: Count) {
+        let m = &self.metrics;
+        match count {
+            Count::ContainerEnd(end) => {
+                let outcome = match end {
+                    Some(crate::kernel::ProcessEnd::Exited(0)) => metrics::ExitOutcome::Success,
+                    Some(crate::kernel::ProcessEnd::Signaled { .. }) => metrics::ExitOutcome::Signal,
+                    _ => metrics::ExitOutcome::Failure,
+                };
+                m.exits.get_or_create(&metrics::ExitLabels { outcome }).inc();
+            }
+            Count::Skip(reason) => m.skip(reason),
+            Count::Hold => {
+                m.holds.inc();
+            }
+            Count::FailOpen => {
+                m.fail_opens.inc();
+            }
+            Count::Quit { kind, result } => {
+                m.quits.get_or_create(&QuitLabels { kind, result }).inc();
+            }
+            Count::QuitLatency(seconds) => m.quit_latency.observe(seconds),
+            Count::Escalation { kind } => {
+                m.escalations.get_or_create(&KindLabels { kind }).inc();
+            }
+            Count::ConditionPatch { ok } => {
+                m.condition_patches.get_or_create(&ResultLabels { result: if ok { "ok" } else { "error" } }).inc();
+            }
+        }
+    }
+}
+
+/// Whether a process is stopped (state `T` in /proc/<pid>/stat).
+fn process_stopped(host_proc: &Path, pid: u32) -> bool {
+    std::fs::read_to_string(host_proc.join(pid.to_string()).join("stat"))
+        .ok()
+        .and_then(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()).map(|st| st == "T"))
+        .unwrap_or(false)
+}
+
+/// Whether a process is pid 1 of a pid namespace below the host's (the last `NSpid` entry is 1),
+/// that is a container's init, the only kind of process the kernel holds.
+fn is_ns_init(host_proc: &Path, pid: u32) -> bool {
+    std::fs::read_to_string(host_proc.join(pid.to_string()).join("status"))
+        .ok()
+        .and_then(|s| {
+            let ids: Vec<&str> = s.lines().find_map(|l| l.strip_prefix("NSpid:"))?.split_whitespace().collect();
+            Some(ids.len() > 1 && ids.last() == Some(&"1"))
+        })
+        .unwrap_or(false)
+}
+
+/// Whether a process looks held at exec: a container's init, stopped. A killed agent leaves
+/// such processes behind; its successor takes them over.
+pub fn held_at_exec(host_proc: &Path, pid: u32) -> bool {
+    process_stopped(host_proc, pid) && is_ns_init(host_proc, pid)
+}
+
+/// When a process left stopped at exec was stopped, on the monotonic clock: it is held right
+/// after it starts, so its start time (boot-relative, as the monotonic clock on a node that never
+/// suspends) stands for it. Unknown: now.
+fn stopped_since(host_proc: &Path, pid: u32, now: Nanos) -> Nanos {
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let Some(start) = crate::sidecar::netns::start_time(host_proc, pid) else { return now };
+    if ticks <= 0 {
+        return now;
+    }
+    let started = start.saturating_mul(1_000_000_000) / ticks as u64;
+    started.min(now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_stopped_namespace_inits_look_held() {
+        let proc = Path::new("/proc");
+        let me = std::process::id();
+        // This test process is neither stopped nor (normally) a pid namespace's init.
+        assert!(!process_stopped(proc, me));
+        assert!(!held_at_exec(proc, me));
+        assert!(!held_at_exec(proc, u32::MAX), "a missing process is not held");
+    }
+
+    #[test]
+    fn a_left_held_process_keeps_its_start_as_its_hold_start() {
+        let dir = std::env::temp_dir().join(format!("valet-proc-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("42")).expect("mkdir");
+        // Field 22 (start time) = 500 ticks.
+        let fields: Vec<String> = (3..=22).map(|i| if i == 22 { "500".into() } else { "0".into() }).collect();
+        std::fs::write(dir.join("42/stat"), format!("42 (a (b) c) {}", fields.join(" "))).expect("write");
+        // SAFETY: as above.
+        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+        let since = stopped_since(&dir, 42, u64::MAX);
+        let missing = stopped_since(&dir, 43, 7);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(since, 500 * 1_000_000_000 / ticks);
+        assert_eq!(missing, 7, "unknown start: now");
+    }
+}

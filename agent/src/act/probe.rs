@@ -1,0 +1,99 @@
+//! One readiness probe loop per pod: asks every probed sidecar of the pod whether it is ready,
+//! reports the answer, and waits as the pod's pace says. Dropping the handle stops the loop.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+
+use super::Report;
+use crate::effect::{Feedback, Pace};
+use crate::pod::spec::{Sidecar, SidecarKind};
+use crate::sidecar::http::Limits;
+use crate::sidecar::{PodTarget, SidecarLink};
+
+/// Probe interval while an app is held: the release latency is about half of it.
+const URGENT: Duration = Duration::from_millis(5);
+/// Probe interval once the proxy was seen ready: keeps the condition current, cheaply.
+const RELAXED: Duration = Duration::from_secs(5);
+
+const LIMITS: Limits = Limits {
+    connect_timeout: Duration::from_millis(200),
+    total_timeout: Duration::from_millis(500),
+    max_response_bytes: 4096,
+};
+
+/// A running probe loop; it stops when this is dropped.
+pub struct Handle {
+    pace: watch::Sender<Pace>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Handle {
+    pub fn set_pace(&self, pace: Pace) {
+        let _ = self.pace.send(pace);
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Starts probing `sidecars` of the pod at `target`.
+pub fn start<L: SidecarLink>(
+    link: Arc<L>,
+    target: PodTarget,
+    sidecars: Vec<Sidecar>,
+    pace: Pace,
+    normal: Duration,
+    reports: mpsc::UnboundedSender<Report>,
+) -> Handle {
+    let (tx, mut rx) = watch::channel(pace);
+    let task = tokio::spawn(async move {
+        loop {
+            let (ready, detail) = probe_all(link.as_ref(), &target, &sidecars).await;
+            if reports.send((target.uid.clone(), Feedback::Probed { ready, detail })).is_err() {
+                return;
+            }
+            let wait = match *rx.borrow() {
+                Pace::Urgent => URGENT,
+                Pace::Normal => normal,
+                Pace::Relaxed => RELAXED.max(normal),
+            };
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                changed = rx.changed() => if changed.is_err() { return },
+            }
+        }
+    });
+    Handle { pace: tx, task }
+}
+
+/// One probe of every sidecar: ready when all answer 2xx.
+async fn probe_all(link: &dyn SidecarLink, target: &PodTarget, sidecars: &[Sidecar]) -> (bool, String) {
+    let mut ready = true;
+    let mut detail = Vec::new();
+    for sc in sidecars {
+        let Some(endpoint) = &sc.ready else { continue };
+        // From inside the pod's network namespace first: health listeners bound to loopback
+        // (Envoy's admin, cloud-sql-proxy's default) answer there. The pod IP, as the kubelet
+        // probes, until the pod's processes are found — never for Envoy's loopback-only admin.
+        let fallback = !matches!(sc.kind, SidecarKind::Envoy);
+        let answer =
+            link.request(target.clone(), endpoint.port, "GET", endpoint.path.clone(), LIMITS, false, fallback).await;
+        match answer {
+            Ok(r) if (200..300).contains(&r.status) => detail.push(format!("{} answered {}", sc.name, r.status)),
+            Ok(r) => {
+                ready = false;
+                detail.push(format!("{} answered {}", sc.name, r.status));
+            }
+            Err((why, _)) => {
+                ready = false;
+                detail.push(format!("{}: {why}", sc.name));
+            }
+        }
+    }
+    (ready, detail.join("; "))
+}

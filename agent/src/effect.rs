@@ -1,0 +1,194 @@
+//! The vocabulary between a pod's state machine (`pod::state`) and the code that carries out what
+//! it decides (`act`): effects going out, feedback coming back. Plain data only; this module
+//! imports no caller, so neither side depends on the other.
+
+use crate::api::condition::ProxyReady;
+use crate::kernel::ProcessEnd;
+use crate::pod::spec::{Endpoint, Sidecar};
+use crate::sidecar::quit::QuitOutcome;
+
+/// A time on the kernel's monotonic clock (`bpf_ktime_get_ns`, `CLOCK_MONOTONIC`), in ns. Every
+/// transition gets "now" as an argument; nothing in `pod::state` reads a clock.
+pub type Nanos = u64;
+
+/// How often a pod's readiness probe runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pace {
+    /// An app is held: as fast as useful (the release latency is about half the interval).
+    Urgent,
+    /// Not ready yet, nothing held: the configured probe interval.
+    Normal,
+    /// Seen ready: a slow refresh that keeps the condition current.
+    Relaxed,
+}
+
+/// A container cgroup of the pod, as read from the node (cgroup tree, runtime bundle).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ContainerSeen {
+    pub cgroup_id: u64,
+    /// Path relative to the cgroup2 root.
+    pub rel: String,
+    /// The runtime's container id (64 hex).
+    pub id: String,
+    /// The runtime's own name for it (OCI bundle annotations), read before the API shows it.
+    pub runtime_name: Option<RuntimeName>,
+    /// Its first exec already happened before this agent could judge it (an earlier agent held
+    /// it, or the kernel recorded it): it must never be held now.
+    pub exec_done: bool,
+}
+
+/// What the runtime's bundle says a container is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RuntimeName {
+    Sandbox,
+    Container(String),
+}
+
+/// A process found stopped at exec in one of the pod's containers: an earlier agent held it and
+/// died (or its event is still on the way).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeftHeld {
+    pub tgid: u32,
+    pub container_cgroup: u64,
+    /// When it was stopped, as well as the node can tell (its start time): the hold deadline
+    /// counts from there, so an agent restart never extends a hold.
+    pub since: Nanos,
+}
+
+/// A container's main process ended, as the kernel saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExitSeen {
+    pub container_cgroup: u64,
+    pub tgid: u32,
+    /// `None`: the exit code could not be read.
+    pub end: Option<ProcessEnd>,
+    pub ktime: Nanos,
+}
+
+/// A process the kernel stopped at its first exec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldSeen {
+    pub container_cgroup: u64,
+    pub tgid: u32,
+    pub ktime: Nanos,
+    pub comm: String,
+}
+
+/// What a transition asks the outside world to do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Effect {
+    /// Look for the pod's cgroup (answered with [`Feedback::PodCgroup`]).
+    FindPodCgroup,
+    /// List the pod's container cgroups and name them from the runtime's bundles (answered with
+    /// [`Feedback::Containers`]).
+    ScanContainers {
+        pod_rel: String,
+    },
+    /// Look for processes an earlier agent left stopped at exec (answered with
+    /// [`Feedback::LeftHeld`]).
+    FindLeftHeld {
+        pod_rel: String,
+    },
+    /// Tell the kernel about the pod's cgroup: report its containers' ends; hold apps' first exec.
+    Watch {
+        pod_cgroup: u64,
+        hold: bool,
+    },
+    Unwatch {
+        pod_cgroup: u64,
+    },
+    /// Tell the kernel, before a container's first exec, whether to hold it.
+    ClassifyExec {
+        container_cgroup: u64,
+        hold: bool,
+    },
+    /// Drop every kernel map entry of a container cgroup.
+    ForgetContainer {
+        container_cgroup: u64,
+    },
+    /// Open the pod's network namespace ahead of time (answered with [`Feedback::Network`]).
+    OpenNetwork {
+        pod_rel: String,
+    },
+    /// Close it: the pod's work is done.
+    CloseNetwork,
+    /// Ask a sidecar to quit (answered with [`Feedback::QuitDone`]).
+    Quit {
+        sidecar: String,
+        instance: Option<String>,
+        endpoint: Endpoint,
+        pod_rel: String,
+    },
+    /// Signal a sidecar's processes: a helper whose quit is a signal, or a sidecar still running
+    /// after its quit (answered with [`Feedback::Signalled`]).
+    Signal {
+        sidecar: String,
+        container_rel: String,
+        signal: i32,
+    },
+    /// Start probing the sidecars' readiness (results come as [`Feedback::Probed`]); replaces a
+    /// running probe.
+    StartProbe {
+        sidecars: Vec<Sidecar>,
+        pod_rel: Option<String>,
+        pod_ip: Option<String>,
+        pace: Pace,
+    },
+    SetPace(Pace),
+    StopProbe,
+    /// Let a held process run (SIGCONT, checked against its container's cgroup).
+    Release {
+        tgid: u32,
+        container_rel: String,
+        reason: &'static str,
+        since: Nanos,
+    },
+    /// Write the `valet.dev/ProxyReady` condition (answered with [`Feedback::ConditionWritten`]).
+    WriteCondition(ProxyReady),
+    /// Publish a Kubernetes Event about the pod.
+    Publish {
+        warning: bool,
+        reason: &'static str,
+        action: &'static str,
+        note: String,
+    },
+    /// Count something in the metrics.
+    Count(Count),
+}
+
+/// Metric observations a transition makes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Count {
+    /// A container's end seen by the kernel.
+    ContainerEnd(Option<ProcessEnd>),
+    /// The pod is skipped, with a low-cardinality reason.
+    Skip(&'static str),
+    /// An app process is held.
+    Hold,
+    FailOpen,
+    Quit {
+        kind: &'static str,
+        result: &'static str,
+    },
+    /// Seconds from the end of the work to the sidecar's acceptance of the quit.
+    QuitLatency(f64),
+    Escalation {
+        kind: &'static str,
+    },
+    ConditionPatch {
+        ok: bool,
+    },
+}
+
+/// Results of effects, fed back into the pod's state.
+#[derive(Clone, Debug)]
+pub enum Feedback {
+    PodCgroup { rel: String, id: u64 },
+    Containers(Vec<ContainerSeen>),
+    LeftHeld(Vec<LeftHeld>),
+    Network { ok: bool, detail: String },
+    Probed { ready: bool, detail: String },
+    QuitDone { sidecar: String, outcome: QuitOutcome },
+    Signalled { sidecar: String, signal: i32, signalled: usize },
+    ConditionWritten { want: ProxyReady, error: Option<String> },
+}

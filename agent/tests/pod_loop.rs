@@ -1,0 +1,564 @@
+//! Scenario tests of the whole loop, without root: the real controller and actuators against a
+//! mocked API (`tower-test`), a stand-in for the kernel programs and for the pod's network, a
+//! kubelet-shaped cgroup tree in a temporary directory, and real (unprivileged) child processes
+//! for the holds. Every wait has a timeout, so a missing or an extra action fails the test.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use http::{Request, Response};
+use k8s_openapi::api::core::v1::Pod;
+use kube::client::Body;
+use kube::runtime::watcher;
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot};
+use valet_agent::act::{Actuators, Settings};
+use valet_agent::api::events::EventSink;
+use valet_agent::cgroup::CgroupFs;
+use valet_agent::controller::Controller;
+use valet_agent::kernel::{Event, EventSource, HeldProcess, KernelControl, ProcessEnd, ProcessExit};
+use valet_agent::metrics::Metrics;
+use valet_agent::pod::spec::SidecarDefaults;
+use valet_agent::pod::state::Rules;
+use valet_agent::runtime::RuntimeBundles;
+use valet_agent::server::Health;
+use valet_agent::sidecar::http::{Limits, Response as HttpResponse};
+use valet_agent::sidecar::{Failed, Pending, PodTarget, SidecarLink};
+use valet_common::{Counter, watch_flags};
+
+const UID: &str = "6b1f2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
+const NODE: &str = "n1";
+const WAIT: Duration = Duration::from_secs(5);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+// ---- the kernel programs' stand-in ----
+
+#[derive(Default)]
+struct KernelState {
+    watched: HashMap<u64, u32>,
+    classified: HashMap<u64, bool>,
+    forgotten: Vec<u64>,
+    detached: bool,
+}
+
+#[derive(Clone, Default)]
+struct FakeKernel(Arc<Mutex<KernelState>>);
+
+impl KernelControl for FakeKernel {
+    fn watch(&mut self, cgroup_id: u64, flags: u32) -> valet_agent::Result<()> {
+        lock(&self.0).watched.insert(cgroup_id, flags);
+        Ok(())
+    }
+    fn unwatch(&mut self, cgroup_id: u64) -> valet_agent::Result<()> {
+        lock(&self.0).watched.remove(&cgroup_id);
+        Ok(())
+    }
+    fn classify_exec(&mut self, container_cgroup_id: u64, hold: bool) -> valet_agent::Result<()> {
+        lock(&self.0).classified.insert(container_cgroup_id, hold);
+        Ok(())
+    }
+    fn exec_seen(&self, _: u64) -> bool {
+        false
+    }
+    fn forget_container(&mut self, container_cgroup_id: u64) {
+        lock(&self.0).forgotten.push(container_cgroup_id);
+    }
+    fn counter(&self, _: Counter) -> u64 {
+        0
+    }
+    fn detach(&mut self) {
+        lock(&self.0).detached = true;
+    }
+}
+
+struct FakeEvents(mpsc::UnboundedReceiver<Event>);
+
+impl EventSource for FakeEvents {
+    async fn next_batch(&mut self) -> valet_agent::Result<Vec<Event>> {
+        match self.0.recv().await {
+            Some(e) => Ok(vec![e]),
+            None => std::future::pending().await,
+        }
+    }
+}
+
+// ---- the pod network's stand-in: a proxy that answers ready when told, and quits ----
+
+#[derive(Default)]
+struct LinkState {
+    ready: bool,
+    requests: Vec<(String, &'static str, u16, String)>,
+    opened: Vec<String>,
+}
+
+#[derive(Clone, Default)]
+struct FakeLink(Arc<Mutex<LinkState>>);
+
+impl FakeLink {
+    fn quits(&self) -> usize {
+        lock(&self.0).requests.iter().filter(|r| r.1 == "POST").count()
+    }
+}
+
+impl SidecarLink for FakeLink {
+    fn open(&self, uid: &str, _: &str) -> Result<(), String> {
+        lock(&self.0).opened.push(uid.to_owned());
+        Ok(())
+    }
+    fn close(&self, uid: &str) {
+        lock(&self.0).opened.retain(|u| u != uid);
+    }
+    fn request(
+        &self,
+        target: PodTarget,
+        port: u16,
+        method: &'static str,
+        path: String,
+        _: Limits,
+        _: bool,
+        _: bool,
+    ) -> Pending<Result<HttpResponse, Failed>> {
+        let mut s = lock(&self.0);
+        s.requests.push((target.uid, method, port, path));
+        let status = if method == "POST" || s.ready { 200 } else { 503 };
+        Box::pin(async move { Ok(HttpResponse { status, body: String::new() }) })
+    }
+}
+
+// ---- the API server: PATCH pods/status and Events, answered by the test ----
+
+struct ApiCall {
+    method: String,
+    path: String,
+    body: Value,
+    answer: oneshot::Sender<()>,
+}
+
+fn mock_api() -> (kube::Client, mpsc::UnboundedReceiver<ApiCall>) {
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some((request, send)) = handle.next_request().await {
+            let (parts, body) = request.into_parts();
+            let bytes = body.collect_bytes().await.unwrap_or_default();
+            let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            let (answer, answered) = oneshot::channel();
+            let call = ApiCall {
+                method: parts.method.to_string(),
+                path: parts.uri.path().to_owned(),
+                body: body.clone(),
+                answer,
+            };
+            let events = call.path.contains("/events");
+            let _ = tx.send(call);
+            tokio::spawn(async move {
+                // Events are answered at once; status patches when the test says so.
+                if !events {
+                    let _ = answered.await;
+                }
+                let reply = if events {
+                    body
+                } else {
+                    json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "job-x"}})
+                };
+                let response = Response::builder()
+                    .status(if events { 201 } else { 200 })
+                    .body(Body::from(serde_json::to_vec(&reply).unwrap_or_default()))
+                    .unwrap_or_else(|_| Response::new(Body::empty()));
+                send.send_response(response);
+            });
+        }
+    });
+    (kube::Client::new(service, "default"), rx)
+}
+
+/// The next status patch (Events are skipped), within the wait.
+async fn next_patch(api: &mut mpsc::UnboundedReceiver<ApiCall>) -> Option<ApiCall> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let call = tokio::time::timeout_at(deadline, api.recv()).await.ok()??;
+        if call.method == "PATCH" && call.path.ends_with("/status") {
+            return Some(call);
+        }
+    }
+}
+
+/// No status patch within `d`.
+async fn no_patch(api: &mut mpsc::UnboundedReceiver<ApiCall>, d: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + d;
+    loop {
+        match tokio::time::timeout_at(deadline, api.recv()).await {
+            Err(_) | Ok(None) => return true,
+            Ok(Some(call)) if call.method == "PATCH" => return false,
+            Ok(Some(_)) => {}
+        }
+    }
+}
+
+fn condition_of(call: &ApiCall) -> (String, String) {
+    let c = &call.body["status"]["conditions"][0];
+    (c["status"].as_str().unwrap_or_default().to_owned(), c["reason"].as_str().unwrap_or_default().to_owned())
+}
+
+// ---- a kubelet-shaped node in a temporary directory ----
+
+struct TempNode {
+    dir: PathBuf,
+    cgroups: CgroupFs,
+    pod_rel: String,
+}
+
+impl TempNode {
+    fn new(tag: &str) -> TempNode {
+        let dir = std::env::temp_dir().join(format!("valet-loop-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let pod_rel =
+            format!("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice", UID.replace('-', "_"));
+        let cgroups = CgroupFs::new(dir.join("cgroup"));
+        std::fs::create_dir_all(cgroups.abs(&pod_rel)).expect("pod cgroup");
+        std::fs::create_dir_all(dir.join("proc")).expect("proc");
+        std::fs::create_dir_all(dir.join("bundles")).expect("bundles");
+        TempNode { dir, cgroups, pod_rel }
+    }
+
+    /// A container cgroup with its runtime bundle; its cgroup id.
+    fn container(&self, n: u8, name: &str) -> u64 {
+        let id = format!("{:02x}", n).repeat(32);
+        let rel = self.container_rel(n);
+        std::fs::create_dir_all(self.cgroups.abs(&rel)).expect("container cgroup");
+        std::fs::write(self.cgroups.abs(&rel).join("cgroup.procs"), "").expect("procs");
+        let (kind, name) = if name == "POD" { ("sandbox", "POD") } else { ("container", name) };
+        let bundle = self.dir.join("bundles").join(&id);
+        std::fs::create_dir_all(&bundle).expect("bundle");
+        let config = json!({"annotations": {
+            "io.kubernetes.cri.container-type": kind,
+            "io.kubernetes.cri.container-name": name,
+            "io.kubernetes.cri.sandbox-uid": UID}});
+        std::fs::write(bundle.join("config.json"), config.to_string()).expect("config.json");
+        self.cgroups.id_of(&rel).expect("id")
+    }
+
+    fn container_rel(&self, n: u8) -> String {
+        format!("{}/cri-containerd-{}.scope", self.pod_rel, format!("{:02x}", n).repeat(32))
+    }
+
+    fn pod_id(&self) -> u64 {
+        self.cgroups.id_of(&self.pod_rel).expect("pod id")
+    }
+
+    /// Puts a real process into a container's `cgroup.procs` (it is a plain file here).
+    fn add_process(&self, n: u8, pid: u32) {
+        std::fs::write(self.cgroups.abs(&self.container_rel(n)).join("cgroup.procs"), format!("{pid}\n"))
+            .expect("procs");
+    }
+
+    /// Makes `pid` look, in this node's `/proc`, like a container's init stopped at exec.
+    fn fake_held_at_exec(&self, pid: u32) {
+        let dir = self.dir.join("proc").join(pid.to_string());
+        std::fs::create_dir_all(&dir).expect("proc dir");
+        // The real stat (state `T`, the real start time), and a status saying pid 1 of its own
+        // pid namespace, which an unprivileged test cannot make for real.
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+        std::fs::write(dir.join("stat"), stat).expect("stat");
+        std::fs::write(dir.join("status"), format!("Name:\tapp\nNSpid:\t{pid}\t1\n")).expect("status");
+    }
+}
+
+impl Drop for TempNode {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn job_pod(annotations: Value) -> Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "job-x", "namespace": "batch", "uid": UID,
+                     "labels": {"valet.dev/enabled": "true"}, "annotations": annotations},
+        "spec": {"restartPolicy": "Never", "nodeName": NODE, "containers": [
+            {"name": "app", "image": "example/app:1"},
+            {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.22.0"}
+        ]},
+        "status": {"phase": "Running"}
+    }))
+    .expect("pod")
+}
+
+/// The running loop and its stand-ins.
+struct Loop {
+    kernel: FakeKernel,
+    link: FakeLink,
+    events: mpsc::UnboundedSender<Event>,
+    watch: mpsc::UnboundedSender<watcher::Event<Pod>>,
+    api: mpsc::UnboundedReceiver<ApiCall>,
+    metrics: Arc<Metrics>,
+    stop: Option<oneshot::Sender<()>>,
+    done: tokio::task::JoinHandle<()>,
+}
+
+fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
+    let (client, api) = mock_api();
+    let kernel = FakeKernel::default();
+    let link = FakeLink::default();
+    let metrics = Arc::new(Metrics::new());
+    let (reports_tx, reports_rx) = mpsc::unbounded_channel();
+    let act = Actuators::new(
+        Settings {
+            host_proc: node.dir.join("proc"),
+            quit_timeout: Duration::from_secs(1),
+            quit_retry_for: Duration::from_secs(1),
+            probe_interval: Duration::from_millis(20),
+        },
+        node.cgroups.clone(),
+        RuntimeBundles::new(vec![node.dir.join("bundles")]),
+        kernel.clone(),
+        Arc::new(link.clone()),
+        client.clone(),
+        EventSink::new(client, NODE),
+        metrics.clone(),
+        reports_tx,
+    );
+    let rules = Rules {
+        defaults: SidecarDefaults { hold_timeout, ..SidecarDefaults::default() },
+        escalate_after: Some(Duration::from_secs(15)),
+    };
+    let controller = Controller::new(NODE, rules, act, reports_rx, Arc::new(Health::default()));
+    let (events_tx, events_rx) = mpsc::unbounded_channel();
+    let (watch_tx, watch_rx) = mpsc::unbounded_channel();
+    let watch = tokio_stream_of(watch_rx);
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let done = tokio::spawn(controller.run(
+        FakeEvents(events_rx),
+        watch,
+        async move {
+            let _ = stop_rx.await;
+        },
+        Duration::from_secs(2),
+    ));
+    Loop { kernel, link, events: events_tx, watch: watch_tx, api, metrics, stop: Some(stop_tx), done }
+}
+
+fn tokio_stream_of(
+    mut rx: mpsc::UnboundedReceiver<watcher::Event<Pod>>,
+) -> impl futures::Stream<Item = Result<watcher::Event<Pod>, watcher::Error>> {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx)).map(Ok)
+}
+
+impl Loop {
+    fn apply(&self, pod: Pod) {
+        let _ = self.watch.send(watcher::Event::Apply(pod));
+    }
+
+    async fn until(&self, what: &str, mut f: impl FnMut(&Loop) -> bool) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while !f(self) {
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    fn exit(&self, pod_cg: u64, cg: u64, code: i32) {
+        let _ = self.events.send(Event::Exit(ProcessExit {
+            ktime_ns: now_ns(),
+            cgroup_id: cg,
+            watched_cgroup_id: pod_cg,
+            tgid: 4242,
+            pid: 4242,
+            ns_pid: 1,
+            end: Some(ProcessEnd::Exited(code)),
+            ns_init: true,
+            child_pid_ns: true,
+            comm: "app".into(),
+        }));
+    }
+
+    fn held(&self, pod_cg: u64, cg: u64, pid: u32) {
+        let _ = self.events.send(Event::Held(HeldProcess {
+            ktime_ns: now_ns(),
+            cgroup_id: cg,
+            watched_cgroup_id: pod_cg,
+            tgid: pid,
+            comm: "app".into(),
+        }));
+    }
+
+    async fn stop(mut self) -> (FakeKernel, FakeLink) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = tokio::time::timeout(WAIT, &mut self.done).await;
+        (self.kernel, self.link)
+    }
+}
+
+fn now_ns() -> u64 {
+    valet_agent::kernel::events::monotonic_ns()
+}
+
+/// A real process, stopped as the kernel would stop a held app.
+async fn stopped_child() -> Child {
+    let child = Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+    // SAFETY: plain syscall on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGSTOP) };
+    assert!(wait_state(child.id(), 'T').await, "child stopped");
+    child
+}
+
+fn state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')').next()?.split_whitespace().next()?.chars().next()
+}
+
+/// Polls (without blocking the runtime the loop runs on) until `pid` is in state `want`.
+async fn wait_state(pid: u32, want: char) -> bool {
+    for _ in 0..500 {
+        if state(pid) == Some(want) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    false
+}
+
+fn kill(mut child: Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+fn quit_metric(metrics: &Metrics) -> String {
+    metrics
+        .encode()
+        .lines()
+        .find(|l| l.starts_with("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"}"))
+        .unwrap_or_default()
+        .to_owned()
+}
+
+fn assert_path(p: &Path) {
+    assert!(p.exists(), "{}", p.display());
+}
+
+#[tokio::test]
+async fn the_apps_exit_quits_the_proxy_and_releases_the_pods_resources() {
+    let node = TempNode::new("quit");
+    let _sandbox = node.container(1, "POD");
+    let app = node.container(2, "app");
+    let proxy = node.container(3, "istio-proxy");
+    let lp = start(&node, Duration::from_secs(120));
+    lp.apply(job_pod(json!({})));
+    let pod_cg = node.pod_id();
+    lp.until("the pod cgroup watched", |l| lock(&l.kernel.0).watched.get(&pod_cg) == Some(&watch_flags::EXITS)).await;
+    assert!(lock(&lp.link.0).opened.contains(&UID.to_owned()), "network namespace opened ahead of time");
+    lp.exit(pod_cg, app, 0);
+    lp.until("the quit", |l| l.link.quits() == 1).await;
+    let quit = lock(&lp.link.0).requests.iter().find(|r| r.1 == "POST").cloned().expect("a quit");
+    assert_eq!((quit.2, quit.3.as_str()), (15020, "/quitquitquit"));
+    lp.until("the quit counted", |l| quit_metric(&l.metrics).ends_with(" 1")).await;
+    // The proxy exits: kernel maps and the namespace are released while the pod object stays.
+    lp.exit(pod_cg, proxy, 0);
+    lp.until("resources released", |l| lock(&l.kernel.0).watched.is_empty() && lock(&l.link.0).opened.is_empty()).await;
+    assert!(lock(&lp.kernel.0).forgotten.contains(&app));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(lp.link.quits(), 1, "never twice");
+    let (kernel, _) = lp.stop().await;
+    assert!(lock(&kernel.0).detached);
+    assert_path(&node.dir);
+}
+
+#[tokio::test]
+async fn condition_writes_never_overtake_each_other() {
+    let node = TempNode::new("cond");
+    node.container(1, "POD");
+    node.container(2, "app");
+    node.container(3, "istio-proxy");
+    let mut lp = start(&node, Duration::from_secs(120));
+    lp.apply(job_pod(json!({})));
+    let first = next_patch(&mut lp.api).await.expect("first condition write");
+    assert_eq!(condition_of(&first), ("False".into(), "ProxyNotReady".into()));
+    // The proxy turns ready while the first write is still unanswered: no second write yet.
+    lock(&lp.link.0).ready = true;
+    assert!(no_patch(&mut lp.api, Duration::from_millis(400)).await, "a second write overtook the first");
+    let _ = first.answer.send(());
+    let second = next_patch(&mut lp.api).await.expect("second condition write");
+    assert_eq!(condition_of(&second), ("True".into(), "ProxyReady".into()));
+    let _ = second.answer.send(());
+    assert!(no_patch(&mut lp.api, Duration::from_millis(300)).await, "written once per change");
+    lp.stop().await;
+}
+
+#[tokio::test]
+async fn a_held_app_fails_open_at_the_hold_timeout() {
+    let node = TempNode::new("timeout");
+    node.container(1, "POD");
+    let app = node.container(2, "app");
+    node.container(3, "istio-proxy");
+    let lp = start(&node, Duration::from_secs(1));
+    lp.apply(job_pod(json!({"valet.dev/hold-app": "true"})));
+    let pod_cg = node.pod_id();
+    lp.until("the pod watched with hold", |l| {
+        lock(&l.kernel.0).watched.get(&pod_cg) == Some(&(watch_flags::EXITS | watch_flags::HOLD))
+    })
+    .await;
+    assert_eq!(lock(&lp.kernel.0).classified.get(&app), Some(&true), "the app is classified before it execs");
+    let child = stopped_child().await;
+    node.add_process(2, child.id());
+    lp.held(pod_cg, app, child.id());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(state(child.id()), Some('T'), "held while the proxy is not ready");
+    assert!(wait_state(child.id(), 'S').await, "released after the 1 s hold timeout");
+    lp.until("fail-open counted", |l| l.metrics.encode().contains("valet_app_hold_fail_opens_total 1")).await;
+    lp.stop().await;
+    kill(child);
+}
+
+#[tokio::test]
+async fn processes_an_earlier_agent_left_held_are_adopted_and_released_when_ready() {
+    let node = TempNode::new("adopt");
+    node.container(1, "POD");
+    node.container(2, "app");
+    node.container(3, "istio-proxy");
+    let app_child = stopped_child().await;
+    let proxy_child = stopped_child().await;
+    node.add_process(2, app_child.id());
+    node.add_process(3, proxy_child.id());
+    node.fake_held_at_exec(app_child.id());
+    node.fake_held_at_exec(proxy_child.id());
+    let lp = start(&node, Duration::from_secs(120));
+    lp.apply(job_pod(json!({"valet.dev/hold-app": "true"})));
+    assert!(wait_state(proxy_child.id(), 'S').await, "the sidecar left held is released at once");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(state(app_child.id()), Some('T'), "the app stays held until the proxy is ready");
+    lock(&lp.link.0).ready = true;
+    assert!(wait_state(app_child.id(), 'S').await, "released when the proxy is ready");
+    lp.stop().await;
+    kill(app_child);
+    kill(proxy_child);
+}
+
+#[tokio::test]
+async fn shutdown_releases_everything_held() {
+    let node = TempNode::new("shutdown");
+    node.container(1, "POD");
+    let app = node.container(2, "app");
+    node.container(3, "istio-proxy");
+    let lp = start(&node, Duration::from_secs(120));
+    lp.apply(job_pod(json!({"valet.dev/hold-app": "true"})));
+    let pod_cg = node.pod_id();
+    lp.until("the pod watched", |l| lock(&l.kernel.0).watched.contains_key(&pod_cg)).await;
+    let child = stopped_child().await;
+    node.add_process(2, child.id());
+    lp.held(pod_cg, app, child.id());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(state(child.id()), Some('T'));
+    let (kernel, _) = lp.stop().await;
+    assert!(wait_state(child.id(), 'S').await, "released on shutdown");
+    assert!(lock(&kernel.0).detached);
+    kill(child);
+}
