@@ -25,11 +25,11 @@ pub fn run(cmd: &mut Command) -> Result<()> {
 
 /// Whether a command runs and exits 0, its output discarded.
 pub fn succeeds(cmd: &mut Command) -> bool {
-    cmd.stdout(Stdio::null()).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false)
+    cmd.stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
 }
 
 pub fn is_root() -> bool {
-    Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false)
+    Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
 }
 
 pub fn on_path(bin: &str) -> bool {

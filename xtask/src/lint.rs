@@ -40,7 +40,7 @@ pub fn lint(root: &Path) -> Result<()> {
     for (name, cmd) in [("rustfmt", &mut fmt), ("clippy, host crates", &mut host), (kernel_name.as_str(), &mut kernel)]
     {
         println!("xtask lint: {name}: {cmd:?}");
-        let ok = cmd.current_dir(root).status().map(|s| s.success()).unwrap_or(false);
+        let ok = cmd.current_dir(root).status().is_ok_and(|s| s.success());
         let verdict = format!("xtask lint: {:<6} {name}", if ok { "ok" } else { "FAILED" });
         println!("{verdict}");
         verdicts.push((ok, verdict));

@@ -5,6 +5,8 @@
 //! * `cargo xtask test`   runs every test: unit, privileged integration (as root), manifests.
 //! * `cargo xtask demo`   runs the agent against a simulated node on this host.
 //! * `cargo xtask bench`  prints the performance figures.
+// Stricter than the workspace: this crate is small and all ours.
+#![warn(clippy::pedantic)]
 mod cmd;
 mod lint;
 mod setup;

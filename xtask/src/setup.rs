@@ -74,8 +74,7 @@ fn apt_install(packages: &[&str]) -> Result<()> {
         Command::new("dpkg-query")
             .args(["-W", "-f=${Status}", p])
             .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
-            .unwrap_or(false)
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
     };
     let missing: Vec<&str> = packages.iter().copied().filter(|p| !installed(p)).collect();
     if missing.is_empty() {
