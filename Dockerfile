@@ -7,7 +7,7 @@
 #   docker buildx build --platform linux/amd64 -t ghcr.io/valet-dev/valet-agent:0.1.0 .
 #
 # Stages:
-#   build  rust:<RUST_VERSION>-bookworm builds the agent. agent/build.rs (aya-build) also
+#   build  rust:<RUST_VERSION>-bookworm builds the agent. agent/build.rs (as aya-build would) also
 #          builds the kernel programs in agent-ebpf for bpfel-unknown-none with
 #          `-Z build-std=core`, which needs the standard library's source (rust-src) and
 #          bpf-linker. bpf-linker reads the LLVM bitcode rustc emits, so it must be built

@@ -2,15 +2,22 @@
 //! `OUT_DIR`, where `src/kernel/programs.rs` embeds it: `target/release/valet-agent` is one
 //! self-contained binary.
 //!
-//! Toolchain for the BPF build, first match wins:
+//! It runs the BPF cargo build the way aya-build 0.2.0 does (same arguments, flags and
+//! target directory) but keeps that build's output to itself unless it fails: aya-build
+//! forwards every `Compiling ...` line as a cargo warning. Compiler warnings still show.
+//!
+//! Toolchain for the BPF build, first match wins (`cargo xtask lint` chooses the same way):
 //! 1. `VALET_EBPF_TOOLCHAIN=<rustup toolchain>` if set;
 //! 2. `nightly` with `rust-src` (the aya route on a laptop);
 //! 3. `stable` with `rust-src` and `RUSTC_BOOTSTRAP=1` (what `cargo xtask setup` installs here);
 //! 4. `valet-system`, Debian's rustc-web + rust-web-src linked into rustup by `cargo xtask setup`
 //!    when rustup cannot add `rust-src`, also with `RUSTC_BOOTSTRAP=1`.
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context as _, bail};
+
+const PACKAGE: &str = "valet-agent-ebpf";
 
 /// Whether a rustup toolchain exists and has the standard library source (`-Z build-std`).
 fn has_rust_src(toolchain: &str) -> bool {
@@ -21,39 +28,111 @@ fn has_rust_src(toolchain: &str) -> bool {
         return false;
     }
     let sysroot = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    std::path::Path::new(&sysroot).join("lib/rustlib/src/rust/library/core/Cargo.toml").exists()
+    Path::new(&sysroot).join("lib/rustlib/src/rust/library/core/Cargo.toml").exists()
 }
 
-fn main() -> anyhow::Result<()> {
-    println!("cargo:rerun-if-env-changed=VALET_EBPF_TOOLCHAIN");
-    let root = std::env::var("CARGO_MANIFEST_DIR").context("CARGO_MANIFEST_DIR")?;
-    let root = std::path::Path::new(&root);
-    let ebpf_dir = root.join("../agent-ebpf");
-    let ebpf_dir = ebpf_dir.to_str().context("non-UTF-8 path")?.to_owned();
-    println!("cargo:rerun-if-changed={}", root.join("../common").display());
-
-    let chosen = match std::env::var("VALET_EBPF_TOOLCHAIN") {
-        Ok(name) if !name.is_empty() => name,
-        _ => {
-            let Some(found) = ["nightly", "stable", "valet-system"].into_iter().find(|t| has_rust_src(t)) else {
-                bail!(
-                    "no Rust toolchain with rust-src for the BPF build: run `cargo xtask setup`, or \
-                     `rustup toolchain install nightly --component rust-src`"
-                );
-            };
-            found.to_owned()
-        }
-    };
-    if chosen != "nightly" {
-        // Lets a stable compiler take `-Z build-std=core`; aya-build reads it and the BPF cargo
-        // inherits it.
-        // SAFETY: build scripts are single-threaded here.
-        unsafe { std::env::set_var("RUSTC_BOOTSTRAP", "1") };
+fn toolchain() -> anyhow::Result<String> {
+    if let Ok(name) = std::env::var("VALET_EBPF_TOOLCHAIN")
+        && !name.is_empty()
+    {
+        return Ok(name);
     }
-    let toolchain =
-        if chosen == "nightly" { aya_build::Toolchain::Nightly } else { aya_build::Toolchain::Custom(&chosen) };
-    aya_build::build_ebpf(
-        [aya_build::Package { name: "valet-agent-ebpf", root_dir: &ebpf_dir, ..Default::default() }],
-        toolchain,
-    )
+    match ["nightly", "stable", "valet-system"].into_iter().find(|t| has_rust_src(t)) {
+        Some(found) => Ok(found.to_owned()),
+        None => bail!(
+            "no Rust toolchain with rust-src for the BPF build: run `cargo xtask setup`, or \
+             `rustup toolchain install nightly --component rust-src`"
+        ),
+    }
+}
+
+fn env(name: &str) -> anyhow::Result<String> {
+    std::env::var(name).with_context(|| format!("{name} not set"))
+}
+
+/// Cargo's own progress lines (`   Compiling x v1`), as opposed to compiler diagnostics.
+fn is_progress(line: &str) -> bool {
+    const VERBS: [&str; 10] = [
+        "Compiling",
+        "Finished",
+        "Fresh",
+        "Blocking",
+        "Locking",
+        "Updating",
+        "Downloading",
+        "Downloaded",
+        "Adding",
+        "Checking",
+    ];
+    let trimmed = line.trim_start();
+    line.len() > trimmed.len() && VERBS.iter().any(|v| trimmed.strip_prefix(v).is_some_and(|r| r.starts_with(' ')))
+}
+
+fn main() {
+    // Not `main() -> Result`: that prints a backtrace under RUST_BACKTRACE, burying the error.
+    if let Err(e) = build() {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn build() -> anyhow::Result<()> {
+    println!("cargo:rerun-if-env-changed=VALET_EBPF_TOOLCHAIN");
+    let manifest_dir = PathBuf::from(env("CARGO_MANIFEST_DIR")?);
+    let workspace = manifest_dir.parent().context("agent/ has no parent directory")?;
+    // The kernel crate is also a build-dependency, which covers its library and dependencies;
+    // its binary, the shared types and the release profile it is built with are covered here.
+    for path in ["agent-ebpf", "common", "Cargo.toml"] {
+        println!("cargo:rerun-if-changed={}", workspace.join(path).display());
+    }
+    let out_dir = PathBuf::from(env("OUT_DIR")?);
+
+    let toolchain = toolchain()?;
+    let target = match env("CARGO_CFG_TARGET_ENDIAN")?.as_str() {
+        "little" => "bpfel-unknown-none",
+        "big" => "bpfeb-unknown-none",
+        other => bail!("unsupported endianness {other}"),
+    };
+    let arch = env("CARGO_CFG_TARGET_ARCH")?;
+    let arch = if arch.starts_with("riscv64") { "riscv64".to_owned() } else { arch };
+    // Where aya-build kept it, so switching from aya-build did not cost a cold build.
+    let target_dir = out_dir.join("aya-build/target").join(PACKAGE);
+
+    let mut cargo = Command::new("rustup");
+    cargo
+        .args(["run", &toolchain, "cargo", "build", "--package", PACKAGE, "--bins", "--release"])
+        .args(["--target", target, "-Z", "build-std=core", "--color", "never", "--target-dir"])
+        .arg(&target_dir)
+        .current_dir(&manifest_dir)
+        .env(
+            "CARGO_ENCODED_RUSTFLAGS",
+            format!("--cfg=bpf_target_arch=\"{arch}\"\x1f-Cdebuginfo=2\x1f-Clink-arg=--btf"),
+        )
+        // The host build's compiler settings are not the BPF toolchain's.
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER");
+    if !toolchain.starts_with("nightly") {
+        // Lets a stable compiler take `-Z build-std=core`.
+        cargo.env("RUSTC_BOOTSTRAP", "1");
+    }
+    let output = cargo.output().with_context(|| format!("spawn {cargo:?}"))?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    if !output.status.success() {
+        // Cargo shows a failed build script's stderr in full.
+        for text in [String::from_utf8_lossy(&output.stdout), stderr] {
+            if !text.trim().is_empty() {
+                eprintln!("{}", text.trim_end());
+            }
+        }
+        bail!("building the kernel programs failed ({}): {cargo:?}", output.status);
+    }
+    for line in String::from_utf8_lossy(&output.stderr).lines().filter(|l| !l.trim().is_empty() && !is_progress(l)) {
+        println!("cargo:warning={line}");
+    }
+
+    let object = target_dir.join(target).join("release").join(PACKAGE);
+    let embedded = out_dir.join(PACKAGE);
+    std::fs::copy(&object, &embedded)
+        .with_context(|| format!("copy {} to {}", object.display(), embedded.display()))?;
+    Ok(())
 }

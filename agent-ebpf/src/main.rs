@@ -71,7 +71,7 @@ fn watched_match() -> Option<(u64, u64, u32)> {
     // SAFETY: helpers without pointer arguments.
     let own = unsafe { bpf_get_current_cgroup_id() };
     // SAFETY: map lookup by value; the reference is copied out at once.
-    if let Some(flags) = unsafe { WATCHED.get(&own) } {
+    if let Some(flags) = unsafe { WATCHED.get(own) } {
         return Some((own, own, *flags));
     }
     let mut level = 0u32;
@@ -82,7 +82,7 @@ fn watched_match() -> Option<(u64, u64, u32)> {
             break;
         }
         // SAFETY: as above.
-        if let Some(flags) = unsafe { WATCHED.get(&ancestor) } {
+        if let Some(flags) = unsafe { WATCHED.get(ancestor) } {
             return Some((own, ancestor, *flags));
         }
         level += 1;
@@ -237,12 +237,12 @@ pub fn valet_exec(ctx: TracePointContext) -> u32 {
     // Only the first init exec of each container; later execs (an entrypoint script exec'ing the
     // real binary) run freely.
     // SAFETY: map lookup by value.
-    if unsafe { EXEC_SEEN.get(&own) }.is_some() {
+    if unsafe { EXEC_SEEN.get(own) }.is_some() {
         return 0;
     }
-    let _ = EXEC_SEEN.insert(&own, &1, 0);
+    let _ = EXEC_SEEN.insert(own, 1, 0);
     // SAFETY: map lookup by value.
-    if let Some(class) = unsafe { EXEC_CLASS.get(&own) }
+    if let Some(class) = unsafe { EXEC_CLASS.get(own) }
         && *class == EXEC_CLASS_PASS
     {
         return 0;

@@ -3,6 +3,8 @@
 //! Everything here is `#[repr(C)]`, fixed-size and `no_std`, so the BPF object and the agent read
 //! the same bytes. Map names and global names are constants so neither side can misspell them.
 #![no_std]
+// Stricter than the workspace: the layouts both sides depend on deserve it.
+#![warn(clippy::pedantic)]
 
 /// Name of the hash map of watched cgroups (key: cgroup id, value: [`WatchFlags`] bits).
 /// A process matches when its own cgroup or any ancestor is in this map.
@@ -75,7 +77,7 @@ pub struct KernelEvent {
     pub kind: u32,
     /// Bits of [`event_flags`].
     pub flags: u32,
-    /// `bpf_ktime_get_ns()` when the program ran (CLOCK_MONOTONIC).
+    /// `bpf_ktime_get_ns()` when the program ran (`CLOCK_MONOTONIC`).
     pub ktime_ns: u64,
     /// The process's own cgroup (v2) id: the container's cgroup.
     pub cgroup_id: u64,
@@ -95,6 +97,7 @@ pub struct KernelEvent {
 }
 
 impl KernelEvent {
+    #[must_use]
     pub const fn zeroed() -> Self {
         KernelEvent {
             kind: 0,
@@ -161,6 +164,7 @@ pub struct KernelLayout {
 pub const OFFSET_UNKNOWN: u32 = u32::MAX;
 
 impl KernelLayout {
+    #[must_use]
     pub const fn unknown() -> Self {
         KernelLayout {
             task_exit_code: OFFSET_UNKNOWN,

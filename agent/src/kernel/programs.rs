@@ -46,7 +46,7 @@ pub struct Programs {
 }
 
 fn map_err(what: &str) -> impl FnOnce(aya::maps::MapError) -> Error + '_ {
-    move |e| Error::Ebpf(format!("map {what}: {e}"))
+    move |e| Error::ebpf_map(format!("map {what}"), e)
 }
 
 impl Programs {
@@ -66,7 +66,7 @@ impl Programs {
         let mut ebpf = EbpfLoader::new()
             .override_global(GLOBAL_LAYOUT, &layout, true)
             .load(OBJECT)
-            .map_err(|e| Error::Ebpf(format!("load object: {e}")))?;
+            .map_err(|e| Error::ebpf_object("load object", e))?;
 
         // Kernel-side diagnostics go to our log; the logger must outlive the programs.
         let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
@@ -89,11 +89,11 @@ impl Programs {
                 .program_mut(prog)
                 .ok_or_else(|| Error::Ebpf(format!("program {prog} missing from object")))?
                 .try_into()
-                .map_err(|e| Error::Ebpf(format!("{prog}: {e}")))?;
-            program.load().map_err(|e| Error::Ebpf(format!("load {prog}: {e}")))?;
+                .map_err(|e| Error::ebpf_program(format!("program {prog}"), e))?;
+            program.load().map_err(|e| Error::ebpf_program(format!("load {prog}"), e))?;
             let link = program
                 .attach(category, name)
-                .map_err(|e| Error::Ebpf(format!("attach {prog} to {category}/{name}: {e}")))?;
+                .map_err(|e| Error::ebpf_program(format!("attach {prog} to {category}/{name}"), e))?;
             links.push((prog, link));
         }
 

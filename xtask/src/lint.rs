@@ -1,0 +1,57 @@
+//! `cargo xtask lint`: formatting, clippy on the host crates, and clippy on the kernel programs
+//! for the BPF target. Every step runs; each ends with a one-line verdict.
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Result, bail};
+
+use crate::cmd::cargo;
+use crate::setup;
+
+pub fn lint(root: &Path) -> Result<()> {
+    // Clippy on the agent runs its build script, which builds the BPF object: same tools as a build.
+    setup::build_tools()?;
+    let bpf = setup::bpf_toolchain()?;
+    setup::lint_tools(&bpf)?;
+
+    let mut fmt = cargo();
+    fmt.args(["fmt", "--all", "--check"]);
+
+    let mut host = cargo();
+    host.args(["clippy", "--workspace", "--exclude", "valet-agent-ebpf", "--all-targets", "--", "-D", "warnings"]);
+
+    // The kernel crate only builds for the BPF target, with the toolchain agent/build.rs picks.
+    // Clippy only checks, so bpf-linker is not involved; its own target dir keeps it from
+    // invalidating the host build.
+    let mut kernel = Command::new("rustup");
+    kernel
+        .args(["run", &bpf.name, "cargo", "clippy", "-p", "valet-agent-ebpf", "--target", "bpfel-unknown-none"])
+        .args(["-Z", "build-std=core", "--release", "--target-dir"])
+        .arg(root.join("target/bpf-lint"))
+        .args(["--", "-D", "warnings"])
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER");
+    if bpf.bootstrap {
+        kernel.env("RUSTC_BOOTSTRAP", "1");
+    }
+    let kernel_name = format!("clippy, kernel crate for bpfel-unknown-none (toolchain {})", bpf.name);
+
+    let mut verdicts = Vec::new();
+    for (name, cmd) in [("rustfmt", &mut fmt), ("clippy, host crates", &mut host), (kernel_name.as_str(), &mut kernel)]
+    {
+        println!("xtask lint: {name}: {cmd:?}");
+        let ok = cmd.current_dir(root).status().is_ok_and(|s| s.success());
+        let verdict = format!("xtask lint: {:<6} {name}", if ok { "ok" } else { "FAILED" });
+        println!("{verdict}");
+        verdicts.push((ok, verdict));
+    }
+    println!();
+    for (_, verdict) in &verdicts {
+        println!("{verdict}");
+    }
+    let failed = verdicts.iter().filter(|(ok, _)| !ok).count();
+    if failed > 0 {
+        bail!("{failed} lint step(s) failed");
+    }
+    Ok(())
+}

@@ -1,0 +1,185 @@
+//! `cargo xtask setup`: installs what building and testing need. Idempotent, and quiet when
+//! there is nothing to do; says what it did, once per action.
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Result, bail};
+
+use crate::cmd::{cargo, is_root, on_path, run, succeeds};
+
+/// Everything: the BPF build tools, tracefs, and with `for_tests` the tools only tests use.
+pub fn setup(root: &Path, for_tests: bool) -> Result<()> {
+    build_tools()?;
+    ensure_tracefs()?;
+    if for_tests {
+        ensure_test_tools(root)?;
+    }
+    Ok(())
+}
+
+/// What building the agent needs: a toolchain with rust-src for the BPF object, and bpf-linker.
+pub fn build_tools() -> Result<()> {
+    ensure_rust_src()?;
+    ensure_bpf_linker()
+}
+
+/// The rustup toolchain the BPF build uses, chosen exactly as `agent/build.rs` chooses it:
+/// `$VALET_EBPF_TOOLCHAIN`, else the first of nightly, stable, valet-system with rust-src.
+pub struct BpfToolchain {
+    pub name: String,
+    /// A stable compiler needs `RUSTC_BOOTSTRAP=1` to take `-Z build-std=core`.
+    pub bootstrap: bool,
+}
+
+pub fn bpf_toolchain() -> Result<BpfToolchain> {
+    let name = match std::env::var("VALET_EBPF_TOOLCHAIN") {
+        Ok(name) if !name.is_empty() => name,
+        _ => match ["nightly", "stable", "valet-system"].into_iter().find(|t| has_rust_src(t)) {
+            Some(found) => found.to_owned(),
+            None => bail!("no Rust toolchain with rust-src for the BPF build: run `cargo xtask setup`"),
+        },
+    };
+    let bootstrap = !name.starts_with("nightly");
+    Ok(BpfToolchain { name, bootstrap })
+}
+
+/// rustfmt and clippy for the host toolchain and clippy for the BPF toolchain.
+pub fn lint_tools(bpf: &BpfToolchain) -> Result<()> {
+    for (tool, component) in [("fmt", "rustfmt"), ("clippy", "clippy")] {
+        if !succeeds(cargo().args([tool, "--version"])) {
+            did(&format!("rustup component add {component}"));
+            run(Command::new("rustup").args(["component", "add", component]))?;
+        }
+    }
+    if !succeeds(Command::new("rustup").args(["run", &bpf.name, "cargo", "clippy", "--version"])) {
+        did(&format!("rustup component add clippy --toolchain {}", bpf.name));
+        if !succeeds(Command::new("rustup").args(["component", "add", "clippy", "--toolchain", &bpf.name])) {
+            bail!(
+                "the BPF toolchain {} has no clippy and rustup cannot add it; set VALET_EBPF_TOOLCHAIN \
+                 to a toolchain with rust-src and clippy",
+                bpf.name
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Says what setup did, once per action.
+fn did(what: &str) {
+    println!("xtask setup: {what}");
+}
+
+fn apt_install(packages: &[&str]) -> Result<()> {
+    let installed = |p: &str| {
+        Command::new("dpkg-query")
+            .args(["-W", "-f=${Status}", p])
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+    };
+    let missing: Vec<&str> = packages.iter().copied().filter(|p| !installed(p)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!("missing Debian packages {missing:?}: install them (as root: apt-get install {})", missing.join(" "));
+    }
+    did(&format!("apt-get install {}", missing.join(" ")));
+    run(Command::new("apt-get").args(["update", "-qq"]))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+fn has_rust_src(toolchain: &str) -> bool {
+    let Ok(out) = Command::new("rustup").args(["run", toolchain, "rustc", "--print", "sysroot"]).output() else {
+        return false;
+    };
+    out.status.success()
+        && Path::new(String::from_utf8_lossy(&out.stdout).trim())
+            .join("lib/rustlib/src/rust/library/core/Cargo.toml")
+            .exists()
+}
+
+/// A toolchain that can build the BPF object (`-Z build-std=core` needs rust-src).
+fn ensure_rust_src() -> Result<()> {
+    if ["nightly", "stable", "valet-system"].iter().any(|t| has_rust_src(t)) {
+        return Ok(());
+    }
+    for toolchain in ["nightly", "stable"] {
+        if succeeds(Command::new("rustup").args(["run", toolchain, "rustc", "--version"]))
+            && succeeds(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", toolchain]))
+            && has_rust_src(toolchain)
+        {
+            did(&format!("rustup component add rust-src --toolchain {toolchain}"));
+            return Ok(());
+        }
+    }
+    // Fallback: Debian's compiler and library source, linked into rustup under a fixed name
+    // that agent/build.rs looks for.
+    apt_install(&["rustc-web", "cargo-web", "rust-web-src"])?;
+    run(Command::new("rustup").args(["toolchain", "link", "valet-system", "/usr"]))?;
+    did("linked Debian rustc-web + rust-web-src as rustup toolchain valet-system");
+    if !has_rust_src("valet-system") {
+        bail!("no toolchain with rust-src after setup");
+    }
+    Ok(())
+}
+
+fn ensure_bpf_linker() -> Result<()> {
+    if on_path("bpf-linker") {
+        return Ok(());
+    }
+    // bpf-linker's default wants LLVM 23; Debian 12 backports carry LLVM 22.
+    apt_install(&["llvm-22-dev", "libpolly-22-dev", "libzstd-dev", "zlib1g-dev"])?;
+    did("cargo install bpf-linker (against LLVM 22, about a minute)");
+    let path = format!("/usr/lib/llvm-22/bin:{}", std::env::var("PATH").unwrap_or_default());
+    run(Command::new("cargo")
+        .args([
+            "install",
+            "--locked",
+            "bpf-linker",
+            "--version",
+            "0.13.0",
+            "--no-default-features",
+            "--features",
+            "llvm-22",
+        ])
+        .env("PATH", path)
+        .env("LLVM_SYS_221_PREFIX", "/usr/lib/llvm-22")
+        .env("LLVM_SYS_220_PREFIX", "/usr/lib/llvm-22"))
+}
+
+fn ensure_tracefs() -> Result<()> {
+    if Path::new("/sys/kernel/tracing/events").is_dir() || Path::new("/sys/kernel/debug/tracing/events").is_dir() {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!("tracefs is not mounted: as root, mount -t tracefs tracefs /sys/kernel/tracing");
+    }
+    run(Command::new("mount").args(["-t", "tracefs", "tracefs", "/sys/kernel/tracing"]))?;
+    did("mounted tracefs at /sys/kernel/tracing");
+    Ok(())
+}
+
+/// Tools only the test suite needs: iproute2 for network namespaces, promtool and Prometheus for
+/// the metrics tests, Python for the manifest checks.
+fn ensure_test_tools(root: &Path) -> Result<()> {
+    apt_install(&["iproute2", "prometheus", "python3-venv", "util-linux", "procps"])?;
+    let venv = root.join(".venv");
+    let requirements = root.join("deploy/tests/requirements.txt");
+    let stamp = venv.join(".valet-requirements");
+    let wanted = std::fs::read_to_string(&requirements).unwrap_or_default();
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) {
+        return Ok(());
+    }
+    if !venv.join("bin/python").exists() {
+        run(Command::new("/usr/bin/python3").args(["-m", "venv"]).arg(&venv))?;
+    }
+    did("pip install -r deploy/tests/requirements.txt into .venv");
+    run(Command::new(venv.join("bin/pip"))
+        .args(["install", "-q", "--disable-pip-version-check", "-r"])
+        .arg(&requirements))?;
+    std::fs::write(&stamp, wanted)?;
+    Ok(())
+}

@@ -1,0 +1,104 @@
+//! `cargo xtask test`: every test, privileged ones included, with one summary count at the end.
+use std::io::BufRead as _;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::cmd::{cargo, is_root, run};
+use crate::setup;
+
+pub fn test(root: &Path, filter: Option<&str>) -> Result<()> {
+    if !is_root() {
+        bail!("the test suite has privileged tests (eBPF, cgroups, namespaces): run it as root");
+    }
+    setup::setup(root, true)?;
+    // The agent binary is what the end-to-end tests run, like a DaemonSet would; the stand-in
+    // proxy is what they run as the sidecar.
+    run(cargo().current_dir(root).args(["build", "--release", "-p", "valet-agent", "-p", "valet-sim", "--bins"]))?;
+    let mut tally = Tally::default();
+    let mut cmd = cargo();
+    cmd.current_dir(root)
+        .args(["test", "--workspace", "--exclude", "valet-agent-ebpf", "--no-fail-fast"])
+        .env("VALET_AGENT_BIN", root.join("target/release/valet-agent"))
+        .env("VALET_STANDIN_PROXY", root.join("target/release/valet-standin-proxy"));
+    if let Some(f) = filter {
+        cmd.args(["--", f]);
+    }
+    let mut ok = run_counted(&mut cmd, &mut tally)?;
+    if filter.is_none() && root.join("deploy/tests").is_dir() {
+        ok &= run_counted(
+            Command::new(root.join(".venv/bin/python")).current_dir(root).args(["-m", "pytest", "-q", "deploy/tests"]),
+            &mut tally,
+        )?;
+    }
+    println!("\ntotal: {} passed, {} failed", tally.passed, tally.failed);
+    if !ok || tally.failed > 0 {
+        bail!("some tests failed");
+    }
+    if tally.passed == 0 {
+        bail!("no test ran");
+    }
+    Ok(())
+}
+
+/// Runs a test runner, echoing its output and counting its results. Whether it exited 0.
+fn run_counted(cmd: &mut Command, tally: &mut Tally) -> Result<bool> {
+    let mut child = cmd.stdout(Stdio::piped()).spawn().with_context(|| format!("spawn {cmd:?}"))?;
+    if let Some(out) = child.stdout.take() {
+        for line in std::io::BufReader::new(out).lines() {
+            let line = line?;
+            println!("{line}");
+            tally.read(&line);
+        }
+    }
+    Ok(child.wait()?.success())
+}
+
+/// Passed and failed test counts, summed over runners.
+#[derive(Default)]
+struct Tally {
+    passed: u64,
+    failed: u64,
+}
+
+impl Tally {
+    /// Reads a runner's summary line: cargo's `test result: ok. 3 passed; 1 failed; ...` or
+    /// pytest's `51 passed in 8.70s` / `2 failed, 49 passed in ...`.
+    fn read(&mut self, line: &str) {
+        let line = line.trim();
+        let cargo = line.strip_prefix("test result: ");
+        let pytest = !line.starts_with("test ")
+            && (line.contains(" passed") || line.contains(" failed"))
+            && line.contains(" in ");
+        if cargo.is_none() && !pytest {
+            return;
+        }
+        let words: Vec<&str> = cargo.unwrap_or(line).split([' ', ';', ',']).collect();
+        for pair in words.windows(2) {
+            let Ok(n) = pair[0].parse::<u64>() else { continue };
+            match pair[1] {
+                "passed" => self.passed += n,
+                "failed" => self.failed += n,
+                _ => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Tally;
+
+    #[test]
+    fn counts_cargo_and_pytest_summaries() {
+        let mut t = Tally::default();
+        t.read("test result: ok. 18 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 20.72s");
+        t.read("test result: FAILED. 3 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1s");
+        t.read("51 passed in 8.70s");
+        t.read("2 failed, 49 passed in 9.10s");
+        t.read("test never_policy_failed_app ... ok");
+        t.read("running 18 tests");
+        assert_eq!((t.passed, t.failed), (18 + 3 + 51 + 49, 2 + 2));
+    }
+}
