@@ -45,8 +45,10 @@ struct Container {
     id: String,
     rel: String,
     runtime_name: Option<RuntimeName>,
-    /// Told the kernel whether to hold its first exec (or it had it already).
+    /// Told the kernel whether to hold its first exec.
     classified: bool,
+    /// Its first exec happened before this agent could judge it: what it execs later runs.
+    exec_done: bool,
     /// Its main process ended, as the kernel saw it.
     end: Option<KernelEnd>,
 }
@@ -332,11 +334,12 @@ impl PodState {
         if self.held.iter().any(|h| h.tgid == held.tgid) {
             return Vec::new();
         }
+        // An app process the kernel stopped: counted even when it runs again at once.
         if self.ready == Some(true) {
-            return vec![release("ready")];
+            return vec![Effect::Count(Count::Hold), release("ready")];
         }
         if self.failed_open {
-            return vec![release("timeout")];
+            return vec![Effect::Count(Count::Hold), release("timeout")];
         }
         info!(
             pod = %self.name(),
@@ -568,10 +571,16 @@ impl PodState {
         if hold {
             // Classify known containers before they exec: sidecars, init containers and the
             // sandbox are never held; unnamed containers are held and judged at exec.
-            let names: Vec<(u64, Role)> =
-                self.containers.iter().filter(|(_, c)| !c.classified).map(|(cg, _)| (*cg, self.role(*cg))).collect();
-            for (cg, role) in names {
+            let names: Vec<(u64, bool, Role)> = self
+                .containers
+                .iter()
+                .filter(|(_, c)| !c.classified)
+                .map(|(cg, c)| (*cg, c.exec_done, self.role(*cg)))
+                .collect();
+            for (cg, exec_done, role) in names {
                 let hold_it = match role {
+                    // Its first exec is past (an earlier agent held it): later ones run.
+                    _ if exec_done => false,
                     Role::Sandbox => false,
                     Role::Named(n) => plan.apps.contains(&n),
                     Role::Unnamed => continue,
@@ -592,14 +601,13 @@ impl PodState {
                 rel: s.rel.clone(),
                 runtime_name: None,
                 classified: false,
+                exec_done: false,
                 end: None,
             });
             if s.runtime_name.is_some() {
                 c.runtime_name = s.runtime_name;
             }
-            if s.exec_done {
-                c.classified = true;
-            }
+            c.exec_done |= s.exec_done;
         }
     }
 
@@ -609,7 +617,7 @@ impl PodState {
         let mut fx = Vec::new();
         for f in found {
             if let Some(c) = self.containers.get_mut(&f.container_cgroup) {
-                c.classified = true;
+                c.exec_done = true;
             }
             if self.held.iter().any(|h| h.tgid == f.tgid) {
                 continue;
@@ -1035,7 +1043,7 @@ pub fn wants_hold(plan: &PodPlan) -> bool {
 /// A quit that was refused or never answered: escalate when allowed, else retry with backoff a
 /// bounded number of times.
 fn failed_quit(q: &mut Quit, pod: &str, note: String, rules: &Rules, now: Nanos) -> Vec<Effect> {
-    warn!(%pod, "{note}");
+    warn!(%pod, "could not quit sidecar: {note}");
     q.failures += 1;
     q.state = if rules.escalate_after.is_some() {
         QuitState::Escalated
@@ -1463,6 +1471,7 @@ mod tests {
             LeftHeld { tgid: 51, container_cgroup: PROXY, since: d.now - 9_500_000_000 },
         ]));
         assert_eq!(releases(&fx), [(51, "not_app")]);
+        assert!(has(&fx, &Effect::ClassifyExec { container_cgroup: APP, hold: false }), "its later execs run: {fx:?}");
         assert!(releases(&d.after(250)).is_empty());
         assert_eq!(releases(&d.after(250)), [(50, "timeout")], "10 s after it was stopped, not after adoption");
     }
