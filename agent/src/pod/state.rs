@@ -115,8 +115,8 @@ pub struct PodState {
     held: Vec<Held>,
     left_held_searched: bool,
     failed_open: bool,
-    /// The running probe's target (pod cgroup, pod IP) and pace.
-    probe: Option<((Option<String>, Option<String>), Pace)>,
+    /// The running probe's target and pace.
+    probe: Option<(ProbeTarget, Pace)>,
     ready: Option<bool>,
     quits: BTreeMap<String, Quit>,
     /// Kernel time of the end that completed the work (for the latency figure).
@@ -1014,6 +1014,9 @@ impl PodState {
     }
 }
 
+/// Where a probe reaches the pod: its cgroup (for the network namespace) and its IP.
+type ProbeTarget = (Option<String>, Option<String>);
+
 enum Role {
     Sandbox,
     Named(String),
@@ -1581,7 +1584,9 @@ mod tests {
         assert!(!d.pod(with("Always", &[])).iter().any(|e| matches!(e, Effect::Count(_))));
         let mut d = Drive::new(true);
         let mut p = with("Never", &[]);
-        p.spec.as_mut().map(|s| s.host_network = Some(true));
+        if let Some(s) = p.spec.as_mut() {
+            s.host_network = Some(true);
+        }
         let fx = d.pod(p);
         assert!(has(&fx, &Effect::Count(Count::Skip("host_network"))), "{fx:?}");
         assert!(!fx.contains(&Effect::FindPodCgroup), "a hostNetwork pod's loopback is the node's");
@@ -1599,7 +1604,9 @@ mod tests {
                 ("valet.dev/quit-signal.istio-proxy", "SIGINT"),
             ],
         );
-        p.spec.as_mut().map(|s| s.containers[1].name = "istio-proxy".into());
+        if let Some(s) = p.spec.as_mut() {
+            s.containers[1].name = "istio-proxy".into();
+        }
         let fx = d.found(p);
         assert!(!fx.iter().any(|e| matches!(e, Effect::StartProbe { .. })), "no readiness endpoint: no probe");
         let fx = d.exit(APP, 0);
