@@ -21,7 +21,14 @@ HOST_PATHS = {
     "/sys/kernel/tracing": "/sys/kernel/tracing",
     "/sys/kernel/btf": "/sys/kernel/btf",
 }
-AGENT_RENDERS = ["base", "base+components"] + [f"base+{c.name}" for c in COMPONENTS]
+CLUSTER_SCOPED = (
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+)
+AGENT_RENDERS = ["base", "before-1.30", "base+components"] + [f"base+{c.name}" for c in COMPONENTS]
 
 
 def agent(render: Render) -> tuple[dict, dict]:
@@ -112,7 +119,7 @@ def test_namespace_admits_the_agent(renders: dict[str, Render]) -> None:
     ns = renders["base"].one("Namespace", "valet-system")
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
     for d in renders["base"].docs:
-        if d["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
+        if d["kind"] not in CLUSTER_SCOPED:
             assert d["metadata"]["namespace"] == "valet-system", d["kind"]
 
 
