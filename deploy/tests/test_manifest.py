@@ -7,7 +7,7 @@ import pytest
 
 from conftest import COMPONENTS, Render
 
-CAPABILITIES = {"BPF", "PERFMON", "SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE"}
+CAPABILITIES = {"SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE"}
 ENV = {
     "VALET_HOST_PROC": "/proc",
     "VALET_CGROUP_ROOT": "/host/sys/fs/cgroup",
