@@ -4,6 +4,9 @@
 //! * `cargo xtask test`   runs every test: unit, privileged integration (as root), manifests.
 //! * `cargo xtask demo`   runs the agent against a simulated node on this host.
 //! * `cargo xtask bench`  prints the performance figures.
+//! * `cargo xtask fuzz`   runs the fuzz targets for a bounded time (also part of `test`).
+mod fuzz;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -31,6 +34,13 @@ enum Task {
         /// Extra arguments for the demo driver.
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
+    },
+    /// Run the fuzz targets (fuzz/), each for a bounded time.
+    Fuzz {
+        /// Only this target (default: all).
+        target: Option<String>,
+        #[arg(long, default_value_t = fuzz::DEFAULT_SECONDS)]
+        seconds: u64,
     },
     /// Print latency and overhead figures.
     Bench {
@@ -271,6 +281,7 @@ fn test(root: &Path, filter: Option<String>) -> Result<()> {
             Command::new(root.join(".venv/bin/python")).current_dir(root).args(["-m", "pytest", "-q", "deploy/tests"]),
             &mut tally,
         )?;
+        ok &= run_counted(&mut fuzz::command()?, &mut tally)?;
     }
     println!("\ntotal: {} passed, {} failed", tally.passed, tally.failed);
     if !ok || tally.failed > 0 {
@@ -307,6 +318,7 @@ fn main() -> Result<()> {
     match cli.task {
         Task::Setup => setup(&root, true),
         Task::Test { filter } => test(&root, filter),
+        Task::Fuzz { target, seconds } => fuzz::run(&root, target.as_deref(), seconds),
         Task::Demo { args } => {
             if !is_root() {
                 bail!("the demo creates cgroups and network namespaces: run it as root");
