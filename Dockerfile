@@ -19,7 +19,7 @@
 #          pass its name in VALET_EBPF_TOOLCHAIN, and build bpf-linker against its LLVM.
 #   final  gcr.io/distroless/cc-debian12 (glibc and libgcc, no shell, no package manager)
 #          holding only /usr/local/bin/valet-agent, with the eBPF object embedded. It runs
-#          as root: the agent needs uid 0 for the capabilities deploy/daemonset.yaml grants
+#          as root: the agent needs uid 0 for the capabilities deploy/base/daemonset.yaml grants
 #          (the reasons are there).
 #
 # Build arguments:
@@ -63,7 +63,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
  && install -D -m 0755 target/release/valet-agent /out/valet-agent
 
 # checkov:skip=CKV_DOCKER_7: distroless publishes no version tags (latest, nonroot, debug); pin the digest for releases
-# checkov:skip=CKV_DOCKER_2: no HEALTHCHECK - Kubernetes ignores it and probes /healthz and /readyz instead (deploy/daemonset.yaml), and distroless has no shell or client to run one
+# checkov:skip=CKV_DOCKER_2: no HEALTHCHECK - Kubernetes ignores it and probes /healthz and /readyz instead (deploy/base/daemonset.yaml), and distroless has no shell or client to run one
 FROM gcr.io/distroless/cc-debian12:latest
 
 LABEL org.opencontainers.image.title="valet-agent" \

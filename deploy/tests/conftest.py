@@ -1,7 +1,8 @@
 """Shared fixtures: every kustomization under deploy/, rendered once per session.
 
 Renders (the `renders` fixture, name -> Render):
-  base              deploy/
+  base              deploy/ (the agent and the node-scoped-writes policy, Kubernetes >= 1.30)
+  before-1.30       deploy/before-1.30/ (the agent alone, for older clusters)
   base+<component>  deploy/ with one component from deploy/components/ (an overlay made in
                     a temporary directory: a Component cannot be built on its own)
   base+components   deploy/ with every component
@@ -25,6 +26,7 @@ import yaml
 DEPLOY = Path(__file__).resolve().parents[1]
 COMPONENTS = sorted(p.parent for p in (DEPLOY / "components").glob("*/kustomization.yaml"))
 EXAMPLES = DEPLOY / "examples"
+BEFORE_130 = DEPLOY / "before-1.30"
 
 
 @dataclass
@@ -79,7 +81,7 @@ def overlay(tmp: Path, name: str, components: list[Path]) -> Path:
 
 
 def render_targets(tmp: Path) -> dict[str, Path]:
-    targets = {"base": DEPLOY}
+    targets = {"base": DEPLOY, "before-1.30": BEFORE_130}
     for c in COMPONENTS:
         targets[f"base+{c.name}"] = overlay(tmp, f"base+{c.name}", [c])
     if COMPONENTS:

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import COMPONENTS, Render
 
-CAPABILITIES = {"BPF", "PERFMON", "SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE"}
+CAPABILITIES = {"SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE"}
 ENV = {
     "VALET_HOST_PROC": "/proc",
     "VALET_CGROUP_ROOT": "/host/sys/fs/cgroup",
@@ -29,7 +29,14 @@ BUNDLE_DIRS = {
     "/run/containerd/io.containerd.runtime.v2.task/k8s.io",
     "/run/containers/storage/overlay-containers",
 }
-AGENT_RENDERS = ["base", "base+components"] + [f"base+{c.name}" for c in COMPONENTS]
+CLUSTER_SCOPED = (
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+)
+AGENT_RENDERS = ["base", "before-1.30", "base+components"] + [f"base+{c.name}" for c in COMPONENTS]
 
 
 def agent(render: Render) -> tuple[dict, dict]:
@@ -121,7 +128,7 @@ def test_namespace_admits_the_agent(renders: dict[str, Render]) -> None:
     ns = renders["base"].one("Namespace", "valet-system")
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
     for d in renders["base"].docs:
-        if d["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
+        if d["kind"] not in CLUSTER_SCOPED:
             assert d["metadata"]["namespace"] == "valet-system", d["kind"]
 
 

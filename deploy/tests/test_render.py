@@ -6,13 +6,18 @@ import pytest
 
 from conftest import COMPONENTS, Render
 
-BASE_OBJECTS = {
+AGENT_OBJECTS = {
     ("Namespace", "valet-system"),
     ("ServiceAccount", "valet-agent"),
     ("ClusterRole", "valet-agent"),
     ("ClusterRoleBinding", "valet-agent"),
     ("DaemonSet", "valet-agent"),
 }
+POLICY_OBJECTS = {
+    ("ValidatingAdmissionPolicy", "valet-agent-node-scoped-writes"),
+    ("ValidatingAdmissionPolicyBinding", "valet-agent-node-scoped-writes"),
+}
+BASE_OBJECTS = AGENT_OBJECTS | POLICY_OBJECTS
 
 
 def kinds_names(render: Render) -> set[tuple[str, str]]:
@@ -24,7 +29,7 @@ def test_components_are_found() -> None:
 
 
 def test_every_target_renders(renders: dict[str, Render]) -> None:
-    expected = {"base", "example", "base+components"} | {f"base+{c.name}" for c in COMPONENTS}
+    expected = {"base", "before-1.30", "example", "base+components"} | {f"base+{c.name}" for c in COMPONENTS}
     assert set(renders) == expected
     for r in renders.values():
         assert r.docs, f"{r.name} rendered nothing"
@@ -34,6 +39,19 @@ def test_every_target_renders(renders: dict[str, Render]) -> None:
 
 def test_base_has_exactly_the_agent_objects(renders: dict[str, Render]) -> None:
     assert kinds_names(renders["base"]) == BASE_OBJECTS
+
+
+def test_before_130_is_the_agent_without_the_policy(renders: dict[str, Render]) -> None:
+    assert kinds_names(renders["before-1.30"]) == AGENT_OBJECTS
+    before = {(d["kind"], d["metadata"]["name"]): d for d in renders["before-1.30"].docs}
+    base = {(d["kind"], d["metadata"]["name"]): d for d in renders["base"].docs}
+    for key, doc in before.items():
+        assert base[key] == doc, f"{key} differs between deploy/ and deploy/before-1.30"
+
+
+def test_cluster_scoped_policy_has_no_namespace(renders: dict[str, Render]) -> None:
+    for kind, name in POLICY_OBJECTS:
+        assert "namespace" not in renders["base"].one(kind, name)["metadata"], kind
 
 
 @pytest.mark.parametrize("component", [c.name for c in COMPONENTS])

@@ -1,5 +1,7 @@
 """(b) Every rendered object validates against the Kubernetes OpenAPI schemas (strict: unknown
-fields are errors) of every release from 1.29 to the newest kubernetes-validate ships.
+fields are errors) of every release from 1.29 to the newest kubernetes-validate ships, except
+the node-scoped-writes policy objects (admissionregistration.k8s.io/v1, GA in 1.30): they are
+validated from 1.30 on, and deploy/before-1.30 (the render for older clusters) has none.
 
 kubernetes-validate carries its schemas in the package, so this runs offline. Custom
 resources have no schema there; the only one allowed is the PodMonitor, checked by hand.
@@ -21,6 +23,11 @@ VERSIONS = sorted({v for v in all_versions() if Version(v) >= OLDEST}, key=Versi
 
 # (apiVersion, kind) of custom resources: no schema in kubernetes-validate.
 CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PodMonitor")}
+# (apiVersion, kind) -> the first release that serves it.
+INTRODUCED = {
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"): Version("1.30"),
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"): Version("1.30"),
+}
 
 
 def test_version_range() -> None:
@@ -38,6 +45,9 @@ def test_rendered_objects_validate(renders: dict[str, Render], version: str) -> 
         for doc in r.docs:
             key = (doc["apiVersion"], doc["kind"])
             what = f"{r.name}: {doc['kind']}/{doc['metadata']['name']}"
+            if key in INTRODUCED and Version(version) < INTRODUCED[key]:
+                assert r.name != "before-1.30", f"{what}: not served before {INTRODUCED[key]}"
+                continue
             try:
                 kubernetes_validate.validate(doc, version, strict=True)
             except kubernetes_validate.SchemaNotFoundError:
@@ -76,3 +86,18 @@ def test_podmonitor_by_hand(renders: dict[str, Render]) -> None:
     known = {"port", "path", "interval", "scrapeTimeout", "relabelings", "metricRelabelings"}
     for e in endpoints:
         assert set(e) <= known, f"unexpected PodMonitor endpoint fields: {set(e) - known}"
+
+
+@pytest.mark.parametrize("key", sorted(INTRODUCED))
+def test_policy_kinds_start_at_130(key: tuple[str, str]) -> None:
+    """Why deploy/before-1.30 exists: 1.29 has no schema (no API) for the policy kinds."""
+    api_version, kind = key
+    doc = {"apiVersion": api_version, "kind": kind, "metadata": {"name": "x"}}
+    older = [v for v in VERSIONS if Version(v) < INTRODUCED[key]]
+    assert older, "no release before the policy in the tested range"
+    for v in older:
+        with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+            kubernetes_validate.validate(doc, v, strict=True)
+    first = min(v for v in VERSIONS if Version(v) >= INTRODUCED[key])
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dict(doc, spec={"noSuchField": 1}), first, strict=True)

@@ -109,11 +109,25 @@ impl Node {
 
     /// Starts the agent binary for this node, with `extra` flags, without waiting for `/readyz`.
     pub fn spawn_agent(&self, extra: &[&str]) -> Result<Agent> {
+        self.spawn_agent_under(&[], extra)
+    }
+
+    /// Like [`Node::spawn_agent`], through a wrapper command (`wrapper` then the agent binary and
+    /// its arguments), e.g. `setpriv` to run it with a given capability set.
+    pub fn spawn_agent_under(&self, wrapper: &[String], extra: &[&str]) -> Result<Agent> {
         let port = free_port()?;
         let metrics: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let log = self.scratch.path(&format!("agent-{port}.log"));
         let log_file = std::fs::File::create(&log)?;
-        let child = Command::new(agent_binary()?)
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(agent_binary()?);
+                c
+            }
+            None => Command::new(agent_binary()?),
+        };
+        let child = command
             .args(["--metrics-addr", &metrics.to_string()])
             .args(extra)
             .env("NODE_NAME", &self.name)

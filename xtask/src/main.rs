@@ -5,9 +5,11 @@
 //! * `cargo xtask test`   runs every test: unit, privileged integration (as root), manifests.
 //! * `cargo xtask demo`   runs the agent against a simulated node on this host.
 //! * `cargo xtask bench`  prints the performance figures.
+//! * `cargo xtask fuzz`   runs the fuzz targets for a bounded time (also part of `test`).
 // Stricter than the workspace: this crate is small and all ours.
 #![warn(clippy::pedantic)]
 mod cmd;
+mod fuzz;
 mod lint;
 mod setup;
 mod sim;
@@ -40,6 +42,13 @@ enum Task {
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
     },
+    /// Run the fuzz targets (fuzz/), each for a bounded time.
+    Fuzz {
+        /// Only this target (default: all).
+        target: Option<String>,
+        #[arg(long, default_value_t = fuzz::DEFAULT_SECONDS)]
+        seconds: u64,
+    },
     /// Print latency and overhead figures.
     Bench {
         /// Extra arguments for the bench driver (e.g. `--runs 200`).
@@ -55,6 +64,7 @@ fn main() -> Result<()> {
         Task::Setup => setup::setup(&root, true),
         Task::Lint => lint::lint(&root),
         Task::Test { filter } => test::test(&root, filter.as_deref()),
+        Task::Fuzz { target, seconds } => fuzz::run(&root, target.as_deref(), seconds),
         Task::Demo { args } => sim::demo(&root, &args),
         Task::Bench { args } => sim::bench(&root, &args),
     }

@@ -31,6 +31,7 @@ pub fn test(root: &Path, filter: Option<&str>) -> Result<()> {
             Command::new(root.join(".venv/bin/python")).current_dir(root).args(["-m", "pytest", "-q", "deploy/tests"]),
             &mut tally,
         )?;
+        ok &= run_counted(&mut crate::fuzz::command()?, &mut tally)?;
     }
     println!("\ntotal: {} passed, {} failed", tally.passed, tally.failed);
     if !ok || tally.failed > 0 {

@@ -7,6 +7,11 @@
 //!   Guaranteed pods directly under `kubepods.slice` as `kubepods-pod<UID_>.slice`;
 //! - cgroupfs driver: `/kubepods/<qos>/pod<UID>/<ID>`, Guaranteed as `/kubepods/pod<UID>/<ID>`.
 //!
+//! A pod's cgroup is accepted only where the kubelet puts it: right under a kubelet root (or
+//! its QoS parent), and never below another pod's cgroup. A container whose cgroup tree is
+//! writable (privileged, or cgroup-delegated) can create `.../kubepods/pod<another pod's UID>`
+//! inside its own cgroup; such a path is not a pod or a container here, whatever it is named.
+//!
 //! Everything here is pure string work; an unexpected path is classified, never a panic.
 
 /// The pod's QoS class: it picks the parent cgroup of the pod.
@@ -105,16 +110,20 @@ const CRIO_CONMON_PREFIX: &str = "crio-conmon-";
 
 /// Classifies a cgroup path (relative to the cgroup2 mount, starting with `/`).
 ///
-/// The kubepods root is found anywhere in the path, so nested kubelet roots work
-/// (`/kubelet.slice/kubelet-kubepods.slice/...` in kind, `/kubelet/kubepods/...`).
+/// The kubepods root may sit below a prefix, so nested kubelet roots work
+/// (`/kubelet.slice/kubelet-kubepods.slice/...` in kind, `/kubelet/kubepods/...`,
+/// `/docker/<id>/kubepods/...`), but that prefix must not be inside a pod: the first kubelet
+/// root that holds a pod cgroup on the path decides, and anything deeper than that pod's
+/// container cgroups is [`CgroupKind::NotPodContainer`], even a planted `kubepods/pod<UID>`.
 pub fn classify(path: &str) -> CgroupKind {
     let Some(components) = components(path) else {
         return CgroupKind::NotPodContainer;
     };
-    // A prefix could itself contain a kubepods-looking component: try each, first match wins.
+    // A prefix could itself contain a kubepods-looking component that is not a kubelet root
+    // (`/docker/kubepods/kubepods/...`): try each, left to right, until one holds a pod.
     for (i, name) in components.iter().enumerate() {
         let rest = &components[i + 1..];
-        let kind = if *name == CGROUPFS_ROOT {
+        let below_pod = if *name == CGROUPFS_ROOT {
             classify_cgroupfs(rest)
         } else if let Some(prefix) = name.strip_suffix(SYSTEMD_ROOT)
             && (prefix.is_empty() || prefix.ends_with('-'))
@@ -123,7 +132,8 @@ pub fn classify(path: &str) -> CgroupKind {
         } else {
             continue;
         };
-        if kind != CgroupKind::NotPodContainer {
+        // A pod cgroup is on the path: it, one of its containers, or nothing valet knows.
+        if let Some(kind) = below_pod {
             return kind;
         }
     }
@@ -144,52 +154,38 @@ fn components(path: &str) -> Option<Vec<&str>> {
     valid.then_some(components)
 }
 
-/// `rest` is what follows `kubepods`: `[<qos>,] pod<UID> [, <leaf>]`.
-fn classify_cgroupfs(rest: &[&str]) -> CgroupKind {
+/// `rest` is what follows `kubepods`: `[<qos>,] pod<UID> [, <leaf>]`. `None` when no pod cgroup
+/// follows; otherwise what the path is, given that a pod cgroup is on it.
+fn classify_cgroupfs(rest: &[&str]) -> Option<CgroupKind> {
     let (qos, rest) = match rest.first().and_then(|c| Qos::from_component(c)) {
         Some(qos) => (qos, &rest[1..]),
         None => (Qos::Guaranteed, rest),
     };
-    let Some(pod_name) = rest.first() else {
-        return CgroupKind::NotPodContainer;
-    };
-    let Some(uid) = pod_name.strip_prefix("pod").and_then(canonical_uid) else {
-        return CgroupKind::NotPodContainer;
-    };
+    let uid = rest.first()?.strip_prefix("pod").and_then(canonical_uid)?;
     let pod = PodCgroup { uid, qos, driver: Driver::Cgroupfs };
-    match &rest[1..] {
+    Some(match &rest[1..] {
         [] => CgroupKind::Pod(pod),
         [leaf] => {
-            let (runtime, id) = if leaf.starts_with(CRIO_CONMON_PREFIX) {
-                return CgroupKind::NotPodContainer;
-            } else if let Some(id) = leaf.strip_prefix(Runtime::CriO.scope_prefix()) {
-                (Some(Runtime::CriO), id)
-            } else {
-                (None, *leaf)
-            };
-            container(pod, runtime, id)
+            if leaf.starts_with(CRIO_CONMON_PREFIX) {
+                return Some(CgroupKind::NotPodContainer);
+            }
+            match leaf.strip_prefix(Runtime::CriO.scope_prefix()) {
+                Some(id) => container(pod, Some(Runtime::CriO), id),
+                None => container(pod, None, leaf),
+            }
         }
         _ => CgroupKind::NotPodContainer,
-    }
+    })
 }
 
 /// `prefix` is what precedes `kubepods.slice` in its name (`""`, or `kubelet-` in kind); systemd
-/// repeats it in every slice below. `rest` is `[<qos slice>,] <pod slice> [, <scope>]`.
-fn classify_systemd(prefix: &str, rest: &[&str]) -> CgroupKind {
-    let Some(first) = rest.first() else {
-        return CgroupKind::NotPodContainer;
-    };
-    let Some(first) = first.strip_prefix(prefix).and_then(|n| n.strip_prefix("kubepods-")) else {
-        return CgroupKind::NotPodContainer;
-    };
+/// repeats it in every slice below. `rest` is `[<qos slice>,] <pod slice> [, <scope>]`. `None`
+/// when no pod slice follows; otherwise what the path is, given that a pod cgroup is on it.
+fn classify_systemd(prefix: &str, rest: &[&str]) -> Option<CgroupKind> {
+    let first = rest.first()?.strip_prefix(prefix).and_then(|n| n.strip_prefix("kubepods-"))?;
     // Either `kubepods-<qos>.slice` (then the pod slice follows) or `kubepods-pod<UID_>.slice`.
     let (qos, pod_slice, rest) = match first.strip_suffix(".slice").and_then(Qos::from_component) {
-        Some(qos) => {
-            let Some(pod_slice) = rest.get(1) else {
-                return CgroupKind::NotPodContainer;
-            };
-            (qos, *pod_slice, &rest[2..])
-        }
+        Some(qos) => (qos, *rest.get(1)?, &rest[2..]),
         None => (Qos::Guaranteed, rest[0], &rest[1..]),
     };
     // The pod slice must repeat the parent's prefix and QoS: `kubepods-burstable-pod<UID_>.slice`.
@@ -197,20 +193,17 @@ fn classify_systemd(prefix: &str, rest: &[&str]) -> CgroupKind {
         Some(q) => format!("{prefix}kubepods-{q}-pod"),
         None => format!("{prefix}kubepods-pod"),
     };
-    let Some(uid) =
-        pod_slice.strip_prefix(expected_head.as_str()).and_then(|n| n.strip_suffix(".slice")).and_then(systemd_uid)
-    else {
-        return CgroupKind::NotPodContainer;
-    };
+    let uid =
+        pod_slice.strip_prefix(expected_head.as_str()).and_then(|n| n.strip_suffix(".slice")).and_then(systemd_uid)?;
     let pod = PodCgroup { uid, qos, driver: Driver::Systemd };
-    match rest {
+    Some(match rest {
         [] => CgroupKind::Pod(pod),
         [scope] => {
             let Some(name) = scope.strip_suffix(".scope") else {
-                return CgroupKind::NotPodContainer;
+                return Some(CgroupKind::NotPodContainer);
             };
             if name.starts_with(CRIO_CONMON_PREFIX) {
-                return CgroupKind::NotPodContainer;
+                return Some(CgroupKind::NotPodContainer);
             }
             Runtime::ALL
                 .into_iter()
@@ -218,7 +211,7 @@ fn classify_systemd(prefix: &str, rest: &[&str]) -> CgroupKind {
                 .map_or(CgroupKind::NotPodContainer, |(r, id)| container(pod, Some(r), id))
         }
         _ => CgroupKind::NotPodContainer,
-    }
+    })
 }
 
 fn container(pod: PodCgroup, runtime: Option<Runtime>, id: &str) -> CgroupKind {
@@ -503,6 +496,46 @@ mod tests {
         for path in &cases {
             assert_eq!(classify(path), CgroupKind::NotPodContainer, "{path:?}");
         }
+    }
+
+    /// Another pod's UID planted inside a pod's own (writable) cgroup tree, in every layout.
+    #[test]
+    fn a_path_planted_inside_a_pod_is_never_a_pod() {
+        const OTHER: &str = "11111111-2222-4333-8444-555555555555";
+        const OTHER_: &str = "11111111_2222_4333_8444_555555555555";
+        let hosts = [
+            format!("/kubepods/burstable/pod{UID}/{ID}"),
+            format!("/kubepods/pod{UID}/crio-{ID}"),
+            format!(
+                "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID_}.slice/cri-containerd-{ID}.scope"
+            ),
+            format!("/kubepods.slice/kubepods-pod{UID_}.slice/crio-{ID}.scope"),
+            format!("/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-pod{UID_}.slice/cri-containerd-{ID}.scope"),
+            format!("/kubelet/kubepods/besteffort/pod{UID}/{ID}"),
+            format!("/docker/{ID}/kubepods/pod{UID}/{ID}"),
+            // Planted directly in the pod's cgroup (not a container's): no better.
+            format!("/kubepods/burstable/pod{UID}"),
+            format!("/kubepods.slice/kubepods-pod{UID_}.slice"),
+        ];
+        let planted = [
+            format!("kubepods/besteffort/pod{OTHER}"),
+            format!("kubepods/pod{OTHER}/{ID}"),
+            format!("kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{OTHER_}.slice"),
+            format!("kubepods.slice/kubepods-pod{OTHER_}.slice/cri-containerd-{ID}.scope"),
+            format!("kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-pod{OTHER_}.slice"),
+            format!("x/kubepods/pod{OTHER}"),
+            format!("kubepods/pod{UID}"),
+        ];
+        for host in &hosts {
+            assert_ne!(classify(host), CgroupKind::NotPodContainer, "{host} is a real pod or container");
+            for plant in &planted {
+                let path = format!("{host}/{plant}");
+                assert_eq!(classify(&path), CgroupKind::NotPodContainer, "{path}");
+            }
+        }
+        // The same planted names under a prefix that holds no pod are kubelet roots (kind nodes).
+        let kind_node = format!("/docker/{ID}/kubepods/besteffort/pod{OTHER}");
+        assert!(matches!(classify(&kind_node), CgroupKind::Pod(p) if p.uid == OTHER));
     }
 
     #[test]

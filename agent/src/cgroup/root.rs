@@ -24,7 +24,12 @@ fn unescape_octal(s: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 3 < bytes.len() && bytes[i + 1..i + 4].iter().all(|b| (b'0'..=b'7').contains(b)) {
+        // Only `\000`..`\377` are escapes (one byte); anything else is kept as it is.
+        if bytes[i] == b'\\'
+            && i + 3 < bytes.len()
+            && (b'0'..=b'3').contains(&bytes[i + 1])
+            && bytes[i + 2..i + 4].iter().all(|b| (b'0'..=b'7').contains(b))
+        {
             let v = (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
             out.push(v);
             i += 4;
@@ -70,6 +75,18 @@ mod tests {
         let escaped = "30 23 0:26 / /host/with\\040space rw - cgroup2 cgroup2 rw\n";
         assert_eq!(cgroup2_mount_from_mountinfo(escaped), Some(PathBuf::from("/host/with space")));
         assert_eq!(cgroup2_mount_from_mountinfo("garbage\n - \n"), None);
+    }
+
+    #[test]
+    fn an_escape_above_a_byte_is_kept_not_an_overflow() {
+        // Found by the fuzz target mountinfo (fuzz/artifacts/mountinfo/crash-895fc471...):
+        // `\771` overflowed the byte it was decoded into (a panic in debug builds).
+        let crash =
+            b"25 s/cgr\xf0up\xcbcpu rw share\ndw,cpu\n30 23 0:26 / /hoct/,ith\\771space rw - cgroup2 cgroup2 rw\n";
+        let text = String::from_utf8_lossy(crash);
+        assert_eq!(cgroup2_mount_from_mountinfo(&text), Some(PathBuf::from("/hoct/,ith\\771space")));
+        let top = "30 23 0:26 / /a\\377b rw - cgroup2 cgroup2 rw\n";
+        assert_eq!(cgroup2_mount_from_mountinfo(top), Some(PathBuf::from("/a\u{fffd}b")));
     }
 
     #[test]

@@ -67,11 +67,18 @@ impl CgroupFs {
             let mut next = Vec::new();
             for rel in frontier {
                 for child in self.child_dirs(&rel) {
-                    if let Some(found) = self.pod_dir(&child, uid) {
-                        return Some(found);
+                    // The walk looks for a kubelet root below a prefix; a pod's or container's
+                    // cgroup holds none (classify refuses anything planted there, and the walk
+                    // does not even look).
+                    let kind = classify(&child);
+                    if let CgroupKind::Pod(pod) = &kind
+                        && pod.uid == uid
+                        && let Ok(id) = self.id_of(&child)
+                    {
+                        return Some(PodDir { rel: child, id, pod: pod.clone() });
                     }
                     // Only descend through kubelet-looking directories to keep the walk cheap.
-                    if child.contains("kube") {
+                    if kind == CgroupKind::NotPodContainer && child.contains("kube") {
                         next.push(child);
                     }
                 }
@@ -165,6 +172,81 @@ pub fn cgroup_of_pid(host_proc: &Path, pid: u32) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const REAL: &str = "0f5c9b6e-3a7d-4e21-9b8a-1c2d3e4f5a6b";
+    const REAL_: &str = "0f5c9b6e_3a7d_4e21_9b8a_1c2d3e4f5a6b";
+    const ATTACKER_: &str = "11111111_2222_4333_8444_555555555555";
+    const CTR: &str = "4d2a7c1f9e8b3a6d5c4b3a29180f7e6d5c4b3a2918f0e7d6c5b4a39281706f5e";
+
+    /// A throwaway directory tree standing in for a cgroup2 root (`CgroupFs` only reads
+    /// directories and their inode numbers).
+    struct TempTree(PathBuf);
+
+    impl TempTree {
+        fn new(name: &str) -> TempTree {
+            let dir = std::env::temp_dir().join(format!("valet-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("mkdir temp root");
+            TempTree(dir)
+        }
+
+        fn mkdir(&self, rel: &str) {
+            std::fs::create_dir_all(self.0.join(rel.trim_start_matches('/'))).expect("mkdir");
+        }
+    }
+
+    impl Drop for TempTree {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn a_pod_planted_in_another_pods_cgroup_is_never_found() {
+        let tree = TempTree::new("planted");
+        let fs = CgroupFs::new(&tree.0);
+        // The attacker's pod, at its standard place, with a writable container cgroup in which
+        // it made a kubelet-shaped path for the victim's UID, before the victim's pod exists.
+        let attacker = format!("/kubepods.slice/kubepods-pod{ATTACKER_}.slice");
+        let planted = [
+            format!("{attacker}/cri-containerd-{CTR}.scope/kubepods.slice/kubepods-pod{REAL_}.slice"),
+            format!("{attacker}/cri-containerd-{CTR}.scope/kubepods/besteffort/pod{REAL}"),
+            format!("{attacker}/kubepods.slice/kubepods-pod{REAL_}.slice"),
+            format!("{attacker}/kubelet-kubepods.slice/kubelet-kubepods-pod{REAL_}.slice"),
+        ];
+        for p in &planted {
+            tree.mkdir(p);
+            assert_eq!(classify(p), CgroupKind::NotPodContainer, "{p}");
+        }
+        assert_eq!(fs.find_pod(REAL), None, "only planted paths exist");
+        // The victim's real cgroup, under a nested kubelet root that only the walk finds, and
+        // deeper than the planted ones: the walk meets the planted ones first.
+        let real = format!(
+            "/kube-node/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/\
+             kubelet-kubepods-besteffort-pod{REAL_}.slice"
+        );
+        tree.mkdir(&real);
+        let found = fs.find_pod(REAL).expect("the real pod cgroup");
+        assert_eq!(found.rel, real);
+        assert_eq!(found.id, fs.id_of(&real).expect("id"));
+        // And at the standard place, the candidates find it directly.
+        let standard = format!("/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{REAL_}.slice");
+        tree.mkdir(&standard);
+        assert_eq!(fs.find_pod(REAL).map(|d| d.rel), Some(standard));
+    }
+
+    #[test]
+    fn containers_of_a_pod_ignore_planted_children() {
+        let tree = TempTree::new("containers");
+        let fs = CgroupFs::new(&tree.0);
+        let pod = format!("/kubepods/besteffort/pod{REAL}");
+        tree.mkdir(&format!("{pod}/{CTR}/kubepods/pod{}", "11111111-2222-4333-8444-555555555555"));
+        tree.mkdir(&format!("{pod}/not-a-container"));
+        let found = fs.containers(&pod);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].container.id, CTR);
+        assert_eq!(found[0].rel, format!("{pod}/{CTR}"));
+    }
 
     #[test]
     fn reads_own_cgroup_and_its_procs() {

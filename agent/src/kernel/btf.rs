@@ -181,7 +181,8 @@ impl Btf {
         }
         for m in members.iter().filter(|m| m.name_off == 0) {
             if let Some(inner) = self.find_member(m.type_id, member, depth + 1) {
-                return Some(m.bit_offset + inner);
+                // Checked: offsets come from the blob (an overflow is a panic in debug builds).
+                return m.bit_offset.checked_add(inner);
             }
         }
         None
@@ -266,6 +267,22 @@ mod tests {
         for n in 0..full.len() {
             let _ = Btf::parse(&full[..n]);
         }
+    }
+
+    #[test]
+    fn member_offsets_that_overflow_are_not_found() {
+        // Found by review next to the btf fuzz target: an anonymous member at bit offset
+        // u32::MAX holding a member at 64 overflowed `bit_offset + inner`.
+        let mut blob = tiny();
+        // The anonymous union's offset in `outer` is the last u32 of the type section.
+        let last = 24 + (blob.len() - 24 - b"\0int\0outer\0a\0b\0c\0".len()) - 4;
+        blob[last..last + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        // ...and `b`, inside the union, at 64 bits (the union's first member's offset).
+        let b_off = 24 + 16 + 12 + 8;
+        blob[b_off..b_off + 4].copy_from_slice(&64u32.to_le_bytes());
+        let btf = Btf::parse(&blob).expect("parse");
+        assert!(btf.member_offset("outer", "b").is_err());
+        assert_eq!(btf.member_offset("outer", "a").expect("a"), 0);
     }
 
     #[test]

@@ -296,11 +296,21 @@ pub struct SpawnOptions {
     pub stdout: Output,
     pub stderr: Output,
     pub cwd: Option<PathBuf>,
+    /// Run as this uid and gid (no supplementary groups) from the first exec, like a container
+    /// with `runAsUser`; `None`: as the caller.
+    pub uid: Option<u32>,
 }
 
 impl Default for SpawnOptions {
     fn default() -> Self {
-        SpawnOptions { pid_namespace: true, env: Vec::new(), stdout: Output::Null, stderr: Output::Inherit, cwd: None }
+        SpawnOptions {
+            pid_namespace: true,
+            env: Vec::new(),
+            stdout: Output::Null,
+            stderr: Output::Inherit,
+            cwd: None,
+            uid: None,
+        }
     }
 }
 
@@ -726,6 +736,7 @@ impl SimPod {
         }
         let procs_fd = procs.as_raw_fd();
         let ns_fd = netns.as_ref().map(|f| f.as_raw_fd());
+        let run_as = opts.uid;
         // SAFETY: between fork and exec only async-signal-safe syscalls on fds opened beforehand
         // (they are O_CLOEXEC, so the program never sees them).
         unsafe {
@@ -736,6 +747,13 @@ impl SimPod {
                 }
                 if let Some(fd) = ns_fd
                     && libc::setns(fd, libc::CLONE_NEWNET) != 0
+                {
+                    return Err(io::Error::last_os_error());
+                }
+                if let Some(id) = run_as
+                    && (libc::setgroups(0, std::ptr::null()) != 0
+                        || libc::setresgid(id, id, id) != 0
+                        || libc::setresuid(id, id, id) != 0)
                 {
                     return Err(io::Error::last_os_error());
                 }
