@@ -108,7 +108,7 @@ fn held_app_runs_once_the_proxy_is_ready() {
     job.run_app("app", &marker_script(&marker)).expect("app");
     std::thread::sleep(Duration::from_secs(1));
     assert_held(&job, &marker, &agent, "1 s after start with the proxy not ready");
-    assert_eq!(agent.metric("valet_app_holds_total "), 1.0);
+    assert_eq!(agent.metric("valet_app_holds_total "), 1.0, "only the app was held\n{}", agent.log_text());
     assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 0.0);
 
     std::fs::write(&ready, "").expect("ready file");
@@ -374,7 +374,7 @@ fn the_sidecar_of_a_held_pod_is_never_held() {
         )
         .expect("the proxy serves");
     wait_condition(&node, &job, &agent, "True", "ProxyReady");
-    assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "the sidecar's start was not held");
+    assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "the sidecar's start was not held\n{}", agent.log_text());
 
     // The app of the same pod is still held at its start, and released since the proxy is ready.
     let marker = node.scratch.path("marker");
