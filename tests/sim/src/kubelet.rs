@@ -662,11 +662,10 @@ impl Inner {
                 }
                 let k = &kpod.containers[i];
                 match (k.spec.kind, &k.current) {
-                    (ContainerKind::Init, Some(inst)) => {
-                        if !inst.exit.as_ref().is_some_and(|e| e.code == 0) {
-                            blocked = true;
-                        }
+                    (ContainerKind::Init, Some(inst)) if inst.exit.as_ref().is_none_or(|e| e.code != 0) => {
+                        blocked = true
                     }
+                    (ContainerKind::Init, Some(_)) => {}
                     (ContainerKind::NativeSidecar, Some(_)) => {}
                     _ if is_init => blocked = true,
                     _ => {}
