@@ -332,3 +332,33 @@ fn at_once_timing_is_kinder_on_request() {
     assert!(took.is_some(), "at once");
     assert!(!s.dir.join("state").join(p.id()).exists(), "no bundle asked for");
 }
+
+#[test]
+fn init_containers_run_to_completion_before_the_containers() {
+    if !root() {
+        return;
+    }
+    let s = setup(KubeletOptions::default());
+    let sim = sim_pod(&["init", "app"]);
+    let init = ContainerSpec::new("init").kind(valet_sim::kubelet::ContainerKind::Init).command(&[
+        "/bin/sh",
+        "-c",
+        "sleep 0.2",
+    ]);
+    let pod = KubeletPod::new(PodJsonOptions::node("n1"), vec![init, sh("exec sleep 30")]);
+    s.kubelet.add_pod(sim.clone(), pod).expect("add");
+    let posted = s.api.get_pod(sim.namespace(), sim.name()).expect("pod");
+    assert_eq!(posted["spec"]["initContainers"][0]["name"], "init", "{posted}");
+    assert!(posted["spec"]["initContainers"][0].get("restartPolicy").is_none());
+    assert!(s.kubelet.process(sim.namespace(), sim.name(), "app").is_none(), "not before the init container ended");
+    let init_p = s.kubelet.process(sim.namespace(), sim.name(), "init").expect("init started");
+    init_p.wait_timeout(Duration::from_secs(5)).expect("wait").expect("init exited");
+    // The kubelet may have reaped it a few ms before this thread saw the status.
+    let ended = Instant::now() - Duration::from_millis(20);
+    let started = wait_for(Duration::from_secs(3), || s.kubelet.process(sim.namespace(), sim.name(), "app").is_some());
+    assert!(started.is_some(), "the app starts after the init container");
+    assert!(Instant::now() >= s.kubelet.next_tick_after(ended), "on the relist after the init container's exit");
+    assert!(wait_for(Duration::from_secs(3), || phase(&s.api, &sim) == "Running").is_some(), "{}", phase(&s.api, &sim));
+    let pod = s.api.get_pod(sim.namespace(), sim.name()).expect("pod");
+    assert_eq!(pod["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"], 0, "{pod}");
+}
