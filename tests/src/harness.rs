@@ -6,15 +6,15 @@ use std::io::Read as _;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::Value;
-use valet_sim::node::{
-    CgroupDriver, PodJsonOptions, QosClass, Runtime, SimPod, SimPodOptions, SimProcess, SpawnOptions,
-};
+use valet_sim::kubelet::{ContainerSpec, HttpProbe, KubeletOptions, KubeletPod, StatusTiming};
+use valet_sim::node::{CgroupDriver, PodJsonOptions, QosClass, Runtime, SimPod, SimPodOptions, SpawnOptions};
 use valet_sim::standin::{ProxyKind, StandinOptions};
-use valet_sim::{FakeApiServer, ServerOptions};
+use valet_sim::{ApiHandle, ContainerProcess, FakeApiServer, Kubelet, ServerOptions};
 
 /// The workspace's target directory.
 fn target_dir() -> PathBuf {
@@ -73,16 +73,26 @@ impl Drop for Scratch {
     }
 }
 
-/// A simulated node: an API server and a node name.
+/// A simulated node: an API server, a simulated kubelet and container runtime (unhelpful as a
+/// real one by default, see [`valet_sim::kubelet`]) and a node name.
 pub struct Node {
     pub api: FakeApiServer,
+    pub kubelet: Kubelet,
     pub name: String,
     pub scratch: Scratch,
     kubeconfig: PathBuf,
+    runtime_dir: PathBuf,
 }
 
 impl Node {
+    /// A node whose kubelet behaves like a real one (see [`KubeletOptions::default`]).
     pub fn new() -> Result<Node> {
+        Node::with_kubelet(KubeletOptions::default())
+    }
+
+    /// A node with these kubelet settings; the runtime state dir is always the node's own
+    /// (`runtime_state_dir` is overwritten).
+    pub fn with_kubelet(mut opts: KubeletOptions) -> Result<Node> {
         crate::cgroups::require_root();
         locate_standin();
         let api = FakeApiServer::start_with(ServerOptions {
@@ -92,22 +102,33 @@ impl Node {
         let scratch = Scratch::new("node")?;
         let kubeconfig = scratch.path("kubeconfig");
         api.write_kubeconfig(&kubeconfig)?;
+        // Laid out like containerd's `<state>/io.containerd.runtime.v2.task/k8s.io`.
+        let runtime_dir = scratch.path("run/containerd/io.containerd.runtime.v2.task/k8s.io");
+        std::fs::create_dir_all(&runtime_dir)?;
+        opts.runtime_state_dir = Some(runtime_dir.clone());
+        let kubelet = Kubelet::start(api.handle(), opts)?;
         let name = format!("node-{}", valet_sim::util::random_hex(3));
-        Ok(Node { api, name, scratch, kubeconfig })
+        Ok(Node { api, kubelet, name, scratch, kubeconfig, runtime_dir })
     }
 
     pub fn kubeconfig(&self) -> &Path {
         &self.kubeconfig
     }
 
-    /// Starts the agent binary for this node, with `extra` flags.
+    /// Where the simulated runtime writes its OCI bundles (`<dir>/<id>/config.json`).
+    pub fn runtime_state_dir(&self) -> &Path {
+        &self.runtime_dir
+    }
+
+    /// Starts the agent binary for this node, with `extra` flags (and `--runtime-state-dirs`
+    /// naming the node's runtime state dir unless `extra` has that flag).
     pub fn start_agent(&self, extra: &[&str]) -> Result<Agent> {
         let mut agent = self.spawn_agent(extra)?;
         agent.wait_ready(Duration::from_secs(20))?;
         Ok(agent)
     }
 
-    /// Starts the agent binary for this node, with `extra` flags, without waiting for `/readyz`.
+    /// Like [`Node::start_agent`] without waiting for `/readyz`.
     pub fn spawn_agent(&self, extra: &[&str]) -> Result<Agent> {
         self.spawn_agent_under(&[], extra)
     }
@@ -127,9 +148,11 @@ impl Node {
             }
             None => Command::new(agent_binary()?),
         };
+        command.args(["--metrics-addr", &metrics.to_string()]).args(extra);
+        if !extra.iter().any(|a| a.starts_with("--runtime-state-dirs")) {
+            command.arg("--runtime-state-dirs").arg(&self.runtime_dir);
+        }
         let child = command
-            .args(["--metrics-addr", &metrics.to_string()])
-            .args(extra)
             .env("NODE_NAME", &self.name)
             .env("KUBECONFIG", &self.kubeconfig)
             .env("RUST_LOG", std::env::var("VALET_TEST_LOG").unwrap_or_else(|_| "info,kube=warn".into()))
@@ -141,15 +164,16 @@ impl Node {
         Ok(Agent { child: Some(child), metrics, log })
     }
 
-    /// Builds an Istio-injected Job pod on this node: real cgroups, a netns with a pod IP, a
-    /// pause process and a running stand-in pilot-agent; the pod object is posted to the API.
+    /// Builds an Istio-injected Job pod on this node and hands it to the kubelet: real cgroups, a
+    /// netns with a pod IP, the sandbox's pause process, the app containers that have a command
+    /// in the spec and the stand-in pilot-agent (`istio-proxy`, last as Istio's injector puts it),
+    /// started in spec order. Returns once the stand-in serves (unless `ready_file` is set).
     pub fn job_pod(&self, spec: JobSpec) -> Result<JobPod> {
         self.build_job_pod(spec, None)
     }
 
-    /// Like [`Node::job_pod`], but the pod object is posted to the API first (`spec.post` is
-    /// ignored) and the stand-in proxy is started only after `before_proxy` returned, so a test
-    /// can wait until the agent knows the pod before the sidecar's first exec.
+    /// Like [`Node::job_pod`], but the stand-in proxy is started only after `before_proxy`
+    /// returned, so a test can wait until the agent knows the pod before the sidecar's first exec.
     pub fn job_pod_proxy_later(&self, spec: JobSpec, before_proxy: impl FnOnce() -> Result<()>) -> Result<JobPod> {
         let mut hook = Some(before_proxy);
         let mut call = || hook.take().map_or(Ok(()), |f| f());
@@ -158,17 +182,17 @@ impl Node {
 
     fn build_job_pod(&self, spec: JobSpec, before_proxy: Option<&mut dyn FnMut() -> Result<()>>) -> Result<JobPod> {
         let name = format!("{}-{}", spec.name, valet_sim::util::random_hex(3));
-        let mut opts =
-            SimPodOptions::new(&name).namespace("jobs").driver(spec.driver).runtime(spec.runtime).qos(spec.qos);
+        let mut opts = SimPodOptions::new(&name)
+            .namespace("jobs")
+            .driver(spec.driver)
+            .runtime(spec.runtime)
+            .qos(spec.qos)
+            .lazy_cgroups(true);
         for app in &spec.apps {
             opts = opts.container(app);
         }
         opts = opts.container("istio-proxy");
-        let sim = SimPod::create(opts)?;
-        if let Some(dir) = &spec.bundles_dir {
-            write_bundles(&sim, &name, dir)?;
-        }
-        let pause = sim.spawn_pause()?;
+        let sim = Arc::new(SimPod::create(opts)?);
         let events = self.scratch.path(&format!("{name}.proxy-events"));
         let mut standin = StandinOptions::new(ProxyKind::Istio);
         standin.events = Some(events.clone());
@@ -176,14 +200,10 @@ impl Node {
         standin.hang = spec.proxy_hangs;
         standin.quit_ignored = spec.proxy_ignores_quit;
         standin.flood = spec.proxy_floods;
-        let start_proxy = || -> Result<SimProcess> {
-            let proxy = sim.spawn_standin("istio-proxy", &standin, &SpawnOptions::default())?;
-            if spec.ready_file.is_none() {
-                sim.wait_standin_ready(&standin, Duration::from_secs(5))?;
-            }
-            Ok(proxy)
-        };
-        let early_proxy = if before_proxy.is_none() { Some(start_proxy()?) } else { None };
+        let proxy_cmd: Vec<String> = std::iter::once(valet_sim::standin::binary_path()?.to_string_lossy().into_owned())
+            .chain(standin.to_args())
+            .collect();
+
         let mut json_opts = PodJsonOptions::node(spec.node.as_deref().unwrap_or(&self.name))
             .restart_policy(&spec.restart_policy)
             .job(&spec.name);
@@ -193,38 +213,62 @@ impl Node {
         for (k, v) in &spec.annotations {
             json_opts = json_opts.annotation(k, v);
         }
-        let mut pod = sim.pod_json(&json_opts);
-        if spec.ready_file.is_some() {
-            // The kubelet reports a proxy that is not ready yet as such.
-            for status in pod["status"]["containerStatuses"].as_array_mut().into_iter().flatten() {
-                if status["name"] == "istio-proxy" {
-                    status["ready"] = Value::Bool(false);
-                }
+        let mut containers = Vec::new();
+        for app in &spec.apps {
+            let mut c = ContainerSpec::new(app);
+            if let Some((_, script)) = spec.app_commands.iter().find(|(a, _)| a == app) {
+                c = c.command(&["/bin/sh", "-c", script]);
+            } else if spec.already_exited.contains(app) {
+                c = c.command(&["/bin/sh", "-c", "exit 0"]);
             }
+            containers.push(c);
+        }
+        let mut proxy = ContainerSpec::new("istio-proxy");
+        if before_proxy.is_none() {
+            proxy.command = Some(proxy_cmd.clone());
+        }
+        proxy.readiness = spec.proxy_probe.clone();
+        containers.push(proxy);
+        let mut kpod = KubeletPod::new(json_opts, containers);
+        kpod.status = spec.status;
+        kpod.bundles = spec.bundles;
+        kpod.report_pod_ip = spec.report_pod_ip;
+        kpod.post = spec.post || before_proxy.is_some();
+        let json = self.kubelet.add_pod(sim.clone(), kpod)?;
+        let removal = PodRemoval { kubelet: self.kubelet.clone(), name: name.clone() };
+        let pause = self.kubelet.process("jobs", &name, "POD").context("the sandbox did not start")?;
+        if let Some(hook) = before_proxy {
+            hook()?;
+            let cmd: Vec<&str> = proxy_cmd.iter().map(String::as_str).collect();
+            self.kubelet.start_container("jobs", &name, "istio-proxy", &cmd, &SpawnOptions::default())?;
+        }
+        let proxy = self.kubelet.process("jobs", &name, "istio-proxy").context("the proxy did not start")?;
+        let mut job = JobPod {
+            pause,
+            proxy,
+            sim,
+            apps: Vec::new(),
+            events,
+            json,
+            name,
+            kubelet: self.kubelet.clone(),
+            api: self.api.handle(),
+            _removal: removal,
+        };
+        for app in &spec.apps {
+            if let Some(p) = self.kubelet.process("jobs", &job.name, app) {
+                job.apps.push(p);
+            }
+        }
+        if spec.ready_file.is_none() {
+            job.sim.wait_standin_ready(&standin, Duration::from_secs(5))?;
         }
         for app in &spec.already_exited {
-            valet_sim::node::mark_container_terminated(&mut pod, app, 0)?;
-        }
-        let mut posted = pod.clone();
-        if !spec.container_ids {
-            for status in posted["status"]["containerStatuses"].as_array_mut().into_iter().flatten() {
-                if let Some(o) = status.as_object_mut() {
-                    o.remove("containerID");
-                }
+            if job.wait_api_terminated(app, Duration::from_secs(5)).is_none() {
+                bail!("the API never showed {app} of {} terminated", job.name);
             }
         }
-        if spec.post || before_proxy.is_some() {
-            self.api.create_pod(posted)?;
-        }
-        let proxy = match (early_proxy, before_proxy) {
-            (Some(p), _) => p,
-            (None, Some(hook)) => {
-                hook()?;
-                start_proxy()?
-            }
-            (None, None) => bail!("no proxy started"),
-        };
-        Ok(JobPod { sim, pause, proxy, apps: Vec::new(), events, json: pod, name })
+        Ok(job)
     }
 
     pub fn pod(&self, job: &JobPod) -> Option<Value> {
@@ -261,11 +305,15 @@ impl Node {
 pub struct JobSpec {
     pub name: String,
     pub apps: Vec<String>,
+    /// Commands (`/bin/sh -c` scripts) of apps the kubelet starts itself, in spec order, before
+    /// the proxy. Apps without one wait until the test starts them ([`JobPod::run_app`]).
+    pub app_commands: Vec<(String, String)>,
     pub restart_policy: String,
     pub labelled: bool,
     pub node: Option<String>,
     pub annotations: Vec<(String, String)>,
-    /// Apps the pod object already shows as terminated (exit 0).
+    /// Apps that ran `exit 0` before [`Node::job_pod`] returns, which waits until the API shows
+    /// them terminated.
     pub already_exited: Vec<String>,
     /// The stand-in is ready only while this file exists.
     pub ready_file: Option<PathBuf>,
@@ -274,7 +322,10 @@ pub struct JobSpec {
     /// The stand-in answers every request with an endless body (set `ready_file` too: the
     /// readiness wait cannot read such an answer).
     pub proxy_floods: bool,
-    /// Post the pod object to the API now.
+    /// istio-proxy's readinessProbe: Istio's (`:15021/healthz/ready`, every 15 s) by default;
+    /// None: no probe, so the kubelet reports it ready as soon as it runs.
+    pub proxy_probe: Option<HttpProbe>,
+    /// The kubelet posts the pod object at once (false: [`JobPod::post`] does, later).
     pub post: bool,
     /// The kubelet's cgroup driver (default systemd).
     pub driver: CgroupDriver,
@@ -282,10 +333,12 @@ pub struct JobSpec {
     pub runtime: Runtime,
     /// The pod's QoS class (default Burstable).
     pub qos: QosClass,
-    /// Whether the posted pod shows container ids (false: the kubelet has not synced yet).
-    pub container_ids: bool,
-    /// Write the runtime's OCI bundles for the pod's containers here when creating them.
-    pub bundles_dir: Option<PathBuf>,
+    /// When the kubelet writes statuses: as a real one (default), at once, or never.
+    pub status: StatusTiming,
+    /// The runtime writes OCI bundles for the pod's containers (default true).
+    pub bundles: bool,
+    /// The API shows the pod IP once the kubelet synced (default true; false: never).
+    pub report_pod_ip: bool,
 }
 
 impl JobSpec {
@@ -293,6 +346,7 @@ impl JobSpec {
         JobSpec {
             name: name.into(),
             apps: vec!["app".into()],
+            app_commands: Vec::new(),
             restart_policy: "Never".into(),
             labelled: true,
             node: None,
@@ -302,12 +356,14 @@ impl JobSpec {
             proxy_hangs: false,
             proxy_ignores_quit: false,
             proxy_floods: false,
+            proxy_probe: Some(HttpProbe::istio()),
             post: true,
             driver: CgroupDriver::Systemd,
             runtime: Runtime::Containerd,
             qos: QosClass::Burstable,
-            container_ids: true,
-            bundles_dir: None,
+            status: StatusTiming::Relist,
+            bundles: true,
+            report_pod_ip: true,
         }
     }
     /// Cgroup driver, runtime and QoS class of the simulated pod.
@@ -321,6 +377,11 @@ impl JobSpec {
         self.apps = apps.iter().map(|s| s.to_string()).collect();
         self
     }
+    /// The kubelet starts `app` with this `/bin/sh -c` script, in spec order before the proxy.
+    pub fn app_command(mut self, app: &str, script: &str) -> Self {
+        self.app_commands.push((app.into(), script.into()));
+        self
+    }
     pub fn restart_policy(mut self, p: &str) -> Self {
         self.restart_policy = p.into();
         self
@@ -329,26 +390,120 @@ impl JobSpec {
         self.annotations.push((k.into(), v.into()));
         self
     }
+    /// A kinder kubelet than any real one: statuses (ids, running, terminated) are written the
+    /// moment containers start and exit, not on the next 1 s relist.
+    pub fn kind_kubelet(mut self) -> Self {
+        self.status = StatusTiming::AtOnce;
+        self
+    }
+    /// The kubelet posts the pod once (Pending, no ids) and never writes its status: the test
+    /// does ([`JobPod::publish_status`], [`JobPod::report_terminated`], the API directly).
+    pub fn manual_status(mut self) -> Self {
+        self.status = StatusTiming::Manual;
+        self
+    }
+    /// No OCI bundles for this pod's containers.
+    pub fn no_bundles(mut self) -> Self {
+        self.bundles = false;
+        self
+    }
+    /// istio-proxy's readinessProbe period (Istio: 15 s).
+    pub fn readiness_period(mut self, period: Duration) -> Self {
+        self.proxy_probe = Some(self.proxy_probe.unwrap_or_else(HttpProbe::istio).period(period));
+        self
+    }
+    /// istio-proxy without a readinessProbe: the kubelet says ready as soon as it runs.
+    pub fn without_readiness_probe(mut self) -> Self {
+        self.proxy_probe = None;
+        self
+    }
 }
 
-/// A Job pod on the simulated node.
+/// A Job pod on the simulated node, run by the node's kubelet; dropping it removes it from the
+/// kubelet (its processes are killed, its cgroups removed).
 pub struct JobPod {
-    pub sim: SimPod,
-    pub pause: SimProcess,
-    pub proxy: SimProcess,
-    pub apps: Vec<SimProcess>,
+    pub sim: Arc<SimPod>,
+    pub pause: ContainerProcess,
+    /// The proxy's first instance.
+    pub proxy: ContainerProcess,
+    /// App main processes, in the order they started.
+    pub apps: Vec<ContainerProcess>,
     /// The stand-in's request log.
     pub events: PathBuf,
+    /// The pod object the kubelet posted (or would have, without `post`).
     pub json: Value,
     pub name: String,
+    kubelet: Kubelet,
+    api: ApiHandle,
+    _removal: PodRemoval,
+}
+
+/// Removes a pod from the kubelet when dropped (also when building the [`JobPod`] failed).
+struct PodRemoval {
+    kubelet: Kubelet,
+    name: String,
+}
+
+impl Drop for PodRemoval {
+    fn drop(&mut self) {
+        self.kubelet.remove_pod("jobs", &self.name);
+    }
 }
 
 impl JobPod {
-    /// Starts an app container's main process (pid 1 of its own pid namespace).
+    /// Has the kubelet start an app container's main process now (pid 1 of its own pid
+    /// namespace): bundle, cgroup, process, as for any container.
     pub fn run_app(&mut self, container: &str, script: &str) -> Result<()> {
-        let p = self.sim.spawn(container, &["/bin/sh", "-c", script], &SpawnOptions::default())?;
-        self.apps.push(p);
+        self.start_app(container, &["/bin/sh", "-c", script], &SpawnOptions::default())?;
         Ok(())
+    }
+
+    /// Like [`JobPod::run_app`] with any command and spawn options.
+    pub fn start_app(&mut self, container: &str, cmd: &[&str], opts: &SpawnOptions) -> Result<ContainerProcess> {
+        let p = self.kubelet.start_container("jobs", &self.name, container, cmd, opts)?;
+        self.apps.push(p.clone());
+        Ok(p)
+    }
+
+    /// The current process of a container (a restarted container has a new one).
+    pub fn process(&self, container: &str) -> Option<ContainerProcess> {
+        self.kubelet.process("jobs", &self.name, container)
+    }
+
+    /// Posts the pod object (for specs with `post: false`).
+    pub fn post(&self) -> Result<()> {
+        // The kubelet's status writes went nowhere until now.
+        self.api.create_pod(self.json.clone())?;
+        Ok(())
+    }
+
+    /// Writes what the runtime shows now to the API (ids, states), whatever the kubelet's timing.
+    pub fn publish_status(&self) -> Result<()> {
+        self.kubelet.publish_status("jobs", &self.name)
+    }
+
+    /// The status the runtime's truth makes now, not written (see [`Kubelet::runtime_status`]).
+    pub fn runtime_status(&self) -> Result<Value> {
+        self.kubelet.runtime_status("jobs", &self.name)
+    }
+
+    /// A container's status as the API shows it now.
+    pub fn api_status(&self, container: &str) -> Option<Value> {
+        let pod = self.api.get_pod("jobs", &self.name)?;
+        ["containerStatuses", "initContainerStatuses"]
+            .iter()
+            .flat_map(|l| pod["status"][l].as_array().cloned().unwrap_or_default())
+            .find(|c| c["name"] == container)
+    }
+
+    /// Waits until the API shows `container` terminated; its exit code.
+    pub fn wait_api_terminated(&self, container: &str, timeout: Duration) -> Option<i64> {
+        let mut code = None;
+        eventually(timeout, || {
+            code = self.api_status(container).and_then(|s| s["state"]["terminated"]["exitCode"].as_i64());
+            code.is_some()
+        });
+        code
     }
 
     /// Quit requests the stand-in received (POST /quitquitquit), with their peers.
@@ -365,20 +520,14 @@ impl JobPod {
         self.quits().into_iter().filter(|e| e.peer.ip().is_loopback()).collect()
     }
 
-    /// Waits for the proxy to exit; its exit code (None: still running at the deadline).
+    /// Waits for the proxy (its first instance) to exit; its exit code (None: still running at
+    /// the deadline).
     pub fn wait_proxy_exit(&mut self, timeout: Duration) -> Result<Option<i32>> {
-        Ok(self.proxy.wait_timeout(timeout)?.map(|s| {
-            use std::os::unix::process::ExitStatusExt as _;
-            s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
-        }))
+        Ok(self.proxy.wait_timeout(timeout)?.map(valet_sim::kubelet::exit_code))
     }
 
-    /// Writes the runtime's OCI bundles for this pod (see [`write_bundles`]).
-    pub fn write_bundles(&self, dir: &Path) -> Result<()> {
-        write_bundles(&self.sim, &self.name, dir)
-    }
-
-    /// Marks an app terminated in the API, as the kubelet would a second later.
+    /// Marks an app terminated in the API now (the kubelet does it itself about a second after the
+    /// exit; for `manual_status` pods, or to be early).
     pub fn report_terminated(&self, node: &Node, app: &str, code: i32) -> Result<()> {
         node.api.modify_pod("jobs", &self.name, |pod| {
             let _ = valet_sim::node::mark_container_terminated(pod, app, code);
@@ -500,28 +649,4 @@ pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-}
-
-/// Writes containerd-style OCI bundles (`<dir>/<id>/config.json` with the kubelet's annotations)
-/// for the sandbox and every container of a pod, as the runtime does before it starts them.
-pub fn write_bundles(sim: &SimPod, pod_name: &str, dir: &Path) -> Result<()> {
-    let uid = sim.uid();
-    let mut entries = vec![(sim.sandbox().id.clone(), "sandbox", "POD".to_owned())];
-    entries.extend(sim.containers().iter().map(|c| (c.id.clone(), "container", c.name.clone())));
-    for (id, kind, name) in entries {
-        let bundle = dir.join(&id);
-        std::fs::create_dir_all(&bundle)?;
-        let config = serde_json::json!({
-            "ociVersion": "1.1.0",
-            "annotations": {
-                "io.kubernetes.cri.container-type": kind,
-                "io.kubernetes.cri.container-name": name,
-                "io.kubernetes.cri.sandbox-uid": uid,
-                "io.kubernetes.cri.sandbox-name": pod_name,
-                "io.kubernetes.cri.sandbox-namespace": "jobs",
-            }
-        });
-        std::fs::write(bundle.join("config.json"), serde_json::to_vec(&config)?)?;
-    }
-    Ok(())
 }

@@ -3,6 +3,10 @@
 //! timeout, survives its own restarts without leaving apps stopped, and publishes the
 //! `valet.dev/ProxyReady` pod condition without redundant writes.
 //!
+//! The node's kubelet is as unhelpful as a real one (see `valet_sim::kubelet`): container ids in
+//! the API about a second after the start, istio-proxy `ready` only after its readinessProbe passed
+//! (every 15 s, as Istio injects it). Tests that need a kinder node say so.
+//!
 //! The tests run one at a time (a file-wide lock): they measure release latencies and hold
 //! timings that a busy 2-core machine would blur.
 
@@ -104,7 +108,7 @@ fn held_app_runs_once_the_proxy_is_ready() {
     job.run_app("app", &marker_script(&marker)).expect("app");
     std::thread::sleep(Duration::from_secs(1));
     assert_held(&job, &marker, &agent, "1 s after start with the proxy not ready");
-    assert_eq!(agent.metric("valet_app_holds_total "), 1.0);
+    assert_eq!(agent.metric("valet_app_holds_total "), 1.0, "only the app was held\n{}", agent.log_text());
     assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 0.0);
 
     std::fs::write(&ready, "").expect("ready file");
@@ -133,13 +137,9 @@ fn without_a_pod_ip_the_proxy_is_probed_inside_the_pod_netns() {
     let ready = node.scratch.path("ready");
     let marker = node.scratch.path("marker");
     let mut spec = held_spec("no-ip", &ready);
-    spec.post = false;
+    // The API does not report the pod IP: the proxy is reachable on the pod's loopback only.
+    spec.report_pod_ip = false;
     let mut job = node.job_pod(spec).expect("pod");
-    // The API has not reported the pod IP yet: the proxy is reachable on the pod's loopback only.
-    let status = job.json["status"].as_object_mut().expect("status");
-    status.remove("podIP");
-    status.remove("podIPs");
-    node.api.create_pod(job.json.clone()).expect("post pod");
     wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
     job.run_app("app", &marker_script(&marker)).expect("app");
     std::thread::sleep(Duration::from_millis(500));
@@ -202,21 +202,16 @@ fn agent_killed_while_holding_leaves_apps_to_its_successor() {
     let node = Node::new().expect("node");
     let mut agent = node.start_agent(&[]).expect("agent");
     // a: the proxy turns ready after the restart; c: it turns ready while no agent runs;
-    // b: the API has not reported the app's container ID yet and the proxy never turns ready.
+    // b: the API never reports the app's container ID (nor a bundle) and the proxy never turns ready.
     let paths = |tag: &str| (node.scratch.path(&format!("ready-{tag}")), node.scratch.path(&format!("marker-{tag}")));
     let ((ready_a, marker_a), (ready_b, marker_b), (ready_c, marker_c)) = (paths("a"), paths("b"), paths("c"));
     let script = |marker: &PathBuf| format!("echo ran > {}; exec sleep 0.3", marker.display());
     let mut a = node.job_pod(held_spec("restart-a", &ready_a)).expect("pod a");
     let mut c = node.job_pod(held_spec("restart-c", &ready_c)).expect("pod c");
-    let mut spec_b = held_spec("restart-b", &ready_b).annotation(HOLD_TIMEOUT, "3s");
-    spec_b.post = false;
+    let spec_b = held_spec("restart-b", &ready_b).annotation(HOLD_TIMEOUT, "3s").manual_status().no_bundles();
     let mut b = node.job_pod(spec_b).expect("pod b");
-    for status in b.json["status"]["containerStatuses"].as_array_mut().expect("statuses") {
-        if status["name"] == "app" {
-            status.as_object_mut().expect("status").remove("containerID");
-        }
-    }
-    node.api.create_pod(b.json.clone()).expect("post pod b");
+    // The API names the proxy (the app has not started); it never shows more.
+    b.publish_status().expect("b's status");
     agent.wait_tracked(3, Duration::from_secs(5)).expect("tracked");
     for job in [&a, &b, &c] {
         wait_condition(&node, job, &agent, "False", "ProxyNotReady");
@@ -384,7 +379,7 @@ fn the_sidecar_of_a_held_pod_is_never_held() {
         )
         .expect("the proxy serves");
     wait_condition(&node, &job, &agent, "True", "ProxyReady");
-    assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "the sidecar's start was not held");
+    assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "the sidecar's start was not held\n{}", agent.log_text());
 
     // The app of the same pod is still held at its start, and released since the proxy is ready.
     let marker = node.scratch.path("marker");
@@ -469,7 +464,7 @@ fn the_pod_sandbox_is_released_at_once() {
     let node = Node::new().expect("node");
     let agent = node.start_agent(&[]).expect("agent");
     let ready = node.scratch.path("sandbox-ready");
-    let mut job = node.job_pod(held_spec("sandbox", &ready)).expect("pod");
+    let job = node.job_pod(held_spec("sandbox", &ready)).expect("pod");
     agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
     // A second sandbox start in the pod's sandbox cgroup, as after a sandbox restart; the
     // program is named pause like the real one.
@@ -480,7 +475,6 @@ fn the_pod_sandbox_is_released_at_once() {
         .spawn("POD", &[pause.to_str().expect("path"), "5"], &valet_sim::node::SpawnOptions::default())
         .expect("spawn pause");
     let pid = p.host_pid();
-    job.apps.push(p);
     assert!(
         eventually(Duration::from_secs(3), || agent.metric("valet_app_releases_total{reason=\"not_app\"} ") == 1.0),
         "the sandbox was held and released as not an app\n{}",
@@ -493,17 +487,13 @@ fn the_pod_sandbox_is_released_at_once() {
 
 #[test]
 fn runtime_bundles_keep_the_sidecar_unheld_before_the_api_names_it() {
-    // The API shows no container ids yet (as for the first second of a real pod); the runtime's
-    // bundles name the containers, so the sidecar is let through and only the app waits.
+    // The API shows no container ids (as for the first second of a real pod; here never); the
+    // runtime's bundles name the containers, so the sidecar is let through and only the app waits.
     let _serial = serial();
     let node = Node::new().expect("node");
-    let bundles = node.scratch.path("bundles");
-    std::fs::create_dir_all(&bundles).expect("bundle dir");
-    let agent = node.start_agent(&["--runtime-state-dirs", bundles.to_str().expect("path")]).expect("agent");
+    let agent = node.start_agent(&[]).expect("agent");
     let ready = node.scratch.path("ready");
-    let mut spec = held_spec("bundled", &ready);
-    spec.container_ids = false;
-    spec.bundles_dir = Some(bundles.clone());
+    let spec = held_spec("bundled", &ready).manual_status();
     let mut job = node
         .job_pod_proxy_later(spec, || {
             agent.wait_tracked(1, Duration::from_secs(5))?;

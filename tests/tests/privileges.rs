@@ -173,8 +173,7 @@ fn held_pod(node: &Node, name: &str) -> (JobPod, std::path::PathBuf, std::path::
 fn run_app_as_other_uid(job: &mut JobPod, marker: &Path) {
     let opts = SpawnOptions { uid: Some(APP_UID), ..SpawnOptions::default() };
     let script = format!("echo ran > {}; sleep 0.2", marker.display());
-    let p = job.sim.spawn("app", &["/bin/sh", "-c", &script], &opts).expect("app");
-    job.apps.push(p);
+    job.start_app("app", &["/bin/sh", "-c", &script], &opts).expect("app");
 }
 
 fn state(pid: u32) -> Option<char> {

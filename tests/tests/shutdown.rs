@@ -1,6 +1,11 @@
 //! End to end, issue "exec-free sidecar shutdown": the real agent binary against the fake API
 //! server, real cgroups, network namespaces and a stand-in Istio pilot-agent.
 //!
+//! The node's kubelet is as unhelpful as a real one (see `valet_sim::kubelet`): the API names a
+//! container about a second after it started and reports its exit about a second later; the
+//! runtime writes OCI bundles before a container starts and removes bundle and cgroup at its exit.
+//! Tests that need a kinder node say so.
+//!
 //! Every test starts its own node (API server) and agent, so they run in parallel. Negative
 //! checks ("no quit") always run next to a pod that does quit in the same agent, or check an
 //! exact metric, so a dead agent cannot pass them.
@@ -58,7 +63,7 @@ fn never_policy_failed_app_still_quits_cgroupfs_crio_guaranteed() {
     let quits = job.quits();
     assert_eq!(quits.len(), 1, "exactly one quit: {quits:?}");
     assert!(quits[0].peer.ip().is_loopback(), "sent from inside the pod: {:?}", quits[0].peer);
-    // The kernel path saw the app's failure (the API was never told) and the proxy's clean end.
+    // The kernel path saw the app's failure and the proxy's clean end.
     assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Failure\"} "), 1.0);
     assert!(
         eventually(Duration::from_secs(2), || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
@@ -87,12 +92,12 @@ fn unlabelled_and_other_node_pods_are_left_alone() {
     for job in [&mut unlabelled, &mut foreign, &mut good] {
         job.run_app("app", "exit 0").expect("app");
     }
-    for job in [&mut unlabelled, &mut foreign] {
-        assert!(job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").is_some());
-        job.report_terminated(&node, "app", 0).expect("report");
-    }
     assert_eq!(good.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
     assert_eq!(good.quits().len(), 1);
+    // The kubelet reports the other apps terminated a second later; still nothing happens.
+    for job in [&unlabelled, &foreign] {
+        assert_eq!(job.wait_api_terminated("app", Duration::from_secs(3)), Some(0), "{}", job.name);
+    }
 
     std::thread::sleep(QUIET);
     for job in [&mut unlabelled, &mut foreign] {
@@ -107,8 +112,8 @@ fn unlabelled_and_other_node_pods_are_left_alone() {
     assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
 }
 
-/// restartPolicy OnFailure: an app that failed is restarted in place by the kubelet, so its proxy
-/// stays; an app that succeeded ends the work.
+/// restartPolicy OnFailure: an app that failed is restarted in place by the kubelet (new container
+/// id and cgroup, after the back-off), so its proxy stays; an app that succeeded ends the work.
 #[test]
 fn on_failure_policy_quits_only_after_success() {
     let node = Node::new().expect("node");
@@ -125,8 +130,17 @@ fn on_failure_policy_quits_only_after_success() {
         "the agent saw the failure\n{}",
         agent.log_text()
     );
-    // The API's view agrees a moment later: still no quit.
-    failing.report_terminated(&node, "app", 1).expect("report");
+    // The kubelet restarts it in place (and it fails again): still no quit.
+    let first_id = failing.apps[0].id().to_owned();
+    assert!(
+        eventually(Duration::from_secs(5), || failing.process("app").is_some_and(|p| p.id() != first_id)),
+        "the kubelet restarted the app"
+    );
+    assert!(
+        eventually(Duration::from_secs(3), || failing.api_status("app").is_some_and(|s| s["restartCount"] == 1)),
+        "the API shows the restart: {:?}",
+        failing.api_status("app")
+    );
     std::thread::sleep(QUIET);
     assert_eq!(failing.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "proxy kept for the restart");
     assert!(failing.quits().is_empty(), "no quit after a failure: {:?}", failing.quits());
@@ -163,8 +177,8 @@ fn multi_container_pod_quits_after_the_last_app() {
     std::fs::write(&go, b"").expect("release b");
     assert_eq!(job.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
     // The kubelet reports both a moment later: nothing more happens.
-    job.report_terminated(&node, "a", 0).expect("report a");
-    job.report_terminated(&node, "b", 0).expect("report b");
+    assert_eq!(job.wait_api_terminated("a", Duration::from_secs(3)), Some(0));
+    assert_eq!(job.wait_api_terminated("b", Duration::from_secs(3)), Some(0));
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(job.quits().len(), 1, "exactly one quit: {:?}", job.quits());
     assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
@@ -192,20 +206,14 @@ fn multithreaded_app_ended_by_a_worker_thread_quits() {
 }
 
 /// The app ends before the API shows its containerID (the kubelet syncs statuses about a second
-/// later): the kernel's end is kept by container ID and used as soon as the API names the
-/// container, even while the API still shows it running.
+/// later) and the runtime writes no bundles: the kernel's end is kept by container ID and used as
+/// soon as the API names the container, even while the API still shows it running (the relist saw
+/// it running just before the exit). The test writes that status itself.
 #[test]
 fn exit_before_the_api_shows_container_ids_is_used_when_they_arrive() {
     let node = Node::new().expect("node");
     let agent = node.start_agent(&[]).expect("agent");
-    let mut spec = JobSpec::new("no-ids");
-    spec.post = false;
-    let mut job = node.job_pod(spec).expect("pod");
-    let mut pod = job.json.clone();
-    for status in pod["status"]["containerStatuses"].as_array_mut().expect("statuses") {
-        status.as_object_mut().expect("status").remove("containerID");
-    }
-    node.api.create_pod(pod).expect("post");
+    let mut job = node.job_pod(JobSpec::new("no-ids").manual_status().no_bundles()).expect("pod");
     agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
 
     job.run_app("app", "exit 0").expect("app");
@@ -218,7 +226,17 @@ fn exit_before_the_api_shows_container_ids_is_used_when_they_arrive() {
     assert!(job.quits().is_empty(), "which container ended is not known yet: {:?}", job.quits());
 
     // The kubelet's next status sync names the containers (the app still shown running).
-    let ids = job.json["status"]["containerStatuses"].clone();
+    let mut status = job.runtime_status().expect("status");
+    for c in status["containerStatuses"].as_array_mut().expect("statuses") {
+        if c["name"] == "app" {
+            let started = c["state"]["terminated"]["startedAt"].clone();
+            c["state"] = serde_json::json!({"running": {"startedAt": started}});
+            c["ready"] = Value::Bool(true);
+            c["started"] = Value::Bool(true);
+        }
+    }
+    assert!(status["containerStatuses"][0]["containerID"].is_string(), "{status}");
+    let ids = status["containerStatuses"].clone();
     node.api.modify_pod("jobs", &job.name, |pod| pod["status"]["containerStatuses"] = ids).expect("sync");
     assert_eq!(job.wait_proxy_exit(Duration::from_secs(2)).expect("wait"), Some(0), "{}", agent.log_text());
     assert_eq!(job.quits().len(), 1);
@@ -305,8 +323,6 @@ fn watch_dropped_and_history_expired_pod_added_afterwards_is_handled() {
     let mut job = node.job_pod(JobSpec::new("after")).expect("pod");
     job.run_app("app", "sleep 0.2; exit 0").expect("app");
     assert!(job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").is_some());
-    // As the kubelet would, a second later: covers an exit the kernel path could not attribute yet.
-    job.report_terminated(&node, "app", 0).expect("report");
     assert_eq!(job.wait_proxy_exit(Duration::from_secs(10)).expect("wait"), Some(0), "{}", agent.log_text());
     assert_eq!(job.quits().len(), 1);
     assert_eq!(agent.metric("valet_pods_tracked "), 2.0);
@@ -457,9 +473,9 @@ fn malformed_annotations_skip_the_pod_with_one_warning() {
     }
     good.run_app("app", "exit 0").expect("app");
     assert_eq!(good.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
-    // Updates with the same error are not reported again.
+    // Updates with the same error are not reported again (the kubelet's and others').
     for (job, _) in &bad {
-        job.report_terminated(&node, "app", 0).expect("report");
+        assert_eq!(job.wait_api_terminated("app", Duration::from_secs(3)), Some(0), "{}", job.name);
         node.api
             .modify_pod("jobs", &job.name, |pod| pod["metadata"]["labels"]["touched"] = Value::from("yes"))
             .expect("touch");
@@ -504,7 +520,7 @@ fn api_errors_do_not_stop_the_agent() {
 }
 
 /// restartPolicy Always: never act, and count (and log) the skip once per pod however often the
-/// pod changes.
+/// pod changes (the kubelet restarts the app after each exit, too).
 #[test]
 fn restart_always_pod_is_skipped_once() {
     let node = Node::new().expect("node");
@@ -528,7 +544,13 @@ fn restart_always_pod_is_skipped_once() {
         "the agent saw the exit\n{}",
         agent.log_text()
     );
-    job.report_terminated(&node, "app", 0).expect("report");
+    assert!(
+        eventually(Duration::from_secs(3), || job
+            .api_status("app")
+            .is_some_and(|s| s["lastState"]["terminated"].is_object() || s["state"]["terminated"].is_object())),
+        "the API shows the exit: {:?}",
+        job.api_status("app")
+    );
     std::thread::sleep(QUIET);
     assert!(job.quits().is_empty(), "no quit: {:?}", job.quits());
     assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None);
@@ -610,58 +632,47 @@ fn wait_listening(job: &JobPod, port: u16) {
 }
 
 /// With the runtime's state directory, the agent names a container from its OCI bundle: an app
-/// that exits before the API shows any container id is acted on at once.
+/// that exits right after a kubelet relist, so the API cannot name it for a second, is acted on
+/// at once, although the runtime removes its bundle and cgroup as soon as it exited.
 #[test]
 fn runtime_bundles_name_an_app_that_exits_before_the_api_shows_its_id() {
     let node = Node::new().expect("node");
-    let bundles = node.scratch.path("bundles");
-    std::fs::create_dir_all(&bundles).expect("bundle dir");
-    let agent = node.start_agent(&["--runtime-state-dirs", bundles.to_str().expect("path")]).expect("agent");
-    let mut spec = JobSpec::new("bundled");
-    spec.post = false;
-    let mut job = node.job_pod(spec).expect("pod");
-    job.write_bundles(&bundles).expect("bundles");
-    let mut pod = job.json.clone();
-    for status in pod["status"]["containerStatuses"].as_array_mut().expect("statuses") {
-        status.as_object_mut().expect("status").remove("containerID");
-    }
-    node.api.create_pod(pod).expect("post");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut job = node.job_pod(JobSpec::new("bundled")).expect("pod");
     agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
 
+    let tick = node.kubelet.next_tick_after(Instant::now());
+    std::thread::sleep(tick.saturating_duration_since(Instant::now()) + Duration::from_millis(20));
+    let started = Instant::now();
     job.run_app("app", "exit 0").expect("app");
-    assert_eq!(
-        job.wait_proxy_exit(Duration::from_secs(3)).expect("wait"),
-        Some(0),
-        "quit without waiting for the API\n{}",
+    let code = job.wait_proxy_exit(Duration::from_secs(3)).expect("wait");
+    let took = started.elapsed();
+    assert_eq!(code, Some(0), "the proxy was quit\n{}", agent.log_text());
+    assert!(
+        took < Duration::from_millis(900),
+        "quit {took:?} after the app started: it waited for the API (next relist ~1 s after the start)\n{}",
         agent.log_text()
     );
     assert_eq!(job.loopback_quits().len(), 1);
 }
 
-/// A bundle of another pod never names a container of this one.
+/// A bundle of another pod never names a container of this one. (The runtime writes none for this
+/// pod and the API never names its containers: the test writes a foreign bundle under the app's id.)
 #[test]
 fn runtime_bundles_of_another_pod_are_ignored() {
     let node = Node::new().expect("node");
-    let bundles = node.scratch.path("bundles");
-    std::fs::create_dir_all(&bundles).expect("bundle dir");
-    let agent = node.start_agent(&["--runtime-state-dirs", bundles.to_str().expect("path")]).expect("agent");
-    let mut spec = JobSpec::new("foreign");
-    spec.post = false;
-    let mut job = node.job_pod(spec).expect("pod");
-    job.write_bundles(&bundles).expect("bundles");
-    // Rewrite the bundles as if they belonged to another pod.
-    for entry in std::fs::read_dir(&bundles).expect("read").flatten() {
-        let path = entry.path().join("config.json");
-        let text = std::fs::read_to_string(&path)
-            .expect("config")
-            .replace(job.sim.uid(), "11111111-2222-4333-8444-555555555555");
-        std::fs::write(&path, text).expect("write");
-    }
-    let mut pod = job.json.clone();
-    for status in pod["status"]["containerStatuses"].as_array_mut().expect("statuses") {
-        status.as_object_mut().expect("status").remove("containerID");
-    }
-    node.api.create_pod(pod).expect("post");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut job = node.job_pod(JobSpec::new("foreign").manual_status().no_bundles()).expect("pod");
+    let app = job.sim.container("app").expect("app");
+    let bundle = node.runtime_state_dir().join(&app.id);
+    std::fs::create_dir_all(&bundle).expect("bundle dir");
+    let config = serde_json::json!({"ociVersion": "1.1.0", "annotations": {
+        "io.kubernetes.cri.container-type": "container",
+        "io.kubernetes.cri.container-name": "app",
+        "io.kubernetes.cri.sandbox-uid": "11111111-2222-4333-8444-555555555555",
+        "io.kubernetes.cri.sandbox-name": job.name,
+        "io.kubernetes.cri.sandbox-namespace": "jobs"}});
+    std::fs::write(bundle.join("config.json"), config.to_string()).expect("write");
     agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
     job.run_app("app", "exit 0").expect("app");
     assert_eq!(
@@ -683,8 +694,7 @@ fn container_without_its_own_pid_namespace_ends_with_its_last_process() {
     let opts = valet_sim::node::SpawnOptions { pid_namespace: false, ..Default::default() };
     // A child exits first (the container goes on), then the main process exits 0.
     let started = Instant::now();
-    let p = job.sim.spawn("app", &["/bin/sh", "-c", "/bin/sh -c 'exit 0'; sleep 0.3; exit 0"], &opts).expect("app");
-    job.apps.push(p);
+    job.start_app("app", &["/bin/sh", "-c", "/bin/sh -c 'exit 0'; sleep 0.3; exit 0"], &opts).expect("app");
     assert_eq!(job.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
     assert!(started.elapsed() >= Duration::from_millis(300), "not before the main process ended");
     assert_eq!(job.loopback_quits().len(), 1);

@@ -2,6 +2,8 @@
 //!
 //! - [`apiserver`]: a fake API server for Pods and Events speaking the real REST/watch protocol
 //!   (kube-rs and client-go work against it), with a synchronous test-control API;
+//! - [`kubelet`]: a simulated kubelet and container runtime that run those pods with a real
+//!   kubelet's timing (ids and exits reported about a second late, readiness from probes);
 //! - [`node`]: kubelet-shaped pods made of real cgroups, network and pid namespaces (root);
 //! - [`standin`]: stand-in sidecar proxies (Istio, Envoy, Linkerd, cloud-sql-proxy endpoints),
 //!   also the `valet-standin-proxy` binary;
@@ -28,11 +30,13 @@
 
 pub mod apiserver;
 pub mod client;
+pub mod kubelet;
 pub mod node;
 pub mod standin;
 pub mod util;
 
-pub use apiserver::{FakeApiServer, RecordedRequest, ServerOptions};
+pub use apiserver::{ApiHandle, FakeApiServer, RecordedRequest, ServerOptions};
+pub use kubelet::{ContainerProcess, HttpProbe, Kubelet, KubeletOptions, KubeletPod, StatusTiming};
 pub use node::{
     CgroupDriver, CgroupRoot, PodJsonOptions, QosClass, Runtime, SimPod, SimPodOptions, SimProcess, SpawnOptions,
 };

@@ -189,6 +189,9 @@ pub struct SimPodOptions {
     pub netns: bool,
     /// Override the cgroup2 root (default: [`CgroupRoot::detect`]).
     pub cgroup_root: Option<PathBuf>,
+    /// Create only the pod's cgroup: the sandbox's and the containers' are made when they start
+    /// ([`SimPod::make_container_cgroup`]), as the runtime does (the simulated kubelet does this).
+    pub lazy_cgroups: bool,
 }
 
 impl SimPodOptions {
@@ -204,6 +207,7 @@ impl SimPodOptions {
             containers: Vec::new(),
             netns: true,
             cgroup_root: None,
+            lazy_cgroups: false,
         }
     }
     pub fn namespace(mut self, ns: &str) -> Self {
@@ -240,6 +244,10 @@ impl SimPodOptions {
     }
     pub fn cgroup_root(mut self, root: impl Into<PathBuf>) -> Self {
         self.cgroup_root = Some(root.into());
+        self
+    }
+    pub fn lazy_cgroups(mut self, on: bool) -> Self {
+        self.lazy_cgroups = on;
         self
     }
 }
@@ -417,11 +425,12 @@ pub struct SimPod {
     root: PathBuf,
     pod_cgroup: PathBuf,
     sandbox: SimContainer,
-    containers: Vec<SimContainer>,
+    /// The current instance of each container, in spec order (a restart gives a new one).
+    containers: Mutex<Vec<SimContainer>>,
     /// Shared ancestors this pod holds a reference on, root first.
     shared_held: Vec<PathBuf>,
     /// Directories this pod created, parents first.
-    owned: Vec<PathBuf>,
+    owned: Mutex<Vec<PathBuf>>,
     net: Option<PodNet>,
     /// Whether the network setup got as far as creating these.
     netns_created: Option<String>,
@@ -498,9 +507,9 @@ impl SimPod {
             root: root.clone(),
             pod_cgroup: pod_cgroup.clone(),
             sandbox,
-            containers,
+            containers: Mutex::new(containers),
             shared_held: Vec::new(),
-            owned: Vec::new(),
+            owned: Mutex::new(Vec::new()),
             net: None,
             netns_created: None,
             host_if_created: None,
@@ -516,16 +525,12 @@ impl SimPod {
             pod.acquire_shared(&path)?;
         }
         pod.make_owned_dir(&pod_cgroup)?;
-        let mut leaves = vec![pod.sandbox.cgroup.clone()];
-        leaves.extend(pod.containers.iter().map(|c| c.cgroup.clone()));
-        if opts.runtime == Runtime::Crio && opts.driver == CgroupDriver::Systemd {
-            // CRI-O puts each container's conmon in a sibling scope.
-            let ids: Vec<String> =
-                std::iter::once(pod.sandbox.id.clone()).chain(pod.containers.iter().map(|c| c.id.clone())).collect();
-            leaves.extend(ids.iter().map(|id| pod_cgroup.join(format!("crio-conmon-{id}.scope"))));
-        }
-        for l in leaves {
-            pod.make_owned_dir(&l)?;
+        if !opts.lazy_cgroups {
+            let mut all = vec![pod.sandbox.clone()];
+            all.extend(pod.containers());
+            for c in &all {
+                pod.make_container_cgroup(c)?;
+            }
         }
         if opts.netns {
             pod.setup_net()?;
@@ -552,12 +557,65 @@ impl SimPod {
         }
     }
 
-    fn make_owned_dir(&mut self, path: &Path) -> Result<()> {
+    /// Creates a container's (or the sandbox's) cgroup, and CRI-O's sibling conmon scope with the
+    /// systemd driver; nothing when it exists already.
+    pub fn make_container_cgroup(&self, c: &SimContainer) -> Result<()> {
+        let mut dirs = vec![c.cgroup.clone()];
+        if self.runtime == Runtime::Crio && self.driver == CgroupDriver::Systemd {
+            // CRI-O puts each container's conmon in a sibling scope.
+            dirs.push(self.pod_cgroup.join(format!("crio-conmon-{}.scope", c.id)));
+        }
+        for d in dirs {
+            if !d.is_dir() {
+                self.make_owned_dir(&d)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes a container's cgroup (and CRI-O's conmon scope) as the runtime does once its last
+    /// process left; false while processes remain in it.
+    pub fn remove_container_cgroup(&self, c: &SimContainer) -> bool {
+        let procs = std::fs::read_to_string(c.cgroup.join("cgroup.procs")).unwrap_or_default();
+        if !procs.trim().is_empty() {
+            return false;
+        }
+        let mut dirs = vec![c.cgroup.clone()];
+        if self.runtime == Runtime::Crio && self.driver == CgroupDriver::Systemd {
+            dirs.push(self.pod_cgroup.join(format!("crio-conmon-{}.scope", c.id)));
+        }
+        for d in &dirs {
+            match std::fs::remove_dir(d) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(_) => return false,
+            }
+        }
+        lock(&self.owned).retain(|o| !dirs.contains(o));
+        true
+    }
+
+    /// A new instance of container `name` (as the kubelet makes when it restarts a container):
+    /// a new random id and a new cgroup path (not created yet). It becomes the current one.
+    pub fn new_instance(&self, name: &str) -> Result<SimContainer> {
+        let id = util::random_container_id();
+        let mut containers = lock(&self.containers);
+        let c = containers
+            .iter_mut()
+            .find(|c| c.name == name)
+            .ok_or_else(|| anyhow!("pod {} has no container {name}", self.name))?;
+        let leaf = c.cgroup.file_name().map(|f| f.to_string_lossy().replace(&c.id, &id)).unwrap_or_default();
+        c.cgroup = self.pod_cgroup.join(leaf);
+        c.id = id;
+        Ok(c.clone())
+    }
+
+    fn make_owned_dir(&self, path: &Path) -> Result<()> {
         let mut tries = 0;
         loop {
             match std::fs::create_dir(path) {
                 Ok(()) => {
-                    self.owned.push(path.to_path_buf());
+                    lock(&self.owned).push(path.to_path_buf());
                     return Ok(());
                 }
                 // A parent removed by another process between our mkdirs: recreate and retry.
@@ -575,12 +633,8 @@ impl SimPod {
     /// Records what this pod is about to create, so a later run can clean up after a test
     /// process that died without dropping it.
     fn write_lease(&mut self, shared: &[String], root: &Path, netns: bool) -> Result<()> {
-        let mut dirs = vec![self.pod_cgroup.clone(), self.sandbox.cgroup.clone()];
-        dirs.extend(self.containers.iter().map(|c| c.cgroup.clone()));
-        if self.runtime == Runtime::Crio && self.driver == CgroupDriver::Systemd {
-            let ids = std::iter::once(&self.sandbox.id).chain(self.containers.iter().map(|c| &c.id));
-            dirs.extend(ids.map(|id| self.pod_cgroup.join(format!("crio-conmon-{id}.scope"))));
-        }
+        // Everything below the pod's cgroup goes with it (see remove_tree), instances made later too.
+        let dirs = vec![self.pod_cgroup.clone()];
         let mut shared_paths = Vec::new();
         let mut p = root.to_path_buf();
         for s in shared {
@@ -660,21 +714,24 @@ impl SimPod {
     pub fn sandbox(&self) -> &SimContainer {
         &self.sandbox
     }
-    pub fn containers(&self) -> &[SimContainer] {
-        &self.containers
+    /// The current instance of every container, in spec order.
+    pub fn containers(&self) -> Vec<SimContainer> {
+        lock(&self.containers).clone()
     }
-    pub fn container(&self, name: &str) -> Result<&SimContainer> {
+    /// The current instance of a container (`POD` names the sandbox).
+    pub fn container(&self, name: &str) -> Result<SimContainer> {
         if name == "POD" {
-            return Ok(&self.sandbox);
+            return Ok(self.sandbox.clone());
         }
-        self.containers
+        lock(&self.containers)
             .iter()
             .find(|c| c.name == name)
+            .cloned()
             .ok_or_else(|| anyhow!("pod {} has no container {name}", self.name))
     }
     /// Absolute path of a container's cgroup (`POD` names the sandbox).
-    pub fn container_cgroup_path(&self, name: &str) -> Result<&Path> {
-        Ok(&self.container(name)?.cgroup)
+    pub fn container_cgroup_path(&self, name: &str) -> Result<PathBuf> {
+        Ok(self.container(name)?.cgroup)
     }
     /// A cgroup path as `/proc/<pid>/cgroup` shows it (`/kubepods.slice/...`).
     pub fn relative_cgroup(&self, abs: &Path) -> Result<String> {
@@ -833,8 +890,10 @@ impl SimPod {
             v
         };
         let is_sidecar = |c: &SimContainer| o.native_sidecars.contains(&c.name);
-        let main: Vec<&SimContainer> = self.containers.iter().filter(|c| !is_sidecar(c)).collect();
-        let init: Vec<&SimContainer> = self.containers.iter().filter(|c| is_sidecar(c)).collect();
+        let is_init = |c: &SimContainer| is_sidecar(c) || o.init_containers.contains(&c.name);
+        let all = self.containers();
+        let main: Vec<&SimContainer> = all.iter().filter(|c| !is_init(c)).collect();
+        let init: Vec<&SimContainer> = all.iter().filter(|c| is_init(c)).collect();
         let mut labels: Map<String, Value> = o.labels.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
         let mut meta = json!({"name": self.name, "namespace": self.namespace, "uid": self.uid});
         if let Some(job) = &o.job_name {
@@ -886,7 +945,7 @@ impl SimPod {
                 {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300}],
         });
         if !init.is_empty() {
-            spec["initContainers"] = init.iter().map(|c| spec_of(c, true)).collect();
+            spec["initContainers"] = init.iter().map(|c| spec_of(c, is_sidecar(c))).collect();
             status["initContainerStatuses"] = init.iter().map(|c| status_of(c)).collect();
         }
         json!({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec, "status": status})
@@ -909,6 +968,8 @@ pub struct PodJsonOptions {
     pub job_name: Option<String>,
     /// Containers declared as native sidecars (init containers with `restartPolicy: Always`).
     pub native_sidecars: Vec<String>,
+    /// Containers declared as plain init containers (run to completion before the others).
+    pub init_containers: Vec<String>,
     /// Report containerIDs in the statuses (false: the kubelet has not synced them yet).
     pub container_ids: bool,
 }
@@ -924,6 +985,7 @@ impl Default for PodJsonOptions {
             host_ip: None,
             job_name: None,
             native_sidecars: Vec::new(),
+            init_containers: Vec::new(),
             container_ids: true,
         }
     }
@@ -1086,6 +1148,26 @@ fn kill_cgroup(dir: &Path) {
     }
 }
 
+/// Kills what runs in a cgroup and below it, and removes the whole subtree, children first.
+fn remove_tree(dir: &Path) {
+    if !dir.is_dir() {
+        return;
+    }
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_tree(&e.path());
+            }
+        }
+    }
+    kill_cgroup(dir);
+    rmdir_retry(dir);
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn rmdir_retry(dir: &Path) {
     for _ in 0..100 {
         match std::fs::remove_dir(dir) {
@@ -1099,11 +1181,9 @@ fn rmdir_retry(dir: &Path) {
 
 impl Drop for SimPod {
     fn drop(&mut self) {
-        for dir in self.owned.iter().rev() {
-            kill_cgroup(dir);
-        }
-        for dir in self.owned.iter().rev() {
-            rmdir_retry(dir);
+        let owned = std::mem::take(&mut *lock(&self.owned));
+        for dir in owned.iter().rev() {
+            remove_tree(dir);
         }
         {
             let mut reg = SHARED_DIRS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -1166,14 +1246,8 @@ pub fn reap_stale_leases() {
                 .map(|a| a.iter().filter_map(Value::as_str).map(PathBuf::from).collect())
                 .unwrap_or_default()
         };
-        let dirs = paths("dirs");
-        for d in dirs.iter().rev() {
-            if d.exists() {
-                kill_cgroup(d);
-            }
-        }
-        for d in dirs.iter().rev() {
-            rmdir_retry(d);
+        for d in paths("dirs").iter().rev() {
+            remove_tree(d);
         }
         for d in paths("shared").iter().rev() {
             // Only goes if empty: other pods may still live there.

@@ -4,6 +4,9 @@
 //! 2. fork+exec+exit throughput of unrelated processes with the programs attached ÷ without;
 //! 3. app exit → quit received by the stand-in proxy, valet vs an in-pod wrapper;
 //! 4. proxy ready → held app released.
+//!
+//! Pods run on the simulated node's kubelet as unhelpful as a real one (container ids and exits
+//! reach the API about a second late; bundles and cgroups go at exit).
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -198,8 +201,7 @@ fn quit_latency(runs: usize) -> Result<()> {
             } else {
                 vec![&wrapper, "15020", "/quitquitquit", "--", &app, &stamp_s, "0"]
             };
-            let p = job.sim.spawn("app", &cmd, &SpawnOptions::default())?;
-            job.apps.push(p);
+            job.start_app("app", &cmd, &SpawnOptions::default())?;
             if job.wait_proxy_exit(Duration::from_secs(5))?.is_none() {
                 bail!("run {i}: proxy still running\n{}", agent.log_text());
             }
@@ -242,9 +244,7 @@ fn release_latency(runs: usize) -> Result<()> {
         agent.wait_tracked(1, Duration::from_secs(5))?;
         let stamp = node.scratch.path(&format!("ran-{i}"));
         let stamp_s = stamp.to_str().context("path")?.to_owned();
-        let p = job.sim.spawn("app", &[&app, &stamp_s, "0"], &SpawnOptions::default())?;
-        let pid = p.host_pid();
-        job.apps.push(p);
+        let pid = job.start_app("app", &[&app, &stamp_s, "0"], &SpawnOptions::default())?.host_pid();
         // Wait until the kernel stopped it (state T); it cannot have run.
         let stopped = eventually(Duration::from_secs(5), || {
             std::fs::read_to_string(format!("/proc/{pid}/stat"))

@@ -51,10 +51,11 @@ fn part1(node: &Node, agent: &valet_tests::harness::Agent, app: &str) -> Result<
     let stamp_file = node.scratch.path("app-exit");
     let stamp_s = stamp_file.to_string_lossy().into_owned();
     println!("starting the app (works 300 ms, then exits 0) …");
-    let p = job.sim.spawn("app", &[app, &stamp_s, "0", "300"], &SpawnOptions::default())?;
-    job.apps.push(p);
+    job.start_app("app", &[app, &stamp_s, "0", "300"], &SpawnOptions::default())?;
     let code = job.wait_proxy_exit(Duration::from_secs(10))?;
     let proxy_gone = monotonic_ns();
+    // The kubelet's view: it reports the app's exit on its next relist (every second).
+    let api_exit = job.wait_api_terminated("app", Duration::from_secs(5)).map(|_| monotonic_ns());
     let exited = stamp(&stamp_file).context("app stamp")?;
     let quit = job.loopback_quits().first().map(|q| (q.mono_ns, q.peer)).context("the proxy got no quit")?;
     // The agent logs after it acted; give its log a moment to reach the file.
@@ -67,6 +68,10 @@ fn part1(node: &Node, agent: &valet_tests::harness::Agent, app: &str) -> Result<
     }
     println!("  {:>12}  quit received by pilot-agent, from {}", ms(exited, quit.0), quit.1);
     println!("  {:>12}  proxy exited with code {}", ms(exited, proxy_gone), code.map_or("?".into(), |c| c.to_string()));
+    match api_exit {
+        Some(t) => println!("  {:>12}  the API shows the app terminated (the kubelet's 1 s relist)", ms(exited, t)),
+        None => println!("  {:>12}  the API did not show the app terminated within 5 s", ""),
+    }
     if code != Some(0) {
         bail!("the proxy did not exit 0\n{log}");
     }
@@ -102,9 +107,7 @@ fn part2(node: &Node, agent: &valet_tests::harness::Agent, app: &str) -> Result<
     println!("pod jobs/{} (valet.dev/hold-app: \"true\"); the proxy is not ready yet", job.name);
     let ran = node.scratch.path("app-ran");
     let ran_s = ran.to_string_lossy().into_owned();
-    let p = job.sim.spawn("app", &[app, &ran_s, "0"], &SpawnOptions::default())?;
-    let pid = p.host_pid();
-    job.apps.push(p);
+    let pid = job.start_app("app", &[app, &ran_s, "0"], &SpawnOptions::default())?.host_pid();
     let held = eventually(Duration::from_secs(5), || {
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
             .map(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T"))
@@ -127,6 +130,10 @@ fn part2(node: &Node, agent: &valet_tests::harness::Agent, app: &str) -> Result<
     println!("  (Istio's holdApplicationUntilProxyStarts polls every 500 ms: 250 ms late on average)");
     let got_condition = eventually(Duration::from_secs(3), || condition(node, &job).as_deref() == Some("True"));
     println!("pod condition valet.dev/ProxyReady=True: {got_condition}");
+    let kubelet_ready = job.api_status("istio-proxy").is_some_and(|s| s["ready"] == true);
+    println!(
+        "the kubelet's own ready flag for istio-proxy: {kubelet_ready} (its readinessProbe runs every 15 s, as Istio injects it)"
+    );
     Ok(())
 }
 

@@ -276,6 +276,40 @@ impl FakeApiServer {
     }
 }
 
+/// A cloneable handle on a [`FakeApiServer`]'s pods, for writers on other threads (the
+/// simulated kubelet). It does not keep the server running.
+#[derive(Clone)]
+pub struct ApiHandle {
+    shared: Arc<Shared>,
+}
+
+impl ApiHandle {
+    /// See [`FakeApiServer::create_pod`].
+    pub fn create_pod(&self, pod: Value) -> Result<Value> {
+        self.shared.mutate(|st| st.create_pod(None, pod, false)).map_err(|e| anyhow!(e))
+    }
+    /// See [`FakeApiServer::modify_pod`].
+    pub fn modify_pod(&self, namespace: &str, name: &str, f: impl FnOnce(&mut Value)) -> Result<Value> {
+        self.shared
+            .mutate(|st| {
+                let mut pod = st.get_pod(namespace, name).ok_or_else(|| ApiError::not_found("pods", name))?;
+                f(&mut pod);
+                st.update_pod(namespace, name, pod, Subresource::Control, None)
+            })
+            .map_err(|e| anyhow!(e))
+    }
+    pub fn get_pod(&self, namespace: &str, name: &str) -> Option<Value> {
+        lock(&self.shared.store).get_pod(namespace, name)
+    }
+}
+
+impl FakeApiServer {
+    /// A cloneable handle for other threads.
+    pub fn handle(&self) -> ApiHandle {
+        ApiHandle { shared: self.shared.clone() }
+    }
+}
+
 impl Drop for FakeApiServer {
     fn drop(&mut self) {
         self.shutdown();
