@@ -10,6 +10,8 @@ use std::process::Command;
 use anyhow::{Context as _, Result, bail};
 use clap::{Parser, Subcommand};
 
+mod kernels;
+
 #[derive(Parser)]
 #[command(about = "valet developer tasks")]
 struct Cli {
@@ -25,7 +27,12 @@ enum Task {
     Test {
         /// Only run tests whose name contains this filter (Rust tests only).
         filter: Option<String>,
+        /// Also boot every kernel of the matrix (CI boots only bookworm's).
+        #[arg(long)]
+        kernels: bool,
     },
+    /// Run the kernel tests and one end-to-end scenario on Debian's 5.10, 6.1 and 6.12 kernels in qemu.
+    Kernels,
     /// Run the agent against a simulated node on this host and print a timeline.
     Demo {
         /// Extra arguments for the demo driver.
@@ -170,7 +177,16 @@ fn ensure_tracefs() -> Result<()> {
 /// Tools only the test suite needs: iproute2 for network namespaces, promtool and Prometheus for
 /// the metrics tests, Python for the manifest checks.
 fn ensure_test_tools(root: &Path) -> Result<()> {
-    apt_install(&["iproute2", "prometheus", "python3-venv", "util-linux", "procps"])?;
+    apt_install(&[
+        "iproute2",
+        "prometheus",
+        "python3-venv",
+        "util-linux",
+        "procps",
+        "qemu-system-x86",
+        "xz-utils",
+        "zstd",
+    ])?;
     let venv = root.join(".venv");
     let requirements = root.join("deploy/tests/requirements.txt");
     let stamp = venv.join(".valet-requirements");
@@ -248,7 +264,7 @@ fn run_counted(cmd: &mut Command, tally: &mut Tally) -> Result<bool> {
     Ok(child.wait()?.success())
 }
 
-fn test(root: &Path, filter: Option<String>) -> Result<()> {
+fn test(root: &Path, filter: Option<String>, all_kernels: bool) -> Result<()> {
     if !is_root() {
         bail!("the test suite has privileged tests (eBPF, cgroups, namespaces): run it as root");
     }
@@ -271,6 +287,12 @@ fn test(root: &Path, filter: Option<String>) -> Result<()> {
             Command::new(root.join(".venv/bin/python")).current_dir(root).args(["-m", "pytest", "-q", "deploy/tests"]),
             &mut tally,
         )?;
+    }
+    if filter.is_none() {
+        let suites: &[&str] = if all_kernels { &["bullseye", "bookworm", "trixie"] } else { &["bookworm"] };
+        println!("\nkernel matrix in qemu: {} (all three: cargo xtask test --kernels)", suites.join(", "));
+        let (passed, failed) = kernels::run(root, suites)?;
+        (tally.passed, tally.failed) = (tally.passed + passed, tally.failed + failed);
     }
     println!("\ntotal: {} passed, {} failed", tally.passed, tally.failed);
     if !ok || tally.failed > 0 {
@@ -306,7 +328,18 @@ fn main() -> Result<()> {
     let root = workspace_root();
     match cli.task {
         Task::Setup => setup(&root, true),
-        Task::Test { filter } => test(&root, filter),
+        Task::Test { filter, kernels } => test(&root, filter, kernels),
+        Task::Kernels => {
+            if !is_root() {
+                bail!("the kernel matrix boots qemu guests that load eBPF programs: run it as root");
+            }
+            setup(&root, true)?;
+            let (_, failed) = kernels::run(&root, &["bullseye", "bookworm", "trixie"])?;
+            if failed > 0 {
+                bail!("{failed} failed on the kernel matrix");
+            }
+            Ok(())
+        }
         Task::Demo { args } => {
             if !is_root() {
                 bail!("the demo creates cgroups and network namespaces: run it as root");
