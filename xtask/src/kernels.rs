@@ -20,9 +20,15 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context as _, Result, anyhow, bail};
 
-const CACHE: &str = "/var/cache/valet/vm";
+pub(crate) const CACHE: &str = "/var/cache/valet/vm";
 /// Modules the guest loads (with their dependencies) when the kernel does not build them in.
 const GUEST_MODULES: &[&str] = &["virtio_pci", "9pnet_virtio", "9p"];
+/// What the node VM (see `node.rs`) needs on top: its root disk, ext4 with checksums, overlayfs
+/// for containerd's snapshotter, a bridge and veth pairs for the CNI bridge plugin. Loaded when
+/// the kernel ships them.
+const NODE_MODULES: &[&str] = &["virtio_blk", "crc32c_generic", "ext4", "overlay", "bridge", "veth"];
+/// Bumped when the initramfs's contents change, so cached ones are rebuilt.
+const INITRAMFS_VERSION: u32 = 2;
 /// The end-to-end scenario run on every kernel.
 const SCENARIO: &str = "labelled_job_pod_proxy_quits_when_the_app_exits";
 /// A guest that has not powered off by then is killed and its kernel counted as failed.
@@ -120,13 +126,13 @@ impl Binaries {
 }
 
 /// apt-get with its own sources, lists, status and archives under the cache.
-struct Apt {
+pub(crate) struct Apt {
     dir: PathBuf,
-    mirror: String,
+    pub(crate) mirror: String,
 }
 
 /// A kernel ready to boot.
-struct Kernel {
+pub(crate) struct Kernel {
     package: String,
     version: String,
     /// `uname -r`.
@@ -136,7 +142,7 @@ struct Kernel {
 }
 
 impl Apt {
-    fn new() -> Result<Self> {
+    pub(crate) fn new() -> Result<Self> {
         let mirror = host_debian_mirror()?;
         let dir = Path::new(CACHE).join("apt");
         for d in ["lists/partial", "archives/partial", "etc/sources.list.d", "etc/preferences.d", "debs"] {
@@ -236,7 +242,7 @@ impl Apt {
     }
 
     /// Debian's static busybox, extracted once per version.
-    fn busybox(&self) -> Result<PathBuf> {
+    pub(crate) fn busybox(&self) -> Result<PathBuf> {
         let version = self.field("busybox-static/bookworm", "Version")?;
         let out = Path::new(CACHE).join(format!("busybox/{}/busybox", version.replace(':', "_")));
         if out.exists() {
@@ -252,12 +258,12 @@ impl Apt {
     }
 
     /// The suite's kernel: vmlinux and an initramfs with its modules, cached per package version.
-    fn kernel(&self, suite: &str, busybox: &Path) -> Result<Kernel> {
+    pub(crate) fn kernel(&self, suite: &str, busybox: &Path) -> Result<Kernel> {
         // linux-image-amd64 is the suite's metapackage: "Depends: linux-image-6.1.0-50-amd64 (= 6.1.176-1)".
         let depends = self.field(&format!("linux-image-amd64/{suite}"), "Depends")?;
         let (package, version) = parse_exact_dependency(&depends)
             .ok_or_else(|| anyhow!("linux-image-amd64/{suite}: unexpected Depends {depends:?}"))?;
-        let dir = Path::new(CACHE).join("kernels").join(format!("{package}_{version}"));
+        let dir = Path::new(CACHE).join("kernels").join(format!("{package}_{version}_i{INITRAMFS_VERSION}"));
         let kernel = |release: String| Kernel {
             package: package.clone(),
             version: version.clone(),
@@ -300,7 +306,7 @@ impl Apt {
 
 /// The URI of the host's Debian archive, from `apt-cache policy` (works for one-line and deb822
 /// sources alike): the repository whose release has `o=Debian` and `l=Debian`.
-fn host_debian_mirror() -> Result<String> {
+pub(crate) fn host_debian_mirror() -> Result<String> {
     let out = Command::new("apt-cache").arg("policy").output().context("apt-cache policy")?;
     let text = String::from_utf8_lossy(&out.stdout);
     let mut uri = None;
@@ -451,6 +457,13 @@ fn guest_modules(modules_dir: &Path) -> Result<Vec<(String, Vec<u8>)>> {
     for m in GUEST_MODULES {
         visit(m, &files, &builtin, &mut seen, &mut order)?;
     }
+    for m in NODE_MODULES {
+        if files.contains_key(*m) || builtin.contains(*m) {
+            visit(m, &files, &builtin, &mut seen, &mut order)?;
+        } else {
+            println!("kernels: {} has no module {m} (the node VM cannot boot it)", modules_dir.display());
+        }
+    }
     Ok(order)
 }
 
@@ -473,7 +486,17 @@ mount -t devtmpfs devtmpfs /dev
 for m in $(cat /modules); do insmod /lib/modules/$m.ko || fail "insmod $m"; done
 run=$(sed -n 's/.*valet\.run=\([^ ]*\).*/\1/p' /proc/cmdline)
 shell=$(sed -n 's/.*valet\.shell=\([^ ]*\).*/\1/p' /proc/cmdline)
-mount -t 9p -o ro,trans=virtio,version=9p2000.L,msize=262144,cache=loose host /newroot || fail "mount the host root"
+P9="trans=virtio,version=9p2000.L,msize=262144,cache=loose"
+root=$(sed -n 's/.*valet\.root=\([^ ]*\).*/\1/p' /proc/cmdline)
+if [ -n "$root" ]; then
+  # The node VM: its own root disk with systemd, the host's root read-only at /host.
+  for i in $(seq 100); do [ -b "$root" ] && break; sleep 0.1; done
+  mount -t ext4 "$root" /newroot || fail "mount $root"
+  mount -t 9p -o ro,$P9 host /newroot/host || fail "mount the host root at /host"
+  umount /proc
+  exec switch_root /newroot /sbin/init
+fi
+mount -t 9p -o ro,$P9 host /newroot || fail "mount the host root"
 R=/newroot
 mount -t proc proc $R/proc || fail proc
 mount -t sysfs sysfs $R/sys || fail sysfs
@@ -607,13 +630,28 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result
     std::fs::create_dir_all(&dir)?;
     let script = dir.join("run.sh");
     std::fs::write(&script, guest_script(root, bins, busybox))?;
-    let console = dir.join("console.log");
-    let log = std::fs::File::create(&console)?;
-    let append = format!(
-        "console=ttyS0 panic=-1 loglevel=4 mitigations=off no_timer_check rdinit=/init valet.run={} valet.shell={}",
-        script.display(),
-        busybox.display()
-    );
+    let append = format!("valet.run={} valet.shell={}", script.display(), busybox.display());
+    let (lines, timed_out) = qemu(kernel, &append, &[], &dir.join("console.log"), DEADLINE)?;
+    let mut outcome = judge(&lines);
+    if timed_out {
+        outcome.failed += 1;
+        outcome.note = Some(format!("killed after {DEADLINE:?}; console: {}", dir.join("console.log").display()));
+    }
+    Ok(outcome)
+}
+
+/// Boots `kernel` with our initramfs and the host's `/` shared read-only, echoes the serial
+/// console (prefixed with the kernel release) and keeps it in `console`. Returns the console's
+/// lines and whether the guest had to be killed at `deadline`.
+pub(crate) fn qemu(
+    kernel: &Kernel,
+    append: &str,
+    extra: &[&str],
+    console: &Path,
+    deadline: Duration,
+) -> Result<(Vec<String>, bool)> {
+    let log = std::fs::File::create(console)?;
+    let append = format!("console=ttyS0 panic=-1 loglevel=4 mitigations=off no_timer_check rdinit=/init {append}");
     let mut child = Command::new("qemu-system-x86_64")
         .args(["-accel", "tcg,thread=multi,tb-size=256", "-cpu", "max", "-machine", "q35"])
         .args(["-m", "2G", "-smp", "2", "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
@@ -624,6 +662,7 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result
         .arg("-initrd")
         .arg(&kernel.initramfs)
         .args(["-append", &append])
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -644,7 +683,7 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result
         }
         lines
     });
-    let deadline = Instant::now() + DEADLINE;
+    let deadline = Instant::now() + deadline;
     let mut timed_out = false;
     loop {
         if child.try_wait()?.is_some() {
@@ -659,12 +698,7 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result
         std::thread::sleep(Duration::from_millis(200));
     }
     let lines = reader.join().map_err(|_| anyhow!("console reader panicked"))?;
-    let mut outcome = judge(&lines);
-    if timed_out {
-        outcome.failed += 1;
-        outcome.note = Some(format!("killed after {DEADLINE:?}; console: {}", console.display()));
-    }
-    Ok(outcome)
+    Ok((lines, timed_out))
 }
 
 /// Counts the cargo test summaries of both binaries; a binary that ended without a summary, or a

@@ -11,6 +11,7 @@ use anyhow::{Context as _, Result, bail};
 use clap::{Parser, Subcommand};
 
 mod kernels;
+mod node;
 
 #[derive(Parser)]
 #[command(about = "valet developer tasks")]
@@ -33,6 +34,8 @@ enum Task {
     },
     /// Run the kernel tests and one end-to-end scenario on Debian's 5.10, 6.1 and 6.12 kernels in qemu.
     Kernels,
+    /// Run valet on a real node: a Debian VM with containerd driven through the CRI.
+    Node,
     /// Run the agent against a simulated node on this host and print a timeline.
     Demo {
         /// Extra arguments for the demo driver.
@@ -329,6 +332,16 @@ fn main() -> Result<()> {
     match cli.task {
         Task::Setup => setup(&root, true),
         Task::Test { filter, kernels } => test(&root, filter, kernels),
+        Task::Node => {
+            if !is_root() {
+                bail!("the node VM needs root (mmdebstrap, qemu): run it as root");
+            }
+            setup(&root, true)?;
+            if !node::run(&root)? {
+                bail!("the real-node scenario failed");
+            }
+            Ok(())
+        }
         Task::Kernels => {
             if !is_root() {
                 bail!("the kernel matrix boots qemu guests that load eBPF programs: run it as root");

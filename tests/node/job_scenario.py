@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""End-to-end on the real node (inside the VM): a Job-shaped pod (an app and an Istio stand-in proxy,
+each from an OCI image imported into containerd) run through the CRI by the kubelet stand-in, the
+fake API server mirroring it, and the host-built valet-agent running as root on the node.
+
+Passes when the proxy received `POST /quitquitquit` after the app exited and then exited itself.
+Prints how long after the app's exit the quit arrived, and what containerd did with the app's
+bundle and cgroup meanwhile.
+
+    job_scenario.py <repo root as seen in the VM> <images dir>
+"""
+import glob
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kubelet  # noqa: E402
+
+NODE = "valet-node"
+WORK = "/run/valet"
+
+
+def log(msg):
+    print(f"[{time.monotonic():9.3f}] {msg}", flush=True)
+
+
+def wait_http(url, deadline_s):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except Exception:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def mono_to_real_ns(mono_ns):
+    return mono_ns + (time.time_ns() - time.monotonic_ns())
+
+
+class Watcher(threading.Thread):
+    """Notes when an exited container's cgroup and bundle directory disappear (5 ms polling)."""
+
+    def __init__(self, cid):
+        super().__init__(daemon=True)
+        self.cid = cid
+        self.gone = {}
+        self.paths = {}
+        self.stop = False
+
+    def run(self):
+        bundle = f"/run/containerd/io.containerd.runtime.v2.task/k8s.io/{self.cid}"
+        cgroup = None
+        while not self.stop and len(self.gone) < 2:
+            if cgroup is None:
+                found = glob.glob(f"/sys/fs/cgroup/kubepods.slice/*/*/cri-containerd-{self.cid}.scope")
+                cgroup = found[0] if found else None
+                if cgroup:
+                    self.paths["cgroup"] = cgroup
+            for what, path in (("cgroup", cgroup), ("bundle", bundle)):
+                if path and what not in self.gone and not os.path.exists(path):
+                    self.gone[what] = time.time_ns()
+            time.sleep(0.005)
+
+
+def main():
+    repo, images = sys.argv[1], sys.argv[2]
+    release = os.path.join(repo, "target/release")
+    os.makedirs(f"{WORK}/events", exist_ok=True)
+    t0 = time.monotonic()
+    for tar in sorted(glob.glob(f"{images}/*.tar")):
+        subprocess.run(["ctr", "-n", "k8s.io", "images", "import", tar], check=True, stdout=subprocess.DEVNULL)
+    log(f"images imported in {time.monotonic() - t0:.1f}s")
+
+    api_proc = subprocess.Popen([f"{release}/valet-fake-apiserver", f"{WORK}/kubeconfig"], stdout=subprocess.PIPE, text=True)
+    url = api_proc.stdout.readline().strip()
+    api = kubelet.Api(url)
+    agent_log = open(f"{WORK}/agent.log", "w")
+    t0 = time.monotonic()
+    agent = subprocess.Popen(
+        [f"{release}/valet-agent", "--node-name", NODE, "--metrics-addr", "127.0.0.1:9090"],
+        env={**os.environ, "KUBECONFIG": f"{WORK}/kubeconfig", "RUST_LOG": "info"},
+        stdout=agent_log, stderr=subprocess.STDOUT,
+    )
+    ok = False
+    try:
+        if not wait_http("http://127.0.0.1:9090/readyz", 180):
+            log("FAIL: the agent never became ready")
+            return False
+        log(f"agent ready in {time.monotonic() - t0:.1f}s")
+        pod = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "job-1-abcde", "namespace": "default",
+                         "labels": {"valet.dev/enabled": "true", "job-name": "job-1"}},
+            "spec": {
+                "nodeName": NODE, "restartPolicy": "Never",
+                "volumes": [{"name": "events", "hostPath": {"path": f"{WORK}/events"}}],
+                "containers": [
+                    {"name": "app", "image": "docker.io/valet/busybox:1", "command": ["/bin/sh", "-c", "sleep 4; exit 0"]},
+                    {"name": "istio-proxy", "image": "docker.io/valet/standin:1",
+                     "command": ["/valet-standin-proxy", "--kind", "istio", "--events", "/events/proxy.log"],
+                     "readinessProbe": {"httpGet": {"port": 15021, "path": "/healthz/ready"}, "periodSeconds": 1},
+                     "volumeMounts": [{"name": "events", "mountPath": "/events"}]},
+                ],
+            },
+        }
+        created = api.create_pod(pod)
+        run = kubelet.PodRun(kubelet.Cri(), api, created, log=log)
+        run.start()
+        watcher = Watcher(run.containers["app"]["id"])
+        watcher.start()
+        done = run.run_until_done(120)
+        watcher.stop = True
+        app, proxy = run.containers["app"]["status"], run.containers["istio-proxy"]["status"]
+        events = []
+        if os.path.exists(f"{WORK}/events/proxy.log"):
+            events = [line.split() for line in open(f"{WORK}/events/proxy.log") if line.strip()]
+        quits = [int(e[0]) for e in events if len(e) >= 3 and e[1] == "POST" and e[2] == "/quitquitquit"]
+        if not done:
+            log("FAIL: the pod's containers did not all exit within 120 s (no quit?)")
+        elif app.exit_code != 0:
+            log(f"FAIL: the app exited {app.exit_code}")
+        elif not quits:
+            log("FAIL: the proxy exited without a POST /quitquitquit")
+        else:
+            quit_real = mono_to_real_ns(quits[0])
+            delay_ms = (quit_real - app.finished_at) / 1e6
+            log(f"quit arrived {delay_ms:.0f} ms after the app's exit; the proxy exited "
+                f"{(proxy.finished_at - app.finished_at) / 1e6:.0f} ms after the app (exit {proxy.exit_code})")
+            for what in ("cgroup", "bundle"):
+                if what in watcher.gone:
+                    log(f"containerd removed the app's {what} {(watcher.gone[what] - app.finished_at) / 1e6:.0f} ms "
+                        "after its exit")
+                else:
+                    log(f"the app's {what} was still there when the pod ended")
+            ok = delay_ms >= 0
+            if not ok:
+                log("FAIL: the quit arrived before the app's exit")
+        run.teardown()
+        return ok
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        try:
+            agent.wait(30)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+        api_proc.kill()
+        if not ok:
+            agent_log.flush()
+            print("--- agent log ---")
+            print(open(f"{WORK}/agent.log").read()[-6000:])
+
+
+if __name__ == "__main__":
+    passed = main()
+    print(f"node scenario job_pod_proxy_quits_when_the_app_exits: {'ok' if passed else 'FAILED'}", flush=True)
+    sys.exit(0 if passed else 1)
