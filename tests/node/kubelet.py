@@ -31,7 +31,12 @@ RELIST = 1.0
 
 def load_api():
     out = tempfile.mkdtemp(prefix="cri-")
-    subprocess.run(["protoc", f"--proto_path={HERE}/cri", f"--python_out={out}", "api.proto"], check=True)
+    # `debug_redact` (a field option newer than Debian's protoc 3.21) only changes how text formats
+    # print a field, never the wire format: drop it.
+    text = open(f"{HERE}/cri/api.proto").read().replace(" [debug_redact = true]", "")
+    with open(f"{out}/api.proto", "w") as f:
+        f.write(text)
+    subprocess.run(["protoc", f"--proto_path={out}", f"--python_out={out}", "api.proto"], check=True)
     sys.path.insert(0, out)
     import api_pb2  # noqa: E402
 

@@ -182,27 +182,29 @@ impl Apt {
             "APT::Architecture=amd64".into(),
             "APT::Architectures=amd64".into(),
             "Acquire::Languages=none".into(),
+            "Acquire::IndexTargets::deb::DEP-11::DefaultEnabled=false".into(),
+            "Acquire::IndexTargets::deb::DEP-11-icons::DefaultEnabled=false".into(),
+            "Acquire::IndexTargets::deb::DEP-11-icons-small::DefaultEnabled=false".into(),
             "APT::Sandbox::User=root".into(),
         ] {
             cmd.args(["-o", &opt]);
         }
     }
 
+    /// Time since the last successful update (apt dates the list files by the archive's
+    /// Last-Modified, so a stamp of our own says when we fetched them).
     fn lists_age(&self) -> Option<Duration> {
-        let newest = std::fs::read_dir(self.dir.join("lists"))
-            .ok()?
-            .flatten()
-            .filter(|e| e.file_name().to_string_lossy().ends_with("_Packages"))
-            .filter_map(|e| e.metadata().ok()?.modified().ok())
-            .min()?;
-        SystemTime::now().duration_since(newest).ok()
+        let stamp = std::fs::metadata(self.dir.join("updated")).ok()?.modified().ok()?;
+        SystemTime::now().duration_since(stamp).ok()
     }
 
     fn update(&self) -> Result<()> {
         println!("kernels: apt-get update (private lists for bullseye, bookworm, trixie from {})", self.mirror);
         let mut cmd = Command::new("apt-get");
         self.options(&mut cmd);
-        crate::run(cmd.args(["-qq", "update"]))
+        crate::run(cmd.args(["-qq", "update"]))?;
+        std::fs::write(self.dir.join("updated"), "")?;
+        Ok(())
     }
 
     /// `apt-cache show <pkg>/<suite>` field values, first record.
