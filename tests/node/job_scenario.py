@@ -26,7 +26,7 @@ WORK = "/run/valet"
 
 
 def log(msg):
-    print(f"[{time.monotonic():9.3f}] {msg}", flush=True)
+    print(f"node [{time.monotonic():9.3f}] {msg}", flush=True)
 
 
 def wait_http(url, deadline_s):

@@ -96,7 +96,7 @@ impl Binaries {
         ]))?;
         let out = crate::cargo()
             .current_dir(root)
-            .args(["test", "-p", "valet-tests", "--test", "kernel", "--test", "shutdown", "--no-run"])
+            .args(["test", "--release", "-p", "valet-tests", "--test", "kernel", "--test", "shutdown", "--no-run"])
             .args(["--message-format=json"])
             .stderr(Stdio::inherit())
             .output()
@@ -608,10 +608,10 @@ ip link set lo up
 echo "VALET-VM-UNAME $(uname -r)"
 cd {tests}
 echo "VALET-VM-BEGIN kernel"
-{kernel} --test-threads=1 2>&1
+{kernel} --test-threads=1 --color=never 2>&1
 echo "VALET-VM-END kernel $?"
 echo "VALET-VM-BEGIN shutdown"
-{shutdown} --exact {scenario} --test-threads=1 2>&1
+{shutdown} --exact {scenario} --test-threads=1 --color=never 2>&1
 echo "VALET-VM-END shutdown $?"
 sync
 echo "VALET-VM-DONE"
@@ -670,8 +670,8 @@ pub(crate) fn qemu(
         .stderr(Stdio::inherit())
         .spawn()
         .context("start qemu-system-x86_64")?;
-    // The console is read on a thread (echoed with a prefix, kept in console.log) so that the
-    // deadline is kept even when the guest prints nothing.
+    // The console is read on a thread (kept in `console`, its test lines echoed with a prefix) so
+    // that the deadline is kept even when the guest prints nothing.
     let stdout = child.stdout.take().ok_or_else(|| anyhow!("qemu stdout"))?;
     let release = kernel.release.clone();
     let reader = std::thread::spawn(move || {
@@ -680,7 +680,10 @@ pub(crate) fn qemu(
         for line in std::io::BufReader::new(stdout).split(b'\n').map_while(|l| l.ok()) {
             let line = String::from_utf8_lossy(&line).trim_end_matches('\r').to_string();
             let _ = writeln!(log, "{line}");
-            println!("[{release}] {line}");
+            if echoed(&line) {
+                let short: String = line.chars().take(400).collect();
+                println!("[{release}] {short}");
+            }
             lines.push(line);
         }
         lines
@@ -701,6 +704,13 @@ pub(crate) fn qemu(
     }
     let lines = reader.join().map_err(|_| anyhow!("console reader panicked"))?;
     Ok((lines, timed_out))
+}
+
+/// Console lines worth echoing: test names and results, panics (cut to 400 characters: a
+/// verifier log is long; the whole of it is in the console log), the guest's own markers.
+fn echoed(line: &str) -> bool {
+    const PREFIXES: [&str; 7] = ["test ", "running ", "VALET-", "thread '", "node", "kubelet:", "---"];
+    PREFIXES.iter().any(|p| line.starts_with(p)) || line.contains("FAIL") || line.contains("Kernel panic")
 }
 
 /// Counts the cargo test summaries of both binaries; a binary that ended without a summary, or a
