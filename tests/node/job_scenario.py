@@ -29,9 +29,9 @@ def log(msg):
     print(f"node [{time.monotonic():9.3f}] {msg}", flush=True)
 
 
-def wait_http(url, deadline_s):
+def wait_http(url, deadline_s, proc):
     end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
+    while time.monotonic() < end and proc.poll() is None:
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -92,8 +92,8 @@ def main():
     )
     ok = False
     try:
-        if not wait_http("http://127.0.0.1:9090/readyz", 180):
-            log("FAIL: the agent never became ready")
+        if not wait_http("http://127.0.0.1:9090/readyz", 180, agent):
+            log(f"FAIL: the agent never became ready (exit status {agent.poll()})")
             return False
         log(f"agent ready in {time.monotonic() - t0:.1f}s")
         pod = {

@@ -14,7 +14,7 @@ use crate::kernels::{Apt, CACHE, qemu};
 
 /// Packages of the node image on top of `--variant=minbase`.
 const PACKAGES: &str = "systemd,systemd-sysv,dbus,containerd,runc,containernetworking-plugins,iproute2,\
-                        python3,python3-grpcio,python3-protobuf,protobuf-compiler,kmod,util-linux,procps";
+                        python3,python3-grpcio,python3-protobuf,protobuf-compiler,kmod,util-linux,procps,ca-certificates";
 /// Size of the (sparse) root disk.
 const DISK: &str = "3G";
 const DEADLINE: Duration = Duration::from_secs(15 * 60);
