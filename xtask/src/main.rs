@@ -296,6 +296,8 @@ fn test(root: &Path, filter: Option<String>, all_kernels: bool) -> Result<()> {
         println!("\nkernel matrix in qemu: {} (all three: cargo xtask test --kernels)", suites.join(", "));
         let (passed, failed) = kernels::run(root, suites)?;
         (tally.passed, tally.failed) = (tally.passed + passed, tally.failed + failed);
+        println!("\nreal node in qemu: containerd through the CRI, the Job scenario");
+        if node::run(root)? { tally.passed += 1 } else { tally.failed += 1 }
     }
     println!("\ntotal: {} passed, {} failed", tally.passed, tally.failed);
     if !ok || tally.failed > 0 {

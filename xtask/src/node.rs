@@ -56,7 +56,7 @@ pub fn run(root: &Path) -> Result<bool> {
     let drive = format!("file={},if=virtio,format=raw,snapshot=on", image.display());
     let t = Instant::now();
     let (lines, timed_out) = qemu(&kernel, &append, &["-drive", &drive], &dir.join("console.log"), DEADLINE)?;
-    let ready = lines.iter().find_map(|l| l.strip_prefix("VALET-NODE-READY ").map(str::to_string));
+    let ready = lines.iter().find_map(|l| l.split_once("VALET-NODE-READY ").map(|(_, t)| t.to_string()));
     println!(
         "node: booted to containerd-ready at {}s guest uptime; VM ran {:.0?} ({:.0?} in all)",
         ready.as_deref().unwrap_or("?"),
