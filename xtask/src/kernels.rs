@@ -683,6 +683,12 @@ pub(crate) fn qemu(
             if echoed(&line) {
                 let short: String = line.chars().take(400).collect();
                 println!("[{release}] {short}");
+            } else if line.contains("Verifier output") {
+                // A panic's message with the verifier's log in Debug form: its reason is at the end.
+                let pieces: Vec<&str> = line.split("\\n").filter(|p| !p.trim().is_empty()).collect();
+                let tail = pieces.len().saturating_sub(5);
+                let head: String = line.chars().take(160).collect();
+                println!("[{release}] {head} ... {}", pieces[tail..].join(" | "));
             }
             lines.push(line);
         }
