@@ -32,7 +32,7 @@ const INITRAMFS_VERSION: u32 = 2;
 /// The end-to-end scenario run on every kernel.
 const SCENARIO: &str = "labelled_job_pod_proxy_quits_when_the_app_exits";
 /// A guest that has not powered off by then is killed and its kernel counted as failed.
-const DEADLINE: Duration = Duration::from_secs(20 * 60);
+const DEADLINE: Duration = Duration::from_secs(10 * 60);
 /// Lists older than this are refreshed before a kernel version is chosen.
 const LISTS_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 
