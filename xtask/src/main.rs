@@ -10,7 +10,9 @@
 #![warn(clippy::pedantic)]
 mod cmd;
 mod fuzz;
+mod kernels;
 mod lint;
+mod node;
 mod setup;
 mod sim;
 mod test;
@@ -35,7 +37,14 @@ enum Task {
     Test {
         /// Only run tests whose name contains this filter (Rust tests only).
         filter: Option<String>,
+        /// Also boot every kernel of the matrix (CI boots only bookworm's).
+        #[arg(long)]
+        kernels: bool,
     },
+    /// Run the kernel tests and one end-to-end scenario on Debian's 5.10, 6.1 and 6.12 kernels in qemu.
+    Kernels,
+    /// Run valet on a real node: a Debian VM with containerd driven through the CRI.
+    Node,
     /// Run the agent against a simulated node on this host and print a timeline.
     Demo {
         /// Extra arguments for the demo driver.
@@ -63,7 +72,9 @@ fn main() -> Result<()> {
     match cli.task {
         Task::Setup => setup::setup(&root, true),
         Task::Lint => lint::lint(&root),
-        Task::Test { filter } => test::test(&root, filter.as_deref()),
+        Task::Test { filter, kernels } => test::test(&root, filter.as_deref(), kernels),
+        Task::Kernels => test::kernels(&root),
+        Task::Node => test::node(&root),
         Task::Fuzz { target, seconds } => fuzz::run(&root, target.as_deref(), seconds),
         Task::Demo { args } => sim::demo(&root, &args),
         Task::Bench { args } => sim::bench(&root, &args),

@@ -165,7 +165,17 @@ fn ensure_tracefs() -> Result<()> {
 /// Tools only the test suite needs: iproute2 for network namespaces, promtool and Prometheus for
 /// the metrics tests, Python for the manifest checks.
 fn ensure_test_tools(root: &Path) -> Result<()> {
-    apt_install(&["iproute2", "prometheus", "python3-venv", "util-linux", "procps"])?;
+    // qemu and friends: the kernel matrix and the real-node VM.
+    apt_install(&[
+        "iproute2",
+        "prometheus",
+        "python3-venv",
+        "util-linux",
+        "procps",
+        "qemu-system-x86",
+        "xz-utils",
+        "zstd",
+    ])?;
     let venv = root.join(".venv");
     let requirements = root.join("deploy/tests/requirements.txt");
     let stamp = venv.join(".valet-requirements");

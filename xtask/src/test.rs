@@ -8,7 +8,7 @@ use anyhow::{Context as _, Result, bail};
 use crate::cmd::{cargo, is_root, run};
 use crate::setup;
 
-pub fn test(root: &Path, filter: Option<&str>) -> Result<()> {
+pub fn test(root: &Path, filter: Option<&str>, all_kernels: bool) -> Result<()> {
     if !is_root() {
         bail!("the test suite has privileged tests (eBPF, cgroups, namespaces): run it as root");
     }
@@ -32,6 +32,16 @@ pub fn test(root: &Path, filter: Option<&str>) -> Result<()> {
             &mut tally,
         )?;
         ok &= run_counted(&mut crate::fuzz::command()?, &mut tally)?;
+        let suites: &[&str] = if all_kernels { &["bullseye", "bookworm", "trixie"] } else { &["bookworm"] };
+        println!("\nkernel matrix in qemu: {} (all three: cargo xtask test --kernels)", suites.join(", "));
+        let (passed, failed) = crate::kernels::run(root, suites)?;
+        (tally.passed, tally.failed) = (tally.passed + passed, tally.failed + failed);
+        println!("\nreal node in qemu: containerd through the CRI, the Job scenario");
+        if crate::node::run(root)? {
+            tally.passed += 1;
+        } else {
+            tally.failed += 1;
+        }
     }
     println!("\ntotal: {} passed, {} failed", tally.passed, tally.failed);
     if !ok || tally.failed > 0 {
@@ -39,6 +49,31 @@ pub fn test(root: &Path, filter: Option<&str>) -> Result<()> {
     }
     if tally.passed == 0 {
         bail!("no test ran");
+    }
+    Ok(())
+}
+
+/// `cargo xtask kernels`: the kernel tests and one end-to-end scenario on every kernel of the matrix.
+pub fn kernels(root: &Path) -> Result<()> {
+    if !is_root() {
+        bail!("the kernel matrix boots qemu guests that load eBPF programs: run it as root");
+    }
+    setup::setup(root, true)?;
+    let (_, failed) = crate::kernels::run(root, &["bullseye", "bookworm", "trixie"])?;
+    if failed > 0 {
+        bail!("{failed} failed on the kernel matrix");
+    }
+    Ok(())
+}
+
+/// `cargo xtask node`: valet on a real node (a Debian VM with containerd driven through the CRI).
+pub fn node(root: &Path) -> Result<()> {
+    if !is_root() {
+        bail!("the node VM needs root (mmdebstrap, qemu): run it as root");
+    }
+    setup::setup(root, true)?;
+    if !crate::node::run(root)? {
+        bail!("the real-node scenario failed");
     }
     Ok(())
 }

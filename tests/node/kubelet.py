@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""A kubelet stand-in for the real-node VM: runs a pod through containerd's CRI gRPC API the way
+the kubelet does, and mirrors the CRI state into the (fake) API server with the kubelet's timing.
+
+- RunPodSandbox with the kubelet's systemd cgroup parent for the pod's QoS class
+  (`kubepods-besteffort-pod<uid_>.slice`) and a CNI network namespace (pod IP);
+- CreateContainer/StartContainer per container, in spec order;
+- a status sync every second (the PLEG relist period): ContainerStatus for every container, the
+  container id in `status.containerStatuses` once it runs, `ready` only after the container's
+  readinessProbe passed (httpGet on the pod IP, every `periodSeconds`), `terminated` once exited;
+- StopPodSandbox/RemovePodSandbox once every container of a `restartPolicy: Never` pod ended.
+
+The CRI messages come from kubernetes/cri-api's api.proto (vendored in cri/), compiled with
+Debian's protoc at start; calls go through grpcio's generic unary API, so no generated stubs.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import grpc
+from google.protobuf import json_format
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONTAINERD = "unix:///run/containerd/containerd.sock"
+RELIST = 1.0
+
+
+def load_api():
+    out = tempfile.mkdtemp(prefix="cri-")
+    # `debug_redact` (a field option newer than Debian's protoc 3.21) only changes how text formats
+    # print a field, never the wire format: drop it.
+    text = open(f"{HERE}/cri/api.proto").read().replace(" [debug_redact = true]", "")
+    with open(f"{out}/api.proto", "w") as f:
+        f.write(text)
+    subprocess.run(["protoc", f"--proto_path={out}", f"--python_out={out}", "api.proto"], check=True)
+    sys.path.insert(0, out)
+    import api_pb2  # noqa: E402
+
+    return api_pb2
+
+
+pb = load_api()
+
+
+class Cri:
+    def __init__(self, address=CONTAINERD):
+        self.channel = grpc.insecure_channel(address)
+
+    def call(self, service, method, request: dict, timeout=60):
+        req = json_format.ParseDict(request, getattr(pb, f"{method}Request")())
+        resp_cls = getattr(pb, f"{method}Response")
+        fn = self.channel.unary_unary(
+            f"/runtime.v1.{service}/{method}",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=resp_cls.FromString,
+        )
+        return fn(req, timeout=timeout)
+
+    def runtime(self, method, request, timeout=60):
+        return self.call("RuntimeService", method, request, timeout)
+
+
+class Api:
+    """The few API server calls a kubelet makes for its pods."""
+
+    def __init__(self, url):
+        self.url = url.rstrip("/")
+
+    def request(self, method, path, body=None, content_type="application/json"):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.load(resp)
+
+    def create_pod(self, pod):
+        ns = pod["metadata"].get("namespace", "default")
+        return self.request("POST", f"/api/v1/namespaces/{ns}/pods", pod)
+
+    def patch_status(self, pod, status):
+        ns, name = pod["metadata"].get("namespace", "default"), pod["metadata"]["name"]
+        return self.request(
+            "PATCH", f"/api/v1/namespaces/{ns}/pods/{name}/status", {"status": status}, "application/merge-patch+json"
+        )
+
+
+def rfc3339(ns):
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ns / 1e9)) if ns else None
+
+
+def qos_class(pod):
+    reqs = [c.get("resources", {}) for c in pod["spec"]["containers"]]
+    if not any(r.get("requests") or r.get("limits") for r in reqs):
+        return "besteffort"
+    if all(r.get("limits") and r.get("requests", r["limits"]) == r["limits"] for r in reqs):
+        return "guaranteed"
+    return "burstable"
+
+
+def cgroup_parent(pod):
+    """The kubelet's systemd cgroup driver: a slice per pod under its QoS class's slice."""
+    uid = pod["metadata"]["uid"].replace("-", "_")
+    qos = qos_class(pod)
+    return f"kubepods-pod{uid}.slice" if qos == "guaranteed" else f"kubepods-{qos}-pod{uid}.slice"
+
+
+def memory_limit(resources):
+    value = resources.get("limits", {}).get("memory")
+    if not value:
+        return 0
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    for suffix, mult in units.items():
+        if value.endswith(suffix):
+            return int(value[: -len(suffix)]) * mult
+    return int(value)
+
+
+class PodRun:
+    """One pod on the node: its sandbox, containers, and the status the kubelet reports."""
+
+    def __init__(self, cri: Cri, api: Api, pod, log=print):
+        self.cri, self.api, self.pod, self.log = cri, api, pod, log
+        self.meta = pod["metadata"]
+        self.containers = {}  # name -> {"id":..., "ready": bool, "next_probe": t, "status": CRI status dict}
+        self.sandbox_id = None
+        self.pod_ip = None
+
+    def sandbox_config(self):
+        m = self.meta
+        ns = m.get("namespace", "default")
+        labels = dict(m.get("labels", {}))
+        labels.update({
+            "io.kubernetes.pod.name": m["name"],
+            "io.kubernetes.pod.namespace": ns,
+            "io.kubernetes.pod.uid": m["uid"],
+        })
+        return {
+            "metadata": {"name": m["name"], "uid": m["uid"], "namespace": ns, "attempt": 0},
+            "hostname": m["name"],
+            "log_directory": f"/var/log/pods/{ns}_{m['name']}_{m['uid']}",
+            "labels": labels,
+            "annotations": m.get("annotations", {}),
+            "linux": {
+                "cgroup_parent": cgroup_parent(self.pod),
+                "security_context": {"namespace_options": {"network": "POD", "pid": "CONTAINER", "ipc": "POD"}},
+            },
+        }
+
+    def start(self):
+        t = time.monotonic()
+        config = self.sandbox_config()
+        os.makedirs(config["log_directory"], exist_ok=True)
+        self.sandbox_id = self.cri.runtime("RunPodSandbox", {"config": config}).pod_sandbox_id
+        status = self.cri.runtime("PodSandboxStatus", {"pod_sandbox_id": self.sandbox_id}).status
+        self.pod_ip = status.network.ip
+        self.log(f"kubelet: RunPodSandbox {self.sandbox_id[:12]} in {time.monotonic() - t:.3f}s, pod IP {self.pod_ip}")
+        self.api.patch_status(self.pod, {"phase": "Pending", "podIP": self.pod_ip, "hostIP": "10.88.0.1"})
+        for c in self.pod["spec"]["containers"]:
+            self.start_container(c, config)
+
+    def start_container(self, c, sandbox_config):
+        m = self.meta
+        ns = m.get("namespace", "default")
+        linux = {"security_context": {"namespace_options": {"network": "POD", "pid": "CONTAINER", "ipc": "POD"}}}
+        limit = memory_limit(c.get("resources", {}))
+        if limit:
+            linux["resources"] = {"memory_limit_in_bytes": limit}
+        config = {
+            "metadata": {"name": c["name"], "attempt": 0},
+            "image": {"image": c["image"]},
+            "command": c.get("command", []),
+            "args": c.get("args", []),
+            "envs": [{"key": e["name"], "value": e.get("value", "")} for e in c.get("env", [])],
+            "mounts": self.mounts(c),
+            "labels": {
+                "io.kubernetes.container.name": c["name"],
+                "io.kubernetes.pod.name": m["name"],
+                "io.kubernetes.pod.namespace": ns,
+                "io.kubernetes.pod.uid": m["uid"],
+            },
+            "annotations": {"io.kubernetes.container.restartCount": "0"},
+            "log_path": f"{c['name']}/0.log",
+            "linux": linux,
+        }
+        t = time.monotonic()
+        cid = self.cri.runtime(
+            "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": config, "sandbox_config": sandbox_config}
+        ).container_id
+        self.cri.runtime("StartContainer", {"container_id": cid})
+        self.log(f"kubelet: container {c['name']} {cid[:12]} created and started in {time.monotonic() - t:.3f}s")
+        self.containers[c["name"]] = {"id": cid, "ready": False, "next_probe": 0.0, "spec": c, "status": None}
+
+    def mounts(self, c):
+        """hostPath volumes, as the kubelet hands them to the runtime."""
+        volumes = {v["name"]: v for v in self.pod["spec"].get("volumes", [])}
+        out = []
+        for m in c.get("volumeMounts", []):
+            path = volumes.get(m["name"], {}).get("hostPath", {}).get("path")
+            if path is None:
+                raise ValueError(f"volume {m['name']}: only hostPath volumes are supported")
+            out.append({"container_path": m["mountPath"], "host_path": path, "readonly": m.get("readOnly", False)})
+        return out
+
+    def probe(self, entry):
+        probe = entry["spec"].get("readinessProbe")
+        if probe is None:
+            return True
+        now = time.monotonic()
+        if entry["ready"] or now < entry["next_probe"]:
+            return entry["ready"]
+        entry["next_probe"] = now + probe.get("periodSeconds", 10)
+        get = probe["httpGet"]
+        try:
+            with urllib.request.urlopen(f"http://{self.pod_ip}:{get['port']}{get.get('path', '/')}", timeout=1) as r:
+                return 200 <= r.status < 400
+        except Exception:
+            return False
+
+    def sync(self):
+        """One relist + status sync; returns True once every container has exited."""
+        statuses, all_exited = [], True
+        for name, entry in self.containers.items():
+            st = self.cri.runtime("ContainerStatus", {"container_id": entry["id"]}).status
+            entry["status"] = st
+            cs = {"name": name, "image": entry["spec"]["image"], "imageID": st.image_ref,
+                  "containerID": f"containerd://{entry['id']}", "restartCount": 0}
+            if st.state == pb.CONTAINER_RUNNING:
+                all_exited = False
+                entry["ready"] = self.probe(entry)
+                cs.update(started=True, ready=entry["ready"], state={"running": {"startedAt": rfc3339(st.started_at)}})
+            elif st.state == pb.CONTAINER_EXITED:
+                cs.update(started=False, ready=False, state={"terminated": {
+                    "exitCode": st.exit_code, "reason": st.reason or ("Completed" if st.exit_code == 0 else "Error"),
+                    "startedAt": rfc3339(st.started_at), "finishedAt": rfc3339(st.finished_at),
+                    "containerID": f"containerd://{entry['id']}"}})
+            else:
+                all_exited = False
+                cs.update(started=False, ready=False, state={"waiting": {"reason": "ContainerCreating"}})
+            statuses.append(cs)
+        codes = [e["status"].exit_code for e in self.containers.values()]
+        phase = "Running"
+        if all_exited:
+            phase = "Succeeded" if all(c == 0 for c in codes) else "Failed"
+        self.api.patch_status(self.pod, {"phase": phase, "podIP": self.pod_ip, "containerStatuses": statuses})
+        return all_exited
+
+    def run_until_done(self, deadline_s):
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if self.sync():
+                return True
+            time.sleep(RELIST)
+        return False
+
+    def teardown(self):
+        for entry in self.containers.values():
+            try:
+                self.cri.runtime("StopContainer", {"container_id": entry["id"], "timeout": 2})
+            except grpc.RpcError as e:
+                self.log(f"kubelet: StopContainer {entry['id'][:12]}: {e.code()}")
+        if self.sandbox_id:
+            self.cri.runtime("StopPodSandbox", {"pod_sandbox_id": self.sandbox_id})
+            self.cri.runtime("RemovePodSandbox", {"pod_sandbox_id": self.sandbox_id})

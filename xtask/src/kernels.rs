@@ -1,0 +1,799 @@
+//! `cargo xtask kernels`: the kernel tests and one end-to-end scenario on the Debian kernels users
+//! run (bullseye 5.10, bookworm 6.1, trixie 6.12), each booted in qemu.
+//!
+//! Everything comes from Debian through a private apt state under /var/cache/valet/vm (the host's
+//! apt configuration is only read, to learn its Debian mirror): the `linux-image` package of each
+//! suite and `busybox-static`. From the package we take the uncompressed `vmlinux` (PVH direct
+//! boot: no bootloader, no decompression under TCG) and the few modules a guest needs to mount the
+//! host's `/` read-only over virtio-9p. A busybox initramfs mounts it, with proc, sysfs, devtmpfs,
+//! cgroup2, tracefs, bpffs and tmpfs `/run` and `/tmp` on top, and switches root into it; host-built
+//! test binaries then run in the guest as they run on the host. Results come back on the serial
+//! console. Every qemu has a hard deadline and is killed when it passes.
+//!
+//! `/dev/kvm` on the machines this runs on is a PVM hypervisor that cannot run stock kernels, so
+//! qemu uses TCG (`microvm` has no timer under TCG and hangs: `q35`).
+use std::collections::{BTreeMap, HashSet};
+use std::io::{BufRead as _, Read as _, Write as _};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+
+pub(crate) const CACHE: &str = "/var/cache/valet/vm";
+/// Modules the guest loads (with their dependencies) when the kernel does not build them in.
+const GUEST_MODULES: &[&str] = &["virtio_pci", "9pnet_virtio", "9p"];
+/// What the node VM (see `node.rs`) needs on top: its root disk, ext4 with checksums, overlayfs
+/// for containerd's snapshotter, a bridge and veth pairs for the CNI bridge plugin. Loaded when
+/// the kernel ships them.
+const NODE_MODULES: &[&str] = &["virtio_blk", "crc32c_generic", "ext4", "overlay", "bridge", "veth"];
+/// Bumped when the initramfs's contents change, so cached ones are rebuilt.
+const INITRAMFS_VERSION: u32 = 2;
+/// The end-to-end scenario run on every kernel.
+const SCENARIO: &str = "labelled_job_pod_proxy_quits_when_the_app_exits";
+/// A guest that has not powered off by then is killed and its kernel counted as failed.
+const DEADLINE: Duration = Duration::from_secs(10 * 60);
+/// Lists older than this are refreshed before a kernel version is chosen.
+const LISTS_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Boots each suite's kernel, runs the tests in it and prints `kernel <uname -r>: N passed, N failed`
+/// per kernel. Returns the summed (passed, failed) counts; an error only when the matrix could not
+/// be run at all (no mirror, no download, no qemu).
+pub fn run(root: &Path, suites: &[&str]) -> Result<(u64, u64)> {
+    let started = Instant::now();
+    let apt = Apt::new()?;
+    let busybox = apt.busybox()?;
+    let mut kernels = Vec::new();
+    for suite in suites {
+        let t = Instant::now();
+        let kernel = apt.kernel(suite, &busybox).with_context(|| format!("prepare the {suite} kernel"))?;
+        println!("kernels: {suite}: {} {} ready in {:.0?}", kernel.package, kernel.version, t.elapsed());
+        kernels.push(kernel);
+    }
+    let bins = Binaries::build(root)?;
+    let mut lines = Vec::new();
+    let (mut passed, mut failed) = (0, 0);
+    for kernel in &kernels {
+        let t = Instant::now();
+        let outcome = boot(root, kernel, &bins, &busybox)?;
+        let line = format!(
+            "kernel {}: {} passed, {} failed{}",
+            kernel.release,
+            outcome.passed,
+            outcome.failed,
+            outcome.note.as_deref().map(|n| format!(" ({n})")).unwrap_or_default()
+        );
+        println!("{line}  [{:.0?} boot + tests under TCG]", t.elapsed());
+        lines.push(line);
+        passed += outcome.passed;
+        failed += outcome.failed;
+    }
+    println!("\nkernel matrix ({:.0?}):", started.elapsed());
+    for line in lines {
+        println!("{line}");
+    }
+    Ok((passed, failed))
+}
+
+/// The host-built binaries the guests run.
+struct Binaries {
+    kernel_test: PathBuf,
+    shutdown_test: PathBuf,
+    agent: PathBuf,
+    standin: PathBuf,
+}
+
+impl Binaries {
+    fn build(root: &Path) -> Result<Self> {
+        crate::cmd::run(crate::cmd::cargo().current_dir(root).args([
+            "build",
+            "--release",
+            "-p",
+            "valet-agent",
+            "-p",
+            "valet-sim",
+            "--bins",
+        ]))?;
+        let out = crate::cmd::cargo()
+            .current_dir(root)
+            .args(["test", "--release", "-p", "valet-tests", "--test", "kernel", "--test", "shutdown", "--no-run"])
+            .args(["--message-format=json"])
+            .stderr(Stdio::inherit())
+            .output()
+            .context("cargo test --no-run")?;
+        if !out.status.success() {
+            bail!("building the kernel and shutdown test binaries failed");
+        }
+        let mut found = BTreeMap::new();
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+            let name = msg["target"]["name"].as_str().unwrap_or_default();
+            if let Some(exe) = msg["executable"].as_str()
+                && ["kernel", "shutdown"].contains(&name)
+            {
+                found.insert(name.to_string(), PathBuf::from(exe));
+            }
+        }
+        let take = |n: &str| found.get(n).cloned().ok_or_else(|| anyhow!("cargo named no executable for test {n}"));
+        let release = root.join("target/release");
+        Ok(Self {
+            kernel_test: take("kernel")?,
+            shutdown_test: take("shutdown")?,
+            agent: release.join("valet-agent"),
+            standin: release.join("valet-standin-proxy"),
+        })
+    }
+}
+
+/// apt-get with its own sources, lists, status and archives under the cache.
+pub(crate) struct Apt {
+    dir: PathBuf,
+    pub(crate) mirror: String,
+}
+
+/// A kernel ready to boot.
+pub(crate) struct Kernel {
+    package: String,
+    version: String,
+    /// `uname -r`.
+    release: String,
+    vmlinux: PathBuf,
+    initramfs: PathBuf,
+}
+
+impl Apt {
+    pub(crate) fn new() -> Result<Self> {
+        let mirror = host_debian_mirror()?;
+        let dir = Path::new(CACHE).join("apt");
+        for d in ["lists/partial", "archives/partial", "etc/sources.list.d", "etc/preferences.d", "debs"] {
+            std::fs::create_dir_all(dir.join(d))?;
+        }
+        let status = dir.join("status");
+        if !status.exists() {
+            std::fs::write(&status, "")?;
+        }
+        let sources: String = ["bullseye", "bookworm", "trixie"]
+            .iter()
+            .map(|s| format!("deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] {mirror} {s} main\n"))
+            .collect();
+        let list = dir.join("etc/sources.list");
+        let changed = std::fs::read_to_string(&list).ok().as_deref() != Some(sources.as_str());
+        if changed {
+            std::fs::write(&list, &sources)?;
+        }
+        let apt = Self { dir, mirror };
+        if changed || apt.lists_age().is_none_or(|age| age > LISTS_MAX_AGE) {
+            apt.update()?;
+        }
+        Ok(apt)
+    }
+
+    fn options(&self, cmd: &mut Command) {
+        let d = self.dir.display();
+        for opt in [
+            format!("Dir::Etc::SourceList={d}/etc/sources.list"),
+            format!("Dir::Etc::SourceParts={d}/etc/sources.list.d"),
+            format!("Dir::Etc::PreferencesParts={d}/etc/preferences.d"),
+            format!("Dir::Etc::Preferences={d}/etc/preferences"),
+            format!("Dir::State::Lists={d}/lists"),
+            format!("Dir::State::status={d}/status"),
+            format!("Dir::Cache={d}/cache"),
+            format!("Dir::Cache::archives={d}/archives"),
+            "APT::Architecture=amd64".into(),
+            "APT::Architectures=amd64".into(),
+            "Acquire::Languages=none".into(),
+            "Acquire::IndexTargets::deb::DEP-11::DefaultEnabled=false".into(),
+            "Acquire::IndexTargets::deb::DEP-11-icons::DefaultEnabled=false".into(),
+            "Acquire::IndexTargets::deb::DEP-11-icons-small::DefaultEnabled=false".into(),
+            "APT::Sandbox::User=root".into(),
+        ] {
+            cmd.args(["-o", &opt]);
+        }
+    }
+
+    /// Time since the last successful update (apt dates the list files by the archive's
+    /// Last-Modified, so a stamp of our own says when we fetched them).
+    fn lists_age(&self) -> Option<Duration> {
+        let stamp = std::fs::metadata(self.dir.join("updated")).ok()?.modified().ok()?;
+        SystemTime::now().duration_since(stamp).ok()
+    }
+
+    fn update(&self) -> Result<()> {
+        println!("kernels: apt-get update (private lists for bullseye, bookworm, trixie from {})", self.mirror);
+        let mut cmd = Command::new("apt-get");
+        self.options(&mut cmd);
+        crate::cmd::run(cmd.args(["-qq", "update"]))?;
+        std::fs::write(self.dir.join("updated"), "")?;
+        Ok(())
+    }
+
+    /// `apt-cache show <pkg>/<suite>` field values, first record.
+    fn field(&self, pkg_suite: &str, field: &str) -> Result<String> {
+        let mut cmd = Command::new("apt-cache");
+        self.options(&mut cmd);
+        let out = cmd.args(["show", pkg_suite]).output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{field}: ")))
+            .map(str::to_string)
+            .ok_or_else(|| anyhow!("apt-cache show {pkg_suite}: no {field}"))
+    }
+
+    /// Downloads `pkg` at `version` (cached) and returns the .deb's path.
+    fn download(&self, pkg: &str, version: &str) -> Result<PathBuf> {
+        let debs = self.dir.join("debs");
+        let file = debs.join(format!("{pkg}_{}_amd64.deb", version.replace(':', "%3a")));
+        if file.exists() {
+            return Ok(file);
+        }
+        println!("kernels: apt-get download {pkg}={version}");
+        let get = || {
+            let mut cmd = Command::new("apt-get");
+            self.options(&mut cmd);
+            crate::cmd::run(cmd.current_dir(&debs).args(["-qq", "download", &format!("{pkg}={version}")]))
+        };
+        if get().is_err() {
+            // The mirror may have dropped a version our lists still name.
+            self.update()?;
+            get()?;
+        }
+        if !file.exists() {
+            bail!("apt-get download {pkg}={version} left no {}", file.display());
+        }
+        Ok(file)
+    }
+
+    /// Debian's static busybox, extracted once per version.
+    pub(crate) fn busybox(&self) -> Result<PathBuf> {
+        let version = self.field("busybox-static/bookworm", "Version")?;
+        let out = Path::new(CACHE).join(format!("busybox/{}/busybox", version.replace(':', "_")));
+        if out.exists() {
+            return Ok(out);
+        }
+        let deb = self.download("busybox-static", &version)?;
+        let tmp = scratch("busybox")?;
+        crate::cmd::run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&tmp))?;
+        std::fs::create_dir_all(out.parent().unwrap_or(Path::new(CACHE)))?;
+        std::fs::copy(tmp.join("bin/busybox"), &out)?;
+        std::fs::remove_dir_all(&tmp)?;
+        Ok(out)
+    }
+
+    /// The suite's kernel: vmlinux and an initramfs with its modules, cached per package version.
+    pub(crate) fn kernel(&self, suite: &str, busybox: &Path) -> Result<Kernel> {
+        // linux-image-amd64 is the suite's metapackage: "Depends: linux-image-6.1.0-50-amd64 (= 6.1.176-1)".
+        let depends = self.field(&format!("linux-image-amd64/{suite}"), "Depends")?;
+        let (package, version) = parse_exact_dependency(&depends)
+            .ok_or_else(|| anyhow!("linux-image-amd64/{suite}: unexpected Depends {depends:?}"))?;
+        let dir = Path::new(CACHE).join("kernels").join(format!("{package}_{version}_i{INITRAMFS_VERSION}"));
+        let kernel = |release: String| Kernel {
+            package: package.clone(),
+            version: version.clone(),
+            release,
+            vmlinux: dir.join("vmlinux"),
+            initramfs: dir.join("initramfs.cpio"),
+        };
+        if let Ok(release) = std::fs::read_to_string(dir.join("release")) {
+            return Ok(kernel(release.trim().to_string()));
+        }
+        let deb = self.download(&package, &version)?;
+        let tmp = scratch("kernel")?;
+        crate::cmd::run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&tmp))?;
+        let modules_root = ["lib/modules", "usr/lib/modules"]
+            .iter()
+            .map(|d| tmp.join(d))
+            .find(|d| d.is_dir())
+            .ok_or_else(|| anyhow!("{package}: no lib/modules directory"))?;
+        let release = std::fs::read_dir(&modules_root)?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .next()
+            .ok_or_else(|| anyhow!("{package}: empty modules directory"))?;
+        let vmlinuz = tmp.join(format!("boot/vmlinuz-{release}"));
+        std::fs::create_dir_all(&dir)?;
+        let vmlinux = extract_vmlinux(&std::fs::read(&vmlinuz).with_context(|| format!("read {vmlinuz:?}"))?)?;
+        std::fs::write(dir.join("vmlinux"), vmlinux)?;
+        let modules = guest_modules(&modules_root.join(&release))?;
+        let names: Vec<&str> = modules.iter().map(|(n, _)| n.as_str()).collect();
+        println!(
+            "kernels: {release}: modules to load, in order: {}",
+            if names.is_empty() { "none".into() } else { names.join(" ") }
+        );
+        write_initramfs(&dir.join("initramfs.cpio"), busybox, &modules)?;
+        std::fs::remove_dir_all(&tmp)?;
+        std::fs::write(dir.join("release"), &release)?;
+        Ok(kernel(release))
+    }
+}
+
+/// The URI of the host's Debian archive, from `apt-cache policy` (works for one-line and deb822
+/// sources alike): the repository whose release has `o=Debian` and `l=Debian`.
+pub(crate) fn host_debian_mirror() -> Result<String> {
+    let out = Command::new("apt-cache").arg("policy").output().context("apt-cache policy")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut uri = None;
+    for line in text.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if words.len() >= 3 && words[0].parse::<i32>().is_ok() && words[1].contains("://") {
+            uri = Some(words[1].trim_end_matches('/').to_string());
+        } else if let Some(release) = line.trim().strip_prefix("release ") {
+            let fields: Vec<&str> = release.split(',').collect();
+            if fields.contains(&"o=Debian")
+                && fields.contains(&"l=Debian")
+                && let Some(u) = uri.take()
+            {
+                return Ok(u);
+            }
+        }
+    }
+    bail!("the host's apt sources have no Debian archive (o=Debian, l=Debian in apt-cache policy)")
+}
+
+/// `"linux-image-6.1.0-50-amd64 (= 6.1.176-1)"` → (package, version).
+fn parse_exact_dependency(depends: &str) -> Option<(String, String)> {
+    let first = depends.split(',').next()?.trim();
+    let (name, rest) = first.split_once(" (= ")?;
+    Some((name.trim().to_string(), rest.strip_suffix(')')?.trim().to_string()))
+}
+
+fn scratch(what: &str) -> Result<PathBuf> {
+    let dir = Path::new(CACHE).join(format!("tmp/{what}-{}", std::process::id()));
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+/// Decompresses with an external tool, tolerating trailing data (the rest of the bzImage).
+fn decompress(tool: &str, data: &[u8]) -> Option<Vec<u8>> {
+    let mut child = Command::new(tool)
+        .args(["-dc"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    let mut stdin = child.stdin.take()?;
+    let input = data.to_vec();
+    let writer = std::thread::spawn(move || {
+        let _ = stdin.write_all(&input);
+    });
+    let mut out = Vec::new();
+    let _ = child.stdout.take()?.read_to_end(&mut out);
+    let _ = child.wait();
+    let _ = writer.join();
+    Some(out)
+}
+
+/// The kernel's `extract-vmlinux`: find a compressed payload in the bzImage that decompresses to
+/// an ELF file.
+fn extract_vmlinux(vmlinuz: &[u8]) -> Result<Vec<u8>> {
+    let formats: [(&[u8], &str); 4] = [
+        (b"\xfd7zXZ\x00", "xz"),
+        (b"\x28\xb5\x2f\xfd", "zstd"),
+        (b"\x1f\x8b\x08", "gzip"),
+        (b"\x02\x21\x4c\x18", "lz4"),
+    ];
+    for (magic, tool) in formats {
+        let mut from = 0;
+        while let Some(pos) = find(&vmlinuz[from..], magic).map(|p| p + from) {
+            if let Some(out) = decompress(tool, &vmlinuz[pos..])
+                && out.starts_with(b"\x7fELF")
+            {
+                return Ok(out);
+            }
+            from = pos + 1;
+        }
+    }
+    bail!("no compressed ELF payload found in vmlinuz (tried xz, zstd, gzip, lz4)")
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// A module file's contents, decompressed.
+fn read_module(path: &Path) -> Result<Vec<u8>> {
+    let raw = std::fs::read(path)?;
+    let name = path.to_string_lossy();
+    let tool = if name.ends_with(".xz") {
+        "xz"
+    } else if name.ends_with(".zst") {
+        "zstd"
+    } else if name.ends_with(".gz") {
+        "gzip"
+    } else {
+        return Ok(raw);
+    };
+    decompress(tool, &raw).filter(|m| m.starts_with(b"\x7fELF")).ok_or_else(|| anyhow!("decompress {name}"))
+}
+
+fn module_name(file: &str) -> String {
+    file.split(".ko").next().unwrap_or(file).replace('-', "_")
+}
+
+/// The modules among [`GUEST_MODULES`] the kernel does not build in, with everything they depend
+/// on, in load order (dependencies first), decompressed.
+fn guest_modules(modules_dir: &Path) -> Result<Vec<(String, Vec<u8>)>> {
+    let builtin: HashSet<String> = std::fs::read_to_string(modules_dir.join("modules.builtin"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.rsplit('/').next())
+        .map(module_name)
+        .collect();
+    let mut files = BTreeMap::new();
+    let mut stack = vec![modules_dir.join("kernel")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir)?.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if let Some(file) = path.file_name().map(|f| f.to_string_lossy().into_owned())
+                && file.contains(".ko")
+            {
+                files.insert(module_name(&file), path);
+            }
+        }
+    }
+    let mut order = Vec::new();
+    let mut seen = HashSet::new();
+    fn visit(
+        name: &str,
+        files: &BTreeMap<String, PathBuf>,
+        builtin: &HashSet<String>,
+        seen: &mut HashSet<String>,
+        order: &mut Vec<(String, Vec<u8>)>,
+    ) -> Result<()> {
+        if !seen.insert(name.to_string()) || builtin.contains(name) {
+            return Ok(());
+        }
+        let path = files.get(name).ok_or_else(|| anyhow!("module {name} is neither built in nor shipped"))?;
+        let bytes = read_module(path)?;
+        for dep in modinfo_depends(&bytes) {
+            visit(&dep, files, builtin, seen, order)?;
+        }
+        order.push((name.to_string(), bytes));
+        Ok(())
+    }
+    for m in GUEST_MODULES {
+        visit(m, &files, &builtin, &mut seen, &mut order)?;
+    }
+    for m in NODE_MODULES {
+        if files.contains_key(*m) || builtin.contains(*m) {
+            visit(m, &files, &builtin, &mut seen, &mut order)?;
+        } else {
+            println!("kernels: {} has no module {m} (the node VM cannot boot it)", modules_dir.display());
+        }
+    }
+    Ok(order)
+}
+
+/// The `depends=` entry of a module's `.modinfo` section (NUL-separated `key=value` strings).
+fn modinfo_depends(module: &[u8]) -> Vec<String> {
+    let Some(pos) = find(module, b"\0depends=") else { return Vec::new() };
+    let rest = &module[pos + 9..];
+    let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
+    String::from_utf8_lossy(&rest[..end]).split(',').filter(|s| !s.is_empty()).map(module_name).collect()
+}
+
+/// The guest's pid 1 before the switch to the host's root. Its command comes from the kernel
+/// command line (`valet.run=`), run by the host's busybox under the new root.
+const INIT: &str = r#"#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin
+fail() { echo "VALET-VM-FAILED: $*"; poweroff -f; sleep 10; }
+mount -t proc proc /proc
+mount -t devtmpfs devtmpfs /dev
+for m in $(cat /modules); do insmod /lib/modules/$m.ko || fail "insmod $m"; done
+run=$(sed -n 's/.*valet\.run=\([^ ]*\).*/\1/p' /proc/cmdline)
+shell=$(sed -n 's/.*valet\.shell=\([^ ]*\).*/\1/p' /proc/cmdline)
+P9="trans=virtio,version=9p2000.L,msize=262144,cache=loose"
+root=$(sed -n 's/.*valet\.root=\([^ ]*\).*/\1/p' /proc/cmdline)
+if [ -n "$root" ]; then
+  # The node VM: its own root disk with systemd, the host's root read-only at /host.
+  for i in $(seq 100); do [ -b "$root" ] && break; sleep 0.1; done
+  mount -t ext4 "$root" /newroot || fail "mount $root"
+  mount -t 9p -o ro,$P9 host /newroot/host || fail "mount the host root at /host"
+  umount /proc
+  exec switch_root /newroot /sbin/init
+fi
+mount -t 9p -o ro,$P9 host /newroot || fail "mount the host root"
+R=/newroot
+mount -t proc proc $R/proc || fail proc
+mount -t sysfs sysfs $R/sys || fail sysfs
+mount -t devtmpfs devtmpfs $R/dev || fail devtmpfs
+mkdir -p $R/dev/pts $R/dev/shm
+mount -t devpts devpts $R/dev/pts
+mount -t tmpfs tmpfs $R/dev/shm
+mount -t tmpfs -o mode=755 tmpfs $R/run || fail /run
+mount -t tmpfs -o mode=1777 tmpfs $R/tmp || fail /tmp
+mount -t cgroup2 cgroup2 $R/sys/fs/cgroup || fail cgroup2
+mount -t tracefs tracefs $R/sys/kernel/tracing || fail tracefs
+mount -t debugfs debugfs $R/sys/kernel/debug
+mount -t bpf bpf $R/sys/fs/bpf || fail bpffs
+umount /proc
+exec switch_root $R "$shell" sh "$run"
+"#;
+
+fn write_initramfs(out: &Path, busybox: &Path, modules: &[(String, Vec<u8>)]) -> Result<()> {
+    let mut cpio = Cpio::default();
+    for d in ["bin", "dev", "proc", "newroot", "lib", "lib/modules"] {
+        cpio.dir(d);
+    }
+    cpio.console();
+    cpio.file("bin/busybox", 0o755, &std::fs::read(busybox)?);
+    cpio.file("init", 0o755, INIT.as_bytes());
+    let list: String = modules.iter().map(|(n, _)| format!("{n}\n")).collect();
+    cpio.file("modules", 0o644, list.as_bytes());
+    for (name, bytes) in modules {
+        cpio.file(&format!("lib/modules/{name}.ko"), 0o644, bytes);
+    }
+    std::fs::write(out, cpio.finish())?;
+    Ok(())
+}
+
+/// A `newc` cpio archive, as the kernel unpacks an initramfs.
+#[derive(Default)]
+struct Cpio {
+    buf: Vec<u8>,
+    ino: u32,
+}
+
+impl Cpio {
+    fn entry(&mut self, name: &str, mode: u32, rdev: (u32, u32), data: &[u8]) {
+        self.ino += 1;
+        let header = format!(
+            "070701{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}",
+            self.ino,
+            mode,
+            0,
+            0,
+            1,
+            0,
+            data.len(),
+            0,
+            0,
+            rdev.0,
+            rdev.1,
+            name.len() + 1,
+            0
+        );
+        self.buf.extend_from_slice(header.as_bytes());
+        self.buf.extend_from_slice(name.as_bytes());
+        self.buf.push(0);
+        self.pad();
+        self.buf.extend_from_slice(data);
+        self.pad();
+    }
+
+    fn pad(&mut self) {
+        while !self.buf.len().is_multiple_of(4) {
+            self.buf.push(0);
+        }
+    }
+
+    fn dir(&mut self, name: &str) {
+        self.entry(name, 0o040755, (0, 0), &[]);
+    }
+
+    fn file(&mut self, name: &str, perm: u32, data: &[u8]) {
+        self.entry(name, 0o100000 | perm, (0, 0), data);
+    }
+
+    /// `/dev/console`, so that init has a stdin, stdout and stderr before devtmpfs is mounted.
+    fn console(&mut self) {
+        self.entry("dev/console", 0o020600, (5, 1), &[]);
+    }
+
+    fn finish(mut self) -> Vec<u8> {
+        self.entry("TRAILER!!!", 0, (0, 0), &[]);
+        self.buf
+    }
+}
+
+/// What one guest reported.
+struct Outcome {
+    passed: u64,
+    failed: u64,
+    note: Option<String>,
+}
+
+/// The guest's script: both test binaries, their summaries on the console, then power off.
+fn guest_script(root: &Path, bins: &Binaries, busybox: &Path) -> String {
+    format!(
+        r#"export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root RUST_BACKTRACE=1
+export VALET_AGENT_BIN={agent} VALET_STANDIN_PROXY={standin}
+ip link set lo up
+echo "VALET-VM-UNAME $(uname -r)"
+cd {tests}
+echo "VALET-VM-BEGIN kernel"
+{kernel} --test-threads=1 --color=never 2>&1
+echo "VALET-VM-END kernel $?"
+echo "VALET-VM-BEGIN shutdown"
+{shutdown} --exact {scenario} --test-threads=1 --color=never 2>&1
+echo "VALET-VM-END shutdown $?"
+sync
+echo "VALET-VM-DONE"
+{busybox} poweroff -f
+"#,
+        agent = bins.agent.display(),
+        standin = bins.standin.display(),
+        tests = root.join("tests").display(),
+        kernel = bins.kernel_test.display(),
+        shutdown = bins.shutdown_test.display(),
+        scenario = SCENARIO,
+        busybox = busybox.display(),
+    )
+}
+
+fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result<Outcome> {
+    let dir = Path::new(CACHE).join("run").join(&kernel.release);
+    std::fs::create_dir_all(&dir)?;
+    let script = dir.join("run.sh");
+    std::fs::write(&script, guest_script(root, bins, busybox))?;
+    let append = format!("valet.run={} valet.shell={}", script.display(), busybox.display());
+    let (lines, timed_out) = qemu(kernel, &append, &[], &dir.join("console.log"), DEADLINE)?;
+    let mut outcome = judge(&lines);
+    if timed_out {
+        outcome.failed += 1;
+        outcome.note = Some(format!("killed after {DEADLINE:?}; console: {}", dir.join("console.log").display()));
+    }
+    Ok(outcome)
+}
+
+/// Boots `kernel` with our initramfs and the host's `/` shared read-only, echoes the serial
+/// console (prefixed with the kernel release) and keeps it in `console`. Returns the console's
+/// lines and whether the guest had to be killed at `deadline`.
+pub(crate) fn qemu(
+    kernel: &Kernel,
+    append: &str,
+    extra: &[&str],
+    console: &Path,
+    deadline: Duration,
+) -> Result<(Vec<String>, bool)> {
+    let log = std::fs::File::create(console)?;
+    let append = format!("console=ttyS0 panic=-1 loglevel=4 mitigations=off no_timer_check rdinit=/init {append}");
+    let mut child = Command::new("qemu-system-x86_64")
+        .args(["-accel", "tcg,thread=multi,tb-size=256", "-cpu", "max", "-machine", "q35"])
+        .args(["-m", "2G", "-smp", "2", "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
+        .args(["-serial", "stdio", "-monitor", "none"])
+        .args(["-virtfs", "local,path=/,mount_tag=host,security_model=none,readonly=on,multidevs=remap"])
+        .arg("-kernel")
+        .arg(&kernel.vmlinux)
+        .arg("-initrd")
+        .arg(&kernel.initramfs)
+        .args(["-append", &append])
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("start qemu-system-x86_64")?;
+    // The console is read on a thread (kept in `console`, its test lines echoed with a prefix) so
+    // that the deadline is kept even when the guest prints nothing.
+    let stdout = child.stdout.take().ok_or_else(|| anyhow!("qemu stdout"))?;
+    let release = kernel.release.clone();
+    let reader = std::thread::spawn(move || {
+        let mut log = log;
+        let mut lines = Vec::new();
+        for line in std::io::BufReader::new(stdout).split(b'\n').map_while(|l| l.ok()) {
+            let line = String::from_utf8_lossy(&line).trim_end_matches('\r').to_string();
+            let _ = writeln!(log, "{line}");
+            if echoed(&line) {
+                let short: String = line.chars().take(400).collect();
+                println!("[{release}] {short}");
+            } else if line.contains("Verifier output") {
+                // A panic's message with the verifier's log in Debug form: its reason is at the end.
+                let pieces: Vec<&str> = line.split("\\n").filter(|p| !p.trim().is_empty()).collect();
+                let tail = pieces.len().saturating_sub(5);
+                let head: String = line.chars().take(160).collect();
+                println!("[{release}] {head} ... {}", pieces[tail..].join(" | "));
+            }
+            lines.push(line);
+        }
+        lines
+    });
+    let deadline = Instant::now() + deadline;
+    let mut timed_out = false;
+    loop {
+        if child.try_wait()?.is_some() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            timed_out = true;
+            let _ = child.kill();
+            let _ = child.wait();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let lines = reader.join().map_err(|_| anyhow!("console reader panicked"))?;
+    Ok((lines, timed_out))
+}
+
+/// Console lines worth echoing: test names and results, panics (cut to 400 characters: a
+/// verifier log is long; the whole of it is in the console log), the guest's own markers.
+fn echoed(line: &str) -> bool {
+    const PREFIXES: [&str; 7] = ["test ", "running ", "VALET-", "thread '", "node", "kubelet:", "---"];
+    PREFIXES.iter().any(|p| line.starts_with(p)) || line.contains("FAIL") || line.contains("Kernel panic")
+}
+
+/// Counts the cargo test summaries of both binaries; a binary that ended without a summary, or a
+/// guest that never finished, counts as one failure, with the reason.
+fn judge(lines: &[String]) -> Outcome {
+    let mut outcome = Outcome { passed: 0, failed: 0, note: None };
+    let mut notes = Vec::new();
+    let mut summary_seen = false;
+    for line in lines {
+        if let Some(rest) = line.trim().strip_prefix("test result: ") {
+            summary_seen = true;
+            let words: Vec<&str> = rest.split([' ', ';']).filter(|w| !w.is_empty()).collect();
+            for pair in words.windows(2) {
+                let Ok(n) = pair[0].parse::<u64>() else { continue };
+                match pair[1] {
+                    "passed" => outcome.passed += n,
+                    "failed" => outcome.failed += n,
+                    _ => {}
+                }
+            }
+        } else if line.starts_with("VALET-VM-BEGIN") {
+            summary_seen = false;
+        } else if let Some(rest) = line.strip_prefix("VALET-VM-END ") {
+            let mut words = rest.split_whitespace();
+            let (what, code) = (words.next().unwrap_or("?"), words.next().unwrap_or("?"));
+            if !summary_seen {
+                outcome.failed += 1;
+                notes.push(format!("{what} tests ended without a summary (exit {code})"));
+            }
+        } else if let Some(rest) = line.strip_prefix("VALET-VM-FAILED: ") {
+            outcome.failed += 1;
+            notes.push(format!("guest setup failed: {rest}"));
+        }
+    }
+    if !lines.iter().any(|l| l == "VALET-VM-DONE") && notes.is_empty() {
+        outcome.failed += 1;
+        notes.push("the guest stopped before the tests finished".into());
+    }
+    if !notes.is_empty() {
+        outcome.note = Some(notes.join("; "));
+    }
+    outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exact_dependency() {
+        assert_eq!(
+            parse_exact_dependency("linux-image-6.12.117+deb13-amd64 (= 6.12.117-1)"),
+            Some(("linux-image-6.12.117+deb13-amd64".into(), "6.12.117-1".into()))
+        );
+        assert_eq!(parse_exact_dependency("linux-image-6.1.0-50-amd64"), None);
+    }
+
+    #[test]
+    fn depends_from_modinfo() {
+        let ko = b"\x7fELF....\0license=GPL\0depends=9pnet,netfs\0intree=Y\0";
+        assert_eq!(modinfo_depends(ko), vec!["9pnet".to_string(), "netfs".to_string()]);
+        assert!(modinfo_depends(b"\x7fELF\0depends=\0name=x\0").is_empty());
+    }
+
+    #[test]
+    fn judges_summaries_and_missing_ones() {
+        let lines = |s: &str| s.lines().map(str::to_string).collect::<Vec<_>>();
+        let ok = judge(&lines(
+            "VALET-VM-BEGIN kernel\ntest result: ok. 9 passed; 0 failed; 0 ignored\nVALET-VM-END kernel 0\n\
+             VALET-VM-BEGIN shutdown\ntest result: FAILED. 0 passed; 1 failed; 0 ignored\nVALET-VM-END shutdown 101\n\
+             VALET-VM-DONE",
+        ));
+        assert_eq!((ok.passed, ok.failed, ok.note), (9, 1, None));
+        let crashed = judge(&lines("VALET-VM-BEGIN kernel\nVALET-VM-END kernel 139\nVALET-VM-DONE"));
+        assert_eq!((crashed.passed, crashed.failed), (0, 1));
+        assert!(crashed.note.unwrap_or_default().contains("exit 139"));
+        let hung = judge(&lines("VALET-VM-BEGIN kernel"));
+        assert_eq!(hung.failed, 1);
+    }
+}

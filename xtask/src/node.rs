@@ -1,0 +1,151 @@
+//! `cargo xtask node`: valet on a real node. A Debian bookworm VM (mmdebstrap from apt: systemd,
+//! containerd with its CRI plugin and the systemd cgroup driver, runc, the CNI plugins) booted
+//! with Debian's bookworm kernel under qemu TCG, the host's `/` read-only at `/host`; a kubelet
+//! stand-in (tests/node/kubelet.py) drives containerd through the CRI and mirrors the pods into
+//! the fake API server; the host-built agent runs as root on the node. Images are built here
+//! (tests/node/oci_image.py) and imported with `ctr`: no registry is involved.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::kernels::{Apt, CACHE, qemu};
+
+/// Packages of the node image on top of `--variant=minbase`.
+const PACKAGES: &str = "systemd,systemd-sysv,dbus,containerd,runc,containernetworking-plugins,iproute2,\
+                        python3,python3-grpcio,python3-protobuf,protobuf-compiler,kmod,util-linux,procps,ca-certificates";
+/// Size of the (sparse) root disk.
+const DISK: &str = "3G";
+const DEADLINE: Duration = Duration::from_secs(15 * 60);
+
+/// Builds (or reuses) the node image and the OCI images, boots the node and runs the scenario.
+/// Returns whether it passed.
+pub fn run(root: &Path) -> Result<bool> {
+    let started = Instant::now();
+    let apt = Apt::new()?;
+    let busybox = apt.busybox()?;
+    let kernel = apt.kernel("bookworm", &busybox)?;
+    let t = Instant::now();
+    let image = node_image(root, &apt.mirror)?;
+    println!("node: image {} ready in {:.0?}", image.display(), t.elapsed());
+    crate::cmd::run(crate::cmd::cargo().current_dir(root).args([
+        "build",
+        "--release",
+        "-p",
+        "valet-agent",
+        "-p",
+        "valet-sim",
+        "--bins",
+    ]))?;
+    let images = oci_images(root, &busybox)?;
+    let dir = Path::new(CACHE).join("run/node");
+    std::fs::create_dir_all(&dir)?;
+    let script = dir.join("run.sh");
+    let repo = Path::new("/host").join(root.strip_prefix("/").unwrap_or(root));
+    std::fs::write(
+        &script,
+        format!(
+            "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
+             python3 {repo}/tests/node/job_scenario.py {repo} /host{images}\n",
+            repo = repo.display(),
+            images = images.display()
+        ),
+    )?;
+    let append = format!("valet.root=/dev/vda valet.run={} systemd.show_status=0", script.display());
+    let drive = format!("file={},if=virtio,format=raw,snapshot=on", image.display());
+    let t = Instant::now();
+    let (lines, timed_out) = qemu(&kernel, &append, &["-drive", &drive], &dir.join("console.log"), DEADLINE)?;
+    let ready = lines.iter().find_map(|l| l.split_once("VALET-NODE-READY ").map(|(_, t)| t.to_string()));
+    println!(
+        "node: booted to containerd-ready at {}s guest uptime; VM ran {:.0?} ({:.0?} in all)",
+        ready.as_deref().unwrap_or("?"),
+        t.elapsed(),
+        started.elapsed()
+    );
+    let passed = lines.iter().any(|l| l.ends_with("node scenario job_pod_proxy_quits_when_the_app_exits: ok"));
+    if timed_out {
+        println!("node: the VM was killed after {DEADLINE:?}");
+    }
+    Ok(passed && !timed_out)
+}
+
+/// A small stable hash (FNV-1a) for cache keys.
+fn fnv(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for b in *p {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// The node's root disk: mmdebstrap (its .debs cached), tests/node/customize.sh, mke2fs.
+fn node_image(root: &Path, mirror: &str) -> Result<PathBuf> {
+    let customize = std::fs::read(root.join("tests/node/customize.sh"))?;
+    let key = fnv(&[PACKAGES.as_bytes(), &customize]);
+    let base = Path::new(CACHE).join("node");
+    let image = base.join(format!("node-{key:016x}.img"));
+    if image.exists() {
+        return Ok(image);
+    }
+    let debs = base.join("debs");
+    std::fs::create_dir_all(&debs)?;
+    let rootfs = base.join(format!("rootfs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&rootfs);
+    println!("node: mmdebstrap bookworm (first time: downloads ~150 MB of .debs, cached)");
+    crate::cmd::run(
+        Command::new("mmdebstrap")
+            .args(["--variant=minbase", "--quiet", &format!("--include={PACKAGES}"), "--skip=download/empty"])
+            .arg("--setup-hook=mkdir -p \"$1\"/var/cache/apt/archives/")
+            .arg(format!("--setup-hook=sync-in {} /var/cache/apt/archives/", debs.display()))
+            .arg(format!("--customize-hook=sync-out /var/cache/apt/archives {}", debs.display()))
+            .arg("bookworm")
+            .arg(&rootfs)
+            .arg(mirror),
+    )?;
+    crate::cmd::run(Command::new("sh").arg(root.join("tests/node/customize.sh")).arg(&rootfs))?;
+    let tmp = image.with_extension("tmp");
+    crate::cmd::run(
+        Command::new("mke2fs").args(["-q", "-t", "ext4", "-L", "valet-node", "-d"]).arg(&rootfs).arg(&tmp).arg(DISK),
+    )?;
+    std::fs::rename(&tmp, &image)?;
+    std::fs::remove_dir_all(&rootfs)?;
+    Ok(image)
+}
+
+/// The pods' images: busybox (the app), a pause of our own, the stand-in proxy.
+fn oci_images(root: &Path, busybox: &Path) -> Result<PathBuf> {
+    let dir = Path::new(CACHE).join("node/images");
+    std::fs::create_dir_all(&dir)?;
+    let build = |out: &str, name: &str, args: &[String]| -> Result<()> {
+        crate::cmd::run(
+            Command::new("python3").arg(root.join("tests/node/oci_image.py")).arg(dir.join(out)).arg(name).args(args),
+        )
+        .with_context(|| format!("build image {name}"))
+    };
+    let bb = format!("{}:/bin/busybox", busybox.display());
+    let links = ["sh", "sleep", "cat", "ls", "unshare"].map(|l| format!("--link=/bin/{l}:busybox"));
+    let mut args = vec![format!("--add={bb}"), r#"--entrypoint=["/bin/sh"]"#.to_string()];
+    args.extend(links.iter().cloned());
+    build("busybox.tar", "docker.io/valet/busybox:1", &args)?;
+    build(
+        "pause.tar",
+        "docker.io/valet/pause:1",
+        &[format!("--add={bb}"), r#"--entrypoint=["/bin/busybox","sleep","2147483647"]"#.to_string()],
+    )?;
+    let standin = root.join("target/release/valet-standin-proxy");
+    if !standin.exists() {
+        bail!("{} missing", standin.display());
+    }
+    build(
+        "standin.tar",
+        "docker.io/valet/standin:1",
+        &[
+            format!("--elf={}:/valet-standin-proxy", standin.display()),
+            r#"--entrypoint=["/valet-standin-proxy"]"#.into(),
+        ],
+    )?;
+    Ok(dir)
+}
