@@ -1,5 +1,6 @@
 //! The kernel side seen from user space: layout discovery (BTF), program loading, event stream.
 pub mod btf;
+pub mod container_main;
 pub mod events;
 pub mod layout;
 pub mod programs;
