@@ -102,11 +102,35 @@ impl Pod {
     }
 }
 
+/// The running kernel's (major, minor).
+fn kernel_version() -> (u32, u32) {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("osrelease");
+    let mut parts = release.trim().split(|c: char| !c.is_ascii_digit()).filter_map(|p| p.parse().ok());
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0))
+}
+
+/// Tracepoint programs may call `bpf_get_current_ancestor_cgroup_id` from 5.11 on.
+fn kernel_allows_the_helper() -> bool {
+    kernel_version() >= (5, 11)
+}
+
 fn load(mode: AncestorMode) -> (Programs, EventStream) {
     require_root();
     let attach = Attach { ancestors: mode, ..Attach::default() };
-    let mut programs = Programs::load(Path::new("/"), attach).expect("load programs");
-    assert_eq!(programs.ancestor_mode(), mode, "the variant asked for is the one attached");
+    let mut programs = if mode == AncestorMode::Helper && !kernel_allows_the_helper() {
+        // 5.10: the verifier must refuse the helper variant, and `Auto` must fall back to the
+        // walk; the scenario then runs with what production would load.
+        let refused = Programs::load(Path::new("/"), attach).err().expect("the helper variant is refused before 5.11");
+        eprintln!("kernel {:?}: helper variant refused ({refused}); scenario runs with Auto", kernel_version());
+        let programs = Programs::load(Path::new("/"), Attach { ancestors: AncestorMode::Auto, ..Attach::default() })
+            .expect("load");
+        assert_eq!(programs.ancestor_mode(), AncestorMode::Walk, "Auto falls back to the walk");
+        programs
+    } else {
+        let programs = Programs::load(Path::new("/"), attach).expect("load programs");
+        assert_eq!(programs.ancestor_mode(), mode, "the variant asked for is the one attached");
+        programs
+    };
     let ring = programs.take_events().expect("ring buffer");
     let stream = EventStream::new(ring).expect("event stream");
     (programs, stream)
@@ -154,6 +178,39 @@ async fn recorded_main(programs: &Programs, cgroup: u64) -> ContainerMain {
         assert!(Instant::now() < deadline, "no main process recorded for cgroup {cgroup}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// Waits for a spawned runtime process (bounded: a hang fails the test with what still runs
+/// and in which state, instead of hanging the run).
+fn reap(child: &mut Child) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return status,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => {
+                let mut tree = Vec::new();
+                let mut todo = vec![child.id()];
+                while let Some(pid) = todo.pop() {
+                    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                    tree.push(format!("{pid} {:?}", nspid_or_empty(pid)) + " " + stat.trim());
+                    todo.extend(children(pid));
+                }
+                let _ = child.kill();
+                panic!("process {} still runs after 30 s: {tree:#?}", child.id());
+            }
+            Err(e) => panic!("wait {}: {e}", child.id()),
+        }
+    }
+}
+
+fn nspid_or_empty(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .map(|l| l.split_whitespace().filter_map(|p| p.parse().ok()).collect())
+        .unwrap_or_default()
 }
 
 fn kill(pid: u32, signal: i32) {
@@ -216,7 +273,7 @@ async fn run_and_expect(
         kill(record.tgid, signal);
     }
     let got = exits(&mut stream, container, 1, WAIT).await;
-    let _ = child.wait();
+    reap(&mut child);
     assert_eq!(got.len(), 1, "exactly one exit event: {got:?}");
     let exit = &got[0];
     assert_eq!(exit.tgid, record.tgid);
@@ -266,7 +323,7 @@ async fn pid_namespace_init_is_the_container_end_and_children_are_not(mode: Ance
     // The main process (pid 1) runs a child that exits 7 first, then sleep, then exits 3.
     let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", "/bin/sh -c 'exit 7'; sleep 0.05; exit 3"]);
     let got = exits(&mut stream, container, 1, WAIT).await;
-    let _ = child.wait();
+    reap(&mut child);
     assert_eq!(got.len(), 1, "the main process only: {got:?}");
     let init = &got[0];
     assert_eq!(init.end, Some(ProcessEnd::Exited(3)));
@@ -290,7 +347,7 @@ async fn a_nested_sandbox_init_never_ends_the_container(mode: AncestorMode) {
                   [ $? -eq 3 ] || exit 99; sleep 0.3; exit 5";
     let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", script]);
     let got = exits(&mut stream, container, 1, WAIT).await;
-    let _ = child.wait();
+    reap(&mut child);
     assert_eq!(got.len(), 1, "the main process only: {got:?}");
     assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
     assert_eq!(got[0].end, Some(ProcessEnd::Exited(5)), "the nested init ran and exited 3 first");
@@ -324,7 +381,7 @@ async fn shared_pid_namespace_main_is_not_pid_1_and_still_ends_its_container(mod
     assert_eq!(record.pidns_level, pause_main.pidns_level);
     assert_eq!(record.pidns_inum, pause_main.pidns_inum, "the pod's shared namespace");
     let got = exits(&mut stream, app, 1, WAIT).await;
-    let _ = child.wait();
+    reap(&mut child);
     assert_eq!(got.len(), 1, "the main process only: {got:?}");
     let exit = &got[0];
     assert_eq!(exit.tgid, record.tgid);
@@ -334,7 +391,7 @@ async fn shared_pid_namespace_main_is_not_pid_1_and_still_ends_its_container(mod
     // The sandbox's pause ends its own container, reported in its own cgroup.
     kill(pause_main.tgid, libc::SIGKILL);
     let got = exits(&mut stream, sandbox, 1, WAIT).await;
-    let _ = pause.wait();
+    reap(&mut pause);
     assert_eq!(got.len(), 1, "{got:?}");
     assert!(got[0].container_main && got[0].ns_init);
     assert_eq!(programs.counter(Counter::ExitsReported), 2);
@@ -355,7 +412,7 @@ async fn a_host_namespace_exec_in_the_container_cgroup_is_not_the_main(mode: Anc
     let record = recorded_main(&programs, container).await;
     assert_ne!(record.tgid, helper);
     assert_eq!(nspid(record.tgid).last(), Some(&1));
-    assert!(child.wait().expect("wait").success(), "the helper exited first");
+    assert!(reap(&mut child).success(), "the helper exited first");
     let got = exits(&mut stream, container, 1, WAIT).await;
     assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
     assert_eq!(got.len(), 1, "{got:?}");
@@ -401,7 +458,7 @@ async fn a_fork_storm_never_reaches_user_space(mode: AncestorMode) {
     // The container's end still arrives.
     kill(record.tgid, libc::SIGKILL);
     let got = exits(&mut stream, container, 1, WAIT).await;
-    let _ = child.wait();
+    reap(&mut child);
     let _ = std::fs::remove_file(&mark);
     assert_eq!(got.len(), 1, "{got:?}");
     assert!(got[0].container_main);
@@ -444,13 +501,13 @@ async fn adopted_containers_end_with_their_main_process(mode: AncestorMode) {
 
     kill(shared_main, libc::SIGKILL);
     let got = exits(&mut stream, shared, 1, WAIT).await;
-    let _ = shared_child.wait();
+    reap(&mut shared_child);
     assert_eq!(got.len(), 1, "{got:?}");
     assert!(got[0].container_main && !got[0].ns_init && got[0].tgid == shared_main, "{:?}", got[0]);
 
     kill(own_main, libc::SIGKILL);
     let got = exits(&mut stream, own, 1, WAIT).await;
-    let _ = own_child.wait();
+    reap(&mut own_child);
     assert_eq!(got.len(), 1, "{got:?}");
     assert!(got[0].container_main && got[0].ns_init && got[0].tgid == own_main, "{:?}", got[0]);
 
@@ -458,7 +515,7 @@ async fn adopted_containers_end_with_their_main_process(mode: AncestorMode) {
     // container_main mark; user space decides.
     kill(plain_main, libc::SIGKILL);
     let got = exits(&mut stream, plain, 1, WAIT).await;
-    let _ = plain_child.wait();
+    reap(&mut plain_child);
     assert_eq!(got.len(), 1, "{got:?}");
     assert!(!got[0].container_main && got[0].ns_init && got[0].tgid == plain_main, "{:?}", got[0]);
     assert_eq!(programs.counter(Counter::ExitsReported), 3);
@@ -472,7 +529,7 @@ async fn forget_container_removes_what_the_kernel_keeps(mode: AncestorMode) {
     programs.classify_exec(container, false).expect("classify");
     let mut first = pod.start(&pod.container_rel, &["/bin/sh", "-c", "exit 1"]);
     let record = recorded_main(&programs, container).await;
-    assert!(first.wait().is_ok());
+    reap(&mut first);
     assert!(programs.exec_seen(container));
     assert_eq!(programs.counter(Counter::Held), 0, "classified as pass");
     programs.forget_container(container);
@@ -491,7 +548,7 @@ async fn forget_container_removes_what_the_kernel_keeps(mode: AncestorMode) {
     assert_eq!(again.tgid, held[0].tgid);
     assert!(again.flags & container_flags::HELD != 0);
     kill(held[0].tgid, libc::SIGCONT);
-    assert!(second.wait().is_ok());
+    reap(&mut second);
 }
 
 async fn no_events_from_unregistered_cgroups(mode: AncestorMode) {
@@ -501,7 +558,7 @@ async fn no_events_from_unregistered_cgroups(mode: AncestorMode) {
     programs.watch(watched.pod_id(), watch_flags::EXITS).expect("watch");
     for _ in 0..10 {
         let mut c = other.start(&other.container_rel, &["/bin/true"]);
-        let _ = c.wait();
+        reap(&mut c);
     }
     // Processes outside any pod cgroup (this test's own children) are not reported either.
     for _ in 0..10 {
@@ -515,7 +572,7 @@ async fn no_events_from_unregistered_cgroups(mode: AncestorMode) {
     // And unwatching stops reporting the watched pod too.
     programs.unwatch(watched.pod_id()).expect("unwatch");
     let mut c = watched.start(&watched.container_rel, &["/bin/true"]);
-    let _ = c.wait();
+    reap(&mut c);
     assert!(exits(&mut stream, watched.container(), 1, Duration::from_millis(300)).await.is_empty());
 }
 
@@ -547,7 +604,7 @@ async fn exec_hold_stops_the_main_process_before_it_runs(mode: AncestorMode) {
     assert_eq!(record.flags, container_flags::BY_EXEC | container_flags::NS_INIT | container_flags::HELD);
     kill(held.tgid, libc::SIGCONT);
     let got = exits(&mut stream, container, 1, WAIT).await;
-    let _ = child.wait();
+    reap(&mut child);
     assert!(file.exists(), "released process ran");
     let _ = std::fs::remove_file(&file);
     assert_eq!(got.len(), 1, "{got:?}");
@@ -579,12 +636,12 @@ async fn exec_hold_stops_a_shared_namespace_main_too(mode: AncestorMode) {
     assert_ne!(nspid(held[0].tgid).last(), Some(&1));
     kill(held[0].tgid, libc::SIGCONT);
     let got = exits(&mut stream, app, 1, WAIT).await;
-    let _ = child.wait();
+    reap(&mut child);
     assert_eq!(got.len(), 1, "{got:?}");
     assert_eq!(got[0].end, Some(ProcessEnd::Exited(8)));
     assert!(got[0].container_main && !got[0].ns_init);
     kill(pause_main.tgid, libc::SIGKILL);
-    let _ = pause.wait();
+    reap(&mut pause);
 }
 
 async fn exec_hold_skips_cgroups_classified_as_pass(mode: AncestorMode) {
@@ -595,12 +652,59 @@ async fn exec_hold_skips_cgroups_classified_as_pass(mode: AncestorMode) {
     programs.classify_exec(container, false).expect("classify");
     let started = Instant::now();
     let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", "exit 0"]);
-    let status = child.wait().expect("wait");
+    let status = reap(&mut child);
     assert!(status.success());
     assert!(started.elapsed() < WAIT);
     let got = exits(&mut stream, container, 1, WAIT).await;
     assert!(got.iter().any(|e| e.container_main), "ran to completion: {got:?}");
     assert_eq!(programs.counter(Counter::Held), 0);
+}
+
+async fn a_full_containers_map_is_counted_and_never_holds(mode: AncestorMode) {
+    let (mut programs, mut stream) = load(mode);
+    let pod = Pod::new(true, 23);
+    let container = pod.container();
+    // Fill the map with records of cgroup ids no cgroup has.
+    let filler = valet_agent::kernel::container_main::MainProcess {
+        tgid: 1,
+        ns_depth: 1,
+        ns_init: true,
+        pidns_inum: 0,
+        start_ticks: 0,
+    };
+    let mut n = 0u64;
+    loop {
+        match programs.record_container_main(u64::MAX - n, &filler).expect("record") {
+            RecordOutcome::Recorded => n += 1,
+            RecordOutcome::MapFull => break,
+            RecordOutcome::AlreadyRecorded => panic!("fresh key {n} already recorded"),
+        }
+        assert!(n <= u64::from(valet_common::CONTAINERS_CAPACITY), "the map never fills");
+    }
+    assert_eq!(n, u64::from(valet_common::CONTAINERS_CAPACITY));
+    programs.watch(pod.pod_id(), watch_flags::EXITS | watch_flags::HOLD).expect("watch");
+    // No record, so no hold (a hold no one knows of would never be released); the exit of the
+    // container namespace's pid 1 is still reported, without the container_main mark.
+    let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", "exit 6"]);
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    reap(&mut child);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(got[0].ns_init && !got[0].container_main, "{:?}", got[0]);
+    assert_eq!(got[0].end, Some(ProcessEnd::Exited(6)));
+    assert_eq!(programs.counter(Counter::MapFull), 1);
+    assert_eq!(programs.counter(Counter::Held), 0);
+    assert_eq!(programs.container_main(container), None);
+    // Room again: the next container is recorded.
+    programs.forget_container(u64::MAX);
+    let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", "exit 0"]);
+    let held = collect(&mut stream, 1, WAIT, |e| match e {
+        Event::Held(h) if h.cgroup_id == container => Some(h),
+        _ => None,
+    })
+    .await;
+    assert_eq!(held.len(), 1);
+    kill(held[0].tgid, libc::SIGCONT);
+    reap(&mut child);
 }
 
 macro_rules! in_both_modes {
@@ -643,15 +747,20 @@ in_both_modes!(
     exec_hold_stops_the_main_process_before_it_runs,
     exec_hold_stops_a_shared_namespace_main_too,
     exec_hold_skips_cgroups_classified_as_pass,
+    a_full_containers_map_is_counted_and_never_holds,
 );
 
 #[tokio::test]
 async fn auto_uses_the_helper_where_the_kernel_allows_it() {
     require_root();
     let programs = Programs::load(Path::new("/"), Attach::default()).expect("load programs");
-    // This host runs 6.18: the helper is allowed in tracepoints (5.11+).
-    assert_eq!(programs.ancestor_mode(), AncestorMode::Helper);
-    assert_eq!(programs.attached(), vec![valet_common::PROG_EXIT, valet_common::PROG_EXEC]);
+    if kernel_allows_the_helper() {
+        assert_eq!(programs.ancestor_mode(), AncestorMode::Helper);
+        assert_eq!(programs.attached(), vec![valet_common::PROG_EXIT, valet_common::PROG_EXEC]);
+    } else {
+        assert_eq!(programs.ancestor_mode(), AncestorMode::Walk);
+        assert_eq!(programs.attached(), vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK]);
+    }
     let walk = Programs::load(Path::new("/"), Attach { ancestors: AncestorMode::Walk, ..Attach::default() })
         .expect("load walk programs");
     assert_eq!(walk.attached(), vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK]);
