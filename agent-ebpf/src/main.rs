@@ -14,8 +14,9 @@
 //! pid namespace first (runc ≥ 1.2 starts `runc init` inside the container cgroup with
 //! CLONE_INTO_CGROUP) and are never taken for it; nor is anything the main process starts later
 //! (its exec is not the first), such as pid 1 of a sandbox's nested pid namespace. "The host's
-//! pid namespace" is the agent's own (it runs with hostPID), whose level user space measures: on
-//! kind/k3d nodes the node is itself a container and that level is not 0.
+//! pid namespace" is the agent's own (it runs with hostPID), which user space names by its inode
+//! number; its level is found per task among the task's pid namespaces: on kind/k3d nodes the
+//! node is itself a container and that level is not 0.
 //!
 //! Each program comes in two variants that differ only in how they find a process's pod cgroup:
 //! `bpf_get_current_ancestor_cgroup_id` (the verifier refuses it in tracepoints before 5.11) or a
@@ -41,8 +42,8 @@ use aya_ebpf::{
 };
 use valet_common::{
     CONTAINERS_CAPACITY, COUNTER_SLOTS, ContainerMain, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY, EXEC_CLASS_PASS,
-    KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, OFFSET_UNKNOWN, WATCHED_CAPACITY, container_flags, event_flags,
-    event_kind, watch_flags,
+    KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_HOST_PIDNS_LEVEL, OFFSET_UNKNOWN, WATCHED_CAPACITY,
+    container_flags, event_flags, event_kind, watch_flags,
 };
 
 const SIGSTOP: u32 = 19;
@@ -158,15 +159,23 @@ fn watched_match<const WALK: bool>(l: &KernelLayout, task: u64) -> Option<(u64, 
 struct PidInfo {
     /// Pid in its own (deepest) pid namespace.
     nr: u32,
-    /// Absolute level of that namespace.
-    level: u32,
-    /// Pid in the host's pid namespace (the agent's); 0 when the task is not below it.
+    /// How many pid namespaces below the host's it lives (0: in the host's).
+    depth: u32,
+    /// Pid in the host's pid namespace (the agent's).
     host_nr: u32,
     /// Inode number of its own pid namespace; 0 when unknown.
     inum: u32,
 }
 
-/// Reads `task->thread_pid->numbers[]`.
+/// Inode number of the pid namespace of `thread_pid->numbers[level]`.
+#[inline(always)]
+fn upid_ns_inum(l: &KernelLayout, pid: u64, level: u32) -> Option<u32> {
+    let at = l.pid_numbers.checked_add(level.checked_mul(l.upid_size)?)?.checked_add(l.upid_ns)?;
+    read_u64(pid, at).and_then(|ns| read_u32(ns, l.pidns_inum))
+}
+
+/// Reads `task->thread_pid->numbers[]`. `None` when the layout is unknown or the task does not
+/// live in the host's pid namespace or below it (another node's process on a kind host).
 #[inline(always)]
 fn pid_info(l: &KernelLayout, task: u64) -> Option<PidInfo> {
     if l.upid_size == OFFSET_UNKNOWN || l.upid_nr == OFFSET_UNKNOWN || l.pid_numbers == OFFSET_UNKNOWN {
@@ -177,20 +186,29 @@ fn pid_info(l: &KernelLayout, task: u64) -> Option<PidInfo> {
     if level > MAX_PID_NS_LEVEL {
         return None;
     }
-    let own = l.pid_numbers.checked_add(level.checked_mul(l.upid_size)?)?;
-    let nr = read_u32(pid, own.checked_add(l.upid_nr)?)?;
-    let host = l.host_pidns_level;
-    let host_nr = if host <= level {
-        let at = l.pid_numbers.checked_add(host.checked_mul(l.upid_size)?)?;
-        read_u32(pid, at.checked_add(l.upid_nr)?).unwrap_or(0)
-    } else {
-        0
+    // The host's level: where the task's chain of pid namespaces meets the agent's.
+    let mut host = 0u32;
+    if l.host_pidns_inum != 0 && l.upid_ns != OFFSET_UNKNOWN && l.pidns_inum != OFFSET_UNKNOWN {
+        let mut found = false;
+        while host < MAX_HOST_PIDNS_LEVEL && host <= level {
+            if upid_ns_inum(l, pid, host)? == l.host_pidns_inum {
+                found = true;
+                break;
+            }
+            host += 1;
+        }
+        if !found {
+            return None;
+        }
+    }
+    let nr_at = |lvl: u32| -> Option<u32> {
+        let at = l.pid_numbers.checked_add(lvl.checked_mul(l.upid_size)?)?.checked_add(l.upid_nr)?;
+        read_u32(pid, at)
     };
-    let inum = match own.checked_add(l.upid_ns) {
-        Some(at) if l.upid_ns != OFFSET_UNKNOWN => read_u64(pid, at).and_then(|ns| read_u32(ns, l.pidns_inum)),
-        _ => None,
-    };
-    Some(PidInfo { nr, level, host_nr, inum: inum.unwrap_or(0) })
+    let nr = nr_at(level)?;
+    let host_nr = nr_at(host)?;
+    let inum = if l.upid_ns != OFFSET_UNKNOWN { upid_ns_inum(l, pid, level).unwrap_or(0) } else { 0 };
+    Some(PidInfo { nr, depth: level - host, host_nr, inum })
 }
 
 #[inline(always)]
@@ -250,15 +268,13 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
     // is gone, so it can still be read here.
     let leader = read_u64(task, l.task_group_leader).unwrap_or(task);
     let Some(info) = pid_info(&l, leader).or_else(|| pid_info(&l, task)) else {
-        count(Counter::ReadErrors);
         count(Counter::ExitsFiltered);
         return 0;
     };
-    let host = l.host_pidns_level;
     // SAFETY: map lookup by value; the fields are copied out at once.
     let recorded = unsafe { CONTAINERS.get(&own) }.map(|r| r.tgid);
     let main = match recorded {
-        Some(tgid) => info.host_nr != 0 && info.host_nr == tgid,
+        Some(tgid) => info.host_nr == tgid,
         None => false,
     };
     // Pid 1 of a pid namespace exactly one level below the host's is the init of the namespace
@@ -267,7 +283,7 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
     // record (started before their pod was watched and not adopted) and a record that is not
     // the init (a later exec taken for the main process after an agent restart): user space
     // decides. Deeper inits are sandboxes the app made, and never reported.
-    let container_init = info.nr == 1 && info.level == host + 1;
+    let container_init = info.nr == 1 && info.depth == 1;
     if !main && !container_init {
         count(Counter::ExitsFiltered);
         return 0;
@@ -279,9 +295,7 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
     };
     let mut event = KernelEvent::zeroed();
     fill_common(&mut event, event_kind::EXIT, own, watched);
-    if info.host_nr != 0 {
-        event.tgid = info.host_nr;
-    }
+    event.tgid = info.host_nr;
     match read_u32(task, l.task_exit_code) {
         Some(code) => event.exit_status = code,
         None => {
@@ -293,7 +307,7 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
     if main {
         event.flags |= event_flags::CONTAINER_MAIN;
     }
-    if info.level > host {
+    if info.depth > 0 {
         event.flags |= event_flags::CHILD_PID_NS;
         if info.nr == 1 {
             event.flags |= event_flags::NS_INIT;
@@ -323,7 +337,7 @@ fn exec_impl<const WALK: bool>() -> u32 {
         return 0;
     };
     // Runtime helpers (runc init, conmon) exec in the host's pid namespace.
-    if info.level <= l.host_pidns_level {
+    if info.depth == 0 {
         return 0;
     }
     // SAFETY: map lookup by value.
@@ -334,7 +348,7 @@ fn exec_impl<const WALK: bool>() -> u32 {
     let now = unsafe { bpf_ktime_get_ns() };
     let mut record = ContainerMain {
         tgid: info.host_nr,
-        pidns_level: info.level,
+        pidns_depth: info.depth,
         pidns_inum: info.inum,
         flags: container_flags::BY_EXEC,
         ktime_ns: now,
@@ -385,9 +399,7 @@ fn exec_impl<const WALK: bool>() -> u32 {
     }
     let mut event = KernelEvent::zeroed();
     fill_common(&mut event, event_kind::HELD, own, watched);
-    if info.host_nr != 0 {
-        event.tgid = info.host_nr;
-    }
+    event.tgid = info.host_nr;
     event.ns_pid = info.nr;
     event.flags = event_flags::CONTAINER_MAIN | event_flags::CHILD_PID_NS;
     if info.nr == 1 {

@@ -40,6 +40,9 @@ pub const WATCHED_CAPACITY: u32 = 16 * 1024;
 pub const EXEC_CAPACITY: u32 = 16 * 1024;
 /// Capacity of [`MAP_CONTAINERS`]: container cgroups of one node's watched pods.
 pub const CONTAINERS_CAPACITY: u32 = 16 * 1024;
+/// How many pid namespace levels (from the kernel's initial one) the programs search for the
+/// host's: a node inside a node inside a host still fits.
+pub const MAX_HOST_PIDNS_LEVEL: u32 = 8;
 /// How many cgroup ancestor levels the kernel programs look at (kubelet pods sit at depth 2–4;
 /// nested or hybrid hosts add a few).
 pub const MAX_CGROUP_DEPTH: u32 = 12;
@@ -106,8 +109,9 @@ pub struct ContainerMain {
     /// The process's thread-group id as seen from the host's pid namespace (the agent's: with
     /// hostPID that is the node's, which on kind/k3d nodes is not the kernel's initial one).
     pub tgid: u32,
-    /// Absolute level of the process's pid namespace (the kernel's `struct pid.level`).
-    pub pidns_level: u32,
+    /// How many pid namespaces below the host's the process lives (1: a container's own
+    /// namespace or the pod's shared one).
+    pub pidns_depth: u32,
     /// Inode number of the process's pid namespace (`/proc/<pid>/ns/pid`), 0 when unknown.
     pub pidns_inum: u32,
     /// Bits of [`container_flags`].
@@ -224,9 +228,12 @@ pub struct KernelLayout {
     pub kernfs_node_parent: u32,
     /// `kernfs_node.id` (a u64 since 5.5).
     pub kernfs_node_id: u32,
-    /// Level of the host's pid namespace: the agent's own (it runs with hostPID). Not an offset;
-    /// 0 on a plain host, 1 on a kind/k3d node (the node is itself a container).
-    pub host_pidns_level: u32,
+    /// Inode number of the host's pid namespace: the agent's own (it runs with hostPID). Not an
+    /// offset. The programs find its level per task among the task's pid namespaces (0 on a
+    /// plain host, 1 on a kind/k3d node, where the node is itself a container); a procfs only
+    /// shows levels relative to itself, so user space cannot tell the absolute level. 0: unknown,
+    /// the kernel's initial namespace is taken for the host's.
+    pub host_pidns_inum: u32,
 }
 
 /// Marks an offset the running kernel does not provide.
@@ -252,7 +259,7 @@ impl KernelLayout {
             cgroup_kn: OFFSET_UNKNOWN,
             kernfs_node_parent: OFFSET_UNKNOWN,
             kernfs_node_id: OFFSET_UNKNOWN,
-            host_pidns_level: 0,
+            host_pidns_inum: 0,
         }
     }
 }

@@ -115,8 +115,13 @@ fn kernel_allows_the_helper() -> bool {
 }
 
 fn load(mode: AncestorMode) -> (Programs, EventStream) {
+    load_with(mode, None)
+}
+
+/// Loads the programs; `host_pidns_of`: a process whose pid namespace plays the host's.
+fn load_with(mode: AncestorMode, host_pidns_of: Option<u32>) -> (Programs, EventStream) {
     require_root();
-    let attach = Attach { ancestors: mode, ..Attach::default() };
+    let attach = Attach { ancestors: mode, host_pidns_of, ..Attach::default() };
     let mut programs = if mode == AncestorMode::Helper && !kernel_allows_the_helper() {
         // 5.10: the verifier must refuse the helper variant, and `Auto` must fall back to the
         // walk; the scenario then runs with what production would load.
@@ -204,6 +209,24 @@ fn reap(child: &mut Child) -> std::process::ExitStatus {
     }
 }
 
+/// Like [`reap`] for `nsenter`, which stops itself when its child is stopped (util-linux
+/// propagates job control) and stays stopped after the child is continued: continue it too.
+/// (A real runtime does no such thing.)
+fn reap_nsenter(child: &mut Child) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = child.try_wait() {
+            return status;
+        }
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap_or_default();
+        if stat.rsplit(')').next().and_then(|s| s.split_whitespace().next()) == Some("T") {
+            kill(child.id(), libc::SIGCONT);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    reap(child)
+}
+
 fn nspid_or_empty(pid: u32) -> Vec<u32> {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
@@ -266,7 +289,7 @@ async fn run_and_expect(
     let runtime_pid = child.id();
     let record = recorded_main(&programs, container).await;
     assert_ne!(record.tgid, runtime_pid, "the runtime's exec in the host namespace is not the main");
-    assert_eq!(record.pidns_level, programs.host_pidns_level() + 1);
+    assert_eq!(record.pidns_depth, 1);
     assert_eq!(record.flags, container_flags::BY_EXEC | container_flags::NS_INIT);
     assert_ne!(record.pidns_inum, 0);
     if let Some(signal) = signal {
@@ -352,7 +375,6 @@ async fn a_nested_sandbox_init_never_ends_the_container(mode: AncestorMode) {
     assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
     assert_eq!(got[0].end, Some(ProcessEnd::Exited(5)), "the nested init ran and exited 3 first");
     assert!(got[0].container_main && got[0].ns_init);
-    assert_eq!(nspid(std::process::id()).len() as u32, programs.host_pidns_level() + 1);
     assert!(programs.counter(Counter::ExitsFiltered) >= 3, "nested init, its unshare, the runtime");
 }
 
@@ -378,7 +400,7 @@ async fn shared_pid_namespace_main_is_not_pid_1_and_still_ends_its_container(mod
     let record = recorded_main(&programs, app).await;
     assert_ne!(record.tgid, child.id(), "nsenter (host namespace) is not the main");
     assert_eq!(record.flags, container_flags::BY_EXEC, "not pid 1 of its namespace");
-    assert_eq!(record.pidns_level, pause_main.pidns_level);
+    assert_eq!(record.pidns_depth, 1);
     assert_eq!(record.pidns_inum, pause_main.pidns_inum, "the pod's shared namespace");
     let got = exits(&mut stream, app, 1, WAIT).await;
     reap(&mut child);
@@ -495,7 +517,7 @@ async fn adopted_containers_end_with_their_main_process(mode: AncestorMode) {
     let record = programs.container_main(own).expect("record");
     assert_eq!(record.tgid, own_main);
     assert_eq!(record.flags, container_flags::ADOPTED | container_flags::NS_INIT);
-    assert_eq!(record.pidns_level, programs.host_pidns_level() + 1);
+    assert_eq!(record.pidns_depth, 1);
     assert!(programs.exec_seen(own) && programs.exec_seen(shared) && !programs.exec_seen(plain));
     programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
 
@@ -636,7 +658,7 @@ async fn exec_hold_stops_a_shared_namespace_main_too(mode: AncestorMode) {
     assert_ne!(nspid(held[0].tgid).last(), Some(&1));
     kill(held[0].tgid, libc::SIGCONT);
     let got = exits(&mut stream, app, 1, WAIT).await;
-    reap(&mut child);
+    reap_nsenter(&mut child);
     assert_eq!(got.len(), 1, "{got:?}");
     assert_eq!(got[0].end, Some(ProcessEnd::Exited(8)));
     assert!(got[0].container_main && !got[0].ns_init);
@@ -707,6 +729,41 @@ async fn a_full_containers_map_is_counted_and_never_holds(mode: AncestorMode) {
     reap(&mut child);
 }
 
+async fn on_a_kind_node_the_host_namespace_is_the_nodes(mode: AncestorMode) {
+    // On kind/k3d nodes the node is itself a container: the agent's pid namespace (hostPID) is
+    // one level below the kernel's first, and containers two. A pid namespace made here plays
+    // the node; the runtime runs in it (nsenter, then unshare), so its execs are the host's.
+    let mut node = Command::new("unshare").args(["--pid", "--fork", "sleep", "60"]).spawn().expect("node");
+    let node_init = only_child(node.id()).await;
+    let (mut programs, mut stream) = load_with(mode, Some(node_init));
+    let pod = Pod::new(false, 24);
+    let container = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
+    let script = "unshare --user --map-root-user --pid --fork /bin/sh -c 'exit 4'; [ $? -eq 4 ] || exit 99; \
+                  /bin/true; sleep 0.5; exit 3";
+    let mut cmd = Command::new("nsenter");
+    cmd.arg(format!("--pid=/proc/{node_init}/ns/pid"))
+        .args(["--", "unshare", "--pid", "--fork", "/bin/sh", "-c", script]);
+    let mut child = pod.cgroups.spawn_in(&pod.container_rel, &mut cmd).expect("spawn");
+    let record = recorded_main(&programs, container).await;
+    assert_eq!(record.pidns_depth, 1, "one level below the node's namespace");
+    // The record names the main process by its pid in the node's namespace.
+    let procs = std::fs::read_to_string(pod.cgroups.root.join(&pod.container_rel).join("cgroup.procs")).expect("procs");
+    let main = procs.lines().filter_map(|l| l.parse::<u32>().ok()).map(nspid_or_empty).find(|ns| ns.len() == 3);
+    let main = main.expect("a process two levels down");
+    assert_eq!((main[1], main[2]), (record.tgid, 1), "{main:?}");
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    reap(&mut child);
+    assert_eq!(got.len(), 1, "the main process only: {got:?}");
+    assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
+    let exit = &got[0];
+    assert_eq!(exit.end, Some(ProcessEnd::Exited(3)), "the nested init ran and exited 4 first");
+    assert!(exit.container_main && exit.ns_init && exit.child_pid_ns, "{exit:?}");
+    assert_eq!((exit.tgid, exit.ns_pid), (record.tgid, 1));
+    kill(node_init, libc::SIGKILL);
+    reap(&mut node);
+}
+
 macro_rules! in_both_modes {
     ($($name:ident),* $(,)?) => {
         /// With `bpf_get_current_ancestor_cgroup_id` (5.11+).
@@ -748,6 +805,7 @@ in_both_modes!(
     exec_hold_stops_a_shared_namespace_main_too,
     exec_hold_skips_cgroups_classified_as_pass,
     a_full_containers_map_is_counted_and_never_holds,
+    on_a_kind_node_the_host_namespace_is_the_nodes,
 );
 
 #[tokio::test]

@@ -66,7 +66,7 @@ pub fn read_layout(btf: &Btf, tracefs: &Path) -> Result<KernelLayout> {
             .member_offset("kernfs_node", "parent")
             .or_else(|_| btf.member_offset("kernfs_node", "__parent"))),
         kernfs_node_id: opt(btf.member_offset("kernfs_node", "id")),
-        host_pidns_level: 0,
+        host_pidns_inum: 0,
     };
     if layout.task_exit_code == OFFSET_UNKNOWN {
         return Err(Error::Btf("task_struct.exit_code not found: cannot report exit codes".into()));
@@ -81,23 +81,15 @@ pub fn supports_ancestor_walk(layout: &KernelLayout) -> bool {
         .all(|off| *off != OFFSET_UNKNOWN)
 }
 
-/// Level of the pid namespace of the process whose `/proc/<pid>/status` this is: the number of
-/// `NSpid` entries minus one, counted from the pid namespace of that procfs mount. For
-/// `/proc/self/status` of a process that sees its own pid namespace's procfs (the agent with
-/// hostPID), that is the absolute level of the host's pid namespace (0 on a plain host, 1 on a
-/// kind node).
-pub fn pidns_level_from_status(status: &str) -> Option<u32> {
-    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
-    let entries = line.split_whitespace().filter(|p| p.parse::<u32>().is_ok()).count() as u32;
-    entries.checked_sub(1)
+/// Inode number of a pid namespace from its `/proc/<pid>/ns/pid` link (`pid:[4026531836]`).
+pub fn pidns_inum(link: &Path) -> Result<u32> {
+    let target = std::fs::read_link(link).map_err(|e| Error::io(format!("readlink {}", link.display()), e))?;
+    parse_pidns_link(&target.to_string_lossy())
+        .ok_or_else(|| Error::Ebpf(format!("{}: unexpected link {}", link.display(), target.display())))
 }
 
-/// The agent's own pid namespace level (see [`pidns_level_from_status`]).
-pub fn own_pidns_level() -> Result<u32> {
-    let path = "/proc/self/status";
-    let status = std::fs::read_to_string(path).map_err(|e| Error::io(format!("read {path}"), e))?;
-    pidns_level_from_status(&status)
-        .ok_or_else(|| Error::Ebpf(format!("{path} has no NSpid line: cannot tell the host's pid namespace level")))
+fn parse_pidns_link(target: &str) -> Option<u32> {
+    target.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
 }
 
 #[cfg(test)]
@@ -125,17 +117,13 @@ mod tests {
     }
 
     #[test]
-    fn reads_pid_namespace_levels() {
-        assert_eq!(pidns_level_from_status("Name:\tsh\nNSpid:\t4242\n"), Some(0));
-        assert_eq!(pidns_level_from_status("NSpid:\t4242\t17\t1\nNSpgid:\t1\n"), Some(2));
-        assert_eq!(pidns_level_from_status("Name:\tsh\n"), None);
-        assert_eq!(pidns_level_from_status("NSpid:\t\n"), None);
-        // This test process runs somewhere; its level is whatever the kernel says, consistent
-        // with /proc/self/status's NSpid.
-        let level = own_pidns_level().expect("own level");
-        let status = std::fs::read_to_string("/proc/self/status").expect("status");
-        let nspid = status.lines().find(|l| l.starts_with("NSpid:")).expect("NSpid");
-        assert_eq!(level as usize + 1, nspid.split_whitespace().count() - 1);
+    fn reads_pid_namespace_links() {
+        assert_eq!(parse_pidns_link("pid:[4026531836]"), Some(4026531836));
+        assert_eq!(parse_pidns_link("net:[4026531836]"), None);
+        assert_eq!(parse_pidns_link("pid:[x]"), None);
+        let own = pidns_inum(Path::new("/proc/self/ns/pid")).expect("own pid namespace");
+        assert!(own > 0);
+        assert!(pidns_inum(Path::new("/proc/self/ns/nope")).is_err());
     }
 
     #[test]

@@ -15,7 +15,7 @@ use valet_common::{
 
 use super::btf::Btf;
 use super::container_main::MainProcess;
-use super::layout::{find_tracefs, own_pidns_level, read_layout, supports_ancestor_walk};
+use super::layout::{find_tracefs, pidns_inum, read_layout, supports_ancestor_walk};
 use crate::error::{Error, Result};
 
 /// The BPF object built from `agent-ebpf`, aligned for the loader.
@@ -51,11 +51,14 @@ pub struct Attach {
     pub execs: bool,
     /// `Auto` in production; tests force each variant.
     pub ancestors: AncestorMode,
+    /// A process whose pid namespace counts as the host's. `None` in production: the agent's
+    /// own (it runs with hostPID). Tests use it to simulate a kind node's namespace.
+    pub host_pidns_of: Option<u32>,
 }
 
 impl Default for Attach {
     fn default() -> Self {
-        Attach { exits: true, execs: true, ancestors: AncestorMode::Auto }
+        Attach { exits: true, execs: true, ancestors: AncestorMode::Auto, host_pidns_of: None }
     }
 }
 
@@ -90,7 +93,7 @@ fn map_err(what: &str) -> impl FnOnce(aya::maps::MapError) -> Error + '_ {
 }
 
 impl Programs {
-    /// Reads the kernel layout and the host's pid namespace level (the agent's own: it runs with
+    /// Reads the kernel layout and the host's pid namespace (the agent's own: it runs with
     /// hostPID), loads the object and attaches the requested tracepoints.
     /// `host_root` is where the host's `/sys` is visible (`/` outside a container).
     pub fn load(host_root: &std::path::Path, attach: Attach) -> Result<Programs> {
@@ -102,7 +105,11 @@ impl Programs {
         let btf_path = host_root.join("sys/kernel/btf/vmlinux");
         let btf = Btf::from_file(&btf_path)?;
         let mut layout = read_layout(&btf, &tracefs)?;
-        layout.host_pidns_level = own_pidns_level()?;
+        let host_ns = match attach.host_pidns_of {
+            Some(pid) => format!("/proc/{pid}/ns/pid"),
+            None => "/proc/self/ns/pid".to_owned(),
+        };
+        layout.host_pidns_inum = pidns_inum(std::path::Path::new(&host_ns))?;
         debug!(?layout, "kernel layout from BTF");
 
         let mut ebpf = EbpfLoader::new()
@@ -195,7 +202,7 @@ impl Programs {
         info!(
             attached = ?links.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
             group_dead_field = layout.tp_exit_group_dead != valet_common::OFFSET_UNKNOWN,
-            host_pidns_level = layout.host_pidns_level,
+            host_pidns_inum = layout.host_pidns_inum,
             ?ancestors,
             "kernel programs attached"
         );
@@ -220,9 +227,9 @@ impl Programs {
         self.ancestors
     }
 
-    /// Level of the host's pid namespace the programs were loaded with.
-    pub fn host_pidns_level(&self) -> u32 {
-        self.layout.host_pidns_level
+    /// Inode number of the pid namespace the programs take for the host's.
+    pub fn host_pidns_inum(&self) -> u32 {
+        self.layout.host_pidns_inum
     }
 
     /// The layout the programs were loaded with.
@@ -297,7 +304,7 @@ impl Programs {
     pub fn record_container_main(&mut self, container_cgroup_id: u64, main: &MainProcess) -> Result<RecordOutcome> {
         let record = ContainerMain {
             tgid: main.tgid,
-            pidns_level: self.layout.host_pidns_level + main.ns_depth,
+            pidns_depth: main.ns_depth,
             pidns_inum: main.pidns_inum,
             flags: container_flags::ADOPTED | if main.ns_init { container_flags::NS_INIT } else { 0 },
             ktime_ns: 0,
