@@ -1,14 +1,31 @@
 //! valet's kernel programs.
 //!
-//! * `valet_exit` (tracepoint `sched/sched_process_exit`): reports whole-process exits of
-//!   processes in watched cgroups, with the decoded-later wait status and whether the process was
-//!   its pid namespace's init (a container's main process).
-//! * `valet_exec` (tracepoint `sched/sched_process_exec`): stops the first pid-namespace-init exec
-//!   of each container cgroup in a held pod with SIGSTOP, before it runs one instruction of its own.
+//! * `valet_exit` (tracepoint `sched/sched_process_exit`): reports the whole-process exit of each
+//!   container's main process in watched pods, with the decoded-later wait status, and that of
+//!   pid 1 of a pid namespace one level below the host's (a container's own namespace). Every other
+//!   exit in a watched pod (build steps, test runners, nested sandboxes, runtime helpers) is
+//!   dropped here and only counted, so a fork storm never reaches user space.
+//! * `valet_exec` (tracepoint `sched/sched_process_exec`): records each container's main process
+//!   — the first exec in a container cgroup by a process deeper than the host's pid namespace —
+//!   and, in a held pod, stops that exec with SIGSTOP before it runs one instruction of its own.
 //!
-//! Both filter in the kernel: a process outside every watched cgroup costs a few map lookups and
-//! never wakes user space. Kernel struct offsets come from user space (read from BTF at load time)
-//! through the read-only global `LAYOUT`; nothing here hard-codes a kernel layout.
+//! A container's main process: the runtime starts it in the container's cgroup and pid namespace
+//! (pid 1 there, or any pid in a pod-wide shared namespace). Runtime helpers exec in the host's
+//! pid namespace first (runc ≥ 1.2 starts `runc init` inside the container cgroup with
+//! CLONE_INTO_CGROUP) and are never taken for it; nor is anything the main process starts later
+//! (its exec is not the first), such as pid 1 of a sandbox's nested pid namespace. "The host's
+//! pid namespace" is the agent's own (it runs with hostPID), which user space names by its inode
+//! number; its level is found per task among the task's pid namespaces: on kind/k3d nodes the
+//! node is itself a container and that level is not 0.
+//!
+//! Each program comes in two variants that differ only in how they find a process's pod cgroup:
+//! `bpf_get_current_ancestor_cgroup_id` (the verifier refuses it in tracepoints before 5.11) or a
+//! walk up `cgroup->kn->parent` with probe reads (`*_walk`). User space loads the helper variant
+//! and falls back to the walk when the verifier refuses it. The variant is a const generic, so
+//! the unused path is not in the other variant's code at all.
+//!
+//! Kernel struct offsets come from user space (read from BTF at load time) through the read-only
+//! global `LAYOUT`; nothing here hard-codes a kernel layout.
 #![no_std]
 #![no_main]
 
@@ -23,13 +40,20 @@ use aya_ebpf::{
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::TracePointContext,
 };
-use aya_log_ebpf::warn;
 use valet_common::{
-    COUNTER_SLOTS, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY, EXEC_CLASS_PASS, KernelEvent, KernelLayout,
-    MAX_CGROUP_DEPTH, OFFSET_UNKNOWN, WATCHED_CAPACITY, event_flags, event_kind, watch_flags,
+    CONTAINERS_CAPACITY, COUNTER_SLOTS, ContainerMain, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY, EXEC_CLASS_PASS,
+    KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_HOST_PIDNS_LEVEL, OFFSET_UNKNOWN, WATCHED_CAPACITY,
+    container_flags, event_flags, event_kind, watch_flags,
 };
 
 const SIGSTOP: u32 = 19;
+/// `BPF_NOEXIST`: insert only when the key is absent.
+const BPF_NOEXIST: u64 = 1;
+const EEXIST: i32 = 17;
+const E2BIG: i32 = 7;
+const ENOMEM: i32 = 12;
+/// The kernel's MAX_PID_NS_LEVEL.
+const MAX_PID_NS_LEVEL: u32 = 32;
 
 #[unsafe(no_mangle)]
 static LAYOUT: KernelLayout = KernelLayout::unknown();
@@ -49,6 +73,9 @@ static EXEC_SEEN: LruHashMap<u64, u8> = LruHashMap::with_max_entries(EXEC_CAPACI
 #[map(name = "EXEC_CLASS")]
 static EXEC_CLASS: HashMap<u64, u32> = HashMap::with_max_entries(EXEC_CAPACITY, 0);
 
+#[map(name = "CONTAINERS")]
+static CONTAINERS: HashMap<u64, ContainerMain> = HashMap::with_max_entries(CONTAINERS_CAPACITY, 0);
+
 #[inline(always)]
 fn layout() -> KernelLayout {
     // SAFETY: LAYOUT is a valid static; read_volatile keeps the compiler from folding the
@@ -62,32 +89,6 @@ fn count(counter: Counter) {
         // SAFETY: per-CPU slot, no concurrent writer on this CPU.
         unsafe { *slot += 1 };
     }
-}
-
-/// Returns (own cgroup id, matched watched cgroup id, its flags) when the current task's cgroup
-/// or one of its ancestors is watched.
-#[inline(always)]
-fn watched_match() -> Option<(u64, u64, u32)> {
-    // SAFETY: helpers without pointer arguments.
-    let own = unsafe { bpf_get_current_cgroup_id() };
-    // SAFETY: map lookup by value; the reference is copied out at once.
-    if let Some(flags) = unsafe { WATCHED.get(own) } {
-        return Some((own, own, *flags));
-    }
-    let mut level = 0u32;
-    while level < MAX_CGROUP_DEPTH {
-        // SAFETY: helper without pointer arguments.
-        let ancestor = unsafe { bpf_get_current_ancestor_cgroup_id(level as i32) };
-        if ancestor == 0 || ancestor == own {
-            break;
-        }
-        // SAFETY: as above.
-        if let Some(flags) = unsafe { WATCHED.get(ancestor) } {
-            return Some((own, ancestor, *flags));
-        }
-        level += 1;
-    }
-    None
 }
 
 #[inline(always)]
@@ -108,21 +109,106 @@ fn read_u64(base: u64, off: u32) -> Option<u64> {
     unsafe { bpf_probe_read_kernel((base + off as u64) as *const u64).ok() }
 }
 
-/// Pid of the current task inside its own pid namespace: `thread_pid->numbers[level].nr`.
-/// Returns (nr, level).
+/// Returns (own cgroup id, matched watched cgroup id, its flags) when the current task's cgroup
+/// or one of its ancestors is watched.
 #[inline(always)]
-fn ns_pid(l: &KernelLayout, task: u64) -> Option<(u32, u32)> {
-    if l.upid_size == OFFSET_UNKNOWN || l.upid_nr == OFFSET_UNKNOWN {
+fn watched_match<const WALK: bool>(l: &KernelLayout, task: u64) -> Option<(u64, u64, u32)> {
+    // SAFETY: helper without pointer arguments (4.18+, allowed in tracepoints).
+    let own = unsafe { bpf_get_current_cgroup_id() };
+    // SAFETY: map lookup by value; the reference is copied out at once.
+    if let Some(flags) = unsafe { WATCHED.get(&own) } {
+        return Some((own, own, *flags));
+    }
+    if WALK {
+        // task->cgroups->dfl_cgrp->kn, then up kn->parent: a cgroup's id is its kernfs node's.
+        let cset = read_u64(task, l.task_cgroups)?;
+        let cgrp = read_u64(cset, l.css_set_dfl_cgrp)?;
+        let mut kn = read_u64(cgrp, l.cgroup_kn)?;
+        let mut depth = 0u32;
+        while depth < MAX_CGROUP_DEPTH {
+            kn = read_u64(kn, l.kernfs_node_parent)?;
+            if kn == 0 {
+                break;
+            }
+            let id = read_u64(kn, l.kernfs_node_id)?;
+            // SAFETY: as above.
+            if let Some(flags) = unsafe { WATCHED.get(&id) } {
+                return Some((own, id, *flags));
+            }
+            depth += 1;
+        }
+        return None;
+    }
+    let mut level = 0u32;
+    while level < MAX_CGROUP_DEPTH {
+        // SAFETY: helper without pointer arguments.
+        let ancestor = unsafe { bpf_get_current_ancestor_cgroup_id(level as i32) };
+        if ancestor == 0 || ancestor == own {
+            break;
+        }
+        // SAFETY: as above.
+        if let Some(flags) = unsafe { WATCHED.get(&ancestor) } {
+            return Some((own, ancestor, *flags));
+        }
+        level += 1;
+    }
+    None
+}
+
+/// A task's pid as seen from its own pid namespace and from the host's.
+struct PidInfo {
+    /// Pid in its own (deepest) pid namespace.
+    nr: u32,
+    /// How many pid namespaces below the host's it lives (0: in the host's).
+    depth: u32,
+    /// Pid in the host's pid namespace (the agent's).
+    host_nr: u32,
+    /// Inode number of its own pid namespace; 0 when unknown.
+    inum: u32,
+}
+
+/// Inode number of the pid namespace of `thread_pid->numbers[level]`.
+#[inline(always)]
+fn upid_ns_inum(l: &KernelLayout, pid: u64, level: u32) -> Option<u32> {
+    let at = l.pid_numbers.checked_add(level.checked_mul(l.upid_size)?)?.checked_add(l.upid_ns)?;
+    read_u64(pid, at).and_then(|ns| read_u32(ns, l.pidns_inum))
+}
+
+/// Reads `task->thread_pid->numbers[]`. `None` when the layout is unknown or the task does not
+/// live in the host's pid namespace or below it (another node's process on a kind host).
+#[inline(always)]
+fn pid_info(l: &KernelLayout, task: u64) -> Option<PidInfo> {
+    if l.upid_size == OFFSET_UNKNOWN || l.upid_nr == OFFSET_UNKNOWN || l.pid_numbers == OFFSET_UNKNOWN {
         return None;
     }
     let pid = read_u64(task, l.task_thread_pid)?;
     let level = read_u32(pid, l.pid_level)?;
-    if level > 64 {
+    if level > MAX_PID_NS_LEVEL {
         return None;
     }
-    let off = l.pid_numbers.checked_add(level * l.upid_size)?.checked_add(l.upid_nr)?;
-    let nr = read_u32(pid, off)?;
-    Some((nr, level))
+    // The host's level: where the task's chain of pid namespaces meets the agent's.
+    let mut host = 0u32;
+    if l.host_pidns_inum != 0 && l.upid_ns != OFFSET_UNKNOWN && l.pidns_inum != OFFSET_UNKNOWN {
+        let mut found = false;
+        while host < MAX_HOST_PIDNS_LEVEL && host <= level {
+            if upid_ns_inum(l, pid, host)? == l.host_pidns_inum {
+                found = true;
+                break;
+            }
+            host += 1;
+        }
+        if !found {
+            return None;
+        }
+    }
+    let nr_at = |lvl: u32| -> Option<u32> {
+        let at = l.pid_numbers.checked_add(lvl.checked_mul(l.upid_size)?)?.checked_add(l.upid_nr)?;
+        read_u32(pid, at)
+    };
+    let nr = nr_at(level)?;
+    let host_nr = nr_at(host)?;
+    let inum = if l.upid_ns != OFFSET_UNKNOWN { upid_ns_inum(l, pid, level).unwrap_or(0) } else { 0 };
+    Some(PidInfo { nr, depth: level - host, host_nr, inum })
 }
 
 #[inline(always)]
@@ -138,8 +224,8 @@ fn fill_common(event: &mut KernelEvent, kind: u32, own: u64, watched: u64) {
     event.comm = bpf_get_current_comm().unwrap_or([0; 16]);
 }
 
-#[tracepoint]
-pub fn valet_exit(ctx: TracePointContext) -> u32 {
+#[inline(always)]
+fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
     let l = layout();
     // SAFETY: helper without arguments; the value is only used as a kernel address for probe reads.
     let task = unsafe { bpf_get_current_task() };
@@ -165,10 +251,41 @@ pub fn valet_exit(ctx: TracePointContext) -> u32 {
     if !group_dead {
         return 0;
     }
-    let Some((own, watched, flags)) = watched_match() else {
+    let Some((own, watched, flags)) = watched_match::<WALK>(&l, task) else {
         return 0;
     };
     if flags & watch_flags::EXITS == 0 {
+        return 0;
+    }
+    if own == watched {
+        // A process in the pod cgroup itself belongs to no container.
+        count(Counter::ExitsFiltered);
+        return 0;
+    }
+    // The thread that ends the group is not always its leader (a worker thread calling
+    // exit_group, or the last one left after the leader exited alone); the process's pids are
+    // the leader's. A leader that exited first stays a zombie with its pid until the whole group
+    // is gone, so it can still be read here.
+    let leader = read_u64(task, l.task_group_leader).unwrap_or(task);
+    let Some(info) = pid_info(&l, leader).or_else(|| pid_info(&l, task)) else {
+        count(Counter::ExitsFiltered);
+        return 0;
+    };
+    // SAFETY: map lookup by value; the fields are copied out at once.
+    let recorded = unsafe { CONTAINERS.get(&own) }.map(|r| r.tgid);
+    let main = match recorded {
+        Some(tgid) => info.host_nr == tgid,
+        None => false,
+    };
+    // Pid 1 of a pid namespace exactly one level below the host's is the init of the namespace
+    // the runtime made for a container (runtimes run in the host's pid namespace): its exit ends
+    // every process of that namespace, so it is always reported. That covers containers with no
+    // record (started before their pod was watched and not adopted) and a record that is not
+    // the init (a later exec taken for the main process after an agent restart): user space
+    // decides. Deeper inits are sandboxes the app made, and never reported.
+    let container_init = info.nr == 1 && info.depth == 1;
+    if !main && !container_init {
+        count(Counter::ExitsFiltered);
         return 0;
     }
 
@@ -178,6 +295,7 @@ pub fn valet_exit(ctx: TracePointContext) -> u32 {
     };
     let mut event = KernelEvent::zeroed();
     fill_common(&mut event, event_kind::EXIT, own, watched);
+    event.tgid = info.host_nr;
     match read_u32(task, l.task_exit_code) {
         Some(code) => event.exit_status = code,
         None => {
@@ -185,25 +303,14 @@ pub fn valet_exit(ctx: TracePointContext) -> u32 {
             count(Counter::ReadErrors);
         }
     }
-    // The thread that ends the group is not always its leader (a worker thread calling
-    // exit_group, or the last one left after the leader exited alone); the process's pid in its
-    // namespace is the leader's. A leader that exited first stays a zombie with its pid until the
-    // whole group is gone, so it can still be read here.
-    let leader = read_u64(task, l.task_group_leader).unwrap_or(task);
-    match ns_pid(&l, leader).or_else(|| ns_pid(&l, task)) {
-        Some((nr, level)) => {
-            event.ns_pid = nr;
-            if level > 0 {
-                event.flags |= event_flags::CHILD_PID_NS;
-            }
-            if nr == 1 && level > 0 {
-                event.flags |= event_flags::NS_INIT;
-            }
-        }
-        None => {
-            event.flags |= event_flags::NO_NS_INFO;
-            count(Counter::ReadErrors);
-            warn!(&ctx, "valet: cannot read pid namespace of exiting task {}", event.tgid);
+    event.ns_pid = info.nr;
+    if main {
+        event.flags |= event_flags::CONTAINER_MAIN;
+    }
+    if info.depth > 0 {
+        event.flags |= event_flags::CHILD_PID_NS;
+        if info.nr == 1 {
+            event.flags |= event_flags::NS_INIT;
         }
     }
     entry.write(event);
@@ -212,37 +319,64 @@ pub fn valet_exit(ctx: TracePointContext) -> u32 {
     0
 }
 
-#[tracepoint]
-pub fn valet_exec(ctx: TracePointContext) -> u32 {
-    let _ = ctx;
-    let Some((own, watched, flags)) = watched_match() else {
+#[inline(always)]
+fn exec_impl<const WALK: bool>() -> u32 {
+    let l = layout();
+    // SAFETY: see exit_impl.
+    let task = unsafe { bpf_get_current_task() };
+    let Some((own, watched, flags)) = watched_match::<WALK>(&l, task) else {
         return 0;
     };
-    // Hold only inside a child cgroup (a container) of a held pod cgroup.
-    if flags & watch_flags::HOLD == 0 || own == watched {
+    // Containers are child cgroups of the pod cgroup.
+    if own == watched {
         return 0;
     }
-    let l = layout();
-    // SAFETY: see valet_exit.
-    let task = unsafe { bpf_get_current_task() };
-    // A container's entrypoint is exec'd by the pid namespace's init; runtime helpers (runc init,
-    // conmon) exec in the host namespace and must never be stopped.
-    let Some((nr, level)) = ns_pid(&l, task) else {
+    // After exec the current task is its process's leader.
+    let Some(info) = pid_info(&l, task) else {
         count(Counter::ReadErrors);
         return 0;
     };
-    if nr != 1 || level == 0 {
+    // Runtime helpers (runc init, conmon) exec in the host's pid namespace.
+    if info.depth == 0 {
         return 0;
     }
-    // Only the first init exec of each container; later execs (an entrypoint script exec'ing the
-    // real binary) run freely.
     // SAFETY: map lookup by value.
-    if unsafe { EXEC_SEEN.get(own) }.is_some() {
+    if unsafe { CONTAINERS.get(&own) }.is_some() {
         return 0;
     }
-    let _ = EXEC_SEEN.insert(own, 1, 0);
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let mut record = ContainerMain {
+        tgid: info.host_nr,
+        pidns_depth: info.depth,
+        pidns_inum: info.inum,
+        flags: container_flags::BY_EXEC,
+        ktime_ns: now,
+    };
+    if info.nr == 1 {
+        record.flags |= container_flags::NS_INIT;
+    }
+    // Two threads of different processes may race here: the insert decides.
+    match CONTAINERS.insert(&own, &record, BPF_NOEXIST) {
+        Ok(()) => {}
+        Err(e) if e == -EEXIST => return 0,
+        Err(e) if e == -E2BIG || e == -ENOMEM => {
+            // Unknown main: its exit is not reported as one and its exec is never held (a held
+            // process no one knows of would stay frozen).
+            count(Counter::MapFull);
+            return 0;
+        }
+        Err(_) => {
+            count(Counter::ReadErrors);
+            return 0;
+        }
+    }
+    if flags & watch_flags::HOLD == 0 {
+        return 0;
+    }
+    let _ = EXEC_SEEN.insert(&own, &1, 0);
     // SAFETY: map lookup by value.
-    if let Some(class) = unsafe { EXEC_CLASS.get(own) }
+    if let Some(class) = unsafe { EXEC_CLASS.get(&own) }
         && *class == EXEC_CLASS_PASS
     {
         return 0;
@@ -259,14 +393,44 @@ pub fn valet_exec(ctx: TracePointContext) -> u32 {
         count(Counter::ReadErrors);
         return 0;
     }
+    if let Some(stored) = CONTAINERS.get_ptr_mut(&own) {
+        // SAFETY: a valid map value pointer; only this field changes.
+        unsafe { (*stored).flags |= container_flags::HELD };
+    }
     let mut event = KernelEvent::zeroed();
     fill_common(&mut event, event_kind::HELD, own, watched);
-    event.ns_pid = nr;
-    event.flags = event_flags::NS_INIT;
+    event.tgid = info.host_nr;
+    event.ns_pid = info.nr;
+    event.flags = event_flags::CONTAINER_MAIN | event_flags::CHILD_PID_NS;
+    if info.nr == 1 {
+        event.flags |= event_flags::NS_INIT;
+    }
     entry.write(event);
     entry.submit(0);
     count(Counter::Held);
     0
+}
+
+#[tracepoint]
+pub fn valet_exit(ctx: TracePointContext) -> u32 {
+    exit_impl::<false>(&ctx)
+}
+
+#[tracepoint]
+pub fn valet_exit_walk(ctx: TracePointContext) -> u32 {
+    exit_impl::<true>(&ctx)
+}
+
+#[tracepoint]
+pub fn valet_exec(ctx: TracePointContext) -> u32 {
+    let _ = ctx;
+    exec_impl::<false>()
+}
+
+#[tracepoint]
+pub fn valet_exec_walk(ctx: TracePointContext) -> u32 {
+    let _ = ctx;
+    exec_impl::<true>()
 }
 
 #[cfg(not(test))]

@@ -43,6 +43,7 @@ pub struct Controller<K, L> {
     watch_error_counted: bool,
     lists_done: u64,
     events_lost_seen: u64,
+    map_full_seen: u64,
 }
 
 impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
@@ -65,6 +66,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
             watch_error_counted: false,
             lists_done: 0,
             events_lost_seen: 0,
+            map_full_seen: 0,
         }
     }
 
@@ -237,6 +239,27 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
             warn!(lost = lost - self.events_lost_seen, "kernel events lost (ring buffer full)");
             self.events_lost_seen = lost;
         }
+        let full = self.act.kernel().counter(Counter::MapFull);
+        if full > self.map_full_seen {
+            self.act.metrics().map_full.inc_by(full - self.map_full_seen);
+            warn!(
+                times = full - self.map_full_seen,
+                "a kernel map is full: new containers' ends are seen through the API only (seconds later)"
+            );
+            self.map_full_seen = full;
+            // A Warning on every pod still in progress: their containers may be among them.
+            let warn_on: Vec<String> =
+                self.pods.iter().filter(|(_, s)| !s.is_released()).map(|(u, _)| u.clone()).collect();
+            for uid in warn_on {
+                let note = "valet's kernel map of containers is full: this pod's container ends are seen \
+                            through the API only (raise the map size or spread the pods)"
+                    .to_owned();
+                self.apply(
+                    &uid,
+                    vec![Effect::Publish { warning: true, reason: "KernelMapFull", action: "Watch", note }],
+                );
+            }
+        }
     }
 
     fn on_kernel(&mut self, event: Event) {
@@ -261,11 +284,8 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
     }
 
     fn on_exit(&mut self, exit: ProcessExit) {
-        // Only a container's own main process ends it; a process in a pid namespace below it
-        // (a sandboxing app) never does.
-        if !exit.ns_init {
-            return;
-        }
+        // The kernel reports only exits that end a container: its recorded main process, or pid 1
+        // of a container's own pid namespace; never a process of a sandbox an app made.
         let Some(uid) = self.route(exit.watched_cgroup_id, exit.cgroup_id) else { return };
         let seen = ExitSeen { container_cgroup: exit.cgroup_id, tgid: exit.tgid, end: exit.end, ktime: exit.ktime_ns };
         self.transition(&uid, |state, now| state.exit(seen, now));

@@ -14,6 +14,7 @@ use valet_agent::cgroup::CgroupFs;
 use valet_agent::cgroup::root::find_cgroup2_root;
 use valet_agent::config::{Config, LogFormat};
 use valet_agent::controller::Controller;
+use valet_agent::kernel::programs::AncestorMode;
 use valet_agent::kernel::{Attach, EventStream, Programs};
 use valet_agent::metrics::Metrics;
 use valet_agent::pod::spec::SidecarDefaults;
@@ -60,7 +61,10 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
 
     let client = kube::Client::try_default().await.context("Kubernetes client (in-cluster or KUBECONFIG)")?;
 
-    let mut programs = Programs::load(&cfg.host_root, Attach::default()).context("load kernel programs")?;
+    // VALET_CGROUP_ANCESTORS=auto|helper|walk: how the kernel programs find a process's pod
+    // cgroup (auto: the helper where the kernel allows it, else a walk up the cgroup tree).
+    let attach = Attach { ancestors: AncestorMode::from_env()?, ..Attach::default() };
+    let mut programs = Programs::load(&cfg.host_root, attach).context("load kernel programs")?;
     if let Some(logger) = programs.take_logger() {
         tokio::spawn(valet_agent::kernel::programs::drain_kernel_log(logger));
     }

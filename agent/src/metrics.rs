@@ -88,6 +88,7 @@ pub struct Metrics {
     pub hold_duration: Histogram,
     pub condition_patches: Family<ResultLabels, Counter>,
     pub events_lost: Counter,
+    pub map_full: Counter,
     pub watch_restarts: Counter,
     pub skips: Family<ReasonLabels, Counter>,
     pub build_info: Family<BuildLabels, Gauge>,
@@ -124,6 +125,7 @@ impl Metrics {
             hold_duration: Histogram::new(latency_buckets()),
             condition_patches: Family::default(),
             events_lost: Counter::default(),
+            map_full: Counter::default(),
             watch_restarts: Counter::default(),
             skips: Family::default(),
             build_info: Family::default(),
@@ -166,6 +168,11 @@ impl Metrics {
             "kernel_events_lost",
             "Kernel events dropped because the ring buffer was full",
             m.events_lost.clone(),
+        );
+        registry.register(
+            "kernel_map_full",
+            "Container records the kernel could not make because its map was full",
+            m.map_full.clone(),
         );
         registry.register("watch_restarts", "Restarts of the pod watch (errors, re-lists)", m.watch_restarts.clone());
         registry.register("pod_skips", "Pods or actions skipped, by reason", Declared(m.skips.clone()));

@@ -70,6 +70,13 @@ impl KernelControl for FakeKernel {
     fn forget_container(&mut self, container_cgroup_id: u64) {
         lock(&self.0).forgotten.push(container_cgroup_id);
     }
+    fn record_container_main(
+        &mut self,
+        _: u64,
+        _: &valet_agent::kernel::MainProcess,
+    ) -> valet_agent::Result<valet_agent::kernel::RecordOutcome> {
+        Ok(valet_agent::kernel::RecordOutcome::Recorded)
+    }
     fn counter(&self, _: Counter) -> u64 {
         0
     }

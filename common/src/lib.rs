@@ -18,11 +18,21 @@ pub const MAP_EXEC_SEEN: &str = "EXEC_SEEN";
 /// Name of the hash map where user space classifies container cgroups before they exec
 /// (key: cgroup id, value: [`EXEC_CLASS_HOLD`] or [`EXEC_CLASS_PASS`]).
 pub const MAP_EXEC_CLASS: &str = "EXEC_CLASS";
+/// Name of the hash map of container main processes (key: container cgroup id, value:
+/// [`ContainerMain`]). The exec program records the first exec in a container cgroup by a
+/// process deeper than the host's pid namespace; user space records containers it finds
+/// already running.
+pub const MAP_CONTAINERS: &str = "CONTAINERS";
 
-/// Name of the exit tracepoint program (`sched/sched_process_exit`).
+/// Name of the exit tracepoint program (`sched/sched_process_exit`) that finds a cgroup's
+/// ancestors with `bpf_get_current_ancestor_cgroup_id` (not allowed in tracepoints on 5.10).
 pub const PROG_EXIT: &str = "valet_exit";
-/// Name of the exec tracepoint program (`sched/sched_process_exec`).
+/// Name of the exec tracepoint program (`sched/sched_process_exec`), helper variant.
 pub const PROG_EXEC: &str = "valet_exec";
+/// The exit program that walks `cgroup->kn->parent` instead (any kernel with BTF).
+pub const PROG_EXIT_WALK: &str = "valet_exit_walk";
+/// The exec program that walks `cgroup->kn->parent` instead.
+pub const PROG_EXEC_WALK: &str = "valet_exec_walk";
 
 /// Ring buffer size in bytes (a power of two, a multiple of the page size).
 pub const EVENTS_RING_BYTES: u32 = 256 * 1024;
@@ -30,6 +40,11 @@ pub const EVENTS_RING_BYTES: u32 = 256 * 1024;
 pub const WATCHED_CAPACITY: u32 = 16 * 1024;
 /// Capacity of [`MAP_EXEC_SEEN`] and [`MAP_EXEC_CLASS`].
 pub const EXEC_CAPACITY: u32 = 16 * 1024;
+/// Capacity of [`MAP_CONTAINERS`]: container cgroups of one node's watched pods.
+pub const CONTAINERS_CAPACITY: u32 = 16 * 1024;
+/// How many pid namespace levels (from the kernel's initial one) the programs search for the
+/// host's: a node inside a node inside a host still fits.
+pub const MAX_HOST_PIDNS_LEVEL: u32 = 8;
 /// How many cgroup ancestor levels the kernel programs look at (kubelet pods sit at depth 2–4;
 /// nested or hybrid hosts add a few).
 pub const MAX_CGROUP_DEPTH: u32 = 12;
@@ -38,7 +53,8 @@ pub const MAX_CGROUP_DEPTH: u32 = 12;
 pub mod watch_flags {
     /// Report whole-process exits of processes in or below this cgroup.
     pub const EXITS: u32 = 1;
-    /// Stop (SIGSTOP) the first pid-namespace-init exec in each child cgroup of this cgroup.
+    /// Stop (SIGSTOP) the exec that records a container's main process (the first exec deeper
+    /// than the host's pid namespace) in each child cgroup of this cgroup.
     pub const HOLD: u32 = 2;
 }
 
@@ -57,8 +73,9 @@ pub mod event_kind {
 
 /// Bits of [`KernelEvent::flags`].
 pub mod event_flags {
-    /// The process was pid 1 of a non-root pid namespace: a container's init. Its exit ends the
-    /// container (the kernel kills the rest of the namespace).
+    /// The process was pid 1 of a pid namespace below the host's. Exit events carry it only for
+    /// the namespace one level below the host's (a container's own); its exit ends that
+    /// namespace (the kernel kills the rest of it).
     pub const NS_INIT: u32 = 1;
     /// The kernel offsets needed to read the exit code were not available; `exit_status` is 0.
     pub const NO_EXIT_CODE: u32 = 2;
@@ -67,6 +84,42 @@ pub mod event_flags {
     /// The process lived in a pid namespace below the host's (a container with a pid namespace
     /// of its own): its container ends with that namespace's init, not with it.
     pub const CHILD_PID_NS: u32 = 8;
+    /// The process is its container's recorded main process (see [`super::MAP_CONTAINERS`]):
+    /// its exit ends the container. Without it, an exit event is that of pid 1 of a pid
+    /// namespace one level below the host's ([`NS_INIT`] set) in a container with no record (or
+    /// a record of another process).
+    pub const CONTAINER_MAIN: u32 = 16;
+}
+
+/// Bits of [`ContainerMain::flags`].
+pub mod container_flags {
+    /// Recorded by the exec program at the process's exec.
+    pub const BY_EXEC: u32 = 1;
+    /// Recorded by user space for a container found already running.
+    pub const ADOPTED: u32 = 2;
+    /// The main process is pid 1 of its pid namespace (a container with a pid namespace of its
+    /// own); otherwise it shares a pid namespace (shareProcessNamespace).
+    pub const NS_INIT: u32 = 4;
+    /// The exec program stopped it (SIGSTOP) at that exec.
+    pub const HELD: u32 = 8;
+}
+
+/// A [`MAP_CONTAINERS`] value: a container's main process.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContainerMain {
+    /// The process's thread-group id as seen from the host's pid namespace (the agent's: with
+    /// hostPID that is the node's, which on kind/k3d nodes is not the kernel's initial one).
+    pub tgid: u32,
+    /// How many pid namespaces below the host's the process lives (1: a container's own
+    /// namespace or the pod's shared one).
+    pub pidns_depth: u32,
+    /// Inode number of the process's pid namespace (`/proc/<pid>/ns/pid`), 0 when unknown.
+    pub pidns_inum: u32,
+    /// Bits of [`container_flags`].
+    pub flags: u32,
+    /// `bpf_ktime_get_ns()` when recorded by the kernel (CLOCK_MONOTONIC); 0 when adopted.
+    pub ktime_ns: u64,
 }
 
 /// One event from the kernel programs.
@@ -126,10 +179,16 @@ pub enum Counter {
     Held = 2,
     /// Kernel reads that failed (bad offsets, unexpected layout).
     ReadErrors = 3,
+    /// Whole-process exits in watched pods dropped in the kernel: not a container's main
+    /// process (build steps, test runners, nested sandboxes, runtime helpers).
+    ExitsFiltered = 4,
+    /// Inserts into [`MAP_CONTAINERS`] that failed for want of room (E2BIG/ENOMEM): that
+    /// container's main process is unknown to the kernel and its exec is not held.
+    MapFull = 5,
 }
 
 /// Number of entries in [`MAP_COUNTERS`].
-pub const COUNTER_SLOTS: u32 = 4;
+pub const COUNTER_SLOTS: u32 = 6;
 
 /// Kernel layout facts the programs need, read by user space from the running kernel's BTF
 /// (and the tracepoint format file) and written into the object as read-only globals before load.
@@ -158,6 +217,26 @@ pub struct KernelLayout {
     /// `task_struct.group_leader` (a `struct task_struct *`): the last thread of a process to
     /// exit need not be its leader, and only the leader is "pid 1" of a container's namespace.
     pub task_group_leader: u32,
+    /// `struct upid.ns` (a `struct pid_namespace *`).
+    pub upid_ns: u32,
+    /// `pid_namespace.ns.inum`: offset of the namespace's inode number in `struct pid_namespace`.
+    pub pidns_inum: u32,
+    /// `task_struct.cgroups` (a `struct css_set *`), for the ancestor walk.
+    pub task_cgroups: u32,
+    /// `css_set.dfl_cgrp` (the task's cgroup v2 `struct cgroup *`).
+    pub css_set_dfl_cgrp: u32,
+    /// `cgroup.kn` (a `struct kernfs_node *`; a cgroup's id is its kernfs node's id).
+    pub cgroup_kn: u32,
+    /// `kernfs_node.parent` (`__parent` since 6.15).
+    pub kernfs_node_parent: u32,
+    /// `kernfs_node.id` (a u64 since 5.5).
+    pub kernfs_node_id: u32,
+    /// Inode number of the host's pid namespace: the agent's own (it runs with hostPID). Not an
+    /// offset. The programs find its level per task among the task's pid namespaces (0 on a
+    /// plain host, 1 on a kind/k3d node, where the node is itself a container); a procfs only
+    /// shows levels relative to itself, so user space cannot tell the absolute level. 0: unknown,
+    /// the kernel's initial namespace is taken for the host's.
+    pub host_pidns_inum: u32,
 }
 
 /// Marks an offset the running kernel does not provide.
@@ -177,6 +256,14 @@ impl KernelLayout {
             upid_nr: OFFSET_UNKNOWN,
             tp_exit_group_dead: OFFSET_UNKNOWN,
             task_group_leader: OFFSET_UNKNOWN,
+            upid_ns: OFFSET_UNKNOWN,
+            pidns_inum: OFFSET_UNKNOWN,
+            task_cgroups: OFFSET_UNKNOWN,
+            css_set_dfl_cgrp: OFFSET_UNKNOWN,
+            cgroup_kn: OFFSET_UNKNOWN,
+            kernfs_node_parent: OFFSET_UNKNOWN,
+            kernfs_node_id: OFFSET_UNKNOWN,
+            host_pidns_inum: 0,
         }
     }
 }
@@ -190,4 +277,6 @@ mod user {
     unsafe impl aya::Pod for super::KernelEvent {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::KernelLayout {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ContainerMain {}
 }

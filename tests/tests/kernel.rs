@@ -1,19 +1,36 @@
 //! Privileged tests of the kernel programs: real programs, real cgroups in the kubelet's
-//! layouts, real processes, exact events.
+//! layouts, real processes in real pid namespaces, exact events.
+//!
+//! A "container" here is what a runtime makes: a process that execs in the container cgroup in
+//! the host's pid namespace (`unshare`, like runc ≥ 1.2's `runc init` started there with
+//! CLONE_INTO_CGROUP) and starts the container's main process in a new pid namespace, or in the
+//! pod's shared one (`nsenter`, shareProcessNamespace).
+//!
+//! Every scenario runs twice, once per way the programs find a pod cgroup: the
+//! `bpf_get_current_ancestor_cgroup_id` helper (`helper::*`) and the walk up
+//! `cgroup->kn->parent` that 5.10 needs (`walk::*`).
 
-use std::process::Command;
+use std::path::Path;
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use valet_agent::kernel::container_main::find_container_main;
+use valet_agent::kernel::programs::{AncestorMode, RecordOutcome};
 use valet_agent::kernel::{Attach, Event, EventStream, ProcessEnd, ProcessExit, Programs};
-use valet_common::watch_flags;
+use valet_common::{ContainerMain, Counter, container_flags, watch_flags};
 use valet_tests::cgroups::{TestCgroups, require_root};
 
 const SYSTEMD_POD: &str = "kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{U}.slice";
 const CGROUPFS_POD: &str = "kubepods/burstable/pod{U}";
+const WAIT: Duration = Duration::from_secs(10);
 
 fn uid() -> String {
+    static SEQ: AtomicU32 = AtomicU32::new(0);
     let n = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    let x = n.as_nanos() as u64 ^ ((std::process::id() as u64) << 20);
+    let x = n.as_nanos() as u64
+        ^ ((std::process::id() as u64) << 20)
+        ^ ((SEQ.fetch_add(1, Ordering::Relaxed) as u64) << 40);
     format!(
         "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
         x as u32,
@@ -30,36 +47,107 @@ fn container_id(n: u8) -> String {
 
 struct Pod {
     cgroups: TestCgroups,
+    systemd: bool,
     pod_rel: String,
     container_rel: String,
 }
 
-fn make_pod(systemd: bool, n: u8) -> Pod {
-    let mut cgroups = TestCgroups::new().expect("cgroup2 root");
-    let u = uid();
-    let (pod_rel, container_rel) = if systemd {
-        let pod = SYSTEMD_POD.replace("{U}", &u.replace('-', "_"));
-        let c = format!("{pod}/cri-containerd-{}.scope", container_id(n));
-        (pod, c)
-    } else {
-        let pod = CGROUPFS_POD.replace("{U}", &u);
-        let c = format!("{pod}/{}", container_id(n));
-        (pod, c)
-    };
-    cgroups.create(&container_rel).expect("create container cgroup");
-    Pod { cgroups, pod_rel, container_rel }
+impl Pod {
+    fn new(systemd: bool, n: u8) -> Pod {
+        let cgroups = TestCgroups::new().expect("cgroup2 root");
+        let u = uid();
+        let pod_rel =
+            if systemd { SYSTEMD_POD.replace("{U}", &u.replace('-', "_")) } else { CGROUPFS_POD.replace("{U}", &u) };
+        let mut pod = Pod { cgroups, systemd, pod_rel, container_rel: String::new() };
+        pod.container_rel = pod.add_container(n);
+        pod
+    }
+
+    /// Creates one more container cgroup in the pod; returns its relative path.
+    fn add_container(&mut self, n: u8) -> String {
+        let rel = if self.systemd {
+            format!("{}/cri-containerd-{}.scope", self.pod_rel, container_id(n))
+        } else {
+            format!("{}/{}", self.pod_rel, container_id(n))
+        };
+        self.cgroups.create(&rel).expect("create container cgroup");
+        rel
+    }
+
+    fn id(&self, rel: &str) -> u64 {
+        self.cgroups.id(rel).expect("cgroup id")
+    }
+
+    fn pod_id(&self) -> u64 {
+        self.id(&self.pod_rel)
+    }
+
+    fn container(&self) -> u64 {
+        self.id(&self.container_rel)
+    }
+
+    /// Starts a container in `rel` with its own pid namespace, whose main process runs `main`.
+    fn start(&self, rel: &str, main: &[&str]) -> Child {
+        let mut cmd = Command::new("unshare");
+        cmd.args(["--pid", "--fork", "--"]).args(main);
+        self.cgroups.spawn_in(rel, &mut cmd).expect("spawn container")
+    }
+
+    /// Starts a container in `rel` whose main process joins the pid namespace of `pid`
+    /// (shareProcessNamespace: the pod's pid 1 is the sandbox's pause).
+    fn start_shared(&self, rel: &str, pid: u32, main: &[&str]) -> Child {
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--pid=/proc/{pid}/ns/pid")).arg("--").args(main);
+        self.cgroups.spawn_in(rel, &mut cmd).expect("spawn container")
+    }
 }
 
-fn load() -> (Programs, EventStream) {
+/// The running kernel's (major, minor).
+fn kernel_version() -> (u32, u32) {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("osrelease");
+    let mut parts = release.trim().split(|c: char| !c.is_ascii_digit()).filter_map(|p| p.parse().ok());
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0))
+}
+
+/// Tracepoint programs may call `bpf_get_current_ancestor_cgroup_id` from 5.11 on.
+fn kernel_allows_the_helper() -> bool {
+    kernel_version() >= (5, 11)
+}
+
+fn load(mode: AncestorMode) -> (Programs, EventStream) {
+    load_with(mode, None)
+}
+
+/// Loads the programs; `host_pidns_of`: a process whose pid namespace plays the host's.
+fn load_with(mode: AncestorMode, host_pidns_of: Option<u32>) -> (Programs, EventStream) {
     require_root();
-    let mut programs = Programs::load(std::path::Path::new("/"), Attach::default()).expect("load programs");
+    let attach = Attach { ancestors: mode, host_pidns_of, ..Attach::default() };
+    let mut programs = if mode == AncestorMode::Helper && !kernel_allows_the_helper() {
+        // 5.10: the verifier must refuse the helper variant, and `Auto` must fall back to the
+        // walk; the scenario then runs with what production would load.
+        let refused = Programs::load(Path::new("/"), attach).err().expect("the helper variant is refused before 5.11");
+        eprintln!("kernel {:?}: helper variant refused ({refused}); scenario runs with Auto", kernel_version());
+        let programs = Programs::load(Path::new("/"), Attach { ancestors: AncestorMode::Auto, ..Attach::default() })
+            .expect("load");
+        assert_eq!(programs.ancestor_mode(), AncestorMode::Walk, "Auto falls back to the walk");
+        programs
+    } else {
+        let programs = Programs::load(Path::new("/"), attach).expect("load programs");
+        assert_eq!(programs.ancestor_mode(), mode, "the variant asked for is the one attached");
+        programs
+    };
     let ring = programs.take_events().expect("ring buffer");
     let stream = EventStream::new(ring).expect("event stream");
     (programs, stream)
 }
 
-/// Collects exit events from `cgroup` until `want` arrived or `wait` passed.
-async fn exits(stream: &mut EventStream, cgroup: u64, want: usize, wait: Duration) -> Vec<ProcessExit> {
+/// Collects events until `want` of them match `keep` or `wait` passed.
+async fn collect<T>(
+    stream: &mut EventStream,
+    want: usize,
+    wait: Duration,
+    keep: impl Fn(Event) -> Option<T>,
+) -> Vec<T> {
     let deadline = Instant::now() + wait;
     let mut out = Vec::new();
     while out.len() < want {
@@ -68,10 +156,7 @@ async fn exits(stream: &mut EventStream, cgroup: u64, want: usize, wait: Duratio
             break;
         }
         match tokio::time::timeout(left, stream.next_batch()).await {
-            Ok(Ok(batch)) => out.extend(batch.into_iter().filter_map(|e| match e {
-                Event::Exit(x) if x.cgroup_id == cgroup => Some(x),
-                _ => None,
-            })),
+            Ok(Ok(batch)) => out.extend(batch.into_iter().filter_map(&keep)),
             Ok(Err(e)) => panic!("event stream: {e}"),
             Err(_) => break,
         }
@@ -79,222 +164,662 @@ async fn exits(stream: &mut EventStream, cgroup: u64, want: usize, wait: Duratio
     out
 }
 
-async fn run_and_expect(systemd: bool, n: u8, cmd: &mut Command, expect: ProcessEnd) {
-    let (mut programs, mut stream) = load();
-    let pod = make_pod(systemd, n);
-    let pod_id = pod.cgroups.id(&pod.pod_rel).expect("pod id");
-    let container_id = pod.cgroups.id(&pod.container_rel).expect("container id");
-    programs.watch(pod_id, watch_flags::EXITS).expect("watch");
-    let mut child = pod.cgroups.spawn_in(&pod.container_rel, cmd).expect("spawn");
-    let pid = child.id();
-    let got = exits(&mut stream, container_id, 1, Duration::from_secs(5)).await;
-    let _ = child.wait();
-    assert_eq!(got.len(), 1, "exactly one exit event: {got:?}");
-    let exit = &got[0];
-    assert_eq!(exit.tgid, pid);
-    assert_eq!(exit.end, Some(expect));
-    assert_eq!(exit.watched_cgroup_id, pod_id, "matched through the pod cgroup (an ancestor)");
-    assert!(!exit.ns_init, "not in its own pid namespace");
-    assert!(!exit.child_pid_ns, "in the host's pid namespace");
-    // Nothing else arrives for that cgroup.
-    assert!(exits(&mut stream, container_id, 1, Duration::from_millis(200)).await.is_empty());
+/// Collects exit events from `cgroup` until `want` arrived or `wait` passed.
+async fn exits(stream: &mut EventStream, cgroup: u64, want: usize, wait: Duration) -> Vec<ProcessExit> {
+    collect(stream, want, wait, |e| match e {
+        Event::Exit(x) if x.cgroup_id == cgroup => Some(x),
+        _ => None,
+    })
+    .await
 }
 
-#[tokio::test]
-async fn exit_zero_systemd_layout() {
-    run_and_expect(true, 1, &mut Command::new("/bin/true"), ProcessEnd::Exited(0)).await;
-}
-
-#[tokio::test]
-async fn exit_42_cgroupfs_layout() {
-    run_and_expect(false, 2, Command::new("/bin/sh").args(["-c", "exit 42"]), ProcessEnd::Exited(42)).await;
-}
-
-#[tokio::test]
-async fn killed_by_sigkill() {
-    run_and_expect(
-        true,
-        3,
-        Command::new("/bin/sh").args(["-c", "kill -KILL $$"]),
-        ProcessEnd::Signaled { signal: 9, core_dumped: false },
-    )
-    .await;
-}
-
-#[tokio::test]
-async fn killed_by_sigterm() {
-    run_and_expect(
-        false,
-        4,
-        Command::new("/bin/sh").args(["-c", "kill -TERM $$"]),
-        ProcessEnd::Signaled { signal: 15, core_dumped: false },
-    )
-    .await;
-}
-
-#[tokio::test]
-async fn multithreaded_process_reports_once_when_workers_exit_first() {
-    // Worker threads exit first (thread exits, not process exits); then the process exits 5.
-    run_and_expect(
-        true,
-        5,
-        Command::new(env!("CARGO_BIN_EXE_valet-test-threads")).arg("workers-first"),
-        ProcessEnd::Exited(5),
-    )
-    .await;
-}
-
-#[tokio::test]
-async fn multithreaded_process_reports_once_when_the_leader_exits_first() {
-    // The main thread ends alone; the process ends when the last worker calls exit(6).
-    run_and_expect(
-        false,
-        11,
-        Command::new(env!("CARGO_BIN_EXE_valet-test-threads")).arg("leader-first"),
-        ProcessEnd::Exited(6),
-    )
-    .await;
-}
-
-#[tokio::test]
-async fn pid_namespace_init_is_the_container_end_and_children_are_not() {
-    let (mut programs, mut stream) = load();
-    let pod = make_pod(false, 6);
-    let pod_id = pod.cgroups.id(&pod.pod_rel).expect("pod id");
-    let container_id = pod.cgroups.id(&pod.container_rel).expect("container id");
-    programs.watch(pod_id, watch_flags::EXITS).expect("watch");
-    // unshare (host pid ns) forks pid 1 of a new namespace (sh), which runs a child that exits 7
-    // first, then exits 3 itself.
-    let mut child = pod
-        .cgroups
-        .spawn_in(
-            &pod.container_rel,
-            Command::new("unshare").args([
-                "--pid",
-                "--fork",
-                "/bin/sh",
-                "-c",
-                "/bin/sh -c 'exit 7'; sleep 0.05; exit 3",
-            ]),
-        )
-        .expect("spawn");
-    let unshare_pid = child.id();
-    // Events: the child (exit 7), sleep (exit 0), the namespace init (exit 3), unshare.
-    let got = exits(&mut stream, container_id, 4, Duration::from_secs(5)).await;
-    let _ = child.wait();
-    assert_eq!(got.len(), 4, "child, sleep, init and unshare: {got:?}");
-    let inner = &got[0];
-    assert_eq!(inner.end, Some(ProcessEnd::Exited(7)));
-    assert!(!inner.ns_init, "a child of the init is not the container's end");
-    assert_eq!(inner.ns_pid, 2);
-    assert_eq!(got[1].end, Some(ProcessEnd::Exited(0)));
-    assert!(!got[1].ns_init);
-    let init = &got[2];
-    assert_eq!(init.end, Some(ProcessEnd::Exited(3)));
-    assert!(init.ns_init, "pid 1 of the namespace");
-    assert_eq!(init.ns_pid, 1);
-    assert_eq!(got.iter().filter(|e| e.ns_init).count(), 1, "one container end");
-    assert!(inner.child_pid_ns && got[1].child_pid_ns && init.child_pid_ns, "inside the new namespace");
-    let outer = &got[3];
-    assert!(!outer.child_pid_ns, "unshare itself runs in the host's namespace");
-    assert_eq!(outer.tgid, unshare_pid);
-    assert!(!outer.ns_init);
-    assert!(inner.ktime_ns < init.ktime_ns && init.ktime_ns <= outer.ktime_ns);
-}
-
-#[tokio::test]
-async fn no_events_from_unregistered_cgroups() {
-    let (mut programs, mut stream) = load();
-    let watched = make_pod(true, 7);
-    let other = make_pod(true, 8);
-    let watched_pod = watched.cgroups.id(&watched.pod_rel).expect("id");
-    programs.watch(watched_pod, watch_flags::EXITS).expect("watch");
-    let other_container = other.cgroups.id(&other.container_rel).expect("id");
-    for _ in 0..20 {
-        let mut c = other.cgroups.spawn_in(&other.container_rel, &mut Command::new("/bin/true")).expect("spawn");
-        let _ = c.wait();
+/// Waits for the kernel's record of a container's main process.
+async fn recorded_main(programs: &Programs, cgroup: u64) -> ContainerMain {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(main) = programs.container_main(cgroup) {
+            return main;
+        }
+        assert!(Instant::now() < deadline, "no main process recorded for cgroup {cgroup}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // Processes outside any pod cgroup (this test's own children) are not reported either.
-    for _ in 0..20 {
-        let _ = Command::new("/bin/true").status();
-    }
-    let deadline = Instant::now() + Duration::from_millis(500);
-    let mut seen = Vec::new();
-    while let Ok(Ok(batch)) =
-        tokio::time::timeout(deadline.saturating_duration_since(Instant::now()), stream.next_batch()).await
-    {
-        seen.extend(batch);
-    }
-    assert!(seen.is_empty(), "no events at all, got {seen:?}");
-    assert_eq!(programs.counter(valet_common::Counter::ExitsReported), 0);
-    let _ = other_container;
-    // And unwatching stops reporting the watched pod too.
-    programs.unwatch(watched_pod).expect("unwatch");
-    let watched_container = watched.cgroups.id(&watched.container_rel).expect("id");
-    let mut c = watched.cgroups.spawn_in(&watched.container_rel, &mut Command::new("/bin/true")).expect("spawn");
-    let _ = c.wait();
-    assert!(exits(&mut stream, watched_container, 1, Duration::from_millis(300)).await.is_empty());
 }
 
-#[tokio::test]
-async fn exec_hold_stops_the_container_init_before_it_runs() {
-    let (mut programs, mut stream) = load();
-    let pod = make_pod(true, 9);
-    let pod_id = pod.cgroups.id(&pod.pod_rel).expect("pod id");
-    let container_id = pod.cgroups.id(&pod.container_rel).expect("container id");
-    programs.watch(pod_id, watch_flags::EXITS | watch_flags::HOLD).expect("watch");
-    let dir = std::env::temp_dir().join(format!("valet-hold-{}", std::process::id()));
-    let _ = std::fs::remove_file(&dir);
-    let script = format!("echo ran > {}; exit 4", dir.display());
-    let mut child = pod
-        .cgroups
-        .spawn_in(&pod.container_rel, Command::new("unshare").args(["--pid", "--fork", "/bin/sh", "-c", &script]))
-        .expect("spawn");
-    // The held event names the namespace init.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut held = None;
-    while held.is_none() && Instant::now() < deadline {
-        if let Ok(Ok(batch)) = tokio::time::timeout(Duration::from_secs(5), stream.next_batch()).await {
-            held = batch.into_iter().find_map(|e| match e {
-                Event::Held(h) if h.cgroup_id == container_id => Some(h),
-                _ => None,
-            });
+/// Waits for a spawned runtime process (bounded: a hang fails the test with what still runs
+/// and in which state, instead of hanging the run).
+fn reap(child: &mut Child) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return status,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => {
+                let mut tree = Vec::new();
+                let mut todo = vec![child.id()];
+                while let Some(pid) = todo.pop() {
+                    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                    tree.push(format!("{pid} {:?}", nspid_or_empty(pid)) + " " + stat.trim());
+                    todo.extend(children(pid));
+                }
+                let _ = child.kill();
+                panic!("process {} still runs after 30 s: {tree:#?}", child.id());
+            }
+            Err(e) => panic!("wait {}: {e}", child.id()),
         }
     }
-    let held = held.expect("held event");
+}
+
+/// Like [`reap`] for `nsenter`, which stops itself when its child is stopped (util-linux
+/// propagates job control) and stays stopped after the child is continued: continue it too.
+/// (A real runtime does no such thing.)
+fn reap_nsenter(child: &mut Child) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = child.try_wait() {
+            return status;
+        }
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap_or_default();
+        if stat.rsplit(')').next().and_then(|s| s.split_whitespace().next()) == Some("T") {
+            kill(child.id(), libc::SIGCONT);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    reap(child)
+}
+
+fn nspid_or_empty(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .map(|l| l.split_whitespace().filter_map(|p| p.parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+fn kill(pid: u32, signal: i32) {
+    // SAFETY: plain syscall.
+    assert_eq!(unsafe { libc::kill(pid as i32, signal) }, 0, "kill {pid}");
+}
+
+fn nspid(pid: u32) -> Vec<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:")).expect("NSpid");
+    line.split_whitespace().map(|p| p.parse().expect("pid")).collect()
+}
+
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// The only child of `pid` (the process an `unshare --fork` or `nsenter` started), once it is
+/// there and has exec'd away from its parent's `comm`.
+async fn only_child(pid: u32) -> u32 {
+    let parent = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let [child] = children(pid)[..]
+            && std::fs::read_to_string(format!("/proc/{child}/comm")).is_ok_and(|c| c != parent)
+        {
+            return child;
+        }
+        assert!(Instant::now() < deadline, "no child of {pid}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Runs a container whose main process runs `main` (killed with `signal` from the host when
+/// given) and expects exactly one exit event: its main process's, with `expect`.
+async fn run_and_expect(
+    mode: AncestorMode,
+    systemd: bool,
+    n: u8,
+    main: &[&str],
+    signal: Option<i32>,
+    expect: ProcessEnd,
+) {
+    let (mut programs, mut stream) = load(mode);
+    let pod = Pod::new(systemd, n);
+    let container = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
+    let mut child = pod.start(&pod.container_rel, main);
+    let runtime_pid = child.id();
+    let record = recorded_main(&programs, container).await;
+    assert_ne!(record.tgid, runtime_pid, "the runtime's exec in the host namespace is not the main");
+    assert_eq!(record.pidns_depth, 1);
+    assert_eq!(record.flags, container_flags::BY_EXEC | container_flags::NS_INIT);
+    assert_ne!(record.pidns_inum, 0);
+    if let Some(signal) = signal {
+        kill(record.tgid, signal);
+    }
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    reap(&mut child);
+    assert_eq!(got.len(), 1, "exactly one exit event: {got:?}");
+    let exit = &got[0];
+    assert_eq!(exit.tgid, record.tgid);
+    assert_eq!(exit.end, Some(expect));
+    assert_eq!(exit.watched_cgroup_id, pod.pod_id(), "matched through the pod cgroup (an ancestor)");
+    assert!(exit.container_main && exit.ns_init && exit.child_pid_ns, "{exit:?}");
+    assert_eq!(exit.ns_pid, 1);
+    // Nothing else arrives for that cgroup: the runtime process's exit is filtered.
+    assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
+    assert_eq!(programs.counter(Counter::ExitsReported), 1);
+    assert!(programs.counter(Counter::ExitsFiltered) >= 1, "the runtime process (unshare) exit");
+    assert_eq!(programs.counter(Counter::EventsLost), 0);
+}
+
+async fn exit_zero_systemd_layout(mode: AncestorMode) {
+    run_and_expect(mode, true, 1, &["/bin/true"], None, ProcessEnd::Exited(0)).await;
+}
+
+async fn exit_42_cgroupfs_layout(mode: AncestorMode) {
+    run_and_expect(mode, false, 2, &["/bin/sh", "-c", "exit 42"], None, ProcessEnd::Exited(42)).await;
+}
+
+async fn killed_by_sigkill_from_the_host(mode: AncestorMode) {
+    // Pid 1 of a namespace ignores signals without a handler from inside it; SIGKILL from an
+    // ancestor namespace (the kubelet's runtime, here the test) ends it.
+    let end = ProcessEnd::Signaled { signal: 9, core_dumped: false };
+    run_and_expect(mode, true, 3, &["sleep", "30"], Some(libc::SIGKILL), end).await;
+}
+
+async fn multithreaded_main_reports_once_when_workers_exit_first(mode: AncestorMode) {
+    // Worker threads exit first (thread exits, not process exits); then the process exits 5.
+    let bin = env!("CARGO_BIN_EXE_valet-test-threads");
+    run_and_expect(mode, true, 5, &[bin, "workers-first"], None, ProcessEnd::Exited(5)).await;
+}
+
+async fn multithreaded_main_reports_once_when_the_leader_exits_first(mode: AncestorMode) {
+    // The main thread ends alone; the process ends when the last worker calls exit(6).
+    let bin = env!("CARGO_BIN_EXE_valet-test-threads");
+    run_and_expect(mode, false, 11, &[bin, "leader-first"], None, ProcessEnd::Exited(6)).await;
+}
+
+async fn pid_namespace_init_is_the_container_end_and_children_are_not(mode: AncestorMode) {
+    let (mut programs, mut stream) = load(mode);
+    let pod = Pod::new(false, 6);
+    let container = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
+    // The main process (pid 1) runs a child that exits 7 first, then sleep, then exits 3.
+    let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", "/bin/sh -c 'exit 7'; sleep 0.05; exit 3"]);
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    reap(&mut child);
+    assert_eq!(got.len(), 1, "the main process only: {got:?}");
+    let init = &got[0];
+    assert_eq!(init.end, Some(ProcessEnd::Exited(3)));
+    assert!(init.container_main && init.ns_init && init.child_pid_ns);
+    assert_eq!(init.ns_pid, 1);
+    // The child, sleep and unshare (the runtime) exited in the kernel's view only.
+    assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
+    assert!(programs.counter(Counter::ExitsFiltered) >= 3, "{}", programs.counter(Counter::ExitsFiltered));
+    assert_eq!(programs.counter(Counter::ExitsReported), 1);
+}
+
+async fn a_nested_sandbox_init_never_ends_the_container(mode: AncestorMode) {
+    // Chromium's sandbox, bwrap, `unshare -p` in a CI Job: pid 1 of a namespace below the
+    // container's, made through a user namespace as unprivileged containers do. Its exit (3) is
+    // not the container's end; the main process checks it ran and exits 5 afterwards.
+    let (mut programs, mut stream) = load(mode);
+    let pod = Pod::new(true, 12);
+    let container = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
+    let script = "unshare --user --map-root-user --pid --fork /bin/sh -c 'exit 3'; \
+                  [ $? -eq 3 ] || exit 99; sleep 0.3; exit 5";
+    let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", script]);
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    reap(&mut child);
+    assert_eq!(got.len(), 1, "the main process only: {got:?}");
+    assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
+    assert_eq!(got[0].end, Some(ProcessEnd::Exited(5)), "the nested init ran and exited 3 first");
+    assert!(got[0].container_main && got[0].ns_init);
+    assert!(programs.counter(Counter::ExitsFiltered) >= 3, "nested init, its unshare, the runtime");
+}
+
+async fn shared_pid_namespace_main_is_not_pid_1_and_still_ends_its_container(mode: AncestorMode) {
+    // shareProcessNamespace: the sandbox's pause is pid 1 of the pod's namespace; the app
+    // container's main process joins it (pid 2, 3...) in a cgroup of its own.
+    let (mut programs, mut stream) = load(mode);
+    let mut pod = Pod::new(true, 13);
+    let sandbox_rel = pod.add_container(14);
+    let sandbox = pod.id(&sandbox_rel);
+    let app = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
+    let mut pause = pod.start(&sandbox_rel, &["sleep", "60"]);
+    let pause_main = recorded_main(&programs, sandbox).await;
+    assert!(pause_main.flags & container_flags::NS_INIT != 0);
+    // The app runs a child first (filtered), then ends by SIGTERM (it is not pid 1, so the
+    // signal's default action applies).
+    let mut child = pod.start_shared(
+        &pod.container_rel,
+        pause_main.tgid,
+        &["/bin/sh", "-c", "/bin/true; sleep 0.2; kill -TERM $$"],
+    );
+    let record = recorded_main(&programs, app).await;
+    assert_ne!(record.tgid, child.id(), "nsenter (host namespace) is not the main");
+    assert_eq!(record.flags, container_flags::BY_EXEC, "not pid 1 of its namespace");
+    assert_eq!(record.pidns_depth, 1);
+    assert_eq!(record.pidns_inum, pause_main.pidns_inum, "the pod's shared namespace");
+    let got = exits(&mut stream, app, 1, WAIT).await;
+    reap(&mut child);
+    assert_eq!(got.len(), 1, "the main process only: {got:?}");
+    let exit = &got[0];
+    assert_eq!(exit.tgid, record.tgid);
+    assert_eq!(exit.end, Some(ProcessEnd::Signaled { signal: 15, core_dumped: false }));
+    assert!(exit.container_main && exit.child_pid_ns && !exit.ns_init, "{exit:?}");
+    assert_ne!(exit.ns_pid, 1);
+    // The sandbox's pause ends its own container, reported in its own cgroup.
+    kill(pause_main.tgid, libc::SIGKILL);
+    let got = exits(&mut stream, sandbox, 1, WAIT).await;
+    reap(&mut pause);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(got[0].container_main && got[0].ns_init);
+    assert_eq!(programs.counter(Counter::ExitsReported), 2);
+}
+
+async fn a_host_namespace_exec_in_the_container_cgroup_is_not_the_main(mode: AncestorMode) {
+    // runc ≥ 1.2: `runc init` execs inside the container cgroup in the host's pid namespace
+    // before the entrypoint. Here a host-namespace shell execs there first, starts the
+    // container and exits 0 while the main process still runs; then the main exits 9.
+    let (mut programs, mut stream) = load(mode);
+    let pod = Pod::new(false, 15);
+    let container = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
+    let mut cmd = Command::new("/bin/sh");
+    cmd.args(["-c", "unshare --pid --fork /bin/sh -c 'sleep 0.5; exit 9' & sleep 0.1; exit 0"]);
+    let mut child = pod.cgroups.spawn_in(&pod.container_rel, &mut cmd).expect("spawn");
+    let helper = child.id();
+    let record = recorded_main(&programs, container).await;
+    assert_ne!(record.tgid, helper);
+    assert_eq!(nspid(record.tgid).last(), Some(&1));
+    assert!(reap(&mut child).success(), "the helper exited first");
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].tgid, record.tgid);
+    assert_eq!(got[0].end, Some(ProcessEnd::Exited(9)));
+    assert!(got[0].container_main);
+}
+
+async fn a_fork_storm_never_reaches_user_space(mode: AncestorMode) {
+    // A build or test Job: thousands of short processes (forks, and every tenth an exec).
+    let (mut programs, mut stream) = load(mode);
+    let pod = Pod::new(true, 16);
+    let container = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
+    let mark = std::env::temp_dir().join(format!("valet-storm-{}-{mode:?}", std::process::id()));
+    let _ = std::fs::remove_file(&mark);
+    let script = format!(
+        "i=0; while [ $i -lt 5000 ]; do (exit 0); if [ $((i % 10)) -eq 0 ]; then /bin/true; fi; i=$((i+1)); done; \
+         : > {}; exec sleep 60",
+        mark.display()
+    );
+    let started = Instant::now();
+    let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", &script]);
+    let record = recorded_main(&programs, container).await;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !mark.exists() {
+        assert!(Instant::now() < deadline, "storm did not finish");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let storm = started.elapsed();
+    let during = collect(&mut stream, 1, Duration::from_millis(300), Some).await;
+    assert!(during.is_empty(), "no event from the storm: {:?}", &during[..during.len().min(3)]);
+    let filtered = programs.counter(Counter::ExitsFiltered);
+    eprintln!(
+        "storm ({mode:?}): 5500 short processes in {storm:?}; ExitsFiltered={filtered} ExitsReported={} EventsLost={}",
+        programs.counter(Counter::ExitsReported),
+        programs.counter(Counter::EventsLost)
+    );
+    assert!(filtered >= 5500, "every storm exit counted: {filtered}");
+    assert_eq!(programs.counter(Counter::ExitsReported), 0);
+    assert_eq!(programs.counter(Counter::EventsLost), 0);
+    assert_eq!(programs.container_main(container), Some(record), "later execs change nothing");
+    // The container's end still arrives.
+    kill(record.tgid, libc::SIGKILL);
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    reap(&mut child);
+    let _ = std::fs::remove_file(&mark);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(got[0].container_main);
+    assert_eq!(got[0].end, Some(ProcessEnd::Signaled { signal: 9, core_dumped: false }));
+}
+
+async fn adopted_containers_end_with_their_main_process(mode: AncestorMode) {
+    // Containers that exec'd before their pod was watched (an agent restart): one with its own
+    // pid namespace adopted, one with its own pid namespace not adopted, and one in a shared
+    // pid namespace adopted.
+    let (mut programs, mut stream) = load(mode);
+    let mut pod = Pod::new(false, 17);
+    let own = pod.container();
+    let plain_rel = pod.add_container(18);
+    let plain = pod.id(&plain_rel);
+    let shared_rel = pod.add_container(19);
+    let shared = pod.id(&shared_rel);
+    let mut own_child = pod.start(&pod.container_rel, &["sleep", "60"]);
+    let mut plain_child = pod.start(&plain_rel, &["sleep", "60"]);
+    let own_main = only_child(own_child.id()).await;
+    let plain_main = only_child(plain_child.id()).await;
+    let mut shared_child = pod.start_shared(&shared_rel, own_main, &["/bin/sh", "-c", "sleep 60; exit 0"]);
+    let shared_main = only_child(shared_child.id()).await;
+
+    let cg_dir = |rel: &str| pod.cgroups.root.join(rel);
+    let found = find_container_main(Path::new("/proc"), &cg_dir(&pod.container_rel)).expect("read").expect("main");
+    assert_eq!((found.tgid, found.ns_depth, found.ns_init), (own_main, 1, true));
+    let found_shared = find_container_main(Path::new("/proc"), &cg_dir(&shared_rel)).expect("read").expect("main");
+    assert_eq!((found_shared.tgid, found_shared.ns_init), (shared_main, false));
+    assert_eq!(found_shared.pidns_inum, found.pidns_inum);
+    assert_eq!(programs.record_container_main(own, &found).expect("record"), RecordOutcome::Recorded);
+    assert_eq!(programs.record_container_main(own, &found).expect("record"), RecordOutcome::AlreadyRecorded);
+    assert_eq!(programs.record_container_main(shared, &found_shared).expect("record"), RecordOutcome::Recorded);
+    let record = programs.container_main(own).expect("record");
+    assert_eq!(record.tgid, own_main);
+    assert_eq!(record.flags, container_flags::ADOPTED | container_flags::NS_INIT);
+    assert_eq!(record.pidns_depth, 1);
+    assert!(programs.exec_seen(own) && programs.exec_seen(shared) && !programs.exec_seen(plain));
+    programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
+
+    kill(shared_main, libc::SIGKILL);
+    let got = exits(&mut stream, shared, 1, WAIT).await;
+    reap(&mut shared_child);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(got[0].container_main && !got[0].ns_init && got[0].tgid == shared_main, "{:?}", got[0]);
+
+    kill(own_main, libc::SIGKILL);
+    let got = exits(&mut stream, own, 1, WAIT).await;
+    reap(&mut own_child);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(got[0].container_main && got[0].ns_init && got[0].tgid == own_main, "{:?}", got[0]);
+
+    // Not adopted: its pid 1 (one level below the host's) is still reported, without the
+    // container_main mark; user space decides.
+    kill(plain_main, libc::SIGKILL);
+    let got = exits(&mut stream, plain, 1, WAIT).await;
+    reap(&mut plain_child);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(!got[0].container_main && got[0].ns_init && got[0].tgid == plain_main, "{:?}", got[0]);
+    assert_eq!(programs.counter(Counter::ExitsReported), 3);
+}
+
+async fn forget_container_removes_what_the_kernel_keeps(mode: AncestorMode) {
+    let (mut programs, mut stream) = load(mode);
+    let pod = Pod::new(true, 20);
+    let container = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS | watch_flags::HOLD).expect("watch");
+    programs.classify_exec(container, false).expect("classify");
+    let mut first = pod.start(&pod.container_rel, &["/bin/sh", "-c", "exit 1"]);
+    let record = recorded_main(&programs, container).await;
+    reap(&mut first);
+    assert!(programs.exec_seen(container));
+    assert_eq!(programs.counter(Counter::Held), 0, "classified as pass");
+    programs.forget_container(container);
+    assert_eq!(programs.container_main(container), None);
+    assert!(!programs.exec_seen(container));
+    // The class is gone too: the next main process in that cgroup is recorded anew and held.
+    let mut second = pod.start(&pod.container_rel, &["/bin/sh", "-c", "exit 2"]);
+    let held = collect(&mut stream, 1, WAIT, |e| match e {
+        Event::Held(h) if h.cgroup_id == container => Some(h),
+        _ => None,
+    })
+    .await;
+    assert_eq!(held.len(), 1, "held after forget: the pass class was removed");
+    let again = programs.container_main(container).expect("recorded anew");
+    assert_ne!(again.tgid, record.tgid);
+    assert_eq!(again.tgid, held[0].tgid);
+    assert!(again.flags & container_flags::HELD != 0);
+    kill(held[0].tgid, libc::SIGCONT);
+    reap(&mut second);
+}
+
+async fn no_events_from_unregistered_cgroups(mode: AncestorMode) {
+    let (mut programs, mut stream) = load(mode);
+    let watched = Pod::new(true, 7);
+    let other = Pod::new(true, 8);
+    programs.watch(watched.pod_id(), watch_flags::EXITS).expect("watch");
+    for _ in 0..10 {
+        let mut c = other.start(&other.container_rel, &["/bin/true"]);
+        reap(&mut c);
+    }
+    // Processes outside any pod cgroup (this test's own children) are not reported either.
+    for _ in 0..10 {
+        let _ = Command::new("unshare").args(["--pid", "--fork", "/bin/true"]).status();
+    }
+    let seen = collect(&mut stream, 1, Duration::from_millis(500), Some).await;
+    assert!(seen.is_empty(), "no events at all, got {seen:?}");
+    assert_eq!(programs.counter(Counter::ExitsReported), 0);
+    assert_eq!(programs.counter(Counter::ExitsFiltered), 0, "unwatched exits are not even counted");
+    assert_eq!(programs.container_main(other.container()), None);
+    // And unwatching stops reporting the watched pod too.
+    programs.unwatch(watched.pod_id()).expect("unwatch");
+    let mut c = watched.start(&watched.container_rel, &["/bin/true"]);
+    reap(&mut c);
+    assert!(exits(&mut stream, watched.container(), 1, Duration::from_millis(300)).await.is_empty());
+}
+
+async fn exec_hold_stops_the_main_process_before_it_runs(mode: AncestorMode) {
+    let (mut programs, mut stream) = load(mode);
+    let pod = Pod::new(true, 9);
+    let container = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS | watch_flags::HOLD).expect("watch");
+    let file = std::env::temp_dir().join(format!("valet-hold-{}-{mode:?}", std::process::id()));
+    let _ = std::fs::remove_file(&file);
+    let script = format!("echo ran > {}; exit 4", file.display());
+    let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", &script]);
+    // The held event names the main process (not unshare, which exec'd in the host namespace).
+    let held = collect(&mut stream, 1, WAIT, |e| match e {
+        Event::Held(h) if h.cgroup_id == container => Some(h),
+        _ => None,
+    })
+    .await;
+    let held = held.first().expect("held event").clone();
+    assert_ne!(held.tgid, child.id());
+    assert_eq!(nspid(held.tgid).last(), Some(&1));
     std::thread::sleep(Duration::from_millis(300));
-    assert!(!dir.exists(), "the held process must not have run");
+    assert!(!file.exists(), "the held process must not have run");
     let state = std::fs::read_to_string(format!("/proc/{}/stat", held.tgid)).expect("stat");
     let state = state.rsplit(')').next().and_then(|s| s.split_whitespace().next()).map(str::to_owned);
     assert_eq!(state.as_deref(), Some("T"), "stopped");
-    // SAFETY: plain syscall.
-    assert_eq!(unsafe { libc::kill(held.tgid as i32, libc::SIGCONT) }, 0);
-    let got = exits(&mut stream, container_id, 2, Duration::from_secs(5)).await;
-    let _ = child.wait();
-    assert!(dir.exists(), "released process ran");
-    let _ = std::fs::remove_file(&dir);
-    let init = got.iter().find(|e| e.ns_init).expect("init exit");
-    assert_eq!(init.end, Some(ProcessEnd::Exited(4)));
-    assert_eq!(programs.counter(valet_common::Counter::Held), 1);
+    let record = programs.container_main(container).expect("record");
+    assert_eq!(record.tgid, held.tgid);
+    assert_eq!(record.flags, container_flags::BY_EXEC | container_flags::NS_INIT | container_flags::HELD);
+    kill(held.tgid, libc::SIGCONT);
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    reap(&mut child);
+    assert!(file.exists(), "released process ran");
+    let _ = std::fs::remove_file(&file);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(got[0].container_main);
+    assert_eq!(got[0].end, Some(ProcessEnd::Exited(4)));
+    assert_eq!(programs.counter(Counter::Held), 1);
 }
 
-#[tokio::test]
-async fn exec_hold_skips_cgroups_classified_as_pass() {
-    let (mut programs, mut stream) = load();
-    let pod = make_pod(false, 10);
-    let pod_id = pod.cgroups.id(&pod.pod_rel).expect("pod id");
-    let container_id = pod.cgroups.id(&pod.container_rel).expect("container id");
-    programs.watch(pod_id, watch_flags::EXITS | watch_flags::HOLD).expect("watch");
-    programs.classify_exec(container_id, false).expect("classify");
+async fn exec_hold_stops_a_shared_namespace_main_too(mode: AncestorMode) {
+    // The first exec deeper than the host's namespace is held even when it is not pid 1; the
+    // runtime's exec in the host namespace (nsenter) is not.
+    let (mut programs, mut stream) = load(mode);
+    let mut pod = Pod::new(false, 21);
+    let sandbox_rel = pod.add_container(22);
+    let sandbox = pod.id(&sandbox_rel);
+    let app = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS | watch_flags::HOLD).expect("watch");
+    programs.classify_exec(sandbox, false).expect("classify");
+    let mut pause = pod.start(&sandbox_rel, &["sleep", "60"]);
+    let pause_main = recorded_main(&programs, sandbox).await;
+    let mut child = pod.start_shared(&pod.container_rel, pause_main.tgid, &["/bin/sh", "-c", "exit 8"]);
+    let held = collect(&mut stream, 1, WAIT, |e| match e {
+        Event::Held(h) => Some(h),
+        _ => None,
+    })
+    .await;
+    assert_eq!(held.len(), 1, "{held:?}");
+    assert_eq!(held[0].cgroup_id, app, "the sandbox was classified pass");
+    assert_ne!(nspid(held[0].tgid).last(), Some(&1));
+    kill(held[0].tgid, libc::SIGCONT);
+    let got = exits(&mut stream, app, 1, WAIT).await;
+    reap_nsenter(&mut child);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].end, Some(ProcessEnd::Exited(8)));
+    assert!(got[0].container_main && !got[0].ns_init);
+    kill(pause_main.tgid, libc::SIGKILL);
+    reap(&mut pause);
+}
+
+async fn exec_hold_skips_cgroups_classified_as_pass(mode: AncestorMode) {
+    let (mut programs, mut stream) = load(mode);
+    let pod = Pod::new(false, 10);
+    let container = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS | watch_flags::HOLD).expect("watch");
+    programs.classify_exec(container, false).expect("classify");
     let started = Instant::now();
-    let mut child = pod
-        .cgroups
-        .spawn_in(&pod.container_rel, Command::new("unshare").args(["--pid", "--fork", "/bin/sh", "-c", "exit 0"]))
-        .expect("spawn");
-    let status = child.wait().expect("wait");
+    let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", "exit 0"]);
+    let status = reap(&mut child);
     assert!(status.success());
-    assert!(started.elapsed() < Duration::from_secs(5));
-    let got = exits(&mut stream, container_id, 2, Duration::from_secs(2)).await;
-    assert!(got.iter().any(|e| e.ns_init), "ran to completion: {got:?}");
-    assert_eq!(programs.counter(valet_common::Counter::Held), 0);
+    assert!(started.elapsed() < WAIT);
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    assert!(got.iter().any(|e| e.container_main), "ran to completion: {got:?}");
+    assert_eq!(programs.counter(Counter::Held), 0);
+}
+
+async fn a_full_containers_map_is_counted_and_never_holds(mode: AncestorMode) {
+    let (mut programs, mut stream) = load(mode);
+    let pod = Pod::new(true, 23);
+    let container = pod.container();
+    // Fill the map with records of cgroup ids no cgroup has.
+    let filler = valet_agent::kernel::container_main::MainProcess {
+        tgid: 1,
+        ns_depth: 1,
+        ns_init: true,
+        pidns_inum: 0,
+        start_ticks: 0,
+    };
+    let mut n = 0u64;
+    loop {
+        match programs.record_container_main(u64::MAX - n, &filler).expect("record") {
+            RecordOutcome::Recorded => n += 1,
+            RecordOutcome::MapFull => break,
+            RecordOutcome::AlreadyRecorded => panic!("fresh key {n} already recorded"),
+        }
+        assert!(n <= u64::from(valet_common::CONTAINERS_CAPACITY), "the map never fills");
+    }
+    assert_eq!(n, u64::from(valet_common::CONTAINERS_CAPACITY));
+    programs.watch(pod.pod_id(), watch_flags::EXITS | watch_flags::HOLD).expect("watch");
+    // No record, so no hold (a hold no one knows of would never be released); the exit of the
+    // container namespace's pid 1 is still reported, without the container_main mark.
+    let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", "exit 6"]);
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    reap(&mut child);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(got[0].ns_init && !got[0].container_main, "{:?}", got[0]);
+    assert_eq!(got[0].end, Some(ProcessEnd::Exited(6)));
+    assert_eq!(programs.counter(Counter::MapFull), 1);
+    assert_eq!(programs.counter(Counter::Held), 0);
+    assert_eq!(programs.container_main(container), None);
+    // Room again: the next container is recorded.
+    programs.forget_container(u64::MAX);
+    let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", "exit 0"]);
+    let held = collect(&mut stream, 1, WAIT, |e| match e {
+        Event::Held(h) if h.cgroup_id == container => Some(h),
+        _ => None,
+    })
+    .await;
+    assert_eq!(held.len(), 1);
+    kill(held[0].tgid, libc::SIGCONT);
+    reap(&mut child);
+}
+
+async fn on_a_kind_node_the_host_namespace_is_the_nodes(mode: AncestorMode) {
+    // On kind/k3d nodes the node is itself a container: the agent's pid namespace (hostPID) is
+    // one level below the kernel's first, and containers two. A pid namespace made here plays
+    // the node; the runtime runs in it (nsenter, then unshare), so its execs are the host's.
+    let mut node = Command::new("unshare").args(["--pid", "--fork", "sleep", "60"]).spawn().expect("node");
+    let node_init = only_child(node.id()).await;
+    let (mut programs, mut stream) = load_with(mode, Some(node_init));
+    let pod = Pod::new(false, 24);
+    let container = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
+    let script = "unshare --user --map-root-user --pid --fork /bin/sh -c 'exit 4'; [ $? -eq 4 ] || exit 99; \
+                  /bin/true; sleep 0.5; exit 3";
+    let mut cmd = Command::new("nsenter");
+    cmd.arg(format!("--pid=/proc/{node_init}/ns/pid"))
+        .args(["--", "unshare", "--pid", "--fork", "/bin/sh", "-c", script]);
+    let mut child = pod.cgroups.spawn_in(&pod.container_rel, &mut cmd).expect("spawn");
+    let record = recorded_main(&programs, container).await;
+    assert_eq!(record.pidns_depth, 1, "one level below the node's namespace");
+    // The record names the main process by its pid in the node's namespace.
+    let procs = std::fs::read_to_string(pod.cgroups.root.join(&pod.container_rel).join("cgroup.procs")).expect("procs");
+    let main = procs.lines().filter_map(|l| l.parse::<u32>().ok()).map(nspid_or_empty).find(|ns| ns.len() == 3);
+    let main = main.expect("a process two levels down");
+    assert_eq!((main[1], main[2]), (record.tgid, 1), "{main:?}");
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    reap(&mut child);
+    assert_eq!(got.len(), 1, "the main process only: {got:?}");
+    assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
+    let exit = &got[0];
+    assert_eq!(exit.end, Some(ProcessEnd::Exited(3)), "the nested init ran and exited 4 first");
+    assert!(exit.container_main && exit.ns_init && exit.child_pid_ns, "{exit:?}");
+    assert_eq!((exit.tgid, exit.ns_pid), (record.tgid, 1));
+    kill(node_init, libc::SIGKILL);
+    reap(&mut node);
+}
+
+macro_rules! in_both_modes {
+    ($($name:ident),* $(,)?) => {
+        /// With `bpf_get_current_ancestor_cgroup_id` (5.11+).
+        mod helper {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(valet_agent::kernel::programs::AncestorMode::Helper).await;
+                }
+            )*
+        }
+        /// With the walk up `cgroup->kn->parent` (5.10).
+        mod walk {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(valet_agent::kernel::programs::AncestorMode::Walk).await;
+                }
+            )*
+        }
+    };
+}
+
+in_both_modes!(
+    exit_zero_systemd_layout,
+    exit_42_cgroupfs_layout,
+    killed_by_sigkill_from_the_host,
+    multithreaded_main_reports_once_when_workers_exit_first,
+    multithreaded_main_reports_once_when_the_leader_exits_first,
+    pid_namespace_init_is_the_container_end_and_children_are_not,
+    a_nested_sandbox_init_never_ends_the_container,
+    shared_pid_namespace_main_is_not_pid_1_and_still_ends_its_container,
+    a_host_namespace_exec_in_the_container_cgroup_is_not_the_main,
+    a_fork_storm_never_reaches_user_space,
+    adopted_containers_end_with_their_main_process,
+    forget_container_removes_what_the_kernel_keeps,
+    no_events_from_unregistered_cgroups,
+    exec_hold_stops_the_main_process_before_it_runs,
+    exec_hold_stops_a_shared_namespace_main_too,
+    exec_hold_skips_cgroups_classified_as_pass,
+    a_full_containers_map_is_counted_and_never_holds,
+    on_a_kind_node_the_host_namespace_is_the_nodes,
+);
+
+#[tokio::test]
+async fn auto_uses_the_helper_where_the_kernel_allows_it() {
+    require_root();
+    let programs = Programs::load(Path::new("/"), Attach::default()).expect("load programs");
+    if kernel_allows_the_helper() {
+        assert_eq!(programs.ancestor_mode(), AncestorMode::Helper);
+        assert_eq!(programs.attached(), vec![valet_common::PROG_EXIT, valet_common::PROG_EXEC]);
+    } else {
+        assert_eq!(programs.ancestor_mode(), AncestorMode::Walk);
+        assert_eq!(programs.attached(), vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK]);
+    }
+    let walk = Programs::load(Path::new("/"), Attach { ancestors: AncestorMode::Walk, ..Attach::default() })
+        .expect("load walk programs");
+    assert_eq!(walk.attached(), vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK]);
 }

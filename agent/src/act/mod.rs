@@ -22,7 +22,8 @@ use crate::api::events::{EventSink, pod_reference};
 use crate::cgroup::CgroupFs;
 use crate::cgroup::signal::{signal_cgroup, signal_in_cgroup};
 use crate::effect::{ContainerSeen, Count, Effect, Feedback, LeftHeld, Nanos, RuntimeName};
-use crate::kernel::KernelControl;
+use crate::kernel::container_main::find_container_main;
+use crate::kernel::{KernelControl, RecordOutcome};
 use crate::metrics::{self, KindLabels, Metrics, QuitLabels, ReasonLabels, ResultLabels};
 use crate::runtime::{BundleRole, RuntimeBundles, name_of_process};
 use crate::sidecar::http::Limits;
@@ -195,12 +196,17 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     }
 
     /// The pod's container cgroups, named from the runtime's bundles where they exist.
-    fn scan(&self, uid: &str, pod_rel: &str) -> Vec<ContainerSeen> {
+    fn scan(&mut self, uid: &str, pod_rel: &str) -> Vec<ContainerSeen> {
         self.cgroups
             .containers(pod_rel)
             .into_iter()
             .map(|c| {
                 let procs = self.cgroups.procs(&c.rel);
+                // A container already running when its pod was first looked at: tell the kernel
+                // which process is its main one (the exec that would have recorded it is past).
+                if !procs.is_empty() && !self.kernel.exec_seen(c.id) {
+                    self.record_main(uid, &c.rel, c.id);
+                }
                 // The runtime's bundle first; else the kubelet's per-container mount, as a
                 // process of the container sees it.
                 let runtime_name = self
@@ -221,6 +227,20 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 ContainerSeen { cgroup_id: c.id, rel: c.rel, id: c.container.id, runtime_name, exec_done }
             })
             .collect()
+    }
+
+    fn record_main(&mut self, uid: &str, rel: &str, cgroup_id: u64) {
+        match find_container_main(&self.settings.host_proc, &self.cgroups.abs(rel)) {
+            Ok(Some(main)) => match self.kernel.record_container_main(cgroup_id, &main) {
+                Ok(RecordOutcome::MapFull) => {
+                    warn!(%uid, cgroup = %rel, "the kernel's container map is full: this container's end is seen by the API only");
+                }
+                Ok(_) => debug!(%uid, cgroup = %rel, pid = main.tgid, "recorded a running container's main process"),
+                Err(e) => debug!(%uid, "record container main: {e}"),
+            },
+            Ok(None) => {}
+            Err(e) => debug!(%uid, "find container main: {e}"),
+        }
     }
 
     /// Processes stopped at exec in the pod's containers.

@@ -36,22 +36,33 @@ impl ProcessEnd {
     }
 }
 
-/// A whole-process exit in a watched cgroup.
+/// A whole-process exit in a watched pod that can end its container. The kernel reports only:
+/// * the exit of a container's recorded main process (`container_main`): the container ended;
+/// * the exit of pid 1 of a pid namespace one level below the host's (`ns_init`): the init of
+///   a container's own namespace, whose exit ends the namespace. Usually that is the recorded
+///   main too; without `container_main` the container has no record (it started before its pod
+///   was watched and was not adopted) or a wrong one: user space decides.
+///
+/// Every other exit (children, nested sandboxes, runtime helpers) is dropped in the kernel and
+/// counted as [`valet_common::Counter::ExitsFiltered`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProcessExit {
     pub ktime_ns: u64,
     pub cgroup_id: u64,
     pub watched_cgroup_id: u64,
+    /// The process's pid as seen from the host's pid namespace (the agent's).
     pub tgid: u32,
     /// The thread that ended the group.
     pub pid: u32,
     pub ns_pid: u32,
     /// `None` when the kernel layout did not allow reading the exit code.
     pub end: Option<ProcessEnd>,
-    /// The process was its pid namespace's init: the container ended.
+    /// The process was pid 1 of a pid namespace below the host's.
     pub ns_init: bool,
     /// The process lived in a pid namespace below the host's.
     pub child_pid_ns: bool,
+    /// The process was its container's recorded main process: the container ended.
+    pub container_main: bool,
     pub comm: String,
 }
 
@@ -61,6 +72,7 @@ pub struct HeldProcess {
     pub ktime_ns: u64,
     pub cgroup_id: u64,
     pub watched_cgroup_id: u64,
+    /// The process's pid as seen from the host's pid namespace (the agent's).
     pub tgid: u32,
     pub comm: String,
 }
@@ -98,6 +110,7 @@ impl Event {
                     .then(|| ProcessEnd::from_wait_status(raw.exit_status)),
                 ns_init: raw.flags & event_flags::NS_INIT != 0,
                 child_pid_ns: raw.flags & event_flags::CHILD_PID_NS != 0,
+                container_main: raw.flags & event_flags::CONTAINER_MAIN != 0,
                 comm: comm(&raw.comm),
             })),
             event_kind::HELD => Some(Event::Held(HeldProcess {
@@ -111,6 +124,9 @@ impl Event {
         }
     }
 }
+
+/// The most events one batch hands to the loop.
+const MAX_BATCH: usize = 256;
 
 /// Async reader of kernel events.
 pub struct EventStream {
@@ -133,13 +149,22 @@ impl EventStream {
             let mut guard = self.fd.readable_mut().await.map_err(|e| Error::io("poll ring buffer", e))?;
             let ring = guard.get_inner_mut();
             let mut batch = Vec::new();
+            let mut more = false;
             while let Some(item) = ring.next() {
                 match Event::decode(&item) {
                     Some(event) => batch.push(event),
                     None => self.undecodable += 1,
                 }
+                // A bounded batch, so the loop's other inputs get their turn; what is left stays
+                // readable and comes with the next call.
+                if batch.len() >= MAX_BATCH {
+                    more = true;
+                    break;
+                }
             }
-            guard.clear_ready();
+            if !more {
+                guard.clear_ready();
+            }
             if !batch.is_empty() {
                 return Ok(batch);
             }
@@ -173,7 +198,7 @@ mod tests {
     fn decodes_records_and_rejects_short_ones() {
         let mut raw = KernelEvent::zeroed();
         raw.kind = event_kind::EXIT;
-        raw.flags = event_flags::NS_INIT;
+        raw.flags = event_flags::NS_INIT | event_flags::CONTAINER_MAIN;
         raw.exit_status = 3 << 8;
         raw.tgid = 77;
         raw.comm[..4].copy_from_slice(b"app\0");
@@ -184,6 +209,8 @@ mod tests {
             Some(Event::Exit(exit)) => {
                 assert_eq!(exit.end, Some(ProcessEnd::Exited(3)));
                 assert!(exit.ns_init);
+                assert!(exit.container_main);
+                assert!(!exit.child_pid_ns);
                 assert_eq!(exit.tgid, 77);
                 assert_eq!(exit.comm, "app");
             }

@@ -54,11 +54,42 @@ pub fn read_layout(btf: &Btf, tracefs: &Path) -> Result<KernelLayout> {
         upid_nr: opt(btf.member_offset("upid", "nr")),
         tp_exit_group_dead: tracepoint_field_offset(&format, "group_dead").unwrap_or(OFFSET_UNKNOWN),
         task_group_leader: opt(btf.member_offset("task_struct", "group_leader")),
+        upid_ns: opt(btf.member_offset("upid", "ns")),
+        pidns_inum: opt(btf
+            .member_offset("pid_namespace", "ns")
+            .and_then(|ns| Ok(ns + btf.member_offset("ns_common", "inum")?))),
+        task_cgroups: opt(btf.member_offset("task_struct", "cgroups")),
+        css_set_dfl_cgrp: opt(btf.member_offset("css_set", "dfl_cgrp")),
+        cgroup_kn: opt(btf.member_offset("cgroup", "kn")),
+        // Renamed `__parent` in 6.15 (it became RCU-protected).
+        kernfs_node_parent: opt(btf
+            .member_offset("kernfs_node", "parent")
+            .or_else(|_| btf.member_offset("kernfs_node", "__parent"))),
+        kernfs_node_id: opt(btf.member_offset("kernfs_node", "id")),
+        host_pidns_inum: 0,
     };
     if layout.task_exit_code == OFFSET_UNKNOWN {
         return Err(Error::Btf("task_struct.exit_code not found: cannot report exit codes".into()));
     }
     Ok(layout)
+}
+
+/// Whether the layout has every offset the cgroup ancestor walk (the `*_walk` programs) needs.
+pub fn supports_ancestor_walk(layout: &KernelLayout) -> bool {
+    [layout.task_cgroups, layout.css_set_dfl_cgrp, layout.cgroup_kn, layout.kernfs_node_parent, layout.kernfs_node_id]
+        .iter()
+        .all(|off| *off != OFFSET_UNKNOWN)
+}
+
+/// Inode number of a pid namespace from its `/proc/<pid>/ns/pid` link (`pid:[4026531836]`).
+pub fn pidns_inum(link: &Path) -> Result<u32> {
+    let target = std::fs::read_link(link).map_err(|e| Error::io(format!("readlink {}", link.display()), e))?;
+    parse_pidns_link(&target.to_string_lossy())
+        .ok_or_else(|| Error::Ebpf(format!("{}: unexpected link {}", link.display(), target.display())))
+}
+
+fn parse_pidns_link(target: &str) -> Option<u32> {
+    target.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
 }
 
 #[cfg(test)]
@@ -83,5 +114,34 @@ mod tests {
         let old = EXIT_FORMAT.replace("group_dead", "other");
         assert_eq!(tracepoint_field_offset(&old, "group_dead"), None);
         assert_eq!(tracepoint_field_offset("garbage\nfield:;;;", "x"), None);
+    }
+
+    #[test]
+    fn reads_pid_namespace_links() {
+        assert_eq!(parse_pidns_link("pid:[4026531836]"), Some(4026531836));
+        assert_eq!(parse_pidns_link("net:[4026531836]"), None);
+        assert_eq!(parse_pidns_link("pid:[x]"), None);
+        let own = pidns_inum(Path::new("/proc/self/ns/pid")).expect("own pid namespace");
+        assert!(own > 0);
+        assert!(pidns_inum(Path::new("/proc/self/ns/nope")).is_err());
+    }
+
+    #[test]
+    fn the_running_kernel_has_what_the_ancestor_walk_and_pid_reads_need() {
+        let btf = Btf::from_sys_fs().expect("/sys/kernel/btf/vmlinux readable");
+        for (name, member) in [
+            ("task_struct", "cgroups"),
+            ("css_set", "dfl_cgrp"),
+            ("cgroup", "kn"),
+            ("kernfs_node", "id"),
+            ("upid", "ns"),
+            ("pid_namespace", "ns"),
+            ("ns_common", "inum"),
+        ] {
+            assert!(btf.member_offset(name, member).is_ok(), "{name}.{member}");
+        }
+        assert!(
+            btf.member_offset("kernfs_node", "parent").is_ok() || btf.member_offset("kernfs_node", "__parent").is_ok()
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! The kernel side seen from user space: layout discovery (BTF), program loading, event stream,
 //! and the two traits the controller works through, so its loop can run against a stand-in.
 pub mod btf;
+pub mod container_main;
 pub mod events;
 pub mod layout;
 pub mod programs;
@@ -9,8 +10,9 @@ use std::future::Future;
 
 use valet_common::Counter;
 
+pub use container_main::MainProcess;
 pub use events::{Event, EventStream, HeldProcess, ProcessEnd, ProcessExit};
-pub use programs::{Attach, Programs};
+pub use programs::{Attach, Programs, RecordOutcome};
 
 use crate::error::Result;
 
@@ -25,6 +27,9 @@ pub trait KernelControl: Send {
     fn exec_seen(&self, container_cgroup_id: u64) -> bool;
     /// Drops every map entry of a container cgroup.
     fn forget_container(&mut self, container_cgroup_id: u64);
+    /// Tells the kernel which process is the main one of a container that was already running
+    /// when its pod was watched (so its exit is reported as the container's end).
+    fn record_container_main(&mut self, container_cgroup_id: u64, main: &MainProcess) -> Result<RecordOutcome>;
     fn counter(&self, counter: Counter) -> u64;
     fn detach(&mut self);
 }
@@ -53,7 +58,11 @@ impl KernelControl for Programs {
     }
 
     fn forget_container(&mut self, container_cgroup_id: u64) {
-        Programs::forget_exec(self, container_cgroup_id);
+        Programs::forget_container(self, container_cgroup_id);
+    }
+
+    fn record_container_main(&mut self, container_cgroup_id: u64, main: &MainProcess) -> Result<RecordOutcome> {
+        Programs::record_container_main(self, container_cgroup_id, main)
     }
 
     fn counter(&self, counter: Counter) -> u64 {

@@ -8,28 +8,69 @@ use aya::{
 };
 use tracing::{debug, info, warn};
 use valet_common::{
-    Counter, EXEC_CLASS_HOLD, EXEC_CLASS_PASS, GLOBAL_LAYOUT, KernelLayout, MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS,
-    MAP_EXEC_SEEN, MAP_WATCHED, PROG_EXEC, PROG_EXIT,
+    ContainerMain, Counter, EXEC_CLASS_HOLD, EXEC_CLASS_PASS, GLOBAL_LAYOUT, KernelLayout, MAP_CONTAINERS,
+    MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_WATCHED, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT,
+    PROG_EXIT_WALK, container_flags,
 };
 
 use super::btf::Btf;
-use super::layout::{find_tracefs, read_layout};
+use super::container_main::MainProcess;
+use super::layout::{find_tracefs, pidns_inum, read_layout, supports_ancestor_walk};
 use crate::error::{Error, Result};
 
 /// The BPF object built from `agent-ebpf`, aligned for the loader.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/valet-agent-ebpf"));
 
-/// Which programs to attach.
+/// How the kernel programs find the pod cgroup above a process's own cgroup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AncestorMode {
+    /// The helper variant when the kernel allows it (5.11+ for tracepoints), else the walk.
+    Auto,
+    /// `bpf_get_current_ancestor_cgroup_id`.
+    Helper,
+    /// A walk up `cgroup->kn->parent` with probe reads and offsets from BTF (5.10).
+    Walk,
+}
+
+impl AncestorMode {
+    /// `VALET_CGROUP_ANCESTORS=walk|helper|auto`, the operator's override; `Auto` when unset.
+    pub fn from_env() -> Result<AncestorMode> {
+        match std::env::var("VALET_CGROUP_ANCESTORS").as_deref() {
+            Err(_) | Ok("") | Ok("auto") => Ok(AncestorMode::Auto),
+            Ok("helper") => Ok(AncestorMode::Helper),
+            Ok("walk") => Ok(AncestorMode::Walk),
+            Ok(other) => Err(Error::Config(format!("VALET_CGROUP_ANCESTORS={other}: expected auto, helper or walk"))),
+        }
+    }
+}
+
+/// Which programs to attach, and how they find pod cgroups.
 #[derive(Clone, Copy, Debug)]
 pub struct Attach {
     pub exits: bool,
     pub execs: bool,
+    /// `Auto` in production; tests force each variant.
+    pub ancestors: AncestorMode,
+    /// A process whose pid namespace counts as the host's. `None` in production: the agent's
+    /// own (it runs with hostPID). Tests use it to simulate a kind node's namespace.
+    pub host_pidns_of: Option<u32>,
 }
 
 impl Default for Attach {
     fn default() -> Self {
-        Attach { exits: true, execs: true }
+        Attach { exits: true, execs: true, ancestors: AncestorMode::Auto, host_pidns_of: None }
     }
+}
+
+/// What [`Programs::record_container_main`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordOutcome {
+    /// The record is in the kernel now.
+    Recorded,
+    /// The kernel had a record already (its exec program saw the main process's exec); kept.
+    AlreadyRecorded,
+    /// The map is full: that container's main exit will not be reported as such. Raise it.
+    MapFull,
 }
 
 /// Loaded and attached programs plus their maps. Dropping it detaches everything.
@@ -38,10 +79,12 @@ pub struct Programs {
     watched: HashMap<MapData, u64, u32>,
     exec_class: HashMap<MapData, u64, u32>,
     exec_seen: HashMap<MapData, u64, u8>,
+    containers: HashMap<MapData, u64, ContainerMain>,
     counters: PerCpuArray<MapData, u64>,
     events: Option<RingBuf<MapData>>,
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
     layout: KernelLayout,
+    ancestors: AncestorMode,
     links: Vec<(&'static str, TracePointLinkId)>,
 }
 
@@ -50,7 +93,8 @@ fn map_err(what: &str) -> impl FnOnce(aya::maps::MapError) -> Error + '_ {
 }
 
 impl Programs {
-    /// Reads the kernel layout, loads the object and attaches the requested tracepoints.
+    /// Reads the kernel layout and the host's pid namespace (the agent's own: it runs with
+    /// hostPID), loads the object and attaches the requested tracepoints.
     /// `host_root` is where the host's `/sys` is visible (`/` outside a container).
     pub fn load(host_root: &std::path::Path, attach: Attach) -> Result<Programs> {
         raise_memlock_limit();
@@ -60,7 +104,12 @@ impl Programs {
         };
         let btf_path = host_root.join("sys/kernel/btf/vmlinux");
         let btf = Btf::from_file(&btf_path)?;
-        let layout = read_layout(&btf, &tracefs)?;
+        let mut layout = read_layout(&btf, &tracefs)?;
+        let host_ns = match attach.host_pidns_of {
+            Some(pid) => format!("/proc/{pid}/ns/pid"),
+            None => "/proc/self/ns/pid".to_owned(),
+        };
+        layout.host_pidns_inum = pidns_inum(std::path::Path::new(&host_ns))?;
         debug!(?layout, "kernel layout from BTF");
 
         let mut ebpf = EbpfLoader::new()
@@ -77,23 +126,67 @@ impl Programs {
             }
         };
 
-        let mut links = Vec::new();
-        for (enabled, prog, category, name) in [
-            (attach.exits, PROG_EXIT, "sched", "sched_process_exit"),
-            (attach.execs, PROG_EXEC, "sched", "sched_process_exec"),
-        ] {
-            if !enabled {
+        let walk_possible = supports_ancestor_walk(&layout);
+        let candidates: &[AncestorMode] = match attach.ancestors {
+            AncestorMode::Auto => &[AncestorMode::Helper, AncestorMode::Walk],
+            AncestorMode::Helper => &[AncestorMode::Helper],
+            AncestorMode::Walk => &[AncestorMode::Walk],
+        };
+        let wanted = |mode: AncestorMode| {
+            let (exit, exec) =
+                if mode == AncestorMode::Walk { (PROG_EXIT_WALK, PROG_EXEC_WALK) } else { (PROG_EXIT, PROG_EXEC) };
+            [(attach.exits, exit, "sched_process_exit"), (attach.execs, exec, "sched_process_exec")]
+                .into_iter()
+                .filter(|(enabled, ..)| *enabled)
+                .map(|(_, prog, tp)| (prog, tp))
+                .collect::<Vec<_>>()
+        };
+        let mut chosen = None;
+        let mut refusals = Vec::new();
+        for &mode in candidates {
+            if mode == AncestorMode::Walk && !walk_possible {
+                refusals.push("cgroup walk: the kernel's BTF lacks css_set/cgroup/kernfs_node offsets".to_owned());
                 continue;
             }
+            let mut loaded = Ok(());
+            for (prog, _) in wanted(mode) {
+                let program: &mut TracePoint = ebpf
+                    .program_mut(prog)
+                    .ok_or_else(|| Error::Ebpf(format!("program {prog} missing from object")))?
+                    .try_into()
+                    .map_err(|e| Error::ebpf_program(format!("program {prog}"), e))?;
+                if let Err(e) = program.load() {
+                    loaded = Err(format!("load {prog}: {e}"));
+                    break;
+                }
+            }
+            match loaded {
+                Ok(()) => {
+                    chosen = Some(mode);
+                    break;
+                }
+                Err(e) => {
+                    if candidates.len() > 1 {
+                        info!("{e}; trying the next way to find pod cgroups");
+                    }
+                    refusals.push(e);
+                }
+            }
+        }
+        let Some(ancestors) = chosen else {
+            return Err(Error::Ebpf(format!("no program variant loads on this kernel: {}", refusals.join("; "))));
+        };
+
+        let mut links = Vec::new();
+        for (prog, name) in wanted(ancestors) {
             let program: &mut TracePoint = ebpf
                 .program_mut(prog)
                 .ok_or_else(|| Error::Ebpf(format!("program {prog} missing from object")))?
                 .try_into()
                 .map_err(|e| Error::ebpf_program(format!("program {prog}"), e))?;
-            program.load().map_err(|e| Error::ebpf_program(format!("load {prog}"), e))?;
             let link = program
-                .attach(category, name)
-                .map_err(|e| Error::ebpf_program(format!("attach {prog} to {category}/{name}"), e))?;
+                .attach("sched", name)
+                .map_err(|e| Error::ebpf_program(format!("attach {prog} to sched/{name}"), e))?;
             links.push((prog, link));
         }
 
@@ -103,14 +196,40 @@ impl Programs {
         let watched = HashMap::try_from(take(&mut ebpf, MAP_WATCHED)?).map_err(map_err(MAP_WATCHED))?;
         let exec_class = HashMap::try_from(take(&mut ebpf, MAP_EXEC_CLASS)?).map_err(map_err(MAP_EXEC_CLASS))?;
         let exec_seen = HashMap::try_from(take(&mut ebpf, MAP_EXEC_SEEN)?).map_err(map_err(MAP_EXEC_SEEN))?;
+        let containers = HashMap::try_from(take(&mut ebpf, MAP_CONTAINERS)?).map_err(map_err(MAP_CONTAINERS))?;
         let counters = PerCpuArray::try_from(take(&mut ebpf, MAP_COUNTERS)?).map_err(map_err(MAP_COUNTERS))?;
         let events = RingBuf::try_from(take(&mut ebpf, MAP_EVENTS)?).map_err(map_err(MAP_EVENTS))?;
         info!(
             attached = ?links.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
             group_dead_field = layout.tp_exit_group_dead != valet_common::OFFSET_UNKNOWN,
+            host_pidns_inum = layout.host_pidns_inum,
+            ?ancestors,
             "kernel programs attached"
         );
-        Ok(Programs { ebpf, watched, exec_class, exec_seen, counters, events: Some(events), logger, layout, links })
+        Ok(Programs {
+            ebpf,
+            watched,
+            exec_class,
+            exec_seen,
+            containers,
+            counters,
+            events: Some(events),
+            logger,
+            layout,
+            ancestors,
+            links,
+        })
+    }
+
+    /// How the loaded programs find pod cgroups: [`AncestorMode::Helper`] or
+    /// [`AncestorMode::Walk`] (never `Auto`).
+    pub fn ancestor_mode(&self) -> AncestorMode {
+        self.ancestors
+    }
+
+    /// Inode number of the pid namespace the programs take for the host's.
+    pub fn host_pidns_inum(&self) -> u32 {
+        self.layout.host_pidns_inum
     }
 
     /// The layout the programs were loaded with.
@@ -148,15 +267,58 @@ impl Programs {
         self.exec_class.insert(container_cgroup_id, class, 0).map_err(map_err(MAP_EXEC_CLASS))
     }
 
-    /// Forgets a container cgroup in the exec maps (it was removed).
+    /// Forgets a container cgroup in the exec maps (it was removed). Same as
+    /// [`Programs::forget_container`].
     pub fn forget_exec(&mut self, container_cgroup_id: u64) {
+        self.forget_container(container_cgroup_id);
+    }
+
+    /// Forgets everything the kernel keeps about a container cgroup (its main process record,
+    /// its exec judgement and class). Call it when the pod's work is done or the cgroup is gone;
+    /// never for a running container of a watched pod: its next deeper-than-host exec would be
+    /// taken for a new main process.
+    pub fn forget_container(&mut self, container_cgroup_id: u64) {
+        let _ = self.containers.remove(&container_cgroup_id);
         let _ = self.exec_class.remove(&container_cgroup_id);
         let _ = self.exec_seen.remove(&container_cgroup_id);
     }
 
-    /// Whether the exec program already judged this container's first init exec.
+    /// Whether this container's main process already exec'd (recorded by the exec program or
+    /// adopted), so its exec can no longer be held.
     pub fn exec_seen(&self, container_cgroup_id: u64) -> bool {
-        self.exec_seen.get(&container_cgroup_id, 0).is_ok()
+        self.containers.get(&container_cgroup_id, 0).is_ok() || self.exec_seen.get(&container_cgroup_id, 0).is_ok()
+    }
+
+    /// The kernel's record of a container's main process, if any.
+    pub fn container_main(&self, container_cgroup_id: u64) -> Option<ContainerMain> {
+        self.containers.get(&container_cgroup_id, 0).ok()
+    }
+
+    /// Records the main process of a container found already running (its exec happened before
+    /// its pod was watched, e.g. before an agent restart), so its exit is reported as the
+    /// container's end and nothing else in it is. `main` comes from
+    /// [`super::container_main::find_container_main`] (pids and levels relative to the host's
+    /// pid namespace). Adopt a pod's running containers *before* [`Programs::watch`] of the pod:
+    /// once watched, the next deeper-than-host exec in an unrecorded container (an exec probe, a
+    /// `kubectl exec`) would be recorded as its main process. A record the kernel already has wins.
+    pub fn record_container_main(&mut self, container_cgroup_id: u64, main: &MainProcess) -> Result<RecordOutcome> {
+        let record = ContainerMain {
+            tgid: main.tgid,
+            pidns_depth: main.ns_depth,
+            pidns_inum: main.pidns_inum,
+            flags: container_flags::ADOPTED | if main.ns_init { container_flags::NS_INIT } else { 0 },
+            ktime_ns: 0,
+        };
+        const BPF_NOEXIST: u64 = 1;
+        match self.containers.insert(container_cgroup_id, record, BPF_NOEXIST) {
+            Ok(()) => Ok(RecordOutcome::Recorded),
+            Err(aya::maps::MapError::SyscallError(e)) => match e.io_error.raw_os_error() {
+                Some(libc::EEXIST) => Ok(RecordOutcome::AlreadyRecorded),
+                Some(libc::E2BIG) | Some(libc::ENOMEM) => Ok(RecordOutcome::MapFull),
+                _ => Err(Error::ebpf_map(format!("map {MAP_CONTAINERS}"), aya::maps::MapError::SyscallError(e))),
+            },
+            Err(e) => Err(map_err(MAP_CONTAINERS)(e)),
+        }
     }
 
     /// Currently watched cgroup ids.

@@ -554,8 +554,9 @@ impl PodState {
             return vec![Effect::FindPodCgroup];
         };
         if self.watching != Some(hold) {
-            fx.push(Effect::Watch { pod_cgroup: id, hold });
+            // Containers already running are recorded with the kernel before it watches the pod.
             fx.push(Effect::ScanContainers { pod_rel: rel.clone() });
+            fx.push(Effect::Watch { pod_cgroup: id, hold });
             self.watching = Some(hold);
         }
         if hold && !self.left_held_searched {

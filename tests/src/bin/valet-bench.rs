@@ -76,7 +76,7 @@ fn exit_latency(runs: usize) -> Result<()> {
     println!("\n[1] kernel → user latency of exit events ({runs} processes)");
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
-        let mut programs = Programs::load(Path::new("/"), Attach { exits: true, execs: false })?;
+        let mut programs = Programs::load(Path::new("/"), Attach { exits: true, execs: false, ..Attach::default() })?;
         let mut stream = EventStream::new(programs.take_events().context("ring")?)?;
         let mut cgroups = TestCgroups::new()?;
         let rel = format!("kubepods/besteffort/pod{}/{}", valet_sim::util::uuid_v4(), "ab".repeat(32));
