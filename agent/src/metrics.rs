@@ -423,6 +423,7 @@ mod tests {
                 "valet_app_hold_duration_seconds",
                 "valet_condition_patches_total",
                 "valet_kernel_events_lost_total",
+                "valet_kernel_map_full_total",
                 "valet_watch_restarts_total",
                 "valet_pod_skips_total",
                 "valet_build_info",

@@ -382,6 +382,7 @@ impl Loop {
             end: Some(ProcessEnd::Exited(code)),
             ns_init: true,
             child_pid_ns: true,
+            container_main: true,
             comm: "app".into(),
         }));
     }

@@ -272,7 +272,10 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         match sent {
             Ok(()) => {
                 let held_for = held_ns as f64 / 1e9;
-                self.metrics.hold_duration.observe(held_for);
+                // How long apps waited: the sandbox, sidecars and strays run again at once.
+                if !matches!(reason, "not_app" | "untracked") {
+                    self.metrics.hold_duration.observe(held_for);
+                }
                 self.metrics.releases.get_or_create(&ReasonLabels { reason }).inc();
                 info!(pid = tgid, reason, held_ms = held_for * 1e3, "released app");
             }

@@ -65,6 +65,9 @@ struct Held {
     tgid: u32,
     container_cgroup: u64,
     since: Nanos,
+    /// Counted in `valet_app_holds_total` (app processes only: an unnamed container's process is
+    /// counted once it is known to be an app, or released as one).
+    counted: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -328,6 +331,14 @@ impl PodState {
             Role::Named(name) => plan.apps.contains(name),
             Role::Unnamed => held.comm != "pause" && self.may_be_app(plan),
         };
+        // Surely an app: named one, or unnamed while every other kind of container is known.
+        let surely_app = match &role {
+            Role::Named(_) => app,
+            Role::Unnamed => {
+                app && plan.init_containers.is_empty() && plan.sidecars.iter().all(|s| self.current(&s.name).is_some())
+            }
+            Role::Sandbox => false,
+        };
         if !app {
             return vec![release("not_app")];
         }
@@ -341,14 +352,15 @@ impl PodState {
         if self.failed_open {
             return vec![Effect::Count(Count::Hold), release("timeout")];
         }
+        let counted = surely_app;
         info!(
             pod = %self.name(),
             container = role.name().unwrap_or("<not named yet>"),
             pid = held.tgid,
             "holding app until the proxy is ready"
         );
-        self.held.push(Held { tgid: held.tgid, container_cgroup: held.container_cgroup, since: held.ktime });
-        let mut fx = vec![Effect::Count(Count::Hold)];
+        self.held.push(Held { tgid: held.tgid, container_cgroup: held.container_cgroup, since: held.ktime, counted });
+        let mut fx = if counted { vec![Effect::Count(Count::Hold)] } else { Vec::new() };
         fx.extend(self.step(now));
         fx
     }
@@ -450,7 +462,7 @@ impl PodState {
             }
             self.failed_open = true;
             for h in expired {
-                fx.push(self.release(&h, "timeout"));
+                fx.extend(self.release_counted(&h, "timeout"));
             }
         }
         // Sidecars still running after they accepted a quit. (Quits to retry are re-issued by
@@ -618,12 +630,15 @@ impl PodState {
         let mut fx = Vec::new();
         for f in found {
             if let Some(c) = self.containers.get_mut(&f.container_cgroup) {
+                // Its first exec is past: classified (again) so that later execs run.
                 c.exec_done = true;
+                c.classified = false;
             }
             if self.held.iter().any(|h| h.tgid == f.tgid) {
                 continue;
             }
-            let h = Held { tgid: f.tgid, container_cgroup: f.container_cgroup, since: f.since };
+            // Counted by the agent that held it.
+            let h = Held { tgid: f.tgid, container_cgroup: f.container_cgroup, since: f.since, counted: true };
             let app = match (&self.plan, self.role(f.container_cgroup)) {
                 (_, Role::Sandbox) | (None, _) => false,
                 (Some(p), Role::Named(n)) => p.apps.contains(&n),
@@ -762,9 +777,20 @@ impl PodState {
         Effect::Release { tgid: h.tgid, container_rel, reason, since: h.since }
     }
 
+    /// Releases a held process; one not counted yet is counted now unless it turned out not to
+    /// be an app.
+    fn release_counted(&self, h: &Held, reason: &'static str) -> Vec<Effect> {
+        let mut fx = Vec::new();
+        if !h.counted && reason != "not_app" {
+            fx.push(Effect::Count(Count::Hold));
+        }
+        fx.push(self.release(h, reason));
+        fx
+    }
+
     fn release_all(&mut self, reason: &'static str) -> Vec<Effect> {
         let held = std::mem::take(&mut self.held);
-        held.iter().map(|h| self.release(h, reason)).collect()
+        held.iter().flat_map(|h| self.release_counted(h, reason)).collect()
     }
 
     /// The pod's plan is gone (bad annotations, hostNetwork): stop everything valet started.

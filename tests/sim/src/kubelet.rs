@@ -428,8 +428,10 @@ impl Kubelet {
             changed: true,
             next_step_at: Some(Instant::now()),
         };
-        let sandbox =
-            self.inner.start_instance(&kpod, None, &["sleep".into(), "infinity".into()], &Default::default())?;
+        // The sandbox's process is named `pause`, like the real one (its comm is what a node
+        // shows for it before any name is known).
+        let pause = pause_binary()?.to_string_lossy().into_owned();
+        let sandbox = self.inner.start_instance(&kpod, None, &[pause, "infinity".into()], &Default::default())?;
         kpod.sandbox = Some(sandbox);
         let mut pods = lock(&self.inner.pods);
         if pods.contains_key(&key) {
@@ -1158,4 +1160,17 @@ pub fn write_bundle(dir: &Path, sim: &SimPod, c: &SimContainer, sandbox: bool) -
     let config = json!({"ociVersion": "1.1.0", "annotations": annotations});
     let file = path.join("config.json");
     std::fs::write(&file, serde_json::to_vec(&config)?).with_context(|| format!("write {}", file.display()))
+}
+
+/// A `pause` program for sandboxes: `sleep` under the pause image's name, made once per host.
+fn pause_binary() -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join("valet-sim-bin");
+    let path = dir.join("pause");
+    if !path.exists() {
+        std::fs::create_dir_all(&dir)?;
+        let tmp = dir.join(format!("pause.{}", std::process::id()));
+        std::fs::copy("/bin/sleep", &tmp)?;
+        std::fs::rename(&tmp, &path)?;
+    }
+    Ok(path)
 }
