@@ -825,10 +825,10 @@ impl PodState {
         for cg in self.containers.keys() {
             fx.push(Effect::ForgetContainer { container_cgroup: *cg });
         }
-        if self.network_open {
-            self.network_open = false;
-            fx.push(Effect::CloseNetwork);
-        }
+        // Always: a probe or a quit may have entered the namespace even when opening it ahead
+        // of time did not work.
+        self.network_open = false;
+        fx.push(Effect::CloseNetwork);
         fx
     }
 
