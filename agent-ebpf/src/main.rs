@@ -116,7 +116,7 @@ fn watched_match<const WALK: bool>(l: &KernelLayout, task: u64) -> Option<(u64, 
     // SAFETY: helper without pointer arguments (4.18+, allowed in tracepoints).
     let own = unsafe { bpf_get_current_cgroup_id() };
     // SAFETY: map lookup by value; the reference is copied out at once.
-    if let Some(flags) = unsafe { WATCHED.get(&own) } {
+    if let Some(flags) = unsafe { WATCHED.get(own) } {
         return Some((own, own, *flags));
     }
     if WALK {
@@ -132,7 +132,7 @@ fn watched_match<const WALK: bool>(l: &KernelLayout, task: u64) -> Option<(u64, 
             }
             let id = read_u64(kn, l.kernfs_node_id)?;
             // SAFETY: as above.
-            if let Some(flags) = unsafe { WATCHED.get(&id) } {
+            if let Some(flags) = unsafe { WATCHED.get(id) } {
                 return Some((own, id, *flags));
             }
             depth += 1;
@@ -147,7 +147,7 @@ fn watched_match<const WALK: bool>(l: &KernelLayout, task: u64) -> Option<(u64, 
             break;
         }
         // SAFETY: as above.
-        if let Some(flags) = unsafe { WATCHED.get(&ancestor) } {
+        if let Some(flags) = unsafe { WATCHED.get(ancestor) } {
             return Some((own, ancestor, *flags));
         }
         level += 1;
@@ -272,7 +272,7 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
         return 0;
     };
     // SAFETY: map lookup by value; the fields are copied out at once.
-    let recorded = unsafe { CONTAINERS.get(&own) }.map(|r| r.tgid);
+    let recorded = unsafe { CONTAINERS.get(own) }.map(|r| r.tgid);
     let main = match recorded {
         Some(tgid) => info.host_nr == tgid,
         None => false,
@@ -341,7 +341,7 @@ fn exec_impl<const WALK: bool>() -> u32 {
         return 0;
     }
     // SAFETY: map lookup by value.
-    if unsafe { CONTAINERS.get(&own) }.is_some() {
+    if unsafe { CONTAINERS.get(own) }.is_some() {
         return 0;
     }
     // SAFETY: helper without arguments.
@@ -357,7 +357,7 @@ fn exec_impl<const WALK: bool>() -> u32 {
         record.flags |= container_flags::NS_INIT;
     }
     // Two threads of different processes may race here: the insert decides.
-    match CONTAINERS.insert(&own, &record, BPF_NOEXIST) {
+    match CONTAINERS.insert(own, record, BPF_NOEXIST) {
         Ok(()) => {}
         Err(e) if e == -EEXIST => return 0,
         Err(e) if e == -E2BIG || e == -ENOMEM => {
@@ -374,9 +374,9 @@ fn exec_impl<const WALK: bool>() -> u32 {
     if flags & watch_flags::HOLD == 0 {
         return 0;
     }
-    let _ = EXEC_SEEN.insert(&own, &1, 0);
+    let _ = EXEC_SEEN.insert(own, 1, 0);
     // SAFETY: map lookup by value.
-    if let Some(class) = unsafe { EXEC_CLASS.get(&own) }
+    if let Some(class) = unsafe { EXEC_CLASS.get(own) }
         && *class == EXEC_CLASS_PASS
     {
         return 0;
@@ -393,7 +393,7 @@ fn exec_impl<const WALK: bool>() -> u32 {
         count(Counter::ReadErrors);
         return 0;
     }
-    if let Some(stored) = CONTAINERS.get_ptr_mut(&own) {
+    if let Some(stored) = CONTAINERS.get_ptr_mut(own) {
         // SAFETY: a valid map value pointer; only this field changes.
         unsafe { (*stored).flags |= container_flags::HELD };
     }

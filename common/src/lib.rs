@@ -118,7 +118,7 @@ pub struct ContainerMain {
     pub pidns_inum: u32,
     /// Bits of [`container_flags`].
     pub flags: u32,
-    /// `bpf_ktime_get_ns()` when recorded by the kernel (CLOCK_MONOTONIC); 0 when adopted.
+    /// `bpf_ktime_get_ns()` when recorded by the kernel (`CLOCK_MONOTONIC`); 0 when adopted.
     pub ktime_ns: u64,
 }
 
