@@ -175,6 +175,8 @@ fn ensure_test_tools(root: &Path) -> Result<()> {
         "qemu-system-x86",
         "xz-utils",
         "zstd",
+        "mmdebstrap",
+        "e2fsprogs",
     ])?;
     let venv = root.join(".venv");
     let requirements = root.join("deploy/tests/requirements.txt");
