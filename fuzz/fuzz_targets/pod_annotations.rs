@@ -84,7 +84,8 @@ fuzz_target!(|input: Input| {
     };
     if let Ok(plan) = plan(&pod, &SidecarDefaults::default()) {
         for s in &plan.sidecars {
-            assert!(s.quit.port != 0 && s.ready.port != 0, "{s:?}");
+            let ports = s.quit.iter().chain(s.ready.iter()).map(|e| e.port);
+            assert!(ports.into_iter().all(|p| p != 0), "{s:?}");
         }
     }
 });

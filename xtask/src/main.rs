@@ -35,7 +35,10 @@ enum Task {
     Test {
         /// Only run tests whose name contains this filter (Rust tests only).
         filter: Option<String>,
-        /// Also boot every kernel of the matrix (CI boots only bookworm's).
+        /// Also run the qemu suites: bookworm's kernel and the real-node scenario.
+        #[arg(long)]
+        vm: bool,
+        /// With --vm, boot every kernel of the matrix (5.10, 6.1, 6.12).
         #[arg(long)]
         kernels: bool,
     },
@@ -70,7 +73,7 @@ fn main() -> Result<()> {
     match cli.task {
         Task::Setup => setup::setup(&root, true),
         Task::Lint => lint::lint(&root),
-        Task::Test { filter, kernels } => test::test(&root, filter.as_deref(), kernels),
+        Task::Test { filter, vm, kernels } => test::test(&root, filter.as_deref(), vm || kernels, kernels),
         Task::Kernels => test::kernels(&root),
         Task::Node => test::node(&root),
         Task::Fuzz { target, seconds } => fuzz::run(&root, target.as_deref(), seconds),
