@@ -58,6 +58,13 @@ pub fn choose_main(procs: &[ProcInfo]) -> Option<MainProcess> {
     })
 }
 
+/// A process's start time (`/proc/<pid>/stat` field 22, clock ticks since boot).
+pub fn start_time(host_proc: &Path, pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(host_proc.join(pid.to_string()).join("stat")).ok()?;
+    // Fields after the command (which may contain spaces and parentheses) start at field 3.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(22 - 3)?.parse().ok()
+}
+
 /// Reads one process from procfs; `None` when it is gone or unreadable (it raced its exit).
 pub fn read_process(host_proc: &Path, pid: u32) -> Option<ProcInfo> {
     let dir = host_proc.join(pid.to_string());
@@ -72,9 +79,7 @@ pub fn read_process(host_proc: &Path, pid: u32) -> Option<ProcInfo> {
     if nspid.first() != Some(&pid) {
         return None;
     }
-    let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
-    // Fields after the command (which may contain spaces and parentheses) start at field 3.
-    let start_ticks = stat.rsplit_once(')')?.1.split_whitespace().nth(22 - 3)?.parse().ok()?;
+    let start_ticks = start_time(host_proc, pid)?;
     let pidns_inum = std::fs::read_link(dir.join("ns/pid"))
         .ok()
         .and_then(|link| {

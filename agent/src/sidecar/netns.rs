@@ -14,6 +14,7 @@ use super::http::{self, Limits, Response};
 use super::{Failed, Pending, PodTarget, SidecarLink};
 use crate::cgroup::CgroupFs;
 use crate::error::{Error, Result};
+use crate::kernel::container_main::start_time;
 
 /// An open handle on a pod's network namespace.
 #[derive(Debug)]
@@ -23,13 +24,6 @@ pub struct PodNetns {
     pub inode: u64,
     /// The process it was opened through.
     pub via_pid: u32,
-}
-
-/// A process's start time (`/proc/<pid>/stat` field 22, clock ticks since boot).
-pub fn start_time(host_proc: &Path, pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(host_proc.join(pid.to_string()).join("stat")).ok()?;
-    // Fields after the command (which may contain spaces and parentheses) start at field 3.
-    stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// Opens the network namespace of the pod whose cgroup is `pod_rel`: the pod's own, the one its
