@@ -93,6 +93,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
                     Err(e) => { warn!("kernel event stream: {e}"); tokio::time::sleep(Duration::from_millis(100)).await; }
                 },
                 Some((uid, feedback)) = self.reports.recv() => self.on_feedback(&uid, feedback),
+                pods = self.act.creations().next() => for pod in pods { self.on_container_made(pod) },
                 event = watch.next() => match event {
                     Some(Ok(event)) => self.on_watch(event),
                     Some(Err(e)) => {
@@ -277,10 +278,20 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
         if !state.knows_container(container_cgroup)
             && let Some((rel, _)) = state.pod_cgroup()
         {
-            let scan = vec![Effect::ScanContainers { pod_rel: rel.to_owned() }];
+            let scan = vec![Effect::ScanContainers { pod_rel: rel.to_owned(), adopt: false }];
             self.apply(&uid, scan);
         }
         Some(uid)
+    }
+
+    /// A held pod got a new container cgroup: name it from its bundle now, so its first exec is
+    /// classified before it happens.
+    fn on_container_made(&mut self, pod_cgroup: u64) {
+        let Some(uid) = self.by_cgroup.get(&pod_cgroup).cloned() else { return };
+        let Some(rel) = self.pods.get(&uid).and_then(PodState::pod_cgroup).map(|(rel, _)| rel.to_owned()) else {
+            return;
+        };
+        self.apply(&uid, vec![Effect::ScanContainers { pod_rel: rel, adopt: false }]);
     }
 
     fn on_exit(&mut self, exit: ProcessExit) {

@@ -80,9 +80,13 @@ pub enum Effect {
     /// Look for the pod's cgroup (answered with [`Feedback::PodCgroup`]).
     FindPodCgroup,
     /// List the pod's container cgroups and name them from the runtime's bundles (answered with
-    /// [`Feedback::Containers`]).
+    /// [`Feedback::Containers`]). With `adopt` (the look before the kernel watches the pod), the
+    /// main process of a container already running is recorded with the kernel; later looks never
+    /// do, since the watching kernel records it at its first exec (a runtime's init process waits
+    /// in the container's cgroup and pid namespace before that exec, and must not be taken for it).
     ScanContainers {
         pod_rel: String,
+        adopt: bool,
     },
     /// Look for processes an earlier agent left stopped at exec (answered with
     /// [`Feedback::LeftHeld`]).
@@ -90,8 +94,11 @@ pub enum Effect {
         pod_rel: String,
     },
     /// Tell the kernel about the pod's cgroup: report its containers' ends; hold apps' first exec.
+    /// In a held pod, new container cgroups are also watched for as they are made, so that each
+    /// is named (and its first exec classified) before it runs.
     Watch {
         pod_cgroup: u64,
+        pod_rel: String,
         hold: bool,
     },
     Unwatch {

@@ -45,6 +45,7 @@ struct KernelState {
     watched: HashMap<u64, u32>,
     classified: HashMap<u64, bool>,
     forgotten: Vec<u64>,
+    recorded: Vec<(u64, u32)>,
     detached: bool,
 }
 
@@ -72,9 +73,10 @@ impl KernelControl for FakeKernel {
     }
     fn record_container_main(
         &mut self,
-        _: u64,
-        _: &valet_agent::kernel::MainProcess,
+        cgroup_id: u64,
+        main: &valet_agent::kernel::MainProcess,
     ) -> valet_agent::Result<valet_agent::kernel::RecordOutcome> {
+        lock(&self.0).recorded.push((cgroup_id, main.tgid));
         Ok(valet_agent::kernel::RecordOutcome::Recorded)
     }
     fn counter(&self, _: Counter) -> u64 {
@@ -235,12 +237,16 @@ impl TempNode {
         TempNode { dir, cgroups, pod_rel }
     }
 
-    /// A container cgroup with its runtime bundle; its cgroup id.
+    /// A container as a runtime creates it: its bundle, then its cgroup; the cgroup's id.
     fn container(&self, n: u8, name: &str) -> u64 {
+        self.container_with(n, name, None)
+    }
+
+    /// [`Self::container`], with `pid` in the cgroup from the moment it exists (a runtime's init
+    /// process waiting there for `runc start`).
+    fn container_with(&self, n: u8, name: &str, pid: Option<u32>) -> u64 {
         let id = format!("{:02x}", n).repeat(32);
         let rel = self.container_rel(n);
-        std::fs::create_dir_all(self.cgroups.abs(&rel)).expect("container cgroup");
-        std::fs::write(self.cgroups.abs(&rel).join("cgroup.procs"), "").expect("procs");
         let (kind, name) = if name == "POD" { ("sandbox", "POD") } else { ("container", name) };
         let bundle = self.dir.join("bundles").join(&id);
         std::fs::create_dir_all(&bundle).expect("bundle");
@@ -249,6 +255,12 @@ impl TempNode {
             "io.kubernetes.cri.container-name": name,
             "io.kubernetes.cri.sandbox-uid": UID}});
         std::fs::write(bundle.join("config.json"), config.to_string()).expect("config.json");
+        // Made aside and renamed in, so that it appears with its process list (cgroupfs makes
+        // `cgroup.procs` with the directory; here it is a plain file).
+        let tmp = self.dir.join(format!("new-{id}"));
+        std::fs::create_dir_all(&tmp).expect("container cgroup");
+        std::fs::write(tmp.join("cgroup.procs"), pid.map(|p| format!("{p}\n")).unwrap_or_default()).expect("procs");
+        std::fs::rename(&tmp, self.cgroups.abs(&rel)).expect("container cgroup in place");
         self.cgroups.id_of(&rel).expect("id")
     }
 
@@ -548,6 +560,43 @@ async fn processes_an_earlier_agent_left_held_are_adopted_and_released_when_read
     lp.stop().await;
     kill(app_child);
     kill(proxy_child);
+}
+
+#[tokio::test]
+async fn containers_made_after_a_held_pod_is_watched_are_classified_before_they_exec() {
+    let node = TempNode::new("made");
+    node.container(1, "POD");
+    let lp = start(&node, Duration::from_secs(120));
+    lp.apply(job_pod(json!({"valet.dev/hold-app": "true"})));
+    let pod_cg = node.pod_id();
+    lp.until("the pod watched with hold", |l| {
+        lock(&l.kernel.0).watched.get(&pod_cg) == Some(&(watch_flags::EXITS | watch_flags::HOLD))
+    })
+    .await;
+    // The runtime creates the containers; nothing has exec'd, the kernel has said nothing. The
+    // proxy's init process already waits in its cgroup, in its own pid namespace (as `runc
+    // init` does until `runc start`): it is not the container's main process yet.
+    let waiting = stopped_child().await;
+    node.fake_held_at_exec(waiting.id());
+    let proxy = node.container_with(3, "istio-proxy", Some(waiting.id()));
+    let app = node.container(2, "app");
+    lp.until("both classified from their bundles", |l| {
+        let k = lock(&l.kernel.0);
+        k.classified.contains_key(&proxy) && k.classified.contains_key(&app)
+    })
+    .await;
+    {
+        let k = lock(&lp.kernel.0);
+        assert_eq!(k.classified.get(&proxy), Some(&false), "the sidecar's first exec runs");
+        assert_eq!(k.classified.get(&app), Some(&true), "the app's first exec is held");
+        assert!(
+            !k.recorded.iter().any(|(cg, _)| *cg == proxy),
+            "a process waiting to exec is never recorded as the main process: {:?}",
+            k.recorded
+        );
+    }
+    lp.stop().await;
+    kill(waiting);
 }
 
 #[tokio::test]

@@ -20,6 +20,7 @@ use valet_common::watch_flags;
 use crate::api::condition;
 use crate::api::events::{EventSink, pod_reference};
 use crate::cgroup::CgroupFs;
+use crate::cgroup::created::Creations;
 use crate::cgroup::signal::{signal_cgroup, signal_in_cgroup};
 use crate::effect::{ContainerSeen, Count, Effect, Feedback, LeftHeld, Nanos, RuntimeName};
 use crate::kernel::container_main::find_container_main;
@@ -54,6 +55,7 @@ pub struct Actuators<K, L> {
     metrics: Arc<Metrics>,
     reports: mpsc::UnboundedSender<Report>,
     probes: HashMap<String, probe::Handle>,
+    creations: Creations,
 }
 
 impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
@@ -69,7 +71,24 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         metrics: Arc<Metrics>,
         reports: mpsc::UnboundedSender<Report>,
     ) -> Actuators<K, L> {
-        Actuators { settings, cgroups, bundles, kernel, link, client, events, metrics, reports, probes: HashMap::new() }
+        Actuators {
+            settings,
+            cgroups,
+            bundles,
+            kernel,
+            link,
+            client,
+            events,
+            metrics,
+            reports,
+            probes: HashMap::new(),
+            creations: Creations::new(),
+        }
+    }
+
+    /// New container cgroups in held pods.
+    pub fn creations(&mut self) -> &mut Creations {
+        &mut self.creations
     }
 
     pub fn kernel(&mut self) -> &mut K {
@@ -87,16 +106,24 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             Effect::FindPodCgroup => {
                 self.cgroups.find_pod(uid).map(|dir| Feedback::PodCgroup { rel: dir.rel, id: dir.id })
             }
-            Effect::ScanContainers { pod_rel } => Some(Feedback::Containers(self.scan(uid, &pod_rel))),
+            Effect::ScanContainers { pod_rel, adopt } => Some(Feedback::Containers(self.scan(uid, &pod_rel, adopt))),
             Effect::FindLeftHeld { pod_rel } => Some(Feedback::LeftHeld(self.left_held(&pod_rel, now))),
-            Effect::Watch { pod_cgroup, hold } => {
+            Effect::Watch { pod_cgroup, pod_rel, hold } => {
                 let flags = watch_flags::EXITS | if hold { watch_flags::HOLD } else { 0 };
                 if let Err(e) = self.kernel.watch(pod_cgroup, flags) {
                     warn!(%uid, "register pod cgroup with the kernel: {e}");
                 }
+                if hold {
+                    if let Err(e) = self.creations.watch(pod_cgroup, &self.cgroups.abs(&pod_rel)) {
+                        debug!(%uid, "new containers are judged at their first exec: {e}");
+                    }
+                } else {
+                    self.creations.unwatch(pod_cgroup);
+                }
                 None
             }
             Effect::Unwatch { pod_cgroup } => {
+                self.creations.unwatch(pod_cgroup);
                 if let Err(e) = self.kernel.unwatch(pod_cgroup) {
                     debug!(%uid, "unwatch pod cgroup: {e}");
                 }
@@ -196,7 +223,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     }
 
     /// The pod's container cgroups, named from the runtime's bundles where they exist.
-    fn scan(&mut self, uid: &str, pod_rel: &str) -> Vec<ContainerSeen> {
+    fn scan(&mut self, uid: &str, pod_rel: &str, adopt: bool) -> Vec<ContainerSeen> {
         self.cgroups
             .containers(pod_rel)
             .into_iter()
@@ -204,7 +231,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 let procs = self.cgroups.procs(&c.rel);
                 // A container already running when its pod was first looked at: tell the kernel
                 // which process is its main one (the exec that would have recorded it is past).
-                if !procs.is_empty() && !self.kernel.exec_seen(c.id) {
+                if adopt && !procs.is_empty() && !self.kernel.exec_seen(c.id) {
                     self.record_main(uid, &c.rel, c.id);
                 }
                 // The runtime's bundle first; else the kubelet's per-container mount, as a

@@ -1,4 +1,5 @@
 //! The node's cgroup v2 tree: where kubelet puts pods and containers, and how to read it.
+pub mod created;
 pub mod layout;
 pub mod root;
 pub mod signal;

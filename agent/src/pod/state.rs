@@ -567,8 +567,8 @@ impl PodState {
         };
         if self.watching != Some(hold) {
             // Containers already running are recorded with the kernel before it watches the pod.
-            fx.push(Effect::ScanContainers { pod_rel: rel.clone() });
-            fx.push(Effect::Watch { pod_cgroup: id, hold });
+            fx.push(Effect::ScanContainers { pod_rel: rel.clone(), adopt: true });
+            fx.push(Effect::Watch { pod_cgroup: id, pod_rel: rel.clone(), hold });
             self.watching = Some(hold);
         }
         if hold && !self.left_held_searched {
@@ -1267,8 +1267,8 @@ mod tests {
     fn a_found_pod_is_watched_named_opened_and_probed() {
         let mut d = Drive::new(true);
         let fx = d.found(pod("Never", &[], &[]));
-        assert!(has(&fx, &Effect::Watch { pod_cgroup: POD_CG, hold: false }), "{fx:?}");
-        assert!(has(&fx, &Effect::ScanContainers { pod_rel: POD_REL.into() }));
+        assert!(has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), hold: false }), "{fx:?}");
+        assert!(has(&fx, &Effect::ScanContainers { pod_rel: POD_REL.into(), adopt: true }));
         assert!(has(&fx, &Effect::OpenNetwork { pod_rel: POD_REL.into() }));
         assert!(fx.iter().any(|e| matches!(e, Effect::StartProbe { pace: Pace::Normal, .. })), "{fx:?}");
         assert!(
@@ -1284,7 +1284,7 @@ mod tests {
     fn a_held_pod_classifies_known_containers_before_they_exec() {
         let mut d = Drive::new(true);
         let fx = d.found(pod("Never", &[], &[("valet.dev/hold-app", "true")]));
-        assert!(has(&fx, &Effect::Watch { pod_cgroup: POD_CG, hold: true }), "{fx:?}");
+        assert!(has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), hold: true }), "{fx:?}");
         assert!(has(&fx, &Effect::FindLeftHeld { pod_rel: POD_REL.into() }));
         for (cg, hold) in [(SANDBOX, false), (APP, true), (PROXY, false)] {
             assert!(has(&fx, &Effect::ClassifyExec { container_cgroup: cg, hold }), "{cg} {hold}: {fx:?}");

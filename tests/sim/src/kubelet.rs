@@ -59,6 +59,10 @@ pub struct KubeletOptions {
     /// `max_restart_backoff`. The real kubelet uses 10 s; the default here, 1 s, is kinder.
     pub restart_backoff: Duration,
     pub max_restart_backoff: Duration,
+    /// Time a container's process waits in its cgroup and pid namespace before its exec: from
+    /// the runtime's create (cgroup made, bundle written) to its start, two CRI calls apart. A
+    /// real node takes longer.
+    pub create_start_gap: Duration,
 }
 
 impl Default for KubeletOptions {
@@ -71,6 +75,7 @@ impl Default for KubeletOptions {
             bundle_removal_delay: (Duration::from_millis(50), Duration::from_millis(340)),
             restart_backoff: Duration::from_secs(1),
             max_restart_backoff: Duration::from_secs(300),
+            create_start_gap: Duration::from_millis(5),
         }
     }
 }
@@ -543,7 +548,11 @@ impl Inner {
         }
         kpod.sim.make_container_cgroup(&c)?;
         let args: Vec<&str> = cmd.iter().map(String::as_str).collect();
-        let p = kpod.sim.spawn(name, &args, spawn)?;
+        let mut spawn = spawn.clone();
+        if spawn.exec_delay.is_none() && !self.opts.create_start_gap.is_zero() {
+            spawn.exec_delay = Some(self.opts.create_start_gap);
+        }
+        let p = kpod.sim.spawn(name, &args, &spawn)?;
         let proc_ = ContainerProcess::new(p, c.clone());
         let inst = Instance {
             c,

@@ -307,6 +307,9 @@ pub struct SpawnOptions {
     /// Run as this uid and gid (no supplementary groups) from the first exec, like a container
     /// with `runAsUser`; `None`: as the caller.
     pub uid: Option<u32>,
+    /// Wait this long in the container's cgroup (and pid namespace) before the exec, as `runc
+    /// init` waits from `runc create` to `runc start`.
+    pub exec_delay: Option<Duration>,
 }
 
 impl Default for SpawnOptions {
@@ -318,6 +321,7 @@ impl Default for SpawnOptions {
             stderr: Output::Inherit,
             cwd: None,
             uid: None,
+            exec_delay: None,
         }
     }
 }
@@ -794,6 +798,9 @@ impl SimPod {
         let procs_fd = procs.as_raw_fd();
         let ns_fd = netns.as_ref().map(|f| f.as_raw_fd());
         let run_as = opts.uid;
+        let delay = opts
+            .exec_delay
+            .map(|d| libc::timespec { tv_sec: d.as_secs() as libc::time_t, tv_nsec: d.subsec_nanos() as libc::c_long });
         // SAFETY: between fork and exec only async-signal-safe syscalls on fds opened beforehand
         // (they are O_CLOEXEC, so the program never sees them).
         unsafe {
@@ -816,6 +823,10 @@ impl SimPod {
                 }
                 // Own session: ^C in the test's terminal must not reach the container.
                 libc::setsid();
+                if let Some(ts) = delay {
+                    let mut left = ts;
+                    while libc::nanosleep(&left, &mut left) != 0 {}
+                }
                 Ok(())
             });
         }
