@@ -2,8 +2,11 @@
 //!
 //! 1. kernel → user latency of an exit event (median, p99);
 //! 2. fork+exec+exit throughput of unrelated processes with the programs attached ÷ without;
-//! 3. app exit → quit received by the stand-in proxy, valet vs an in-pod wrapper;
-//! 4. proxy ready → held app released.
+//! 3. app exit → quit received by the stand-in proxy for a 0.3 s Job, valet vs an in-pod wrapper;
+//! 4. proxy ready → held app released (what the hold adds beyond the proxy's own readiness);
+//! 5. a watched pod forking short processes as fast as the machine allows: container ends lost,
+//!    exit → quit and pod-watch latency during the storm and without it, and an app that ends
+//!    while the agent is stalled (SIGSTOP) in the middle of the storm.
 //!
 //! Pods run on the simulated node's kubelet as unhelpful as a real one (container ids and exits
 //! reach the API about a second late; bundles and cgroups go at exit).
@@ -29,9 +32,9 @@ fn parse_args() -> Result<Args> {
     while let Some(a) = it.next() {
         match a.as_str() {
             "--runs" => args.runs = it.next().context("--runs N")?.parse()?,
-            "--only" => args.only = Some(it.next().context("--only exit|overhead|quit|release")?),
+            "--only" => args.only = Some(it.next().context("--only exit|overhead|quit|release|storm")?),
             "-h" | "--help" => {
-                println!("valet-bench [--runs N] [--only exit|overhead|quit|release]");
+                println!("valet-bench [--runs N] [--only exit|overhead|quit|release|storm]");
                 std::process::exit(0);
             }
             other => bail!("unknown argument {other}"),
@@ -176,9 +179,12 @@ fn read_stamp(path: &Path) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.lines().next()?.trim().parse().ok()
 }
 
+/// How long the Job's app runs in [3] and [5]: a short Job, over before the API names it.
+const JOB_MS: &str = "300";
+
 /// 3. App exit → quit received, valet vs an in-pod wrapper.
 fn quit_latency(runs: usize) -> Result<()> {
-    println!("\n[3] app exit → quit received by the proxy ({runs} pods each)");
+    println!("\n[3] app exit → quit received by the proxy, 0.3 s Jobs ({runs} pods each)");
     let app = bin("valet-bench-app")?;
     let wrapper = bin("valet-bench-wrapper")?;
     let app = app.to_str().context("path")?.to_owned();
@@ -197,9 +203,9 @@ fn quit_latency(runs: usize) -> Result<()> {
             let stamp = node.scratch.path(&format!("stamp-{with_valet}-{i}"));
             let stamp_s = stamp.to_str().context("path")?.to_owned();
             let cmd: Vec<&str> = if with_valet {
-                vec![&app, &stamp_s, "0"]
+                vec![&app, &stamp_s, "0", JOB_MS]
             } else {
-                vec![&wrapper, "15020", "/quitquitquit", "--", &app, &stamp_s, "0"]
+                vec![&wrapper, "15020", "/quitquitquit", "--", &app, &stamp_s, "0", JOB_MS]
             };
             job.start_app("app", &cmd, &SpawnOptions::default())?;
             if job.wait_proxy_exit(Duration::from_secs(5))?.is_none() {
@@ -265,11 +271,167 @@ fn release_latency(runs: usize) -> Result<()> {
         drop(job);
         agent.wait_tracked(0, Duration::from_secs(5))?;
     }
-    let m = report("valet release after proxy ready", samples);
+    let m = report("hold: app runs after its proxy is ready", samples);
     println!(
         "  Istio holdApplicationUntilProxyStarts polls every 500 ms: ~250 000 µs on average; \
          valet median is 1/{:.0} of that (goal ≥ 20)",
         250_000.0 / m
+    );
+    Ok(())
+}
+
+/// Waits until the agent's `valet_pods_tracked` is `n`, polling its metrics as fast as it
+/// answers; the time it took.
+fn tracked_after(agent: &valet_tests::harness::Agent, n: f64, since: Instant) -> Result<Duration> {
+    while agent.metric("valet_pods_tracked ") != n {
+        if since.elapsed() > Duration::from_secs(10) {
+            bail!("the agent never tracked {n} pods");
+        }
+    }
+    Ok(since.elapsed())
+}
+
+/// Pod-watch latency: a labelled pod object appears on the node (and is deleted again); the time
+/// until the agent's tracked count shows it, `samples` times.
+fn watch_latency(node: &Node, agent: &valet_tests::harness::Agent, base: f64, samples: usize) -> Result<Vec<f64>> {
+    let mut out = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let name = format!("watch-probe-{i}-{}", valet_sim::util::random_hex(3));
+        let pod = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "jobs", "uid": valet_sim::util::uuid_v4(),
+                         "labels": {"valet.dev/enabled": "true"}},
+            "spec": {"nodeName": node.name, "restartPolicy": "Never", "containers": [
+                {"name": "app", "image": "example/app:1"},
+                {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.22.0"}]},
+            "status": {"phase": "Pending"}
+        });
+        let t0 = Instant::now();
+        node.api.create_pod(pod)?;
+        out.push(tracked_after(agent, base + 1.0, t0)?.as_secs_f64() * 1e6);
+        node.api.delete_pod("jobs", &name)?;
+        tracked_after(agent, base, Instant::now())?;
+    }
+    Ok(out)
+}
+
+/// One 0.3 s Job: the time from its app's exit to the quit its proxy received, or None when the
+/// proxy was not asked to quit within 5 s (a container end lost). `during` runs after the app
+/// started (e.g. stalling the agent).
+fn one_job(
+    node: &Node,
+    agent: &valet_tests::harness::Agent,
+    app: &str,
+    tag: &str,
+    tracked: usize,
+    during: impl FnOnce() -> Result<()>,
+) -> Result<Option<f64>> {
+    let mut job = node.job_pod(JobSpec::new(tag))?;
+    let stamp = node.scratch.path(&format!("stamp-{tag}"));
+    let stamp_s = stamp.to_str().context("path")?.to_owned();
+    // The agent knows the pod (its container ends come from the kernel from then on).
+    agent.wait_tracked(tracked, Duration::from_secs(5))?;
+    job.start_app("app", &[app, &stamp_s, "0", JOB_MS], &SpawnOptions::default())?;
+    during()?;
+    let quit = match job.wait_proxy_exit(Duration::from_secs(5))? {
+        Some(_) => job.quits().first().map(|q| q.mono_ns),
+        None => None,
+    };
+    let exited = read_stamp(&stamp);
+    node.api.delete_pod("jobs", &job.name).ok();
+    drop(job);
+    agent.wait_tracked(tracked - 1, Duration::from_secs(5))?;
+    Ok(match (quit, exited) {
+        (Some(q), Some(e)) => Some(q.saturating_sub(e) as f64 / 1000.0),
+        _ => None,
+    })
+}
+
+/// 5. A watched pod forks short processes as fast as the machine allows.
+fn storm(runs: usize) -> Result<()> {
+    let jobs = runs.clamp(5, 20);
+    println!(
+        "\n[5] a watched pod forking as fast as it can: {jobs} other 0.3 s Jobs, pod-watch latency, an agent stall"
+    );
+    let app = bin("valet-bench-app")?;
+    let app = app.to_str().context("path")?.to_owned();
+    let forker = bin("valet-bench-forker")?;
+    let forker = forker.to_str().context("path")?.to_owned();
+    let node = Node::new()?;
+    let agent = node.start_agent(&[])?;
+    let events_lost = |a: &valet_tests::harness::Agent| a.metric("valet_kernel_events_lost_total ");
+
+    // Quiet machine first: the references.
+    let quiet_watch = watch_latency(&node, &agent, 0.0, 30)?;
+    let mut quiet_quits = Vec::new();
+    for i in 0..jobs {
+        if let Some(us) = one_job(&node, &agent, &app, &format!("quiet-{i}"), 1, || Ok(()))? {
+            quiet_quits.push(us);
+        }
+    }
+
+    // The storm: a labelled pod whose app forks in two processes for long enough.
+    let mut busy = node.job_pod(JobSpec::new("busy"))?;
+    agent.wait_tracked(1, Duration::from_secs(5))?;
+    let count = node.scratch.path("forks");
+    let count_s = count.to_str().context("path")?.to_owned();
+    let storm_ms: u64 = 25_000 + jobs as u64 * 1_500;
+    let started = Instant::now();
+    busy.start_app("app", &[&forker, &storm_ms.to_string(), "2", &count_s], &SpawnOptions::default())?;
+    std::thread::sleep(Duration::from_secs(1));
+    let lost_before = events_lost(&agent);
+    let mut storm_quits = Vec::new();
+    let mut ends_lost = 0;
+    for i in 0..jobs {
+        match one_job(&node, &agent, &app, &format!("storm-{i}"), 2, || Ok(()))? {
+            Some(us) => storm_quits.push(us),
+            None => ends_lost += 1,
+        }
+    }
+    let storm_watch = watch_latency(&node, &agent, 1.0, 30)?;
+    // The agent stalled for 3 s (as CPU throttling under its limit would stall it) while another
+    // pod's app ends: its quit must come from the kernel path right after the agent resumes.
+    let pid = agent.pid().context("agent pid")? as i32;
+    let stall = Duration::from_secs(3);
+    let stalled = one_job(&node, &agent, &app, "stalled", 2, || {
+        // SAFETY: plain syscalls on our own child.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        std::thread::sleep(stall);
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        Ok(())
+    })?;
+    let lost_during = events_lost(&agent) - lost_before;
+    let left = Duration::from_millis(storm_ms).saturating_sub(started.elapsed());
+    if left.is_zero() {
+        println!("  (the storm ended before the measurements: figures below are partly without it)");
+    }
+    let _ = busy.wait_proxy_exit(left + Duration::from_secs(10))?;
+    let forks: f64 = std::fs::read_to_string(&count).ok().and_then(|c| c.trim().parse().ok()).unwrap_or(0.0);
+    let rate = forks / (storm_ms as f64 / 1000.0);
+    drop(busy);
+    println!(
+        "  storm: {forks:.0} processes in {:.1} s = {rate:.0} exits/s in the watched pod",
+        storm_ms as f64 / 1000.0
+    );
+    report("pod-watch latency, quiet", quiet_watch);
+    report("pod-watch latency, during the storm", storm_watch);
+    report("exit → quit, 0.3 s Job, quiet", quiet_quits);
+    report("exit → quit, 0.3 s Job, during the storm", storm_quits);
+    match stalled {
+        Some(us) => println!(
+            "  app ended during a {:.0} s agent stall: quit {:.0} ms after its exit (the stall ended {:.0} ms after it)",
+            stall.as_secs_f64(),
+            us / 1000.0,
+            (stall.as_secs_f64() * 1e3 - 300.0).max(0.0)
+        ),
+        None => {
+            ends_lost += 1;
+            println!("  app ended during a {:.0} s agent stall: its proxy was NOT quit", stall.as_secs_f64());
+        }
+    }
+    println!(
+        "  container ends lost: {ends_lost} of {} (goal 0); valet_kernel_events_lost_total during the storm: {lost_during:.0}",
+        jobs + 1
     );
     Ok(())
 }
@@ -290,6 +452,9 @@ fn main() -> Result<()> {
     }
     if want("release") {
         release_latency((args.runs / 2).max(50))?;
+    }
+    if want("storm") {
+        storm(args.runs)?;
     }
     Ok(())
 }
