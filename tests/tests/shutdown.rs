@@ -40,6 +40,58 @@ fn labelled_job_pod_proxy_quits_when_the_app_exits() {
     assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
 }
 
+/// The quit is one write on a connection the agent opened to the proxy's quit port while the app
+/// ran (after the proxy was seen ready), and the agent's readiness probes share a connection:
+/// no connect, thread or `setns` stands between the app's exit and the quit.
+#[test]
+fn the_quit_goes_on_a_connection_opened_before_the_app_exited() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&["--probe-interval", "100ms"]).expect("agent");
+    let ready = node.scratch.path("kept-ready");
+    let mut spec = JobSpec::new("kept");
+    spec.ready_file = Some(ready.clone());
+    let mut job = node.job_pod(spec).expect("pod");
+    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    // Probed every 100 ms while not ready, then ready.
+    std::thread::sleep(Duration::from_millis(600));
+    std::fs::write(&ready, "").expect("ready file");
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            let pod = node.pod(&job).unwrap_or_default();
+            pod["status"]["conditions"]
+                .as_array()
+                .is_some_and(|cs| cs.iter().any(|c| c["type"] == "valet.dev/ProxyReady" && c["status"] == "True"))
+        }),
+        "the proxy was seen ready\n{}",
+        agent.log_text()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let before_exit = valet_agent::kernel::events::monotonic_ns();
+    job.run_app("app", "exit 0").expect("app");
+    assert_eq!(job.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    let events = valet_sim::standin::read_events(&job.events).expect("events");
+    let quit = job.loopback_quits().first().cloned().expect("a quit from the pod's loopback");
+    let accepted = events
+        .iter()
+        .find(|e| e.method == "ACCEPT" && e.peer == quit.peer)
+        .map(|e| e.mono_ns)
+        .expect("the quit's connection was accepted");
+    assert!(
+        accepted < before_exit,
+        "the quit's connection was opened {} µs after the app started to exit: {events:?}",
+        (accepted - before_exit) / 1000
+    );
+    // The agent's probes (from the pod's loopback; the kubelet probes the pod IP) reuse one
+    // connection while the proxy keeps it open.
+    let probes: Vec<_> = events
+        .iter()
+        .filter(|e| e.method == "GET" && e.path == "/healthz/ready" && e.peer.ip().is_loopback())
+        .collect();
+    let connections: std::collections::HashSet<_> = probes.iter().map(|e| e.peer).collect();
+    assert!(probes.len() >= 3, "probed a few times: {probes:?}");
+    assert!(connections.len() < probes.len(), "{} probes on {} connections", probes.len(), connections.len());
+}
+
 /// restartPolicy Never: the app failing (exit 3) still ends the work; the proxy is quit and exits
 /// 0 (the Job's failure is the app's, not the sidecar's). Also the cgroupfs driver, CRI-O's
 /// `crio-<ID>` leaves and a Guaranteed pod (no QoS level in the path).

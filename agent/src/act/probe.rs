@@ -54,6 +54,13 @@ pub fn start<L: SidecarLink>(
     let task = tokio::spawn(async move {
         loop {
             let (ready, detail) = probe_all(link.as_ref(), &target, &sidecars).await;
+            if ready {
+                // The proxy serves: have a connection to each quit endpoint open before the work
+                // is done, so the quit is one write.
+                for endpoint in sidecars.iter().filter_map(|sc| sc.quit.as_ref()) {
+                    link.standby(&target, endpoint.port);
+                }
+            }
             if reports.send((target.uid.clone(), Feedback::Probed { ready, detail })).is_err() {
                 return;
             }

@@ -1,6 +1,7 @@
-//! A deliberately small, blocking HTTP/1.1 client for sidecar endpoints: one request per
-//! connection, hard connect and total deadlines, and a cap on what it reads, so a hung or
-//! hostile endpoint can cost at most the deadline and a few kilobytes.
+//! A deliberately small, blocking HTTP/1.1 client for sidecar endpoints: hard connect and total
+//! deadlines, and a cap on what it reads, so a hung or hostile endpoint can cost at most the
+//! deadline and a few kilobytes. A connection may be kept for the next request when the answer
+//! ended exactly where its `Content-Length` said and the server did not ask to close it.
 
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
@@ -77,15 +78,48 @@ impl From<Failure> for Error {
     }
 }
 
-/// Sends `method path` to `addr` and reads the status and (capped) body.
+/// Sends `method path` to `addr` on a new connection and reads the status and (capped) body.
 pub fn request(addr: SocketAddr, method: &str, path: &str, limits: Limits) -> Result<Response, Failure> {
     let started = Instant::now();
-    let mut stream = TcpStream::connect_timeout(&addr, limits.connect_timeout).map_err(|e| match e.kind() {
+    let mut stream = connect(addr, limits)?;
+    exchange(&mut stream, addr, method, path, limits, started, false).map(|(r, _)| r)
+}
+
+/// Opens a connection (blocking, at most `limits.connect_timeout`). The socket lives in the
+/// network namespace of the thread that calls this; it can be used from any thread afterwards.
+pub fn connect(addr: SocketAddr, limits: Limits) -> Result<TcpStream, Failure> {
+    let stream = TcpStream::connect_timeout(&addr, limits.connect_timeout).map_err(|e| match e.kind() {
         std::io::ErrorKind::ConnectionRefused => Failure::Refused,
         std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => Failure::ConnectTimeout,
         _ => Failure::Io(e.to_string()),
     })?;
     let _ = stream.set_nodelay(true);
+    Ok(stream)
+}
+
+/// Whether a kept connection can carry another request: nothing has arrived on it (a server
+/// that closed it, or sent something unasked, makes it readable).
+pub fn idle_and_open(stream: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd as _;
+    let mut pfd = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN | libc::POLLRDHUP, revents: 0 };
+    // SAFETY: one valid pollfd, zero timeout.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    n == 0
+}
+
+/// One request on an open connection; `keep`: ask the server to keep it open. Returns the
+/// answer and whether the connection can be used again (the answer ended exactly at its
+/// `Content-Length` and the server did not say `Connection: close`). `started`: when the whole
+/// request began (the total deadline counts from there).
+pub fn exchange(
+    stream: &mut TcpStream,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    limits: Limits,
+    started: Instant,
+    keep: bool,
+) -> Result<(Response, bool), Failure> {
     let left = |started: Instant| {
         limits.total_timeout.checked_sub(started.elapsed()).filter(|d| !d.is_zero()).ok_or(Failure::Timeout)
     };
@@ -94,8 +128,9 @@ pub fn request(addr: SocketAddr, method: &str, path: &str, limits: Limits) -> Re
         SocketAddr::V4(a) => format!("{}:{}", a.ip(), a.port()),
         SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
     };
+    let connection = if keep { "keep-alive" } else { "close" };
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: valet\r\nAccept: */*\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: valet\r\nAccept: */*\r\nContent-Length: 0\r\nConnection: {connection}\r\n\r\n"
     );
     stream.write_all(req.as_bytes()).map_err(|e| io_failure(&e))?;
 
@@ -122,7 +157,28 @@ pub fn request(addr: SocketAddr, method: &str, path: &str, limits: Limits) -> Re
             }
         }
     }
-    parse_response(&buf, limits)
+    let response = parse_response(&buf, limits)?;
+    let reusable = keep && reusable(&buf);
+    Ok((response, reusable))
+}
+
+/// Whether a complete answer ends exactly at its `Content-Length` and leaves the connection open.
+fn reusable(buf: &[u8]) -> bool {
+    let Some(end) = find(buf, b"\r\n\r\n") else { return false };
+    let head = String::from_utf8_lossy(&buf[..end]);
+    let header = |name: &str| {
+        head.lines().skip(1).find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+        })
+    };
+    if header("connection").is_some_and(|v| v.eq_ignore_ascii_case("close")) || !head.starts_with("HTTP/1.1 ") {
+        return false;
+    }
+    match header("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        Some(n) => buf.len().saturating_sub(end + 4) == n,
+        None => false,
+    }
 }
 
 fn io_failure(e: &std::io::Error) -> Failure {
@@ -249,6 +305,64 @@ mod tests {
         let r = request(addr, "GET", "/ready", Limits::default()).expect("answer");
         assert_eq!(r.status, 200);
         assert!(r.body.len() <= Limits::default().max_response_bytes);
+    }
+
+    /// Answers requests on one connection, as Go's `http.Serve` does; (address, accepted count).
+    fn keep_alive_server(reply: &'static [u8]) -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut s) = conn else { return };
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 1024];
+                    while let Ok(n) = s.read(&mut buf) {
+                        if n == 0 || s.write_all(reply).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    #[test]
+    fn a_kept_connection_carries_the_next_request() {
+        let (addr, accepted) = keep_alive_server(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK");
+        let limits = Limits::default();
+        let mut s = connect(addr, limits).expect("connect");
+        for _ in 0..3 {
+            assert!(idle_and_open(&s));
+            let (r, again) = exchange(&mut s, addr, "GET", "/ready", limits, Instant::now(), true).expect("answer");
+            assert_eq!(r, Response { status: 200, body: "OK".into() });
+            assert!(again, "a complete keep-alive answer leaves the connection usable");
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1, "one connection for three requests");
+        // Asking to close: not kept.
+        let (_, again) = exchange(&mut s, addr, "POST", "/quit", limits, Instant::now(), false).expect("answer");
+        assert!(!again);
+    }
+
+    #[test]
+    fn answers_that_close_or_lack_a_length_are_not_kept() {
+        assert!(reusable(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK"));
+        assert!(!reusable(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nOK"));
+        assert!(!reusable(b"HTTP/1.1 200 OK\r\n\r\nOK"), "no length: ends at close");
+        assert!(!reusable(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOKextra"), "more than announced");
+        assert!(!reusable(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nOK"));
+        // A server that closed a kept connection makes it readable: not idle any more.
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let s = connect(addr, Limits::default()).expect("connect");
+        let (server_side, _) = listener.accept().expect("accept");
+        assert!(idle_and_open(&s));
+        drop(server_side);
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!idle_and_open(&s));
     }
 
     #[test]

@@ -32,8 +32,14 @@ pub type Pending<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 pub trait SidecarLink: Send + Sync + 'static {
     /// Opens the pod's network namespace ahead of time, so a quit needs no search.
     fn open(&self, uid: &str, pod_rel: &str) -> Result<(), String>;
-    /// Drops what `open` kept.
+    /// Drops what `open` kept, and every connection kept for the pod.
     fn close(&self, uid: &str);
+    /// Opens a connection to `port` on the pod's loopback ahead of time, if none is open, so that
+    /// the next request to it (a quit) needs no connect. Never waits; failures are silent (the
+    /// request then connects as usual).
+    fn standby(&self, target: &PodTarget, port: u16) {
+        let _ = (target, port);
+    }
     /// One request to `127.0.0.1:port` in the pod's network namespace; `fresh` enters it anew
     /// (a retry); `pod_ip_fallback` sends it to the pod IP while the namespace cannot be entered.
     #[allow(clippy::too_many_arguments)] // each is one plain property of the request

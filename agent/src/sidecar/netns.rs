@@ -1,14 +1,18 @@
 //! Running code inside a pod's network namespace. Sidecar admin endpoints accept loopback
 //! callers only, so the agent enters the pod's namespace on a thread of its own, opens its socket
 //! to 127.0.0.1 there, and lets the thread die afterwards (no pool thread is ever left in a pod's
-//! namespace).
+//! namespace). A socket stays in the namespace it was made in, so a connection opened there is
+//! kept (HTTP/1.1 keep-alive) and used again from the agent's own threads: readiness probes reuse
+//! one connection, and a connection to each quit endpoint is opened ahead of time, so a quit is
+//! one write on an open connection rather than a thread, a `setns` and a handshake.
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
 
 use super::http::{self, Limits, Response};
 use super::{Failed, Pending, PodTarget, SidecarLink};
@@ -99,17 +103,32 @@ impl PodNetns {
     }
 }
 
+/// Connections kept open, by pod uid and port on the pod's loopback.
+type Kept = Arc<Mutex<HashMap<(String, u16), TcpStream>>>;
+
 /// The production [`SidecarLink`]: each pod's network namespace, opened once and kept until the
-/// pod's work is done, and a blocking HTTP/1.1 request on a thread inside it.
+/// pod's work is done; connections made inside it, kept while the server keeps them.
 pub struct PodNetwork {
     host_proc: PathBuf,
     cgroups: CgroupFs,
     open: Mutex<HashMap<String, Arc<PodNetns>>>,
+    kept: Kept,
 }
 
 impl PodNetwork {
     pub fn new(host_proc: PathBuf, cgroups: CgroupFs) -> PodNetwork {
-        PodNetwork { host_proc, cgroups, open: Mutex::new(HashMap::new()) }
+        PodNetwork { host_proc, cgroups, open: Mutex::new(HashMap::new()), kept: Arc::new(Mutex::new(HashMap::new())) }
+    }
+
+    /// How many connections are kept open (all pods).
+    pub fn kept_count(&self) -> usize {
+        self.kept.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
+    /// Takes the kept connection to `port` of pod `uid`, if it is still open and idle.
+    fn take_kept(&self, uid: &str, port: u16) -> Option<TcpStream> {
+        let stream = self.kept.lock().unwrap_or_else(PoisonError::into_inner).remove(&(uid.to_owned(), port))?;
+        http::idle_and_open(&stream).then_some(stream)
     }
 
     /// How many pod network namespaces are held open.
@@ -136,6 +155,30 @@ impl SidecarLink for PodNetwork {
 
     fn close(&self, uid: &str) {
         self.open.lock().unwrap_or_else(PoisonError::into_inner).remove(uid);
+        self.kept.lock().unwrap_or_else(PoisonError::into_inner).retain(|(u, _), _| u != uid);
+    }
+
+    fn standby(&self, target: &PodTarget, port: u16) {
+        let key = (target.uid.clone(), port);
+        {
+            let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+            match kept.get(&key) {
+                Some(s) if http::idle_and_open(s) => return,
+                Some(_) => {
+                    kept.remove(&key);
+                }
+                None => {}
+            }
+        }
+        let Ok(netns) = self.handle(&target.uid, target.pod_rel.as_deref(), false) else { return };
+        let kept = self.kept.clone();
+        tokio::spawn(async move {
+            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+            let limits = http::Limits::default();
+            if let Ok(Ok(stream)) = netns.run(move || http::connect(addr, limits)).await {
+                kept.lock().unwrap_or_else(PoisonError::into_inner).entry(key).or_insert(stream);
+            }
+        });
     }
 
     fn request(
@@ -148,13 +191,53 @@ impl SidecarLink for PodNetwork {
         fresh: bool,
         pod_ip_fallback: bool,
     ) -> Pending<Result<Response, Failed>> {
+        let kept_conn = if fresh { None } else { self.take_kept(&target.uid, port) };
         let netns = self.handle(&target.uid, target.pod_rel.as_deref(), fresh);
+        let kept = self.kept.clone();
+        // Probes keep their connection; a quit is the connection's last request.
+        let keep = method == "GET";
         Box::pin(async move {
+            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+            let key = (target.uid.clone(), port);
+            let started = Instant::now();
+            if let Some(mut stream) = kept_conn {
+                let p = path.clone();
+                let done = tokio::task::spawn_blocking(move || {
+                    let answer = http::exchange(&mut stream, addr, method, &p, limits, started, keep);
+                    (answer, stream)
+                })
+                .await;
+                match done {
+                    Ok((Ok((response, again)), stream)) => {
+                        if again {
+                            kept.lock().unwrap_or_else(PoisonError::into_inner).insert(key, stream);
+                        }
+                        return Ok(response);
+                    }
+                    // Closed by the server since the last look: nothing was answered, so the
+                    // request goes again on a new connection.
+                    Ok((Err(http::Failure::Io(_) | http::Failure::Malformed(_)), _)) => {}
+                    Ok((Err(failure), _)) => return Err((failure.to_string(), failure.label())),
+                    Err(e) => return Err((e.to_string(), "io")),
+                }
+            }
             match (netns, target.pod_ip) {
                 (Ok(netns), _) => {
-                    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-                    match netns.run(move || http::request(addr, method, &path, limits)).await {
-                        Ok(Ok(response)) => Ok(response),
+                    let answer = netns
+                        .run(move || {
+                            let mut stream = http::connect(addr, limits)?;
+                            let (response, again) =
+                                http::exchange(&mut stream, addr, method, &path, limits, started, keep)?;
+                            Ok::<_, http::Failure>((response, again.then_some(stream)))
+                        })
+                        .await;
+                    match answer {
+                        Ok(Ok((response, stream))) => {
+                            if let Some(stream) = stream {
+                                kept.lock().unwrap_or_else(PoisonError::into_inner).insert(key, stream);
+                            }
+                            Ok(response)
+                        }
                         Ok(Err(failure)) => Err((failure.to_string(), failure.label())),
                         Err(e) => Err((e.to_string(), "netns")),
                     }

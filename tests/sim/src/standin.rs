@@ -387,8 +387,9 @@ fn reason(code: u16) -> &'static str {
     }
 }
 
-/// Reads the request head; (method, path without query). None if the peer sent nothing usable.
-fn read_head(r: &mut BufReader<TcpStream>) -> Option<(String, String, usize)> {
+/// Reads the request head: method, path without query, Content-Length, and whether the client
+/// asked to close the connection after the answer. None if the peer sent nothing usable (or closed).
+fn read_head(r: &mut BufReader<TcpStream>) -> Option<(String, String, usize, bool)> {
     let mut line = String::new();
     r.read_line(&mut line).ok()?;
     let mut parts = line.split_whitespace();
@@ -396,6 +397,7 @@ fn read_head(r: &mut BufReader<TcpStream>) -> Option<(String, String, usize)> {
     let target = parts.next()?;
     let path = target.split('?').next().unwrap_or("/").to_string();
     let mut content_length = 0usize;
+    let mut close = false;
     let mut total = line.len();
     loop {
         let mut h = String::new();
@@ -411,12 +413,18 @@ fn read_head(r: &mut BufReader<TcpStream>) -> Option<(String, String, usize)> {
             break;
         }
         if let Some((k, v)) = t.split_once(':')
+            && k.trim().eq_ignore_ascii_case("connection")
+            && v.trim().eq_ignore_ascii_case("close")
+        {
+            close = true;
+        }
+        if let Some((k, v)) = t.split_once(':')
             && k.trim().eq_ignore_ascii_case("content-length")
         {
             content_length = v.trim().parse().unwrap_or(0);
         }
     }
-    Some((method, path, content_length))
+    Some((method, path, content_length, close))
 }
 
 fn handle(stream: TcpStream, role: Role, state: &State) {
@@ -424,48 +432,54 @@ fn handle(stream: TcpStream, role: Role, state: &State) {
         Ok(p) => p,
         Err(_) => return,
     };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+    // As Go's `http.Serve`, which pilot-agent's status server uses: HTTP/1.1 keep-alive, no read
+    // or idle timeout; the connection is closed when the client asks or goes away.
+    // A line per connection too (`ACCEPT /`), so tests can tell which requests shared one.
+    state.log("ACCEPT", "/", peer);
     let Ok(write_half) = stream.try_clone() else {
         return;
     };
-    let mut reader = BufReader::new(stream);
-    let Some((method, path, content_length)) = read_head(&mut reader) else {
-        return;
-    };
-    state.log(&method, &path, peer);
-    if state.opts.hang {
-        // Hold the connection open and never answer (until the peer gives up).
-        let _ = reader.get_ref().set_read_timeout(None);
-        let mut sink = [0u8; 4096];
-        while matches!(reader.read(&mut sink), Ok(n) if n > 0) {}
-        return;
-    }
-    let _ = std::io::copy(&mut (&mut reader).take(content_length as u64), &mut std::io::sink());
     let mut w = write_half;
-    if state.opts.flood {
-        let _ = w.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n");
-        let chunk = vec![b'x'; 64 * 1024];
-        while w.write_all(&chunk).is_ok() {}
-        return;
-    }
-    let loopback = peer.ip().is_loopback()
-        || matches!(peer.ip(), IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()));
-    let action = state.decide(role, &method, &path, loopback);
-    let (code, body, exit) = match action {
-        Action::Reply { code, body } => (code, body, None),
-        Action::ReplyThenExit { code, body, exit } => (code, body, Some(exit)),
-    };
-    let ct = if body.is_empty() { "" } else { "Content-Type: text/plain; charset=utf-8\r\n" };
-    let resp = format!(
-        "HTTP/1.1 {code} {}\r\n{ct}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        reason(code),
-        body.len()
-    );
-    let _ = w.write_all(resp.as_bytes());
-    let _ = w.flush();
-    let _ = w.shutdown(Shutdown::Write);
-    if let Some(code) = exit {
-        std::process::exit(code);
+    let mut reader = BufReader::new(stream);
+    loop {
+        let Some((method, path, content_length, close)) = read_head(&mut reader) else {
+            return;
+        };
+        state.log(&method, &path, peer);
+        if state.opts.hang {
+            // Hold the connection open and never answer (until the peer gives up).
+            let mut sink = [0u8; 4096];
+            while matches!(reader.read(&mut sink), Ok(n) if n > 0) {}
+            return;
+        }
+        let _ = std::io::copy(&mut (&mut reader).take(content_length as u64), &mut std::io::sink());
+        if state.opts.flood {
+            let _ = w.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n");
+            let chunk = vec![b'x'; 64 * 1024];
+            while w.write_all(&chunk).is_ok() {}
+            return;
+        }
+        let loopback = peer.ip().is_loopback()
+            || matches!(peer.ip(), IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()));
+        let action = state.decide(role, &method, &path, loopback);
+        let (code, body, exit) = match action {
+            Action::Reply { code, body } => (code, body, None),
+            Action::ReplyThenExit { code, body, exit } => (code, body, Some(exit)),
+        };
+        let ct = if body.is_empty() { "" } else { "Content-Type: text/plain; charset=utf-8\r\n" };
+        let conn = if close { "Connection: close\r\n" } else { "" };
+        let resp =
+            format!("HTTP/1.1 {code} {}\r\n{ct}Content-Length: {}\r\n{conn}\r\n{body}", reason(code), body.len());
+        let _ = w.write_all(resp.as_bytes());
+        let _ = w.flush();
+        if let Some(code) = exit {
+            let _ = w.shutdown(Shutdown::Write);
+            std::process::exit(code);
+        }
+        if close {
+            let _ = w.shutdown(Shutdown::Write);
+            return;
+        }
     }
 }
 
