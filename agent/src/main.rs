@@ -70,6 +70,10 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     }
     let ring = programs.take_events().context("kernel event ring buffer")?;
     let events = EventStream::new(ring)?;
+    // Loading parsed the kernel's BTF (megabytes, freed since): give that memory back to the
+    // node rather than keep it in the allocator's free lists for the agent's lifetime.
+    // SAFETY: glibc's malloc_trim only releases free memory.
+    unsafe { libc::malloc_trim(0) };
 
     let cgroups = CgroupFs::new(cgroup_root);
     let (reports_tx, reports_rx) = tokio::sync::mpsc::unbounded_channel();
