@@ -13,7 +13,10 @@ use crate::sidecar::http::Limits;
 use crate::sidecar::{PodTarget, SidecarLink};
 
 /// Probe interval while an app is held: the release latency is about half of it.
-const URGENT: Duration = Duration::from_millis(5);
+const URGENT: Duration = Duration::from_millis(10);
+/// An unchanged answer is reported at most this often (a failed condition write is retried on
+/// the next report).
+const REPEAT: Duration = Duration::from_secs(1);
 /// Probe interval once the proxy was seen ready: keeps the condition current, cheaply.
 const RELAXED: Duration = Duration::from_secs(5);
 
@@ -52,6 +55,7 @@ pub fn start<L: SidecarLink>(
 ) -> Handle {
     let (tx, mut rx) = watch::channel(pace);
     let task = tokio::spawn(async move {
+        let mut last: Option<(bool, String, tokio::time::Instant)> = None;
         loop {
             let (ready, detail) = probe_all(link.as_ref(), &target, &sidecars).await;
             if ready {
@@ -61,8 +65,16 @@ pub fn start<L: SidecarLink>(
                     link.standby(&target, endpoint.port);
                 }
             }
-            if reports.send((target.uid.clone(), Feedback::Probed { ready, detail })).is_err() {
-                return;
+            // Only news goes to the pod's state machine (the loop runs every 10 ms while an app is
+            // held): a changed answer, or the same one after a while.
+            let news = last
+                .as_ref()
+                .is_none_or(|(r, d, at)| *r != ready || *d != detail || at.elapsed() >= REPEAT);
+            if news {
+                last = Some((ready, detail.clone(), tokio::time::Instant::now()));
+                if reports.send((target.uid.clone(), Feedback::Probed { ready, detail })).is_err() {
+                    return;
+                }
             }
             let wait = match *rx.borrow() {
                 Pace::Urgent => URGENT,

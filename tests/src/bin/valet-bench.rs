@@ -7,7 +7,8 @@
 //! 5. a watched pod forking short processes as fast as the machine allows: container ends lost,
 //!    exit → quit and pod-watch latency during the storm and without it, and an app that ends
 //!    while the agent is stalled (SIGSTOP) in the middle of the storm;
-//! 6. the exit program's own cost per exit, from the kernel's BPF statistics.
+//! 6. the exit program's own cost per exit, from the kernel's BPF statistics;
+//! 7. 20 pods held at once: release latency and the agent's CPU while it probes them.
 //!
 //! Pods run on the simulated node's kubelet as unhelpful as a real one (container ids and exits
 //! reach the API about a second late; bundles and cgroups go at exit).
@@ -33,9 +34,9 @@ fn parse_args() -> Result<Args> {
     while let Some(a) = it.next() {
         match a.as_str() {
             "--runs" => args.runs = it.next().context("--runs N")?.parse()?,
-            "--only" => args.only = Some(it.next().context("--only exit|overhead|quit|release|storm|kernel")?),
+            "--only" => args.only = Some(it.next().context("--only exit|overhead|quit|release|storm|kernel|together")?),
             "-h" | "--help" => {
-                println!("valet-bench [--runs N] [--only exit|overhead|quit|release|storm|kernel]");
+                println!("valet-bench [--runs N] [--only exit|overhead|quit|release|storm|kernel|together]");
                 std::process::exit(0);
             }
             other => bail!("unknown argument {other}"),
@@ -175,6 +176,17 @@ fn print_resources(pid: u32, wall: Duration, pods: usize) {
         cpu,
         cpu / wall.as_secs_f64() * 1000.0
     );
+}
+
+/// CPU time (user + system) of a process so far.
+fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or_default().split_whitespace().collect();
+    let ticks: u64 = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0)
+        + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    // SAFETY: plain sysconf query.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Duration::from_secs_f64(ticks as f64 / hz)
 }
 
 fn read_stamp(path: &Path) -> Option<u64> {
@@ -467,6 +479,62 @@ fn storm(runs: usize) -> Result<()> {
     Ok(())
 }
 
+/// 7. Many held pods at once: their proxies turn ready together.
+fn held_together(pods: usize) -> Result<()> {
+    println!("\n[7] {pods} pods held at once, their proxies ready at the same moment");
+    let app = bin("valet-bench-app")?;
+    let app = app.to_str().context("path")?.to_owned();
+    let node = Node::new()?;
+    let agent = node.start_agent(&[])?;
+    let pid = agent.pid().context("agent pid")?;
+    let mut jobs = Vec::new();
+    for i in 0..pods {
+        let ready = node.scratch.path(&format!("together-ready-{i}"));
+        let mut spec = JobSpec::new("together").annotation("valet.dev/hold-app", "true");
+        spec.ready_file = Some(ready.clone());
+        let mut job = node.job_pod(spec)?;
+        let stamp = node.scratch.path(&format!("together-ran-{i}"));
+        let stamp_s = stamp.to_str().context("path")?.to_owned();
+        let app_pid = job.start_app("app", &[&app, &stamp_s, "0"], &SpawnOptions::default())?.host_pid();
+        jobs.push((job, ready, stamp, app_pid));
+    }
+    agent.wait_tracked(pods, Duration::from_secs(10))?;
+    let all_held = eventually(Duration::from_secs(10), || {
+        jobs.iter().all(|(_, _, _, p)| {
+            std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .map(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T"))
+                .unwrap_or(false)
+        })
+    });
+    if !all_held {
+        bail!("not every app was held\n{}", agent.log_text());
+    }
+    // The agent probes every held pod's proxy until it is ready: its CPU over 5 s of that.
+    let window = Duration::from_secs(5);
+    let (cpu0, t0) = (cpu_time(pid), Instant::now());
+    std::thread::sleep(window);
+    let cpu = (cpu_time(pid) - cpu0).as_secs_f64() / t0.elapsed().as_secs_f64();
+    let t_ready = monotonic_ns();
+    for (_, ready, _, _) in &jobs {
+        std::fs::write(ready, b"")?;
+    }
+    let mut samples = Vec::new();
+    for (i, (_, _, stamp, _)) in jobs.iter().enumerate() {
+        if !eventually(Duration::from_secs(5), || read_stamp(stamp).is_some()) {
+            bail!("pod {i}: app not released\n{}", agent.log_text());
+        }
+        samples.push(read_stamp(stamp).context("stamp")?.saturating_sub(t_ready) as f64 / 1000.0);
+    }
+    let m = report("held app runs after its proxy is ready", samples);
+    println!(
+        "  agent CPU while probing {pods} held pods: {:.1} % of one core (goal ≤ 5 %); release median goal ≤ 12.5 ms: {}",
+        cpu * 100.0,
+        if m <= 12_500.0 { "met" } else { "NOT met" }
+    );
+    drop(jobs);
+    Ok(())
+}
+
 /// Sum of `run_time_ns` and `run_cnt` over the loaded programs named `valet_exit*`.
 fn exit_program_stats() -> (u64, u64) {
     let mut time = 0u64;
@@ -558,6 +626,9 @@ fn main() -> Result<()> {
     }
     if want("kernel") {
         kernel_cost()?;
+    }
+    if want("together") {
+        held_together(20)?;
     }
     Ok(())
 }
