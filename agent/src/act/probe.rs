@@ -67,9 +67,7 @@ pub fn start<L: SidecarLink>(
             }
             // Only news goes to the pod's state machine (the loop runs every 10 ms while an app is
             // held): a changed answer, or the same one after a while.
-            let news = last
-                .as_ref()
-                .is_none_or(|(r, d, at)| *r != ready || *d != detail || at.elapsed() >= REPEAT);
+            let news = last.as_ref().is_none_or(|(r, d, at)| *r != ready || *d != detail || at.elapsed() >= REPEAT);
             if news {
                 last = Some((ready, detail.clone(), tokio::time::Instant::now()));
                 if reports.send((target.uid.clone(), Feedback::Probed { ready, detail })).is_err() {

@@ -99,8 +99,7 @@ pub fn connect(addr: SocketAddr, limits: Limits) -> Result<TcpStream, Failure> {
 
 /// Whether a kept connection can carry another request: nothing has arrived on it (a server
 /// that closed it, or sent something unasked, makes it readable).
-pub fn idle_and_open(stream: &TcpStream) -> bool {
-    use std::os::fd::AsRawFd as _;
+pub fn idle_and_open(stream: &impl std::os::fd::AsRawFd) -> bool {
     let mut pfd = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN | libc::POLLRDHUP, revents: 0 };
     // SAFETY: one valid pollfd, zero timeout.
     let n = unsafe { libc::poll(&mut pfd, 1, 0) };
@@ -124,14 +123,7 @@ pub fn exchange(
         limits.total_timeout.checked_sub(started.elapsed()).filter(|d| !d.is_zero()).ok_or(Failure::Timeout)
     };
     stream.set_write_timeout(Some(left(started)?)).map_err(|e| Failure::Io(e.to_string()))?;
-    let host = match addr {
-        SocketAddr::V4(a) => format!("{}:{}", a.ip(), a.port()),
-        SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
-    };
-    let connection = if keep { "keep-alive" } else { "close" };
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: valet\r\nAccept: */*\r\nContent-Length: 0\r\nConnection: {connection}\r\n\r\n"
-    );
+    let req = request_text(addr, method, path, keep);
     stream.write_all(req.as_bytes()).map_err(|e| io_failure(&e))?;
 
     let mut buf = Vec::with_capacity(1024);
@@ -160,6 +152,63 @@ pub fn exchange(
     let response = parse_response(&buf, limits)?;
     let reusable = keep && reusable(&buf);
     Ok((response, reusable))
+}
+
+fn request_text(addr: SocketAddr, method: &str, path: &str, keep: bool) -> String {
+    let host = match addr {
+        SocketAddr::V4(a) => format!("{}:{}", a.ip(), a.port()),
+        SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
+    };
+    let connection = if keep { "keep-alive" } else { "close" };
+    format!(
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: valet\r\nAccept: */*\r\nContent-Length: 0\r\nConnection: {connection}\r\n\r\n"
+    )
+}
+
+/// [`exchange`] on the agent's runtime, for a kept connection (no thread hop): the same request,
+/// deadline, cap and reuse rule.
+pub async fn exchange_async(
+    stream: &mut tokio::net::TcpStream,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    limits: Limits,
+    started: Instant,
+    keep: bool,
+) -> Result<(Response, bool), Failure> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let left = limits.total_timeout.checked_sub(started.elapsed()).filter(|d| !d.is_zero()).ok_or(Failure::Timeout)?;
+    let req = request_text(addr, method, path, keep);
+    let mut buf = Vec::with_capacity(512);
+    let io = async {
+        stream.write_all(req.as_bytes()).await.map_err(|e| io_failure(&e))?;
+        let mut chunk = [0u8; 4096];
+        loop {
+            match stream.read(&mut chunk).await {
+                Ok(0) => return Ok(()),
+                Ok(n) => {
+                    let room = limits.max_response_bytes.saturating_sub(buf.len());
+                    buf.extend_from_slice(&chunk[..n.min(room)]);
+                    if buf.len() >= limits.max_response_bytes || response_complete(&buf) {
+                        return Ok(());
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io_failure(&e)),
+            }
+        }
+    };
+    match tokio::time::timeout(left, io).await {
+        Ok(Ok(())) => {}
+        // A status line that already arrived is an answer, even if the rest hangs.
+        Ok(Err(_)) | Err(_) if parse_response(&buf, limits).is_ok() => {
+            return Ok((parse_response(&buf, limits)?, false));
+        }
+        Ok(Err(e)) => return Err(e),
+        Err(_) => return Err(Failure::Timeout),
+    }
+    let response = parse_response(&buf, limits)?;
+    Ok((response, keep && reusable(&buf)))
 }
 
 /// Whether a complete answer ends exactly at its `Content-Length` and leaves the connection open.
@@ -345,6 +394,35 @@ mod tests {
         // Asking to close: not kept.
         let (_, again) = exchange(&mut s, addr, "POST", "/quit", limits, Instant::now(), false).expect("answer");
         assert!(!again);
+    }
+
+    #[tokio::test]
+    async fn a_kept_connection_works_the_same_on_the_runtime() {
+        let (addr, accepted) = keep_alive_server(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK");
+        let limits = Limits::default();
+        let std_stream = connect(addr, limits).expect("connect");
+        std_stream.set_nonblocking(true).expect("nonblocking");
+        let mut s = tokio::net::TcpStream::from_std(std_stream).expect("tokio stream");
+        for _ in 0..3 {
+            assert!(idle_and_open(&s));
+            let (r, again) =
+                exchange_async(&mut s, addr, "GET", "/ready", limits, Instant::now(), true).await.expect("answer");
+            assert_eq!(r, Response { status: 200, body: "OK".into() });
+            assert!(again);
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+        // A hung server: the deadline holds.
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let hung = listener.local_addr().expect("addr");
+        let std_stream = connect(hung, limits).expect("connect");
+        std_stream.set_nonblocking(true).expect("nonblocking");
+        let mut s = tokio::net::TcpStream::from_std(std_stream).expect("tokio stream");
+        let short = Limits { total_timeout: Duration::from_millis(200), ..limits };
+        let started = Instant::now();
+        let r = exchange_async(&mut s, hung, "GET", "/ready", short, started, true).await;
+        assert_eq!(r, Err(Failure::Timeout));
+        assert!(started.elapsed() < Duration::from_secs(1));
+        drop(listener);
     }
 
     #[test]

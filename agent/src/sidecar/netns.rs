@@ -104,7 +104,13 @@ impl PodNetns {
 }
 
 /// Connections kept open, by pod uid and port on the pod's loopback.
-type Kept = Arc<Mutex<HashMap<(String, u16), TcpStream>>>;
+type Kept = Arc<Mutex<HashMap<(String, u16), tokio::net::TcpStream>>>;
+
+/// A connection made on a namespace thread, handed to the agent's runtime.
+fn on_runtime(stream: TcpStream) -> Option<tokio::net::TcpStream> {
+    stream.set_nonblocking(true).ok()?;
+    tokio::net::TcpStream::from_std(stream).ok()
+}
 
 /// The production [`SidecarLink`]: each pod's network namespace, opened once and kept until the
 /// pod's work is done; connections made inside it, kept while the server keeps them.
@@ -126,7 +132,7 @@ impl PodNetwork {
     }
 
     /// Takes the kept connection to `port` of pod `uid`, if it is still open and idle.
-    fn take_kept(&self, uid: &str, port: u16) -> Option<TcpStream> {
+    fn take_kept(&self, uid: &str, port: u16) -> Option<tokio::net::TcpStream> {
         let stream = self.kept.lock().unwrap_or_else(PoisonError::into_inner).remove(&(uid.to_owned(), port))?;
         http::idle_and_open(&stream).then_some(stream)
     }
@@ -175,7 +181,9 @@ impl SidecarLink for PodNetwork {
         tokio::spawn(async move {
             let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
             let limits = http::Limits::default();
-            if let Ok(Ok(stream)) = netns.run(move || http::connect(addr, limits)).await {
+            if let Ok(Ok(stream)) = netns.run(move || http::connect(addr, limits)).await
+                && let Some(stream) = on_runtime(stream)
+            {
                 kept.lock().unwrap_or_else(PoisonError::into_inner).entry(key).or_insert(stream);
             }
         });
@@ -201,14 +209,9 @@ impl SidecarLink for PodNetwork {
             let key = (target.uid.clone(), port);
             let started = Instant::now();
             if let Some(mut stream) = kept_conn {
-                let p = path.clone();
-                let done = tokio::task::spawn_blocking(move || {
-                    let answer = http::exchange(&mut stream, addr, method, &p, limits, started, keep);
-                    (answer, stream)
-                })
-                .await;
-                match done {
-                    Ok((Ok((response, again)), stream)) => {
+                // On the runtime itself: no thread, no namespace switch.
+                match http::exchange_async(&mut stream, addr, method, &path, limits, started, keep).await {
+                    Ok((response, again)) => {
                         if again {
                             kept.lock().unwrap_or_else(PoisonError::into_inner).insert(key, stream);
                         }
@@ -216,9 +219,8 @@ impl SidecarLink for PodNetwork {
                     }
                     // Closed by the server since the last look: nothing was answered, so the
                     // request goes again on a new connection.
-                    Ok((Err(http::Failure::Io(_) | http::Failure::Malformed(_)), _)) => {}
-                    Ok((Err(failure), _)) => return Err((failure.to_string(), failure.label())),
-                    Err(e) => return Err((e.to_string(), "io")),
+                    Err(http::Failure::Io(_) | http::Failure::Malformed(_)) => {}
+                    Err(failure) => return Err((failure.to_string(), failure.label())),
                 }
             }
             match (netns, target.pod_ip) {
@@ -233,7 +235,7 @@ impl SidecarLink for PodNetwork {
                         .await;
                     match answer {
                         Ok(Ok((response, stream))) => {
-                            if let Some(stream) = stream {
+                            if let Some(stream) = stream.and_then(on_runtime) {
                                 kept.lock().unwrap_or_else(PoisonError::into_inner).insert(key, stream);
                             }
                             Ok(response)

@@ -319,7 +319,11 @@ fn release_latency(runs: usize) -> Result<()> {
         drop(job);
     }
     let r = report("reference: pilot-agent wait (500 ms polling)", polled);
-    println!("  valet median is 1/{:.0} of the reference's (goal ≤ 12.5 ms: {})", r / m, if m <= 12_500.0 { "met" } else { "NOT met" });
+    println!(
+        "  valet median is 1/{:.0} of the reference's (goal ≤ 12.5 ms: {})",
+        r / m,
+        if m <= 12_500.0 { "met" } else { "NOT met" }
+    );
     Ok(())
 }
 
