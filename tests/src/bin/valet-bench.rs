@@ -85,12 +85,18 @@ fn exit_latency(runs: usize) -> Result<()> {
         let mut programs = Programs::load(Path::new("/"), Attach { exits: true, execs: false, ..Attach::default() })?;
         let mut stream = EventStream::new(programs.take_events().context("ring")?)?;
         let mut cgroups = TestCgroups::new()?;
-        let rel = format!("kubepods/besteffort/pod{}/{}", valet_sim::util::uuid_v4(), "ab".repeat(32));
+        let pod = format!("kubepods/besteffort/pod{}", valet_sim::util::uuid_v4());
+        let rel = format!("{pod}/{}", "ab".repeat(32));
+        cgroups.create(&pod)?;
         cgroups.create(&rel)?;
-        programs.watch(cgroups.id(&rel)?, watch_flags::EXITS)?;
+        programs.watch(cgroups.id(&pod)?, watch_flags::EXITS)?;
         let mut samples = Vec::with_capacity(runs);
         for _ in 0..runs {
-            let mut child = cgroups.spawn_in(&rel, Command::new("/bin/true").stdout(std::process::Stdio::null()))?;
+            // Pid 1 of a pid namespace of its own, as a container's main process: the kernel
+            // reports only exits that can end a container.
+            let mut cmd = Command::new("unshare");
+            cmd.args(["--pid", "--fork", "/bin/true"]).stdout(std::process::Stdio::null());
+            let mut child = cgroups.spawn_in(&rel, &mut cmd)?;
             let batch = tokio::time::timeout(Duration::from_secs(2), stream.next_batch()).await??;
             let now = monotonic_ns();
             let _ = child.wait();
