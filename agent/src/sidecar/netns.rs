@@ -106,6 +106,18 @@ impl PodNetns {
 /// Connections kept open, by pod uid and port on the pod's loopback.
 type Kept = Arc<Mutex<HashMap<(String, u16), tokio::net::TcpStream>>>;
 
+/// Open pod network namespaces, by pod uid.
+type Open = Arc<Mutex<HashMap<String, Arc<PodNetns>>>>;
+
+/// Keeps `stream` for the pod of `key` only while the pod's network is open: a request or a
+/// standby that finishes after [`SidecarLink::close`] must not leave a connection behind.
+fn keep(open: &Open, kept: &Kept, key: (String, u16), stream: tokio::net::TcpStream) {
+    let open = open.lock().unwrap_or_else(PoisonError::into_inner);
+    if open.contains_key(&key.0) {
+        kept.lock().unwrap_or_else(PoisonError::into_inner).entry(key).or_insert(stream);
+    }
+}
+
 /// A connection made on a namespace thread, handed to the agent's runtime.
 fn on_runtime(stream: TcpStream) -> Option<tokio::net::TcpStream> {
     stream.set_nonblocking(true).ok()?;
@@ -117,13 +129,18 @@ fn on_runtime(stream: TcpStream) -> Option<tokio::net::TcpStream> {
 pub struct PodNetwork {
     host_proc: PathBuf,
     cgroups: CgroupFs,
-    open: Mutex<HashMap<String, Arc<PodNetns>>>,
+    open: Open,
     kept: Kept,
 }
 
 impl PodNetwork {
     pub fn new(host_proc: PathBuf, cgroups: CgroupFs) -> PodNetwork {
-        PodNetwork { host_proc, cgroups, open: Mutex::new(HashMap::new()), kept: Arc::new(Mutex::new(HashMap::new())) }
+        PodNetwork {
+            host_proc,
+            cgroups,
+            open: Arc::new(Mutex::new(HashMap::new())),
+            kept: Arc::new(Mutex::new(HashMap::new())),
+        }
     }
 
     /// How many connections are kept open (all pods).
@@ -160,6 +177,7 @@ impl SidecarLink for PodNetwork {
     }
 
     fn close(&self, uid: &str) {
+        // In this order (see `keep`): nothing is kept for the pod once this returns.
         self.open.lock().unwrap_or_else(PoisonError::into_inner).remove(uid);
         self.kept.lock().unwrap_or_else(PoisonError::into_inner).retain(|(u, _), _| u != uid);
     }
@@ -176,15 +194,18 @@ impl SidecarLink for PodNetwork {
                 None => {}
             }
         }
-        let Ok(netns) = self.handle(&target.uid, target.pod_rel.as_deref(), false) else { return };
-        let kept = self.kept.clone();
+        // Only for a pod whose network is open: a standby never reopens a closed one.
+        let Some(netns) = self.open.lock().unwrap_or_else(PoisonError::into_inner).get(&target.uid).cloned() else {
+            return;
+        };
+        let (open, kept) = (self.open.clone(), self.kept.clone());
         tokio::spawn(async move {
             let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
             let limits = http::Limits::default();
             if let Ok(Ok(stream)) = netns.run(move || http::connect(addr, limits)).await
                 && let Some(stream) = on_runtime(stream)
             {
-                kept.lock().unwrap_or_else(PoisonError::into_inner).entry(key).or_insert(stream);
+                keep(&open, &kept, key, stream);
             }
         });
     }
@@ -201,19 +222,19 @@ impl SidecarLink for PodNetwork {
     ) -> Pending<Result<Response, Failed>> {
         let kept_conn = if fresh { None } else { self.take_kept(&target.uid, port) };
         let netns = self.handle(&target.uid, target.pod_rel.as_deref(), fresh);
-        let kept = self.kept.clone();
+        let (open, kept) = (self.open.clone(), self.kept.clone());
         // Probes keep their connection; a quit is the connection's last request.
-        let keep = method == "GET";
+        let reuse = method == "GET";
         Box::pin(async move {
             let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
             let key = (target.uid.clone(), port);
             let started = Instant::now();
             if let Some(mut stream) = kept_conn {
                 // On the runtime itself: no thread, no namespace switch.
-                match http::exchange_async(&mut stream, addr, method, &path, limits, started, keep).await {
+                match http::exchange_async(&mut stream, addr, method, &path, limits, started, reuse).await {
                     Ok((response, again)) => {
                         if again {
-                            kept.lock().unwrap_or_else(PoisonError::into_inner).insert(key, stream);
+                            keep(&open, &kept, key, stream);
                         }
                         return Ok(response);
                     }
@@ -229,14 +250,14 @@ impl SidecarLink for PodNetwork {
                         .run(move || {
                             let mut stream = http::connect(addr, limits)?;
                             let (response, again) =
-                                http::exchange(&mut stream, addr, method, &path, limits, started, keep)?;
+                                http::exchange(&mut stream, addr, method, &path, limits, started, reuse)?;
                             Ok::<_, http::Failure>((response, again.then_some(stream)))
                         })
                         .await;
                     match answer {
                         Ok(Ok((response, stream))) => {
                             if let Some(stream) = stream.and_then(on_runtime) {
-                                kept.lock().unwrap_or_else(PoisonError::into_inner).insert(key, stream);
+                                keep(&open, &kept, key, stream);
                             }
                             Ok(response)
                         }
@@ -256,5 +277,86 @@ impl SidecarLink for PodNetwork {
                 (Err(e), _) => Err((e.to_string(), "no_netns")),
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read as _, Write as _};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A pod whose only process is this test, in a cgroup tree and a procfs of its own (no
+    /// `1/ns/net` there, so this test's namespace is not taken for the node's).
+    fn fake_pod(tag: &str) -> (PathBuf, PodNetwork, String) {
+        let dir = std::env::temp_dir().join(format!("valet-netns-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let rel = "/kubepods/pod1234".to_owned();
+        let cg = dir.join("cgroup").join("kubepods/pod1234");
+        std::fs::create_dir_all(&cg).expect("cgroup");
+        let me = std::process::id();
+        std::fs::write(cg.join("cgroup.procs"), format!("{me}\n")).expect("procs");
+        std::fs::create_dir_all(dir.join("proc")).expect("proc");
+        std::os::unix::fs::symlink(format!("/proc/{me}"), dir.join("proc").join(me.to_string())).expect("link");
+        let net = PodNetwork::new(dir.join("proc"), CgroupFs::new(dir.join("cgroup")));
+        (dir, net, rel)
+    }
+
+    fn keep_alive_server() -> (u16, Arc<AtomicUsize>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut s) = conn else { return };
+                count.fetch_add(1, Ordering::SeqCst);
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 1024];
+                    while let Ok(n) = s.read(&mut buf) {
+                        if n == 0 || s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK").is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (port, accepted)
+    }
+
+    #[tokio::test]
+    async fn probes_share_a_connection_and_nothing_is_kept_after_close() {
+        let (dir, net, rel) = fake_pod("kept");
+        let (port, accepted) = keep_alive_server();
+        net.open("uid-1", &rel).expect("open");
+        let target = PodTarget { uid: "uid-1".into(), pod_rel: Some(rel.clone()), pod_ip: None };
+        for _ in 0..3 {
+            let r = net.request(target.clone(), port, "GET", "/ready".into(), Limits::default(), false, false).await;
+            assert_eq!(r.map(|r| r.status), Ok(200));
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "three probes, one connection");
+        assert_eq!(net.kept_count(), 1);
+        net.close("uid-1");
+        assert_eq!(net.kept_count(), 0);
+        assert_eq!(net.open_count(), 0);
+        // A standby after the close does not reopen anything.
+        net.standby(&target, port);
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert_eq!((net.kept_count(), net.open_count()), (0, 0));
+        // While open, a standby opens one connection ahead of time, and a quit uses it.
+        net.open("uid-1", &rel).expect("open");
+        net.standby(&target, port);
+        let deadline = Instant::now() + std::time::Duration::from_secs(2);
+        while net.kept_count() == 0 && Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(net.kept_count(), 1, "connected ahead of time");
+        let before = accepted.load(Ordering::SeqCst);
+        let r = net.request(target.clone(), port, "POST", "/quit".into(), Limits::default(), false, false).await;
+        assert_eq!(r.map(|r| r.status), Ok(200));
+        assert_eq!(accepted.load(Ordering::SeqCst), before, "the quit went on the kept connection");
+        assert_eq!(net.kept_count(), 0, "a quit's connection is not kept");
+        net.close("uid-1");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
