@@ -284,8 +284,8 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
         Some(uid)
     }
 
-    /// A held pod got a new container cgroup: name it from its bundle now, so its first exec is
-    /// classified before it happens.
+    /// A pod got a new container cgroup: name it from its bundle now (in a held pod, so that its
+    /// first exec is classified before it happens).
     fn on_container_made(&mut self, pod_cgroup: u64) {
         let Some(uid) = self.by_cgroup.get(&pod_cgroup).cloned() else { return };
         let Some(rel) = self.pods.get(&uid).and_then(PodState::pod_cgroup).map(|(rel, _)| rel.to_owned()) else {

@@ -94,8 +94,8 @@ pub enum Effect {
         pod_rel: String,
     },
     /// Tell the kernel about the pod's cgroup: report its containers' ends; hold apps' first exec.
-    /// In a held pod, new container cgroups are also watched for as they are made, so that each
-    /// is named (and its first exec classified) before it runs.
+    /// New container cgroups are also watched for as they are made, so that each is named (and,
+    /// in a held pod, its first exec classified) before it runs.
     Watch {
         pod_cgroup: u64,
         pod_rel: String,

@@ -493,6 +493,29 @@ async fn the_apps_exit_quits_the_proxy_and_releases_the_pods_resources() {
 }
 
 #[tokio::test]
+async fn a_container_is_named_when_its_cgroup_appears_not_when_it_ends() {
+    // A real runtime removes a container's cgroup and bundle tens of milliseconds after its
+    // main process exits; an agent that reads the exit later than that must already know the
+    // container's name, learnt when its cgroup appeared.
+    let node = TempNode::new("named");
+    node.container(1, "POD");
+    node.container(3, "istio-proxy");
+    let lp = start(&node, Duration::from_secs(120));
+    lp.apply(job_pod(json!({})));
+    let pod_cg = node.pod_id();
+    lp.until("the pod cgroup watched", |l| lock(&l.kernel.0).watched.get(&pod_cg) == Some(&watch_flags::EXITS)).await;
+    let app = node.container(2, "app");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The app ran and ended; the runtime removed its cgroup and bundle before the agent read the
+    // exit (the API has not named the container either).
+    std::fs::remove_dir_all(node.cgroups.abs(&node.container_rel(2))).expect("rm cgroup");
+    std::fs::remove_dir_all(node.dir.join("bundles").join("02".repeat(32))).expect("rm bundle");
+    lp.exit(pod_cg, app, 0);
+    lp.until("the quit", |l| l.link.quits() == 1).await;
+    lp.stop().await;
+}
+
+#[tokio::test]
 async fn condition_writes_never_overtake_each_other() {
     let node = TempNode::new("cond");
     node.container(1, "POD");

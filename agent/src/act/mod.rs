@@ -113,12 +113,11 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 if let Err(e) = self.kernel.watch(pod_cgroup, flags) {
                     warn!(%uid, "register pod cgroup with the kernel: {e}");
                 }
-                if hold {
-                    if let Err(e) = self.creations.watch(pod_cgroup, &self.cgroups.abs(&pod_rel)) {
-                        debug!(%uid, "new containers are judged at their first exec: {e}");
-                    }
-                } else {
-                    self.creations.unwatch(pod_cgroup);
+                // Every tracked pod: a container is named when its cgroup appears, not when it
+                // ends (the runtime removes cgroup and bundle tens of milliseconds after the end,
+                // which a busy agent can miss); in a held pod, before its first exec.
+                if let Err(e) = self.creations.watch(pod_cgroup, &self.cgroups.abs(&pod_rel)) {
+                    debug!(%uid, ?hold, "new containers are named when the kernel reports them: {e}");
                 }
                 None
             }

@@ -1,4 +1,4 @@
-//! New container cgroups in held pods, as they are made (inotify on the pod's cgroup directory).
+//! New container cgroups in tracked pods, as they are made (inotify on the pod's cgroup directory).
 //!
 //! A runtime makes a container's cgroup when it creates the container (`runc create`), with the
 //! OCI bundle already written, and starts its process later (`runc start`, a separate CRI call).
