@@ -28,13 +28,33 @@ const GUEST_MODULES: &[&str] = &["virtio_pci", "9pnet_virtio", "9p"];
 /// the kernel ships them.
 const NODE_MODULES: &[&str] = &["virtio_blk", "crc32c_generic", "ext4", "overlay", "bridge", "veth"];
 /// Bumped when the initramfs's contents change, so cached ones are rebuilt.
-const INITRAMFS_VERSION: u32 = 2;
+const INITRAMFS_VERSION: u32 = 3;
+/// Where the guest mounts tmpfs over the host's read-only root: host paths below them (a checkout
+/// or a target directory under /tmp) are bound back into the guest (`valet.keep=`).
+const GUEST_TMPFS: &[&str] = &["/tmp", "/run"];
 /// The end-to-end scenario run on every kernel.
 const SCENARIO: &str = "labelled_job_pod_proxy_quits_when_the_app_exits";
 /// A guest that has not powered off by then is killed and its kernel counted as failed.
 const DEADLINE: Duration = Duration::from_secs(10 * 60);
 /// Lists older than this are refreshed before a kernel version is chosen.
 const LISTS_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The matrix: Debian suite and the kernel series it ships.
+pub const MATRIX: [(&str, &str); 3] = [("bullseye", "5.10"), ("bookworm", "6.1"), ("trixie", "6.12")];
+
+/// The suites named by `only` (suite names or kernel series), all of them when empty.
+pub fn suites(only: &[String]) -> Result<Vec<&'static str>> {
+    if only.is_empty() {
+        return Ok(MATRIX.iter().map(|(s, _)| *s).collect());
+    }
+    only.iter()
+        .map(|o| {
+            MATRIX.iter().find(|(s, v)| o == s || o == v).map(|(s, _)| *s).ok_or_else(|| {
+                anyhow!("unknown kernel {o:?}: one of {}", MATRIX.map(|(s, v)| format!("{s} ({v})")).join(", "))
+            })
+        })
+        .collect()
+}
 
 /// Boots each suite's kernel, runs the tests in it and prints `kernel <uname -r>: N passed, N failed`
 /// per kernel. Returns the summed (passed, failed) counts; an error only when the matrix could not
@@ -81,6 +101,8 @@ struct Binaries {
     shutdown_test: PathBuf,
     agent: PathBuf,
     standin: PathBuf,
+    /// Cargo's target directory.
+    target: PathBuf,
 }
 
 impl Binaries {
@@ -115,8 +137,10 @@ impl Binaries {
             }
         }
         let take = |n: &str| found.get(n).cloned().ok_or_else(|| anyhow!("cargo named no executable for test {n}"));
-        let release = root.join("target/release");
+        let target = crate::cmd::target_dir(root)?;
+        let release = target.join("release");
         Ok(Self {
+            target,
             kernel_test: take("kernel")?,
             shutdown_test: take("shutdown")?,
             agent: release.join("valet-agent"),
@@ -500,6 +524,10 @@ if [ -n "$root" ]; then
 fi
 mount -t 9p -o ro,$P9 host /newroot || fail "mount the host root"
 R=/newroot
+# Host paths the tmpfs mounts below would hide (a checkout under /tmp): a second view of the
+# host's root, taken before they are mounted, lends them back.
+keep=$(sed -n 's/.*valet\.keep=\([^ ]*\).*/\1/p' /proc/cmdline | tr , ' ')
+if [ -n "$keep" ]; then mkdir -p /hostroot && mount --bind $R /hostroot || fail "bind the host root"; fi
 mount -t proc proc $R/proc || fail proc
 mount -t sysfs sysfs $R/sys || fail sysfs
 mount -t devtmpfs devtmpfs $R/dev || fail devtmpfs
@@ -512,6 +540,10 @@ mount -t cgroup2 cgroup2 $R/sys/fs/cgroup || fail cgroup2
 mount -t tracefs tracefs $R/sys/kernel/tracing || fail tracefs
 mount -t debugfs debugfs $R/sys/kernel/debug
 mount -t bpf bpf $R/sys/fs/bpf || fail bpffs
+for p in $keep; do
+  mkdir -p "$R$p" && mount --bind "/hostroot$p" "$R$p" || fail "bind $p back over the tmpfs"
+done
+if [ -n "$keep" ]; then umount /hostroot || fail "unmount the second view of the host root"; fi
 umount /proc
 exec switch_root $R "$shell" sh "$run"
 "#;
@@ -632,7 +664,11 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result
     std::fs::create_dir_all(&dir)?;
     let script = dir.join("run.sh");
     std::fs::write(&script, guest_script(root, bins, busybox))?;
-    let append = format!("valet.run={} valet.shell={}", script.display(), busybox.display());
+    let mut append = format!("valet.run={} valet.shell={}", script.display(), busybox.display());
+    let keep = kept_paths(&[root, &bins.target])?;
+    if !keep.is_empty() {
+        append.push_str(&format!(" valet.keep={}", keep.join(",")));
+    }
     let (lines, timed_out) = qemu(kernel, &append, &[], &dir.join("console.log"), DEADLINE)?;
     let mut outcome = judge(&lines);
     if timed_out {
@@ -640,6 +676,32 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result
         outcome.note = Some(format!("killed after {DEADLINE:?}; console: {}", dir.join("console.log").display()));
     }
     Ok(outcome)
+}
+
+/// The paths among `paths` (resolved) that lie below one of the guest's tmpfs mounts
+/// ([`GUEST_TMPFS`]) and must be bound back over it, outermost only.
+fn kept_paths(paths: &[&Path]) -> Result<Vec<String>> {
+    let mut keep: Vec<PathBuf> = Vec::new();
+    for path in paths {
+        let real = std::fs::canonicalize(path).with_context(|| format!("resolve {}", path.display()))?;
+        let Some(tmpfs) = GUEST_TMPFS.iter().map(Path::new).find(|t| real.starts_with(t)) else { continue };
+        if real == tmpfs {
+            bail!("{} is the guest's tmpfs mount point itself: move it into a directory below it", real.display());
+        }
+        let text = real.to_string_lossy();
+        if text.contains([' ', ',', '\t', '\n']) {
+            bail!("{text}: the guest's kernel command line cannot carry a path with blanks or commas");
+        }
+        keep.push(real);
+    }
+    keep.sort();
+    let mut outer: Vec<PathBuf> = Vec::new();
+    for p in keep {
+        if !outer.iter().any(|o| p.starts_with(o)) {
+            outer.push(p);
+        }
+    }
+    Ok(outer.iter().map(|p| p.to_string_lossy().into_owned()).collect())
 }
 
 /// Boots `kernel` with our initramfs and the host's `/` shared read-only, echoes the serial
@@ -779,6 +841,22 @@ mod tests {
         let ko = b"\x7fELF....\0license=GPL\0depends=9pnet,netfs\0intree=Y\0";
         assert_eq!(modinfo_depends(ko), vec!["9pnet".to_string(), "netfs".to_string()]);
         assert!(modinfo_depends(b"\x7fELF\0depends=\0name=x\0").is_empty());
+    }
+
+    #[test]
+    fn keeps_outermost_paths_below_the_guest_tmpfs() -> Result<()> {
+        let base = std::env::temp_dir().join(format!("valet-keep-{}", std::process::id()));
+        let (repo, target) = (base.join("repo"), base.join("repo/target"));
+        std::fs::create_dir_all(&target)?;
+        let elsewhere = std::env::current_dir()?;
+        let keep = kept_paths(&[&target, &repo, &elsewhere]);
+        std::fs::remove_dir_all(&base)?;
+        let real = std::fs::canonicalize(std::env::temp_dir())?;
+        if GUEST_TMPFS.iter().any(|t| real.starts_with(t)) && !elsewhere.starts_with("/tmp") {
+            assert_eq!(keep?, vec![real.join(format!("valet-keep-{}/repo", std::process::id())).display().to_string()]);
+        }
+        assert!(kept_paths(&[Path::new("/tmp")]).is_err());
+        Ok(())
     }
 
     #[test]

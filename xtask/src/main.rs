@@ -43,7 +43,10 @@ enum Task {
         kernels: bool,
     },
     /// Run the kernel tests and one end-to-end scenario on Debian's 5.10, 6.1 and 6.12 kernels in qemu.
-    Kernels,
+    Kernels {
+        /// Only these kernels: suites (bullseye, bookworm, trixie) or versions (5.10, 6.1, 6.12).
+        only: Vec<String>,
+    },
     /// Run valet on a real node: a Debian VM with containerd driven through the CRI.
     Node,
     /// Run the agent against a simulated node on this host and print a timeline.
@@ -74,7 +77,7 @@ fn main() -> Result<()> {
         Task::Setup => setup::setup(&root, true),
         Task::Lint => lint::lint(&root),
         Task::Test { filter, vm, kernels } => test::test(&root, filter.as_deref(), vm || kernels, kernels),
-        Task::Kernels => test::kernels(&root),
+        Task::Kernels { only } => test::kernels(&root, &only),
         Task::Node => test::node(&root),
         Task::Fuzz { target, seconds } => fuzz::run(&root, target.as_deref(), seconds),
         Task::Demo { args } => sim::demo(&root, &args),

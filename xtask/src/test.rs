@@ -58,12 +58,13 @@ pub fn test(root: &Path, filter: Option<&str>, vm: bool, all_kernels: bool) -> R
 }
 
 /// `cargo xtask kernels`: the kernel tests and one end-to-end scenario on every kernel of the matrix.
-pub fn kernels(root: &Path) -> Result<()> {
+pub fn kernels(root: &Path, only: &[String]) -> Result<()> {
     if !is_root() {
         bail!("the kernel matrix boots qemu guests that load eBPF programs: run it as root");
     }
+    let suites = crate::kernels::suites(only)?;
     setup::setup(root, true)?;
-    let (_, failed) = crate::kernels::run(root, &["bullseye", "bookworm", "trixie"])?;
+    let (_, failed) = crate::kernels::run(root, &suites)?;
     if failed > 0 {
         bail!("{failed} failed on the kernel matrix");
     }
