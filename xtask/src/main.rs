@@ -48,7 +48,10 @@ enum Task {
         only: Vec<String>,
     },
     /// Run valet on a real node: a Debian VM with containerd driven through the CRI.
-    Node,
+    Node {
+        /// Only these scenarios (tests/node/scenarios.py), e.g. `job hold_app`.
+        only: Vec<String>,
+    },
     /// Run the agent against a simulated node on this host and print a timeline.
     Demo {
         /// Extra arguments for the demo driver.
@@ -78,7 +81,7 @@ fn main() -> Result<()> {
         Task::Lint => lint::lint(&root),
         Task::Test { filter, vm, kernels } => test::test(&root, filter.as_deref(), vm || kernels, kernels),
         Task::Kernels { only } => test::kernels(&root, &only),
-        Task::Node => test::node(&root),
+        Task::Node { only } => test::node(&root, &only),
         Task::Fuzz { target, seconds } => fuzz::run(&root, target.as_deref(), seconds),
         Task::Demo { args } => sim::demo(&root, &args),
         Task::Bench { args } => sim::bench(&root, &args),

@@ -3,7 +3,8 @@
 //! with Debian's bookworm kernel under qemu TCG, the host's `/` read-only at `/host`; a kubelet
 //! stand-in (tests/node/kubelet.py) drives containerd through the CRI and mirrors the pods into
 //! the fake API server; the host-built agent runs as root on the node. Images are built here
-//! (tests/node/oci_image.py) and imported with `ctr`: no registry is involved.
+//! (tests/node/oci_image.py) and imported with `ctr`: no registry is involved. The scenarios are
+//! tests/node/scenarios.py's; each prints `node scenario <name>: ok|FAILED (<figures>)`.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -19,9 +20,10 @@ const PACKAGES: &str = "systemd,systemd-sysv,dbus,containerd,runc,containernetwo
 const DISK: &str = "3G";
 const DEADLINE: Duration = Duration::from_secs(15 * 60);
 
-/// Builds (or reuses) the node image and the OCI images, boots the node and runs the scenario.
-/// Returns whether it passed.
-pub fn run(root: &Path) -> Result<bool> {
+/// Builds (or reuses) the node image and the OCI images, boots the node and runs the scenarios
+/// (all when `only` is empty). Returns the (passed, failed) counts; a scenario that never reported
+/// counts as failed.
+pub fn run(root: &Path, only: &[String]) -> Result<(u64, u64)> {
     let started = Instant::now();
     let apt = Apt::new()?;
     let busybox = apt.busybox()?;
@@ -38,18 +40,21 @@ pub fn run(root: &Path) -> Result<bool> {
         "valet-sim",
         "--bins",
     ]))?;
-    let images = oci_images(root, &busybox)?;
+    let release = crate::cmd::target_dir(root)?.join("release");
+    let images = oci_images(root, &release, &busybox)?;
     let dir = Path::new(CACHE).join("run/node");
     std::fs::create_dir_all(&dir)?;
     let script = dir.join("run.sh");
-    let repo = Path::new("/host").join(root.strip_prefix("/").unwrap_or(root));
+    let host = |p: &Path| Path::new("/host").join(p.strip_prefix("/").unwrap_or(p));
     std::fs::write(
         &script,
         format!(
             "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
-             python3 {repo}/tests/node/job_scenario.py {repo} /host{images}\n",
-            repo = repo.display(),
-            images = images.display()
+             python3 {scenarios} {release} {images} {only}\n",
+            scenarios = host(&root.join("tests/node/scenarios.py")).display(),
+            release = host(&release).display(),
+            images = host(&images).display(),
+            only = only.join(" "),
         ),
     )?;
     let append = format!("valet.root=/dev/vda valet.run={} systemd.show_status=0", script.display());
@@ -63,11 +68,28 @@ pub fn run(root: &Path) -> Result<bool> {
         t.elapsed(),
         started.elapsed()
     );
-    let passed = lines.iter().any(|l| l.ends_with("node scenario job_pod_proxy_quits_when_the_app_exits: ok"));
-    if timed_out {
-        println!("node: the VM was killed after {DEADLINE:?}");
+    let (mut passed, mut failed) = (0, 0);
+    let mut results = Vec::new();
+    for line in &lines {
+        let Some(rest) = line.strip_prefix("node scenario ") else { continue };
+        if rest.split_once(": ").is_some_and(|(_, r)| r.starts_with("ok")) {
+            passed += 1;
+        } else {
+            failed += 1;
+        }
+        results.push(line.clone());
     }
-    Ok(passed && !timed_out)
+    if results.is_empty() || !lines.iter().any(|l| l.starts_with("VALET-NODE-EXIT")) {
+        failed += 1;
+        let why = if timed_out { format!("the VM was killed after {DEADLINE:?}") } else { "it stopped".into() };
+        results
+            .push(format!("node: the scenarios did not finish: {why}; console: {}", dir.join("console.log").display()));
+    }
+    println!("\nreal node ({:.0?}): {passed} passed, {failed} failed", started.elapsed());
+    for line in results {
+        println!("{line}");
+    }
+    Ok((passed, failed))
 }
 
 /// A small stable hash (FNV-1a) for cache keys.
@@ -115,8 +137,9 @@ fn node_image(root: &Path, mirror: &str) -> Result<PathBuf> {
     Ok(image)
 }
 
-/// The pods' images: busybox (the app), a pause of our own, the stand-in proxy.
-fn oci_images(root: &Path, busybox: &Path) -> Result<PathBuf> {
+/// The pods' images: busybox (the app, with util-linux's `unshare` for nested pid namespaces), a
+/// pause of our own, the stand-in proxy.
+fn oci_images(root: &Path, release: &Path, busybox: &Path) -> Result<PathBuf> {
     let dir = Path::new(CACHE).join("node/images");
     std::fs::create_dir_all(&dir)?;
     let build = |out: &str, name: &str, args: &[String]| -> Result<()> {
@@ -126,8 +149,12 @@ fn oci_images(root: &Path, busybox: &Path) -> Result<PathBuf> {
         .with_context(|| format!("build image {name}"))
     };
     let bb = format!("{}:/bin/busybox", busybox.display());
-    let links = ["sh", "sleep", "cat", "ls", "unshare"].map(|l| format!("--link=/bin/{l}:busybox"));
-    let mut args = vec![format!("--add={bb}"), r#"--entrypoint=["/bin/sh"]"#.to_string()];
+    let links = ["sh", "sleep", "cat", "ls", "touch", "yes", "head"].map(|l| format!("--link=/bin/{l}:busybox"));
+    let mut args = vec![
+        format!("--add={bb}"),
+        "--elf=/usr/bin/unshare:/bin/unshare".to_string(),
+        r#"--entrypoint=["/bin/sh"]"#.to_string(),
+    ];
     args.extend(links.iter().cloned());
     build("busybox.tar", "docker.io/valet/busybox:1", &args)?;
     build(
@@ -135,7 +162,7 @@ fn oci_images(root: &Path, busybox: &Path) -> Result<PathBuf> {
         "docker.io/valet/pause:1",
         &[format!("--add={bb}"), r#"--entrypoint=["/bin/busybox","sleep","2147483647"]"#.to_string()],
     )?;
-    let standin = root.join("target/release/valet-standin-proxy");
+    let standin = release.join("valet-standin-proxy");
     if !standin.exists() {
         bail!("{} missing", standin.display());
     }

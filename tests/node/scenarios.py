@@ -1,0 +1,502 @@
+#!/usr/bin/env python3
+"""valet on the real node (inside the VM): pods run through containerd's CRI by the kubelet stand-in
+(kubelet.py), their images imported into containerd, the fake API server mirroring them, and the
+host-built valet-agent running as root on the node.
+
+Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FAILED (<why>)`:
+
+- job: a Job-shaped pod (app + Istio stand-in proxy): the quit arrives after the app's exit, and
+  how long after it;
+- hold_app: `valet.dev/hold-app`: the app's first process stays stopped until the proxy is ready;
+- nested_pidns: the app sandboxes a child in a nested pid namespace through a user namespace
+  (`unshare --user --map-root-user --pid --fork`); the child exits, the app keeps running: no quit
+  until the app itself exits;
+- short_app: an app that runs 0.3 s (it exits before the kubelet even reports its container id);
+- onfailure_restart: `restartPolicy: OnFailure`, the app fails once and the kubelet restarts it (a
+  new container through the CRI): no quit after the failure, one after the successful run;
+- oom_killed: a memory limit through the CRI (cgroup v2 memory.max): the app is OOM-killed, its
+  restartPolicy is Never, the proxy is quit;
+- agent_restart_held: the agent is killed (SIGKILL) while it holds an app, a new agent starts:
+  the app stays held until the proxy is ready.
+
+    scenarios.py <dir of valet-agent and valet-fake-apiserver> <images dir> [scenario ...]
+"""
+import glob
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kubelet  # noqa: E402
+
+NODE = "valet-node"
+WORK = "/run/valet"
+METRICS = "127.0.0.1:9090"
+POD_DEADLINE = 150
+
+
+def log(msg):
+    print(f"node [{time.monotonic():9.3f}] {msg}", flush=True)
+
+
+class Failed(Exception):
+    pass
+
+
+def wait_for(what, cond, deadline_s, step=0.1):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(step)
+    raise Failed(f"{what} not within {deadline_s} s")
+
+
+def uptime_ns(path):
+    """A stamp written by `cat /proc/uptime > path` in a container (10 ms resolution; CLOCK_BOOTTIME,
+    which is CLOCK_MONOTONIC in a VM that never suspends): the clock of the proxy's event log."""
+    return int(float(open(path).read().split()[0]) * 1e9)
+
+
+def real_to_mono_ns(real_ns):
+    return real_ns - (time.time_ns() - time.monotonic_ns())
+
+
+class Agent:
+    """valet-agent as a process on the node, its stdout and stderr in one log file."""
+
+    def __init__(self, release):
+        self.release = release
+        self.proc = None
+        self.log_path = f"{WORK}/agent.log"
+        self.log_file = open(self.log_path, "w")
+
+    def start(self):
+        self.log_file.write(f"=== agent started at {time.monotonic():.3f}\n")
+        self.log_file.flush()
+        t = time.monotonic()
+        self.proc = subprocess.Popen(
+            [f"{self.release}/valet-agent", "--node-name", NODE, "--metrics-addr", METRICS],
+            env={**os.environ, "KUBECONFIG": f"{WORK}/kubeconfig", "RUST_LOG": "info"},
+            stdout=self.log_file, stderr=subprocess.STDOUT,
+        )
+        end = time.monotonic() + 240
+        while time.monotonic() < end and self.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://{METRICS}/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t
+            except Exception:
+                pass
+            time.sleep(0.2)
+        raise Failed(f"the agent never became ready (exit status {self.proc.poll()})")
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def dump(self):
+        """The whole log on the console (kept in its log file), its head and tail echoed."""
+        self.log_file.flush()
+        lines = open(self.log_path, errors="replace").read().splitlines()
+        for line in lines:
+            print(f"agent| {line}")
+        picked = lines if len(lines) <= 30 else lines[:10] + ["..."] + lines[-20:]
+        for line in picked:
+            print(f"node agent log: {line[:400]}")
+        sys.stdout.flush()
+
+
+def metric(name):
+    """Sum of a metric's samples on the agent's /metrics."""
+    with urllib.request.urlopen(f"http://{METRICS}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def container_pids(cid):
+    found = glob.glob(f"/sys/fs/cgroup/kubepods.slice/**/cri-containerd-{cid}.scope/cgroup.procs", recursive=True)
+    if not found:
+        return []
+    try:
+        return [int(p) for p in open(found[0]).read().split()]
+    except OSError:
+        return []
+
+
+def proc_state(pid):
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("State:"):
+                return line.split()[1]
+    except OSError:
+        return None
+    return None
+
+
+class ExitWatcher(threading.Thread):
+    """The moment a process is gone (or a zombie), polled every 2 ms."""
+
+    def __init__(self, pid):
+        super().__init__(daemon=True)
+        self.pid, self.gone_ns = pid, None
+        self.start()
+
+    def run(self):
+        while self.gone_ns is None:
+            if proc_state(self.pid) in (None, "Z"):
+                self.gone_ns = time.monotonic_ns()
+            time.sleep(0.002)
+
+
+class Scenario:
+    """One pod: its events directory (a hostPath volume in every container), its spec, its run."""
+
+    def __init__(self, api, name, app, proxy_args=(), annotations=None, restart="Never", app_first=True,
+                 app_resources=None):
+        self.api, self.name = api, name
+        self.dir = f"{WORK}/{name}"
+        os.makedirs(self.dir, exist_ok=True)
+        volume = [{"name": "events", "mountPath": "/events"}]
+        app_c = {"name": "app", "image": "docker.io/valet/busybox:1", "command": ["/bin/sh", "-c", app],
+                 "volumeMounts": volume}
+        if app_resources:
+            app_c["resources"] = app_resources
+        proxy_c = {"name": "istio-proxy", "image": "docker.io/valet/standin:1",
+                   "command": ["/valet-standin-proxy", "--kind", "istio", "--events", "/events/proxy.log",
+                               *proxy_args],
+                   "readinessProbe": {"httpGet": {"port": 15021, "path": "/healthz/ready"}, "periodSeconds": 1},
+                   "volumeMounts": volume}
+        self.pod = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{name.replace('_', '-')}-x1", "namespace": "default",
+                         "labels": {"valet.dev/enabled": "true", "job-name": name.replace("_", "-")},
+                         "annotations": annotations or {}},
+            "spec": {"nodeName": NODE, "restartPolicy": restart,
+                     "volumes": [{"name": "events", "hostPath": {"path": self.dir}}],
+                     "containers": [app_c, proxy_c] if app_first else [proxy_c, app_c]},
+        }
+        self.run = None
+
+    def path(self, name):
+        return f"{self.dir}/{name}"
+
+    def touch(self, name):
+        open(self.path(name), "w").close()
+        return time.monotonic_ns()
+
+    def start(self):
+        created = self.api.create_pod(self.pod)
+        self.run = kubelet.PodRun(kubelet.Cri(), self.api, created, log=log)
+        self.run.start()
+
+    def sync_until(self, what, cond, deadline_s=POD_DEADLINE):
+        def step():
+            self.run.sync()
+            return cond()
+        return wait_for(what, step, deadline_s, step=kubelet.RELIST)
+
+    def proxy_ready(self):
+        return self.sync_until("the proxy's readiness (kubelet probe)", lambda: self.run.containers["istio-proxy"]["ready"])
+
+    def quits(self):
+        events = []
+        if os.path.exists(self.path("proxy.log")):
+            events = [line.split() for line in open(self.path("proxy.log")) if line.strip()]
+        return [int(e[0]) for e in events if len(e) >= 3 and e[1] == "POST" and e[2] == "/quitquitquit"]
+
+    def finish(self):
+        """Lets the pod run to its end; the proxy must have been quit and must have exited."""
+        if not self.run.run_until_done(POD_DEADLINE):
+            raise Failed(f"the pod's containers did not all exit within {POD_DEADLINE} s (quits: {len(self.quits())})")
+        if not self.quits():
+            raise Failed("the proxy exited without a POST /quitquitquit")
+
+    def teardown(self):
+        if self.run is not None:
+            try:
+                self.run.teardown()
+            except Exception as e:  # a failed teardown must not hide the scenario's outcome
+                log(f"teardown of {self.name}: {e}")
+
+
+WAIT_GO = "while [ ! -e /events/go ]; do sleep 0.2; done"
+
+
+def quit_after(sc, exit_ns, what="the app's exit"):
+    quits = sc.quits()
+    delay_ms = (quits[0] - exit_ns) / 1e6
+    if delay_ms < -10:
+        raise Failed(f"the quit arrived {-delay_ms:.0f} ms before {what}")
+    return delay_ms
+
+
+def job(api, agent):
+    sc = Scenario(api, "job", f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0")
+    try:
+        sc.start()
+        app_id = sc.run.containers["app"]["id"]
+        watcher = CgroupWatcher(app_id)
+        sc.proxy_ready()
+        sc.touch("go")
+        sc.finish()
+        watcher.stop = True
+        app = sc.run.containers["app"]["status"]
+        if app.exit_code != 0:
+            raise Failed(f"the app exited {app.exit_code}")
+        exit_ns = uptime_ns(sc.path("app-exit"))
+        delay = quit_after(sc, exit_ns)
+        extra = [f"containerd's finishedAt {(real_to_mono_ns(app.finished_at) - exit_ns) / 1e6:.0f} ms after the exit"]
+        for what in ("cgroup", "bundle"):
+            if what in watcher.gone:
+                extra.append(f"its {what} removed {(watcher.gone[what] - exit_ns) / 1e6:.0f} ms after")
+        return f"quit {delay:.0f} ms after the app's exit (±10 ms); " + "; ".join(extra)
+    finally:
+        sc.teardown()
+
+
+class CgroupWatcher(threading.Thread):
+    """When containerd removes an exited container's cgroup and bundle directory (5 ms polling)."""
+
+    def __init__(self, cid):
+        super().__init__(daemon=True)
+        self.cid, self.gone, self.stop = cid, {}, False
+        self.start()
+
+    def run(self):
+        bundle = f"/run/containerd/io.containerd.runtime.v2.task/k8s.io/{self.cid}"
+        cgroup = None
+        while not self.stop and len(self.gone) < 2:
+            if cgroup is None:
+                found = glob.glob(f"/sys/fs/cgroup/kubepods.slice/*/*/cri-containerd-{self.cid}.scope")
+                cgroup = found[0] if found else None
+            for what, path in (("cgroup", cgroup), ("bundle", bundle)):
+                if path and what not in self.gone and not os.path.exists(path):
+                    self.gone[what] = time.monotonic_ns()
+            time.sleep(0.005)
+
+
+HOLD = {"valet.dev/hold-app": "true", "valet.dev/hold-timeout": "5m"}
+HELD_APP = f"cat /proc/uptime > /events/app-start; {WAIT_GO}; cat /proc/uptime > /events/app-exit"
+
+
+def wait_held(sc, window_s=3.0):
+    """The app container runs (for the CRI) but its first process is stopped and has not run."""
+    sc.sync_until("the app and proxy containers running",
+                  lambda: all(e["status"] is not None and e["status"].state == kubelet.pb.CONTAINER_RUNNING
+                              for e in sc.run.containers.values()))
+    pids = wait_for("the app container's process", lambda: container_pids(sc.run.containers["app"]["id"]), 30)
+    time.sleep(window_s)
+    state = proc_state(pids[0])
+    if os.path.exists(sc.path("app-start")):
+        raise Failed("the app ran before its proxy was ready (not held)")
+    if state != "T":
+        raise Failed(f"the app's process {pids[0]} is in state {state}, not stopped")
+    return pids[0]
+
+
+def release_after_ready(sc, held_since):
+    ready_ns = sc.touch("ready")
+    wait_for("the held app's start after the proxy became ready", lambda: os.path.exists(sc.path("app-start")), 60)
+    time.sleep(0.05)
+    start_ns = uptime_ns(sc.path("app-start"))
+    delay_ms = (start_ns - ready_ns) / 1e6
+    if delay_ms < -10:
+        raise Failed(f"the app started {-delay_ms:.0f} ms before the proxy was ready")
+    return (ready_ns - held_since) / 1e9, delay_ms
+
+
+def hold_app(api, agent):
+    sc = Scenario(api, "hold_app", HELD_APP, proxy_args=["--ready-file", "/events/ready"], annotations=HOLD)
+    try:
+        holds = metric("valet_app_holds_total")
+        sc.start()
+        held_since = time.monotonic_ns()
+        wait_held(sc)
+        held_s, delay_ms = release_after_ready(sc, held_since)
+        if metric("valet_app_holds_total") <= holds:
+            raise Failed("valet_app_holds_total did not grow")
+        sc.touch("go")
+        sc.finish()
+        delay = quit_after(sc, uptime_ns(sc.path("app-exit")))
+        return (f"app held {held_s:.1f} s, released {delay_ms:.0f} ms after the proxy's ready file appeared "
+                f"(agent probe + SIGCONT); quit {delay:.0f} ms after the app's exit")
+    finally:
+        sc.teardown()
+
+
+def nested_pidns(api, agent):
+    app = ("unshare --user --map-root-user --pid --fork /bin/sh -c 'cat /proc/uptime > /events/child-start; "
+           "sleep 1'; cat /proc/uptime > /events/child-exit; "
+           f"{WAIT_GO}; cat /proc/uptime > /events/app-exit")
+    sc = Scenario(api, "nested_pidns", app)
+    try:
+        sc.start()
+        sc.proxy_ready()
+        wait_for("the nested child's exit", lambda: os.path.exists(sc.path("child-exit")), 60)
+        if not os.path.exists(sc.path("child-start")):
+            raise Failed("the nested pid namespace child never ran")
+        time.sleep(3)
+        if sc.quits():
+            raise Failed("the proxy was quit when the app's nested pid-namespace child exited")
+        sc.run.sync()
+        if sc.run.containers["istio-proxy"]["status"].state != kubelet.pb.CONTAINER_RUNNING:
+            raise Failed("the proxy stopped running while the app still ran")
+        sc.touch("go")
+        sc.finish()
+        delay = quit_after(sc, uptime_ns(sc.path("app-exit")))
+        return f"no quit for 3 s after the nested child's exit; quit {delay:.0f} ms after the app's own exit"
+    finally:
+        sc.teardown()
+
+
+def short_app(api, agent):
+    sc = Scenario(api, "short_app", "sleep 0.3; cat /proc/uptime > /events/app-exit")
+    try:
+        sc.start()
+        sc.finish()
+        exit_ns = uptime_ns(sc.path("app-exit"))
+        delay = quit_after(sc, exit_ns)
+        app = sc.run.containers["app"]["status"]
+        return (f"quit {delay:.0f} ms after the 0.3 s app's exit (the proxy container started "
+                f"{(real_to_mono_ns(sc.run.containers['istio-proxy']['status'].started_at) - exit_ns) / 1e6:.0f} ms "
+                f"after it; app exit code {app.exit_code})")
+    finally:
+        sc.teardown()
+
+
+def onfailure_restart(api, agent):
+    app = ("if [ ! -e /events/failed-once ]; then touch /events/failed-once; "
+           f"{WAIT_GO}; cat /proc/uptime > /events/first-exit; exit 3; fi; "
+           "sleep 1; cat /proc/uptime > /events/app-exit; exit 0")
+    sc = Scenario(api, "onfailure_restart", app, restart="OnFailure")
+    try:
+        sc.start()
+        sc.proxy_ready()
+        sc.touch("go")
+        sc.sync_until("the app's restart", lambda: sc.run.containers["app"]["attempt"] >= 1)
+        first_exit = uptime_ns(sc.path("first-exit"))
+        early = sc.quits()
+        if early:
+            raise Failed(f"the proxy was quit {(early[0] - first_exit) / 1e6:.0f} ms after the failed run "
+                         "that the kubelet restarts")
+        sc.finish()
+        app = sc.run.containers["app"]
+        if app["status"].exit_code != 0 or app["attempt"] != 1:
+            raise Failed(f"attempt {app['attempt']} exited {app['status'].exit_code}")
+        delay = quit_after(sc, uptime_ns(sc.path("app-exit")), "the restarted app's exit")
+        return f"no quit after the failed run (exit 3, restarted as a new container); quit {delay:.0f} ms after the rerun's exit"
+    finally:
+        sc.teardown()
+
+
+def oom_killed(api, agent):
+    app = f"{WAIT_GO}; x=$(yes)"
+    sc = Scenario(api, "oom_killed", app, app_resources={"limits": {"memory": "48Mi"}, "requests": {"memory": "48Mi"}})
+    try:
+        sc.start()
+        sc.proxy_ready()
+        pids = wait_for("the app's process", lambda: container_pids(sc.run.containers["app"]["id"]), 30)
+        watcher = ExitWatcher(pids[0])
+        sc.touch("go")
+        sc.finish()
+        app = sc.run.containers["app"]["status"]
+        if app.exit_code != 137 or app.reason != "OOMKilled":
+            raise Failed(f"the app ended with exit {app.exit_code} reason {app.reason!r}, not an OOM kill")
+        if watcher.gone_ns is None:
+            raise Failed("the app's process exit was not seen")
+        delay = quit_after(sc, watcher.gone_ns, "the app's OOM kill")
+        return f"app OOM-killed at its 48Mi limit (exit 137, OOMKilled); quit {delay:.0f} ms after its process died (±5 ms)"
+    finally:
+        sc.teardown()
+
+
+def agent_restart_held(api, agent):
+    sc = Scenario(api, "agent_restart_held", HELD_APP, proxy_args=["--ready-file", "/events/ready"],
+                  annotations=HOLD)
+    try:
+        sc.start()
+        held_since = time.monotonic_ns()
+        pid = wait_held(sc)
+        agent.stop(signal.SIGKILL)
+        ready_s = agent.start()
+        time.sleep(2)
+        if os.path.exists(sc.path("app-start")) or proc_state(pid) != "T":
+            raise Failed(f"the app was released by the restart (state {proc_state(pid)}) before its proxy was ready")
+        held_s, delay_ms = release_after_ready(sc, held_since)
+        sc.touch("go")
+        sc.finish()
+        delay = quit_after(sc, uptime_ns(sc.path("app-exit")))
+        return (f"agent killed while holding, the new one ready in {ready_s:.1f} s; app still held, released "
+                f"{delay_ms:.0f} ms after the proxy became ready (held {held_s:.1f} s); quit {delay:.0f} ms after the exit")
+    finally:
+        sc.teardown()
+
+
+SCENARIOS = [job, hold_app, nested_pidns, short_app, onfailure_restart, oom_killed, agent_restart_held]
+
+
+def main():
+    release, images = sys.argv[1], sys.argv[2]
+    wanted = sys.argv[3:]
+    os.makedirs(WORK, exist_ok=True)
+    t0 = time.monotonic()
+    for tar in sorted(glob.glob(f"{images}/*.tar")):
+        subprocess.run(["ctr", "-n", "k8s.io", "images", "import", tar], check=True, stdout=subprocess.DEVNULL)
+    log(f"images imported in {time.monotonic() - t0:.1f}s")
+    api_proc = subprocess.Popen([f"{release}/valet-fake-apiserver", f"{WORK}/kubeconfig"], stdout=subprocess.PIPE,
+                                text=True)
+    api = kubelet.Api(api_proc.stdout.readline().strip())
+    agent = Agent(release)
+    failed = 0
+    scenarios = [s for s in SCENARIOS if not wanted or s.__name__ in wanted]
+    unknown = set(wanted) - {s.__name__ for s in SCENARIOS}
+    for name in sorted(unknown):
+        print(f"node scenario {name}: FAILED (no such scenario; known: {' '.join(s.__name__ for s in SCENARIOS)})")
+        failed += 1
+    try:
+        try:
+            log(f"agent ready in {agent.start():.1f}s")
+        except Failed as e:
+            for s in scenarios:
+                print(f"node scenario {s.__name__}: FAILED ({e})", flush=True)
+            agent.dump()
+            return len(scenarios)
+        for s in scenarios:
+            t = time.monotonic()
+            try:
+                if agent.proc.poll() is not None:
+                    raise Failed(f"the agent exited ({agent.proc.returncode})")
+                figures = s(api, agent)
+                print(f"node scenario {s.__name__}: ok ({figures}) [{time.monotonic() - t:.0f} s]", flush=True)
+            except Exception as e:
+                failed += 1
+                if not isinstance(e, Failed):
+                    traceback.print_exc(file=sys.stdout)
+                print(f"node scenario {s.__name__}: FAILED ({e}) [{time.monotonic() - t:.0f} s]", flush=True)
+    finally:
+        agent.stop()
+        api_proc.kill()
+    if failed:
+        agent.dump()
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main() else 0)
