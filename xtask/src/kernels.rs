@@ -631,8 +631,12 @@ struct Outcome {
     note: Option<String>,
 }
 
-/// The guest's script: both test binaries, their summaries on the console, then power off.
+/// The guest's script: both test binaries, their summaries on the console, then power off. The
+/// tests' output is not captured: a panic (a verifier log) reaches the console when it happens,
+/// not at the end of a run the deadline may cut short. `VALET_KERNEL_TESTS` (a test name filter)
+/// narrows the kernel tests.
 fn guest_script(root: &Path, bins: &Binaries, busybox: &Path) -> String {
+    let filter = std::env::var("VALET_KERNEL_TESTS").unwrap_or_default();
     format!(
         r#"export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root RUST_BACKTRACE=1
 export VALET_AGENT_BIN={agent} VALET_STANDIN_PROXY={standin}
@@ -640,10 +644,10 @@ ip link set lo up
 echo "VALET-VM-UNAME $(uname -r)"
 cd {tests}
 echo "VALET-VM-BEGIN kernel"
-{kernel} --test-threads=1 --color=never 2>&1
+{kernel} --test-threads=1 --nocapture --color=never {filter} 2>&1
 echo "VALET-VM-END kernel $?"
 echo "VALET-VM-BEGIN shutdown"
-{shutdown} --exact {scenario} --test-threads=1 --color=never 2>&1
+{shutdown} --exact {scenario} --test-threads=1 --nocapture --color=never 2>&1
 echo "VALET-VM-END shutdown $?"
 sync
 echo "VALET-VM-DONE"
@@ -655,6 +659,7 @@ echo "VALET-VM-DONE"
         kernel = bins.kernel_test.display(),
         shutdown = bins.shutdown_test.display(),
         scenario = SCENARIO,
+        filter = filter.split_whitespace().collect::<Vec<_>>().join(" "),
         busybox = busybox.display(),
     )
 }
@@ -781,15 +786,19 @@ fn echoed(line: &str) -> bool {
     PREFIXES.iter().any(|p| line.starts_with(p)) || line.contains("FAIL") || line.contains("Kernel panic")
 }
 
-/// Counts the cargo test summaries of both binaries; a binary that ended without a summary, or a
-/// guest that never finished, counts as one failure, with the reason.
+/// Counts the cargo test summaries of both binaries. A binary that ended (or was cut off by the
+/// deadline) without a summary counts the test results it printed, plus one failure, with the
+/// reason; so does a guest that never finished.
 fn judge(lines: &[String]) -> Outcome {
     let mut outcome = Outcome { passed: 0, failed: 0, note: None };
     let mut notes = Vec::new();
-    let mut summary_seen = false;
+    // The binary running now, and the results its tests printed so far (without --nocapture a
+    // result ends its `test name ... ` line; with it, it may stand on a line of its own).
+    let mut open: Option<(String, u64, u64)> = None;
     for line in lines {
-        if let Some(rest) = line.trim().strip_prefix("test result: ") {
-            summary_seen = true;
+        let trimmed = line.trim();
+        if let Some(rest) = trimmed.strip_prefix("test result: ") {
+            open = None;
             let words: Vec<&str> = rest.split([' ', ';']).filter(|w| !w.is_empty()).collect();
             for pair in words.windows(2) {
                 let Ok(n) = pair[0].parse::<u64>() else { continue };
@@ -799,21 +808,32 @@ fn judge(lines: &[String]) -> Outcome {
                     _ => {}
                 }
             }
-        } else if line.starts_with("VALET-VM-BEGIN") {
-            summary_seen = false;
+        } else if let Some(what) = line.strip_prefix("VALET-VM-BEGIN ") {
+            open = Some((what.trim().to_string(), 0, 0));
         } else if let Some(rest) = line.strip_prefix("VALET-VM-END ") {
-            let mut words = rest.split_whitespace();
-            let (what, code) = (words.next().unwrap_or("?"), words.next().unwrap_or("?"));
-            if !summary_seen {
-                outcome.failed += 1;
+            let code = rest.split_whitespace().nth(1).unwrap_or("?");
+            if let Some((what, passed, failed)) = open.take() {
+                outcome.passed += passed;
+                outcome.failed += failed + 1;
                 notes.push(format!("{what} tests ended without a summary (exit {code})"));
             }
         } else if let Some(rest) = line.strip_prefix("VALET-VM-FAILED: ") {
             outcome.failed += 1;
             notes.push(format!("guest setup failed: {rest}"));
+        } else if let Some((_, passed, failed)) = open.as_mut() {
+            if trimmed == "ok" || trimmed.ends_with(" ... ok") {
+                *passed += 1;
+            } else if trimmed == "FAILED" || trimmed.ends_with(" ... FAILED") {
+                *failed += 1;
+            }
         }
     }
-    if !lines.iter().any(|l| l == "VALET-VM-DONE") && notes.is_empty() {
+    if let Some((what, passed, failed)) = open {
+        outcome.passed += passed;
+        outcome.failed += failed;
+        notes.push(format!("{what} tests cut off after {} results", passed + failed));
+    }
+    if !lines.iter().any(|l| l == "VALET-VM-DONE") {
         outcome.failed += 1;
         notes.push("the guest stopped before the tests finished".into());
     }
@@ -873,5 +893,10 @@ mod tests {
         assert!(crashed.note.unwrap_or_default().contains("exit 139"));
         let hung = judge(&lines("VALET-VM-BEGIN kernel"));
         assert_eq!(hung.failed, 1);
+        let cut = judge(&lines(
+            "VALET-VM-BEGIN kernel\ntest a ... ok\ntest b ... thread 'b' panicked at x.rs:1:1:\nload\nFAILED\ntest c ... ",
+        ));
+        assert_eq!((cut.passed, cut.failed), (1, 2));
+        assert!(cut.note.unwrap_or_default().contains("cut off after 2 results"));
     }
 }
