@@ -19,10 +19,15 @@ Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FA
 - agent_restart_held: the agent is killed (SIGKILL) while it holds an app, a new agent starts:
   the app stays held until the proxy is ready.
 
-    scenarios.py <dir of valet-agent and valet-fake-apiserver> <images dir> [scenario ...]
+    scenarios.py <dir of valet-agent and valet-fake-apiserver> <images dir> <out dir> [scenario ...]
+
+The out dir is shared with the host (writable 9p): the agent's whole log and each scenario's
+events end up there; the console gets the outcome lines and, on failure, the log's key lines.
 """
 import glob
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,14 +113,23 @@ class Agent:
             self.proc.wait()
 
     def dump(self):
-        """The whole log on the console (kept in its log file), its head and tail echoed."""
+        """The log's key lines on the console (the whole log is in the out dir): its first lines,
+        every warning and error, and each verifier log's verdict (the lines before `processed N
+        insns`, or the line that says the program is too complex), then its last lines."""
         self.log_file.flush()
         lines = open(self.log_path, errors="replace").read().splitlines()
-        for line in lines:
-            print(f"agent| {line}")
-        picked = lines if len(lines) <= 30 else lines[:10] + ["..."] + lines[-20:]
-        for line in picked:
-            print(f"node agent log: {line[:400]}")
+        key = set(range(min(8, len(lines)))) | set(range(max(0, len(lines) - 8), len(lines)))
+        for i, line in enumerate(lines):
+            if re.search(r" (WARN|ERROR) |Error:|panicked|too complex|no program variant", line):
+                key.add(i)
+            if re.match(r"processed \d+ insns", line):
+                key.update({i - 2, i - 1, i})
+        last = -1
+        for i in sorted(k for k in key if 0 <= k < len(lines)):
+            if i != last + 1:
+                print("node agent log: ...")
+            print(f"node agent log: {lines[i][:400]}")
+            last = i
         sys.stdout.flush()
 
 
@@ -453,8 +467,8 @@ SCENARIOS = [job, hold_app, nested_pidns, short_app, onfailure_restart, oom_kill
 
 
 def main():
-    release, images = sys.argv[1], sys.argv[2]
-    wanted = sys.argv[3:]
+    release, images, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    wanted = sys.argv[4:]
     os.makedirs(WORK, exist_ok=True)
     t0 = time.monotonic()
     for tar in sorted(glob.glob(f"{images}/*.tar")):
@@ -477,7 +491,7 @@ def main():
             for s in scenarios:
                 print(f"node scenario {s.__name__}: FAILED ({e})", flush=True)
             agent.dump()
-            return len(scenarios)
+            return len(scenarios) + failed
         for s in scenarios:
             t = time.monotonic()
             try:
@@ -493,9 +507,22 @@ def main():
     finally:
         agent.stop()
         api_proc.kill()
+        save(agent, scenarios, out)
     if failed:
         agent.dump()
     return failed
+
+
+def save(agent, scenarios, out):
+    """The agent's log and each scenario's events directory, for the host."""
+    agent.log_file.flush()
+    try:
+        shutil.copy(agent.log_path, f"{out}/agent.log")
+        for s in scenarios:
+            if os.path.isdir(f"{WORK}/{s.__name__}"):
+                shutil.copytree(f"{WORK}/{s.__name__}", f"{out}/{s.__name__}", dirs_exist_ok=True)
+    except OSError as e:
+        log(f"could not save the logs to {out}: {e}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ const PACKAGES: &str = "systemd,systemd-sysv,dbus,containerd,runc,containernetwo
 /// Size of the (sparse) root disk.
 const DISK: &str = "3G";
 const DEADLINE: Duration = Duration::from_secs(15 * 60);
+/// Where the guest mounts the host's out directory.
+const OUT: &str = "/run/valet-out";
 
 /// Builds (or reuses) the node image and the OCI images, boots the node and runs the scenarios
 /// (all when `only` is empty). Returns the (passed, failed) counts; a scenario that never reported
@@ -40,17 +42,31 @@ pub fn run(root: &Path, only: &[String]) -> Result<(u64, u64)> {
         "valet-sim",
         "--bins",
     ]))?;
-    let release = crate::cmd::target_dir(root)?.join("release");
+    // VALET_NODE_BINARIES: run the scenarios with another build's valet-agent,
+    // valet-fake-apiserver and valet-standin-proxy (a directory holding the three).
+    let release = match std::env::var_os("VALET_NODE_BINARIES") {
+        Some(dir) => {
+            println!("node: binaries from VALET_NODE_BINARIES={}", dir.to_string_lossy());
+            PathBuf::from(dir)
+        }
+        None => crate::cmd::target_dir(root)?.join("release"),
+    };
     let images = oci_images(root, &release, &busybox)?;
     let dir = Path::new(CACHE).join("run/node");
-    std::fs::create_dir_all(&dir)?;
+    // Shared writable with the guest: the agent's log and the scenarios' events come back here.
+    let out = dir.join("out");
+    if out.exists() {
+        std::fs::remove_dir_all(&out)?;
+    }
+    std::fs::create_dir_all(&out)?;
     let script = dir.join("run.sh");
     let host = |p: &Path| Path::new("/host").join(p.strip_prefix("/").unwrap_or(p));
     std::fs::write(
         &script,
         format!(
             "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
-             python3 {scenarios} {release} {images} {only}\n",
+             mkdir -p {OUT} && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out {OUT} || exit 1\n\
+             python3 {scenarios} {release} {images} {OUT} {only}\n",
             scenarios = host(&root.join("tests/node/scenarios.py")).display(),
             release = host(&release).display(),
             images = host(&images).display(),
@@ -60,7 +76,9 @@ pub fn run(root: &Path, only: &[String]) -> Result<(u64, u64)> {
     let append = format!("valet.root=/dev/vda valet.run={} systemd.show_status=0", script.display());
     let drive = format!("file={},if=virtio,format=raw,snapshot=on", image.display());
     let t = Instant::now();
-    let (lines, timed_out) = qemu(&kernel, &append, &["-drive", &drive], &dir.join("console.log"), DEADLINE)?;
+    let share = format!("local,path={},mount_tag=out,security_model=none", out.display());
+    let (lines, timed_out) =
+        qemu(&kernel, &append, &["-drive", &drive, "-virtfs", &share], &dir.join("console.log"), DEADLINE)?;
     let ready = lines.iter().find_map(|l| l.split_once("VALET-NODE-READY ").map(|(_, t)| t.to_string()));
     println!(
         "node: booted to containerd-ready at {}s guest uptime; VM ran {:.0?} ({:.0?} in all)",
@@ -85,7 +103,11 @@ pub fn run(root: &Path, only: &[String]) -> Result<(u64, u64)> {
         results
             .push(format!("node: the scenarios did not finish: {why}; console: {}", dir.join("console.log").display()));
     }
-    println!("\nreal node ({:.0?}): {passed} passed, {failed} failed", started.elapsed());
+    println!(
+        "\nreal node ({:.0?}): {passed} passed, {failed} failed (agent log and events: {})",
+        started.elapsed(),
+        out.display()
+    );
     for line in results {
         println!("{line}");
     }
