@@ -25,6 +25,7 @@ The out dir is shared with the host (writable 9p): the agent's whole log and eac
 events end up there; the console gets the outcome lines and, on failure, the log's key lines.
 """
 import glob
+import json
 import os
 import re
 import shutil
@@ -75,6 +76,8 @@ def real_to_mono_ns(real_ns):
 
 class Agent:
     """valet-agent as a process on the node, its stdout and stderr in one log file."""
+
+    metrics = METRICS
 
     def __init__(self, release):
         self.release = release
@@ -133,9 +136,150 @@ class Agent:
         sys.stdout.flush()
 
 
-def metric(name):
+class Relay(threading.Thread):
+    """Forwards TCP connections from `listen` to `target` (the fake API server listens on loopback
+    only; a pod reaches the node at its bridge's address)."""
+
+    def __init__(self, listen, target):
+        super().__init__(daemon=True)
+        import socket
+        self.socket_mod = socket
+        self.server = socket.create_server(listen)
+        self.target = target
+        self.start()
+
+    def pipe(self, a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(self.socket_mod.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def run(self):
+        while True:
+            conn, _ = self.server.accept()
+            try:
+                up = self.socket_mod.create_connection(self.target)
+            except OSError:
+                conn.close()
+                continue
+            threading.Thread(target=self.pipe, args=(conn, up), daemon=True).start()
+            threading.Thread(target=self.pipe, args=(up, conn), daemon=True).start()
+
+
+class ContainerAgent:
+    """valet-agent as the kubelet would run it from its DaemonSet: a pod through the CRI, from the
+    image `cargo xtask image` builds, with the security context, mounts and env that
+    tests/node/daemonset_cri.py translated from deploy/base/daemonset.yaml. The only addition is a
+    kubeconfig (a file mount and KUBECONFIG) instead of the service account token."""
+
+    def __init__(self, spec_path, api_url):
+        self.spec = json.load(open(spec_path))
+        self.cri = kubelet.Cri()
+        self.sandbox_id = self.container_id = self.pod_ip = None
+        self.api_url = api_url
+        self.metrics = None
+        self.log_path = None
+        self.proc = self
+
+    def poll(self):
+        """Like Popen.poll: None while the container runs, else its exit code."""
+        if self.container_id is None:
+            return -1
+        st = self.cri.runtime("ContainerStatus", {"container_id": self.container_id}).status
+        return None if st.state in (kubelet.pb.CONTAINER_RUNNING, kubelet.pb.CONTAINER_CREATED) else st.exit_code
+
+    @property
+    def returncode(self):
+        return self.poll()
+
+    def start(self):
+        t = time.monotonic()
+        pod, c = self.spec["pod"], self.spec["container"]
+        for d in self.spec["host_dirs"]:
+            os.makedirs(d, exist_ok=True)
+        uid = pod["uid"]
+        log_dir = f"/var/log/pods/{pod['namespace']}_{pod['name']}_{uid}"
+        os.makedirs(log_dir, exist_ok=True)
+        qos = c["qos"]
+        parent = f"kubepods-pod{uid.replace('-', '_')}.slice" if qos == "guaranteed" else \
+            f"kubepods-{qos}-pod{uid.replace('-', '_')}.slice"
+        sandbox = {
+            "metadata": {"name": pod["name"], "uid": uid, "namespace": pod["namespace"], "attempt": 0},
+            "hostname": pod["name"], "log_directory": log_dir,
+            "labels": {**pod["labels"], "io.kubernetes.pod.name": pod["name"],
+                       "io.kubernetes.pod.namespace": pod["namespace"], "io.kubernetes.pod.uid": uid},
+            "annotations": pod["annotations"],
+            "linux": {"cgroup_parent": parent,
+                      "security_context": {"namespace_options": pod["namespace_options"], "seccomp": pod["seccomp"]}},
+        }
+        self.sandbox_id = self.cri.runtime("RunPodSandbox", {"config": sandbox}).pod_sandbox_id
+        self.pod_ip = self.cri.runtime("PodSandboxStatus", {"pod_sandbox_id": self.sandbox_id}).status.network.ip
+        # The fake API server, reachable from the pod at the bridge's address.
+        port = int(self.api_url.rsplit(":", 1)[1])
+        gateway = self.pod_ip.rsplit(".", 1)[0] + ".1"
+        if not hasattr(self, "relay"):
+            self.relay = Relay((gateway, port), ("127.0.0.1", port))
+        kube_dir = f"{WORK}/agent-kubeconfig"
+        os.makedirs(kube_dir, exist_ok=True)
+        text = open(f"{WORK}/kubeconfig").read().replace("127.0.0.1", gateway)
+        open(f"{kube_dir}/kubeconfig", "w").write(text)
+        config = {
+            "metadata": {"name": c["name"], "attempt": 0},
+            "image": {"image": c["image"]},
+            "command": c["command"], "args": c["args"],
+            "envs": c["envs"] + [{"key": "KUBECONFIG", "value": "/var/run/valet-kubeconfig/kubeconfig"}],
+            "mounts": c["mounts"] + [{"container_path": "/var/run/valet-kubeconfig", "host_path": kube_dir,
+                                      "readonly": True}],
+            "labels": {"io.kubernetes.container.name": c["name"], "io.kubernetes.pod.name": pod["name"],
+                       "io.kubernetes.pod.namespace": pod["namespace"], "io.kubernetes.pod.uid": uid},
+            "log_path": f"{c['name']}/0.log",
+            "linux": {"resources": c["resources"], "security_context": c["security_context"]},
+        }
+        self.container_id = self.cri.runtime(
+            "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": config, "sandbox_config": sandbox}
+        ).container_id
+        self.cri.runtime("StartContainer", {"container_id": self.container_id})
+        self.log_path = f"{log_dir}/{c['name']}/0.log"
+        self.metrics = f"{self.pod_ip}:{self.spec['metrics_port']}"
+        log(f"agent container {self.container_id[:12]} started, pod IP {self.pod_ip}")
+        end = time.monotonic() + 240
+        while time.monotonic() < end and self.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://{self.metrics}/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t
+            except Exception:
+                pass
+            time.sleep(0.5)
+        raise Failed(f"the agent's container never became ready (exit status {self.poll()})")
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.sandbox_id is None:
+            return
+        try:
+            self.cri.runtime("StopContainer", {"container_id": self.container_id,
+                                               "timeout": 0 if sig == signal.SIGKILL else 30}, timeout=60)
+            self.cri.runtime("StopPodSandbox", {"pod_sandbox_id": self.sandbox_id})
+            self.cri.runtime("RemovePodSandbox", {"pod_sandbox_id": self.sandbox_id})
+        finally:
+            self.sandbox_id = None
+
+    def dump(self):
+        if self.log_path and os.path.exists(self.log_path):
+            for line in open(self.log_path, errors="replace").read().splitlines()[-30:]:
+                print(f"node agent container log: {line[:400]}")
+
+
+def metric(agent, name):
     """Sum of a metric's samples on the agent's /metrics."""
-    with urllib.request.urlopen(f"http://{METRICS}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://{agent.metrics}/metrics", timeout=5) as r:
         text = r.read().decode()
     total = 0.0
     for line in text.splitlines():
@@ -261,8 +405,8 @@ def quit_after(sc, exit_ns, what="the app's exit"):
     return delay_ms
 
 
-def job(api, agent):
-    sc = Scenario(api, "job", f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0")
+def job(api, agent, tag=""):
+    sc = Scenario(api, "job" + tag, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0")
     try:
         sc.start()
         app_id = sc.run.containers["app"]["id"]
@@ -336,15 +480,15 @@ def release_after_ready(sc, held_since):
     return (ready_ns - held_since) / 1e9, delay_ms
 
 
-def hold_app(api, agent):
-    sc = Scenario(api, "hold_app", HELD_APP, proxy_args=["--ready-file", "/events/ready"], annotations=HOLD)
+def hold_app(api, agent, tag=""):
+    sc = Scenario(api, "hold_app" + tag, HELD_APP, proxy_args=["--ready-file", "/events/ready"], annotations=HOLD)
     try:
-        holds = metric("valet_app_holds_total")
+        holds = metric(agent, "valet_app_holds_total")
         sc.start()
         held_since = time.monotonic_ns()
         wait_held(sc)
         held_s, delay_ms = release_after_ready(sc, held_since)
-        if metric("valet_app_holds_total") <= holds:
+        if metric(agent, "valet_app_holds_total") <= holds:
             raise Failed("valet_app_holds_total did not grow")
         sc.touch("go")
         sc.finish()
@@ -463,11 +607,34 @@ def agent_restart_held(api, agent):
         sc.teardown()
 
 
-SCENARIOS = [job, hold_app, nested_pidns, short_app, onfailure_restart, oom_killed, agent_restart_held]
+def daemonset_agent(api, agent):
+    """The job and hold_app scenarios again, with the agent run from its image under exactly its
+    DaemonSet's privileges (the host agent is stopped meanwhile)."""
+    spec = f"{OUT}/agent-pod.json"
+    agent.stop()
+    boxed = ContainerAgent(spec, api.url)
+    figures = []
+    try:
+        figures.append(f"agent container ready in {boxed.start():.1f}s")
+        figures.append("job: " + job(api, boxed, tag="-ds"))
+        figures.append("hold_app: " + hold_app(api, boxed, tag="-ds"))
+        return "; ".join(figures)
+    except Failed:
+        boxed.dump()
+        raise
+    finally:
+        boxed.stop()
+        agent.start()
+
+
+SCENARIOS = [job, hold_app, nested_pidns, short_app, onfailure_restart, oom_killed, agent_restart_held, daemonset_agent]
+OUT = None
 
 
 def main():
+    global OUT
     release, images, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    OUT = out
     wanted = sys.argv[4:]
     os.makedirs(WORK, exist_ok=True)
     t0 = time.monotonic()
@@ -518,9 +685,10 @@ def save(agent, scenarios, out):
     agent.log_file.flush()
     try:
         shutil.copy(agent.log_path, f"{out}/agent.log")
-        for s in scenarios:
-            if os.path.isdir(f"{WORK}/{s.__name__}"):
-                shutil.copytree(f"{WORK}/{s.__name__}", f"{out}/{s.__name__}", dirs_exist_ok=True)
+        for d in glob.glob(f"{WORK}/*/"):
+            shutil.copytree(d, f"{out}/{os.path.basename(d.rstrip('/'))}", dirs_exist_ok=True)
+        for f in glob.glob("/var/log/pods/valet-system_*/*/*.log"):
+            shutil.copy(f, f"{out}/daemonset-agent.log")
     except OSError as e:
         log(f"could not save the logs to {out}: {e}")
 

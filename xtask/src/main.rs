@@ -6,8 +6,11 @@
 //! * `cargo xtask demo`   runs the agent against a simulated node on this host.
 //! * `cargo xtask bench`  prints the performance figures.
 //! * `cargo xtask fuzz`   runs the fuzz targets for a bounded time (also part of `test`).
+//! * `cargo xtask image`  builds the agent's OCI image (no Docker, no registry).
+//! * `cargo xtask kernels`, `cargo xtask node`: the qemu suites (Debian kernels, a real node).
 mod cmd;
 mod fuzz;
+mod image;
 mod kernels;
 mod lint;
 mod node;
@@ -47,6 +50,8 @@ enum Task {
         /// Only these kernels: suites (bullseye, bookworm, trixie) or versions (5.10, 6.1, 6.12).
         only: Vec<String>,
     },
+    /// Build the agent's OCI image (an image layout under target/oci) from the release binary.
+    Image,
     /// Run valet on a real node: a Debian VM with containerd driven through the CRI.
     Node {
         /// Only these scenarios (tests/node/scenarios.py), e.g. `job hold_app`.
@@ -80,6 +85,7 @@ fn main() -> Result<()> {
         Task::Setup => setup::setup(&root, true),
         Task::Lint => lint::lint(&root),
         Task::Test { filter, vm, kernels } => test::test(&root, filter.as_deref(), vm || kernels, kernels),
+        Task::Image => image::build(&root).map(|_| ()),
         Task::Kernels { only } => test::kernels(&root, &only),
         Task::Node { only } => test::node(&root, &only),
         Task::Fuzz { target, seconds } => fuzz::run(&root, target.as_deref(), seconds),

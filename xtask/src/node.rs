@@ -33,15 +33,6 @@ pub fn run(root: &Path, only: &[String]) -> Result<(u64, u64)> {
     let t = Instant::now();
     let image = node_image(root, &apt.mirror)?;
     println!("node: image {} ready in {:.0?}", image.display(), t.elapsed());
-    crate::cmd::run(crate::cmd::cargo().current_dir(root).args([
-        "build",
-        "--release",
-        "-p",
-        "valet-agent",
-        "-p",
-        "valet-sim",
-        "--bins",
-    ]))?;
     // VALET_NODE_BINARIES: run the scenarios with another build's valet-agent,
     // valet-fake-apiserver and valet-standin-proxy (a directory holding the three).
     let release = match std::env::var_os("VALET_NODE_BINARIES") {
@@ -49,9 +40,23 @@ pub fn run(root: &Path, only: &[String]) -> Result<(u64, u64)> {
             println!("node: binaries from VALET_NODE_BINARIES={}", dir.to_string_lossy());
             PathBuf::from(dir)
         }
-        None => crate::cmd::target_dir(root)?.join("release"),
+        None => {
+            crate::cmd::run(crate::cmd::cargo().current_dir(root).args([
+                "build",
+                "--release",
+                "-p",
+                "valet-agent",
+                "-p",
+                "valet-sim",
+                "--bins",
+            ]))?;
+            crate::cmd::target_dir(root)?.join("release")
+        }
     };
     let images = oci_images(root, &release, &busybox)?;
+    // The agent's own image (imported with the others), and its DaemonSet translated to the CRI.
+    let (_, agent_tar) = crate::image::from_binary(root, &release.join("valet-agent"))?;
+    std::fs::copy(&agent_tar, images.join("valet-agent.tar"))?;
     let dir = Path::new(CACHE).join("run/node");
     // Shared writable with the guest: the agent's log and the scenarios' events come back here.
     let out = dir.join("out");
@@ -76,6 +81,16 @@ pub fn run(root: &Path, only: &[String]) -> Result<(u64, u64)> {
     let append = format!("valet.root=/dev/vda valet.run={} systemd.show_status=0", script.display());
     let drive = format!("file={},if=virtio,format=raw,snapshot=on", image.display());
     let t = Instant::now();
+    let pod = Command::new(root.join(".venv/bin/python"))
+        .arg(root.join("tests/node/daemonset_cri.py"))
+        .arg(root.join("deploy/base/daemonset.yaml"))
+        .args(["valet-node", crate::image::NAME])
+        .output()
+        .context("translate the DaemonSet to CRI requests")?;
+    if !pod.status.success() {
+        bail!("daemonset_cri.py: {}", String::from_utf8_lossy(&pod.stderr));
+    }
+    std::fs::write(out.join("agent-pod.json"), &pod.stdout)?;
     let share = format!("local,path={},mount_tag=out,security_model=none", out.display());
     let (lines, timed_out) =
         qemu(&kernel, &append, &["-drive", &drive, "-virtfs", &share], &dir.join("console.log"), DEADLINE)?;
