@@ -18,6 +18,7 @@ the kubelet does, and mirrors the CRI state into the (fake) API server with the 
 The CRI messages come from kubernetes/cri-api's api.proto (vendored in cri/), compiled with
 Debian's protoc at start; calls go through grpcio's generic unary API, so no generated stubs.
 """
+import base64
 import json
 import os
 import subprocess
@@ -93,6 +94,11 @@ class Api:
         return self.request(
             "PATCH", f"/api/v1/namespaces/{ns}/pods/{name}/status", {"status": status}, "application/merge-patch+json"
         )
+
+
+def env_values(envs):
+    """CRI `KeyValue` carries `bytes value` (api.proto): protobuf's JSON form of bytes is base64."""
+    return [{"key": e["key"], "value": base64.b64encode(e["value"].encode()).decode()} for e in envs]
 
 
 def rfc3339(ns):
@@ -184,7 +190,7 @@ class PodRun:
             "image": {"image": c["image"]},
             "command": c.get("command", []),
             "args": c.get("args", []),
-            "envs": [{"key": e["name"], "value": e.get("value", "")} for e in c.get("env", [])],
+            "envs": env_values([{"key": e["name"], "value": e.get("value", "")} for e in c.get("env", [])]),
             "mounts": self.mounts(c),
             "labels": {
                 "io.kubernetes.container.name": c["name"],

@@ -234,7 +234,7 @@ class ContainerAgent:
             "metadata": {"name": c["name"], "attempt": 0},
             "image": {"image": c["image"]},
             "command": c["command"], "args": c["args"],
-            "envs": c["envs"] + [{"key": "KUBECONFIG", "value": "/var/run/valet-kubeconfig/kubeconfig"}],
+            "envs": kubelet.env_values(c["envs"] + [{"key": "KUBECONFIG", "value": "/var/run/valet-kubeconfig/kubeconfig"}]),
             "mounts": c["mounts"] + [{"container_path": "/var/run/valet-kubeconfig", "host_path": kube_dir,
                                       "readonly": True}],
             "labels": {"io.kubernetes.container.name": c["name"], "io.kubernetes.pod.name": pod["name"],
@@ -264,8 +264,9 @@ class ContainerAgent:
         if self.sandbox_id is None:
             return
         try:
-            self.cri.runtime("StopContainer", {"container_id": self.container_id,
-                                               "timeout": 0 if sig == signal.SIGKILL else 30}, timeout=60)
+            if self.container_id is not None:
+                self.cri.runtime("StopContainer", {"container_id": self.container_id,
+                                                   "timeout": 0 if sig == signal.SIGKILL else 30}, timeout=60)
             self.cri.runtime("StopPodSandbox", {"pod_sandbox_id": self.sandbox_id})
             self.cri.runtime("RemovePodSandbox", {"pod_sandbox_id": self.sandbox_id})
         finally:
@@ -500,13 +501,15 @@ def hold_app(api, agent, tag=""):
 
 
 def nested_pidns(api, agent):
-    app = ("unshare --user --map-root-user --pid --fork /bin/sh -c 'cat /proc/uptime > /events/child-start; "
+    app = ("while [ ! -e /events/sandbox ]; do sleep 0.2; done; "
+           "unshare --user --map-root-user --pid --fork /bin/sh -c 'cat /proc/uptime > /events/child-start; "
            "sleep 1'; cat /proc/uptime > /events/child-exit; "
            f"{WAIT_GO}; cat /proc/uptime > /events/app-exit")
     sc = Scenario(api, "nested_pidns", app)
     try:
         sc.start()
         sc.proxy_ready()
+        sc.touch("sandbox")
         wait_for("the nested child's exit", lambda: os.path.exists(sc.path("child-exit")), 60)
         if not os.path.exists(sc.path("child-start")):
             raise Failed("the nested pid namespace child never ran")
@@ -575,12 +578,21 @@ def oom_killed(api, agent):
         sc.touch("go")
         sc.finish()
         app = sc.run.containers["app"]["status"]
-        if app.exit_code != 137 or app.reason != "OOMKilled":
-            raise Failed(f"the app ended with exit {app.exit_code} reason {app.reason!r}, not an OOM kill")
+        # The container's cgroup is gone; the pod's keeps the (hierarchical) OOM kill count.
+        uid = sc.run.meta["uid"].replace("-", "_")
+        events = glob.glob(f"/sys/fs/cgroup/kubepods.slice/*/*-pod{uid}.slice/memory.events")
+        kills = 0
+        for line in open(events[0]) if events else []:
+            if line.startswith("oom_kill "):
+                kills = int(line.split()[1])
+        if app.exit_code != 137 or kills < 1:
+            raise Failed(f"the app ended with exit {app.exit_code} (reason {app.reason!r}) and the pod's "
+                         f"memory.events counts {kills} OOM kills: not an OOM kill")
         if watcher.gone_ns is None:
             raise Failed("the app's process exit was not seen")
         delay = quit_after(sc, watcher.gone_ns, "the app's OOM kill")
-        return f"app OOM-killed at its 48Mi limit (exit 137, OOMKilled); quit {delay:.0f} ms after its process died (±5 ms)"
+        return (f"app OOM-killed at its 48Mi limit (exit 137, {kills} oom_kill in the pod's memory.events, containerd's "
+                f"reason {app.reason!r}); quit {delay:.0f} ms after its process died (±5 ms)")
     finally:
         sc.teardown()
 
