@@ -6,7 +6,9 @@ would make for its pod, as JSON for the node VM (which has no YAML parser):
   unless hostNetwork, the AppArmor annotation;
 - the container: its image and command, its env (`fieldRef: spec.nodeName` resolved to the node's
   name), its volumeMounts resolved against the hostPath volumes (read-only where the DaemonSet
-  says so), its securityContext (capabilities `drop`/`add` with the kubelet's `CAP_` prefix,
+  says so), its securityContext (capabilities `drop`/`add` as the kubelet passes them: the names
+  without `CAP_`, which containerd adds; `CAP_SYS_ADMIN` would become `CAP_CAP_SYS_ADMIN`, which
+  runc ignores with a warning, leaving the container without it),
   runAsUser/Group, readOnlyRootFilesystem, allowPrivilegeEscalation: false -> no_new_privs,
   RuntimeDefault seccomp), its resource limits.
 
@@ -99,8 +101,8 @@ def translate(ds, node, image):
         resources["cpu_shares"] = max(2, millicores(requests["cpu"]) * 1024 // 1000)
     container_sc = {
         "capabilities": {
-            "drop_capabilities": [x if x == "ALL" else f"CAP_{x}" for x in caps.get("drop", [])],
-            "add_capabilities": [f"CAP_{x}" for x in caps.get("add", [])],
+            "drop_capabilities": list(caps.get("drop", [])),
+            "add_capabilities": list(caps.get("add", [])),
         },
         "namespace_options": ns_opts,
         "readonly_rootfs": bool(sc.get("readOnlyRootFilesystem", False)),

@@ -173,6 +173,15 @@ class Relay(threading.Thread):
             threading.Thread(target=self.pipe, args=(up, conn), daemon=True).start()
 
 
+CAPS = {0: "CHOWN", 1: "DAC_OVERRIDE", 2: "DAC_READ_SEARCH", 3: "FOWNER", 4: "FSETID", 5: "KILL", 6: "SETGID",
+        7: "SETUID", 8: "SETPCAP", 9: "LINUX_IMMUTABLE", 10: "NET_BIND_SERVICE", 11: "NET_BROADCAST",
+        12: "NET_ADMIN", 13: "NET_RAW", 14: "IPC_LOCK", 15: "IPC_OWNER", 16: "SYS_MODULE", 17: "SYS_RAWIO",
+        18: "SYS_CHROOT", 19: "SYS_PTRACE", 20: "SYS_PACCT", 21: "SYS_ADMIN", 22: "SYS_BOOT", 23: "SYS_NICE",
+        24: "SYS_RESOURCE", 25: "SYS_TIME", 26: "SYS_TTY_CONFIG", 27: "MKNOD", 28: "LEASE", 29: "AUDIT_WRITE",
+        30: "AUDIT_CONTROL", 31: "SETFCAP", 32: "MAC_OVERRIDE", 33: "MAC_ADMIN", 34: "SYSLOG", 35: "WAKE_ALARM",
+        36: "BLOCK_SUSPEND", 37: "AUDIT_READ", 38: "PERFMON", 39: "BPF", 40: "CHECKPOINT_RESTORE"}
+
+
 class ContainerAgent:
     """valet-agent as the kubelet would run it from its DaemonSet: a pod through the CRI, from the
     image `cargo xtask image` builds, with the security context, mounts and env that
@@ -271,6 +280,21 @@ class ContainerAgent:
             self.cri.runtime("RemovePodSandbox", {"pod_sandbox_id": self.sandbox_id})
         finally:
             self.sandbox_id = None
+
+    def privileges(self):
+        """What the runtime gave the agent's process: capability names in CapEff, NoNewPrivs,
+        Seccomp mode, whether / is read-only, whether it sees the host's pid 1."""
+        pids = container_pids(self.container_id)
+        if not pids:
+            raise Failed("the agent's container has no process")
+        status = dict(line.split(":", 1) for line in open(f"/proc/{pids[0]}/status") if ":" in line)
+        eff = int(status["CapEff"].strip(), 16)
+        caps = sorted(name for bit, name in CAPS.items() if eff & (1 << bit))
+        unknown = eff & ~sum(1 << b for b in CAPS)
+        root_ro = any(line.split()[4] == "/" and "ro" in line.split()[5].split(",")
+                      for line in open(f"/proc/{pids[0]}/mountinfo"))
+        return {"caps": caps + ([f"0x{unknown:x}"] if unknown else []), "no_new_privs": status["NoNewPrivs"].strip(),
+                "seccomp": status["Seccomp"].strip(), "root_ro": root_ro}
 
     def dump(self):
         if self.log_path and os.path.exists(self.log_path):
@@ -627,7 +651,17 @@ def daemonset_agent(api, agent):
     boxed = ContainerAgent(spec, api.url)
     figures = []
     try:
-        figures.append(f"agent container ready in {boxed.start():.1f}s")
+        try:
+            figures.append(f"agent container ready in {boxed.start():.1f}s")
+        finally:
+            if boxed.container_id is not None and boxed.poll() is None:
+                got = boxed.privileges()
+                log(f"the agent's container runs with {got}")
+                want = sorted(boxed.spec["container"]["security_context"]["capabilities"]["add_capabilities"])
+                if got["caps"] != want or got["no_new_privs"] != "1" or got["seccomp"] != "2" or not got["root_ro"]:
+                    raise Failed(f"the runtime gave the agent {got}, not the DaemonSet's capabilities {want}, "
+                                 "no_new_privs, a seccomp filter and a read-only root")
+                figures.append(f"CapEff {'+'.join(got['caps'])}, NoNewPrivs, seccomp filter, read-only /")
         figures.append("job: " + job(api, boxed, tag="-ds"))
         figures.append("hold_app: " + hold_app(api, boxed, tag="-ds"))
         return "; ".join(figures)
