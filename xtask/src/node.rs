@@ -29,7 +29,13 @@ pub fn run(root: &Path, only: &[String]) -> Result<(u64, u64)> {
     let started = Instant::now();
     let apt = Apt::new()?;
     let busybox = apt.busybox()?;
-    let kernel = apt.kernel("bookworm", &busybox)?;
+    // VALET_NODE_KERNEL: boot the node with another kernel of the matrix (e.g. 6.12); the root
+    // file system stays bookworm's.
+    let suite = match std::env::var("VALET_NODE_KERNEL") {
+        Ok(k) => crate::kernels::suites(&[k])?.first().copied().unwrap_or("bookworm"),
+        Err(_) => "bookworm",
+    };
+    let kernel = apt.kernel(suite, &busybox)?;
     let t = Instant::now();
     let image = node_image(root, &apt.mirror)?;
     println!("node: image {} ready in {:.0?}", image.display(), t.elapsed());
