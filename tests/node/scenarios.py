@@ -422,6 +422,16 @@ class Scenario:
 WAIT_GO = "while [ ! -e /events/go ]; do sleep 0.2; done"
 
 
+KERNEL_QUITS = "valet_quit_latency_seconds_count"
+
+
+def kernel_saw_exit(agent, before):
+    """Whether the agent timed a quit from an exit it saw in the kernel since `before` (its quit
+    latency histogram counts only those; a quit made from the API's `terminated` comes a relist
+    later and is not counted)."""
+    return metric(agent, KERNEL_QUITS) > before
+
+
 def quit_after(sc, exit_ns, what="the app's exit"):
     quits = sc.quits()
     delay_ms = (quits[0] - exit_ns) / 1e6
@@ -433,6 +443,7 @@ def quit_after(sc, exit_ns, what="the app's exit"):
 def job(api, agent, tag=""):
     sc = Scenario(api, "job" + tag, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0")
     try:
+        kernel_quits = metric(agent, KERNEL_QUITS)
         sc.start()
         app_id = sc.run.containers["app"]["id"]
         watcher = CgroupWatcher(app_id)
@@ -445,6 +456,9 @@ def job(api, agent, tag=""):
             raise Failed(f"the app exited {app.exit_code}")
         exit_ns = uptime_ns(sc.path("app-exit"))
         delay = quit_after(sc, exit_ns)
+        if not kernel_saw_exit(agent, kernel_quits):
+            raise Failed(f"the quit came {delay:.0f} ms after the app's exit, from the API: the agent did not see "
+                         "the app's exit in the kernel")
         extra = [f"containerd's finishedAt {(real_to_mono_ns(app.finished_at) - exit_ns) / 1e6:.0f} ms after the exit"]
         for what in ("cgroup", "bundle"):
             if what in watcher.gone:
@@ -531,6 +545,7 @@ def nested_pidns(api, agent):
            f"{WAIT_GO}; cat /proc/uptime > /events/app-exit")
     sc = Scenario(api, "nested_pidns", app)
     try:
+        kernel_quits = metric(agent, KERNEL_QUITS)
         sc.start()
         sc.proxy_ready()
         sc.touch("sandbox")
@@ -546,6 +561,9 @@ def nested_pidns(api, agent):
         sc.touch("go")
         sc.finish()
         delay = quit_after(sc, uptime_ns(sc.path("app-exit")))
+        if not kernel_saw_exit(agent, kernel_quits):
+            raise Failed(f"no quit for 3 s after the nested child's exit, but the quit came {delay:.0f} ms after the "
+                         "app's exit, from the API: the agent did not see the app's exit in the kernel")
         return f"no quit for 3 s after the nested child's exit; quit {delay:.0f} ms after the app's own exit"
     finally:
         sc.teardown()
