@@ -8,11 +8,17 @@ the kubelet does, and mirrors the CRI state into the (fake) API server with the 
 - a status sync every second (the PLEG relist period): ContainerStatus for every container, the
   container id in `status.containerStatuses` once it runs, `ready` only after the container's
   readinessProbe passed (httpGet on the pod IP, every `periodSeconds`), `terminated` once exited;
+- a container that exited is restarted as the pod's `restartPolicy` says (`Always`, or `OnFailure`
+  after a non-zero exit): a new container through the CRI (`attempt` + 1) after a back-off
+  (the kubelet's first one is 10 s; RESTART_BACKOFF here), its `restartCount` and `lastState` kept;
+- every container gets `memory.oom.group=1` (the kubelet does so on cgroup v2 since 1.28), so an
+  OOM kill ends the whole container;
 - StopPodSandbox/RemovePodSandbox once every container of a `restartPolicy: Never` pod ended.
 
 The CRI messages come from kubernetes/cri-api's api.proto (vendored in cri/), compiled with
 Debian's protoc at start; calls go through grpcio's generic unary API, so no generated stubs.
 """
+import base64
 import json
 import os
 import subprocess
@@ -27,6 +33,7 @@ from google.protobuf import json_format
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONTAINERD = "unix:///run/containerd/containerd.sock"
 RELIST = 1.0
+RESTART_BACKOFF = 2.0
 
 
 def load_api():
@@ -89,6 +96,11 @@ class Api:
         )
 
 
+def env_values(envs):
+    """CRI `KeyValue` carries `bytes value` (api.proto): protobuf's JSON form of bytes is base64."""
+    return [{"key": e["key"], "value": base64.b64encode(e["value"].encode()).decode()} for e in envs]
+
+
 def rfc3339(ns):
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ns / 1e9)) if ns else None
 
@@ -128,6 +140,7 @@ class PodRun:
         self.meta = pod["metadata"]
         self.containers = {}  # name -> {"id":..., "ready": bool, "next_probe": t, "status": CRI status dict}
         self.sandbox_id = None
+        self.sandbox_cfg = None
         self.pod_ip = None
 
     def sandbox_config(self):
@@ -154,6 +167,7 @@ class PodRun:
     def start(self):
         t = time.monotonic()
         config = self.sandbox_config()
+        self.sandbox_cfg = config
         os.makedirs(config["log_directory"], exist_ok=True)
         self.sandbox_id = self.cri.runtime("RunPodSandbox", {"config": config}).pod_sandbox_id
         status = self.cri.runtime("PodSandboxStatus", {"pod_sandbox_id": self.sandbox_id}).status
@@ -163,19 +177,20 @@ class PodRun:
         for c in self.pod["spec"]["containers"]:
             self.start_container(c, config)
 
-    def start_container(self, c, sandbox_config):
+    def start_container(self, c, sandbox_config, attempt=0, last=None):
         m = self.meta
         ns = m.get("namespace", "default")
         linux = {"security_context": {"namespace_options": {"network": "POD", "pid": "CONTAINER", "ipc": "POD"}}}
+        linux["resources"] = {"unified": {"memory.oom.group": "1"}}
         limit = memory_limit(c.get("resources", {}))
         if limit:
-            linux["resources"] = {"memory_limit_in_bytes": limit}
+            linux["resources"]["memory_limit_in_bytes"] = limit
         config = {
-            "metadata": {"name": c["name"], "attempt": 0},
+            "metadata": {"name": c["name"], "attempt": attempt},
             "image": {"image": c["image"]},
             "command": c.get("command", []),
             "args": c.get("args", []),
-            "envs": [{"key": e["name"], "value": e.get("value", "")} for e in c.get("env", [])],
+            "envs": env_values([{"key": e["name"], "value": e.get("value", "")} for e in c.get("env", [])]),
             "mounts": self.mounts(c),
             "labels": {
                 "io.kubernetes.container.name": c["name"],
@@ -183,8 +198,8 @@ class PodRun:
                 "io.kubernetes.pod.namespace": ns,
                 "io.kubernetes.pod.uid": m["uid"],
             },
-            "annotations": {"io.kubernetes.container.restartCount": "0"},
-            "log_path": f"{c['name']}/0.log",
+            "annotations": {"io.kubernetes.container.restartCount": str(attempt)},
+            "log_path": f"{c['name']}/{attempt}.log",
             "linux": linux,
         }
         t = time.monotonic()
@@ -192,8 +207,17 @@ class PodRun:
             "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": config, "sandbox_config": sandbox_config}
         ).container_id
         self.cri.runtime("StartContainer", {"container_id": cid})
-        self.log(f"kubelet: container {c['name']} {cid[:12]} created and started in {time.monotonic() - t:.3f}s")
-        self.containers[c["name"]] = {"id": cid, "ready": False, "next_probe": 0.0, "spec": c, "status": None}
+        self.log(f"kubelet: container {c['name']} {cid[:12]} (attempt {attempt}) created and started in "
+                 f"{time.monotonic() - t:.3f}s")
+        self.containers[c["name"]] = {"id": cid, "ready": False, "next_probe": 0.0, "spec": c, "status": None,
+                                      "attempt": attempt, "last": last, "restart_at": None, "ids": []}
+        if last is not None:
+            self.containers[c["name"]]["ids"] = last["ids"] + [last["id"]]
+
+    def restart_due(self, entry, st):
+        """Whether an exited container is to be restarted, per the pod's restartPolicy."""
+        policy = self.pod["spec"].get("restartPolicy", "Always")
+        return policy == "Always" or (policy == "OnFailure" and st.exit_code != 0)
 
     def mounts(self, c):
         """hostPath volumes, as the kubelet hands them to the runtime."""
@@ -228,23 +252,36 @@ class PodRun:
             st = self.cri.runtime("ContainerStatus", {"container_id": entry["id"]}).status
             entry["status"] = st
             cs = {"name": name, "image": entry["spec"]["image"], "imageID": st.image_ref,
-                  "containerID": f"containerd://{entry['id']}", "restartCount": 0}
+                  "containerID": f"containerd://{entry['id']}", "restartCount": entry["attempt"]}
+            if entry["last"] is not None:
+                cs["lastState"] = {"terminated": entry["last"]["terminated"]}
             if st.state == pb.CONTAINER_RUNNING:
                 all_exited = False
                 entry["ready"] = self.probe(entry)
                 cs.update(started=True, ready=entry["ready"], state={"running": {"startedAt": rfc3339(st.started_at)}})
             elif st.state == pb.CONTAINER_EXITED:
-                cs.update(started=False, ready=False, state={"terminated": {
+                terminated = {
                     "exitCode": st.exit_code, "reason": st.reason or ("Completed" if st.exit_code == 0 else "Error"),
                     "startedAt": rfc3339(st.started_at), "finishedAt": rfc3339(st.finished_at),
-                    "containerID": f"containerd://{entry['id']}"}})
+                    "containerID": f"containerd://{entry['id']}"}
+                cs.update(started=False, ready=False, state={"terminated": terminated})
+                if self.restart_due(entry, st):
+                    all_exited = False
+                    now = time.monotonic()
+                    if entry["restart_at"] is None:
+                        entry["restart_at"] = now + RESTART_BACKOFF
+                        cs["state"] = {"waiting": {"reason": "CrashLoopBackOff"}}
+                        cs["lastState"] = {"terminated": terminated}
+                    elif now >= entry["restart_at"]:
+                        last = dict(entry, terminated=terminated)
+                        self.start_container(entry["spec"], self.sandbox_cfg, entry["attempt"] + 1, last)
             else:
                 all_exited = False
                 cs.update(started=False, ready=False, state={"waiting": {"reason": "ContainerCreating"}})
             statuses.append(cs)
-        codes = [e["status"].exit_code for e in self.containers.values()]
         phase = "Running"
         if all_exited:
+            codes = [e["status"].exit_code for e in self.containers.values()]
             phase = "Succeeded" if all(c == 0 for c in codes) else "Failed"
         self.api.patch_status(self.pod, {"phase": phase, "podIP": self.pod_ip, "containerStatuses": statuses})
         return all_exited
@@ -259,6 +296,11 @@ class PodRun:
 
     def teardown(self):
         for entry in self.containers.values():
+            for old in entry["ids"]:
+                try:
+                    self.cri.runtime("RemoveContainer", {"container_id": old})
+                except grpc.RpcError as e:
+                    self.log(f"kubelet: RemoveContainer {old[:12]}: {e.code()}")
             try:
                 self.cri.runtime("StopContainer", {"container_id": entry["id"], "timeout": 2})
             except grpc.RpcError as e:

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Builds a one-layer OCI image archive (an image layout in a tar) without a registry or Docker,
-for `ctr -n k8s.io images import`.
+"""Builds a one-layer OCI image without a registry or Docker: an OCI image layout, in a tar (for
+`ctr -n k8s.io images import`) or, with --layout, as a directory as well. Reproducible: every
+timestamp is 0, so the same inputs give the same digests.
 
     oci_image.py OUT.tar NAME --add SRC:DST [--add SRC:DST ...] [--elf SRC:DST] [--link DST:TARGET]
-                 [--entrypoint JSON] [--env K=V]
+                 [--entrypoint JSON] [--env K=V] [--label K=V] [--user U] [--port P/tcp] [--layout DIR]
 
 --elf copies a dynamically linked executable together with the shared libraries `ldd` names, so
 host-built binaries run in the image.
@@ -13,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 
@@ -49,11 +51,9 @@ def shared_libraries(path):
     return libs
 
 
-def blob(out, data):
+def blob(files, data):
     digest = hashlib.sha256(data).hexdigest()
-    info = tarfile.TarInfo(f"blobs/sha256/{digest}")
-    info.size, info.mtime = len(data), 0
-    out.addfile(info, io.BytesIO(data))
+    files[f"blobs/sha256/{digest}"] = data
     return {"digest": f"sha256:{digest}", "size": len(data)}
 
 
@@ -66,7 +66,12 @@ def main():
     p.add_argument("--link", action="append", default=[])
     p.add_argument("--entrypoint", default="[]")
     p.add_argument("--env", action="append", default=["PATH=/bin:/usr/bin"])
+    p.add_argument("--label", action="append", default=[])
+    p.add_argument("--user")
+    p.add_argument("--port", action="append", default=[])
+    p.add_argument("--layout", help="also write the image layout as a directory here")
     a = p.parse_args()
+    files = {}
 
     buf = io.BytesIO()
     seen = set()
@@ -84,37 +89,54 @@ def main():
             layer.addfile(info)
     layer_bytes = buf.getvalue()
 
-    with tarfile.open(a.out, "w") as out:
-        layer_desc = blob(out, layer_bytes)
-        config = {
-            "architecture": "amd64",
-            "os": "linux",
-            "config": {"Entrypoint": json.loads(a.entrypoint), "Env": a.env},
-            "rootfs": {"type": "layers", "diff_ids": [layer_desc["digest"]]},
-        }
-        config_desc = blob(out, json.dumps(config).encode())
-        manifest = {
-            "schemaVersion": 2,
+    layer_desc = blob(files, layer_bytes)
+    image_config = {"Entrypoint": json.loads(a.entrypoint), "Env": a.env}
+    if a.label:
+        image_config["Labels"] = dict(kv.split("=", 1) for kv in a.label)
+    if a.user:
+        image_config["User"] = a.user
+    if a.port:
+        image_config["ExposedPorts"] = {p: {} for p in a.port}
+    config = {
+        "architecture": "amd64",
+        "os": "linux",
+        "config": image_config,
+        "rootfs": {"type": "layers", "diff_ids": [layer_desc["digest"]]},
+    }
+    config_desc = blob(files, json.dumps(config).encode())
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **config_desc},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", **layer_desc}],
+    }
+    manifest_desc = blob(files, json.dumps(manifest).encode())
+    index = {
+        "schemaVersion": 2,
+        "manifests": [{
             "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **config_desc},
-            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", **layer_desc}],
-        }
-        manifest_desc = blob(out, json.dumps(manifest).encode())
-        index = {
-            "schemaVersion": 2,
-            "manifests": [{
-                "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                **manifest_desc,
-                "annotations": {
-                    "io.containerd.image.name": a.name,
-                    "org.opencontainers.image.ref.name": a.name.rsplit(":", 1)[-1],
-                },
-            }],
-        }
-        for name, data in [("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'), ("index.json", json.dumps(index).encode())]:
+            **manifest_desc,
+            "annotations": {
+                "io.containerd.image.name": a.name,
+                "org.opencontainers.image.ref.name": a.name.rsplit(":", 1)[-1],
+            },
+        }],
+    }
+    files["oci-layout"] = b'{"imageLayoutVersion":"1.0.0"}'
+    files["index.json"] = json.dumps(index).encode()
+    with tarfile.open(a.out, "w") as out:
+        for name, data in files.items():
             info = tarfile.TarInfo(name)
             info.size, info.mtime = len(data), 0
             out.addfile(info, io.BytesIO(data))
+    if a.layout:
+        shutil.rmtree(a.layout, ignore_errors=True)
+        for name, data in files.items():
+            path = os.path.join(a.layout, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+    print(f"{a.name}: manifest {manifest_desc['digest']}, layer {layer_desc['size']} bytes")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,25 @@ pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
 }
 
+/// Cargo's target directory for the workspace (`CARGO_TARGET_DIR` or `build.target-dir` when set,
+/// else `<root>/target`), as `cargo metadata` reports it.
+pub fn target_dir(root: &Path) -> Result<PathBuf> {
+    let out = cargo()
+        .current_dir(root)
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("cargo metadata")?;
+    if !out.status.success() {
+        bail!("cargo metadata failed: {}", out.status);
+    }
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).context("cargo metadata output")?;
+    meta["target_directory"]
+        .as_str()
+        .map(PathBuf::from)
+        .ok_or_else(|| anyhow::anyhow!("cargo metadata named no target_directory"))
+}
+
 /// The cargo that runs xtask, so every step uses the same toolchain.
 pub fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))

@@ -28,13 +28,33 @@ const GUEST_MODULES: &[&str] = &["virtio_pci", "9pnet_virtio", "9p"];
 /// the kernel ships them.
 const NODE_MODULES: &[&str] = &["virtio_blk", "crc32c_generic", "ext4", "overlay", "bridge", "veth"];
 /// Bumped when the initramfs's contents change, so cached ones are rebuilt.
-const INITRAMFS_VERSION: u32 = 2;
+const INITRAMFS_VERSION: u32 = 3;
+/// Where the guest mounts tmpfs over the host's read-only root: host paths below them (a checkout
+/// or a target directory under /tmp) are bound back into the guest (`valet.keep=`).
+const GUEST_TMPFS: &[&str] = &["/tmp", "/run"];
 /// The end-to-end scenario run on every kernel.
 const SCENARIO: &str = "labelled_job_pod_proxy_quits_when_the_app_exits";
 /// A guest that has not powered off by then is killed and its kernel counted as failed.
 const DEADLINE: Duration = Duration::from_secs(10 * 60);
 /// Lists older than this are refreshed before a kernel version is chosen.
 const LISTS_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The matrix: Debian suite and the kernel series it ships.
+pub const MATRIX: [(&str, &str); 3] = [("bullseye", "5.10"), ("bookworm", "6.1"), ("trixie", "6.12")];
+
+/// The suites named by `only` (suite names or kernel series), all of them when empty.
+pub fn suites(only: &[String]) -> Result<Vec<&'static str>> {
+    if only.is_empty() {
+        return Ok(MATRIX.iter().map(|(s, _)| *s).collect());
+    }
+    only.iter()
+        .map(|o| {
+            MATRIX.iter().find(|(s, v)| o == s || o == v).map(|(s, _)| *s).ok_or_else(|| {
+                anyhow!("unknown kernel {o:?}: one of {}", MATRIX.map(|(s, v)| format!("{s} ({v})")).join(", "))
+            })
+        })
+        .collect()
+}
 
 /// Boots each suite's kernel, runs the tests in it and prints `kernel <uname -r>: N passed, N failed`
 /// per kernel. Returns the summed (passed, failed) counts; an error only when the matrix could not
@@ -81,6 +101,8 @@ struct Binaries {
     shutdown_test: PathBuf,
     agent: PathBuf,
     standin: PathBuf,
+    /// Cargo's target directory.
+    target: PathBuf,
 }
 
 impl Binaries {
@@ -115,8 +137,10 @@ impl Binaries {
             }
         }
         let take = |n: &str| found.get(n).cloned().ok_or_else(|| anyhow!("cargo named no executable for test {n}"));
-        let release = root.join("target/release");
+        let target = crate::cmd::target_dir(root)?;
+        let release = target.join("release");
         Ok(Self {
+            target,
             kernel_test: take("kernel")?,
             shutdown_test: take("shutdown")?,
             agent: release.join("valet-agent"),
@@ -500,6 +524,10 @@ if [ -n "$root" ]; then
 fi
 mount -t 9p -o ro,$P9 host /newroot || fail "mount the host root"
 R=/newroot
+# Host paths the tmpfs mounts below would hide (a checkout under /tmp): a second view of the
+# host's root, taken before they are mounted, lends them back.
+keep=$(sed -n 's/.*valet\.keep=\([^ ]*\).*/\1/p' /proc/cmdline | tr , ' ')
+if [ -n "$keep" ]; then mkdir -p /hostroot && mount --bind $R /hostroot || fail "bind the host root"; fi
 mount -t proc proc $R/proc || fail proc
 mount -t sysfs sysfs $R/sys || fail sysfs
 mount -t devtmpfs devtmpfs $R/dev || fail devtmpfs
@@ -512,6 +540,10 @@ mount -t cgroup2 cgroup2 $R/sys/fs/cgroup || fail cgroup2
 mount -t tracefs tracefs $R/sys/kernel/tracing || fail tracefs
 mount -t debugfs debugfs $R/sys/kernel/debug
 mount -t bpf bpf $R/sys/fs/bpf || fail bpffs
+for p in $keep; do
+  mkdir -p "$R$p" && mount --bind "/hostroot$p" "$R$p" || fail "bind $p back over the tmpfs"
+done
+if [ -n "$keep" ]; then umount /hostroot || fail "unmount the second view of the host root"; fi
 umount /proc
 exec switch_root $R "$shell" sh "$run"
 "#;
@@ -599,8 +631,12 @@ struct Outcome {
     note: Option<String>,
 }
 
-/// The guest's script: both test binaries, their summaries on the console, then power off.
+/// The guest's script: both test binaries, their summaries on the console, then power off. The
+/// tests' output is not captured: a panic (a verifier log) reaches the console when it happens,
+/// not at the end of a run the deadline may cut short. `VALET_KERNEL_TESTS` (a test name filter)
+/// narrows the kernel tests.
 fn guest_script(root: &Path, bins: &Binaries, busybox: &Path) -> String {
+    let filter = std::env::var("VALET_KERNEL_TESTS").unwrap_or_default();
     format!(
         r#"export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root RUST_BACKTRACE=1
 export VALET_AGENT_BIN={agent} VALET_STANDIN_PROXY={standin}
@@ -608,10 +644,10 @@ ip link set lo up
 echo "VALET-VM-UNAME $(uname -r)"
 cd {tests}
 echo "VALET-VM-BEGIN kernel"
-{kernel} --test-threads=1 --color=never 2>&1
+{kernel} --test-threads=1 --nocapture --color=never {filter} 2>&1
 echo "VALET-VM-END kernel $?"
 echo "VALET-VM-BEGIN shutdown"
-{shutdown} --exact {scenario} --test-threads=1 --color=never 2>&1
+{shutdown} --exact {scenario} --test-threads=1 --nocapture --color=never 2>&1
 echo "VALET-VM-END shutdown $?"
 sync
 echo "VALET-VM-DONE"
@@ -623,6 +659,7 @@ echo "VALET-VM-DONE"
         kernel = bins.kernel_test.display(),
         shutdown = bins.shutdown_test.display(),
         scenario = SCENARIO,
+        filter = filter.split_whitespace().collect::<Vec<_>>().join(" "),
         busybox = busybox.display(),
     )
 }
@@ -632,7 +669,11 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result
     std::fs::create_dir_all(&dir)?;
     let script = dir.join("run.sh");
     std::fs::write(&script, guest_script(root, bins, busybox))?;
-    let append = format!("valet.run={} valet.shell={}", script.display(), busybox.display());
+    let mut append = format!("valet.run={} valet.shell={}", script.display(), busybox.display());
+    let keep = kept_paths(&[root, &bins.target])?;
+    if !keep.is_empty() {
+        append.push_str(&format!(" valet.keep={}", keep.join(",")));
+    }
     let (lines, timed_out) = qemu(kernel, &append, &[], &dir.join("console.log"), DEADLINE)?;
     let mut outcome = judge(&lines);
     if timed_out {
@@ -640,6 +681,32 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result
         outcome.note = Some(format!("killed after {DEADLINE:?}; console: {}", dir.join("console.log").display()));
     }
     Ok(outcome)
+}
+
+/// The paths among `paths` (resolved) that lie below one of the guest's tmpfs mounts
+/// ([`GUEST_TMPFS`]) and must be bound back over it, outermost only.
+fn kept_paths(paths: &[&Path]) -> Result<Vec<String>> {
+    let mut keep: Vec<PathBuf> = Vec::new();
+    for path in paths {
+        let real = std::fs::canonicalize(path).with_context(|| format!("resolve {}", path.display()))?;
+        let Some(tmpfs) = GUEST_TMPFS.iter().map(Path::new).find(|t| real.starts_with(t)) else { continue };
+        if real == tmpfs {
+            bail!("{} is the guest's tmpfs mount point itself: move it into a directory below it", real.display());
+        }
+        let text = real.to_string_lossy();
+        if text.contains([' ', ',', '\t', '\n']) {
+            bail!("{text}: the guest's kernel command line cannot carry a path with blanks or commas");
+        }
+        keep.push(real);
+    }
+    keep.sort();
+    let mut outer: Vec<PathBuf> = Vec::new();
+    for p in keep {
+        if !outer.iter().any(|o| p.starts_with(o)) {
+            outer.push(p);
+        }
+    }
+    Ok(outer.iter().map(|p| p.to_string_lossy().into_owned()).collect())
 }
 
 /// Boots `kernel` with our initramfs and the host's `/` shared read-only, echoes the serial
@@ -719,15 +786,19 @@ fn echoed(line: &str) -> bool {
     PREFIXES.iter().any(|p| line.starts_with(p)) || line.contains("FAIL") || line.contains("Kernel panic")
 }
 
-/// Counts the cargo test summaries of both binaries; a binary that ended without a summary, or a
-/// guest that never finished, counts as one failure, with the reason.
+/// Counts the cargo test summaries of both binaries. A binary that ended (or was cut off by the
+/// deadline) without a summary counts the test results it printed, plus one failure, with the
+/// reason; so does a guest that never finished.
 fn judge(lines: &[String]) -> Outcome {
     let mut outcome = Outcome { passed: 0, failed: 0, note: None };
     let mut notes = Vec::new();
-    let mut summary_seen = false;
+    // The binary running now, and the results its tests printed so far (without --nocapture a
+    // result ends its `test name ... ` line; with it, it may stand on a line of its own).
+    let mut open: Option<(String, u64, u64)> = None;
     for line in lines {
-        if let Some(rest) = line.trim().strip_prefix("test result: ") {
-            summary_seen = true;
+        let trimmed = line.trim();
+        if let Some(rest) = trimmed.strip_prefix("test result: ") {
+            open = None;
             let words: Vec<&str> = rest.split([' ', ';']).filter(|w| !w.is_empty()).collect();
             for pair in words.windows(2) {
                 let Ok(n) = pair[0].parse::<u64>() else { continue };
@@ -737,21 +808,32 @@ fn judge(lines: &[String]) -> Outcome {
                     _ => {}
                 }
             }
-        } else if line.starts_with("VALET-VM-BEGIN") {
-            summary_seen = false;
+        } else if let Some(what) = line.strip_prefix("VALET-VM-BEGIN ") {
+            open = Some((what.trim().to_string(), 0, 0));
         } else if let Some(rest) = line.strip_prefix("VALET-VM-END ") {
-            let mut words = rest.split_whitespace();
-            let (what, code) = (words.next().unwrap_or("?"), words.next().unwrap_or("?"));
-            if !summary_seen {
-                outcome.failed += 1;
+            let code = rest.split_whitespace().nth(1).unwrap_or("?");
+            if let Some((what, passed, failed)) = open.take() {
+                outcome.passed += passed;
+                outcome.failed += failed + 1;
                 notes.push(format!("{what} tests ended without a summary (exit {code})"));
             }
         } else if let Some(rest) = line.strip_prefix("VALET-VM-FAILED: ") {
             outcome.failed += 1;
             notes.push(format!("guest setup failed: {rest}"));
+        } else if let Some((_, passed, failed)) = open.as_mut() {
+            if trimmed == "ok" || trimmed.ends_with(" ... ok") {
+                *passed += 1;
+            } else if trimmed == "FAILED" || trimmed.ends_with(" ... FAILED") {
+                *failed += 1;
+            }
         }
     }
-    if !lines.iter().any(|l| l == "VALET-VM-DONE") && notes.is_empty() {
+    if let Some((what, passed, failed)) = open {
+        outcome.passed += passed;
+        outcome.failed += failed;
+        notes.push(format!("{what} tests cut off after {} results", passed + failed));
+    }
+    if !lines.iter().any(|l| l == "VALET-VM-DONE") {
         outcome.failed += 1;
         notes.push("the guest stopped before the tests finished".into());
     }
@@ -782,6 +864,22 @@ mod tests {
     }
 
     #[test]
+    fn keeps_outermost_paths_below_the_guest_tmpfs() -> Result<()> {
+        let base = std::env::temp_dir().join(format!("valet-keep-{}", std::process::id()));
+        let (repo, target) = (base.join("repo"), base.join("repo/target"));
+        std::fs::create_dir_all(&target)?;
+        let elsewhere = std::env::current_dir()?;
+        let keep = kept_paths(&[&target, &repo, &elsewhere]);
+        std::fs::remove_dir_all(&base)?;
+        let real = std::fs::canonicalize(std::env::temp_dir())?;
+        if GUEST_TMPFS.iter().any(|t| real.starts_with(t)) && !elsewhere.starts_with("/tmp") {
+            assert_eq!(keep?, vec![real.join(format!("valet-keep-{}/repo", std::process::id())).display().to_string()]);
+        }
+        assert!(kept_paths(&[Path::new("/tmp")]).is_err());
+        Ok(())
+    }
+
+    #[test]
     fn judges_summaries_and_missing_ones() {
         let lines = |s: &str| s.lines().map(str::to_string).collect::<Vec<_>>();
         let ok = judge(&lines(
@@ -795,5 +893,10 @@ mod tests {
         assert!(crashed.note.unwrap_or_default().contains("exit 139"));
         let hung = judge(&lines("VALET-VM-BEGIN kernel"));
         assert_eq!(hung.failed, 1);
+        let cut = judge(&lines(
+            "VALET-VM-BEGIN kernel\ntest a ... ok\ntest b ... thread 'b' panicked at x.rs:1:1:\nload\nFAILED\ntest c ... ",
+        ));
+        assert_eq!((cut.passed, cut.failed), (1, 2));
+        assert!(cut.note.unwrap_or_default().contains("cut off after 2 results"));
     }
 }

@@ -6,8 +6,11 @@
 //! * `cargo xtask demo`   runs the agent against a simulated node on this host.
 //! * `cargo xtask bench`  prints the performance figures.
 //! * `cargo xtask fuzz`   runs the fuzz targets for a bounded time (also part of `test`).
+//! * `cargo xtask image`  builds the agent's OCI image (no Docker, no registry).
+//! * `cargo xtask kernels`, `cargo xtask node`: the qemu suites (Debian kernels, a real node).
 mod cmd;
 mod fuzz;
+mod image;
 mod kernels;
 mod lint;
 mod node;
@@ -43,9 +46,17 @@ enum Task {
         kernels: bool,
     },
     /// Run the kernel tests and one end-to-end scenario on Debian's 5.10, 6.1 and 6.12 kernels in qemu.
-    Kernels,
+    Kernels {
+        /// Only these kernels: suites (bullseye, bookworm, trixie) or versions (5.10, 6.1, 6.12).
+        only: Vec<String>,
+    },
+    /// Build the agent's OCI image (an image layout under target/oci) from the release binary.
+    Image,
     /// Run valet on a real node: a Debian VM with containerd driven through the CRI.
-    Node,
+    Node {
+        /// Only these scenarios (tests/node/scenarios.py), e.g. `job hold_app`.
+        only: Vec<String>,
+    },
     /// Run the agent against a simulated node on this host and print a timeline.
     Demo {
         /// Extra arguments for the demo driver.
@@ -74,8 +85,9 @@ fn main() -> Result<()> {
         Task::Setup => setup::setup(&root, true),
         Task::Lint => lint::lint(&root),
         Task::Test { filter, vm, kernels } => test::test(&root, filter.as_deref(), vm || kernels, kernels),
-        Task::Kernels => test::kernels(&root),
-        Task::Node => test::node(&root),
+        Task::Image => image::build(&root).map(|_| ()),
+        Task::Kernels { only } => test::kernels(&root, &only),
+        Task::Node { only } => test::node(&root, &only),
         Task::Fuzz { target, seconds } => fuzz::run(&root, target.as_deref(), seconds),
         Task::Demo { args } => sim::demo(&root, &args),
         Task::Bench { args } => sim::bench(&root, &args),

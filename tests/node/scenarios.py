@@ -1,0 +1,761 @@
+#!/usr/bin/env python3
+"""valet on the real node (inside the VM): pods run through containerd's CRI by the kubelet stand-in
+(kubelet.py), their images imported into containerd, the fake API server mirroring them, and the
+host-built valet-agent running as root on the node.
+
+Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FAILED (<why>)`:
+
+- job: a Job-shaped pod (app + Istio stand-in proxy): the quit arrives after the app's exit, and
+  how long after it;
+- hold_app: `valet.dev/hold-app`: the app's first process stays stopped until the proxy is ready;
+- nested_pidns: the app sandboxes a child in a nested pid namespace through a user namespace
+  (`unshare --user --map-root-user --pid --fork`); the child exits, the app keeps running: no quit
+  until the app itself exits;
+- short_app: an app that runs 0.3 s (it exits before the kubelet even reports its container id);
+- onfailure_restart: `restartPolicy: OnFailure`, the app fails once and the kubelet restarts it (a
+  new container through the CRI): no quit after the failure, one after the successful run;
+- oom_killed: a memory limit through the CRI (cgroup v2 memory.max): the app is OOM-killed, its
+  restartPolicy is Never, the proxy is quit;
+- agent_restart_held: the agent is killed (SIGKILL) while it holds an app, a new agent starts:
+  the app stays held until the proxy is ready.
+
+    scenarios.py <dir of valet-agent and valet-fake-apiserver> <images dir> <out dir> [scenario ...]
+
+The out dir is shared with the host (writable 9p): the agent's whole log and each scenario's
+events end up there; the console gets the outcome lines and, on failure, the log's key lines.
+"""
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kubelet  # noqa: E402
+
+NODE = "valet-node"
+WORK = "/run/valet"
+METRICS = "127.0.0.1:9090"
+POD_DEADLINE = 150
+
+
+def log(msg):
+    print(f"node [{time.monotonic():9.3f}] {msg}", flush=True)
+
+
+class Failed(Exception):
+    pass
+
+
+def wait_for(what, cond, deadline_s, step=0.1):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(step)
+    raise Failed(f"{what} not within {deadline_s} s")
+
+
+def uptime_ns(path):
+    """A stamp written by `cat /proc/uptime > path` in a container (10 ms resolution; CLOCK_BOOTTIME,
+    which is CLOCK_MONOTONIC in a VM that never suspends): the clock of the proxy's event log."""
+    return int(float(open(path).read().split()[0]) * 1e9)
+
+
+def real_to_mono_ns(real_ns):
+    return real_ns - (time.time_ns() - time.monotonic_ns())
+
+
+class Agent:
+    """valet-agent as a process on the node, its stdout and stderr in one log file."""
+
+    metrics = METRICS
+
+    def __init__(self, release):
+        self.release = release
+        self.proc = None
+        self.log_path = f"{WORK}/agent.log"
+        self.log_file = open(self.log_path, "w")
+
+    def start(self):
+        self.log_file.write(f"=== agent started at {time.monotonic():.3f}\n")
+        self.log_file.flush()
+        t = time.monotonic()
+        self.proc = subprocess.Popen(
+            [f"{self.release}/valet-agent", "--node-name", NODE, "--metrics-addr", METRICS],
+            env={**os.environ, "KUBECONFIG": f"{WORK}/kubeconfig", "RUST_LOG": "info"},
+            stdout=self.log_file, stderr=subprocess.STDOUT,
+        )
+        end = time.monotonic() + 240
+        while time.monotonic() < end and self.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://{METRICS}/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t
+            except Exception:
+                pass
+            time.sleep(0.2)
+        raise Failed(f"the agent never became ready (exit status {self.proc.poll()})")
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def dump(self):
+        """The log's key lines on the console (the whole log is in the out dir): its first lines,
+        every warning and error, and each verifier log's verdict (the lines before `processed N
+        insns`, or the line that says the program is too complex), then its last lines."""
+        self.log_file.flush()
+        lines = open(self.log_path, errors="replace").read().splitlines()
+        key = set(range(min(8, len(lines)))) | set(range(max(0, len(lines) - 8), len(lines)))
+        for i, line in enumerate(lines):
+            if re.search(r" (WARN|ERROR) |Error:|panicked|too complex|no program variant", line):
+                key.add(i)
+            if re.match(r"processed \d+ insns", line):
+                key.update({i - 2, i - 1, i})
+        last = -1
+        for i in sorted(k for k in key if 0 <= k < len(lines)):
+            if i != last + 1:
+                print("node agent log: ...")
+            print(f"node agent log: {lines[i][:400]}")
+            last = i
+        sys.stdout.flush()
+
+
+class Relay(threading.Thread):
+    """Forwards TCP connections from `listen` to `target` (the fake API server listens on loopback
+    only; a pod reaches the node at its bridge's address)."""
+
+    def __init__(self, listen, target):
+        super().__init__(daemon=True)
+        import socket
+        self.socket_mod = socket
+        self.server = socket.create_server(listen)
+        self.target = target
+        self.start()
+
+    def pipe(self, a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(self.socket_mod.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def run(self):
+        while True:
+            conn, _ = self.server.accept()
+            try:
+                up = self.socket_mod.create_connection(self.target)
+            except OSError:
+                conn.close()
+                continue
+            threading.Thread(target=self.pipe, args=(conn, up), daemon=True).start()
+            threading.Thread(target=self.pipe, args=(up, conn), daemon=True).start()
+
+
+CAPS = {0: "CHOWN", 1: "DAC_OVERRIDE", 2: "DAC_READ_SEARCH", 3: "FOWNER", 4: "FSETID", 5: "KILL", 6: "SETGID",
+        7: "SETUID", 8: "SETPCAP", 9: "LINUX_IMMUTABLE", 10: "NET_BIND_SERVICE", 11: "NET_BROADCAST",
+        12: "NET_ADMIN", 13: "NET_RAW", 14: "IPC_LOCK", 15: "IPC_OWNER", 16: "SYS_MODULE", 17: "SYS_RAWIO",
+        18: "SYS_CHROOT", 19: "SYS_PTRACE", 20: "SYS_PACCT", 21: "SYS_ADMIN", 22: "SYS_BOOT", 23: "SYS_NICE",
+        24: "SYS_RESOURCE", 25: "SYS_TIME", 26: "SYS_TTY_CONFIG", 27: "MKNOD", 28: "LEASE", 29: "AUDIT_WRITE",
+        30: "AUDIT_CONTROL", 31: "SETFCAP", 32: "MAC_OVERRIDE", 33: "MAC_ADMIN", 34: "SYSLOG", 35: "WAKE_ALARM",
+        36: "BLOCK_SUSPEND", 37: "AUDIT_READ", 38: "PERFMON", 39: "BPF", 40: "CHECKPOINT_RESTORE"}
+
+
+class ContainerAgent:
+    """valet-agent as the kubelet would run it from its DaemonSet: a pod through the CRI, from the
+    image `cargo xtask image` builds, with the security context, mounts and env that
+    tests/node/daemonset_cri.py translated from deploy/base/daemonset.yaml. The only addition is a
+    kubeconfig (a file mount and KUBECONFIG) instead of the service account token."""
+
+    def __init__(self, spec_path, api_url):
+        self.spec = json.load(open(spec_path))
+        self.cri = kubelet.Cri()
+        self.sandbox_id = self.container_id = self.pod_ip = None
+        self.api_url = api_url
+        self.metrics = None
+        self.log_path = None
+        self.proc = self
+
+    def poll(self):
+        """Like Popen.poll: None while the container runs, else its exit code."""
+        if self.container_id is None:
+            return -1
+        st = self.cri.runtime("ContainerStatus", {"container_id": self.container_id}).status
+        return None if st.state in (kubelet.pb.CONTAINER_RUNNING, kubelet.pb.CONTAINER_CREATED) else st.exit_code
+
+    @property
+    def returncode(self):
+        return self.poll()
+
+    def start(self):
+        t = time.monotonic()
+        pod, c = self.spec["pod"], self.spec["container"]
+        for d in self.spec["host_dirs"]:
+            os.makedirs(d, exist_ok=True)
+        uid = pod["uid"]
+        log_dir = f"/var/log/pods/{pod['namespace']}_{pod['name']}_{uid}"
+        os.makedirs(log_dir, exist_ok=True)
+        qos = c["qos"]
+        parent = f"kubepods-pod{uid.replace('-', '_')}.slice" if qos == "guaranteed" else \
+            f"kubepods-{qos}-pod{uid.replace('-', '_')}.slice"
+        sandbox = {
+            "metadata": {"name": pod["name"], "uid": uid, "namespace": pod["namespace"], "attempt": 0},
+            "hostname": pod["name"], "log_directory": log_dir,
+            "labels": {**pod["labels"], "io.kubernetes.pod.name": pod["name"],
+                       "io.kubernetes.pod.namespace": pod["namespace"], "io.kubernetes.pod.uid": uid},
+            "annotations": pod["annotations"],
+            "linux": {"cgroup_parent": parent,
+                      "security_context": {"namespace_options": pod["namespace_options"], "seccomp": pod["seccomp"]}},
+        }
+        self.sandbox_id = self.cri.runtime("RunPodSandbox", {"config": sandbox}).pod_sandbox_id
+        self.pod_ip = self.cri.runtime("PodSandboxStatus", {"pod_sandbox_id": self.sandbox_id}).status.network.ip
+        # The fake API server, reachable from the pod at the bridge's address.
+        port = int(self.api_url.rsplit(":", 1)[1])
+        gateway = self.pod_ip.rsplit(".", 1)[0] + ".1"
+        if not hasattr(self, "relay"):
+            self.relay = Relay((gateway, port), ("127.0.0.1", port))
+        kube_dir = f"{WORK}/agent-kubeconfig"
+        os.makedirs(kube_dir, exist_ok=True)
+        text = open(f"{WORK}/kubeconfig").read().replace("127.0.0.1", gateway)
+        open(f"{kube_dir}/kubeconfig", "w").write(text)
+        config = {
+            "metadata": {"name": c["name"], "attempt": 0},
+            "image": {"image": c["image"]},
+            "command": c["command"], "args": c["args"],
+            "envs": kubelet.env_values(c["envs"] + [{"key": "KUBECONFIG", "value": "/var/run/valet-kubeconfig/kubeconfig"}]),
+            "mounts": c["mounts"] + [{"container_path": "/var/run/valet-kubeconfig", "host_path": kube_dir,
+                                      "readonly": True}],
+            "labels": {"io.kubernetes.container.name": c["name"], "io.kubernetes.pod.name": pod["name"],
+                       "io.kubernetes.pod.namespace": pod["namespace"], "io.kubernetes.pod.uid": uid},
+            "log_path": f"{c['name']}/0.log",
+            "linux": {"resources": c["resources"], "security_context": c["security_context"]},
+        }
+        self.container_id = self.cri.runtime(
+            "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": config, "sandbox_config": sandbox}
+        ).container_id
+        self.cri.runtime("StartContainer", {"container_id": self.container_id})
+        self.log_path = f"{log_dir}/{c['name']}/0.log"
+        self.metrics = f"{self.pod_ip}:{self.spec['metrics_port']}"
+        log(f"agent container {self.container_id[:12]} started, pod IP {self.pod_ip}")
+        end = time.monotonic() + 240
+        while time.monotonic() < end and self.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://{self.metrics}/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t
+            except Exception:
+                pass
+            time.sleep(0.5)
+        raise Failed(f"the agent's container never became ready (exit status {self.poll()})")
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.sandbox_id is None:
+            return
+        try:
+            if self.container_id is not None:
+                self.cri.runtime("StopContainer", {"container_id": self.container_id,
+                                                   "timeout": 0 if sig == signal.SIGKILL else 30}, timeout=60)
+            self.cri.runtime("StopPodSandbox", {"pod_sandbox_id": self.sandbox_id})
+            self.cri.runtime("RemovePodSandbox", {"pod_sandbox_id": self.sandbox_id})
+        finally:
+            self.sandbox_id = None
+
+    def privileges(self):
+        """What the runtime gave the agent's process: capability names in CapEff, NoNewPrivs,
+        Seccomp mode, whether / is read-only, whether it sees the host's pid 1."""
+        pids = container_pids(self.container_id)
+        if not pids:
+            raise Failed("the agent's container has no process")
+        status = dict(line.split(":", 1) for line in open(f"/proc/{pids[0]}/status") if ":" in line)
+        eff = int(status["CapEff"].strip(), 16)
+        caps = sorted(name for bit, name in CAPS.items() if eff & (1 << bit))
+        unknown = eff & ~sum(1 << b for b in CAPS)
+        root_ro = any(line.split()[4] == "/" and "ro" in line.split()[5].split(",")
+                      for line in open(f"/proc/{pids[0]}/mountinfo"))
+        return {"caps": caps + ([f"0x{unknown:x}"] if unknown else []), "no_new_privs": status["NoNewPrivs"].strip(),
+                "seccomp": status["Seccomp"].strip(), "root_ro": root_ro}
+
+    def dump(self):
+        if self.log_path and os.path.exists(self.log_path):
+            for line in open(self.log_path, errors="replace").read().splitlines()[-30:]:
+                print(f"node agent container log: {line[:400]}")
+
+
+def metric(agent, name):
+    """Sum of a metric's samples on the agent's /metrics."""
+    with urllib.request.urlopen(f"http://{agent.metrics}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def container_pids(cid):
+    found = glob.glob(f"/sys/fs/cgroup/kubepods.slice/**/cri-containerd-{cid}.scope/cgroup.procs", recursive=True)
+    if not found:
+        return []
+    try:
+        return [int(p) for p in open(found[0]).read().split()]
+    except OSError:
+        return []
+
+
+def proc_state(pid):
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("State:"):
+                return line.split()[1]
+    except OSError:
+        return None
+    return None
+
+
+class ExitWatcher(threading.Thread):
+    """The moment a process is gone (or a zombie), polled every 2 ms."""
+
+    def __init__(self, pid):
+        super().__init__(daemon=True)
+        self.pid, self.gone_ns = pid, None
+        self.start()
+
+    def run(self):
+        while self.gone_ns is None:
+            if proc_state(self.pid) in (None, "Z"):
+                self.gone_ns = time.monotonic_ns()
+            time.sleep(0.002)
+
+
+class Scenario:
+    """One pod: its events directory (a hostPath volume in every container), its spec, its run."""
+
+    def __init__(self, api, name, app, proxy_args=(), annotations=None, restart="Never", app_first=True,
+                 app_resources=None):
+        self.api, self.name = api, name
+        self.dir = f"{WORK}/{name}"
+        os.makedirs(self.dir, exist_ok=True)
+        volume = [{"name": "events", "mountPath": "/events"}]
+        app_c = {"name": "app", "image": "docker.io/valet/busybox:1", "command": ["/bin/sh", "-c", app],
+                 "volumeMounts": volume}
+        if app_resources:
+            app_c["resources"] = app_resources
+        proxy_c = {"name": "istio-proxy", "image": "docker.io/valet/standin:1",
+                   "command": ["/valet-standin-proxy", "--kind", "istio", "--events", "/events/proxy.log",
+                               *proxy_args],
+                   "readinessProbe": {"httpGet": {"port": 15021, "path": "/healthz/ready"}, "periodSeconds": 1},
+                   "volumeMounts": volume}
+        self.pod = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{name.replace('_', '-')}-x1", "namespace": "default",
+                         "labels": {"valet.dev/enabled": "true", "job-name": name.replace("_", "-")},
+                         "annotations": annotations or {}},
+            "spec": {"nodeName": NODE, "restartPolicy": restart,
+                     "volumes": [{"name": "events", "hostPath": {"path": self.dir}}],
+                     "containers": [app_c, proxy_c] if app_first else [proxy_c, app_c]},
+        }
+        self.run = None
+
+    def path(self, name):
+        return f"{self.dir}/{name}"
+
+    def touch(self, name):
+        open(self.path(name), "w").close()
+        return time.monotonic_ns()
+
+    def start(self):
+        created = self.api.create_pod(self.pod)
+        self.run = kubelet.PodRun(kubelet.Cri(), self.api, created, log=log)
+        self.run.start()
+
+    def sync_until(self, what, cond, deadline_s=POD_DEADLINE):
+        def step():
+            self.run.sync()
+            return cond()
+        return wait_for(what, step, deadline_s, step=kubelet.RELIST)
+
+    def proxy_ready(self):
+        return self.sync_until("the proxy's readiness (kubelet probe)", lambda: self.run.containers["istio-proxy"]["ready"])
+
+    def quits(self):
+        events = []
+        if os.path.exists(self.path("proxy.log")):
+            events = [line.split() for line in open(self.path("proxy.log")) if line.strip()]
+        return [int(e[0]) for e in events if len(e) >= 3 and e[1] == "POST" and e[2] == "/quitquitquit"]
+
+    def finish(self):
+        """Lets the pod run to its end; the proxy must have been quit and must have exited."""
+        if not self.run.run_until_done(POD_DEADLINE):
+            raise Failed(f"the pod's containers did not all exit within {POD_DEADLINE} s (quits: {len(self.quits())})")
+        if not self.quits():
+            raise Failed("the proxy exited without a POST /quitquitquit")
+
+    def teardown(self):
+        if self.run is not None:
+            try:
+                self.run.teardown()
+            except Exception as e:  # a failed teardown must not hide the scenario's outcome
+                log(f"teardown of {self.name}: {e}")
+
+
+WAIT_GO = "while [ ! -e /events/go ]; do sleep 0.2; done"
+
+
+KERNEL_QUITS = "valet_quit_latency_seconds_count"
+
+
+def kernel_saw_exit(agent, before):
+    """Whether the agent timed a quit from an exit it saw in the kernel since `before` (its quit
+    latency histogram counts only those; a quit made from the API's `terminated` comes a relist
+    later and is not counted)."""
+    return metric(agent, KERNEL_QUITS) > before
+
+
+def quit_after(sc, exit_ns, what="the app's exit"):
+    quits = sc.quits()
+    delay_ms = (quits[0] - exit_ns) / 1e6
+    if delay_ms < -10:
+        raise Failed(f"the quit arrived {-delay_ms:.0f} ms before {what}")
+    return delay_ms
+
+
+def job(api, agent, tag=""):
+    sc = Scenario(api, "job" + tag, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0")
+    try:
+        kernel_quits = metric(agent, KERNEL_QUITS)
+        sc.start()
+        app_id = sc.run.containers["app"]["id"]
+        watcher = CgroupWatcher(app_id)
+        sc.proxy_ready()
+        sc.touch("go")
+        sc.finish()
+        watcher.stop = True
+        app = sc.run.containers["app"]["status"]
+        if app.exit_code != 0:
+            raise Failed(f"the app exited {app.exit_code}")
+        exit_ns = uptime_ns(sc.path("app-exit"))
+        delay = quit_after(sc, exit_ns)
+        if not kernel_saw_exit(agent, kernel_quits):
+            raise Failed(f"the quit came {delay:.0f} ms after the app's exit, from the API: the agent did not see "
+                         "the app's exit in the kernel")
+        extra = [f"containerd's finishedAt {(real_to_mono_ns(app.finished_at) - exit_ns) / 1e6:.0f} ms after the exit"]
+        for what in ("cgroup", "bundle"):
+            if what in watcher.gone:
+                extra.append(f"its {what} removed {(watcher.gone[what] - exit_ns) / 1e6:.0f} ms after")
+        return f"quit {delay:.0f} ms after the app's exit (±10 ms); " + "; ".join(extra)
+    finally:
+        sc.teardown()
+
+
+class CgroupWatcher(threading.Thread):
+    """When containerd removes an exited container's cgroup and bundle directory (5 ms polling)."""
+
+    def __init__(self, cid):
+        super().__init__(daemon=True)
+        self.cid, self.gone, self.stop = cid, {}, False
+        self.start()
+
+    def run(self):
+        bundle = f"/run/containerd/io.containerd.runtime.v2.task/k8s.io/{self.cid}"
+        cgroup = None
+        while not self.stop and len(self.gone) < 2:
+            if cgroup is None:
+                found = glob.glob(f"/sys/fs/cgroup/kubepods.slice/*/*/cri-containerd-{self.cid}.scope")
+                cgroup = found[0] if found else None
+            for what, path in (("cgroup", cgroup), ("bundle", bundle)):
+                if path and what not in self.gone and not os.path.exists(path):
+                    self.gone[what] = time.monotonic_ns()
+            time.sleep(0.005)
+
+
+HOLD = {"valet.dev/hold-app": "true", "valet.dev/hold-timeout": "5m"}
+HELD_APP = f"cat /proc/uptime > /events/app-start; {WAIT_GO}; cat /proc/uptime > /events/app-exit"
+
+
+def wait_held(sc, window_s=3.0):
+    """The app container runs (for the CRI) but its first process is stopped and has not run."""
+    sc.sync_until("the app and proxy containers running",
+                  lambda: all(e["status"] is not None and e["status"].state == kubelet.pb.CONTAINER_RUNNING
+                              for e in sc.run.containers.values()))
+    pids = wait_for("the app container's process", lambda: container_pids(sc.run.containers["app"]["id"]), 30)
+    time.sleep(window_s)
+    state = proc_state(pids[0])
+    if os.path.exists(sc.path("app-start")):
+        raise Failed("the app ran before its proxy was ready (not held)")
+    if state != "T":
+        raise Failed(f"the app's process {pids[0]} is in state {state}, not stopped")
+    return pids[0]
+
+
+def release_after_ready(sc, held_since):
+    ready_ns = sc.touch("ready")
+    wait_for("the held app's start after the proxy became ready", lambda: os.path.exists(sc.path("app-start")), 60)
+    time.sleep(0.05)
+    start_ns = uptime_ns(sc.path("app-start"))
+    delay_ms = (start_ns - ready_ns) / 1e6
+    if delay_ms < -10:
+        raise Failed(f"the app started {-delay_ms:.0f} ms before the proxy was ready")
+    return (ready_ns - held_since) / 1e9, delay_ms
+
+
+def hold_app(api, agent, tag=""):
+    sc = Scenario(api, "hold_app" + tag, HELD_APP, proxy_args=["--ready-file", "/events/ready"], annotations=HOLD)
+    try:
+        holds = metric(agent, "valet_app_holds_total")
+        sc.start()
+        held_since = time.monotonic_ns()
+        wait_held(sc)
+        held_s, delay_ms = release_after_ready(sc, held_since)
+        if metric(agent, "valet_app_holds_total") <= holds:
+            raise Failed("valet_app_holds_total did not grow")
+        sc.touch("go")
+        sc.finish()
+        delay = quit_after(sc, uptime_ns(sc.path("app-exit")))
+        return (f"app held {held_s:.1f} s, released {delay_ms:.0f} ms after the proxy's ready file appeared "
+                f"(agent probe + SIGCONT); quit {delay:.0f} ms after the app's exit")
+    finally:
+        sc.teardown()
+
+
+def nested_pidns(api, agent):
+    app = ("while [ ! -e /events/sandbox ]; do sleep 0.2; done; "
+           "unshare --user --map-root-user --pid --fork /bin/sh -c 'cat /proc/uptime > /events/child-start; "
+           "sleep 1'; cat /proc/uptime > /events/child-exit; "
+           f"{WAIT_GO}; cat /proc/uptime > /events/app-exit")
+    sc = Scenario(api, "nested_pidns", app)
+    try:
+        kernel_quits = metric(agent, KERNEL_QUITS)
+        sc.start()
+        sc.proxy_ready()
+        sc.touch("sandbox")
+        wait_for("the nested child's exit", lambda: os.path.exists(sc.path("child-exit")), 60)
+        if not os.path.exists(sc.path("child-start")):
+            raise Failed("the nested pid namespace child never ran")
+        time.sleep(3)
+        if sc.quits():
+            raise Failed("the proxy was quit when the app's nested pid-namespace child exited")
+        sc.run.sync()
+        if sc.run.containers["istio-proxy"]["status"].state != kubelet.pb.CONTAINER_RUNNING:
+            raise Failed("the proxy stopped running while the app still ran")
+        sc.touch("go")
+        sc.finish()
+        delay = quit_after(sc, uptime_ns(sc.path("app-exit")))
+        if not kernel_saw_exit(agent, kernel_quits):
+            raise Failed(f"no quit for 3 s after the nested child's exit, but the quit came {delay:.0f} ms after the "
+                         "app's exit, from the API: the agent did not see the app's exit in the kernel")
+        return f"no quit for 3 s after the nested child's exit; quit {delay:.0f} ms after the app's own exit"
+    finally:
+        sc.teardown()
+
+
+def short_app(api, agent):
+    sc = Scenario(api, "short_app", "sleep 0.3; cat /proc/uptime > /events/app-exit")
+    try:
+        sc.start()
+        sc.finish()
+        exit_ns = uptime_ns(sc.path("app-exit"))
+        delay = quit_after(sc, exit_ns)
+        app = sc.run.containers["app"]["status"]
+        return (f"quit {delay:.0f} ms after the 0.3 s app's exit (the proxy container started "
+                f"{(real_to_mono_ns(sc.run.containers['istio-proxy']['status'].started_at) - exit_ns) / 1e6:.0f} ms "
+                f"after it; app exit code {app.exit_code})")
+    finally:
+        sc.teardown()
+
+
+def onfailure_restart(api, agent):
+    app = ("if [ ! -e /events/failed-once ]; then touch /events/failed-once; "
+           f"{WAIT_GO}; cat /proc/uptime > /events/first-exit; exit 3; fi; "
+           "sleep 1; cat /proc/uptime > /events/app-exit; exit 0")
+    sc = Scenario(api, "onfailure_restart", app, restart="OnFailure")
+    try:
+        sc.start()
+        sc.proxy_ready()
+        sc.touch("go")
+        sc.sync_until("the app's restart", lambda: sc.run.containers["app"]["attempt"] >= 1)
+        first_exit = uptime_ns(sc.path("first-exit"))
+        early = sc.quits()
+        if early:
+            raise Failed(f"the proxy was quit {(early[0] - first_exit) / 1e6:.0f} ms after the failed run "
+                         "that the kubelet restarts")
+        sc.finish()
+        app = sc.run.containers["app"]
+        if app["status"].exit_code != 0 or app["attempt"] != 1:
+            raise Failed(f"attempt {app['attempt']} exited {app['status'].exit_code}")
+        delay = quit_after(sc, uptime_ns(sc.path("app-exit")), "the restarted app's exit")
+        return f"no quit after the failed run (exit 3, restarted as a new container); quit {delay:.0f} ms after the rerun's exit"
+    finally:
+        sc.teardown()
+
+
+def oom_killed(api, agent):
+    app = f"{WAIT_GO}; x=$(yes)"
+    sc = Scenario(api, "oom_killed", app, app_resources={"limits": {"memory": "48Mi"}, "requests": {"memory": "48Mi"}})
+    try:
+        sc.start()
+        sc.proxy_ready()
+        pids = wait_for("the app's process", lambda: container_pids(sc.run.containers["app"]["id"]), 30)
+        watcher = ExitWatcher(pids[0])
+        sc.touch("go")
+        sc.finish()
+        app = sc.run.containers["app"]["status"]
+        # The container's cgroup is gone; the pod's keeps the (hierarchical) OOM kill count.
+        uid = sc.run.meta["uid"].replace("-", "_")
+        events = glob.glob(f"/sys/fs/cgroup/kubepods.slice/*/*-pod{uid}.slice/memory.events")
+        kills = 0
+        for line in open(events[0]) if events else []:
+            if line.startswith("oom_kill "):
+                kills = int(line.split()[1])
+        if app.exit_code != 137 or kills < 1:
+            raise Failed(f"the app ended with exit {app.exit_code} (reason {app.reason!r}) and the pod's "
+                         f"memory.events counts {kills} OOM kills: not an OOM kill")
+        if watcher.gone_ns is None:
+            raise Failed("the app's process exit was not seen")
+        delay = quit_after(sc, watcher.gone_ns, "the app's OOM kill")
+        return (f"app OOM-killed at its 48Mi limit (exit 137, {kills} oom_kill in the pod's memory.events, containerd's "
+                f"reason {app.reason!r}); quit {delay:.0f} ms after its process died (±5 ms)")
+    finally:
+        sc.teardown()
+
+
+def agent_restart_held(api, agent):
+    sc = Scenario(api, "agent_restart_held", HELD_APP, proxy_args=["--ready-file", "/events/ready"],
+                  annotations=HOLD)
+    try:
+        sc.start()
+        held_since = time.monotonic_ns()
+        pid = wait_held(sc)
+        agent.stop(signal.SIGKILL)
+        ready_s = agent.start()
+        time.sleep(2)
+        if os.path.exists(sc.path("app-start")) or proc_state(pid) != "T":
+            raise Failed(f"the app was released by the restart (state {proc_state(pid)}) before its proxy was ready")
+        held_s, delay_ms = release_after_ready(sc, held_since)
+        sc.touch("go")
+        sc.finish()
+        delay = quit_after(sc, uptime_ns(sc.path("app-exit")))
+        return (f"agent killed while holding, the new one ready in {ready_s:.1f} s; app still held, released "
+                f"{delay_ms:.0f} ms after the proxy became ready (held {held_s:.1f} s); quit {delay:.0f} ms after the exit")
+    finally:
+        sc.teardown()
+
+
+def daemonset_agent(api, agent):
+    """The job and hold_app scenarios again, with the agent run from its image under exactly its
+    DaemonSet's privileges (the host agent is stopped meanwhile)."""
+    spec = f"{OUT}/agent-pod.json"
+    agent.stop()
+    boxed = ContainerAgent(spec, api.url)
+    figures = []
+    try:
+        try:
+            figures.append(f"agent container ready in {boxed.start():.1f}s")
+        finally:
+            if boxed.container_id is not None and boxed.poll() is None:
+                got = boxed.privileges()
+                log(f"the agent's container runs with {got}")
+                want = sorted(boxed.spec["container"]["security_context"]["capabilities"]["add_capabilities"])
+                if got["caps"] != want or got["no_new_privs"] != "1" or got["seccomp"] != "2" or not got["root_ro"]:
+                    raise Failed(f"the runtime gave the agent {got}, not the DaemonSet's capabilities {want}, "
+                                 "no_new_privs, a seccomp filter and a read-only root")
+                figures.append(f"CapEff {'+'.join(got['caps'])}, NoNewPrivs, seccomp filter, read-only /")
+        figures.append("job: " + job(api, boxed, tag="-ds"))
+        figures.append("hold_app: " + hold_app(api, boxed, tag="-ds"))
+        return "; ".join(figures)
+    except Failed:
+        boxed.dump()
+        raise
+    finally:
+        boxed.stop()
+        agent.start()
+
+
+SCENARIOS = [job, hold_app, nested_pidns, short_app, onfailure_restart, oom_killed, agent_restart_held, daemonset_agent]
+OUT = None
+
+
+def main():
+    global OUT
+    release, images, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    OUT = out
+    wanted = sys.argv[4:]
+    os.makedirs(WORK, exist_ok=True)
+    t0 = time.monotonic()
+    for tar in sorted(glob.glob(f"{images}/*.tar")):
+        subprocess.run(["ctr", "-n", "k8s.io", "images", "import", tar], check=True, stdout=subprocess.DEVNULL)
+    log(f"images imported in {time.monotonic() - t0:.1f}s")
+    api_proc = subprocess.Popen([f"{release}/valet-fake-apiserver", f"{WORK}/kubeconfig"], stdout=subprocess.PIPE,
+                                text=True)
+    api = kubelet.Api(api_proc.stdout.readline().strip())
+    agent = Agent(release)
+    failed = 0
+    scenarios = [s for s in SCENARIOS if not wanted or s.__name__ in wanted]
+    unknown = set(wanted) - {s.__name__ for s in SCENARIOS}
+    for name in sorted(unknown):
+        print(f"node scenario {name}: FAILED (no such scenario; known: {' '.join(s.__name__ for s in SCENARIOS)})")
+        failed += 1
+    try:
+        try:
+            log(f"agent ready in {agent.start():.1f}s")
+        except Failed as e:
+            for s in scenarios:
+                print(f"node scenario {s.__name__}: FAILED ({e})", flush=True)
+            agent.dump()
+            return len(scenarios) + failed
+        for s in scenarios:
+            t = time.monotonic()
+            try:
+                if agent.proc.poll() is not None:
+                    raise Failed(f"the agent exited ({agent.proc.returncode})")
+                figures = s(api, agent)
+                print(f"node scenario {s.__name__}: ok ({figures}) [{time.monotonic() - t:.0f} s]", flush=True)
+            except Exception as e:
+                failed += 1
+                if not isinstance(e, Failed):
+                    traceback.print_exc(file=sys.stdout)
+                print(f"node scenario {s.__name__}: FAILED ({e}) [{time.monotonic() - t:.0f} s]", flush=True)
+    finally:
+        agent.stop()
+        api_proc.kill()
+        save(agent, scenarios, out)
+    if failed:
+        agent.dump()
+    return failed
+
+
+def save(agent, scenarios, out):
+    """The agent's log and each scenario's events directory, for the host."""
+    agent.log_file.flush()
+    try:
+        shutil.copy(agent.log_path, f"{out}/agent.log")
+        for d in glob.glob(f"{WORK}/*/"):
+            shutil.copytree(d, f"{out}/{os.path.basename(d.rstrip('/'))}", dirs_exist_ok=True)
+        for f in glob.glob("/var/log/pods/valet-system_*/*/*.log"):
+            shutil.copy(f, f"{out}/daemonset-agent.log")
+    except OSError as e:
+        log(f"could not save the logs to {out}: {e}")
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main() else 0)
