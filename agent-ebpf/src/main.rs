@@ -15,8 +15,9 @@
 //! CLONE_INTO_CGROUP) and are never taken for it; nor is anything the main process starts later
 //! (its exec is not the first), such as pid 1 of a sandbox's nested pid namespace. "The host's
 //! pid namespace" is the agent's own (it runs with hostPID), which user space names by its inode
-//! number; its level is found per task among the task's pid namespaces: on kind/k3d nodes the
-//! node is itself a container and that level is not 0.
+//! number and its absolute level (on kind/k3d nodes the node is itself a container and that level
+//! is not 0), learnt before loading from `valet_calibrate`, which records the level of a task of
+//! that namespace. A constant level keeps loops over a task's namespaces out of the programs.
 //!
 //! Each program comes in two variants that differ only in how they find a process's pod cgroup:
 //! `bpf_get_current_ancestor_cgroup_id` (the verifier refuses it in tracepoints before 5.11) or a
@@ -37,7 +38,7 @@ use aya_ebpf::{
         },
     },
     macros::{map, tracepoint},
-    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::TracePointContext,
 };
 use valet_common::{
@@ -72,6 +73,9 @@ static EXEC_SEEN: LruHashMap<u64, u8> = LruHashMap::with_max_entries(EXEC_CAPACI
 
 #[map(name = "EXEC_CLASS")]
 static EXEC_CLASS: HashMap<u64, u32> = HashMap::with_max_entries(EXEC_CAPACITY, 0);
+
+#[map(name = "CALIBRATION")]
+static CALIBRATION: Array<u32> = Array::with_max_entries(1, 0);
 
 #[map(name = "CONTAINERS")]
 static CONTAINERS: HashMap<u64, ContainerMain> = HashMap::with_max_entries(CONTAINERS_CAPACITY, 0);
@@ -167,47 +171,56 @@ struct PidInfo {
     inum: u32,
 }
 
+/// Largest `struct upid` and offset of `struct pid.numbers` accepted: keeps every offset below
+/// computed without overflow (real kernels: 16 and 64..=96 bytes).
+const MAX_UPID_SIZE: u32 = 64;
+const MAX_PID_NUMBERS: u32 = 4096;
+
+/// Offset of field `field` of `thread_pid->numbers[level]`; `level` ≤ MAX_PID_NS_LEVEL.
+#[inline(always)]
+fn upid_field(l: &KernelLayout, level: u32, field: u32) -> u32 {
+    l.pid_numbers.wrapping_add(level.wrapping_mul(l.upid_size)).wrapping_add(field)
+}
+
 /// Inode number of the pid namespace of `thread_pid->numbers[level]`.
 #[inline(always)]
 fn upid_ns_inum(l: &KernelLayout, pid: u64, level: u32) -> Option<u32> {
-    let at = l.pid_numbers.checked_add(level.checked_mul(l.upid_size)?)?.checked_add(l.upid_ns)?;
-    read_u64(pid, at).and_then(|ns| read_u32(ns, l.pidns_inum))
+    read_u64(pid, upid_field(l, level, l.upid_ns)).and_then(|ns| read_u32(ns, l.pidns_inum))
+}
+
+/// Whether the layout allows reading `struct pid.numbers[]`.
+#[inline(always)]
+fn pid_layout_ok(l: &KernelLayout) -> bool {
+    l.upid_size != OFFSET_UNKNOWN
+        && l.upid_nr != OFFSET_UNKNOWN
+        && l.pid_numbers != OFFSET_UNKNOWN
+        && l.upid_size <= MAX_UPID_SIZE
+        && l.pid_numbers <= MAX_PID_NUMBERS
+        && l.upid_nr < MAX_UPID_SIZE
+        && (l.upid_ns == OFFSET_UNKNOWN || l.upid_ns < MAX_UPID_SIZE)
 }
 
 /// Reads `task->thread_pid->numbers[]`. `None` when the layout is unknown or the task does not
-/// live in the host's pid namespace or below it (another node's process on a kind host).
+/// live in the host's pid namespace or below it (another node's process on a kind host). The
+/// host's level is a constant from user space: no loop here.
 #[inline(always)]
 fn pid_info(l: &KernelLayout, task: u64) -> Option<PidInfo> {
-    if l.upid_size == OFFSET_UNKNOWN || l.upid_nr == OFFSET_UNKNOWN || l.pid_numbers == OFFSET_UNKNOWN {
+    if !pid_layout_ok(l) || l.host_pidns_level > MAX_HOST_PIDNS_LEVEL {
         return None;
     }
     let pid = read_u64(task, l.task_thread_pid)?;
     let level = read_u32(pid, l.pid_level)?;
-    if level > MAX_PID_NS_LEVEL {
+    let host = l.host_pidns_level;
+    if level > MAX_PID_NS_LEVEL || level < host {
         return None;
     }
-    // The host's level: where the task's chain of pid namespaces meets the agent's.
-    let mut host = 0u32;
-    if l.host_pidns_inum != 0 && l.upid_ns != OFFSET_UNKNOWN && l.pidns_inum != OFFSET_UNKNOWN {
-        let mut found = false;
-        while host < MAX_HOST_PIDNS_LEVEL && host <= level {
-            if upid_ns_inum(l, pid, host)? == l.host_pidns_inum {
-                found = true;
-                break;
-            }
-            host += 1;
-        }
-        if !found {
-            return None;
-        }
+    let ns_known = l.upid_ns != OFFSET_UNKNOWN && l.pidns_inum != OFFSET_UNKNOWN;
+    if l.host_pidns_inum != 0 && ns_known && upid_ns_inum(l, pid, host)? != l.host_pidns_inum {
+        return None;
     }
-    let nr_at = |lvl: u32| -> Option<u32> {
-        let at = l.pid_numbers.checked_add(lvl.checked_mul(l.upid_size)?)?.checked_add(l.upid_nr)?;
-        read_u32(pid, at)
-    };
-    let nr = nr_at(level)?;
-    let host_nr = nr_at(host)?;
-    let inum = if l.upid_ns != OFFSET_UNKNOWN { upid_ns_inum(l, pid, level).unwrap_or(0) } else { 0 };
+    let nr = read_u32(pid, upid_field(l, level, l.upid_nr))?;
+    let host_nr = read_u32(pid, upid_field(l, host, l.upid_nr))?;
+    let inum = if ns_known { upid_ns_inum(l, pid, level).unwrap_or(0) } else { 0 };
     Some(PidInfo { nr, depth: level - host, host_nr, inum })
 }
 
@@ -408,6 +421,29 @@ fn exec_impl<const WALK: bool>() -> u32 {
     entry.write(event);
     entry.submit(0);
     count(Counter::Held);
+    0
+}
+
+#[tracepoint]
+pub fn valet_calibrate(ctx: TracePointContext) -> u32 {
+    let _ = ctx;
+    let l = layout();
+    if !pid_layout_ok(&l) || l.upid_ns == OFFSET_UNKNOWN || l.pidns_inum == OFFSET_UNKNOWN {
+        return 0;
+    }
+    // SAFETY: see exit_impl.
+    let task = unsafe { bpf_get_current_task() };
+    let Some(pid) = read_u64(task, l.task_thread_pid) else { return 0 };
+    let Some(level) = read_u32(pid, l.pid_level) else { return 0 };
+    if level > MAX_HOST_PIDNS_LEVEL {
+        return 0;
+    }
+    if upid_ns_inum(&l, pid, level) == Some(l.host_pidns_inum)
+        && let Some(slot) = CALIBRATION.get_ptr_mut(0)
+    {
+        // SAFETY: a valid map value pointer.
+        unsafe { *slot = level + 1 };
+    }
     0
 }
 

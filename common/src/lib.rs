@@ -33,6 +33,12 @@ pub const PROG_EXEC: &str = "valet_exec";
 pub const PROG_EXIT_WALK: &str = "valet_exit_walk";
 /// The exec program that walks `cgroup->kn->parent` instead.
 pub const PROG_EXEC_WALK: &str = "valet_exec_walk";
+/// Calibration program (tracepoint `sched/sched_process_exit`, loaded alone before the others):
+/// records in [`MAP_CALIBRATION`] the absolute level of the pid namespace whose inode number is
+/// [`KernelLayout::host_pidns_inum`], from any task that lives in it.
+pub const PROG_CALIBRATE: &str = "valet_calibrate";
+/// One `u32`: 0 until [`PROG_CALIBRATE`] saw a task of the namespace, then its level + 1.
+pub const MAP_CALIBRATION: &str = "CALIBRATION";
 
 /// Ring buffer size in bytes (a power of two, a multiple of the page size).
 pub const EVENTS_RING_BYTES: u32 = 256 * 1024;
@@ -42,8 +48,7 @@ pub const WATCHED_CAPACITY: u32 = 16 * 1024;
 pub const EXEC_CAPACITY: u32 = 16 * 1024;
 /// Capacity of [`MAP_CONTAINERS`]: container cgroups of one node's watched pods.
 pub const CONTAINERS_CAPACITY: u32 = 16 * 1024;
-/// How many pid namespace levels (from the kernel's initial one) the programs search for the
-/// host's: a node inside a node inside a host still fits.
+/// Deepest level of the host's pid namespace accepted (a node inside a node inside a host fits).
 pub const MAX_HOST_PIDNS_LEVEL: u32 = 8;
 /// How many cgroup ancestor levels the kernel programs look at (kubelet pods sit at depth 2–4;
 /// nested or hybrid hosts add a few).
@@ -232,11 +237,14 @@ pub struct KernelLayout {
     /// `kernfs_node.id` (a u64 since 5.5).
     pub kernfs_node_id: u32,
     /// Inode number of the host's pid namespace: the agent's own (it runs with hostPID). Not an
-    /// offset. The programs find its level per task among the task's pid namespaces (0 on a
-    /// plain host, 1 on a kind/k3d node, where the node is itself a container); a procfs only
-    /// shows levels relative to itself, so user space cannot tell the absolute level. 0: unknown,
-    /// the kernel's initial namespace is taken for the host's.
+    /// offset. 0: unknown, the kernel's initial namespace is taken for the host's.
     pub host_pidns_inum: u32,
+    /// Absolute level of the host's pid namespace (0 on a plain host, 1 on a kind/k3d node,
+    /// where the node is itself a container). Not an offset. A procfs only shows levels relative
+    /// to itself, so user space learns it from [`PROG_CALIBRATE`] before loading the programs:
+    /// a constant keeps a loop over a task's namespaces out of them (the 6.1 verifier gives up
+    /// on that loop: "sequence of 8193 jumps is too complex").
+    pub host_pidns_level: u32,
 }
 
 /// Marks an offset the running kernel does not provide.
@@ -264,6 +272,7 @@ impl KernelLayout {
             kernfs_node_parent: OFFSET_UNKNOWN,
             kernfs_node_id: OFFSET_UNKNOWN,
             host_pidns_inum: 0,
+            host_pidns_level: 0,
         }
     }
 }

@@ -67,6 +67,7 @@ pub fn read_layout(btf: &Btf, tracefs: &Path) -> Result<KernelLayout> {
             .or_else(|_| btf.member_offset("kernfs_node", "__parent"))),
         kernfs_node_id: opt(btf.member_offset("kernfs_node", "id")),
         host_pidns_inum: 0,
+        host_pidns_level: 0,
     };
     if layout.task_exit_code == OFFSET_UNKNOWN {
         return Err(Error::Btf("task_struct.exit_code not found: cannot report exit codes".into()));

@@ -3,14 +3,14 @@
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, MapData, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
     programs::{TracePoint, trace_point::TracePointLinkId},
 };
 use tracing::{debug, info, warn};
 use valet_common::{
-    ContainerMain, Counter, EXEC_CLASS_HOLD, EXEC_CLASS_PASS, GLOBAL_LAYOUT, KernelLayout, MAP_CONTAINERS,
-    MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_WATCHED, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT,
-    PROG_EXIT_WALK, container_flags,
+    ContainerMain, Counter, EXEC_CLASS_HOLD, EXEC_CLASS_PASS, GLOBAL_LAYOUT, KernelLayout, MAP_CALIBRATION,
+    MAP_CONTAINERS, MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_WATCHED, MAX_HOST_PIDNS_LEVEL,
+    PROG_CALIBRATE, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT, PROG_EXIT_WALK, container_flags,
 };
 
 use super::btf::Btf;
@@ -20,6 +20,58 @@ use crate::error::{Error, Result};
 
 /// The BPF object built from `agent-ebpf`, aligned for the loader.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/valet-agent-ebpf"));
+
+/// The absolute level of the pid namespace whose inode number is `inum`, which this process
+/// lives in: the calibration program records it from one of our own threads' exit.
+fn calibrate(layout: &KernelLayout, inum: u32) -> Result<u32> {
+    let mut l = *layout;
+    l.host_pidns_inum = inum;
+    let mut ebpf = EbpfLoader::new()
+        .override_global(GLOBAL_LAYOUT, &l, true)
+        .load(OBJECT)
+        .map_err(|e| Error::ebpf_object("load object (calibration)", e))?;
+    let program: &mut TracePoint = ebpf
+        .program_mut(PROG_CALIBRATE)
+        .ok_or_else(|| Error::Ebpf(format!("program {PROG_CALIBRATE} missing from object")))?
+        .try_into()
+        .map_err(|e| Error::ebpf_program(format!("program {PROG_CALIBRATE}"), e))?;
+    program.load().map_err(|e| Error::ebpf_program(format!("load {PROG_CALIBRATE}"), e))?;
+    let link = program
+        .attach("sched", "sched_process_exit")
+        .map_err(|e| Error::ebpf_program(format!("attach {PROG_CALIBRATE}"), e))?;
+    let mut seen = 0;
+    {
+        let map = ebpf.map(MAP_CALIBRATION).ok_or_else(|| Error::Ebpf(format!("map {MAP_CALIBRATION} missing")))?;
+        let array: Array<&MapData, u32> = Array::try_from(map).map_err(map_err(MAP_CALIBRATION))?;
+        for _ in 0..20 {
+            // A thread's exit fires the tracepoint in this process's namespace.
+            let _ = std::thread::spawn(|| {}).join();
+            seen = array.get(&0, 0).map_err(map_err(MAP_CALIBRATION))?;
+            if seen > 0 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+    if let Some(p) = ebpf.program_mut(PROG_CALIBRATE)
+        && let Ok(p) = <&mut TracePoint>::try_from(p)
+    {
+        let _ = p.detach(link);
+    }
+    seen.checked_sub(1).ok_or_else(|| Error::Ebpf("the calibration program saw no exit of ours".into()))
+}
+
+/// How many pid namespaces below our procfs's the process `pid` lives (NSpid entries − 1).
+fn nspid_depth(pid: u32) -> Result<u32> {
+    let path = format!("/proc/{pid}/status");
+    let status = std::fs::read_to_string(&path).map_err(|e| Error::io(format!("read {path}"), e))?;
+    let n = status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .map(|v| v.split_whitespace().count())
+        .ok_or_else(|| Error::Ebpf(format!("{path}: no NSpid line")))?;
+    Ok(n.saturating_sub(1) as u32)
+}
 
 /// How the kernel programs find the pod cgroup above a process's own cgroup.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,6 +162,26 @@ impl Programs {
             None => "/proc/self/ns/pid".to_owned(),
         };
         layout.host_pidns_inum = pidns_inum(std::path::Path::new(&host_ns))?;
+        // The host's absolute level: the agent's own, from the kernel, plus how much deeper the
+        // namespace standing in for the host is (tests), from its NSpid in our procfs.
+        let own = pidns_inum(std::path::Path::new("/proc/self/ns/pid"))?;
+        let deeper = match attach.host_pidns_of {
+            Some(pid) => nspid_depth(pid)?,
+            None => 0,
+        };
+        layout.host_pidns_level = match calibrate(&layout, own) {
+            Ok(level) => level + deeper,
+            Err(e) => {
+                warn!("cannot tell the host's pid namespace level ({e}): taking the kernel's initial one");
+                deeper
+            }
+        };
+        if layout.host_pidns_level > MAX_HOST_PIDNS_LEVEL {
+            return Err(Error::Ebpf(format!(
+                "the host's pid namespace is {} levels deep (at most {MAX_HOST_PIDNS_LEVEL} supported)",
+                layout.host_pidns_level
+            )));
+        }
         debug!(?layout, "kernel layout from BTF");
 
         let mut ebpf = EbpfLoader::new()
@@ -203,6 +275,7 @@ impl Programs {
             attached = ?links.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
             group_dead_field = layout.tp_exit_group_dead != valet_common::OFFSET_UNKNOWN,
             host_pidns_inum = layout.host_pidns_inum,
+            host_pidns_level = layout.host_pidns_level,
             ?ancestors,
             "kernel programs attached"
         );
