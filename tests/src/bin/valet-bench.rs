@@ -249,7 +249,7 @@ fn quit_latency(runs: usize) -> Result<()> {
         print_resources(pid, started.elapsed(), 2 * runs);
     }
     let w = report("in-pod wrapper (waitpid, then POST)", wrapper_samples);
-    let v = report("valet (eBPF exit → setns → POST)", valet_samples);
+    let v = report("valet (eBPF exit → POST on a kept connection)", valet_samples);
     println!("  valet median ÷ wrapper median = {:.2} (goal ≤ 1.5)", v / w);
     Ok(())
 }
