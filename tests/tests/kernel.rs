@@ -127,8 +127,8 @@ fn load_with(mode: AncestorMode, host_pidns_of: Option<u32>) -> (Programs, Event
         // walk; the scenario then runs with what production would load.
         let refused = Programs::load(Path::new("/"), attach).err().expect("the helper variant is refused before 5.11");
         eprintln!("kernel {:?}: helper variant refused ({refused}); scenario runs with Auto", kernel_version());
-        let programs = Programs::load(Path::new("/"), Attach { ancestors: AncestorMode::Auto, ..Attach::default() })
-            .expect("load");
+        let programs =
+            Programs::load(Path::new("/"), Attach { ancestors: AncestorMode::Auto, ..attach }).expect("load");
         assert_eq!(programs.ancestor_mode(), AncestorMode::Walk, "Auto falls back to the walk");
         programs
     } else {
