@@ -432,10 +432,10 @@ def kernel_saw_exit(agent, before):
     return metric(agent, KERNEL_QUITS) > before
 
 
-def quit_after(sc, exit_ns, what="the app's exit"):
+def quit_after(sc, exit_ns, what="the app's exit", slack_ms=10):
     quits = sc.quits()
     delay_ms = (quits[0] - exit_ns) / 1e6
-    if delay_ms < -10:
+    if delay_ms < -slack_ms:
         raise Failed(f"the quit arrived {-delay_ms:.0f} ms before {what}")
     return delay_ms
 
@@ -632,9 +632,13 @@ def oom_killed(api, agent):
                          f"memory.events counts {kills} OOM kills: not an OOM kill")
         if watcher.gone_ns is None:
             raise Failed("the app's process exit was not seen")
-        delay = quit_after(sc, watcher.gone_ns, "the app's OOM kill")
+        # The watcher sees the process once it is a zombie. The kernel's exit tracepoint fires when
+        # the killed process enters do_exit, before its 48 MiB address space is torn down, which
+        # takes tens of milliseconds under TCG: the quit may come before the zombie, never before
+        # the kill. Allowed: 100 ms.
+        delay = quit_after(sc, watcher.gone_ns, "the app's process became a zombie", slack_ms=100)
         return (f"app OOM-killed at its 48Mi limit (exit 137, {kills} oom_kill in the pod's memory.events, containerd's "
-                f"reason {app.reason!r}); quit {delay:.0f} ms after its process died (±5 ms)")
+                f"reason {app.reason!r}); quit {delay:.0f} ms after its process was seen gone (a zombie; polled every 2 ms)")
     finally:
         sc.teardown()
 
