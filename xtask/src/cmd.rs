@@ -28,6 +28,13 @@ pub fn target_dir(root: &Path) -> Result<PathBuf> {
         .ok_or_else(|| anyhow::anyhow!("cargo metadata named no target_directory"))
 }
 
+/// Builds the release binaries every privileged suite runs (the agent, the stand-in proxy, the
+/// fake API server) and returns the directory they are in.
+pub fn build_release_bins(root: &Path) -> Result<PathBuf> {
+    run(cargo().current_dir(root).args(["build", "--release", "-p", "valet-agent", "-p", "valet-sim", "--bins"]))?;
+    Ok(target_dir(root)?.join("release"))
+}
+
 /// The cargo that runs xtask, so every step uses the same toolchain.
 pub fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))

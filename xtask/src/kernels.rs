@@ -107,15 +107,7 @@ struct Binaries {
 
 impl Binaries {
     fn build(root: &Path) -> Result<Self> {
-        crate::cmd::run(crate::cmd::cargo().current_dir(root).args([
-            "build",
-            "--release",
-            "-p",
-            "valet-agent",
-            "-p",
-            "valet-sim",
-            "--bins",
-        ]))?;
+        crate::cmd::build_release_bins(root)?;
         let out = crate::cmd::cargo()
             .current_dir(root)
             .args(["test", "--release", "-p", "valet-tests", "--test", "kernel", "--test", "shutdown", "--no-run"])

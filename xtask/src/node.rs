@@ -46,18 +46,7 @@ pub fn run(root: &Path, only: &[String]) -> Result<(u64, u64)> {
             println!("node: binaries from VALET_NODE_BINARIES={}", dir.to_string_lossy());
             PathBuf::from(dir)
         }
-        None => {
-            crate::cmd::run(crate::cmd::cargo().current_dir(root).args([
-                "build",
-                "--release",
-                "-p",
-                "valet-agent",
-                "-p",
-                "valet-sim",
-                "--bins",
-            ]))?;
-            crate::cmd::target_dir(root)?.join("release")
-        }
+        None => crate::cmd::build_release_bins(root)?,
     };
     let images = oci_images(root, &release, &busybox)?;
     // The agent's own image (imported with the others), and its DaemonSet translated to the CRI.

@@ -5,7 +5,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::cmd::{cargo, is_root, run};
+use crate::cmd::{build_release_bins, cargo, is_root};
 use crate::setup;
 
 pub fn test(root: &Path, filter: Option<&str>, vm: bool, all_kernels: bool) -> Result<()> {
@@ -15,13 +15,13 @@ pub fn test(root: &Path, filter: Option<&str>, vm: bool, all_kernels: bool) -> R
     setup::setup(root, true)?;
     // The agent binary is what the end-to-end tests run, like a DaemonSet would; the stand-in
     // proxy is what they run as the sidecar.
-    run(cargo().current_dir(root).args(["build", "--release", "-p", "valet-agent", "-p", "valet-sim", "--bins"]))?;
+    let release = build_release_bins(root)?;
     let mut tally = Tally::default();
     let mut cmd = cargo();
     cmd.current_dir(root)
         .args(["test", "--workspace", "--exclude", "valet-agent-ebpf", "--no-fail-fast"])
-        .env("VALET_AGENT_BIN", root.join("target/release/valet-agent"))
-        .env("VALET_STANDIN_PROXY", root.join("target/release/valet-standin-proxy"));
+        .env("VALET_AGENT_BIN", release.join("valet-agent"))
+        .env("VALET_STANDIN_PROXY", release.join("valet-standin-proxy"));
     if let Some(f) = filter {
         cmd.args(["--", f]);
     }
