@@ -119,23 +119,18 @@ pub fn exchange(
     started: Instant,
     keep: bool,
 ) -> Result<(Response, bool), Failure> {
-    let left = |started: Instant| {
-        limits.total_timeout.checked_sub(started.elapsed()).filter(|d| !d.is_zero()).ok_or(Failure::Timeout)
-    };
-    stream.set_write_timeout(Some(left(started)?)).map_err(|e| Failure::Io(e.to_string()))?;
+    stream.set_write_timeout(Some(time_left(limits, started)?)).map_err(|e| Failure::Io(e.to_string()))?;
     let req = request_text(addr, method, path, keep);
     stream.write_all(req.as_bytes()).map_err(|e| io_failure(&e))?;
 
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 4096];
     loop {
-        stream.set_read_timeout(Some(left(started)?)).map_err(|e| Failure::Io(e.to_string()))?;
+        stream.set_read_timeout(Some(time_left(limits, started)?)).map_err(|e| Failure::Io(e.to_string()))?;
         match stream.read(&mut chunk) {
             Ok(0) => break,
             Ok(n) => {
-                let room = limits.max_response_bytes.saturating_sub(buf.len());
-                buf.extend_from_slice(&chunk[..n.min(room)]);
-                if buf.len() >= limits.max_response_bytes || response_complete(&buf) {
+                if absorb(&mut buf, &chunk[..n], limits) {
                     break;
                 }
             }
@@ -149,9 +144,26 @@ pub fn exchange(
             }
         }
     }
-    let response = parse_response(&buf, limits)?;
-    let reusable = keep && reusable(&buf);
-    Ok((response, reusable))
+    answer(&buf, limits, keep)
+}
+
+/// Time left of the request's total deadline; none left is a timeout.
+fn time_left(limits: Limits, started: Instant) -> Result<Duration, Failure> {
+    limits.total_timeout.checked_sub(started.elapsed()).filter(|d| !d.is_zero()).ok_or(Failure::Timeout)
+}
+
+/// Adds bytes read to the answer, up to the cap; whether reading can stop (the cap is reached or
+/// the answer is complete).
+fn absorb(buf: &mut Vec<u8>, bytes: &[u8], limits: Limits) -> bool {
+    let room = limits.max_response_bytes.saturating_sub(buf.len());
+    buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    buf.len() >= limits.max_response_bytes || response_complete(buf)
+}
+
+/// The answer read, and whether its connection can carry another request.
+fn answer(buf: &[u8], limits: Limits, keep: bool) -> Result<(Response, bool), Failure> {
+    let response = parse_response(buf, limits)?;
+    Ok((response, keep && reusable(buf)))
 }
 
 fn request_text(addr: SocketAddr, method: &str, path: &str, keep: bool) -> String {
@@ -177,7 +189,7 @@ pub async fn exchange_async(
     keep: bool,
 ) -> Result<(Response, bool), Failure> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let left = limits.total_timeout.checked_sub(started.elapsed()).filter(|d| !d.is_zero()).ok_or(Failure::Timeout)?;
+    let left = time_left(limits, started)?;
     let req = request_text(addr, method, path, keep);
     let mut buf = Vec::with_capacity(512);
     let io = async {
@@ -187,9 +199,7 @@ pub async fn exchange_async(
             match stream.read(&mut chunk).await {
                 Ok(0) => return Ok(()),
                 Ok(n) => {
-                    let room = limits.max_response_bytes.saturating_sub(buf.len());
-                    buf.extend_from_slice(&chunk[..n.min(room)]);
-                    if buf.len() >= limits.max_response_bytes || response_complete(&buf) {
+                    if absorb(&mut buf, &chunk[..n], limits) {
                         return Ok(());
                     }
                 }
@@ -207,8 +217,7 @@ pub async fn exchange_async(
         Ok(Err(e)) => return Err(e),
         Err(_) => return Err(Failure::Timeout),
     }
-    let response = parse_response(&buf, limits)?;
-    Ok((response, keep && reusable(&buf)))
+    answer(&buf, limits, keep)
 }
 
 /// Whether a complete answer ends exactly at its `Content-Length` and leaves the connection open.
