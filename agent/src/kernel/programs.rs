@@ -63,14 +63,9 @@ fn calibrate(layout: &KernelLayout, inum: u32) -> Result<u32> {
 
 /// How many pid namespaces below our procfs's the process `pid` lives (NSpid entries − 1).
 fn nspid_depth(pid: u32) -> Result<u32> {
-    let path = format!("/proc/{pid}/status");
-    let status = std::fs::read_to_string(&path).map_err(|e| Error::io(format!("read {path}"), e))?;
-    let n = status
-        .lines()
-        .find_map(|l| l.strip_prefix("NSpid:"))
-        .map(|v| v.split_whitespace().count())
-        .ok_or_else(|| Error::Ebpf(format!("{path}: no NSpid line")))?;
-    Ok(n.saturating_sub(1) as u32)
+    super::container_main::read_process(std::path::Path::new("/proc"), pid)
+        .map(|p| p.nspid.len().saturating_sub(1) as u32)
+        .ok_or_else(|| Error::Ebpf(format!("/proc/{pid}: no such process or no NSpid line")))
 }
 
 /// How the kernel programs find the pod cgroup above a process's own cgroup.

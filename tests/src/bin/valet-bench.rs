@@ -166,14 +166,7 @@ fn print_resources(pid: u32, wall: Duration, pods: usize) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     let field =
         |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_owned()).unwrap_or_default();
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or_default().split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the command name.
-    let ticks: u64 = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0)
-        + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
-    // SAFETY: plain sysconf query.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let cpu = ticks as f64 / hz;
+    let cpu = cpu_time(pid).as_secs_f64();
     println!(
         "  agent resources over {:.0} s and {pods} pods: RSS {} (peak {}), CPU {:.2} s = {:.1} millicores on average",
         wall.as_secs_f64(),
@@ -188,11 +181,19 @@ fn print_resources(pid: u32, wall: Duration, pods: usize) {
 fn cpu_time(pid: u32) -> Duration {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or_default().split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the command name.
     let ticks: u64 = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0)
         + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
     // SAFETY: plain sysconf query.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     Duration::from_secs_f64(ticks as f64 / hz)
+}
+
+/// Whether `pid` is stopped (state `T`): held by the kernel before its first instruction.
+fn stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T"))
+        .unwrap_or(false)
 }
 
 fn read_stamp(path: &Path) -> Option<u64> {
@@ -272,12 +273,8 @@ fn release_latency(runs: usize) -> Result<()> {
         let stamp_s = stamp.to_str().context("path")?.to_owned();
         let pid = job.start_app("app", &[&app, &stamp_s, "0"], &SpawnOptions::default())?.host_pid();
         // Wait until the kernel stopped it (state T); it cannot have run.
-        let stopped = eventually(Duration::from_secs(5), || {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .map(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T"))
-                .unwrap_or(false)
-        });
-        if !stopped || stamp.exists() {
+        let held = eventually(Duration::from_secs(5), || stopped(pid));
+        if !held || stamp.exists() {
             bail!("run {i}: app was not held\n{}", agent.log_text());
         }
         let t_ready = monotonic_ns();
@@ -509,13 +506,7 @@ fn held_together(pods: usize) -> Result<()> {
         jobs.push((job, ready, stamp, app_pid));
     }
     agent.wait_tracked(pods, Duration::from_secs(10))?;
-    let all_held = eventually(Duration::from_secs(10), || {
-        jobs.iter().all(|(_, _, _, p)| {
-            std::fs::read_to_string(format!("/proc/{p}/stat"))
-                .map(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T"))
-                .unwrap_or(false)
-        })
-    });
+    let all_held = eventually(Duration::from_secs(10), || jobs.iter().all(|(_, _, _, p)| stopped(*p)));
     if !all_held {
         bail!("not every app was held\n{}", agent.log_text());
     }
