@@ -64,6 +64,21 @@ def wait_for(what, cond, deadline_s, step=0.1):
     raise Failed(f"{what} not within {deadline_s} s")
 
 
+def wait_readyz(addr, exited, step, deadline_s=240):
+    """Polls the agent's /readyz at `addr` until it answers 200 (True), the agent exited
+    (`exited()` is not None) or the deadline passed (False)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end and exited() is None:
+        try:
+            with urllib.request.urlopen(f"http://{addr}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except Exception:
+            pass
+        time.sleep(step)
+    return False
+
+
 def uptime_ns(path):
     """A stamp written by `cat /proc/uptime > path` in a container (10 ms resolution; CLOCK_BOOTTIME,
     which is CLOCK_MONOTONIC in a VM that never suspends): the clock of the proxy's event log."""
@@ -94,15 +109,8 @@ class Agent:
             env={**os.environ, "KUBECONFIG": f"{WORK}/kubeconfig", "RUST_LOG": "info"},
             stdout=self.log_file, stderr=subprocess.STDOUT,
         )
-        end = time.monotonic() + 240
-        while time.monotonic() < end and self.proc.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://{METRICS}/readyz", timeout=2) as r:
-                    if r.status == 200:
-                        return time.monotonic() - t
-            except Exception:
-                pass
-            time.sleep(0.2)
+        if wait_readyz(METRICS, self.proc.poll, 0.2):
+            return time.monotonic() - t
         raise Failed(f"the agent never became ready (exit status {self.proc.poll()})")
 
     def stop(self, sig=signal.SIGTERM):
@@ -258,15 +266,8 @@ class ContainerAgent:
         self.log_path = f"{log_dir}/{c['name']}/0.log"
         self.metrics = f"{self.pod_ip}:{self.spec['metrics_port']}"
         log(f"agent container {self.container_id[:12]} started, pod IP {self.pod_ip}")
-        end = time.monotonic() + 240
-        while time.monotonic() < end and self.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://{self.metrics}/readyz", timeout=2) as r:
-                    if r.status == 200:
-                        return time.monotonic() - t
-            except Exception:
-                pass
-            time.sleep(0.5)
+        if wait_readyz(self.metrics, self.poll, 0.5):
+            return time.monotonic() - t
         raise Failed(f"the agent's container never became ready (exit status {self.poll()})")
 
     def stop(self, sig=signal.SIGTERM):
