@@ -2,8 +2,11 @@
 """A kubelet stand-in for the real-node VM: runs a pod through containerd's CRI gRPC API the way
 the kubelet does, and mirrors the CRI state into the (fake) API server with the kubelet's timing.
 
-- RunPodSandbox with the kubelet's systemd cgroup parent for the pod's QoS class
-  (`kubepods-besteffort-pod<uid_>.slice`) and a CNI network namespace (pod IP);
+- RunPodSandbox with the kubelet's cgroup parent for the pod's QoS class and a CNI network namespace
+  (pod IP). Either cgroup driver, as the runtime is configured (containerd's `SystemdCgroup`):
+  systemd, a slice (`kubepods-besteffort-pod<uid_>.slice`, systemd makes it); or cgroupfs, a path
+  (`/kubepods/besteffort/pod<uid>`) that the stand-in makes first, as the kubelet does, with the
+  controllers enabled on every level above it;
 - CreateContainer/StartContainer per container, in spec order;
 - a status sync every second (the PLEG relist period): ContainerStatus for every container, the
   container id in `status.containerStatuses` once it runs, `ready` only after the container's
@@ -13,7 +16,8 @@ the kubelet does, and mirrors the CRI state into the (fake) API server with the 
   (the kubelet's first one is 10 s; RESTART_BACKOFF here), its `restartCount` and `lastState` kept;
 - every container gets `memory.oom.group=1` (the kubelet does so on cgroup v2 since 1.28), so an
   OOM kill ends the whole container;
-- StopPodSandbox/RemovePodSandbox once every container of a `restartPolicy: Never` pod ended.
+- StopPodSandbox/RemovePodSandbox once every container of a `restartPolicy: Never` pod ended (and,
+  with cgroupfs, the pod's cgroup removed, as the kubelet's housekeeping does).
 
 The CRI messages come from kubernetes/cri-api's api.proto (vendored in cri/), compiled with
 Debian's protoc at start; calls go through grpcio's generic unary API, so no generated stubs.
@@ -34,6 +38,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CONTAINERD = "unix:///run/containerd/containerd.sock"
 RELIST = 1.0
 RESTART_BACKOFF = 2.0
+CGROUP_ROOT = "/sys/fs/cgroup"
+DRIVERS = ("systemd", "cgroupfs")
 
 
 def load_api():
@@ -114,11 +120,52 @@ def qos_class(pod):
     return "burstable"
 
 
-def cgroup_parent(pod):
-    """The kubelet's systemd cgroup driver: a slice per pod under its QoS class's slice."""
-    uid = pod["metadata"]["uid"].replace("-", "_")
-    qos = qos_class(pod)
+def cgroup_parent(pod, driver="systemd"):
+    """The pod's cgroup as the kubelet names it in RunPodSandbox. systemd driver: a slice per pod
+    under its QoS class's slice; cgroupfs driver: its path below the cgroup2 root."""
+    uid, qos = pod["metadata"]["uid"], qos_class(pod)
+    if driver == "cgroupfs":
+        return f"/kubepods/pod{uid}" if qos == "guaranteed" else f"/kubepods/{qos}/pod{uid}"
+    uid = uid.replace("-", "_")
     return f"kubepods-pod{uid}.slice" if qos == "guaranteed" else f"kubepods-{qos}-pod{uid}.slice"
+
+
+def container_cgroup(pod, driver, cid):
+    """Where the runtime puts a container (or the sandbox) of the pod, relative to the cgroup2 root:
+    what `/proc/<pid>/cgroup` says for its processes."""
+    if driver == "cgroupfs":
+        return f"{cgroup_parent(pod, driver)}/{cid}"
+    qos, uid = qos_class(pod), pod["metadata"]["uid"].replace("-", "_")
+    pod_slice = f"kubepods-pod{uid}.slice" if qos == "guaranteed" else \
+        f"kubepods-{qos}.slice/kubepods-{qos}-pod{uid}.slice"
+    return f"/kubepods.slice/{pod_slice}/cri-containerd-{cid}.scope"
+
+
+def make_cgroupfs_parent(path, root=CGROUP_ROOT):
+    """What the kubelet's cgroupfs driver does before RunPodSandbox (its pod container manager,
+    through libcontainer's cgroup v2 `CreateCgroupPath`): every level of the pod's cgroup is made,
+    and every level above the pod's enables in its `cgroup.subtree_control` the controllers it
+    has, so that the pod's cgroup gets them all. Returns the pod cgroup's controllers."""
+    current = root
+    for part in path.strip("/").split("/"):
+        have = open(f"{current}/cgroup.controllers").read().split()
+        enabled = open(f"{current}/cgroup.subtree_control").read().split()
+        missing = [f"+{c}" for c in have if c not in enabled]
+        if missing:
+            try:
+                with open(f"{current}/cgroup.subtree_control", "w") as f:
+                    f.write(" ".join(missing))
+            except OSError:
+                # As libcontainer does: one at a time, keeping whatever the kernel accepts.
+                for c in missing:
+                    try:
+                        with open(f"{current}/cgroup.subtree_control", "w") as f:
+                            f.write(c)
+                    except OSError:
+                        pass
+        current = f"{current}/{part}"
+        os.makedirs(current, exist_ok=True)
+    return open(f"{current}/cgroup.controllers").read().split()
 
 
 def memory_limit(resources):
@@ -135,8 +182,10 @@ def memory_limit(resources):
 class PodRun:
     """One pod on the node: its sandbox, containers, and the status the kubelet reports."""
 
-    def __init__(self, cri: Cri, api: Api, pod, log=print):
-        self.cri, self.api, self.pod, self.log = cri, api, pod, log
+    def __init__(self, cri: Cri, api: Api, pod, log=print, driver="systemd"):
+        if driver not in DRIVERS:
+            raise ValueError(f"cgroup driver {driver!r}: one of {DRIVERS}")
+        self.cri, self.api, self.pod, self.log, self.driver = cri, api, pod, log, driver
         self.meta = pod["metadata"]
         self.containers = {}  # name -> {"id":..., "ready": bool, "next_probe": t, "status": CRI status dict}
         self.sandbox_id = None
@@ -159,7 +208,7 @@ class PodRun:
             "labels": labels,
             "annotations": m.get("annotations", {}),
             "linux": {
-                "cgroup_parent": cgroup_parent(self.pod),
+                "cgroup_parent": cgroup_parent(self.pod, self.driver),
                 "security_context": {"namespace_options": {"network": "POD", "pid": "CONTAINER", "ipc": "POD"}},
             },
         }
@@ -169,6 +218,11 @@ class PodRun:
         config = self.sandbox_config()
         self.sandbox_cfg = config
         os.makedirs(config["log_directory"], exist_ok=True)
+        if self.driver == "cgroupfs":
+            parent = config["linux"]["cgroup_parent"]
+            controllers = make_cgroupfs_parent(parent)
+            if not {"cpu", "memory", "pids"} <= set(controllers):
+                raise RuntimeError(f"the pod cgroup {parent} has only the controllers {controllers}")
         self.sandbox_id = self.cri.runtime("RunPodSandbox", {"config": config}).pod_sandbox_id
         status = self.cri.runtime("PodSandboxStatus", {"pod_sandbox_id": self.sandbox_id}).status
         self.pod_ip = status.network.ip
@@ -308,3 +362,11 @@ class PodRun:
         if self.sandbox_id:
             self.cri.runtime("StopPodSandbox", {"pod_sandbox_id": self.sandbox_id})
             self.cri.runtime("RemovePodSandbox", {"pod_sandbox_id": self.sandbox_id})
+        if self.driver == "cgroupfs":
+            pod_cgroup = CGROUP_ROOT + cgroup_parent(self.pod, self.driver)
+            try:
+                os.rmdir(pod_cgroup)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self.log(f"kubelet: rmdir {pod_cgroup}: {e}")

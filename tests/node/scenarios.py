@@ -17,7 +17,18 @@ Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FA
 - oom_killed: a memory limit through the CRI (cgroup v2 memory.max): the app is OOM-killed, its
   restartPolicy is Never, the proxy is quit;
 - agent_restart_held: the agent is killed (SIGKILL) while it holds an app, a new agent starts:
-  the app stays held until the proxy is ready.
+  the app stays held until the proxy is ready;
+- daemonset_agent: job and hold_app again with the agent run from its image, as its DaemonSet says;
+- job_cgroupfs, hold_app_cgroupfs, short_app_cgroupfs: job, hold_app and short_app under the other
+  cgroup driver. The image's containerd uses the systemd driver (`SystemdCgroup = true`, pods in
+  `/kubepods.slice/...`); before the first of these, containerd's config is switched to
+  `SystemdCgroup = false` and containerd restarted (once, for all three: they run last), and the
+  kubelet stand-in drives cgroupfs (it makes `/kubepods/besteffort/pod<uid>` with the controllers
+  enabled and names it as the cgroup parent). Each checks, from its processes' /proc/<pid>/cgroup,
+  that the pod really is in `/kubepods/besteffort/pod<uid>/<id>`. The agent is the same process and
+  takes no flag: it finds pods under either layout. A systemd scenario after them (when named in
+  another order) switches containerd back first; job, hold_app and short_app check their driver's
+  paths too.
 
     scenarios.py <dir of valet-agent and valet-fake-apiserver> <images dir> <out dir> [scenario ...]
 
@@ -38,6 +49,7 @@ import traceback
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import grpc  # noqa: E402
 import kubelet  # noqa: E402
 
 NODE = "valet-node"
@@ -314,12 +326,19 @@ def metric(agent, name):
     return total
 
 
+def container_cgroup_dir(cid):
+    """A container's cgroup directory under either cgroup driver, or None."""
+    found = glob.glob(f"/sys/fs/cgroup/kubepods.slice/**/cri-containerd-{cid}.scope", recursive=True) or \
+        glob.glob(f"/sys/fs/cgroup/kubepods/**/{cid}", recursive=True)
+    return found[0] if found else None
+
+
 def container_pids(cid):
-    found = glob.glob(f"/sys/fs/cgroup/kubepods.slice/**/cri-containerd-{cid}.scope/cgroup.procs", recursive=True)
+    found = container_cgroup_dir(cid)
     if not found:
         return []
     try:
-        return [int(p) for p in open(found[0]).read().split()]
+        return [int(p) for p in open(f"{found}/cgroup.procs").read().split()]
     except OSError:
         return []
 
@@ -353,8 +372,8 @@ class Scenario:
     """One pod: its events directory (a hostPath volume in every container), its spec, its run."""
 
     def __init__(self, api, name, app, proxy_args=(), annotations=None, restart="Never", app_first=True,
-                 app_resources=None):
-        self.api, self.name = api, name
+                 app_resources=None, driver="systemd"):
+        self.api, self.name, self.driver = api, name, driver
         self.dir = f"{WORK}/{name}"
         os.makedirs(self.dir, exist_ok=True)
         volume = [{"name": "events", "mountPath": "/events"}]
@@ -387,7 +406,7 @@ class Scenario:
 
     def start(self):
         created = self.api.create_pod(self.pod)
-        self.run = kubelet.PodRun(kubelet.Cri(), self.api, created, log=log)
+        self.run = kubelet.PodRun(kubelet.Cri(), self.api, created, log=log, driver=self.driver)
         self.run.start()
 
     def sync_until(self, what, cond, deadline_s=POD_DEADLINE):
@@ -441,13 +460,46 @@ def quit_after(sc, exit_ns, what="the app's exit", slack_ms=10):
     return delay_ms
 
 
-def job(api, agent, tag=""):
-    sc = Scenario(api, "job" + tag, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0")
+def cgroup_of(pid):
+    """A process's cgroup v2 path (`0::<path>` in /proc/<pid>/cgroup), or None once it is gone."""
+    try:
+        for line in open(f"/proc/{pid}/cgroup"):
+            if line.startswith("0::"):
+                return line[3:].strip()
+    except OSError:
+        return None
+    return None
+
+
+def check_cgroups(sc, containers=()):
+    """The pod is where its cgroup driver puts it, as its processes' own /proc/<pid>/cgroup says:
+    the sandbox's (pause runs as long as the pod) and those of the named containers (running).
+    A pod run under the other driver (containerd not switched, a cgroup parent it ignored) fails
+    here. Returns what the driver's path looks like, for the scenario's line."""
+    run = sc.run
+    ids = {"sandbox": run.sandbox_id, **{name: run.containers[name]["id"] for name in containers}}
+    for what, cid in ids.items():
+        want = kubelet.container_cgroup(run.pod, sc.driver, cid)
+        pids = wait_for(f"a process of the {what} (its cgroup {want})", lambda: container_pids(cid), 30)
+        got = cgroup_of(pids[0])
+        if got != want:
+            raise Failed(f"the {what}'s process {pids[0]} is in the cgroup {got}, not {want} ({sc.driver} driver)")
+    return kubelet.container_cgroup(run.pod, sc.driver, "<id>").replace(run.meta["uid"], "<uid>")
+
+
+def driver_note(sc, where):
+    """The scenario line's note on a cgroupfs pod's place (nothing for the default systemd driver)."""
+    return f"; cgroupfs driver: the pod's processes in {where}" if sc.driver == "cgroupfs" else ""
+
+
+def job(api, agent, tag="", driver="systemd"):
+    sc = Scenario(api, "job" + tag, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0", driver=driver)
     try:
         kernel_quits = metric(agent, KERNEL_QUITS)
         sc.start()
         app_id = sc.run.containers["app"]["id"]
         watcher = CgroupWatcher(app_id)
+        where = check_cgroups(sc, ["app", "istio-proxy"])
         sc.proxy_ready()
         sc.touch("go")
         sc.finish()
@@ -464,7 +516,7 @@ def job(api, agent, tag=""):
         for what in ("cgroup", "bundle"):
             if what in watcher.gone:
                 extra.append(f"its {what} removed {(watcher.gone[what] - exit_ns) / 1e6:.0f} ms after")
-        return f"quit {delay:.0f} ms after the app's exit (±10 ms); " + "; ".join(extra)
+        return f"quit {delay:.0f} ms after the app's exit (±10 ms); " + "; ".join(extra) + driver_note(sc, where)
     finally:
         sc.teardown()
 
@@ -482,7 +534,8 @@ class CgroupWatcher(threading.Thread):
         cgroup = None
         while not self.stop and len(self.gone) < 2:
             if cgroup is None:
-                found = glob.glob(f"/sys/fs/cgroup/kubepods.slice/*/*/cri-containerd-{self.cid}.scope")
+                found = glob.glob(f"/sys/fs/cgroup/kubepods.slice/*/*/cri-containerd-{self.cid}.scope") or \
+                    glob.glob(f"/sys/fs/cgroup/kubepods/*/*/{self.cid}")
                 cgroup = found[0] if found else None
             for what, path in (("cgroup", cgroup), ("bundle", bundle)):
                 if path and what not in self.gone and not os.path.exists(path):
@@ -520,13 +573,15 @@ def release_after_ready(sc, held_since):
     return (ready_ns - held_since) / 1e9, delay_ms
 
 
-def hold_app(api, agent, tag=""):
-    sc = Scenario(api, "hold_app" + tag, HELD_APP, proxy_args=["--ready-file", "/events/ready"], annotations=HOLD)
+def hold_app(api, agent, tag="", driver="systemd"):
+    sc = Scenario(api, "hold_app" + tag, HELD_APP, proxy_args=["--ready-file", "/events/ready"], annotations=HOLD,
+                  driver=driver)
     try:
         holds = metric(agent, "valet_app_holds_total")
         sc.start()
         held_since = time.monotonic_ns()
         wait_held(sc)
+        where = check_cgroups(sc, ["app", "istio-proxy"])
         held_s, delay_ms = release_after_ready(sc, held_since)
         if metric(agent, "valet_app_holds_total") <= holds:
             raise Failed("valet_app_holds_total did not grow")
@@ -534,7 +589,7 @@ def hold_app(api, agent, tag=""):
         sc.finish()
         delay = quit_after(sc, uptime_ns(sc.path("app-exit")))
         return (f"app held {held_s:.1f} s, released {delay_ms:.0f} ms after the proxy's ready file appeared "
-                f"(agent probe + SIGCONT); quit {delay:.0f} ms after the app's exit")
+                f"(agent probe + SIGCONT); quit {delay:.0f} ms after the app's exit" + driver_note(sc, where))
     finally:
         sc.teardown()
 
@@ -570,17 +625,19 @@ def nested_pidns(api, agent):
         sc.teardown()
 
 
-def short_app(api, agent):
-    sc = Scenario(api, "short_app", "sleep 0.3; cat /proc/uptime > /events/app-exit")
+def short_app(api, agent, tag="", driver="systemd"):
+    sc = Scenario(api, "short_app" + tag, "sleep 0.3; cat /proc/uptime > /events/app-exit", driver=driver)
     try:
         sc.start()
+        # Only the sandbox: the app and the quit proxy may both be gone already.
+        where = check_cgroups(sc)
         sc.finish()
         exit_ns = uptime_ns(sc.path("app-exit"))
         delay = quit_after(sc, exit_ns)
         app = sc.run.containers["app"]["status"]
         return (f"quit {delay:.0f} ms after the 0.3 s app's exit (the proxy container started "
                 f"{(real_to_mono_ns(sc.run.containers['istio-proxy']['status'].started_at) - exit_ns) / 1e6:.0f} ms "
-                f"after it; app exit code {app.exit_code})")
+                f"after it; app exit code {app.exit_code}){driver_note(sc, where)}")
     finally:
         sc.teardown()
 
@@ -696,8 +753,64 @@ def daemonset_agent(api, agent):
         agent.start()
 
 
-SCENARIOS = [job, hold_app, nested_pidns, short_app, onfailure_restart, oom_killed, agent_restart_held, daemonset_agent]
+def job_cgroupfs(api, agent):
+    return job(api, agent, tag="_cgroupfs", driver="cgroupfs")
+
+
+def hold_app_cgroupfs(api, agent):
+    return hold_app(api, agent, tag="_cgroupfs", driver="cgroupfs")
+
+
+def short_app_cgroupfs(api, agent):
+    return short_app(api, agent, tag="_cgroupfs", driver="cgroupfs")
+
+
+for _s in (job_cgroupfs, hold_app_cgroupfs, short_app_cgroupfs):
+    _s.driver = "cgroupfs"
+
+# The cgroupfs ones last, together: one containerd restart for all of them.
+SCENARIOS = [job, hold_app, nested_pidns, short_app, onfailure_restart, oom_killed, agent_restart_held, daemonset_agent,
+             job_cgroupfs, hold_app_cgroupfs, short_app_cgroupfs]
 OUT = None
+CONTAINERD_CONFIG = "/etc/containerd/config.toml"
+SYSTEMD_CGROUP = {"systemd": "SystemdCgroup = true", "cgroupfs": "SystemdCgroup = false"}
+
+
+def cri_driver(cri):
+    """The cgroup driver containerd's CRI plugin runs with (its config, from a verbose Status), once
+    the runtime and the network are ready; None before."""
+    status = cri.runtime("Status", {"verbose": True}, timeout=5)
+    if not all(c.status for c in status.status.conditions):
+        return None
+    config = json.loads(status.info["config"])
+    runc = config["containerd"]["runtimes"]["runc"]["options"]
+    return "systemd" if runc.get("SystemdCgroup") else "cgroupfs"
+
+
+def use_driver(driver):
+    """Switches containerd's runc to this cgroup driver (its config file; the node's root disk is a
+    throw-away snapshot) and restarts containerd. `--job-mode=ignore-dependencies`: this run's own
+    unit requires containerd, and a plain restart would restart it too. Running pods would keep
+    their cgroups; none runs between scenarios. Returns the seconds until the CRI answered with it."""
+    t = time.monotonic()
+    text = open(CONTAINERD_CONFIG).read()
+    other = SYSTEMD_CGROUP["cgroupfs" if driver == "systemd" else "systemd"]
+    if text.count(other) + text.count(SYSTEMD_CGROUP[driver]) != 1:
+        raise Failed(f"{CONTAINERD_CONFIG} does not set SystemdCgroup once")
+    with open(CONTAINERD_CONFIG, "w") as f:
+        f.write(text.replace(other, SYSTEMD_CGROUP[driver]))
+    subprocess.run(["systemctl", "restart", "--job-mode=ignore-dependencies", "containerd"], check=True)
+    cri = kubelet.Cri()
+
+    def answered():
+        try:
+            return cri_driver(cri)
+        except grpc.RpcError:
+            return None
+    got = wait_for(f"containerd's CRI after its restart with the {driver} driver", answered, 90, step=0.5)
+    if got != driver:
+        raise Failed(f"containerd restarted with the {got} cgroup driver, not {driver}")
+    return time.monotonic() - t
 
 
 def main():
@@ -728,11 +841,17 @@ def main():
                 print(f"node scenario {s.__name__}: FAILED ({e})", flush=True)
             agent.dump()
             return len(scenarios) + failed
+        driver = "systemd"  # the image's (tests/node/customize.sh)
         for s in scenarios:
             t = time.monotonic()
             try:
                 if agent.proc.poll() is not None:
                     raise Failed(f"the agent exited ({agent.proc.returncode})")
+                want = getattr(s, "driver", "systemd")
+                if want != driver:
+                    driver = None  # unknown until the switch worked
+                    log(f"containerd restarted with the {want} cgroup driver in {use_driver(want):.1f}s")
+                    driver = want
                 figures = s(api, agent)
                 print(f"node scenario {s.__name__}: ok ({figures}) [{time.monotonic() - t:.0f} s]", flush=True)
             except Exception as e:
