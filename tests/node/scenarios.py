@@ -858,7 +858,10 @@ def main():
                 failed += 1
                 if not isinstance(e, Failed):
                     traceback.print_exc(file=sys.stdout)
-                print(f"node scenario {s.__name__}: FAILED ({e}) [{time.monotonic() - t:.0f} s]", flush=True)
+                # One line: a CRI error's text spans several (status, details, debug string).
+                why = f"CRI {e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+                why = " ".join(why.split())
+                print(f"node scenario {s.__name__}: FAILED ({why}) [{time.monotonic() - t:.0f} s]", flush=True)
     finally:
         agent.stop()
         api_proc.kill()
