@@ -26,9 +26,9 @@ Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FA
   kubelet stand-in drives cgroupfs (it makes `/kubepods/besteffort/pod<uid>` with the controllers
   enabled and names it as the cgroup parent). Each checks, from its processes' /proc/<pid>/cgroup,
   that the pod really is in `/kubepods/besteffort/pod<uid>/<id>`. The agent is the same process and
-  takes no flag: it finds pods under either layout. A systemd scenario after them (when named in
-  another order) switches containerd back first; job, hold_app and short_app check their driver's
-  paths too.
+  takes no flag: it finds pods under either layout. After the last of them containerd is switched
+  back to the systemd driver (a second restart, ~2 s); a systemd scenario after a cgroupfs one would
+  switch it back first. job, hold_app and short_app check the systemd driver's paths the same way.
 
     scenarios.py <dir of valet-agent and valet-fake-apiserver> <images dir> <out dir> [scenario ...]
 
@@ -847,12 +847,14 @@ def main():
             try:
                 if agent.proc.poll() is not None:
                     raise Failed(f"the agent exited ({agent.proc.returncode})")
-                want = getattr(s, "driver", "systemd")
+                want, switched = getattr(s, "driver", "systemd"), ""
                 if want != driver:
                     driver = None  # unknown until the switch worked
-                    log(f"containerd restarted with the {want} cgroup driver in {use_driver(want):.1f}s")
+                    took = use_driver(want)
                     driver = want
-                figures = s(api, agent)
+                    log(f"containerd restarted with the {want} cgroup driver in {took:.1f}s")
+                    switched = f"; containerd switched to the {want} driver first, in {took:.1f} s"
+                figures = s(api, agent) + switched
                 print(f"node scenario {s.__name__}: ok ({figures}) [{time.monotonic() - t:.0f} s]", flush=True)
             except Exception as e:
                 failed += 1
@@ -862,6 +864,13 @@ def main():
                 why = f"CRI {e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
                 why = " ".join(why.split())
                 print(f"node scenario {s.__name__}: FAILED ({why}) [{time.monotonic() - t:.0f} s]", flush=True)
+        if driver != "systemd":
+            # Back to the image's driver: the way back is exercised too (the VM is thrown away).
+            try:
+                log(f"containerd restored to the systemd cgroup driver in {use_driver('systemd'):.1f}s")
+            except Exception as e:
+                failed += 1
+                print(f"node scenario restore_systemd_driver: FAILED ({' '.join(str(e).split())})", flush=True)
     finally:
         agent.stop()
         api_proc.kill()
