@@ -4,7 +4,10 @@
 //! stand-in (tests/node/kubelet.py) drives containerd through the CRI and mirrors the pods into
 //! the fake API server; the host-built agent runs as root on the node. Images are built here
 //! (tests/node/oci_image.py) and imported with `ctr`: no registry is involved. The scenarios are
-//! tests/node/scenarios.py's; each prints `node scenario <name>: ok|FAILED (<figures>)`.
+//! tests/node/scenarios.py's; each prints `node scenario <name>: ok|FAILED (<figures>)`. Both of
+//! the kubelet's cgroup drivers: the image's containerd uses systemd's; the `*_cgroupfs` scenarios
+//! (run last) switch it to `SystemdCgroup = false` with one restart, and the kubelet stand-in then
+//! makes and names `/kubepods/<qos>/pod<uid>` as the kubelet's cgroupfs driver does.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
