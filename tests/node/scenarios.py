@@ -27,8 +27,9 @@ Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FA
   enabled and names it as the cgroup parent). Each checks, from its processes' /proc/<pid>/cgroup,
   that the pod really is in `/kubepods/besteffort/pod<uid>/<id>`. The agent is the same process and
   takes no flag: it finds pods under either layout. After the last of them containerd is switched
-  back to the systemd driver (a second restart, 2 to 4 s); a systemd scenario after a cgroupfs one would
-  switch it back first. job, hold_app and short_app check the systemd driver's paths the same way.
+  back to the systemd driver (a second restart, 2 to 4 s); a systemd scenario after a cgroupfs one
+  would switch it back first. job, hold_app and short_app check the systemd driver's paths the
+  same way.
 
     scenarios.py <dir of valet-agent and valet-fake-apiserver> <images dir> <out dir> [scenario ...]
 
