@@ -506,13 +506,23 @@ impl JobPod {
         code
     }
 
+    /// Every line the stand-in logged: requests, and `ACCEPT /` per connection.
+    pub fn requests(&self) -> Vec<valet_sim::standin::RequestEvent> {
+        valet_sim::standin::read_events(&self.events).unwrap_or_default()
+    }
+
     /// Quit requests the stand-in received (POST /quitquitquit), with their peers.
     pub fn quits(&self) -> Vec<valet_sim::standin::RequestEvent> {
-        valet_sim::standin::read_events(&self.events)
-            .unwrap_or_default()
+        self.requests().into_iter().filter(|e| e.method == "POST" && e.path == "/quitquitquit").collect()
+    }
+
+    /// When the connection that carried `request` was accepted.
+    pub fn accepted(&self, request: &valet_sim::standin::RequestEvent) -> Option<u64> {
+        self.requests()
             .into_iter()
-            .filter(|e| e.method == "POST" && e.path == "/quitquitquit")
-            .collect()
+            .filter(|e| e.method == "ACCEPT" && e.peer == request.peer && e.mono_ns <= request.mono_ns)
+            .map(|e| e.mono_ns)
+            .max()
     }
 
     /// Quit requests that came from the pod's own loopback (the ones the proxy accepts).

@@ -1,6 +1,8 @@
 //! A stand-in app for the demo and benchmarks: appends CLOCK_MONOTONIC (ns) to a file, then
 //! exits with the given code. `valet-bench-app <stamp-file> <exit-code> [sleep-ms]`
 //! (with a sleep, the stamp is taken after it, right before the exit).
+//! `valet-bench-app <stamp-file> <exit-code> <sleep-ms> <linger-ms>`: stamps after the sleep, then
+//! runs on for `linger-ms` before the exit (a released app that keeps working).
 fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: valid out-pointer.
@@ -21,6 +23,9 @@ fn main() {
     use std::io::Write as _;
     if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(file) {
         let _ = f.write_all(line.as_bytes());
+    }
+    if let Some(ms) = args.get(4).and_then(|m| m.parse::<u64>().ok()) {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
     }
     std::process::exit(code);
 }

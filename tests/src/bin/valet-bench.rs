@@ -1,15 +1,22 @@
-//! `cargo xtask bench`: valet's performance figures, printed, never asserted.
+//! `cargo xtask bench`: valet's performance figures, each beside its reference measured in the same
+//! run and its target, printed as one table at the end (figures are printed, never asserted).
 //!
-//! 1. kernel → user latency of an exit event (median, p99);
-//! 2. fork+exec+exit throughput of unrelated processes with the programs attached ÷ without;
-//! 3. app exit → quit received by the stand-in proxy for a 0.3 s Job, valet vs an in-pod wrapper;
-//! 4. proxy ready → held app released (what the hold adds beyond the proxy's own readiness);
+//! 1. kernel → user latency of an exit event;
+//! 3. app exit → quit received by the stand-in proxy for a 0.3 s Job, valet vs an in-pod wrapper
+//!    (waitpid, then POST), and the stand-in's own part of each;
+//! 4. proxy ready → held app released, valet vs Istio's `pilot-agent wait` poller;
 //! 5. a watched pod forking short processes as fast as the machine allows: container ends lost,
 //!    exit → quit and pod-watch latency during the storm and without it, and an app that ends
 //!    while the agent is stalled (SIGSTOP) in the middle of the storm;
-//! 6. the exit program's own cost per exit, from the kernel's BPF statistics;
-//! 7. 20 pods held at once: release latency and the agent's CPU while it probes them.
+//! 6. the exit program's own cost per exit, from the kernel's BPF statistics, and a tight exit
+//!    loop's rate with and without the programs;
+//! 7. 20 pods held at once: release latency and the agent's CPU while it probes them;
+//! 8. a full node: 110 opted-in pods tracked, 50 Jobs started within one second: RSS, idle CPU,
+//!    exit → quit of the 50, pod-watch latency;
+//! 9. soak: 10,000 short Jobs through one node in batches: RSS, open fds and kernel map entries at
+//!    the start and the end.
 //!
+//! `--quick` runs every section small (a smoke test for CI, not figures for the README).
 //! Pods run on the simulated node's kubelet as unhelpful as a real one (container ids and exits
 //! reach the API about a second late; bundles and cgroups go at exit).
 use std::path::Path;
@@ -21,28 +28,141 @@ use valet_agent::kernel::{Attach, Event, EventStream, Programs, events::monotoni
 use valet_common::watch_flags;
 use valet_sim::node::SpawnOptions;
 use valet_tests::cgroups::TestCgroups;
-use valet_tests::harness::{JobSpec, Node, eventually};
+use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually};
+
+const SECTIONS: &str = "exit|quit|release|storm|kernel|together|node|soak";
 
 struct Args {
-    runs: usize,
+    runs: Option<usize>,
+    quick: bool,
     only: Option<String>,
 }
 
 fn parse_args() -> Result<Args> {
-    let mut args = Args { runs: 200, only: None };
+    let mut args = Args { runs: None, quick: false, only: None };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
-            "--runs" => args.runs = it.next().context("--runs N")?.parse()?,
-            "--only" => args.only = Some(it.next().context("--only exit|overhead|quit|release|storm|kernel|together")?),
+            "--runs" => args.runs = Some(it.next().context("--runs N")?.parse()?),
+            "--quick" => args.quick = true,
+            "--only" => {
+                let only = it.next().context(SECTIONS)?;
+                if !SECTIONS.split('|').any(|s| s == only) {
+                    bail!("--only {only}: one of {SECTIONS}");
+                }
+                args.only = Some(only);
+            }
             "-h" | "--help" => {
-                println!("valet-bench [--runs N] [--only exit|overhead|quit|release|storm|kernel|together]");
+                println!("valet-bench [--quick] [--runs N] [--only {SECTIONS}]");
                 std::process::exit(0);
             }
             other => bail!("unknown argument {other}"),
         }
     }
     Ok(args)
+}
+
+/// How big each section is: the full run (about 15 minutes on 2 cores) or `--quick`.
+struct Plan {
+    quick: bool,
+    /// Pods per side in [3], holds in [4].
+    runs: usize,
+    /// The fork storm's length and the agent stall in it.
+    storm: Duration,
+    stall: Duration,
+    /// Other Jobs during the storm.
+    storm_jobs: usize,
+    /// [8]: long-running pods, and Jobs started within one second beside them.
+    services: usize,
+    jobs: usize,
+    /// [9]: Jobs in all, and per batch.
+    soak: usize,
+    batch: usize,
+}
+
+impl Plan {
+    fn new(args: &Args) -> Plan {
+        let mut plan = if args.quick {
+            Plan {
+                quick: true,
+                runs: 20,
+                storm: Duration::from_secs(12),
+                stall: Duration::from_secs(2),
+                storm_jobs: 5,
+                services: 20,
+                jobs: 10,
+                soak: 200,
+                batch: 50,
+            }
+        } else {
+            Plan {
+                quick: false,
+                runs: 60,
+                storm: Duration::from_secs(60),
+                stall: Duration::from_secs(3),
+                storm_jobs: 20,
+                services: 60,
+                jobs: 50,
+                soak: 10_000,
+                batch: 50,
+            }
+        };
+        if let Some(runs) = args.runs {
+            plan.runs = runs;
+        }
+        plan
+    }
+}
+
+/// The summary: one row per figure, with its reference (measured in the same run) and target.
+#[derive(Default)]
+struct Table {
+    rows: Vec<[String; 5]>,
+    /// The in-pod wrapper's exit → quit median (µs), the reference of later quit figures.
+    wrapper_median: Option<f64>,
+}
+
+impl Table {
+    fn add(&mut self, figure: &str, valet: String, reference: &str, target: &str, result: String) {
+        self.rows.push([figure.to_owned(), valet, reference.to_owned(), target.to_owned(), result]);
+    }
+
+    /// Prints the table in Markdown, ready for the README.
+    fn print(&self, machine: &str, took: Duration, quick: bool) {
+        println!("\n## valet bench{}: {machine}, {:.0} s", if quick { " --quick" } else { "" }, took.as_secs_f64());
+        println!();
+        println!("| figure | valet | reference (same run) | target | result |");
+        println!("|---|---|---|---|---|");
+        for [figure, valet, reference, target, result] in &self.rows {
+            println!("| {figure} | {valet} | {reference} | {target} | {result} |");
+        }
+    }
+}
+
+fn met(ok: bool) -> &'static str {
+    if ok { "met" } else { "NOT met" }
+}
+
+/// The date, CPU, core count and kernel this run is on.
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned()))
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let date = Command::new("date")
+        .args(["-u", "+%Y-%m-%d"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    format!(
+        "{date}, {} cores ({cpu}), kernel {}",
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        kernel.trim()
+    )
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -53,19 +173,40 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[idx.min(sorted.len() - 1)]
 }
 
-/// Prints median and p99 of microsecond samples; returns the median.
-fn report(label: &str, mut us: Vec<f64>) -> f64 {
+/// Median, p99 and maximum of microsecond samples.
+#[derive(Clone, Copy)]
+struct Stats {
+    median: f64,
+    p99: f64,
+    max: f64,
+    n: usize,
+}
+
+impl Stats {
+    /// `median / p99` in milliseconds.
+    fn ms(&self) -> String {
+        format!("{:.2} / {:.2} ms", self.median / 1e3, self.p99 / 1e3)
+    }
+
+    fn us(&self) -> String {
+        format!("{:.0} / {:.0} µs", self.median, self.p99)
+    }
+}
+
+/// Prints median, p99, min and max of microsecond samples.
+fn report(label: &str, mut us: Vec<f64>) -> Stats {
     us.sort_by(|a, b| a.total_cmp(b));
     let (median, p99) = (percentile(&us, 0.5), percentile(&us, 0.99));
+    let max = us.last().copied().unwrap_or(f64::NAN);
     println!(
-        "  {label:<44} n={:<4} median {:>9.1} µs   p99 {:>9.1} µs   min {:>8.1} µs   max {:>9.1} µs",
+        "  {label:<46} n={:<5} median {:>9.1} µs   p99 {:>9.1} µs   min {:>8.1} µs   max {:>9.1} µs",
         us.len(),
         median,
         p99,
         us.first().copied().unwrap_or(f64::NAN),
-        us.last().copied().unwrap_or(f64::NAN)
+        max
     );
-    median
+    Stats { median, p99, max, n: us.len() }
 }
 
 fn bin(name: &str) -> Result<std::path::PathBuf> {
@@ -78,7 +219,7 @@ fn bin(name: &str) -> Result<std::path::PathBuf> {
 }
 
 /// 1. Exit events: kernel timestamp to user-space receipt.
-fn exit_latency(runs: usize) -> Result<()> {
+fn exit_latency(runs: usize, table: &mut Table) -> Result<()> {
     println!("\n[1] kernel → user latency of exit events ({runs} processes)");
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
@@ -106,59 +247,10 @@ fn exit_latency(runs: usize) -> Result<()> {
                 }
             }
         }
-        report("exit event latency", samples);
+        let st = report("exit event latency", samples);
+        table.add("[1] exit event, kernel → agent (median / p99)", st.us(), "—", "—", "—".into());
         Ok::<_, anyhow::Error>(())
     })
-}
-
-/// fork+exec+exit of /bin/true for `window`; processes per second.
-fn spawn_rate(window: Duration) -> f64 {
-    let start = Instant::now();
-    let mut n = 0u64;
-    while start.elapsed() < window {
-        if Command::new("/bin/true").status().is_ok() {
-            n += 1;
-        }
-    }
-    n as f64 / start.elapsed().as_secs_f64()
-}
-
-/// Overhead on unrelated processes (figure 2): alternating detached/attached windows; the ratio
-/// of each adjacent pair cancels slow drift in machine load, and the median of the pairs is
-/// reported.
-fn overhead() -> Result<()> {
-    println!("\n[2] fork+exec+exit throughput of unrelated processes, attached ÷ detached");
-    let pairs = 10;
-    let window = Duration::from_millis(1000);
-    let mut programs = Programs::load(Path::new("/"), Attach::default())?;
-    programs.detach();
-    drop(programs);
-    let _ = spawn_rate(Duration::from_millis(500)); // warm-up
-    let (mut off, mut on, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-    for pair in 0..pairs {
-        let detached = spawn_rate(window);
-        let mut programs = Programs::load(Path::new("/"), Attach::default())?;
-        // A node's worth of watched pod cgroups, none of them the benchmark's.
-        for id in 0..200u64 {
-            programs.watch(u64::MAX - id, watch_flags::EXITS | watch_flags::HOLD)?;
-        }
-        let attached = spawn_rate(window);
-        drop(programs);
-        println!(
-            "  pair {pair}: detached {detached:>7.0}/s   attached {attached:>7.0}/s   ratio {:.3}",
-            attached / detached
-        );
-        off.push(detached);
-        on.push(attached);
-        ratios.push(attached / detached);
-    }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(|a, b| a.total_cmp(b));
-        percentile(v, 0.5)
-    };
-    let (m_off, m_on, m_ratio) = (median(&mut off), median(&mut on), median(&mut ratios));
-    println!("  median detached {m_off:.0}/s, attached {m_on:.0}/s; median pair ratio {m_ratio:.3} (goal ≥ 0.99)");
-    Ok(())
 }
 
 /// The agent's memory and CPU, to size the DaemonSet's requests and limits from measurement.
@@ -189,6 +281,34 @@ fn cpu_time(pid: u32) -> Duration {
     Duration::from_secs_f64(ticks as f64 / hz)
 }
 
+/// The CPU share (of one core) process `pid` used over `window`, from each thread's
+/// `schedstat` (ns on a CPU), read every 50 ms so threads that come and go in the window count
+/// too: precise where `/proc/<pid>/stat`'s clock ticks are 10 ms.
+fn cpu_share(pid: u32, window: Duration) -> f64 {
+    let read = || -> Vec<(u32, u64)> {
+        let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+        dir.flatten()
+            .filter_map(|t| {
+                let tid = t.file_name().to_str()?.parse().ok()?;
+                let stat = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
+                Some((tid, stat.split_whitespace().next()?.parse().ok()?))
+            })
+            .collect()
+    };
+    let mut threads: std::collections::HashMap<u32, (u64, u64)> =
+        read().into_iter().map(|(t, v)| (t, (v, v))).collect();
+    let started = Instant::now();
+    while started.elapsed() < window {
+        std::thread::sleep(Duration::from_millis(50));
+        for (tid, v) in read() {
+            // A thread born in the window counts from zero.
+            threads.entry(tid).or_insert((0, v)).1 = v;
+        }
+    }
+    let ns: u64 = threads.values().map(|(first, last)| last.saturating_sub(*first)).sum();
+    ns as f64 / 1e9 / started.elapsed().as_secs_f64()
+}
+
 /// Whether `pid` is stopped (state `T`): held by the kernel before its first instruction.
 fn stopped(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -203,8 +323,84 @@ fn read_stamp(path: &Path) -> Option<u64> {
 /// How long the Job's app runs in [3] and [5]: a short Job, over before the API names it.
 const JOB_MS: &str = "300";
 
+/// A free TCP port on the host's loopback.
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The stand-in proxy's own part of a quit figure: from the client's first byte (a kept
+/// connection) or its connect (a fresh one) until the stand-in has read the request head and
+/// taken its timestamp. Measured on a stand-in on the host's loopback with `GET /healthz/ready`
+/// (which, unlike the quit, leaves it running). Returns (kept, fresh) in µs.
+fn standin_cost(runs: usize, scratch: &Path) -> Result<(Stats, Stats)> {
+    use std::io::{Read as _, Write as _};
+    use valet_sim::standin::{ProxyKind, StandinOptions, read_events};
+    let events = scratch.join("standin-cost.events");
+    let mut opts = StandinOptions::new(ProxyKind::Istio);
+    opts.events = Some(events.clone());
+    let status = free_port()?;
+    opts.status_port = Some(status);
+    opts.health_port = Some(free_port()?);
+    opts.admin_port = Some(free_port()?);
+    let mut proxy = Command::new(valet_sim::standin::binary_path()?).args(opts.to_args()).spawn()?;
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], status));
+    let result = (|| {
+        valet_sim::standin::wait_http_ok(addr, "/healthz/ready", Duration::from_secs(5))?;
+        let request = b"GET /healthz/ready HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+        let answer = |stream: &mut std::net::TcpStream| -> Result<()> {
+            let mut buf = [0u8; 1024];
+            let n = stream.read(&mut buf)?;
+            if !buf[..n].starts_with(b"HTTP/1.1 200") {
+                bail!("stand-in answered {:?}", String::from_utf8_lossy(&buf[..n]));
+            }
+            Ok(())
+        };
+        let stamps = |sent: &[(u64, std::net::SocketAddr)]| -> Result<Vec<f64>> {
+            let logged = read_events(&events)?;
+            Ok(sent
+                .iter()
+                .filter_map(|(t0, peer)| {
+                    logged
+                        .iter()
+                        .find(|e| e.method == "GET" && e.peer == *peer)
+                        .map(|e| e.mono_ns.saturating_sub(*t0) as f64 / 1e3)
+                })
+                .collect())
+        };
+        // Kept: one connection, a request at a time with a pause between them (as a quit comes
+        // long after the connection was opened). Each request is on its own connection's log line
+        // by peer, so one connection per request, opened ahead.
+        let mut kept = Vec::new();
+        for _ in 0..runs {
+            let mut stream = std::net::TcpStream::connect(addr)?;
+            stream.set_nodelay(true)?;
+            std::thread::sleep(Duration::from_millis(2));
+            let t0 = monotonic_ns();
+            stream.write_all(request)?;
+            answer(&mut stream)?;
+            kept.push((t0, stream.local_addr()?));
+        }
+        let mut fresh = Vec::new();
+        for _ in 0..runs {
+            std::thread::sleep(Duration::from_millis(2));
+            let t0 = monotonic_ns();
+            let mut stream = std::net::TcpStream::connect(addr)?;
+            stream.set_nodelay(true)?;
+            stream.write_all(request)?;
+            answer(&mut stream)?;
+            fresh.push((t0, stream.local_addr()?));
+        }
+        let kept = report("stand-in's own receipt, kept connection", stamps(&kept)?);
+        let fresh = report("stand-in's own receipt, fresh connection", stamps(&fresh)?);
+        Ok((kept, fresh))
+    })();
+    let _ = proxy.kill();
+    let _ = proxy.wait();
+    result
+}
+
 /// 3. App exit → quit received, valet vs an in-pod wrapper.
-fn quit_latency(runs: usize) -> Result<()> {
+fn quit_latency(runs: usize, table: &mut Table) -> Result<()> {
     println!("\n[3] app exit → quit received by the proxy, 0.3 s Jobs ({runs} pods each)");
     let app = bin("valet-bench-app")?;
     let wrapper = bin("valet-bench-wrapper")?;
@@ -212,51 +408,75 @@ fn quit_latency(runs: usize) -> Result<()> {
     let wrapper = wrapper.to_str().context("path")?.to_owned();
     let node = Node::new()?;
     let agent = node.start_agent(&[])?;
-    let measure = |with_valet: bool| -> Result<Vec<f64>> {
-        let mut samples = Vec::new();
-        for i in 0..runs {
-            let mut spec = JobSpec::new(if with_valet { "bench-valet" } else { "bench-wrapper" });
-            spec.labelled = with_valet;
-            let mut job = node.job_pod(spec)?;
-            if with_valet {
-                agent.wait_tracked(1, Duration::from_secs(5))?;
-            }
-            let stamp = node.scratch.path(&format!("stamp-{with_valet}-{i}"));
-            let stamp_s = stamp.to_str().context("path")?.to_owned();
-            let cmd: Vec<&str> = if with_valet {
-                vec![&app, &stamp_s, "0", JOB_MS]
-            } else {
-                vec![&wrapper, "15020", "/quitquitquit", "--", &app, &stamp_s, "0", JOB_MS]
-            };
-            job.start_app("app", &cmd, &SpawnOptions::default())?;
-            if job.wait_proxy_exit(Duration::from_secs(5))?.is_none() {
-                bail!("run {i}: proxy still running\n{}", agent.log_text());
-            }
-            let quit = job.quits().first().map(|q| q.mono_ns).context("no quit recorded")?;
-            let exited = read_stamp(&stamp).context("no app stamp")?;
-            samples.push(quit.saturating_sub(exited) as f64 / 1000.0);
-            node.api.delete_pod("jobs", &job.name).ok();
-            drop(job);
-            if with_valet {
-                agent.wait_tracked(0, Duration::from_secs(5))?;
-            }
+    let one = |with_valet: bool, i: usize| -> Result<(f64, bool)> {
+        let mut spec = JobSpec::new(if with_valet { "bench-valet" } else { "bench-wrapper" });
+        spec.labelled = with_valet;
+        let mut job = node.job_pod(spec)?;
+        if with_valet {
+            agent.wait_tracked(1, Duration::from_secs(5))?;
         }
-        Ok(samples)
+        let stamp = node.scratch.path(&format!("stamp-{with_valet}-{i}"));
+        let stamp_s = stamp.to_str().context("path")?.to_owned();
+        let cmd: Vec<&str> = if with_valet {
+            vec![&app, &stamp_s, "0", JOB_MS]
+        } else {
+            vec![&wrapper, "15020", "/quitquitquit", "--", &app, &stamp_s, "0", JOB_MS]
+        };
+        job.start_app("app", &cmd, &SpawnOptions::default())?;
+        if job.wait_proxy_exit(Duration::from_secs(5))?.is_none() {
+            bail!("run {i}: proxy still running\n{}", agent.log_text());
+        }
+        let quit = job.quits().into_iter().next().context("no quit recorded")?;
+        let exited = read_stamp(&stamp).context("no app stamp")?;
+        // Whether the quit went on a connection that was open before the app exited.
+        let kept = job.accepted(&quit).is_some_and(|at| at < exited);
+        node.api.delete_pod("jobs", &job.name).ok();
+        drop(job);
+        if with_valet {
+            agent.wait_tracked(0, Duration::from_secs(5))?;
+        }
+        Ok((quit.mono_ns.saturating_sub(exited) as f64 / 1000.0, kept))
     };
     let started = Instant::now();
-    let wrapper_samples = measure(false)?;
-    let valet_samples = measure(true)?;
+    // Interleaved, so drift in the machine's load touches both sides alike.
+    let (mut wrapper_samples, mut valet_samples) = (Vec::new(), Vec::new());
+    for i in 0..runs {
+        wrapper_samples.push(one(false, i)?);
+        valet_samples.push(one(true, i)?);
+    }
     if let Some(pid) = agent.pid() {
         print_resources(pid, started.elapsed(), 2 * runs);
     }
-    let w = report("in-pod wrapper (waitpid, then POST)", wrapper_samples);
-    let v = report("valet (eBPF exit → POST on a kept connection)", valet_samples);
-    println!("  valet median ÷ wrapper median = {:.2} (goal ≤ 1.5)", v / w);
+    let w = report("in-pod wrapper (waitpid, then POST)", wrapper_samples.drain(..).map(|s| s.0).collect());
+    let v = report("valet (eBPF exit → POST)", valet_samples.iter().map(|s| s.0).collect());
+    let kept = valet_samples.iter().filter(|s| s.1).count();
+    let fresh: Vec<f64> = valet_samples.drain(..).filter(|s| !s.1).map(|s| s.0).collect();
+    println!("  valet quits on a connection opened before the exit: {kept} of {}", v.n);
+    if !fresh.is_empty() {
+        report("valet, quits on a fresh connection", fresh);
+    }
+    let (own_kept, own_fresh) = standin_cost(runs.min(100), &node.scratch.0)?;
+    let ratio = v.median / w.median;
+    table.wrapper_median = Some(w.median);
+    table.add(
+        "[3] app exit → quit received, 0.3 s Job (median / p99)",
+        v.ms(),
+        &format!("in-pod wrapper {}", w.ms()),
+        "≤ 1.0× wrapper",
+        format!("{ratio:.2}× ({:+.0} µs): {}", v.median - w.median, met(ratio <= 1.0)),
+    );
+    table.add(
+        "[3] … of which the stand-in proxy's own receipt (median)",
+        format!("{:.0} µs (kept connection)", own_kept.median),
+        &format!("{:.0} µs (fresh connection)", own_fresh.median),
+        "—",
+        format!("valet's quits on a connection opened before the exit: {kept} of {}", v.n),
+    );
     Ok(())
 }
 
 /// 4. Proxy ready → held app released.
-fn release_latency(runs: usize) -> Result<()> {
+fn release_latency(runs: usize, table: &mut Table) -> Result<()> {
     println!("\n[4] proxy ready → held app released ({runs} pods)");
     let app = bin("valet-bench-app")?;
     let app = app.to_str().context("path")?.to_owned();
@@ -322,17 +542,19 @@ fn release_latency(runs: usize) -> Result<()> {
         drop(job);
     }
     let r = report("reference: pilot-agent wait (500 ms polling)", polled);
-    println!(
-        "  valet median is 1/{:.0} of the reference's (goal ≤ 12.5 ms: {})",
-        r / m,
-        if m <= 12_500.0 { "met" } else { "NOT met" }
+    table.add(
+        "[4] proxy ready → held app runs, one pod (median / p99)",
+        m.ms(),
+        &format!("`pilot-agent wait` (500 ms poll) {}", r.ms()),
+        "—",
+        format!("1/{:.0} of the reference", r.median / m.median),
     );
     Ok(())
 }
 
 /// Waits until the agent's `valet_pods_tracked` is `n`, polling its metrics as fast as it
 /// answers; the time it took.
-fn tracked_after(agent: &valet_tests::harness::Agent, n: f64, since: Instant) -> Result<Duration> {
+fn tracked_after(agent: &Agent, n: f64, since: Instant) -> Result<Duration> {
     while agent.metric("valet_pods_tracked ") != n {
         if since.elapsed() > Duration::from_secs(10) {
             bail!("the agent never tracked {n} pods");
@@ -343,7 +565,7 @@ fn tracked_after(agent: &valet_tests::harness::Agent, n: f64, since: Instant) ->
 
 /// Pod-watch latency: a labelled pod object appears on the node (and is deleted again); the time
 /// until the agent's tracked count shows it, `samples` times.
-fn watch_latency(node: &Node, agent: &valet_tests::harness::Agent, base: f64, samples: usize) -> Result<Vec<f64>> {
+fn watch_latency(node: &Node, agent: &Agent, base: f64, samples: usize) -> Result<Vec<f64>> {
     let mut out = Vec::with_capacity(samples);
     for i in 0..samples {
         let name = format!("watch-probe-{i}-{}", valet_sim::util::random_hex(3));
@@ -370,7 +592,7 @@ fn watch_latency(node: &Node, agent: &valet_tests::harness::Agent, base: f64, sa
 /// started (e.g. stalling the agent).
 fn one_job(
     node: &Node,
-    agent: &valet_tests::harness::Agent,
+    agent: &Agent,
     app: &str,
     tag: &str,
     tracked: usize,
@@ -398,8 +620,8 @@ fn one_job(
 }
 
 /// 5. A watched pod forks short processes as fast as the machine allows.
-fn storm(runs: usize) -> Result<()> {
-    let jobs = runs.clamp(5, 20);
+fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
+    let jobs = plan.storm_jobs;
     println!(
         "\n[5] a watched pod forking as fast as it can: {jobs} other 0.3 s Jobs, pod-watch latency, an agent stall"
     );
@@ -409,7 +631,7 @@ fn storm(runs: usize) -> Result<()> {
     let forker = forker.to_str().context("path")?.to_owned();
     let node = Node::new()?;
     let agent = node.start_agent(&[])?;
-    let events_lost = |a: &valet_tests::harness::Agent| a.metric("valet_kernel_events_lost_total ");
+    let events_lost = |a: &Agent| a.metric("valet_kernel_events_lost_total ");
 
     // Quiet machine first: the references.
     let quiet_watch = watch_latency(&node, &agent, 0.0, 30)?;
@@ -425,7 +647,7 @@ fn storm(runs: usize) -> Result<()> {
     agent.wait_tracked(1, Duration::from_secs(5))?;
     let count = node.scratch.path("forks");
     let count_s = count.to_str().context("path")?.to_owned();
-    let storm_ms: u64 = 25_000 + jobs as u64 * 1_500;
+    let storm_ms = plan.storm.as_millis() as u64;
     let started = Instant::now();
     busy.start_app("app", &[&forker, &storm_ms.to_string(), "2", &count_s], &SpawnOptions::default())?;
     std::thread::sleep(Duration::from_secs(1));
@@ -442,7 +664,7 @@ fn storm(runs: usize) -> Result<()> {
     // The agent stalled for 3 s (as CPU throttling under its limit would stall it) while another
     // pod's app ends: its quit must come from the kernel path right after the agent resumes.
     let pid = agent.pid().context("agent pid")? as i32;
-    let stall = Duration::from_secs(3);
+    let stall = plan.stall;
     let stalled = one_job(&node, &agent, &app, "stalled", 2, || {
         // SAFETY: plain syscalls on our own child.
         unsafe { libc::kill(pid, libc::SIGSTOP) };
@@ -463,16 +685,16 @@ fn storm(runs: usize) -> Result<()> {
         "  storm: {forks:.0} processes in {:.1} s = {rate:.0} exits/s in the watched pod",
         storm_ms as f64 / 1000.0
     );
-    report("pod-watch latency, quiet", quiet_watch);
-    report("pod-watch latency, during the storm", storm_watch);
-    report("exit → quit, 0.3 s Job, quiet", quiet_quits);
-    report("exit → quit, 0.3 s Job, during the storm", storm_quits);
-    match stalled {
-        Some(us) => println!(
-            "  app ended during a {:.0} s agent stall: quit {:.0} ms after its exit (the stall ended {:.0} ms after it)",
-            stall.as_secs_f64(),
-            us / 1000.0,
-            (stall.as_secs_f64() * 1e3 - 300.0).max(0.0)
+    let qw = report("pod-watch latency, quiet", quiet_watch);
+    let sw = report("pod-watch latency, during the storm", storm_watch);
+    let qq = report("exit → quit, 0.3 s Job, quiet", quiet_quits);
+    let sq = report("exit → quit, 0.3 s Job, during the storm", storm_quits);
+    // The quit of the app that ended while the agent was stopped, counted from the end of the stall.
+    let after_stall = stalled.map(|us| us / 1e3 - (stall.as_secs_f64() * 1e3 - JOB_MS.parse::<f64>().unwrap_or(0.0)));
+    match after_stall {
+        Some(ms) => println!(
+            "  app ended during a {:.0} s agent stall: quit {ms:.0} ms after the agent resumed",
+            stall.as_secs_f64()
         ),
         None => {
             ends_lost += 1;
@@ -480,14 +702,59 @@ fn storm(runs: usize) -> Result<()> {
         }
     }
     println!(
-        "  container ends lost: {ends_lost} of {} (goal 0); valet_kernel_events_lost_total during the storm: {lost_during:.0}",
+        "  container ends lost: {ends_lost} of {}; valet_kernel_events_lost_total during the storm: {lost_during:.0}",
         jobs + 1
+    );
+    table.add(
+        "[5] fork storm in a watched pod (2 processes fork+_exit)",
+        format!("{rate:.0} exits/s for {:.0} s", storm_ms as f64 / 1e3),
+        "—",
+        "as fast as the machine allows",
+        "—".into(),
+    );
+    table.add(
+        &format!(
+            "[5] container ends lost ({jobs} Jobs in the storm + 1 during a {:.0} s agent stall)",
+            stall.as_secs_f64()
+        ),
+        format!("{ends_lost} of {}", jobs + 1),
+        "—",
+        "0",
+        met(ends_lost == 0).into(),
+    );
+    table.add(
+        "[5] app ended during the agent stall: quit after the agent resumed",
+        after_stall.map_or_else(|| "never".into(), |ms| format!("{ms:.0} ms")),
+        "—",
+        "right after it resumes (≤ 100 ms)",
+        met(after_stall.is_some_and(|ms| ms <= 100.0)).into(),
+    );
+    table.add(
+        "[5] valet_kernel_events_lost_total during the storm",
+        format!("{lost_during:.0}"),
+        "—",
+        "only exits that cannot matter",
+        (if ends_lost == 0 { "no container end among them" } else { "container ends lost" }).into(),
+    );
+    table.add(
+        "[5] exit → quit, 0.3 s Job, during the storm (median / p99)",
+        sq.ms(),
+        &format!("quiet {}", qq.ms()),
+        "—",
+        format!("{:.2}× quiet", sq.median / qq.median),
+    );
+    table.add(
+        "[5] pod-watch latency during the storm (median / p99)",
+        sw.ms(),
+        &format!("quiet {}", qw.ms()),
+        "unchanged (≤ 2× quiet)",
+        format!("{:.2}× quiet: {}", sw.median / qw.median, met(sw.median <= 2.0 * qw.median)),
     );
     Ok(())
 }
 
 /// 7. Many held pods at once: their proxies turn ready together.
-fn held_together(pods: usize) -> Result<()> {
+fn held_together(pods: usize, table: &mut Table) -> Result<()> {
     println!("\n[7] {pods} pods held at once, their proxies ready at the same moment");
     let app = bin("valet-bench-app")?;
     let app = app.to_str().context("path")?.to_owned();
@@ -502,7 +769,7 @@ fn held_together(pods: usize) -> Result<()> {
         let mut job = node.job_pod(spec)?;
         let stamp = node.scratch.path(&format!("together-ran-{i}"));
         let stamp_s = stamp.to_str().context("path")?.to_owned();
-        let app_pid = job.start_app("app", &[&app, &stamp_s, "0"], &SpawnOptions::default())?.host_pid();
+        let app_pid = job.start_app("app", &[&app, &stamp_s, "0", "0", "2000"], &SpawnOptions::default())?.host_pid();
         jobs.push((job, ready, stamp, app_pid));
     }
     agent.wait_tracked(pods, Duration::from_secs(10))?;
@@ -511,10 +778,7 @@ fn held_together(pods: usize) -> Result<()> {
         bail!("not every app was held\n{}", agent.log_text());
     }
     // The agent probes every held pod's proxy until it is ready: its CPU over 5 s of that.
-    let window = Duration::from_secs(5);
-    let (cpu0, t0) = (cpu_time(pid), Instant::now());
-    std::thread::sleep(window);
-    let cpu = (cpu_time(pid) - cpu0).as_secs_f64() / t0.elapsed().as_secs_f64();
+    let cpu = cpu_share(pid, Duration::from_secs(5));
     let t_ready = monotonic_ns();
     for (_, ready, _, _) in &jobs {
         std::fs::write(ready, b"")?;
@@ -527,10 +791,20 @@ fn held_together(pods: usize) -> Result<()> {
         samples.push(read_stamp(stamp).context("stamp")?.saturating_sub(t_ready) as f64 / 1000.0);
     }
     let m = report("held app runs after its proxy is ready", samples);
-    println!(
-        "  agent CPU while probing {pods} held pods: {:.1} % of one core (goal ≤ 5 %); release median goal ≤ 12.5 ms: {}",
-        cpu * 100.0,
-        if m <= 12_500.0 { "met" } else { "NOT met" }
+    println!("  agent CPU while probing {pods} held pods: {:.1} % of one core", cpu * 100.0);
+    table.add(
+        &format!("[7] {pods} pods held at once, proxies ready together: held app runs (median / p99)"),
+        m.ms(),
+        "—",
+        "median ≤ 12.5 ms",
+        met(m.median <= 12_500.0).into(),
+    );
+    table.add(
+        &format!("[7] agent CPU while probing {pods} held pods"),
+        format!("{:.1} % of one core", cpu * 100.0),
+        "—",
+        "≤ 5 %",
+        met(cpu <= 0.05).into(),
     );
     drop(jobs);
     Ok(())
@@ -566,7 +840,7 @@ fn fork_rate(cgroups: &TestCgroups, cgroup: Option<&str>, ms: u64) -> Result<f64
 }
 
 /// 6. What the kernel programs cost each exit, from the kernel's own BPF statistics.
-fn kernel_cost() -> Result<()> {
+fn kernel_cost(table: &mut Table) -> Result<()> {
     println!("\n[6] cost of the exit program per process exit (kernel.bpf_stats_enabled: run_time_ns ÷ run_cnt)");
     // Keeps the kernel's statistics on while held (as sysctl kernel.bpf_stats_enabled=1).
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enable BPF run-time statistics")?;
@@ -602,34 +876,323 @@ fn kernel_cost() -> Result<()> {
         outside_rate / reference,
         inside_rate / reference
     );
+    table.add(
+        "[6] exit program per exit, outside / inside a watched pod (BPF stats)",
+        format!("{outside_ns:.0} / {inside_ns:.0} ns"),
+        "—",
+        "—",
+        "—".into(),
+    );
+    table.add(
+        "[6] tight fork+_exit loop (2 processes), programs attached: outside / inside a watched pod",
+        format!("{outside_rate:.0} / {inside_rate:.0} exits/s"),
+        &format!("detached {reference:.0} exits/s"),
+        "—",
+        format!("{:.3} / {:.3} of detached", outside_rate / reference, inside_rate / reference),
+    );
+    Ok(())
+}
+
+/// Resident set size of a process, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmRSS:")?.split_whitespace().next()?.parse().ok()))
+        .unwrap_or(0)
+}
+
+/// Open file descriptors of a process.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
+}
+
+/// Entries in the hash maps a process holds open (found through its fds' `map_id`), by map name.
+fn map_entries(pid: u32) -> std::collections::BTreeMap<String, usize> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let mut out = std::collections::BTreeMap::new();
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else { return out };
+    let mut ids: Vec<u32> = dir
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+        .filter_map(|info| info.lines().find_map(|l| l.strip_prefix("map_id:")?.trim().parse().ok()))
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    for id in ids {
+        let Ok(info) = aya::maps::MapInfo::from_id(id) else { continue };
+        if !matches!(info.map_type(), Ok(aya::maps::MapType::Hash | aya::maps::MapType::LruHash)) {
+            continue;
+        }
+        let (Ok(fd), Some(name)) = (info.fd(), info.name_as_str().map(str::to_owned)) else { continue };
+        let mut key = vec![0u8; info.key_size() as usize];
+        let mut next = vec![0u8; info.key_size() as usize];
+        let mut n = 0usize;
+        let mut first = true;
+        loop {
+            // BPF_MAP_GET_NEXT_KEY: union bpf_attr { u32 map_fd; u64 key; u64 next_key; ... }.
+            let mut attr = [0u64; 4];
+            attr[0] = fd.as_fd().as_raw_fd() as u64;
+            attr[1] = if first { 0 } else { key.as_ptr() as u64 };
+            attr[2] = next.as_mut_ptr() as u64;
+            // SAFETY: attr is a valid bpf_attr prefix for this command; key and next are key_size long.
+            let r = unsafe { libc::syscall(libc::SYS_bpf, 4, attr.as_ptr(), std::mem::size_of_val(&attr)) };
+            if r != 0 || n > 1_000_000 {
+                break;
+            }
+            n += 1;
+            first = false;
+            key.copy_from_slice(&next);
+        }
+        *out.entry(name).or_insert(0) += n;
+    }
+    out
+}
+
+fn entries_text(entries: &std::collections::BTreeMap<String, usize>) -> String {
+    entries.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", ")
+}
+
+/// Starts `n` labelled Job pods (proxy ready) as fast as the simulated node makes them (a few
+/// at a time: making one is mostly waiting for processes).
+fn make_jobs(node: &Node, tag: &str, n: usize) -> Result<Vec<JobPod>> {
+    const LANES: usize = 4;
+    std::thread::scope(|s| {
+        let lanes: Vec<_> = (0..LANES)
+            .map(|lane| {
+                let count = n / LANES + usize::from(lane < n % LANES);
+                s.spawn(move || (0..count).map(|_| node.job_pod(JobSpec::new(tag))).collect::<Result<Vec<_>>>())
+            })
+            .collect();
+        let mut jobs = Vec::with_capacity(n);
+        for lane in lanes {
+            jobs.extend(lane.join().map_err(|_| anyhow::anyhow!("a pod-making thread panicked"))??);
+        }
+        Ok(jobs)
+    })
+}
+
+/// Tears pods down a few at a time.
+fn drop_jobs(jobs: Vec<JobPod>) {
+    let mut lanes: Vec<Vec<JobPod>> = (0..4).map(|_| Vec::new()).collect();
+    for (i, job) in jobs.into_iter().enumerate() {
+        lanes[i % 4].push(job);
+    }
+    std::thread::scope(|s| {
+        for lane in lanes {
+            s.spawn(move || drop(lane));
+        }
+    });
+}
+
+/// 8. A full node: the kubelet's default maximum of pods, all opted in, 50 Jobs starting at once.
+fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
+    let total = plan.services + plan.jobs;
+    println!("\n[8] a full node: {total} opted-in pods tracked, {} Jobs started within one second", plan.jobs);
+    let app = bin("valet-bench-app")?;
+    let app = app.to_str().context("path")?.to_owned();
+    let node = Node::new()?;
+    let agent = node.start_agent(&[])?;
+    let pid = agent.pid().context("agent pid")?;
+    let quiet_watch = watch_latency(&node, &agent, 0.0, 20)?;
+    // Long-running pods: a service's app and its proxy, tracked the whole time.
+    let t = Instant::now();
+    let mut services = make_jobs(&node, "service", plan.services)?;
+    for pod in &mut services {
+        pod.start_app("app", &["/bin/sleep", "3600"], &SpawnOptions::default())?;
+    }
+    agent.wait_tracked(plan.services, Duration::from_secs(60))?;
+    println!("  {} long-running pods up and tracked in {:.1} s", plan.services, t.elapsed().as_secs_f64());
+    // The Jobs: pods made in a burst, then every app started within one second; each runs 20 s.
+    let run = Duration::from_secs(20);
+    let t = Instant::now();
+    let mut jobs = make_jobs(&node, "burst", plan.jobs)?;
+    let made = t.elapsed();
+    let t_apps = Instant::now();
+    let mut stamps = Vec::new();
+    for (i, job) in jobs.iter_mut().enumerate() {
+        let stamp = node.scratch.path(&format!("burst-{i}"));
+        job.start_app(
+            "app",
+            &[&app, stamp.to_str().context("path")?, "0", &run.as_millis().to_string()],
+            &SpawnOptions::default(),
+        )?;
+        stamps.push(stamp);
+    }
+    let spread = t_apps.elapsed();
+    agent.wait_tracked(total, Duration::from_secs(30))?;
+    println!(
+        "  {} Job pods made in {:.1} s, their apps started within {:.2} s; {total} tracked {:.2} s after the first app",
+        plan.jobs,
+        made.as_secs_f64(),
+        spread.as_secs_f64(),
+        t_apps.elapsed().as_secs_f64()
+    );
+    let full_watch = watch_latency(&node, &agent, total as f64, 20)?;
+    // Idle: every proxy ready, every app running; the agent only keeps the conditions current.
+    std::thread::sleep(Duration::from_secs(3).saturating_sub(t_apps.elapsed()));
+    let window = Duration::from_secs(8);
+    let idle_mc = cpu_share(pid, window) * 1e3;
+    let rss = rss_kib(pid);
+    if t_apps.elapsed() >= run {
+        println!("  (the Jobs' apps ended before the idle window did: the idle figure includes their ends)");
+    }
+    println!(
+        "  idle with {total} pods: CPU {idle_mc:.2} millicores over {:.0} s, RSS {:.1} MiB, {} fds",
+        window.as_secs_f64(),
+        rss as f64 / 1024.0,
+        open_fds(pid)
+    );
+    // The Jobs end within the same second as they started: their quits.
+    let (mut quits, mut lost) = (Vec::new(), 0);
+    for (job, stamp) in jobs.iter_mut().zip(&stamps) {
+        let left = run.saturating_sub(t_apps.elapsed());
+        let quit = match job.wait_proxy_exit(left + Duration::from_secs(5))? {
+            Some(_) => job.quits().first().map(|q| q.mono_ns),
+            None => None,
+        };
+        match (quit, read_stamp(stamp)) {
+            (Some(q), Some(e)) => quits.push(q.saturating_sub(e) as f64 / 1e3),
+            _ => lost += 1,
+        }
+    }
+    let q = report(&format!("exit → quit, {} Jobs ending together", plan.jobs), quits);
+    let qw = report("pod-watch latency, no pods", quiet_watch);
+    let fw = report(&format!("pod-watch latency, {total} pods"), full_watch);
+    drop(jobs);
+    drop(services);
+    table.add(
+        &format!("[8] agent RSS, {total} pods tracked"),
+        format!("{:.1} MiB", rss as f64 / 1024.0),
+        "—",
+        "≤ 20 MiB",
+        met(rss <= 20 * 1024).into(),
+    );
+    table.add(
+        &format!("[8] agent CPU, idle with {total} pods"),
+        format!("{idle_mc:.2} millicores"),
+        "—",
+        "≤ 2 millicores",
+        met(idle_mc <= 2.0).into(),
+    );
+    let wrapper = table.wrapper_median;
+    table.add(
+        &format!("[8] exit → quit, {} Jobs started within one second (median / p99, max)", plan.jobs),
+        format!("{}, {:.2} ms; {lost} not quit", q.ms(), q.max / 1e3),
+        &wrapper.map_or_else(|| "—".into(), |w| format!("wrapper median {:.2} ms ([3])", w / 1e3)),
+        "every quit ≤ the wrapper's median",
+        wrapper
+            .map_or_else(|| "—".into(), |w| format!("max {:.1}× wrapper: {}", q.max / w, met(lost == 0 && q.max <= w))),
+    );
+    table.add(
+        &format!("[8] pod-watch latency with {total} pods (median / p99)"),
+        fw.ms(),
+        &format!("no pods {}", qw.ms()),
+        "no lag (≤ 2× no pods)",
+        format!("{:.2}×: {}", fw.median / qw.median, met(fw.median <= 2.0 * qw.median)),
+    );
+    Ok(())
+}
+
+/// Section 9, the soak: many short Jobs through one node, a batch at a time; what the agent
+/// holds at the start and at the end.
+fn soak(plan: &Plan, table: &mut Table) -> Result<()> {
+    println!("\n[9] soak: {} short Jobs through one node, {} at a time", plan.soak, plan.batch);
+    let node = Node::new()?;
+    let agent = node.start_agent(&[])?;
+    let pid = agent.pid().context("agent pid")?;
+    let snapshot = || (rss_kib(pid), open_fds(pid), map_entries(pid));
+    let started = Instant::now();
+    let (mut first, mut lost, mut done) = (None, 0usize, 0usize);
+    let batches = plan.soak.div_ceil(plan.batch);
+    for b in 0..batches {
+        let n = plan.batch.min(plan.soak - done);
+        let mut jobs = make_jobs(&node, "soak", n)?;
+        agent.wait_tracked(n, Duration::from_secs(30))?;
+        if b == 0 {
+            println!("  map entries with {n} Jobs tracked: {}", entries_text(&map_entries(pid)));
+        }
+        for job in &mut jobs {
+            job.start_app("app", &["/bin/true"], &SpawnOptions::default())?;
+        }
+        for job in &mut jobs {
+            if job.wait_proxy_exit(Duration::from_secs(10))?.is_none() {
+                lost += 1;
+            }
+        }
+        for job in &jobs {
+            node.api.delete_pod("jobs", &job.name).ok();
+        }
+        drop_jobs(jobs);
+        agent.wait_tracked(0, Duration::from_secs(30))?;
+        done += n;
+        if b == 0 {
+            // After one batch: the runtime's pools and the kernel's maps are warm.
+            first = Some(snapshot());
+        }
+        if (b + 1) % 20 == 0 || b + 1 == batches {
+            let (rss, fds, maps) = snapshot();
+            println!(
+                "  {done:>6} Jobs, {:>5.0} s: RSS {:.1} MiB, {fds} fds, map entries: {}",
+                started.elapsed().as_secs_f64(),
+                rss as f64 / 1024.0,
+                entries_text(&maps)
+            );
+        }
+    }
+    let (rss0, fds0, maps0) = first.context("no batch ran")?;
+    let (rss1, fds1, maps1) = snapshot();
+    let entries = |m: &std::collections::BTreeMap<String, usize>| m.values().sum::<usize>();
+    table.add(
+        &format!("[9] soak, {done} Jobs ({lost} not quit): agent RSS after the first batch → at the end"),
+        format!("{:.1} → {:.1} MiB", rss0 as f64 / 1024.0, rss1 as f64 / 1024.0),
+        "—",
+        "flat",
+        met(lost == 0 && rss1 <= rss0 + 2048).into(),
+    );
+    table.add("[9] soak: open fds → at the end", format!("{fds0} → {fds1}"), "—", "flat", met(fds1 <= fds0).into());
+    table.add(
+        "[9] soak: kernel map entries → at the end",
+        format!("{} → {} ({})", entries(&maps0), entries(&maps1), entries_text(&maps1)),
+        "—",
+        "flat",
+        met(entries(&maps1) <= entries(&maps0)).into(),
+    );
     Ok(())
 }
 
 fn main() -> Result<()> {
     let args = parse_args()?;
     valet_tests::cgroups::require_root();
+    let plan = Plan::new(&args);
     let want = |s: &str| args.only.as_deref().is_none_or(|o| o == s);
-    println!("valet benchmarks ({} cores)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let machine = machine();
+    println!("valet benchmarks{}: {machine}", if plan.quick { " (--quick: a smoke run, not figures)" } else { "" });
+    let started = Instant::now();
+    let mut table = Table::default();
     if want("exit") {
-        exit_latency(args.runs.max(200))?;
-    }
-    if want("overhead") {
-        overhead()?;
+        exit_latency(if plan.quick { 50 } else { 500 }, &mut table)?;
     }
     if want("quit") {
-        quit_latency(args.runs)?;
+        quit_latency(plan.runs, &mut table)?;
     }
     if want("release") {
-        release_latency((args.runs / 2).max(50))?;
+        release_latency(plan.runs / 2, &mut table)?;
     }
     if want("storm") {
-        storm(args.runs)?;
+        storm(&plan, &mut table)?;
     }
     if want("kernel") {
-        kernel_cost()?;
+        kernel_cost(&mut table)?;
     }
     if want("together") {
-        held_together(20)?;
+        held_together(20, &mut table)?;
     }
+    if want("node") {
+        full_node(&plan, &mut table)?;
+    }
+    if want("soak") {
+        soak(&plan, &mut table)?;
+    }
+    table.print(&machine, started.elapsed(), plan.quick);
     Ok(())
 }
