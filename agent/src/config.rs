@@ -103,6 +103,11 @@ pub struct Config {
     #[arg(long, env = "VALET_PROBE_INTERVAL", default_value = "100ms", value_parser = parse_duration)]
     pub probe_interval: Duration,
 
+    /// Interval between probes of a proxy once it was seen ready: they keep the ProxyReady
+    /// condition and the connection to the quit endpoint current, and are a full node's idle cost.
+    #[arg(long, env = "VALET_READY_PROBE_INTERVAL", default_value = "15s", value_parser = parse_duration)]
+    pub ready_probe_interval: Duration,
+
     /// Default time an app is held before it is released anyway (valet.dev/hold-timeout overrides).
     #[arg(long, env = "VALET_HOLD_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub hold_timeout: Duration,
@@ -147,6 +152,7 @@ impl Config {
         for (flag, d) in [
             ("--quit-timeout", self.quit_timeout),
             ("--probe-interval", self.probe_interval),
+            ("--ready-probe-interval", self.ready_probe_interval),
             ("--hold-timeout", self.hold_timeout),
         ] {
             if d.is_zero() {

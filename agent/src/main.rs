@@ -83,6 +83,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             quit_timeout: cfg.quit_timeout,
             quit_retry_for: cfg.quit_retry_for,
             probe_interval: cfg.probe_interval,
+            ready_probe_interval: cfg.ready_probe_interval,
         },
         cgroups.clone(),
         RuntimeBundles::new(cfg.runtime_dirs()),

@@ -545,7 +545,7 @@ fn condition_stays_ready_after_the_work_is_done_and_the_proxy_quits() {
     // not write the condition back to False.
     let _serial = serial();
     let node = Node::new().expect("node");
-    let agent = node.start_agent(&[]).expect("agent");
+    let agent = node.start_agent(&["--ready-probe-interval", "1s"]).expect("agent");
     let ready = node.scratch.path("ready");
     let marker = node.scratch.path("marker");
     let mut job = node.job_pod(held_spec("done", &ready)).expect("pod");
@@ -555,8 +555,8 @@ fn condition_stays_ready_after_the_work_is_done_and_the_proxy_quits() {
     std::fs::write(&ready, "").expect("ready");
     assert_eq!(job.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
     wait_condition(&node, &job, &agent, "True", "ProxyReady");
-    // Longer than the probe interval of a ready proxy (5 s).
-    std::thread::sleep(Duration::from_millis(6000));
+    // Longer than the probe interval of a ready proxy (1 s here).
+    std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(condition(&node, &job), Some(("True".into(), "ProxyReady".into())), "{}", agent.log_text());
     let patches = status_patches(&node, &job);
     assert_eq!(patches.len(), 2, "False then True, nothing after: {patches:?}");

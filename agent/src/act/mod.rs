@@ -41,6 +41,7 @@ pub struct Settings {
     pub quit_timeout: Duration,
     pub quit_retry_for: Duration,
     pub probe_interval: Duration,
+    pub ready_probe_interval: Duration,
 }
 
 /// Everything that acts on the world, for every pod.
@@ -177,7 +178,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                     target,
                     sidecars,
                     pace,
-                    self.settings.probe_interval,
+                    (self.settings.probe_interval, self.settings.ready_probe_interval),
                     self.reports.clone(),
                 );
                 self.probes.insert(uid.to_owned(), handle);

@@ -17,8 +17,6 @@ const URGENT: Duration = Duration::from_millis(10);
 /// An unchanged answer is reported at most this often (a failed condition write is retried on
 /// the next report).
 const REPEAT: Duration = Duration::from_secs(1);
-/// Probe interval once the proxy was seen ready: keeps the condition current, cheaply.
-const RELAXED: Duration = Duration::from_secs(5);
 
 const LIMITS: Limits = Limits {
     connect_timeout: Duration::from_millis(200),
@@ -44,13 +42,14 @@ impl Drop for Handle {
     }
 }
 
-/// Starts probing `sidecars` of the pod at `target`.
+/// Starts probing `sidecars` of the pod at `target`, every `normal` until they are ready, then
+/// every `relaxed`.
 pub fn start<L: SidecarLink>(
     link: Arc<L>,
     target: PodTarget,
     sidecars: Vec<Sidecar>,
     pace: Pace,
-    normal: Duration,
+    (normal, relaxed): (Duration, Duration),
     reports: mpsc::UnboundedSender<Report>,
 ) -> Handle {
     let (tx, mut rx) = watch::channel(pace);
@@ -77,7 +76,7 @@ pub fn start<L: SidecarLink>(
             let wait = match *rx.borrow() {
                 Pace::Urgent => URGENT,
                 Pace::Normal => normal,
-                Pace::Relaxed => RELAXED.max(normal),
+                Pace::Relaxed => relaxed.max(normal),
             };
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}

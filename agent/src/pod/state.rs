@@ -134,6 +134,9 @@ pub struct PodState {
     shutting_down: bool,
     written: Option<ProxyReady>,
     writing: bool,
+    /// The last tick asked for nothing and nothing has come in since: until something does (or
+    /// a deadline is pending), a tick has nothing to do. A full node's idle pods cost no CPU.
+    settled: bool,
 }
 
 impl PodState {
@@ -161,6 +164,7 @@ impl PodState {
             shutting_down: false,
             written: None,
             writing: false,
+            settled: false,
         }
     }
 
@@ -209,6 +213,7 @@ impl PodState {
 
     /// A new version of the pod object from the API.
     pub fn observe_pod(&mut self, pod: Pod, rules: &Rules, now: Nanos) -> Vec<Effect> {
+        self.settled = false;
         let mut fx = Vec::new();
         let host_network = pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
         let planned = plan(&pod, &rules.defaults);
@@ -260,6 +265,7 @@ impl PodState {
 
     /// The pod is gone from valet's view (deleted, label removed, moved off the node).
     pub fn removed(&mut self) -> Vec<Effect> {
+        self.settled = false;
         let mut fx = self.release_all("pod_gone");
         fx.extend(self.release_resources());
         fx
@@ -268,6 +274,7 @@ impl PodState {
     /// The agent stops: let every held process run. Processes the kernel stopped whose events
     /// are still on their way are found in the pod's cgroup.
     pub fn shutdown(&mut self) -> Vec<Effect> {
+        self.settled = false;
         self.shutting_down = true;
         let mut fx = self.release_all("shutdown");
         if self.watching == Some(true)
@@ -280,6 +287,7 @@ impl PodState {
 
     /// A container's main process ended.
     pub fn exit(&mut self, exit: ExitSeen, now: Nanos) -> Vec<Effect> {
+        self.settled = false;
         let name = self.name();
         let Some(c) = self.containers.get_mut(&exit.container_cgroup) else {
             debug!(pod = %name, cgroup = exit.container_cgroup, "exit in an unknown container cgroup");
@@ -306,6 +314,7 @@ impl PodState {
 
     /// The kernel stopped a process at its first exec.
     pub fn held(&mut self, held: HeldSeen, now: Nanos) -> Vec<Effect> {
+        self.settled = false;
         let rel = self.containers.get(&held.container_cgroup).map(|c| c.rel.clone());
         let Some(rel) = rel else {
             warn!(pod = %self.name(), pid = held.tgid, "held process in an unknown container: releasing");
@@ -367,6 +376,7 @@ impl PodState {
 
     /// The result of an effect.
     pub fn feedback(&mut self, fb: Feedback, rules: &Rules, now: Nanos) -> Vec<Effect> {
+        self.settled = false;
         let mut fx = Vec::new();
         match fb {
             Feedback::PodCgroup { rel, id } => {
@@ -442,6 +452,16 @@ impl PodState {
     /// Periodic work: retry what could not be done yet, and act on deadlines.
     pub fn tick(&mut self, now: Nanos) -> Vec<Effect> {
         let mut fx = Vec::new();
+        let deadlines = !self.held.is_empty()
+            || self.quits.values().any(|q| {
+                matches!(
+                    q.state,
+                    QuitState::Failed { retry_at: Some(_) } | QuitState::Accepted { escalate_at: Some(_) }
+                )
+            });
+        if self.settled && !deadlines {
+            return fx;
+        }
         let Some(plan) = self.plan.clone() else { return fx };
         // Hold timeouts, each from the moment the kernel stopped the process.
         let timeout = plan.hold_timeout.min(MAX_HOLD).as_nanos() as u64;
@@ -477,6 +497,7 @@ impl PodState {
             fx.extend(self.escalate(&sidecar));
         }
         fx.extend(self.step(now));
+        self.settled = fx.is_empty();
         fx
     }
 

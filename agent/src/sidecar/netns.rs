@@ -34,11 +34,16 @@ pub struct PodNetns {
 /// sandbox holds, never a private one an app process made for itself (`unshare -rn`, Chromium's
 /// network sandbox). The sandbox starts first, so the pod's oldest process is in it.
 ///
-/// Refuses the node's own namespace (a hostNetwork pod, or a process that moved): a quit sent to
-/// the node's loopback could reach another pod's sidecar.
+/// Refuses the node's own namespace (a hostNetwork pod, a process that moved, or a runtime's
+/// process in the pod's cgroup that has not joined the pod's namespace yet: runc's init between
+/// its cgroup placement and its `setns`): a quit sent to the node's loopback could reach another
+/// pod's sidecar. Refused, not kept: the next attempt looks again.
 pub fn open_pod_netns(host_proc: &Path, cgroups: &CgroupFs, pod_rel: &str) -> Result<PodNetns> {
-    // The node's namespace, when visible (hostNetwork pods are also skipped by the controller).
-    let host_ns = std::fs::metadata(host_proc.join("1/ns/net")).map(|m| m.ino()).ok();
+    // The node's namespace, where pid 1's is readable (hostNetwork pods are also skipped by the
+    // controller); and the agent's own, the node's for its hostNetwork DaemonSet, for where it
+    // is not (a pid 1 that is not dumpable).
+    let ns_of = |who: &str| std::fs::metadata(host_proc.join(who).join("ns/net")).map(|m| m.ino()).ok();
+    let node_ns = [ns_of("1"), ns_of("self")];
     let mut members: Vec<(u64, u32)> = cgroups
         .procs_recursive(pod_rel)
         .into_iter()
@@ -53,10 +58,11 @@ pub fn open_pod_netns(host_proc: &Path, cgroups: &CgroupFs, pod_rel: &str) -> Re
         if !cgroups.procs_recursive(pod_rel).contains(&pid) {
             continue;
         }
-        if Some(meta.ino()) == host_ns {
-            return Err(Error::Endpoint(
-                "the pod shares the node's network namespace (hostNetwork): refusing to call its loopback".into(),
-            ));
+        if node_ns.contains(&Some(meta.ino())) {
+            return Err(Error::Endpoint(format!(
+                "the pod's oldest process ({pid}) is in the node's network namespace (hostNetwork, or a container \
+                 not moved into the pod's yet): refusing to call its loopback"
+            )));
         }
         return Ok(PodNetns { file, inode: meta.ino(), via_pid: pid });
     }
@@ -322,6 +328,19 @@ mod tests {
             }
         });
         (port, accepted)
+    }
+
+    #[test]
+    fn a_process_in_the_agents_own_namespace_is_not_taken_for_the_pods() {
+        // pid 1's namespace is not readable here (as on hosts whose init is not dumpable); the
+        // pod's only process is in the agent's namespace, the node's: refused, and not kept.
+        let (dir, net, rel) = fake_pod("own");
+        std::os::unix::fs::symlink(format!("/proc/{}", std::process::id()), dir.join("proc").join("self"))
+            .expect("self link");
+        let err = net.open("uid-1", &rel).expect_err("the node's namespace must be refused");
+        assert!(err.contains("node's network namespace"), "{err}");
+        assert_eq!(net.open_count(), 0);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[tokio::test]

@@ -1002,8 +1002,8 @@ fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
     }
     agent.wait_tracked(plan.services, Duration::from_secs(60))?;
     println!("  {} long-running pods up and tracked in {:.1} s", plan.services, t.elapsed().as_secs_f64());
-    // The Jobs: pods made in a burst, then every app started within one second; each runs 20 s.
-    let run = Duration::from_secs(20);
+    // The Jobs: pods made in a burst, then every app started within one second; each runs 25 s.
+    let run = Duration::from_secs(25);
     let t = Instant::now();
     let mut jobs = make_jobs(&node, "burst", plan.jobs)?;
     let made = t.elapsed();
@@ -1028,8 +1028,9 @@ fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
         t_apps.elapsed().as_secs_f64()
     );
     let full_watch = watch_latency(&node, &agent, total as f64, 20)?;
-    // Idle: every proxy ready, every app running; the agent only keeps the conditions current.
-    std::thread::sleep(Duration::from_secs(3).saturating_sub(t_apps.elapsed()));
+    // Idle: every proxy ready, every app running, the kubelet done reporting them (ids ~1 s after
+    // the start, ready after the probes); the agent only keeps the conditions current.
+    std::thread::sleep(Duration::from_secs(8).saturating_sub(t_apps.elapsed()));
     let window = Duration::from_secs(8);
     let idle_mc = cpu_share(pid, window) * 1e3;
     let rss = rss_kib(pid);
