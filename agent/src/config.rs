@@ -105,7 +105,7 @@ pub struct Config {
 
     /// Interval between probes of a proxy once it was seen ready: they keep the ProxyReady
     /// condition and the connection to the quit endpoint current, and are a full node's idle cost.
-    #[arg(long, env = "VALET_READY_PROBE_INTERVAL", default_value = "15s", value_parser = parse_duration)]
+    #[arg(long, env = "VALET_READY_PROBE_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub ready_probe_interval: Duration,
 
     /// Default time an app is held before it is released anyway (valet.dev/hold-timeout overrides).

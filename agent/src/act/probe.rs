@@ -15,8 +15,10 @@ use crate::sidecar::{PodTarget, SidecarLink};
 /// Probe interval while an app is held: the release latency is about half of it.
 const URGENT: Duration = Duration::from_millis(10);
 /// An unchanged answer is reported at most this often (a failed condition write is retried on
-/// the next report).
+/// the next report); once the proxy was seen ready, at most every `REPEAT_READY` (each report
+/// is a decision step of the pod: on a full node, the cost of probing ready proxies).
 const REPEAT: Duration = Duration::from_secs(1);
+const REPEAT_READY: Duration = Duration::from_secs(60);
 
 const LIMITS: Limits = Limits {
     connect_timeout: Duration::from_millis(200),
@@ -66,7 +68,8 @@ pub fn start<L: SidecarLink>(
             }
             // Only news goes to the pod's state machine (the loop runs every 10 ms while an app is
             // held): a changed answer, or the same one after a while.
-            let news = last.as_ref().is_none_or(|(r, d, at)| *r != ready || *d != detail || at.elapsed() >= REPEAT);
+            let repeat = if *rx.borrow() == Pace::Relaxed { REPEAT_READY } else { REPEAT };
+            let news = last.as_ref().is_none_or(|(r, d, at)| *r != ready || *d != detail || at.elapsed() >= repeat);
             if news {
                 last = Some((ready, detail.clone(), tokio::time::Instant::now()));
                 if reports.send((target.uid.clone(), Feedback::Probed { ready, detail })).is_err() {
@@ -79,12 +82,22 @@ pub fn start<L: SidecarLink>(
                 Pace::Relaxed => relaxed.max(normal),
             };
             tokio::select! {
-                () = tokio::time::sleep(wait) => {}
+                () = tokio::time::sleep_until(next_slot(wait)) => {}
                 changed = rx.changed() => if changed.is_err() { return },
             }
         }
     });
     Handle { pace: tx, task }
+}
+
+/// The next multiple of `period` on a clock shared by every probe loop: the loops of a pace
+/// wake together, so a node's probes cost one wake-up of the agent per period, not one per pod.
+fn next_slot(period: Duration) -> tokio::time::Instant {
+    static ORIGIN: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+    let origin = *ORIGIN.get_or_init(tokio::time::Instant::now);
+    let period_ns = period.as_nanos().max(1);
+    let slots = tokio::time::Instant::now().duration_since(origin).as_nanos() / period_ns + 1;
+    origin + Duration::from_nanos(u64::try_from(slots * period_ns).unwrap_or(u64::MAX))
 }
 
 /// One probe of every sidecar: ready when all answer 2xx.
