@@ -28,7 +28,7 @@ use crate::kernel::{KernelControl, RecordOutcome};
 use crate::metrics::{self, KindLabels, Metrics, QuitLabels, ReasonLabels, ResultLabels};
 use crate::runtime::{BundleRole, RuntimeBundles, name_of_process};
 use crate::sidecar::http::Limits;
-use crate::sidecar::quit::quit;
+use crate::sidecar::quit::{first_attempt, quit};
 use crate::sidecar::{PodTarget, SidecarLink};
 
 /// Feedback for one pod, from a task.
@@ -153,8 +153,10 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 let (link, reports, retry_for, uid) =
                     (self.link.clone(), self.reports.clone(), self.settings.quit_retry_for, uid.to_owned());
                 debug!(%uid, %sidecar, ?instance, "asking sidecar to quit");
+                // Started here: on a kept connection the request is on its way before this returns.
+                let first = first_attempt(link.as_ref(), &target, &endpoint, limits);
                 tokio::spawn(async move {
-                    let outcome = quit(link.as_ref(), &target, &endpoint, limits, retry_for).await;
+                    let outcome = quit(link.as_ref(), &target, &endpoint, limits, retry_for, Some(first)).await;
                     let _ = reports.send((uid, Feedback::QuitDone { sidecar, outcome }));
                 });
                 None

@@ -19,6 +19,8 @@ const URGENT: Duration = Duration::from_millis(10);
 /// is a decision step of the pod: on a full node, the cost of probing ready proxies).
 const REPEAT: Duration = Duration::from_secs(1);
 const REPEAT_READY: Duration = Duration::from_secs(60);
+/// How often a proxy that is not ready yet gets a connection to its quit endpoint tried.
+const STANDBY_EARLY: Duration = Duration::from_secs(1);
 
 const LIMITS: Limits = Limits {
     connect_timeout: Duration::from_millis(200),
@@ -57,11 +59,15 @@ pub fn start<L: SidecarLink>(
     let (tx, mut rx) = watch::channel(pace);
     let task = tokio::spawn(async move {
         let mut last: Option<(bool, String, tokio::time::Instant)> = None;
+        let mut standby_at: Option<tokio::time::Instant> = None;
         loop {
             let (ready, detail) = probe_all(link.as_ref(), &target, &sidecars).await;
-            if ready {
-                // The proxy serves: have a connection to each quit endpoint open before the work
-                // is done, so the quit is one write.
+            // Have a connection to each quit endpoint open before the work is done, so the quit
+            // is one write: once the proxy serves, and already before (at most every second:
+            // pilot-agent's status port listens well before Envoy is ready), so a burst of
+            // proxies turning ready does not also open a burst of connections.
+            if ready || standby_at.is_none_or(|at| at.elapsed() >= STANDBY_EARLY) {
+                standby_at = Some(tokio::time::Instant::now());
                 for endpoint in sidecars.iter().filter_map(|sc| sc.quit.as_ref()) {
                     link.standby(&target, endpoint.port);
                 }

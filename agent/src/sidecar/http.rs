@@ -166,7 +166,7 @@ fn answer(buf: &[u8], limits: Limits, keep: bool) -> Result<(Response, bool), Fa
     Ok((response, keep && reusable(buf)))
 }
 
-fn request_text(addr: SocketAddr, method: &str, path: &str, keep: bool) -> String {
+pub fn request_text(addr: SocketAddr, method: &str, path: &str, keep: bool) -> String {
     let host = match addr {
         SocketAddr::V4(a) => format!("{}:{}", a.ip(), a.port()),
         SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
@@ -179,6 +179,7 @@ fn request_text(addr: SocketAddr, method: &str, path: &str, keep: bool) -> Strin
 
 /// [`exchange`] on the agent's runtime, for a kept connection (no thread hop): the same request,
 /// deadline, cap and reuse rule.
+#[allow(clippy::too_many_arguments)]
 pub async fn exchange_async(
     stream: &mut tokio::net::TcpStream,
     addr: SocketAddr,
@@ -187,13 +188,15 @@ pub async fn exchange_async(
     limits: Limits,
     started: Instant,
     keep: bool,
+    sent: usize,
 ) -> Result<(Response, bool), Failure> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let left = time_left(limits, started)?;
     let req = request_text(addr, method, path, keep);
     let mut buf = Vec::with_capacity(512);
     let io = async {
-        stream.write_all(req.as_bytes()).await.map_err(|e| io_failure(&e))?;
+        // `sent`: the first bytes of this same request already went out (a quit written at once).
+        stream.write_all(req.as_bytes().get(sent..).unwrap_or_default()).await.map_err(|e| io_failure(&e))?;
         let mut chunk = [0u8; 4096];
         loop {
             match stream.read(&mut chunk).await {
@@ -415,7 +418,7 @@ mod tests {
         for _ in 0..3 {
             assert!(idle_and_open(&s));
             let (r, again) =
-                exchange_async(&mut s, addr, "GET", "/ready", limits, Instant::now(), true).await.expect("answer");
+                exchange_async(&mut s, addr, "GET", "/ready", limits, Instant::now(), true, 0).await.expect("answer");
             assert_eq!(r, Response { status: 200, body: "OK".into() });
             assert!(again);
         }
@@ -428,7 +431,7 @@ mod tests {
         let mut s = tokio::net::TcpStream::from_std(std_stream).expect("tokio stream");
         let short = Limits { total_timeout: Duration::from_millis(200), ..limits };
         let started = Instant::now();
-        let r = exchange_async(&mut s, hung, "GET", "/ready", short, started, true).await;
+        let r = exchange_async(&mut s, hung, "GET", "/ready", short, started, true, 0).await;
         assert_eq!(r, Err(Failure::Timeout));
         assert!(started.elapsed() < Duration::from_secs(1));
         drop(listener);

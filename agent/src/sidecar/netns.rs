@@ -231,13 +231,22 @@ impl SidecarLink for PodNetwork {
         let (open, kept) = (self.open.clone(), self.kept.clone());
         // Probes keep their connection; a quit is the connection's last request.
         let reuse = method == "GET";
+        // A quit on a kept connection goes out now, in one non-blocking write, not when the
+        // returned future first runs (its caller may have more to do before it yields).
+        let sent = match (&kept_conn, reuse) {
+            (Some(stream), false) => {
+                let req = http::request_text(SocketAddr::from((Ipv4Addr::LOCALHOST, port)), method, &path, false);
+                stream.try_write(req.as_bytes()).unwrap_or(0)
+            }
+            _ => 0,
+        };
         Box::pin(async move {
             let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
             let key = (target.uid.clone(), port);
             let started = Instant::now();
             if let Some(mut stream) = kept_conn {
                 // On the runtime itself: no thread, no namespace switch.
-                match http::exchange_async(&mut stream, addr, method, &path, limits, started, reuse).await {
+                match http::exchange_async(&mut stream, addr, method, &path, limits, started, reuse, sent).await {
                     Ok((response, again)) => {
                         if again {
                             keep(&open, &kept, key, stream);

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 use tracing::debug;
 
 use super::http::Limits;
-use super::{PodTarget, SidecarLink};
+use super::http::Response;
+use super::{Failed, Pending, PodTarget, SidecarLink};
 use crate::pod::spec::Endpoint;
 
 /// How a quit ended.
@@ -31,24 +32,38 @@ impl QuitOutcome {
     }
 }
 
+/// The first attempt of a quit, started at once: on a connection kept open ahead of time the
+/// request is written before this returns.
+pub fn first_attempt(link: &dyn SidecarLink, target: &PodTarget, endpoint: &Endpoint, limits: Limits) -> Attempt {
+    link.request(target.clone(), endpoint.port, "POST", endpoint.path.clone(), limits, false, false)
+}
+
+/// One pending quit request.
+pub type Attempt = Pending<Result<Response, Failed>>;
+
 /// Asks the sidecar to quit (`POST` to its endpoint on the pod's loopback), retrying transient
-/// failures with backoff for `retry_for`. The first attempt uses the namespace opened ahead of
-/// time; retries enter it anew.
+/// failures with backoff for `retry_for`. The first attempt (`first`, else made here) uses the
+/// namespace and connection opened ahead of time; retries enter the namespace anew.
 pub async fn quit(
     link: &dyn SidecarLink,
     target: &PodTarget,
     endpoint: &Endpoint,
     limits: Limits,
     retry_for: Duration,
+    mut first: Option<Attempt>,
 ) -> QuitOutcome {
     let started = Instant::now();
     let mut backoff = Duration::from_millis(25);
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let answer = link
-            .request(target.clone(), endpoint.port, "POST", endpoint.path.clone(), limits, attempts > 1, false)
-            .await;
+        let answer = match first.take() {
+            Some(attempt) => attempt.await,
+            None => {
+                link.request(target.clone(), endpoint.port, "POST", endpoint.path.clone(), limits, attempts > 1, false)
+                    .await
+            }
+        };
         let (last, label) = match answer {
             Ok(r) if (200..300).contains(&r.status) => return QuitOutcome::Accepted { status: r.status, attempts },
             // 408/429 are worth another try; any other 4xx is the endpoint saying no.
