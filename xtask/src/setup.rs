@@ -177,6 +177,8 @@ fn ensure_test_tools(root: &Path) -> Result<()> {
         "zstd",
         "mmdebstrap",
         "e2fsprogs",
+        // The agent's image carries the node's CA bundle (`cargo xtask image`).
+        "ca-certificates",
     ])?;
     let venv = root.join(".venv");
     let requirements = root.join("deploy/tests/requirements.txt");
