@@ -1147,7 +1147,7 @@ fn soak(plan: &Plan, table: &mut Table) -> Result<()> {
         &format!("[9] soak, {done} Jobs ({lost} not quit): agent RSS after the first batch → at the end"),
         format!("{:.1} → {:.1} MiB", rss0 as f64 / 1024.0, rss1 as f64 / 1024.0),
         "—",
-        "flat",
+        "flat (≤ +2 MiB), every Job quit",
         met(lost == 0 && rss1 <= rss0 + 2048).into(),
     );
     table.add("[9] soak: open fds → at the end", format!("{fds0} → {fds1}"), "—", "flat", met(fds1 <= fds0).into());
