@@ -61,7 +61,7 @@ enum Task {
     /// Run the agent against a simulated node on this host and print a timeline.
     Demo {
         /// Extra arguments for the demo driver.
-        #[arg(trailing_var_arg = true)]
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
     /// Run the fuzz targets (fuzz/), each for a bounded time.
@@ -71,10 +71,10 @@ enum Task {
         #[arg(long, default_value_t = fuzz::DEFAULT_SECONDS)]
         seconds: u64,
     },
-    /// Print latency and overhead figures.
+    /// Print the performance figures, each beside its reference and target, as one table.
     Bench {
-        /// Extra arguments for the bench driver (e.g. `--runs 200`).
-        #[arg(trailing_var_arg = true)]
+        /// Extra arguments for the bench driver (e.g. `--quick`, `--only soak`, `--runs 200`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
 }
