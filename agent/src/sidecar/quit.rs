@@ -35,7 +35,12 @@ impl QuitOutcome {
 /// The first attempt of a quit, started at once: on a connection kept open ahead of time the
 /// request is written before this returns.
 pub fn first_attempt(link: &dyn SidecarLink, target: &PodTarget, endpoint: &Endpoint, limits: Limits) -> Attempt {
-    link.request(target.clone(), endpoint.port, "POST", endpoint.path.clone(), limits, false, false)
+    attempt(link, target, endpoint, limits, false)
+}
+
+/// One quit request; `fresh`: in a namespace entered anew, on a new connection.
+fn attempt(link: &dyn SidecarLink, target: &PodTarget, endpoint: &Endpoint, limits: Limits, fresh: bool) -> Attempt {
+    link.request(target.clone(), endpoint.port, "POST", endpoint.path.clone(), limits, fresh, false)
 }
 
 /// One pending quit request.
@@ -58,12 +63,10 @@ pub async fn quit(
     loop {
         attempts += 1;
         let answer = match first.take() {
-            Some(attempt) => attempt.await,
-            None => {
-                link.request(target.clone(), endpoint.port, "POST", endpoint.path.clone(), limits, attempts > 1, false)
-                    .await
-            }
-        };
+            Some(pending) => pending,
+            None => attempt(link, target, endpoint, limits, attempts > 1),
+        }
+        .await;
         let (last, label) = match answer {
             Ok(r) if (200..300).contains(&r.status) => return QuitOutcome::Accepted { status: r.status, attempts },
             // 408/429 are worth another try; any other 4xx is the endpoint saying no.

@@ -255,9 +255,7 @@ fn exit_latency(runs: usize, table: &mut Table) -> Result<()> {
 
 /// The agent's memory and CPU, to size the DaemonSet's requests and limits from measurement.
 fn print_resources(pid: u32, wall: Duration, pods: usize) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field =
-        |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_owned()).unwrap_or_default();
+    let field = |name: &str| status_field(pid, name).unwrap_or_default();
     let cpu = cpu_time(pid).as_secs_f64();
     println!(
         "  agent resources over {:.0} s and {pods} pods: RSS {} (peak {}), CPU {:.2} s = {:.1} millicores on average",
@@ -894,12 +892,15 @@ fn kernel_cost(table: &mut Table) -> Result<()> {
     Ok(())
 }
 
+/// One field of `/proc/<pid>/status` (`name` with its colon), trimmed.
+fn status_field(pid: u32, name: &str) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_owned())
+}
+
 /// Resident set size of a process, in KiB.
 fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmRSS:")?.split_whitespace().next()?.parse().ok()))
-        .unwrap_or(0)
+    status_field(pid, "VmRSS:").and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
 }
 
 /// Open file descriptors of a process.
@@ -953,10 +954,12 @@ fn entries_text(entries: &std::collections::BTreeMap<String, usize>) -> String {
     entries.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", ")
 }
 
+/// Threads making or tearing down simulated pods at once.
+const LANES: usize = 4;
+
 /// Starts `n` labelled Job pods (proxy ready) as fast as the simulated node makes them (a few
 /// at a time: making one is mostly waiting for processes).
 fn make_jobs(node: &Node, tag: &str, n: usize) -> Result<Vec<JobPod>> {
-    const LANES: usize = 4;
     std::thread::scope(|s| {
         let lanes: Vec<_> = (0..LANES)
             .map(|lane| {
@@ -974,9 +977,9 @@ fn make_jobs(node: &Node, tag: &str, n: usize) -> Result<Vec<JobPod>> {
 
 /// Tears pods down a few at a time.
 fn drop_jobs(jobs: Vec<JobPod>) {
-    let mut lanes: Vec<Vec<JobPod>> = (0..4).map(|_| Vec::new()).collect();
+    let mut lanes: Vec<Vec<JobPod>> = (0..LANES).map(|_| Vec::new()).collect();
     for (i, job) in jobs.into_iter().enumerate() {
-        lanes[i % 4].push(job);
+        lanes[i % LANES].push(job);
     }
     std::thread::scope(|s| {
         for lane in lanes {
