@@ -443,6 +443,8 @@ pub struct SimPod {
     short: String,
     /// The lease file recording what this pod created.
     lease: Option<PathBuf>,
+    /// The pod network's subnet, claimed until the host's end of the pair is gone.
+    subnet: Option<SubnetClaim>,
 }
 
 impl SimPod {
@@ -519,6 +521,7 @@ impl SimPod {
             host_if_created: None,
             short: util::random_hex(4),
             lease: None,
+            subnet: None,
         };
         reap_stale_leases();
         // From here on, an early return drops `pod`, which undoes what was done so far.
@@ -668,9 +671,11 @@ impl SimPod {
         let tmp_if = format!("vp-{short}");
         ip(&["netns", "add", &ns_name])?;
         self.netns_created = Some(ns_name.clone());
-        // Allocation and address assignment under one lock so parallel tests get distinct subnets.
-        let _lock = IpamLock::acquire()?;
-        let n = free_subnet()?;
+        // A claimed subnet: pods made in parallel set their networks up without waiting for
+        // each other.
+        let claim = SubnetClaim::claim()?;
+        let n = claim.n;
+        self.subnet = Some(claim);
         let host_ip = Ipv4Addr::new(10, 244, n, 1);
         let pod_ip = Ipv4Addr::new(10, 244, n, 2);
         // Two `ip -batch` runs (the host's side, then the pod's) rather than ten processes: pod
@@ -1162,12 +1167,67 @@ impl IpamLock {
     }
 }
 
-/// The first 10.244.N.0/24 no address or route on the host uses.
-fn free_subnet() -> Result<u8> {
-    let used = ip_output(&["-4", "-o", "addr", "show"])? + &ip_output(&["-4", "route", "show"])?;
-    (1..=254u8)
-        .find(|n| !used.contains(&format!("10.244.{n}.")))
-        .ok_or_else(|| anyhow!("no free 10.244.N.0/24 subnet left"))
+const SUBNET_DIR: &str = "/run/valet-sim/subnets";
+
+/// A pod's 10.244.N.0/24, claimed by a file naming its owner process (pid and start time), so
+/// that pods made at once in threads and processes never share one and run their `ip` commands
+/// in parallel. A claim whose owner died is taken over; the host's own addresses and routes are
+/// read once per process and never claimed.
+#[derive(Debug)]
+struct SubnetClaim {
+    n: u8,
+    path: PathBuf,
+}
+
+impl SubnetClaim {
+    fn claim() -> Result<SubnetClaim> {
+        static HOST_USED: std::sync::OnceLock<std::collections::BTreeSet<u8>> = std::sync::OnceLock::new();
+        let _lock = IpamLock::acquire()?;
+        std::fs::create_dir_all(SUBNET_DIR).with_context(|| format!("mkdir {SUBNET_DIR}"))?;
+        let host_used = match HOST_USED.get() {
+            Some(used) => used,
+            None => {
+                let text = ip_output(&["-4", "-o", "addr", "show"])? + &ip_output(&["-4", "route", "show"])?;
+                // Subnets claimed right now are pods' (released with them), not the host's.
+                let used = (1..=254u8)
+                    .filter(|n| text.contains(&format!("10.244.{n}.")))
+                    .filter(|n| !Path::new(SUBNET_DIR).join(n.to_string()).exists())
+                    .collect();
+                HOST_USED.get_or_init(|| used)
+            }
+        };
+        let me = std::process::id();
+        let owner = format!("{me} {}", process_start_time(me).unwrap_or(0));
+        for n in (1..=254u8).filter(|n| !host_used.contains(n)) {
+            let path = Path::new(SUBNET_DIR).join(n.to_string());
+            let free = match std::fs::read_to_string(&path) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => true,
+                Err(e) => return Err(e).with_context(|| format!("read {}", path.display())),
+                Ok(text) => {
+                    let mut it = text.split_whitespace().map(|x| x.parse::<u64>().ok());
+                    match (it.next().flatten(), it.next().flatten()) {
+                        (Some(pid), Some(start)) => {
+                            let pid = u32::try_from(pid).unwrap_or(0);
+                            process_start_time(pid) != Some(start)
+                        }
+                        _ => true,
+                    }
+                }
+            };
+            if free {
+                std::fs::write(&path, &owner).with_context(|| format!("write {}", path.display()))?;
+                return Ok(SubnetClaim { n, path });
+            }
+        }
+        bail!("no free 10.244.N.0/24 subnet left")
+    }
+}
+
+impl Drop for SubnetClaim {
+    fn drop(&mut self) {
+        let _lock = IpamLock::acquire();
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
 
 /// Kills what runs in a cgroup and waits until it is empty.
@@ -1253,6 +1313,8 @@ impl Drop for SimPod {
         if !gone.is_empty() {
             let _ = ip_batch(&["-force"], &gone);
         }
+        // Only now: the subnet's addresses went with the host's end.
+        self.subnet.take();
         if let Some(l) = self.lease.take() {
             let _ = std::fs::remove_file(l);
         }

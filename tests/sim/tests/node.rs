@@ -278,3 +278,49 @@ fn stale_leases_of_dead_processes_are_reaped() {
     assert!(!Path::new(&format!("/run/netns/{ns}")).exists());
     assert!(!Path::new(&format!("/run/valet-sim/leases/{short}")).exists());
 }
+
+/// Pods made at once (threads here; test processes alike) each get their own subnet, and a
+/// subnet claimed by a process that is gone is used again.
+#[test]
+fn pods_made_at_once_get_their_own_subnets_and_dead_claims_are_taken_over() {
+    if !root() {
+        return;
+    }
+    let subnet = |p: &SimPod| -> [u8; 3] {
+        let o = p.pod_ip().expect("pod ip").octets();
+        [o[0], o[1], o[2]]
+    };
+    let pods: Vec<SimPod> = std::thread::scope(|s| {
+        let made: Vec<_> = (0..8)
+            .map(|i| s.spawn(move || SimPod::create(SimPodOptions::new(&format!("ipam-{i}")).container("app"))))
+            .collect();
+        made.into_iter().map(|h| h.join().expect("thread").expect("pod")).collect()
+    });
+    let distinct: std::collections::BTreeSet<[u8; 3]> = pods.iter().map(subnet).collect();
+    assert_eq!(distinct.len(), pods.len(), "{distinct:?}");
+    drop(pods);
+
+    // Every unclaimed subnet claimed by a process that does not exist: a new pod still gets one.
+    let dir = Path::new("/run/valet-sim/subnets");
+    let dead = "0 1";
+    let mut planted = Vec::new();
+    for n in 1..=254u8 {
+        let path = dir.join(n.to_string());
+        if !path.exists() {
+            std::fs::write(&path, dead).expect("plant a dead claim");
+            planted.push(path);
+        }
+    }
+    let pod = SimPod::create(SimPodOptions::new("ipam-dead").container("app"));
+    for path in planted {
+        // Only the planted claims that nobody took over.
+        if std::fs::read_to_string(&path).is_ok_and(|t| t == dead) {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    let pod = pod.expect("a pod on a subnet whose claim's owner is gone");
+    let claim = dir.join(subnet(&pod)[2].to_string());
+    assert_ne!(std::fs::read_to_string(&claim).expect("the pod's claim"), dead);
+    drop(pod);
+    assert!(!claim.exists(), "the claim goes with the pod");
+}

@@ -10,7 +10,7 @@
 //!    while the agent is stalled (SIGSTOP) in the middle of the storm;
 //! 6. the exit program's own cost per exit, from the kernel's BPF statistics, and a tight exit
 //!    loop's rate with and without the programs;
-//! 7. 20 pods held at once: release latency and the agent's CPU while it probes them;
+//! 7. 20 pods held at once, in rounds: release latency and the agent's CPU while it probes them;
 //! 8. a full node: 110 opted-in pods tracked, 50 Jobs started within one second: RSS, idle CPU,
 //!    exit → quit of the 50, pod-watch latency;
 //! 9. soak: 10,000 short Jobs through one node in batches: RSS, open fds and kernel map entries at
@@ -34,16 +34,18 @@ const SECTIONS: &str = "exit|quit|release|storm|kernel|together|node|soak";
 
 struct Args {
     runs: Option<usize>,
+    soak: Option<usize>,
     quick: bool,
     only: Option<String>,
 }
 
 fn parse_args() -> Result<Args> {
-    let mut args = Args { runs: None, quick: false, only: None };
+    let mut args = Args { runs: None, soak: None, quick: false, only: None };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
             "--runs" => args.runs = Some(it.next().context("--runs N")?.parse()?),
+            "--soak" => args.soak = Some(it.next().context("--soak JOBS")?.parse()?),
             "--quick" => args.quick = true,
             "--only" => {
                 let only = it.next().context(SECTIONS)?;
@@ -53,7 +55,7 @@ fn parse_args() -> Result<Args> {
                 args.only = Some(only);
             }
             "-h" | "--help" => {
-                println!("valet-bench [--quick] [--runs N] [--only {SECTIONS}]");
+                println!("valet-bench [--quick] [--runs N] [--soak JOBS] [--only {SECTIONS}]");
                 std::process::exit(0);
             }
             other => bail!("unknown argument {other}"),
@@ -109,6 +111,9 @@ impl Plan {
         };
         if let Some(runs) = args.runs {
             plan.runs = runs;
+        }
+        if let Some(soak) = args.soak {
+            plan.soak = soak;
         }
         plan
     }
@@ -752,44 +757,55 @@ fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
     Ok(())
 }
 
-/// 7. Many held pods at once: their proxies turn ready together.
-fn held_together(pods: usize, table: &mut Table) -> Result<()> {
-    println!("\n[7] {pods} pods held at once, their proxies ready at the same moment");
+/// Section 7, many held pods at once: their proxies turn ready together. Over `rounds` rounds of
+/// `pods` new pods each: the moment the proxies turn ready falls at a new place in the agent's
+/// probe period each round (one round is one draw of it).
+fn held_together(pods: usize, rounds: usize, table: &mut Table) -> Result<()> {
+    println!("\n[7] {pods} pods held at once, their proxies ready at the same moment ({rounds} rounds)");
     let app = bin("valet-bench-app")?;
     let app = app.to_str().context("path")?.to_owned();
     let node = Node::new()?;
     let agent = node.start_agent(&[])?;
     let pid = agent.pid().context("agent pid")?;
-    let mut jobs = Vec::new();
-    for i in 0..pods {
-        let ready = node.scratch.path(&format!("together-ready-{i}"));
-        let mut spec = JobSpec::new("together").annotation("valet.dev/hold-app", "true");
-        spec.ready_file = Some(ready.clone());
-        let mut job = node.job_pod(spec)?;
-        let stamp = node.scratch.path(&format!("together-ran-{i}"));
-        let stamp_s = stamp.to_str().context("path")?.to_owned();
-        let app_pid = job.start_app("app", &[&app, &stamp_s, "0", "0", "2000"], &SpawnOptions::default())?.host_pid();
-        jobs.push((job, ready, stamp, app_pid));
-    }
-    agent.wait_tracked(pods, Duration::from_secs(10))?;
-    let all_held = eventually(Duration::from_secs(10), || jobs.iter().all(|(_, _, _, p)| stopped(*p)));
-    if !all_held {
-        bail!("not every app was held\n{}", agent.log_text());
-    }
-    // The agent probes every held pod's proxy until it is ready: its CPU over 5 s of that.
-    let cpu = cpu_share(pid, Duration::from_secs(5));
-    let t_ready = monotonic_ns();
-    for (_, ready, _, _) in &jobs {
-        std::fs::write(ready, b"")?;
-    }
-    let mut samples = Vec::new();
-    for (i, (_, _, stamp, _)) in jobs.iter().enumerate() {
-        if !eventually(Duration::from_secs(5), || read_stamp(stamp).is_some()) {
-            bail!("pod {i}: app not released\n{}", agent.log_text());
+    let (mut samples, mut cpu) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let mut jobs = Vec::new();
+        for i in 0..pods {
+            let ready = node.scratch.path(&format!("together-ready-{round}-{i}"));
+            let mut spec = JobSpec::new("together").annotation("valet.dev/hold-app", "true");
+            spec.ready_file = Some(ready.clone());
+            let mut job = node.job_pod(spec)?;
+            let stamp = node.scratch.path(&format!("together-ran-{round}-{i}"));
+            let stamp_s = stamp.to_str().context("path")?.to_owned();
+            let app_pid =
+                job.start_app("app", &[&app, &stamp_s, "0", "0", "2000"], &SpawnOptions::default())?.host_pid();
+            jobs.push((job, ready, stamp, app_pid));
         }
-        samples.push(read_stamp(stamp).context("stamp")?.saturating_sub(t_ready) as f64 / 1000.0);
+        agent.wait_tracked(pods, Duration::from_secs(10))?;
+        let all_held = eventually(Duration::from_secs(10), || jobs.iter().all(|(_, _, _, p)| stopped(*p)));
+        if !all_held {
+            bail!("not every app was held\n{}", agent.log_text());
+        }
+        // The agent probes every held pod's proxy until it is ready: its CPU over 5 s of that.
+        cpu.push(cpu_share(pid, Duration::from_secs(5)));
+        let t_ready = monotonic_ns();
+        for (_, ready, _, _) in &jobs {
+            std::fs::write(ready, b"")?;
+        }
+        for (i, (_, _, stamp, _)) in jobs.iter().enumerate() {
+            if !eventually(Duration::from_secs(5), || read_stamp(stamp).is_some()) {
+                bail!("round {round}, pod {i}: app not released\n{}", agent.log_text());
+            }
+            samples.push(read_stamp(stamp).context("stamp")?.saturating_sub(t_ready) as f64 / 1000.0);
+        }
+        for (job, ..) in &jobs {
+            node.api.delete_pod("jobs", &job.name).ok();
+        }
+        drop_jobs(jobs.into_iter().map(|j| j.0).collect());
+        agent.wait_tracked(0, Duration::from_secs(30))?;
     }
     let m = report("held app runs after its proxy is ready", samples);
+    let cpu = cpu.iter().sum::<f64>() / cpu.len().max(1) as f64;
     println!("  agent CPU while probing {pods} held pods: {:.1} % of one core", cpu * 100.0);
     table.add(
         &format!("[7] {pods} pods held at once, proxies ready together: held app runs (median / p99)"),
@@ -805,7 +821,6 @@ fn held_together(pods: usize, table: &mut Table) -> Result<()> {
         "≤ 5 %",
         met(cpu <= 0.05).into(),
     );
-    drop(jobs);
     Ok(())
 }
 
@@ -955,7 +970,7 @@ fn entries_text(entries: &std::collections::BTreeMap<String, usize>) -> String {
 }
 
 /// Threads making or tearing down simulated pods at once.
-const LANES: usize = 4;
+const LANES: usize = 10;
 
 /// Starts `n` labelled Job pods (proxy ready) as fast as the simulated node makes them (a few
 /// at a time: making one is mostly waiting for processes).
@@ -1109,10 +1124,18 @@ fn soak(plan: &Plan, table: &mut Table) -> Result<()> {
     let started = Instant::now();
     let (mut first, mut lost, mut done) = (None, 0usize, 0usize);
     let batches = plan.soak.div_ceil(plan.batch);
+    let mut phases = [Duration::ZERO; 5];
     for b in 0..batches {
         let n = plan.batch.min(plan.soak - done);
+        let mut t = Instant::now();
+        let mut lap = |i: usize| {
+            phases[i] += t.elapsed();
+            t = Instant::now();
+        };
         let mut jobs = make_jobs(&node, "soak", n)?;
+        lap(0);
         agent.wait_tracked(n, Duration::from_secs(30))?;
+        lap(1);
         if b == 0 {
             println!("  map entries with {n} Jobs tracked: {}", entries_text(&map_entries(pid)));
         }
@@ -1124,11 +1147,14 @@ fn soak(plan: &Plan, table: &mut Table) -> Result<()> {
                 lost += 1;
             }
         }
+        lap(2);
         for job in &jobs {
             node.api.delete_pod("jobs", &job.name).ok();
         }
         drop_jobs(jobs);
+        lap(3);
         agent.wait_tracked(0, Duration::from_secs(30))?;
+        lap(4);
         done += n;
         if b == 0 {
             // After one batch: the runtime's pools and the kernel's maps are warm.
@@ -1144,6 +1170,15 @@ fn soak(plan: &Plan, table: &mut Table) -> Result<()> {
             );
         }
     }
+    println!(
+        "  time per Job: making {:.1} ms, until tracked {:.1} ms, app run and quit {:.1} ms, teardown {:.1} ms, \
+         until untracked {:.1} ms",
+        phases[0].as_secs_f64() * 1e3 / done as f64,
+        phases[1].as_secs_f64() * 1e3 / done as f64,
+        phases[2].as_secs_f64() * 1e3 / done as f64,
+        phases[3].as_secs_f64() * 1e3 / done as f64,
+        phases[4].as_secs_f64() * 1e3 / done as f64,
+    );
     let (rss0, fds0, maps0) = first.context("no batch ran")?;
     let (rss1, fds1, maps1) = snapshot();
     let entries = |m: &std::collections::BTreeMap<String, usize>| m.values().sum::<usize>();
@@ -1180,29 +1215,23 @@ fn main() -> Result<()> {
     println!("valet benchmarks{}: {machine}", if plan.quick { " (--quick: a smoke run, not figures)" } else { "" });
     let started = Instant::now();
     let mut table = Table::default();
-    if want("exit") {
-        exit_latency(if plan.quick { 50 } else { 500 }, &mut table)?;
-    }
-    if want("quit") {
-        quit_latency(plan.runs, &mut table)?;
-    }
-    if want("release") {
-        release_latency(plan.runs / 2, &mut table)?;
-    }
-    if want("storm") {
-        storm(&plan, &mut table)?;
-    }
-    if want("kernel") {
-        kernel_cost(&mut table)?;
-    }
-    if want("together") {
-        held_together(20, &mut table)?;
-    }
-    if want("node") {
-        full_node(&plan, &mut table)?;
-    }
-    if want("soak") {
-        soak(&plan, &mut table)?;
+    type Section<'a> = &'a dyn Fn(&mut Table) -> Result<()>;
+    let sections: [(&str, Section); 8] = [
+        ("exit", &|t| exit_latency(if plan.quick { 50 } else { 500 }, t)),
+        ("quit", &|t| quit_latency(plan.runs, t)),
+        ("release", &|t| release_latency(plan.runs / 2, t)),
+        ("storm", &|t| storm(&plan, t)),
+        ("kernel", &|t| kernel_cost(t)),
+        ("together", &|t| held_together(20, if plan.quick { 1 } else { 5 }, t)),
+        ("node", &|t| full_node(&plan, t)),
+        ("soak", &|t| soak(&plan, t)),
+    ];
+    for (name, section) in sections {
+        if want(name) {
+            let t = Instant::now();
+            section(&mut table)?;
+            println!("  ({name}: {:.0} s)", t.elapsed().as_secs_f64());
+        }
     }
     table.print(&machine, started.elapsed(), plan.quick);
     Ok(())
