@@ -97,6 +97,10 @@ impl Node {
         locate_standin();
         let api = FakeApiServer::start_with(ServerOptions {
             bookmark_interval: Duration::from_millis(500),
+            // The watch cache of a node's worth of pods: a real server keeps a window of recent
+            // changes too (its default cache size is 100). The server runs in this process, and
+            // 10,000 full pods made a benchmark's every fork slow (~300 MB to copy).
+            history_limit: 1_000,
             ..ServerOptions::default()
         })?;
         let scratch = Scratch::new("node")?;
