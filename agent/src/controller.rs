@@ -26,6 +26,9 @@ use crate::sidecar::SidecarLink;
 
 /// How often deadlines are checked and missing cgroups looked for.
 const TICK: Duration = Duration::from_millis(250);
+/// Most reports handled in one turn of the loop once one has arrived (the rest waits a turn: a
+/// kernel batch or a watch event is never starved by a flood of reports).
+const REPORT_BATCH: usize = 64;
 
 /// The running agent: every tracked pod's state, and the actuators.
 pub struct Controller<K, L> {
@@ -92,7 +95,16 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
                     Ok(batch) => for event in batch { self.on_kernel(event) },
                     Err(e) => { warn!("kernel event stream: {e}"); tokio::time::sleep(Duration::from_millis(100)).await; }
                 },
-                Some((uid, feedback)) = self.reports.recv() => self.on_feedback(&uid, feedback),
+                Some((uid, feedback)) = self.reports.recv() => {
+                    self.on_feedback(&uid, feedback);
+                    // Whatever else has come in: one slot's probes answer within a fraction of a
+                    // millisecond, and their releases go out together rather than each after
+                    // another turn of the select (a watch event to parse, a kernel batch).
+                    for _ in 0..REPORT_BATCH {
+                        let Ok((uid, feedback)) = self.reports.try_recv() else { break };
+                        self.on_feedback(&uid, feedback);
+                    }
+                }
                 pods = self.act.creations().next() => for pod in pods { self.on_container_made(pod) },
                 event = watch.next() => match event {
                     Some(Ok(event)) => self.on_watch(event),

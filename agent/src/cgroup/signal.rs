@@ -32,7 +32,9 @@ fn pidfd_send_signal(fd: &OwnedFd, signal: i32) -> std::io::Result<()> {
 /// from `/proc/<pid>/cgroup`, whose paths are relative to the agent's cgroup namespace.
 pub fn signal_in_cgroup(cgroups: &CgroupFs, pid: u32, rel: &str, signal: i32) -> Result<()> {
     let fd = pidfd_open(pid).map_err(|e| Error::io(format!("pidfd_open({pid})"), e))?;
-    if !cgroups.procs_recursive(rel).contains(&pid) {
+    // The cgroup itself first (a container's main process lives there): the walk below it reads
+    // a directory per level, which a release of a held app should not wait for.
+    if !cgroups.procs(rel).contains(&pid) && !cgroups.procs_recursive(rel).contains(&pid) {
         return Err(Error::Cgroup(format!("pid {pid} is not in {rel}: not signalled")));
     }
     pidfd_send_signal(&fd, signal).map_err(|e| Error::io(format!("signal {signal} to pid {pid}"), e))
