@@ -823,8 +823,11 @@ fn held_together(pods: usize, rounds: usize, table: &mut Table) -> Result<()> {
     let (mut samples, mut released, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds {
         let mut jobs = Vec::new();
+        // One file for every stand-in of the round: made once, it turns them all ready at the same
+        // instant (a file each, written one after another, spread the moment over milliseconds
+        // whenever the writer lost its CPU to the probes it set off).
+        let ready = node.scratch.path(&format!("together-ready-{round}"));
         for i in 0..pods {
-            let ready = node.scratch.path(&format!("together-ready-{round}-{i}"));
             let mut spec = JobSpec::new("together").annotation("valet.dev/hold-app", "true");
             spec.ready_file = Some(ready.clone());
             let mut job = node.job_pod(spec)?;
@@ -832,10 +835,10 @@ fn held_together(pods: usize, rounds: usize, table: &mut Table) -> Result<()> {
             let stamp_s = stamp.to_str().context("path")?.to_owned();
             let app_pid =
                 job.start_app("app", &[&app, &stamp_s, "0", "0", "2000"], &SpawnOptions::default())?.host_pid();
-            jobs.push((job, ready, stamp, app_pid));
+            jobs.push((job, stamp, app_pid));
         }
         agent.wait_tracked(pods, Duration::from_secs(10))?;
-        let all_held = eventually(Duration::from_secs(10), || jobs.iter().all(|(_, _, _, p)| stopped(*p)));
+        let all_held = eventually(Duration::from_secs(10), || jobs.iter().all(|(_, _, p)| stopped(*p)));
         if !all_held {
             bail!("not every app was held\n{}", agent.log_text());
         }
@@ -845,10 +848,8 @@ fn held_together(pods: usize, rounds: usize, table: &mut Table) -> Result<()> {
             trace.sent();
         }
         let t_ready = monotonic_ns();
-        for (_, ready, _, _) in &jobs {
-            std::fs::write(ready, b"")?;
-        }
-        for (i, (_, _, stamp, _)) in jobs.iter().enumerate() {
+        std::fs::write(&ready, b"")?;
+        for (i, (_, stamp, _)) in jobs.iter().enumerate() {
             if !eventually(Duration::from_secs(5), || read_stamp(stamp).is_some()) {
                 bail!("round {round}, pod {i}: app not released\n{}", agent.log_text());
             }
