@@ -154,10 +154,12 @@ impl PodNetwork {
         self.kept.lock().unwrap_or_else(PoisonError::into_inner).len()
     }
 
-    /// Takes the kept connection to `port` of pod `uid`, if it is still open and idle.
-    fn take_kept(&self, uid: &str, port: u16) -> Option<tokio::net::TcpStream> {
+    /// Takes the kept connection to `port` of pod `uid`; `check`: only if it is still open and
+    /// idle (a look costs a syscall: a probe skips it, since a connection the server closed
+    /// answers its request with nothing and the probe goes again on a new one).
+    fn take_kept(&self, uid: &str, port: u16, check: bool) -> Option<tokio::net::TcpStream> {
         let stream = self.kept.lock().unwrap_or_else(PoisonError::into_inner).remove(&(uid.to_owned(), port))?;
-        http::idle_and_open(&stream).then_some(stream)
+        (!check || http::idle_and_open(&stream)).then_some(stream)
     }
 
     /// How many pod network namespaces are held open.
@@ -226,11 +228,11 @@ impl SidecarLink for PodNetwork {
         fresh: bool,
         pod_ip_fallback: bool,
     ) -> Pending<Result<Response, Failed>> {
-        let kept_conn = if fresh { None } else { self.take_kept(&target.uid, port) };
-        let netns = self.handle(&target.uid, target.pod_rel.as_deref(), fresh);
-        let (open, kept) = (self.open.clone(), self.kept.clone());
         // Probes keep their connection; a quit is the connection's last request.
         let reuse = method == "GET";
+        let kept_conn = if fresh { None } else { self.take_kept(&target.uid, port, !reuse) };
+        let netns = self.handle(&target.uid, target.pod_rel.as_deref(), fresh);
+        let (open, kept) = (self.open.clone(), self.kept.clone());
         // A quit on a kept connection goes out now, in one non-blocking write, not when the
         // returned future first runs (its caller may have more to do before it yields).
         let sent = match (&kept_conn, reuse) {
@@ -337,6 +339,45 @@ mod tests {
             }
         });
         (port, accepted)
+    }
+
+    /// Answers one request per connection (keep-alive, by its headers), then closes the
+    /// connection once it has been idle a moment, as a proxy with a short idle timeout does.
+    fn idle_closing_server() -> (u16, Arc<AtomicUsize>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut s) = conn else { return };
+                count.fetch_add(1, Ordering::SeqCst);
+                let mut buf = [0u8; 1024];
+                if s.read(&mut buf).is_ok_and(|n| n > 0) {
+                    let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK");
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        });
+        (port, accepted)
+    }
+
+    #[tokio::test]
+    async fn a_probe_on_a_connection_the_server_closed_goes_again_on_a_new_one() {
+        let (dir, net, rel) = fake_pod("closed");
+        let (port, accepted) = idle_closing_server();
+        net.open("uid-1", &rel).expect("open");
+        let target = PodTarget { uid: "uid-1".into(), pod_rel: Some(rel.clone()), pod_ip: None };
+        for round in 1..=3 {
+            let r = net.request(target.clone(), port, "GET", "/ready".into(), Limits::default(), false, false).await;
+            assert_eq!(r.map(|r| r.status), Ok(200), "probe {round}");
+            assert_eq!(net.kept_count(), 1, "kept: the answer said nothing of closing");
+            // The server closes it meanwhile: the next probe finds it closed.
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3, "each probe after a close went on a new connection");
+        net.close("uid-1");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
