@@ -96,14 +96,17 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
                     Err(e) => { warn!("kernel event stream: {e}"); tokio::time::sleep(Duration::from_millis(100)).await; }
                 },
                 Some((uid, feedback)) = self.reports.recv() => {
+                    // Whatever else has come in: one slot's probes answer together, and their
+                    // releases go out together, back to back once all are decided, rather than
+                    // each after another turn of the select (a watch event to parse, a kernel
+                    // batch) or after the decisions of the others.
+                    self.act.batch_releases();
                     self.on_feedback(&uid, feedback);
-                    // Whatever else has come in: one slot's probes answer within a fraction of a
-                    // millisecond, and their releases go out together rather than each after
-                    // another turn of the select (a watch event to parse, a kernel batch).
                     for _ in 0..REPORT_BATCH {
                         let Ok((uid, feedback)) = self.reports.try_recv() else { break };
                         self.on_feedback(&uid, feedback);
                     }
+                    self.act.flush_releases();
                 }
                 pods = self.act.creations().next() => for pod in pods { self.on_container_made(pod) },
                 event = watch.next() => match event {
@@ -125,6 +128,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
 
     async fn shutdown(&mut self, drain: Duration) {
         info!("shutting down: releasing held apps and finishing in-flight quits");
+        self.act.finish_releases();
         let uids: Vec<String> = self.pods.keys().cloned().collect();
         for uid in &uids {
             let fx = self.pods.get_mut(uid).map(PodState::shutdown).unwrap_or_default();

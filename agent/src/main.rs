@@ -84,6 +84,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             quit_retry_for: cfg.quit_retry_for,
             probe_interval: cfg.probe_interval,
             ready_probe_interval: cfg.ready_probe_interval,
+            held_probe_budget: cfg.held_probe_budget,
         },
         cgroups.clone(),
         RuntimeBundles::new(cfg.runtime_dirs()),

@@ -21,8 +21,8 @@ use crate::api::condition;
 use crate::api::events::{EventSink, pod_reference};
 use crate::cgroup::CgroupFs;
 use crate::cgroup::created::Creations;
-use crate::cgroup::signal::{signal_cgroup, signal_in_cgroup};
-use crate::effect::{ContainerSeen, Count, Effect, Feedback, LeftHeld, Nanos, RuntimeName};
+use crate::cgroup::signal::{Pinned, pin_in_cgroup, signal_cgroup};
+use crate::effect::{ContainerSeen, Count, Effect, Feedback, LeftHeld, Nanos, Pace, RuntimeName};
 use crate::kernel::container_main::find_container_main;
 use crate::kernel::{KernelControl, RecordOutcome};
 use crate::metrics::{self, KindLabels, Metrics, QuitLabels, ReasonLabels, ResultLabels};
@@ -42,6 +42,8 @@ pub struct Settings {
     pub quit_retry_for: Duration,
     pub probe_interval: Duration,
     pub ready_probe_interval: Duration,
+    /// Most probes per second across the pods whose app is held.
+    pub held_probe_budget: u32,
 }
 
 /// Everything that acts on the world, for every pod.
@@ -56,7 +58,88 @@ pub struct Actuators<K, L> {
     metrics: Arc<Metrics>,
     reports: mpsc::UnboundedSender<Report>,
     probes: HashMap<String, probe::Handle>,
+    probe_reports: Arc<probe::Reports>,
+    /// Releases kept for [`Actuators::flush_releases`] while a batch of reports is handled.
+    releases: Option<Vec<Release>>,
+    releaser: Option<Releaser>,
     creations: Creations,
+}
+
+/// A release to carry out.
+struct Release {
+    tgid: u32,
+    container_rel: String,
+    reason: &'static str,
+    held_ns: u64,
+}
+
+type PinnedRelease = (Release, Result<Option<Pinned>, String>);
+
+/// Sends the SIGCONTs of a batch of releases, back to back, then counts and logs them.
+fn send_releases(metrics: &Metrics, batch: Vec<PinnedRelease>) {
+    let sent: Vec<(Release, Result<(), String>)> = batch
+        .into_iter()
+        .map(|(r, pin)| {
+            let sent = match pin {
+                Ok(Some(pinned)) => pinned.signal(libc::SIGCONT).map_err(|e| e.to_string()),
+                // SAFETY: plain syscall; SIGCONT to a process that is not stopped does nothing.
+                Ok(None) if unsafe { libc::kill(r.tgid as i32, libc::SIGCONT) } == 0 => Ok(()),
+                Ok(None) => Err(std::io::Error::last_os_error().to_string()),
+                Err(e) => Err(e),
+            };
+            (r, sent)
+        })
+        .collect();
+    for (Release { tgid, reason, held_ns, .. }, sent) in sent {
+        match sent {
+            Ok(()) => {
+                let held_for = held_ns as f64 / 1e9;
+                // How long apps waited: the sandbox, sidecars and strays run again at once.
+                if !matches!(reason, "not_app" | "untracked") {
+                    metrics.hold_duration.observe(held_for);
+                }
+                metrics.releases.get_or_create(&ReasonLabels { reason }).inc();
+                info!(pid = tgid, reason, held_ms = held_for * 1e3, "released app");
+            }
+            Err(e) => debug!(pid = tgid, "release: {e}"),
+        }
+    }
+}
+
+/// A thread of its own for the signals of a batch of releases. It wakes for the batch, with
+/// its scheduler slice ahead of it, so the apps it signals do not take its CPU before the last
+/// signal (a runtime thread busy with the slot's probes and decisions was preempted by the
+/// first apps it released, and the rest of the batch waited milliseconds for its CPU).
+struct Releaser {
+    tx: std::sync::mpsc::Sender<Vec<PinnedRelease>>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Releaser {
+    fn start(metrics: Arc<Metrics>) -> Option<Releaser> {
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<PinnedRelease>>();
+        let thread = std::thread::Builder::new()
+            .name("valet-release".into())
+            .spawn(move || {
+                for batch in rx {
+                    send_releases(&metrics, batch);
+                }
+            })
+            .map_err(|e| warn!("no release thread, releases go out from the runtime: {e}"))
+            .ok()?;
+        Some(Releaser { tx, thread })
+    }
+
+    /// Hands `batch` to the thread; if it is gone, gives it back.
+    fn send(&self, batch: Vec<PinnedRelease>) -> Result<(), Vec<PinnedRelease>> {
+        self.tx.send(batch).map_err(|std::sync::mpsc::SendError(batch)| batch)
+    }
+
+    /// Returns once every batch handed over is sent.
+    fn finish(self) {
+        drop(self.tx);
+        let _ = self.thread.join();
+    }
 }
 
 impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
@@ -80,10 +163,43 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             link,
             client,
             events,
-            metrics,
+            metrics: metrics.clone(),
+            probe_reports: probe::Reports::new(reports.clone()),
             reports,
             probes: HashMap::new(),
+            releases: None,
+            releaser: Releaser::start(metrics.clone()),
             creations: Creations::new(),
+        }
+    }
+
+    /// Spreads the held pods' probes over the budget: their interval follows how many are held.
+    fn pace_held_probes(&self) {
+        let held = self.probes.values().filter(|p| p.pace() == Pace::Urgent).count();
+        self.probe_reports.set_held(held, self.settings.held_probe_budget);
+    }
+
+    /// Keeps the releases of the effects applied from now on, until [`Actuators::flush_releases`]
+    /// (a batch of probe answers: their apps go on together).
+    pub fn batch_releases(&mut self) {
+        self.releases.get_or_insert_with(Vec::new);
+    }
+
+    /// Carries out the releases kept since [`Actuators::batch_releases`]: every process is
+    /// checked and pinned first, then all are signalled back to back. A signalled app takes a
+    /// CPU at once; checks between the signals gave it the time to push the rest back.
+    pub fn flush_releases(&mut self) {
+        if let Some(batch) = self.releases.take() {
+            self.release(batch, true);
+        }
+    }
+
+    /// Returns once every release handed to the release thread is sent (before the agent
+    /// exits: no app is left stopped). Releases after this go out from the caller.
+    pub fn finish_releases(&mut self) {
+        self.flush_releases();
+        if let Some(releaser) = self.releaser.take() {
+            releaser.finish();
         }
     }
 
@@ -181,23 +297,30 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                     sidecars,
                     pace,
                     (self.settings.probe_interval, self.settings.ready_probe_interval),
-                    self.reports.clone(),
+                    self.probe_reports.clone(),
                 );
                 self.probes.insert(uid.to_owned(), handle);
+                self.pace_held_probes();
                 None
             }
             Effect::SetPace(pace) => {
                 if let Some(p) = self.probes.get(uid) {
                     p.set_pace(pace);
                 }
+                self.pace_held_probes();
                 None
             }
             Effect::StopProbe => {
                 self.probes.remove(uid);
+                self.pace_held_probes();
                 None
             }
             Effect::Release { tgid, container_rel, reason, since } => {
-                self.release(tgid, &container_rel, reason, now.saturating_sub(since));
+                let release = Release { tgid, container_rel, reason, held_ns: now.saturating_sub(since) };
+                match &mut self.releases {
+                    Some(batch) => batch.push(release),
+                    None => self.release(vec![release], false),
+                }
                 None
             }
             Effect::WriteCondition(want) => {
@@ -286,30 +409,29 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         found
     }
 
-    fn release(&self, tgid: u32, container_rel: &str, reason: &'static str, held_ns: u64) {
-        let sent = if container_rel.is_empty() {
-            // Held in a container valet cannot place: never leave it stopped.
-            // SAFETY: plain syscall; SIGCONT to a process that is not stopped does nothing.
-            if unsafe { libc::kill(tgid as i32, libc::SIGCONT) } == 0 {
-                Ok(())
-            } else {
-                Err(std::io::Error::last_os_error().to_string())
-            }
-        } else {
-            signal_in_cgroup(&self.cgroups, tgid, container_rel, libc::SIGCONT).map_err(|e| e.to_string())
-        };
-        match sent {
-            Ok(()) => {
-                let held_for = held_ns as f64 / 1e9;
-                // How long apps waited: the sandbox, sidecars and strays run again at once.
-                if !matches!(reason, "not_app" | "untracked") {
-                    self.metrics.hold_duration.observe(held_for);
+    /// Checks and pins every process of `batch`, then signals them (see [`Releaser`]).
+    fn release(&self, batch: Vec<Release>, on_releaser: bool) {
+        let pinned: Vec<(Release, Result<Option<Pinned>, String>)> = batch
+            .into_iter()
+            .map(|r| {
+                // Held in a container valet cannot place (empty): never leave it stopped.
+                let pin = (!r.container_rel.is_empty())
+                    .then(|| pin_in_cgroup(&self.cgroups, r.tgid, &r.container_rel).map_err(|e| e.to_string()))
+                    .transpose();
+                (r, pin)
+            })
+            .collect();
+        let pinned = match &self.releaser {
+            Some(releaser) if on_releaser => match releaser.send(pinned) {
+                Ok(()) => return,
+                Err(pinned) => {
+                    warn!("the release thread is gone: releasing from the runtime");
+                    pinned
                 }
-                self.metrics.releases.get_or_create(&ReasonLabels { reason }).inc();
-                info!(pid = tgid, reason, held_ms = held_for * 1e3, "released app");
-            }
-            Err(e) => debug!(pid = tgid, "release: {e}"),
-        }
+            },
+            _ => pinned,
+        };
+        send_releases(&self.metrics, pinned);
     }
 
     fn count(&self, count: Count) {
@@ -412,5 +534,54 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(since, 500 * 1_000_000_000 / ticks);
         assert_eq!(missing, 7, "unknown start: now");
+    }
+
+    fn stopped_child() -> std::process::Child {
+        let child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        // SAFETY: plain syscall to our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGSTOP) };
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !process_stopped(Path::new("/proc"), child.id()) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child
+    }
+
+    #[test]
+    fn a_batch_of_releases_goes_out_from_the_release_thread_and_only_to_its_cgroups() {
+        // Two held apps in a container cgroup (a tree of plain files: membership is read from
+        // cgroup.procs), and a stopped process outside it that a release names by mistake.
+        let dir = std::env::temp_dir().join(format!("valet-release-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let rel = "/kubepods/pod1/c1";
+        std::fs::create_dir_all(dir.join("kubepods/pod1/c1")).expect("mkdir");
+        let (a, b, stranger) = (stopped_child(), stopped_child(), stopped_child());
+        std::fs::write(dir.join("kubepods/pod1/c1/cgroup.procs"), format!("{}\n{}\n", a.id(), b.id())).expect("procs");
+        let cgroups = CgroupFs::new(&dir);
+        let release = |pid: u32| Release { tgid: pid, container_rel: rel.into(), reason: "ready", held_ns: 1 };
+        let batch: Vec<PinnedRelease> = [a.id(), b.id(), stranger.id()]
+            .into_iter()
+            .map(|pid| {
+                let pin = pin_in_cgroup(&cgroups, pid, rel).map(Some).map_err(|e| e.to_string());
+                (release(pid), pin)
+            })
+            .collect();
+        let metrics = Arc::new(Metrics::new());
+        let releaser = Releaser::start(metrics.clone()).expect("release thread");
+        assert!(releaser.send(batch).is_ok());
+        // Shutdown waits for what was handed over: nothing is left stopped behind the agent.
+        releaser.finish();
+        let proc = Path::new("/proc");
+        let (a_stopped, b_stopped, stranger_stopped) =
+            (process_stopped(proc, a.id()), process_stopped(proc, b.id()), process_stopped(proc, stranger.id()));
+        let released = metrics.releases.get_or_create(&ReasonLabels { reason: "ready" }).get();
+        for mut child in [a, b, stranger] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(!a_stopped && !b_stopped, "the held apps were not released");
+        assert!(stranger_stopped, "a process outside the container's cgroup was signalled");
+        assert_eq!(released, 2);
     }
 }

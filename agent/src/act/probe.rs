@@ -1,10 +1,11 @@
 //! One readiness probe loop per pod: asks every probed sidecar of the pod whether it is ready,
 //! reports the answer, and waits as the pod's pace says. Dropping the handle stops the loop.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 
 use super::Report;
 use crate::effect::{Feedback, Pace};
@@ -12,8 +13,8 @@ use crate::pod::spec::{Sidecar, SidecarKind};
 use crate::sidecar::http::Limits;
 use crate::sidecar::{PodTarget, SidecarLink};
 
-/// Probe interval while an app is held: the release latency is about half of it.
-const URGENT: Duration = Duration::from_millis(10);
+/// Shortest probe interval while an app is held: the release latency is about half of it.
+const URGENT_MIN: Duration = Duration::from_millis(10);
 /// An unchanged answer is reported at most this often (a failed condition write is retried on
 /// the next report); once the proxy was seen ready, at most every `REPEAT_READY` (each report
 /// is a decision step of the pod: on a full node, the cost of probing ready proxies).
@@ -28,6 +29,155 @@ const LIMITS: Limits = Limits {
     max_response_bytes: 4096,
 };
 
+/// Longest the news of held pods' probes waits for the other probes running with them.
+const GATHER_CAP: Duration = Duration::from_millis(3);
+
+/// Where the probe loops send their news. The probes of held pods that run together (one slot of
+/// the shared clock) report together: once the last of them has its answer, or `GATHER_CAP`
+/// after the first news if one is slow. Their releases then go out in one turn of the
+/// controller, before the apps released first take the CPUs from proxies still answering (each
+/// app released early pushed the rest of the slot back by milliseconds on a busy node).
+pub struct Reports {
+    tx: mpsc::UnboundedSender<Report>,
+    gather: Mutex<Gather>,
+    all_in: Notify,
+    /// The held pods' probe interval, in ns (see [`held_interval`]).
+    urgent_ns: AtomicU64,
+}
+
+/// The probe interval of held pods when `held` of them share `budget` probes per second:
+/// `URGENT_MIN`, or longer so that they stay within the budget (whole milliseconds, the timer's
+/// grain).
+pub fn held_interval(held: usize, budget: u32) -> Duration {
+    let ms = (held as u64 * 1000).div_ceil(u64::from(budget.max(1)));
+    Duration::from_millis(ms).max(URGENT_MIN)
+}
+
+#[derive(Default)]
+struct Gather {
+    /// Probes of held pods under way.
+    in_flight: usize,
+    /// News waiting for them.
+    queued: Vec<Report>,
+    /// A loop waits (at most `GATHER_CAP`) to send what is queued.
+    waiting: bool,
+}
+
+impl Reports {
+    pub fn new(tx: mpsc::UnboundedSender<Report>) -> Arc<Reports> {
+        Arc::new(Reports {
+            tx,
+            gather: Mutex::new(Gather::default()),
+            all_in: Notify::new(),
+            urgent_ns: AtomicU64::new(nanos(URGENT_MIN)),
+        })
+    }
+
+    /// `held` pods have their app held: their probes share `budget` per second.
+    pub fn set_held(&self, held: usize, budget: u32) {
+        let interval = held_interval(held, budget);
+        if self.urgent_ns.swap(nanos(interval), Ordering::Relaxed) != nanos(interval) {
+            tracing::debug!(held, ?interval, "held pods' probe interval");
+        }
+    }
+
+    fn urgent(&self) -> Duration {
+        Duration::from_nanos(self.urgent_ns.load(Ordering::Relaxed))
+    }
+
+    fn gather(&self) -> std::sync::MutexGuard<'_, Gather> {
+        self.gather.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A probe of a held pod begins: its news waits for the others under way.
+    fn enter(self: &Arc<Self>) -> InFlight {
+        self.gather().in_flight += 1;
+        InFlight { reports: self.clone(), left: false }
+    }
+
+    /// Sends what is queued; whether the controller still listens.
+    fn flush(&self) -> bool {
+        let queued = std::mem::take(&mut self.gather().queued);
+        for report in queued {
+            let _ = self.tx.send(report);
+        }
+        !self.tx.is_closed()
+    }
+}
+
+/// A probe of a held pod under way. Dropped without [`InFlight::leave`] (its loop was stopped),
+/// it no longer holds the others back.
+struct InFlight {
+    reports: Arc<Reports>,
+    left: bool,
+}
+
+impl InFlight {
+    /// The probe has its answer; `news` is queued with the others' and sent with them. Returns
+    /// whether the controller still listens.
+    async fn leave(mut self, news: Option<Report>) -> bool {
+        self.left = true;
+        let (last, wait) = {
+            let mut g = self.reports.gather();
+            g.in_flight = g.in_flight.saturating_sub(1);
+            g.queued.extend(news);
+            if g.in_flight == 0 {
+                let waiting = std::mem::take(&mut g.waiting);
+                (Some(waiting), false)
+            } else if !g.waiting && !g.queued.is_empty() {
+                g.waiting = true;
+                (None, true)
+            } else {
+                (None, false)
+            }
+        };
+        match last {
+            Some(someone_waits) => {
+                let listening = self.reports.flush();
+                if someone_waits {
+                    self.reports.all_in.notify_one();
+                }
+                listening
+            }
+            None if wait => {
+                // Sends what is queued however this ends (the loop may be stopped meanwhile).
+                let flush = FlushOnDrop(self.reports.clone());
+                let _ = tokio::time::timeout(GATHER_CAP, self.reports.all_in.notified()).await;
+                drop(flush);
+                !self.reports.tx.is_closed()
+            }
+            None => !self.reports.tx.is_closed(),
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.left {
+            return;
+        }
+        let last = {
+            let mut g = self.reports.gather();
+            g.in_flight = g.in_flight.saturating_sub(1);
+            g.in_flight == 0 && std::mem::take(&mut g.waiting)
+        };
+        if last {
+            self.reports.flush();
+            self.reports.all_in.notify_one();
+        }
+    }
+}
+
+/// The waiting loop's duty: what is queued is sent when it stops waiting.
+struct FlushOnDrop(Arc<Reports>);
+
+impl Drop for FlushOnDrop {
+    fn drop(&mut self) {
+        self.0.gather().waiting = false;
+        self.0.flush();
+    }
+}
+
 /// A running probe loop; it stops when this is dropped.
 pub struct Handle {
     pace: watch::Sender<Pace>,
@@ -38,6 +188,14 @@ impl Handle {
     pub fn set_pace(&self, pace: Pace) {
         let _ = self.pace.send(pace);
     }
+
+    pub fn pace(&self) -> Pace {
+        *self.pace.borrow()
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl Drop for Handle {
@@ -54,13 +212,14 @@ pub fn start<L: SidecarLink>(
     sidecars: Vec<Sidecar>,
     pace: Pace,
     (normal, relaxed): (Duration, Duration),
-    reports: mpsc::UnboundedSender<Report>,
+    reports: Arc<Reports>,
 ) -> Handle {
     let (tx, mut rx) = watch::channel(pace);
     let task = tokio::spawn(async move {
         let mut last: Option<(bool, String, tokio::time::Instant)> = None;
         let mut standby_at: Option<tokio::time::Instant> = None;
         loop {
+            let held = (*rx.borrow() == Pace::Urgent).then(|| reports.enter());
             let (ready, detail) = probe_all(link.as_ref(), &target, &sidecars).await;
             // Have a connection to each quit endpoint open before the work is done, so the quit
             // is one write: once the proxy serves, and already before (at most every second:
@@ -76,14 +235,19 @@ pub fn start<L: SidecarLink>(
             // held): a changed answer, or the same one after a while.
             let repeat = if *rx.borrow() == Pace::Relaxed { REPEAT_READY } else { REPEAT };
             let news = last.as_ref().is_none_or(|(r, d, at)| *r != ready || *d != detail || at.elapsed() >= repeat);
-            if news {
+            let news = news.then(|| {
                 last = Some((ready, detail.clone(), tokio::time::Instant::now()));
-                if reports.send((target.uid.clone(), Feedback::Probed { ready, detail })).is_err() {
-                    return;
-                }
+                (target.uid.clone(), Feedback::Probed { ready, detail })
+            });
+            let listening = match held {
+                Some(held) => held.leave(news).await,
+                None => news.is_none_or(|news| reports.tx.send(news).is_ok()),
+            };
+            if !listening {
+                return;
             }
             let wait = match *rx.borrow() {
-                Pace::Urgent => URGENT,
+                Pace::Urgent => reports.urgent(),
                 Pace::Normal => normal,
                 Pace::Relaxed => relaxed.max(normal),
             };
@@ -131,4 +295,72 @@ async fn probe_all(link: &dyn SidecarLink, target: &PodTarget, sidecars: &[Sidec
         }
     }
     (ready, detail.join("; "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn news(uid: &str) -> Option<Report> {
+        Some((uid.to_owned(), Feedback::Probed { ready: true, detail: String::new() }))
+    }
+
+    #[test]
+    fn held_probes_share_the_budget() {
+        assert_eq!(held_interval(0, 2000), URGENT_MIN);
+        assert_eq!(held_interval(1, 2000), URGENT_MIN);
+        assert_eq!(held_interval(20, 2000), URGENT_MIN);
+        assert_eq!(held_interval(21, 2000), Duration::from_millis(11));
+        assert_eq!(held_interval(110, 2000), Duration::from_millis(55));
+        assert_eq!(held_interval(20, 1200), Duration::from_millis(17));
+        assert_eq!(held_interval(20, 0), Duration::from_secs(20), "a zero budget counts as one probe a second");
+    }
+
+    #[tokio::test]
+    async fn news_of_probes_under_way_together_goes_out_with_the_last_answer() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let reports = Reports::new(tx);
+        let (a, b, c) = (reports.enter(), reports.enter(), reports.enter());
+        // The first news waits for the others (at most the cap).
+        let first = tokio::spawn(a.leave(news("a")));
+        tokio::task::yield_now().await;
+        assert!(b.leave(None).await, "no news: nothing to wait for");
+        assert!(rx.try_recv().is_err(), "sent before the last probe of the slot answered");
+        assert!(c.leave(news("c")).await);
+        let got: Vec<String> = std::iter::from_fn(|| rx.try_recv().ok()).map(|(uid, _)| uid).collect();
+        assert_eq!(got, ["a", "c"], "both at once, when the last answered");
+        assert!(first.await.expect("join"));
+    }
+
+    // On a paused clock: the runtime's time moves only by the timers it waits for.
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_probe_holds_the_others_news_back_at_most_the_cap() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let reports = Reports::new(tx);
+        let (a, slow) = (reports.enter(), reports.enter());
+        let started = tokio::time::Instant::now();
+        assert!(a.leave(news("a")).await);
+        let waited = started.elapsed();
+        assert!(waited >= GATHER_CAP && waited <= GATHER_CAP + Duration::from_millis(1), "sent after {waited:?}");
+        assert_eq!(rx.try_recv().map(|(uid, _)| uid).ok().as_deref(), Some("a"));
+        // A probe loop stopped mid-probe no longer holds anyone back.
+        drop(slow);
+        let d = reports.enter();
+        let started = tokio::time::Instant::now();
+        assert!(d.leave(news("d")).await);
+        assert_eq!(started.elapsed(), Duration::ZERO, "the stopped probe still counted");
+        assert_eq!(rx.try_recv().map(|(uid, _)| uid).ok().as_deref(), Some("d"));
+    }
+
+    #[tokio::test]
+    async fn a_loop_stopped_while_it_waits_still_sends_the_news() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let reports = Reports::new(tx);
+        let (a, _slow) = (reports.enter(), reports.enter());
+        let waiting = tokio::spawn(a.leave(news("a")));
+        tokio::task::yield_now().await;
+        waiting.abort();
+        let _ = waiting.await;
+        assert_eq!(rx.try_recv().map(|(uid, _)| uid).ok().as_deref(), Some("a"));
+    }
 }

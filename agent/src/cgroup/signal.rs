@@ -31,13 +31,32 @@ fn pidfd_send_signal(fd: &OwnedFd, signal: i32) -> std::io::Result<()> {
 /// Membership is read from the cgroup's own `cgroup.procs` files (host pids, with hostPID), not
 /// from `/proc/<pid>/cgroup`, whose paths are relative to the agent's cgroup namespace.
 pub fn signal_in_cgroup(cgroups: &CgroupFs, pid: u32, rel: &str, signal: i32) -> Result<()> {
+    pin_in_cgroup(cgroups, pid, rel)?.signal(signal)
+}
+
+/// A process pinned by a pidfd after its cgroup was checked: a signal through it reaches that
+/// process or none, whenever it is sent.
+pub struct Pinned {
+    pid: u32,
+    fd: OwnedFd,
+}
+
+impl Pinned {
+    pub fn signal(&self, signal: i32) -> Result<()> {
+        pidfd_send_signal(&self.fd, signal).map_err(|e| Error::io(format!("signal {signal} to pid {}", self.pid), e))
+    }
+}
+
+/// Pins `pid` if it lives in cgroup `rel` or below (the check of [`signal_in_cgroup`], apart
+/// from the signal: a batch of releases checks them all, then signals them back to back).
+pub fn pin_in_cgroup(cgroups: &CgroupFs, pid: u32, rel: &str) -> Result<Pinned> {
     let fd = pidfd_open(pid).map_err(|e| Error::io(format!("pidfd_open({pid})"), e))?;
     // The cgroup itself first (a container's main process lives there): the walk below it reads
     // a directory per level, which a release of a held app should not wait for.
     if !cgroups.procs(rel).contains(&pid) && !cgroups.procs_recursive(rel).contains(&pid) {
         return Err(Error::Cgroup(format!("pid {pid} is not in {rel}: not signalled")));
     }
-    pidfd_send_signal(&fd, signal).map_err(|e| Error::io(format!("signal {signal} to pid {pid}"), e))
+    Ok(Pinned { pid, fd })
 }
 
 /// Sends `signal` to every process in cgroup `rel` and below; returns how many were signalled.

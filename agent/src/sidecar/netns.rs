@@ -231,7 +231,13 @@ impl SidecarLink for PodNetwork {
         // Probes keep their connection; a quit is the connection's last request.
         let reuse = method == "GET";
         let kept_conn = if fresh { None } else { self.take_kept(&target.uid, port, !reuse) };
-        let netns = self.handle(&target.uid, target.pod_rel.as_deref(), fresh);
+        // The namespace only when there is no connection to use (looked up now: the future
+        // cannot borrow this link).
+        let netns = if kept_conn.is_none() || !reuse {
+            Some(self.handle(&target.uid, target.pod_rel.as_deref(), fresh))
+        } else {
+            None
+        };
         let (open, kept) = (self.open.clone(), self.kept.clone());
         // A quit on a kept connection goes out now, in one non-blocking write, not when the
         // returned future first runs (its caller may have more to do before it yields).
@@ -261,6 +267,11 @@ impl SidecarLink for PodNetwork {
                     Err(failure) => return Err((failure.to_string(), failure.label())),
                 }
             }
+            // A probe whose kept connection was closed: the namespace it was made in, while open.
+            let netns = netns.unwrap_or_else(|| {
+                let open = open.lock().unwrap_or_else(PoisonError::into_inner);
+                open.get(&target.uid).cloned().ok_or_else(|| Error::Endpoint("the pod's network was closed".into()))
+            });
             match (netns, target.pod_ip) {
                 (Ok(netns), _) => {
                     let answer = netns
