@@ -411,7 +411,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
 
     /// Checks and pins every process of `batch`, then signals them (see [`Releaser`]).
     fn release(&self, batch: Vec<Release>, on_releaser: bool) {
-        let pinned: Vec<(Release, Result<Option<Pinned>, String>)> = batch
+        let pinned: Vec<PinnedRelease> = batch
             .into_iter()
             .map(|r| {
                 // Held in a container valet cannot place (empty): never leave it stopped.

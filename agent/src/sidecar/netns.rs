@@ -330,47 +330,45 @@ mod tests {
         (dir, net, rel)
     }
 
-    fn keep_alive_server() -> (u16, Arc<AtomicUsize>) {
+    /// A loopback server that counts the connections it accepts and hands each to `serve`.
+    fn counting_server(serve: impl Fn(std::net::TcpStream) + Send + 'static) -> (u16, Arc<AtomicUsize>) {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let port = listener.local_addr().expect("addr").port();
         let accepted = Arc::new(AtomicUsize::new(0));
         let count = accepted.clone();
         std::thread::spawn(move || {
             for conn in listener.incoming() {
-                let Ok(mut s) = conn else { return };
+                let Ok(s) = conn else { return };
                 count.fetch_add(1, Ordering::SeqCst);
-                std::thread::spawn(move || {
-                    let mut buf = [0u8; 1024];
-                    while let Ok(n) = s.read(&mut buf) {
-                        if n == 0 || s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK").is_err() {
-                            return;
-                        }
-                    }
-                });
+                serve(s);
             }
         });
         (port, accepted)
     }
 
+    fn keep_alive_server() -> (u16, Arc<AtomicUsize>) {
+        counting_server(|mut s| {
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = s.read(&mut buf) {
+                    if n == 0 || s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK").is_err() {
+                        return;
+                    }
+                }
+            });
+        })
+    }
+
     /// Answers one request per connection (keep-alive, by its headers), then closes the
     /// connection once it has been idle a moment, as a proxy with a short idle timeout does.
     fn idle_closing_server() -> (u16, Arc<AtomicUsize>) {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let port = listener.local_addr().expect("addr").port();
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let count = accepted.clone();
-        std::thread::spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(mut s) = conn else { return };
-                count.fetch_add(1, Ordering::SeqCst);
-                let mut buf = [0u8; 1024];
-                if s.read(&mut buf).is_ok_and(|n| n > 0) {
-                    let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK");
-                }
-                std::thread::sleep(std::time::Duration::from_millis(20));
+        counting_server(|mut s| {
+            let mut buf = [0u8; 1024];
+            if s.read(&mut buf).is_ok_and(|n| n > 0) {
+                let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK");
             }
-        });
-        (port, accepted)
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        })
     }
 
     #[tokio::test]
