@@ -216,11 +216,12 @@ pub fn start<L: SidecarLink>(
 ) -> Handle {
     let (tx, mut rx) = watch::channel(pace);
     let task = tokio::spawn(async move {
-        let mut last: Option<(bool, String, tokio::time::Instant)> = None;
+        let mut last: Option<(Vec<Answer>, tokio::time::Instant)> = None;
         let mut standby_at: Option<tokio::time::Instant> = None;
         loop {
             let held = (*rx.borrow() == Pace::Urgent).then(|| reports.enter());
-            let (ready, detail) = probe_all(link.as_ref(), &target, &sidecars).await;
+            let answers = probe_all(link.as_ref(), &target, &sidecars).await;
+            let ready = all_ready(&answers);
             // Have a connection to each quit endpoint open before the work is done, so the quit
             // is one write: once the proxy serves, and already before (at most every second:
             // pilot-agent's status port listens well before Envoy is ready), so a burst of
@@ -234,9 +235,10 @@ pub fn start<L: SidecarLink>(
             // Only news goes to the pod's state machine (the loop runs every 10 ms while an app is
             // held): a changed answer, or the same one after a while.
             let repeat = if *rx.borrow() == Pace::Relaxed { REPEAT_READY } else { REPEAT };
-            let news = last.as_ref().is_none_or(|(r, d, at)| *r != ready || *d != detail || at.elapsed() >= repeat);
+            let news = last.as_ref().is_none_or(|(a, at)| *a != answers || at.elapsed() >= repeat);
             let news = news.then(|| {
-                last = Some((ready, detail.clone(), tokio::time::Instant::now()));
+                let detail = detail(&sidecars, &answers);
+                last = Some((answers, tokio::time::Instant::now()));
                 (target.uid.clone(), Feedback::Probed { ready, detail })
             });
             let listening = match held {
@@ -246,14 +248,24 @@ pub fn start<L: SidecarLink>(
             if !listening {
                 return;
             }
-            let wait = match *rx.borrow() {
-                Pace::Urgent => reports.urgent(),
-                Pace::Normal => normal,
-                Pace::Relaxed => relaxed.max(normal),
-            };
-            tokio::select! {
-                () = tokio::time::sleep_until(next_slot(wait)) => {}
-                changed = rx.changed() => if changed.is_err() { return },
+            // Until the next slot of the pace. An app held meanwhile is asked for at once; a
+            // slower pace only moves the next probe (the apps of a slot are released together
+            // and their pods all slow down at once: probing them all again then took the CPUs
+            // from the releases).
+            loop {
+                let wait = match *rx.borrow() {
+                    Pace::Urgent => reports.urgent(),
+                    Pace::Normal => normal,
+                    Pace::Relaxed => relaxed.max(normal),
+                };
+                tokio::select! {
+                    () = tokio::time::sleep_until(next_slot(wait)) => break,
+                    changed = rx.changed() => match changed {
+                        Err(_) => return,
+                        Ok(()) if *rx.borrow_and_update() == Pace::Urgent => break,
+                        Ok(()) => {}
+                    },
+                }
             }
         }
     });
@@ -270,10 +282,35 @@ fn next_slot(period: Duration) -> tokio::time::Instant {
     origin + Duration::from_nanos(u64::try_from(slots * period_ns).unwrap_or(u64::MAX))
 }
 
-/// One probe of every sidecar: ready when all answer 2xx.
-async fn probe_all(link: &dyn SidecarLink, target: &PodTarget, sidecars: &[Sidecar]) -> (bool, String) {
-    let mut ready = true;
-    let mut detail = Vec::new();
+/// A probed sidecar's answer: its status, or why there is none. Compared with the last one as
+/// is; put in words only for news (the loop of a held pod runs every 10 ms).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Answer {
+    Status(u16),
+    Failed(String),
+}
+
+/// Ready when every probed sidecar answers 2xx.
+fn all_ready(answers: &[Answer]) -> bool {
+    answers.iter().all(|a| matches!(a, Answer::Status(s) if (200..300).contains(s)))
+}
+
+/// The answers in words, for the state machine's log and Events.
+fn detail(sidecars: &[Sidecar], answers: &[Answer]) -> String {
+    let probed = sidecars.iter().filter(|sc| sc.ready.is_some());
+    let words: Vec<String> = probed
+        .zip(answers)
+        .map(|(sc, a)| match a {
+            Answer::Status(status) => format!("{} answered {status}", sc.name),
+            Answer::Failed(why) => format!("{}: {why}", sc.name),
+        })
+        .collect();
+    words.join("; ")
+}
+
+/// One probe of every sidecar that has a readiness endpoint, in order.
+async fn probe_all(link: &dyn SidecarLink, target: &PodTarget, sidecars: &[Sidecar]) -> Vec<Answer> {
+    let mut answers = Vec::with_capacity(sidecars.len());
     for sc in sidecars {
         let Some(endpoint) = &sc.ready else { continue };
         // From inside the pod's network namespace first: health listeners bound to loopback
@@ -282,27 +319,74 @@ async fn probe_all(link: &dyn SidecarLink, target: &PodTarget, sidecars: &[Sidec
         let fallback = !matches!(sc.kind, SidecarKind::Envoy);
         let answer =
             link.request(target.clone(), endpoint.port, "GET", endpoint.path.clone(), LIMITS, false, fallback).await;
-        match answer {
-            Ok(r) if (200..300).contains(&r.status) => detail.push(format!("{} answered {}", sc.name, r.status)),
-            Ok(r) => {
-                ready = false;
-                detail.push(format!("{} answered {}", sc.name, r.status));
-            }
-            Err((why, _)) => {
-                ready = false;
-                detail.push(format!("{}: {why}", sc.name));
-            }
-        }
+        answers.push(match answer {
+            Ok(r) => Answer::Status(r.status),
+            Err((why, _)) => Answer::Failed(why),
+        });
     }
-    (ready, detail.join("; "))
+    answers
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pod::spec::Endpoint;
 
     fn news(uid: &str) -> Option<Report> {
         Some((uid.to_owned(), Feedback::Probed { ready: true, detail: String::new() }))
+    }
+
+    /// Answers every probe with 200 and counts them.
+    struct Counting(std::sync::atomic::AtomicUsize);
+
+    impl SidecarLink for Counting {
+        fn open(&self, _: &str, _: &str) -> Result<(), String> {
+            Ok(())
+        }
+        fn close(&self, _: &str) {}
+        fn request(
+            &self,
+            _: PodTarget,
+            _: u16,
+            _: &'static str,
+            _: String,
+            _: Limits,
+            _: bool,
+            _: bool,
+        ) -> crate::sidecar::Pending<Result<crate::sidecar::http::Response, crate::sidecar::Failed>> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Ok(crate::sidecar::http::Response { status: 200, body: String::new() }) })
+        }
+    }
+
+    // On a paused clock: a pace change moves the next probe, and only a held app brings it on.
+    #[tokio::test(start_paused = true)]
+    async fn a_slower_pace_waits_for_its_slot_and_a_held_app_is_probed_at_once() {
+        let link = Arc::new(Counting(std::sync::atomic::AtomicUsize::new(0)));
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let reports = Reports::new(tx);
+        let sidecar = Sidecar {
+            name: "istio-proxy".into(),
+            kind: SidecarKind::Istio,
+            quit: None,
+            ready: Some(Endpoint { port: 15021, path: "/healthz/ready".into() }),
+            quit_signal: libc::SIGTERM,
+        };
+        let target = PodTarget { uid: "u".into(), pod_rel: None, pod_ip: None };
+        let normal = Duration::from_secs(1);
+        let handle = start(link.clone(), target, vec![sidecar], Pace::Urgent, (normal, normal * 60), reports);
+        let probes = || link.0.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(probes(), 1, "a held pod is probed as its loop starts");
+        assert!(rx.try_recv().is_ok(), "its answer is news");
+        // Released: the pod slows down, and is not probed again before its slot.
+        handle.set_pace(Pace::Relaxed);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(probes(), 1, "probed again on slowing down");
+        // Held again (a restarted app): probed at once.
+        handle.set_pace(Pace::Urgent);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(probes(), 2, "a held app waited for the slow pace's slot");
     }
 
     #[test]
