@@ -29,7 +29,7 @@ use crate::metrics::{self, KindLabels, Metrics, QuitLabels, ReasonLabels, Result
 use crate::runtime::{BundleRole, RuntimeBundles, name_of_process};
 use crate::sidecar::http::Limits;
 use crate::sidecar::quit::{first_attempt, quit};
-use crate::sidecar::{PodTarget, SidecarLink};
+use crate::sidecar::{Pending, PodTarget, SidecarLink};
 
 /// Feedback for one pod, from a task.
 pub type Report = (String, Feedback);
@@ -60,7 +60,7 @@ pub struct Actuators<K, L> {
     probes: HashMap<String, probe::Handle>,
     probe_reports: Arc<probe::Reports>,
     /// Releases kept for [`Actuators::flush_releases`] while a batch of reports is handled.
-    releases: Option<Vec<Release>>,
+    releases: Option<Batch>,
     releaser: Option<Releaser>,
     creations: Creations,
 }
@@ -74,6 +74,25 @@ struct Release {
 }
 
 type PinnedRelease = (Release, Result<Option<Pinned>, String>);
+
+/// What a batch of reports decided: its releases, and the tasks of the same decisions (API
+/// writes of the pods' condition), held back until the releases are out so that they do not
+/// take the CPUs from them.
+#[derive(Default)]
+struct Batch {
+    releases: Vec<Release>,
+    tasks: Vec<Pending<()>>,
+}
+
+/// Starts `task` now, or once the releases of the batch kept are out.
+fn spawn_after_releases(batch: &mut Option<Batch>, task: Pending<()>) {
+    match batch {
+        Some(batch) => batch.tasks.push(task),
+        None => {
+            tokio::spawn(task);
+        }
+    }
+}
 
 /// Sends the SIGCONTs of a batch of releases, back to back, then counts and logs them.
 fn send_releases(metrics: &Metrics, batch: Vec<PinnedRelease>) {
@@ -182,15 +201,18 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     /// Keeps the releases of the effects applied from now on, until [`Actuators::flush_releases`]
     /// (a batch of probe answers: their apps go on together).
     pub fn batch_releases(&mut self) {
-        self.releases.get_or_insert_with(Vec::new);
+        self.releases.get_or_insert_with(Batch::default);
     }
 
     /// Carries out the releases kept since [`Actuators::batch_releases`]: every process is
     /// checked and pinned first, then all are signalled back to back. A signalled app takes a
     /// CPU at once; checks between the signals gave it the time to push the rest back.
     pub fn flush_releases(&mut self) {
-        if let Some(batch) = self.releases.take() {
-            self.release(batch, true);
+        if let Some(Batch { releases, tasks }) = self.releases.take() {
+            self.release(releases, true);
+            for task in tasks {
+                tokio::spawn(task);
+            }
         }
     }
 
@@ -318,7 +340,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             Effect::Release { tgid, container_rel, reason, since } => {
                 let release = Release { tgid, container_rel, reason, held_ns: now.saturating_sub(since) };
                 match &mut self.releases {
-                    Some(batch) => batch.push(release),
+                    Some(batch) => batch.releases.push(release),
                     None => self.release(vec![release], false),
                 }
                 None
@@ -328,10 +350,11 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 let (namespace, name) = pod.map_or_else(Default::default, |p| {
                     (p.metadata.namespace.clone().unwrap_or_default(), p.metadata.name.clone().unwrap_or_default())
                 });
-                tokio::spawn(async move {
+                let write = async move {
                     let error = condition::write(client, &namespace, &name, &want).await.err().map(|e| e.to_string());
                     let _ = reports.send((uid, Feedback::ConditionWritten { want, error }));
-                });
+                };
+                spawn_after_releases(&mut self.releases, Box::pin(write));
                 None
             }
             Effect::Publish { warning, reason, action, note } => {
@@ -509,6 +532,30 @@ fn stopped_since(host_proc: &Path, pid: u32, now: Nanos) -> Nanos {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_tasks_of_a_batch_start_once_its_releases_are_out() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let task = |n: u32| -> Pending<()> {
+            let tx = tx.clone();
+            Box::pin(async move {
+                let _ = tx.send(n);
+            })
+        };
+        let mut batch = Some(Batch::default());
+        spawn_after_releases(&mut batch, task(1));
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(rx.try_recv().is_err(), "a task of the batch ran before its releases");
+        // What flush_releases does once the releases are handed over.
+        for task in batch.take().map(|b| b.tasks).unwrap_or_default() {
+            tokio::spawn(task);
+        }
+        assert_eq!(tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.ok().flatten(), Some(1));
+        // No batch kept: at once.
+        spawn_after_releases(&mut batch, task(2));
+        assert_eq!(tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.ok().flatten(), Some(2));
+    }
 
     #[test]
     fn only_stopped_namespace_inits_look_held() {
