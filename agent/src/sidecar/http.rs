@@ -197,7 +197,9 @@ pub async fn exchange_async(
     let io = async {
         // `sent`: the first bytes of this same request already went out (a quit written at once).
         stream.write_all(req.as_bytes().get(sent..).unwrap_or_default()).await.map_err(|e| io_failure(&e))?;
-        let mut chunk = [0u8; 4096];
+        // Small: it lives in the future, which is moved into a box for every probe (a sidecar's
+        // answer is a status line and a few headers; a longer one takes more reads).
+        let mut chunk = [0u8; 512];
         loop {
             match stream.read(&mut chunk).await {
                 Ok(0) => return Ok(()),
