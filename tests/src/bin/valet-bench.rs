@@ -843,13 +843,13 @@ fn held_together(pods: usize, rounds: usize, table: &mut Table) -> Result<()> {
         if !all_held {
             bail!("not every app was held\n{}", agent.log_text());
         }
-        // The agent probes every held pod's proxy until it is ready: its CPU over 5 s of that,
-        // in the first rounds. The later ones are more draws of the moment in the probe period,
-        // once the kubelet has reported the containers (about a second after they started).
+        // Once the kubelet has reported the containers (about a second after they started, and
+        // the agent's work of naming them and opening their networks is done), the agent only
+        // probes every held pod's proxy until it is ready: its CPU over 5 s of that, in the
+        // first rounds. The later ones are more draws of the moment in the probe period.
+        std::thread::sleep(Duration::from_millis(1500));
         if round < CPU_ROUNDS {
             cpu.push(cpu_share(pid, Duration::from_secs(5)));
-        } else {
-            std::thread::sleep(Duration::from_millis(1500));
         }
         if let Some(trace) = &trace {
             trace.sent();
