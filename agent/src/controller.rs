@@ -245,6 +245,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
 
     fn on_tick(&mut self) {
         let now = monotonic_ns();
+        self.act.prune_pinned();
         let uids: Vec<String> = self.pods.keys().cloned().collect();
         for uid in uids {
             let fx = self.pods.get_mut(&uid).map(|s| s.tick(now)).unwrap_or_default();

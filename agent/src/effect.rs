@@ -143,6 +143,12 @@ pub enum Effect {
     },
     SetPace(Pace),
     StopProbe,
+    /// A process was held: check it against its container's cgroup and pin it now, so that its
+    /// release is only the signal.
+    Pin {
+        tgid: u32,
+        container_rel: String,
+    },
     /// Let a held process run (SIGCONT, checked against its container's cgroup).
     Release {
         tgid: u32,

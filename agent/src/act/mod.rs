@@ -62,8 +62,14 @@ pub struct Actuators<K, L> {
     /// Releases kept for [`Actuators::flush_releases`] while a batch of reports is handled.
     releases: Option<Batch>,
     releaser: Option<Releaser>,
+    /// Held processes checked and pinned when they were held, by pid: a release is only the
+    /// signal (checking a batch of them at release took half a millisecond).
+    pinned: HashMap<u32, Pinned>,
     creations: Creations,
 }
+
+/// At most this many held processes are pinned ahead (one fd each); more are pinned at release.
+const PINNED_MAX: usize = 1024;
 
 /// A release to carry out.
 struct Release {
@@ -188,6 +194,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             probes: HashMap::new(),
             releases: None,
             releaser: Releaser::start(metrics.clone()),
+            pinned: HashMap::new(),
             creations: Creations::new(),
         }
     }
@@ -337,6 +344,19 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 self.pace_held_probes();
                 None
             }
+            Effect::Pin { tgid, container_rel } => {
+                // Whatever was pinned under this pid before is another process.
+                self.pinned.remove(&tgid);
+                if self.pinned.len() < PINNED_MAX {
+                    match pin_in_cgroup(&self.cgroups, tgid, &container_rel) {
+                        Ok(pinned) => {
+                            self.pinned.insert(tgid, pinned);
+                        }
+                        Err(e) => debug!(%uid, "pin held process: {e} (checked again at release)"),
+                    }
+                }
+                None
+            }
             Effect::Release { tgid, container_rel, reason, since } => {
                 let release = Release { tgid, container_rel, reason, held_ns: now.saturating_sub(since) };
                 match &mut self.releases {
@@ -432,11 +452,22 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         found
     }
 
-    /// Checks and pins every process of `batch`, then signals them (see [`Releaser`]).
-    fn release(&self, batch: Vec<Release>, on_releaser: bool) {
+    /// Pinned processes that exited while held (their pod's state forgot them): their fds go.
+    pub fn prune_pinned(&mut self) {
+        self.pinned.retain(|_, p| !p.exited());
+    }
+
+    /// Checks and pins every process of `batch` not pinned yet, then signals them (see
+    /// [`Releaser`]).
+    fn release(&mut self, batch: Vec<Release>, on_releaser: bool) {
         let pinned: Vec<PinnedRelease> = batch
             .into_iter()
             .map(|r| {
+                // Pinned when held, and still there (else pinned now: a new process may have the
+                // pid of one that exited while held).
+                if let Some(pinned) = self.pinned.remove(&r.tgid).filter(|p| !p.exited()) {
+                    return (r, Ok(Some(pinned)));
+                }
                 // Held in a container valet cannot place (empty): never leave it stopped.
                 let pin = (!r.container_rel.is_empty())
                     .then(|| pin_in_cgroup(&self.cgroups, r.tgid, &r.container_rel).map_err(|e| e.to_string()))

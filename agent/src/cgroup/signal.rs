@@ -42,6 +42,13 @@ pub struct Pinned {
 }
 
 impl Pinned {
+    /// Whether the process has exited (its pidfd turns readable).
+    pub fn exited(&self) -> bool {
+        let mut poll = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd, no wait.
+        unsafe { libc::poll(&mut poll, 1, 0) == 1 }
+    }
+
     pub fn signal(&self, signal: i32) -> Result<()> {
         pidfd_send_signal(&self.fd, signal).map_err(|e| Error::io(format!("signal {signal} to pid {}", self.pid), e))
     }
@@ -69,6 +76,20 @@ mod tests {
     use super::*;
     use crate::cgroup::cgroup_of_pid;
     use crate::cgroup::root::find_cgroup2_root;
+
+    #[test]
+    fn a_pinned_process_that_exits_says_so() {
+        let root = find_cgroup2_root(None, std::path::Path::new("/proc")).expect("cgroup2");
+        let cgroups = CgroupFs::new(root);
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn");
+        let own = cgroup_of_pid(std::path::Path::new("/proc"), child.id()).expect("its cgroup");
+        let pinned = pin_in_cgroup(&cgroups, child.id(), &own).expect("pin");
+        assert!(!pinned.exited(), "running");
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(pinned.exited(), "exited and reaped");
+        assert!(pinned.signal(libc::SIGCONT).is_err(), "a signal to it reaches nobody");
+    }
 
     #[test]
     fn refuses_a_process_outside_the_cgroup() {

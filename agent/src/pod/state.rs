@@ -370,6 +370,7 @@ impl PodState {
         );
         self.held.push(Held { tgid: held.tgid, container_cgroup: held.container_cgroup, since: held.ktime, counted });
         let mut fx = if counted { vec![Effect::Count(Count::Hold)] } else { Vec::new() };
+        fx.push(Effect::Pin { tgid: held.tgid, container_rel: rel });
         fx.extend(self.step(now));
         fx
     }
@@ -677,6 +678,9 @@ impl PodState {
                 continue;
             }
             info!(pod = %self.name(), pid = f.tgid, "found a process left held by an earlier agent");
+            if let Some(c) = self.containers.get(&f.container_cgroup) {
+                fx.push(Effect::Pin { tgid: f.tgid, container_rel: c.rel.clone() });
+            }
             self.held.push(h);
         }
         fx
@@ -1456,6 +1460,10 @@ mod tests {
         let fx = d.held(APP, 42, "report");
         assert!(has(&fx, &Effect::Count(Count::Hold)));
         assert!(has(&fx, &Effect::SetPace(Pace::Urgent)), "{fx:?}");
+        assert!(
+            fx.iter().any(|e| matches!(e, Effect::Pin { tgid: 42, container_rel } if !container_rel.is_empty())),
+            "pinned when held, in its container: {fx:?}"
+        );
         assert!(releases(&fx).is_empty());
         let fx = d.feed(Feedback::Probed { ready: false, detail: String::new() });
         assert_eq!(writes(&fx), [(false, "ProxyNotReady")]);
