@@ -212,8 +212,9 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     }
 
     /// Carries out the releases kept since [`Actuators::batch_releases`]: every process is
-    /// checked and pinned first, then all are signalled back to back. A signalled app takes a
-    /// CPU at once; checks between the signals gave it the time to push the rest back.
+    /// pinned first (when it was held, or checked and pinned now), then all are signalled back
+    /// to back, and only then the batch's other tasks start. A signalled app takes a CPU at once;
+    /// work between the signals gave it the time to push the rest back.
     pub fn flush_releases(&mut self) {
         if let Some(Batch { releases, tasks }) = self.releases.take() {
             self.release(releases, true);
