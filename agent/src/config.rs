@@ -115,6 +115,15 @@ pub struct Config {
     #[arg(long, env = "VALET_HELD_PROBE_BUDGET", default_value_t = 2000)]
     pub held_probe_budget: u32,
 
+    /// Experimental: probe the held pods' proxies from one thread of their own (every request of
+    /// a slot written back to back on kept connections, the answers read after one `poll`, the
+    /// slot's news sent together; on the runtime, each probe costs wake-ups of its threads).
+    /// Pods whose network namespace cannot be entered, and pods whose proxy did not answer in
+    /// time, stay with their own loops. Off by default: a pod handed over waits for the
+    /// prober's next slot instead of being probed at once when its app is held.
+    #[arg(long, env = "VALET_HELD_PROBER", default_value_t = false, action = clap::ArgAction::Set)]
+    pub held_prober: bool,
+
     /// Default time an app is held before it is released anyway (valet.dev/hold-timeout overrides).
     #[arg(long, env = "VALET_HOLD_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub hold_timeout: Duration,
@@ -200,6 +209,9 @@ mod tests {
         bad.host_proc = "/nonexistent".into();
         assert!(bad.validate().is_err());
         assert_eq!(cfg.held_probe_budget, 2000);
+        assert!(!cfg.held_prober);
+        let on = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--held-prober", "true"]).expect("parse");
+        assert!(on.held_prober);
         let mut bad = cfg.clone();
         bad.held_probe_budget = 0;
         assert!(bad.validate().is_err());

@@ -85,6 +85,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             probe_interval: cfg.probe_interval,
             ready_probe_interval: cfg.ready_probe_interval,
             held_probe_budget: cfg.held_probe_budget,
+            held_prober: cfg.held_prober,
         },
         cgroups.clone(),
         RuntimeBundles::new(cfg.runtime_dirs()),

@@ -336,6 +336,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
             probe_interval: Duration::from_millis(20),
             ready_probe_interval: Duration::from_secs(5),
             held_probe_budget: 2000,
+            held_prober: false,
         },
         node.cgroups.clone(),
         RuntimeBundles::new(vec![node.dir.join("bundles")]),

@@ -3,6 +3,7 @@
 //! is handed straight back; network calls (quits, probes, API writes) run as tasks that report
 //! back on the feedback channel.
 
+pub mod held;
 pub mod probe;
 
 use std::collections::HashMap;
@@ -44,6 +45,8 @@ pub struct Settings {
     pub ready_probe_interval: Duration,
     /// Most probes per second across the pods whose app is held.
     pub held_probe_budget: u32,
+    /// Held pods are probed by [`held::HeldProber`] (experimental).
+    pub held_prober: bool,
 }
 
 /// Everything that acts on the world, for every pod.
@@ -59,6 +62,7 @@ pub struct Actuators<K, L> {
     reports: mpsc::UnboundedSender<Report>,
     probes: HashMap<String, probe::Handle>,
     probe_reports: Arc<probe::Reports>,
+    held_prober: Option<Arc<held::HeldProber>>,
     /// Releases kept for [`Actuators::flush_releases`] while a batch of reports is handled.
     releases: Option<Batch>,
     releaser: Option<Releaser>,
@@ -180,6 +184,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         metrics: Arc<Metrics>,
         reports: mpsc::UnboundedSender<Report>,
     ) -> Actuators<K, L> {
+        let held_prober = settings.held_prober.then(|| held::HeldProber::start(link.clone(), reports.clone()));
         Actuators {
             settings,
             cgroups,
@@ -190,6 +195,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             events,
             metrics: metrics.clone(),
             probe_reports: probe::Reports::new(reports.clone()),
+            held_prober,
             reports,
             probes: HashMap::new(),
             releases: None,
@@ -203,6 +209,9 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     fn pace_held_probes(&self) {
         let held = self.probes.values().filter(|p| p.pace() == Pace::Urgent).count();
         self.probe_reports.set_held(held, self.settings.held_probe_budget);
+        if let Some(p) = &self.held_prober {
+            p.set_interval(probe::held_interval(held, self.settings.held_probe_budget));
+        }
     }
 
     /// Keeps the releases of the effects applied from now on, until [`Actuators::flush_releases`]
@@ -328,6 +337,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                     pace,
                     (self.settings.probe_interval, self.settings.ready_probe_interval),
                     self.probe_reports.clone(),
+                    self.held_prober.clone(),
                 );
                 self.probes.insert(uid.to_owned(), handle);
                 self.pace_held_probes();

@@ -213,12 +213,65 @@ pub fn start<L: SidecarLink>(
     pace: Pace,
     (normal, relaxed): (Duration, Duration),
     reports: Arc<Reports>,
+    prober: Option<Arc<super::held::HeldProber>>,
 ) -> Handle {
     let (tx, mut rx) = watch::channel(pace);
     let task = tokio::spawn(async move {
         let mut last: Option<(Vec<Answer>, tokio::time::Instant)> = None;
         let mut standby_at: Option<tokio::time::Instant> = None;
+        let mut skip = false;
+        // The prober gave the pod back (its proxy did not answer in time): this loop probes it.
+        let mut own = false;
         loop {
+            // Held, with the prober: it probes the pod until the pace changes.
+            if *rx.borrow() == Pace::Urgent
+                && !own
+                && let Some(prober) = &prober
+                && link.netns_open(&target.uid)
+            {
+                let endpoints = sidecars
+                    .iter()
+                    .filter_map(|sc| sc.ready.as_ref().map(|e| (sc.name.clone(), e.port, e.path.clone())))
+                    .collect();
+                let token = prober.hold(&target.uid, endpoints);
+                let guard = Unhold(prober.clone(), target.uid.clone(), token);
+                loop {
+                    tokio::select! {
+                        changed = rx.changed() => {
+                            if changed.is_err() { return }
+                            if *rx.borrow_and_update() != Pace::Urgent { break }
+                        }
+                        () = tokio::time::sleep(STANDBY_EARLY) => {
+                            if !prober.probes(&target.uid, token) {
+                                own = true;
+                                break;
+                            }
+                            for endpoint in sidecars.iter().filter_map(|sc| sc.quit.as_ref()) {
+                                link.standby(&target, endpoint.port);
+                            }
+                        }
+                    }
+                }
+                drop(guard);
+                for endpoint in sidecars.iter().filter_map(|sc| sc.quit.as_ref()) {
+                    link.standby(&target, endpoint.port);
+                }
+                last = None;
+                skip = !own;
+            }
+            if skip {
+                skip = false;
+                let wait = match *rx.borrow() {
+                    Pace::Urgent => reports.urgent(),
+                    Pace::Normal => normal,
+                    Pace::Relaxed => relaxed.max(normal),
+                };
+                tokio::select! {
+                    () = tokio::time::sleep_until(next_slot(wait)) => {}
+                    changed = rx.changed() => if changed.is_err() { return },
+                }
+                continue;
+            }
             let held = (*rx.borrow() == Pace::Urgent).then(|| reports.enter());
             let answers = probe_all(link.as_ref(), &target, &sidecars).await;
             let ready = all_ready(&answers);
@@ -270,6 +323,14 @@ pub fn start<L: SidecarLink>(
         }
     });
     Handle { pace: tx, task }
+}
+
+struct Unhold(Arc<super::held::HeldProber>, String, u64);
+
+impl Drop for Unhold {
+    fn drop(&mut self) {
+        self.0.unhold(&self.1, self.2);
+    }
 }
 
 /// The next multiple of `period` on a clock shared by every probe loop: the loops of a pace
@@ -374,7 +435,7 @@ mod tests {
         };
         let target = PodTarget { uid: "u".into(), pod_rel: None, pod_ip: None };
         let normal = Duration::from_secs(1);
-        let handle = start(link.clone(), target, vec![sidecar], Pace::Urgent, (normal, normal * 60), reports);
+        let handle = start(link.clone(), target, vec![sidecar], Pace::Urgent, (normal, normal * 60), reports, None);
         let probes = || link.0.load(Ordering::SeqCst);
         tokio::time::sleep(Duration::from_millis(1)).await;
         assert_eq!(probes(), 1, "a held pod is probed as its loop starts");

@@ -40,6 +40,18 @@ pub trait SidecarLink: Send + Sync + 'static {
     fn standby(&self, target: &PodTarget, port: u16) {
         let _ = (target, port);
     }
+    /// Whether the pod's network namespace is open (the held pods' prober connects only there;
+    /// other pods keep being probed by their loops, through the pod IP if need be).
+    fn netns_open(&self, uid: &str) -> bool {
+        let _ = uid;
+        false
+    }
+    /// A blocking connection to `port` on the pod's loopback, for the held pods' prober thread;
+    /// none: this link has none to give (its held pods are probed by their own loops).
+    fn blocking_conn(&self, uid: &str, port: u16) -> Option<std::net::TcpStream> {
+        let _ = (uid, port);
+        None
+    }
     /// One request to `127.0.0.1:port` in the pod's network namespace; `fresh` enters it anew
     /// (a retry); `pod_ip_fallback` sends it to the pod IP while the namespace cannot be entered.
     #[allow(clippy::too_many_arguments)] // each is one plain property of the request

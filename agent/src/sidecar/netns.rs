@@ -180,6 +180,17 @@ impl PodNetwork {
 }
 
 impl SidecarLink for PodNetwork {
+    fn netns_open(&self, uid: &str) -> bool {
+        self.open.lock().unwrap_or_else(PoisonError::into_inner).contains_key(uid)
+    }
+
+    fn blocking_conn(&self, uid: &str, port: u16) -> Option<std::net::TcpStream> {
+        let netns = self.open.lock().unwrap_or_else(PoisonError::into_inner).get(uid).cloned()?;
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        let limits = http::Limits { connect_timeout: std::time::Duration::from_millis(200), ..http::Limits::default() };
+        netns.run_blocking(move || http::connect(addr, limits)).ok()?.ok()
+    }
+
     fn open(&self, uid: &str, pod_rel: &str) -> Result<(), String> {
         self.handle(uid, Some(pod_rel), false).map(|_| ()).map_err(|e| e.to_string())
     }
