@@ -21,14 +21,13 @@ use tokio::sync::mpsc;
 use tracing::debug;
 
 use super::Report;
+use super::answer::{Answer, REPEAT, all_ready, detail};
 use crate::effect::Feedback;
 use crate::sidecar::SidecarLink;
 use crate::sidecar::http;
 
 /// How long a slot waits for its answers.
 const ANSWER_TIMEOUT: Duration = Duration::from_millis(500);
-/// An unchanged answer is sent again at most this often (as the loops do).
-const REPEAT: Duration = Duration::from_secs(1);
 const TIMED_OUT: &str = "no answer in time";
 
 struct Endpoint {
@@ -42,7 +41,7 @@ struct Pod {
     /// Which hand-over this is: a loop that stops late does not take a newer one's pod away.
     token: u64,
     endpoints: Vec<Endpoint>,
-    last: Option<(Vec<Option<u16>>, Instant)>,
+    last: Option<(Vec<Answer>, Instant)>,
 }
 
 /// The prober thread and the pods handed to it.
@@ -192,22 +191,19 @@ impl HeldProber {
             }
             let Some(pod) = pods.get_mut(&uid) else { continue };
             asked.sort_by_key(|a| a.endpoint);
-            let statuses: Vec<Option<u16>> =
-                asked.iter().map(|a| a.answer.as_ref().and_then(|r| r.as_ref().ok().copied())).collect();
-            if pod.last.as_ref().is_some_and(|(l, at)| *l == statuses && at.elapsed() < REPEAT) {
+            let answers: Vec<Answer> = asked
+                .iter_mut()
+                .map(|a| match a.answer.take() {
+                    Some(Ok(status)) => Answer::Status(status),
+                    Some(Err(why)) => Answer::Failed(why),
+                    None => Answer::Failed("no answer".into()),
+                })
+                .collect();
+            if pod.last.as_ref().is_some_and(|(l, at)| *l == answers && at.elapsed() < REPEAT) {
                 continue;
             }
-            let ready = statuses.iter().all(|s| s.is_some_and(|s| (200..300).contains(&s)));
-            let detail = asked
-                .iter()
-                .map(|a| match &a.answer {
-                    Some(Ok(status)) => format!("{} answered {status}", a.name),
-                    Some(Err(why)) => format!("{}: {why}", a.name),
-                    None => format!("{}: no answer", a.name),
-                })
-                .collect::<Vec<_>>()
-                .join("; ");
-            pod.last = Some((statuses, Instant::now()));
+            let (ready, detail) = (all_ready(&answers), detail(asked.iter().map(|a| a.name.as_str()), &answers));
+            pod.last = Some((answers, Instant::now()));
             let _ = tx.send((uid, Feedback::Probed { ready, detail }));
         }
     }
@@ -273,37 +269,8 @@ fn read_answers(asks: &mut [Ask], mut live: Vec<(usize, TcpStream, Vec<u8>)>) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sidecar::http::{Limits, Response};
-    use crate::sidecar::{Failed, Pending, PodTarget};
+    use crate::sidecar::testing::TestLink;
     use std::sync::atomic::AtomicBool;
-
-    /// Connections to a loopback server of the test's own (the host's namespace).
-    struct Local(u16);
-
-    impl SidecarLink for Local {
-        fn open(&self, _: &str, _: &str) -> Result<(), String> {
-            Ok(())
-        }
-        fn close(&self, _: &str) {}
-        fn netns_open(&self, _: &str) -> bool {
-            true
-        }
-        fn blocking_conn(&self, _: &str, _: u16) -> Option<TcpStream> {
-            TcpStream::connect(("127.0.0.1", self.0)).ok()
-        }
-        fn request(
-            &self,
-            _: PodTarget,
-            _: u16,
-            _: &'static str,
-            _: String,
-            _: Limits,
-            _: bool,
-            _: bool,
-        ) -> Pending<Result<Response, Failed>> {
-            Box::pin(async { Err(("not used".to_owned(), "test")) })
-        }
-    }
 
     /// A keep-alive server answering 503 until `ready`, then 200; counts the requests.
     fn server(ready: Arc<AtomicBool>, asked: Arc<AtomicU64>) -> u16 {
@@ -345,30 +312,9 @@ mod tests {
         std::thread::spawn(move || {
             let _conns: Vec<_> = hung.incoming().flatten().collect();
         });
-        struct Two(u16, u16);
-        impl SidecarLink for Two {
-            fn open(&self, _: &str, _: &str) -> Result<(), String> {
-                Ok(())
-            }
-            fn close(&self, _: &str) {}
-            fn blocking_conn(&self, uid: &str, _: u16) -> Option<TcpStream> {
-                TcpStream::connect(("127.0.0.1", if uid == "hung" { self.1 } else { self.0 })).ok()
-            }
-            fn request(
-                &self,
-                _: PodTarget,
-                _: u16,
-                _: &'static str,
-                _: String,
-                _: Limits,
-                _: bool,
-                _: bool,
-            ) -> Pending<Result<Response, Failed>> {
-                Box::pin(async { Err(("not used".to_owned(), "test")) })
-            }
-        }
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let prober = HeldProber::start(Arc::new(Two(port, hung_port)), tx);
+        let prober =
+            HeldProber::start(Arc::new(TestLink { port, ports: vec![("hung", hung_port)], ..TestLink::default() }), tx);
         let hung_token = prober.hold("hung", vec![("istio-proxy".into(), hung_port, "/healthz/ready".into())]);
         let _ = prober.hold("fine", vec![("istio-proxy".into(), port, "/healthz/ready".into())]);
         let started = Instant::now();
@@ -387,7 +333,7 @@ mod tests {
         let (ready, asked) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
         let port = server(ready.clone(), asked.clone());
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let prober = HeldProber::start(Arc::new(Local(port)), tx);
+        let prober = HeldProber::start(Arc::new(TestLink { port, ..TestLink::default() }), tx);
         let token = prober.hold("pod-a", vec![("istio-proxy".into(), port, "/healthz/ready".into())]);
         let Some((uid, Feedback::Probed { ready: false, detail })) =
             tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.ok().flatten()

@@ -3,6 +3,7 @@
 //! is handed straight back; network calls (quits, probes, API writes) run as tasks that report
 //! back on the feedback channel.
 
+mod answer;
 pub mod held;
 pub mod probe;
 
@@ -208,9 +209,9 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     /// Spreads the held pods' probes over the budget: their interval follows how many are held.
     fn pace_held_probes(&self) {
         let held = self.probes.values().filter(|p| p.pace() == Pace::Urgent).count();
-        self.probe_reports.set_held(held, self.settings.held_probe_budget);
+        let interval = self.probe_reports.set_held(held, self.settings.held_probe_budget);
         if let Some(p) = &self.held_prober {
-            p.set_interval(probe::held_interval(held, self.settings.held_probe_budget));
+            p.set_interval(interval);
         }
     }
 

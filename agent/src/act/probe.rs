@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc, watch};
 
 use super::Report;
+use super::answer::{Answer, REPEAT, all_ready, detail};
 use crate::effect::{Feedback, Pace};
 use crate::pod::spec::{Sidecar, SidecarKind};
 use crate::sidecar::http::Limits;
@@ -15,10 +16,9 @@ use crate::sidecar::{PodTarget, SidecarLink};
 
 /// Shortest probe interval while an app is held: the release latency is about half of it.
 const URGENT_MIN: Duration = Duration::from_millis(10);
-/// An unchanged answer is reported at most this often (a failed condition write is retried on
-/// the next report); once the proxy was seen ready, at most every `REPEAT_READY` (each report
-/// is a decision step of the pod: on a full node, the cost of probing ready proxies).
-const REPEAT: Duration = Duration::from_secs(1);
+/// Once the proxy was seen ready, an unchanged answer is reported at most this often (each
+/// report is a decision step of the pod: on a full node, the cost of probing ready proxies);
+/// before, at most every [`REPEAT`].
 const REPEAT_READY: Duration = Duration::from_secs(60);
 /// How often a proxy that is not ready yet gets a connection to its quit endpoint tried.
 const STANDBY_EARLY: Duration = Duration::from_secs(1);
@@ -73,12 +73,14 @@ impl Reports {
         })
     }
 
-    /// `held` pods have their app held: their probes share `budget` per second.
-    pub fn set_held(&self, held: usize, budget: u32) {
+    /// `held` pods have their app held: their probes share `budget` per second. Returns their
+    /// interval.
+    pub fn set_held(&self, held: usize, budget: u32) -> Duration {
         let interval = held_interval(held, budget);
         if self.urgent_ns.swap(nanos(interval), Ordering::Relaxed) != nanos(interval) {
             tracing::debug!(held, ?interval, "held pods' probe interval");
         }
+        interval
     }
 
     fn urgent(&self) -> Duration {
@@ -261,14 +263,8 @@ pub fn start<L: SidecarLink>(
             }
             if skip {
                 skip = false;
-                let wait = match *rx.borrow() {
-                    Pace::Urgent => reports.urgent(),
-                    Pace::Normal => normal,
-                    Pace::Relaxed => relaxed.max(normal),
-                };
-                tokio::select! {
-                    () = tokio::time::sleep_until(next_slot(wait)) => {}
-                    changed = rx.changed() => if changed.is_err() { return },
+                if !until_next_turn(&mut rx, &reports, normal, relaxed).await {
+                    return;
                 }
                 continue;
             }
@@ -290,7 +286,8 @@ pub fn start<L: SidecarLink>(
             let repeat = if *rx.borrow() == Pace::Relaxed { REPEAT_READY } else { REPEAT };
             let news = last.as_ref().is_none_or(|(a, at)| *a != answers || at.elapsed() >= repeat);
             let news = news.then(|| {
-                let detail = detail(&sidecars, &answers);
+                let probed = sidecars.iter().filter(|sc| sc.ready.is_some()).map(|sc| sc.name.as_str());
+                let detail = detail(probed, &answers);
                 last = Some((answers, tokio::time::Instant::now()));
                 (target.uid.clone(), Feedback::Probed { ready, detail })
             });
@@ -301,28 +298,39 @@ pub fn start<L: SidecarLink>(
             if !listening {
                 return;
             }
-            // Until the next slot of the pace. An app held meanwhile is asked for at once; a
-            // slower pace only moves the next probe (the apps of a slot are released together
-            // and their pods all slow down at once: probing them all again then took the CPUs
-            // from the releases).
-            loop {
-                let wait = match *rx.borrow() {
-                    Pace::Urgent => reports.urgent(),
-                    Pace::Normal => normal,
-                    Pace::Relaxed => relaxed.max(normal),
-                };
-                tokio::select! {
-                    () = tokio::time::sleep_until(next_slot(wait)) => break,
-                    changed = rx.changed() => match changed {
-                        Err(_) => return,
-                        Ok(()) if *rx.borrow_and_update() == Pace::Urgent => break,
-                        Ok(()) => {}
-                    },
-                }
+            if !until_next_turn(&mut rx, &reports, normal, relaxed).await {
+                return;
             }
         }
     });
     Handle { pace: tx, task }
+}
+
+/// Waits until the next slot of the pace; false once the handle is gone. An app held meanwhile
+/// is asked for at once; a slower pace only moves the next probe (the apps of a slot are
+/// released together and their pods all slow down at once: probing them all again then took
+/// the CPUs from the releases).
+async fn until_next_turn(
+    rx: &mut watch::Receiver<Pace>,
+    reports: &Reports,
+    normal: Duration,
+    relaxed: Duration,
+) -> bool {
+    loop {
+        let wait = match *rx.borrow() {
+            Pace::Urgent => reports.urgent(),
+            Pace::Normal => normal,
+            Pace::Relaxed => relaxed.max(normal),
+        };
+        tokio::select! {
+            () = tokio::time::sleep_until(next_slot(wait)) => return true,
+            changed = rx.changed() => match changed {
+                Err(_) => return false,
+                Ok(()) if *rx.borrow_and_update() == Pace::Urgent => return true,
+                Ok(()) => {}
+            },
+        }
+    }
 }
 
 struct Unhold(Arc<super::held::HeldProber>, String, u64);
@@ -341,32 +349,6 @@ fn next_slot(period: Duration) -> tokio::time::Instant {
     let period_ns = period.as_nanos().max(1);
     let slots = tokio::time::Instant::now().duration_since(origin).as_nanos() / period_ns + 1;
     origin + Duration::from_nanos(u64::try_from(slots * period_ns).unwrap_or(u64::MAX))
-}
-
-/// A probed sidecar's answer: its status, or why there is none. Compared with the last one as
-/// is; put in words only for news (the loop of a held pod runs every 10 ms).
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Answer {
-    Status(u16),
-    Failed(String),
-}
-
-/// Ready when every probed sidecar answers 2xx.
-fn all_ready(answers: &[Answer]) -> bool {
-    answers.iter().all(|a| matches!(a, Answer::Status(s) if (200..300).contains(s)))
-}
-
-/// The answers in words, for the state machine's log and Events.
-fn detail(sidecars: &[Sidecar], answers: &[Answer]) -> String {
-    let probed = sidecars.iter().filter(|sc| sc.ready.is_some());
-    let words: Vec<String> = probed
-        .zip(answers)
-        .map(|(sc, a)| match a {
-            Answer::Status(status) => format!("{} answered {status}", sc.name),
-            Answer::Failed(why) => format!("{}: {why}", sc.name),
-        })
-        .collect();
-    words.join("; ")
 }
 
 /// One probe of every sidecar that has a readiness endpoint, in order.
@@ -392,38 +374,16 @@ async fn probe_all(link: &dyn SidecarLink, target: &PodTarget, sidecars: &[Sidec
 mod tests {
     use super::*;
     use crate::pod::spec::Endpoint;
+    use crate::sidecar::testing::TestLink;
 
     fn news(uid: &str) -> Option<Report> {
         Some((uid.to_owned(), Feedback::Probed { ready: true, detail: String::new() }))
     }
 
-    /// Answers every probe with 200 and counts them.
-    struct Counting(std::sync::atomic::AtomicUsize);
-
-    impl SidecarLink for Counting {
-        fn open(&self, _: &str, _: &str) -> Result<(), String> {
-            Ok(())
-        }
-        fn close(&self, _: &str) {}
-        fn request(
-            &self,
-            _: PodTarget,
-            _: u16,
-            _: &'static str,
-            _: String,
-            _: Limits,
-            _: bool,
-            _: bool,
-        ) -> crate::sidecar::Pending<Result<crate::sidecar::http::Response, crate::sidecar::Failed>> {
-            self.0.fetch_add(1, Ordering::SeqCst);
-            Box::pin(async { Ok(crate::sidecar::http::Response { status: 200, body: String::new() }) })
-        }
-    }
-
     // On a paused clock: a pace change moves the next probe, and only a held app brings it on.
     #[tokio::test(start_paused = true)]
     async fn a_slower_pace_waits_for_its_slot_and_a_held_app_is_probed_at_once() {
-        let link = Arc::new(Counting(std::sync::atomic::AtomicUsize::new(0)));
+        let link = Arc::new(TestLink::default());
         let (tx, mut rx) = mpsc::unbounded_channel();
         let reports = Reports::new(tx);
         let sidecar = Sidecar {
@@ -436,7 +396,7 @@ mod tests {
         let target = PodTarget { uid: "u".into(), pod_rel: None, pod_ip: None };
         let normal = Duration::from_secs(1);
         let handle = start(link.clone(), target, vec![sidecar], Pace::Urgent, (normal, normal * 60), reports, None);
-        let probes = || link.0.load(Ordering::SeqCst);
+        let probes = || link.requests.load(Ordering::SeqCst);
         tokio::time::sleep(Duration::from_millis(1)).await;
         assert_eq!(probes(), 1, "a held pod is probed as its loop starts");
         assert!(rx.try_recv().is_ok(), "its answer is news");

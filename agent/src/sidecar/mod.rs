@@ -66,3 +66,45 @@ pub trait SidecarLink: Send + Sync + 'static {
         pod_ip_fallback: bool,
     ) -> Pending<Result<Response, Failed>>;
 }
+
+/// A link for tests of the loops: every request answers 200 and is counted; blocking
+/// connections go to a loopback port of the test's own, by pod uid (`ports`) or else `port`.
+#[cfg(test)]
+pub mod testing {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[derive(Default)]
+    pub struct TestLink {
+        pub requests: AtomicUsize,
+        pub port: u16,
+        pub ports: Vec<(&'static str, u16)>,
+    }
+
+    impl SidecarLink for TestLink {
+        fn open(&self, _: &str, _: &str) -> Result<(), String> {
+            Ok(())
+        }
+        fn close(&self, _: &str) {}
+        fn netns_open(&self, _: &str) -> bool {
+            true
+        }
+        fn blocking_conn(&self, uid: &str, _: u16) -> Option<std::net::TcpStream> {
+            let port = self.ports.iter().find(|(u, _)| *u == uid).map_or(self.port, |(_, p)| *p);
+            std::net::TcpStream::connect(("127.0.0.1", port)).ok()
+        }
+        fn request(
+            &self,
+            _: PodTarget,
+            _: u16,
+            _: &'static str,
+            _: String,
+            _: Limits,
+            _: bool,
+            _: bool,
+        ) -> Pending<Result<Response, Failed>> {
+            self.requests.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Ok(Response { status: 200, body: String::new() }) })
+        }
+    }
+}
