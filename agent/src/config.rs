@@ -115,13 +115,13 @@ pub struct Config {
     #[arg(long, env = "VALET_HELD_PROBE_BUDGET", default_value_t = 2000)]
     pub held_probe_budget: u32,
 
-    /// Experimental: probe the held pods' proxies from one thread of their own (every request of
-    /// a slot written back to back on kept connections, the answers read after one `poll`, the
-    /// slot's news sent together; on the runtime, each probe costs wake-ups of its threads).
-    /// Pods whose network namespace cannot be entered, and pods whose proxy did not answer in
-    /// time, stay with their own loops. Off by default: a pod handed over waits for the
-    /// prober's next slot instead of being probed at once when its app is held.
-    #[arg(long, env = "VALET_HELD_PROBER", default_value_t = false, action = clap::ArgAction::Set)]
+    /// Probe the held pods' proxies from one thread of their own: every request of a slot
+    /// written back to back on kept connections made in the pods' namespaces, the answers read
+    /// as they come, the slot's news sent together (on the runtime, each probe cost wake-ups of
+    /// its threads: about twice the CPU). A pod is probed at once when its app is held. Pods
+    /// whose network namespace cannot be entered yet stay with their own loops (pod-IP
+    /// fallback). `false`: every pod is probed by its own loop on the runtime.
+    #[arg(long, env = "VALET_HELD_PROBER", default_value_t = true, action = clap::ArgAction::Set)]
     pub held_prober: bool,
 
     /// Default time an app is held before it is released anyway (valet.dev/hold-timeout overrides).
@@ -209,9 +209,10 @@ mod tests {
         bad.host_proc = "/nonexistent".into();
         assert!(bad.validate().is_err());
         assert_eq!(cfg.held_probe_budget, 2000);
-        assert!(!cfg.held_prober);
-        let on = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--held-prober", "true"]).expect("parse");
-        assert!(on.held_prober);
+        assert!(cfg.held_prober);
+        let off =
+            Config::try_parse_from(["valet-agent", "--node-name", "n1", "--held-prober", "false"]).expect("parse");
+        assert!(!off.held_prober);
         let mut bad = cfg.clone();
         bad.held_probe_budget = 0;
         assert!(bad.validate().is_err());

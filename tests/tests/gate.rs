@@ -158,6 +158,52 @@ fn without_a_pod_ip_the_proxy_is_probed_inside_the_pod_netns() {
     assert!(!probes.is_empty() && probes.iter().all(|e| e.peer.ip().is_loopback()), "probes: {probes:?}");
 }
 
+/// Held pods are probed together, each in its own network namespace (the held pods' prober makes
+/// its connections there from one thread): one pod's proxy turning ready releases its app alone.
+#[test]
+fn held_pods_probed_together_are_each_released_by_their_own_proxy() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut pods = Vec::new();
+    for name in ["first", "second"] {
+        let (ready, marker) = (node.scratch.path(&format!("ready-{name}")), node.scratch.path(&format!("ran-{name}")));
+        let mut spec = held_spec(name, &ready);
+        // Reachable on the pod's loopback only: every probe is made in the pod's namespace.
+        spec.report_pod_ip = false;
+        let job = node.job_pod(spec).expect("pod");
+        pods.push((job, ready, marker));
+    }
+    for (job, ..) in &pods {
+        wait_condition(&node, job, &agent, "False", "ProxyNotReady");
+    }
+    for (job, _, marker) in &mut pods {
+        job.run_app("app", &marker_script(marker)).expect("app");
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    for (job, _, marker) in &pods {
+        assert_held(job, marker, &agent, "both proxies not ready");
+    }
+    std::fs::write(&pods[1].1, "").expect("ready file");
+    let delay = wait_file(&pods[1].2, Duration::from_secs(1));
+    assert!(delay.is_some(), "the second pod's app was not released by its proxy\n{}", agent.log_text());
+    std::thread::sleep(Duration::from_millis(500));
+    assert_held(&pods[0].0, &pods[0].2, &agent, "the other pod's proxy turned ready");
+    std::fs::write(&pods[0].1, "").expect("ready file");
+    assert!(wait_file(&pods[0].2, Duration::from_secs(1)).is_some(), "first pod not released\n{}", agent.log_text());
+    for (job, ..) in &pods {
+        let probes = valet_sim::standin::read_events(&job.events)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| e.method == "GET" && e.path == "/healthz/ready" && e.peer.ip().is_loopback())
+            .count();
+        // Probed every 10 ms while held (a second and more), from the pod's own loopback (the
+        // kubelet's probes come from the node).
+        assert!(probes >= 50, "{}: {probes} probes from the pod's loopback", job.name);
+    }
+    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 2.0);
+}
+
 #[test]
 fn hold_times_out_and_fails_open() {
     let _serial = serial();

@@ -3,6 +3,15 @@
 
 use std::time::Duration;
 
+use crate::sidecar::http::Limits;
+
+/// One probe's limits: a proxy that does not answer within half a second has not answered.
+pub const LIMITS: Limits = Limits {
+    connect_timeout: Duration::from_millis(200),
+    total_timeout: Duration::from_millis(500),
+    max_response_bytes: 4096,
+};
+
 /// An unchanged answer is reported at most this often (a failed condition write is retried on
 /// the next report).
 pub const REPEAT: Duration = Duration::from_secs(1);

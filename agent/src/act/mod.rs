@@ -185,7 +185,8 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         metrics: Arc<Metrics>,
         reports: mpsc::UnboundedSender<Report>,
     ) -> Actuators<K, L> {
-        let held_prober = settings.held_prober.then(|| held::HeldProber::start(link.clone(), reports.clone()));
+        let held_prober =
+            settings.held_prober.then(|| held::HeldProber::start(link.clone(), reports.clone())).flatten();
         Actuators {
             settings,
             cgroups,

@@ -8,10 +8,9 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc, watch};
 
 use super::Report;
-use super::answer::{Answer, REPEAT, all_ready, detail};
+use super::answer::{Answer, LIMITS, REPEAT, all_ready, detail};
 use crate::effect::{Feedback, Pace};
 use crate::pod::spec::{Sidecar, SidecarKind};
-use crate::sidecar::http::Limits;
 use crate::sidecar::{PodTarget, SidecarLink};
 
 /// Shortest probe interval while an app is held: the release latency is about half of it.
@@ -22,12 +21,6 @@ const URGENT_MIN: Duration = Duration::from_millis(10);
 const REPEAT_READY: Duration = Duration::from_secs(60);
 /// How often a proxy that is not ready yet gets a connection to its quit endpoint tried.
 const STANDBY_EARLY: Duration = Duration::from_secs(1);
-
-const LIMITS: Limits = Limits {
-    connect_timeout: Duration::from_millis(200),
-    total_timeout: Duration::from_millis(500),
-    max_response_bytes: 4096,
-};
 
 /// Longest the news of held pods' probes waits for the other probes running with them.
 const GATHER_CAP: Duration = Duration::from_millis(3);
@@ -222,7 +215,7 @@ pub fn start<L: SidecarLink>(
         let mut last: Option<(Vec<Answer>, tokio::time::Instant)> = None;
         let mut standby_at: Option<tokio::time::Instant> = None;
         let mut skip = false;
-        // The prober gave the pod back (its proxy did not answer in time): this loop probes it.
+        // The prober ended and gave the pod back: this loop probes it from now on.
         let mut own = false;
         loop {
             // Held, with the prober: it probes the pod until the pace changes.

@@ -154,14 +154,14 @@ fn time_left(limits: Limits, started: Instant) -> Result<Duration, Failure> {
 
 /// Adds bytes read to the answer, up to the cap; whether reading can stop (the cap is reached or
 /// the answer is complete).
-fn absorb(buf: &mut Vec<u8>, bytes: &[u8], limits: Limits) -> bool {
+pub fn absorb(buf: &mut Vec<u8>, bytes: &[u8], limits: Limits) -> bool {
     let room = limits.max_response_bytes.saturating_sub(buf.len());
     buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
     buf.len() >= limits.max_response_bytes || response_complete(buf)
 }
 
 /// The answer read, and whether its connection can carry another request.
-fn answer(buf: &[u8], limits: Limits, keep: bool) -> Result<(Response, bool), Failure> {
+pub fn answer(buf: &[u8], limits: Limits, keep: bool) -> Result<(Response, bool), Failure> {
     let response = parse_response(buf, limits)?;
     Ok((response, keep && reusable(buf)))
 }

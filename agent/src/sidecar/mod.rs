@@ -24,6 +24,17 @@ pub struct PodTarget {
 /// A request's failure: what happened, and a low-cardinality label for metrics.
 pub type Failed = (String, &'static str);
 
+/// Why [`SidecarLink::pod_socket`] made no socket.
+#[derive(Debug)]
+pub enum SocketError {
+    /// Not this time (the pod's namespace is not open, a call failed); the calling thread is in
+    /// its own namespace.
+    Failed(String),
+    /// The calling thread joined the pod's namespace and could not go back: it must make no
+    /// other socket (it would be the pod's).
+    Stranded(String),
+}
+
 /// A boxed, sendable future.
 pub type Pending<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
@@ -46,11 +57,12 @@ pub trait SidecarLink: Send + Sync + 'static {
         let _ = uid;
         false
     }
-    /// A blocking connection to `port` on the pod's loopback, for the held pods' prober thread;
-    /// none: this link has none to give (its held pods are probed by their own loops).
-    fn blocking_conn(&self, uid: &str, port: u16) -> Option<std::net::TcpStream> {
-        let _ = (uid, port);
-        None
+    /// A new non-blocking TCP socket of the pod's network namespace, for the held pods' prober
+    /// thread, which connects it to the pod's loopback itself. Made on the calling thread: it
+    /// joins the namespace for the `socket` call alone and goes back to its own.
+    fn pod_socket(&self, uid: &str) -> Result<std::os::fd::OwnedFd, SocketError> {
+        let _ = uid;
+        Err(SocketError::Failed("this link makes no sockets".into()))
     }
     /// One request to `127.0.0.1:port` in the pod's network namespace; `fresh` enters it anew
     /// (a retry); `pod_ip_fallback` sends it to the pod IP while the namespace cannot be entered.
@@ -67,8 +79,8 @@ pub trait SidecarLink: Send + Sync + 'static {
     ) -> Pending<Result<Response, Failed>>;
 }
 
-/// A link for tests of the loops: every request answers 200 and is counted; blocking
-/// connections go to a loopback port of the test's own, by pod uid (`ports`) or else `port`.
+/// A link for tests of the loops: every request answers 200 and is counted; the prober's sockets
+/// are the test's own (its servers listen on the test's loopback).
 #[cfg(test)]
 pub mod testing {
     use super::*;
@@ -77,8 +89,6 @@ pub mod testing {
     #[derive(Default)]
     pub struct TestLink {
         pub requests: AtomicUsize,
-        pub port: u16,
-        pub ports: Vec<(&'static str, u16)>,
     }
 
     impl SidecarLink for TestLink {
@@ -89,9 +99,10 @@ pub mod testing {
         fn netns_open(&self, _: &str) -> bool {
             true
         }
-        fn blocking_conn(&self, uid: &str, _: u16) -> Option<std::net::TcpStream> {
-            let port = self.ports.iter().find(|(u, _)| *u == uid).map_or(self.port, |(_, p)| *p);
-            std::net::TcpStream::connect(("127.0.0.1", port)).ok()
+        fn pod_socket(&self, _: &str) -> Result<std::os::fd::OwnedFd, SocketError> {
+            use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
+            socket(AddressFamily::Inet, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)
+                .map_err(|e| SocketError::Failed(e.to_string()))
         }
         fn request(
             &self,

@@ -9,13 +9,14 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use super::http::{self, Limits, Response};
-use super::{Failed, Pending, PodTarget, SidecarLink};
+use super::{Failed, Pending, PodTarget, SidecarLink, SocketError};
 use crate::cgroup::CgroupFs;
 use crate::error::{Error, Result};
 use crate::kernel::container_main::start_time;
@@ -70,23 +71,21 @@ pub fn open_pod_netns(host_proc: &Path, cgroups: &CgroupFs, pod_rel: &str) -> Re
 }
 
 impl PodNetns {
-    /// Runs `f` on a fresh thread that has joined this namespace, blocking until it is done.
-    pub fn run_blocking<T, F>(&self, f: F) -> Result<T>
-    where
-        T: Send + 'static,
-        F: FnOnce() -> T + Send + 'static,
-    {
-        let fd = self.file.try_clone().map_err(|e| Error::io("dup namespace fd", e))?;
-        std::thread::Builder::new()
-            .name("valet-netns".into())
-            .spawn(move || {
-                nix::sched::setns(&fd, nix::sched::CloneFlags::CLONE_NEWNET)
-                    .map_err(|e| Error::Endpoint(format!("setns into the pod's network namespace: {e}")))?;
-                Ok(f())
-            })
-            .map_err(|e| Error::io("spawn namespace thread", e))?
-            .join()
-            .map_err(|_| Error::Endpoint("namespace thread panicked".into()))?
+    /// A new non-blocking TCP socket of this namespace, made on the calling thread: it joins the
+    /// namespace for the `socket` call alone and goes back to its own (no thread to start, for a
+    /// thread that makes its own connections: the held pods' prober).
+    pub fn socket_here(&self) -> Result<OwnedFd, SocketError> {
+        use nix::sched::{CloneFlags, setns};
+        use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
+        let home = File::open("/proc/thread-self/ns/net")
+            .map_err(|e| SocketError::Failed(format!("open this thread's network namespace: {e}")))?;
+        setns(&self.file, CloneFlags::CLONE_NEWNET)
+            .map_err(|e| SocketError::Failed(format!("setns into the pod's network namespace: {e}")))?;
+        let made =
+            socket(AddressFamily::Inet, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None);
+        setns(&home, CloneFlags::CLONE_NEWNET)
+            .map_err(|e| SocketError::Stranded(format!("setns back from the pod's network namespace: {e}")))?;
+        made.map_err(|e| SocketError::Failed(format!("socket: {e}")))
     }
 
     /// Runs `f` on a fresh thread that has joined this namespace, and waits for it.
@@ -184,11 +183,9 @@ impl SidecarLink for PodNetwork {
         self.open.lock().unwrap_or_else(PoisonError::into_inner).contains_key(uid)
     }
 
-    fn blocking_conn(&self, uid: &str, port: u16) -> Option<std::net::TcpStream> {
-        let netns = self.open.lock().unwrap_or_else(PoisonError::into_inner).get(uid).cloned()?;
-        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-        let limits = http::Limits { connect_timeout: std::time::Duration::from_millis(200), ..http::Limits::default() };
-        netns.run_blocking(move || http::connect(addr, limits)).ok()?.ok()
+    fn pod_socket(&self, uid: &str) -> Result<OwnedFd, SocketError> {
+        let netns = self.open.lock().unwrap_or_else(PoisonError::into_inner).get(uid).cloned();
+        netns.ok_or_else(|| SocketError::Failed("the pod's network namespace is not open".into()))?.socket_here()
     }
 
     fn open(&self, uid: &str, pod_rel: &str) -> Result<(), String> {

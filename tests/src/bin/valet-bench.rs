@@ -309,6 +309,19 @@ fn cpu_share(pid: u32, window: Duration) -> f64 {
         }
     }
     let ns: u64 = threads.values().map(|(first, last)| last.saturating_sub(*first)).sum();
+    // VALET_BENCH_THREADS=1: where the time went, by thread name.
+    if std::env::var_os("VALET_BENCH_THREADS").is_some() {
+        let mut by_name: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::new();
+        for (tid, (first, last)) in &threads {
+            let comm =
+                std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).unwrap_or_else(|_| "(gone)".into());
+            *by_name.entry(comm.trim().to_owned()).or_default() += last.saturating_sub(*first);
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let words: Vec<String> =
+            by_name.iter().map(|(n, v)| format!("{n} {:.2} %", *v as f64 / 1e9 / secs * 100.0)).collect();
+        println!("  threads: {}", words.join(", "));
+    }
     ns as f64 / 1e9 / started.elapsed().as_secs_f64()
 }
 
@@ -849,7 +862,9 @@ fn held_together(pods: usize, rounds: usize, table: &mut Table) -> Result<()> {
         // first rounds. The later ones are more draws of the moment in the probe period.
         std::thread::sleep(Duration::from_millis(1500));
         if round < CPU_ROUNDS {
-            cpu.push(cpu_share(pid, Duration::from_secs(5)));
+            // VALET_BENCH_CPU_SECS: a longer window, to look at the agent meanwhile.
+            let secs = std::env::var("VALET_BENCH_CPU_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
+            cpu.push(cpu_share(pid, Duration::from_secs(secs)));
         }
         if let Some(trace) = &trace {
             trace.sent();
