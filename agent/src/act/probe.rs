@@ -39,11 +39,11 @@ pub struct Reports {
 }
 
 /// The probe interval of held pods when `held` of them share `budget` probes per second:
-/// `URGENT_MIN`, or longer so that they stay within the budget (whole milliseconds, the timer's
-/// grain).
+/// `URGENT_MIN`, or longer so that they stay within the budget (the loops' timers round it up to
+/// the millisecond; the held pods' prober keeps it).
 pub fn held_interval(held: usize, budget: u32) -> Duration {
-    let ms = (held as u64 * 1000).div_ceil(u64::from(budget.max(1)));
-    Duration::from_millis(ms).max(URGENT_MIN)
+    let us = (held as u64 * 1_000_000).div_ceil(u64::from(budget.max(1)));
+    Duration::from_micros(us).max(URGENT_MIN)
 }
 
 #[derive(Default)]
@@ -408,9 +408,14 @@ mod tests {
         assert_eq!(held_interval(0, 2000), URGENT_MIN);
         assert_eq!(held_interval(1, 2000), URGENT_MIN);
         assert_eq!(held_interval(20, 2000), URGENT_MIN);
-        assert_eq!(held_interval(21, 2000), Duration::from_millis(11));
+        assert_eq!(held_interval(21, 2000), Duration::from_micros(10_500));
         assert_eq!(held_interval(110, 2000), Duration::from_millis(55));
-        assert_eq!(held_interval(20, 1200), Duration::from_millis(17));
+        assert_eq!(held_interval(20, 1200), Duration::from_micros(16_667));
+        // The default.
+        assert_eq!(held_interval(15, 1500), URGENT_MIN);
+        assert_eq!(held_interval(16, 1500), Duration::from_micros(10_667));
+        assert_eq!(held_interval(20, 1500), Duration::from_micros(13_334));
+        assert_eq!(held_interval(110, 1500), Duration::from_micros(73_334));
         assert_eq!(held_interval(20, 0), Duration::from_secs(20), "a zero budget counts as one probe a second");
     }
 
