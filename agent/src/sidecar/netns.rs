@@ -1,7 +1,8 @@
 //! Running code inside a pod's network namespace. Sidecar admin endpoints accept loopback
 //! callers only, so the agent enters the pod's namespace on a thread of its own, opens its socket
 //! to 127.0.0.1 there, and lets the thread die afterwards (no pool thread is ever left in a pod's
-//! namespace). A socket stays in the namespace it was made in, so a connection opened there is
+//! namespace); the held pods' prober thread joins it for one `socket` call and goes back
+//! ([`PodNetns::socket_here`]). A socket stays in the namespace it was made in, so a connection opened there is
 //! kept (HTTP/1.1 keep-alive) and used again from the agent's own threads: readiness probes reuse
 //! one connection, and a connection to each quit endpoint is opened ahead of time, so a quit is
 //! one write on an open connection rather than a thread, a `setns` and a handshake.
