@@ -46,7 +46,7 @@ pub struct Settings {
     pub ready_probe_interval: Duration,
     /// Most probes per second across the pods whose app is held.
     pub held_probe_budget: u32,
-    /// Held pods are probed by [`held::HeldProber`] (experimental).
+    /// Held pods are probed by [`held::HeldProber`] (the default), else by their own loops.
     pub held_prober: bool,
 }
 
