@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
-use super::Report;
 use super::answer::{Answer, LIMITS, REPEAT, all_ready, detail};
+use super::{Report, next_multiple};
 use crate::effect::Feedback;
 use crate::sidecar::http::{self, Failure};
 use crate::sidecar::{SidecarLink, SocketError};
@@ -117,7 +117,9 @@ impl HeldProber {
         });
         let p = prober.clone();
         let spawned = std::thread::Builder::new().name("valet-held".into()).spawn(move || {
-            p.run(link.as_ref(), &tx);
+            if let Err(why) = p.run(link.as_ref(), &tx) {
+                warn!("held-pod prober stops, its pods go back to their loops: {why}");
+            }
             let mut registry = p.registry();
             registry.ended = true;
             registry.pods.clear();
@@ -198,7 +200,8 @@ impl HeldProber {
         }
     }
 
-    fn run(&self, link: &dyn SidecarLink, tx: &mpsc::UnboundedSender<Report>) {
+    /// Probes until the agent is gone (Ok) or this thread may make no other socket (Err).
+    fn run(&self, link: &dyn SidecarLink, tx: &mpsc::UnboundedSender<Report>) -> Result<(), String> {
         let origin = Instant::now();
         let mut pods: Vec<Pod> = Vec::new();
         let mut seen = 0;
@@ -210,24 +213,20 @@ impl HeldProber {
         let mut polled: Vec<(usize, usize)> = Vec::new();
         loop {
             if tx.is_closed() {
-                return;
+                return Ok(());
             }
             self.sync(&mut pods, &mut seen);
             let now = Instant::now();
             let slot = !pods.is_empty() && now >= next_slot;
             if slot {
                 // The next slot of the prober's clock.
-                let period = self.interval_ns.load(Ordering::Relaxed).max(1);
-                let since = u64::try_from(now.duration_since(origin).as_nanos()).unwrap_or(u64::MAX);
-                next_slot = origin + Duration::from_nanos((since / period).saturating_add(1).saturating_mul(period));
+                let period = Duration::from_nanos(self.interval_ns.load(Ordering::Relaxed));
+                next_slot = origin + next_multiple(now.duration_since(origin), period);
             }
             for pod in pods.iter_mut().filter(|p| slot || p.fresh) {
                 round = Some(now);
                 pod.fresh = false;
-                if let Err(why) = ask(link, pod, now) {
-                    warn!("held-pod prober stops, its pods go back to their loops: {why}");
-                    return;
-                }
+                ask(link, pod, now)?;
             }
             expire(&mut pods, Instant::now());
             collect(&mut pods, &mut news);
@@ -241,7 +240,7 @@ impl HeldProber {
             if round.is_none() {
                 for report in news.drain(..) {
                     if tx.send(report).is_err() {
-                        return;
+                        return Ok(());
                     }
                 }
             }
@@ -290,10 +289,8 @@ impl HeldProber {
                 let Some(Pod { uid, endpoints, .. }) = pods.get_mut(i) else { continue };
                 if pfd.revents != 0
                     && let Some(ep) = endpoints.get_mut(j)
-                    && let Err(why) = progress(link, uid, ep, now)
                 {
-                    warn!("held-pod prober stops, its pods go back to their loops: {why}");
-                    return;
+                    progress(link, uid, ep, now)?;
                 }
             }
         }
@@ -399,10 +396,7 @@ fn progress(link: &dyn SidecarLink, uid: &str, ep: &mut Endpoint, now: Instant) 
                     // Closed before any answer on a kept connection: the request goes again.
                     Ok(0) if buf.is_empty() && reused => return connect(link, uid, ep, now),
                     Ok(0) => {
-                        ep.answer = Some(match http::parse_response(&buf, LIMITS) {
-                            Ok(r) => Answer::Status(r.status),
-                            Err(_) => Answer::Failed("the connection was closed".into()),
-                        });
+                        ep.answer = Some(answer_so_far(&buf, "the connection was closed".into()));
                         return Ok(());
                     }
                     Ok(n) => {
@@ -439,6 +433,15 @@ fn progress(link: &dyn SidecarLink, uid: &str, ep: &mut Endpoint, now: Instant) 
     }
 }
 
+/// What an unfinished read says: a status line that already arrived is an answer, even if the
+/// rest never comes; else `failure`.
+fn answer_so_far(buf: &[u8], failure: String) -> Answer {
+    match http::parse_response(buf, LIMITS) {
+        Ok(r) => Answer::Status(r.status),
+        Err(_) => Answer::Failed(failure),
+    }
+}
+
 /// Requests past the probe's deadline are answered with a failure, as a loop's probe would be;
 /// their connections are dropped (the next slot makes a new one).
 fn expire(pods: &mut [Pod], now: Instant) {
@@ -449,10 +452,7 @@ fn expire(pods: &mut [Pod], now: Instant) {
             }
             // A status line that already arrived is an answer, even if the rest hangs.
             Conn::Waiting { since, buf, .. } if now.duration_since(*since) >= LIMITS.total_timeout => {
-                match http::parse_response(buf, LIMITS) {
-                    Ok(r) => Answer::Status(r.status),
-                    Err(_) => Answer::Failed(Failure::Timeout.to_string()),
-                }
+                answer_so_far(buf, Failure::Timeout.to_string())
             }
             _ => continue,
         };

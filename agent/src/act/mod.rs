@@ -36,6 +36,14 @@ use crate::sidecar::{Pending, PodTarget, SidecarLink};
 /// Feedback for one pod, from a task.
 pub type Report = (String, Feedback);
 
+/// The next multiple of `period` after `elapsed` (on a clock started at 0): where the probe
+/// loops and the held pods' prober put their next slot.
+fn next_multiple(elapsed: Duration, period: Duration) -> Duration {
+    let period_ns = period.as_nanos().max(1);
+    let slots = elapsed.as_nanos() / period_ns + 1;
+    Duration::from_nanos(u64::try_from(slots.saturating_mul(period_ns)).unwrap_or(u64::MAX))
+}
+
 /// What the actuators need to know of the agent's configuration.
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -599,6 +607,15 @@ mod tests {
         // No batch kept: at once.
         spawn_after_releases(&mut batch, task(2));
         assert_eq!(tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.ok().flatten(), Some(2));
+    }
+
+    #[test]
+    fn the_next_slot_is_the_next_multiple_of_the_period() {
+        let ms = Duration::from_millis;
+        assert_eq!(next_multiple(ms(0), ms(10)), ms(10));
+        assert_eq!(next_multiple(ms(25), ms(10)), ms(30));
+        assert_eq!(next_multiple(ms(30), ms(10)), ms(40), "a slot's own instant is past: the next one");
+        assert_eq!(next_multiple(Duration::from_nanos(5), Duration::ZERO), Duration::from_nanos(6));
     }
 
     #[test]

@@ -214,9 +214,14 @@ pub fn start<L: SidecarLink>(
     let task = tokio::spawn(async move {
         let mut last: Option<(Vec<Answer>, tokio::time::Instant)> = None;
         let mut standby_at: Option<tokio::time::Instant> = None;
-        let mut skip = false;
         // The prober ended and gave the pod back: this loop probes it from now on.
         let mut own = false;
+        // A connection to each quit endpoint, opened ahead (see `SidecarLink::standby`).
+        let standby = || {
+            for endpoint in sidecars.iter().filter_map(|sc| sc.quit.as_ref()) {
+                link.standby(&target, endpoint.port);
+            }
+        };
         loop {
             // Held, with the prober: it probes the pod until the pace changes.
             if *rx.borrow() == Pace::Urgent
@@ -241,25 +246,20 @@ pub fn start<L: SidecarLink>(
                                 own = true;
                                 break;
                             }
-                            for endpoint in sidecars.iter().filter_map(|sc| sc.quit.as_ref()) {
-                                link.standby(&target, endpoint.port);
-                            }
+                            standby();
                         }
                     }
                 }
                 drop(guard);
-                for endpoint in sidecars.iter().filter_map(|sc| sc.quit.as_ref()) {
-                    link.standby(&target, endpoint.port);
-                }
+                standby();
                 last = None;
-                skip = !own;
-            }
-            if skip {
-                skip = false;
-                if !until_next_turn(&mut rx, &reports, normal, relaxed).await {
-                    return;
+                // Given back by a pace change: the next probe at the pace's next slot.
+                if !own {
+                    if !until_next_turn(&mut rx, &reports, normal, relaxed).await {
+                        return;
+                    }
+                    continue;
                 }
-                continue;
             }
             let held = (*rx.borrow() == Pace::Urgent).then(|| reports.enter());
             let answers = probe_all(link.as_ref(), &target, &sidecars).await;
@@ -270,9 +270,7 @@ pub fn start<L: SidecarLink>(
             // proxies turning ready does not also open a burst of connections.
             if ready || standby_at.is_none_or(|at| at.elapsed() >= STANDBY_EARLY) {
                 standby_at = Some(tokio::time::Instant::now());
-                for endpoint in sidecars.iter().filter_map(|sc| sc.quit.as_ref()) {
-                    link.standby(&target, endpoint.port);
-                }
+                standby();
             }
             // Only news goes to the pod's state machine (the loop runs every 10 ms while an app is
             // held): a changed answer, or the same one after a while.
@@ -339,9 +337,7 @@ impl Drop for Unhold {
 fn next_slot(period: Duration) -> tokio::time::Instant {
     static ORIGIN: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
     let origin = *ORIGIN.get_or_init(tokio::time::Instant::now);
-    let period_ns = period.as_nanos().max(1);
-    let slots = tokio::time::Instant::now().duration_since(origin).as_nanos() / period_ns + 1;
-    origin + Duration::from_nanos(u64::try_from(slots * period_ns).unwrap_or(u64::MAX))
+    origin + super::next_multiple(tokio::time::Instant::now().duration_since(origin), period)
 }
 
 /// One probe of every sidecar that has a readiness endpoint, in order.

@@ -35,6 +35,12 @@ pub enum SocketError {
     Stranded(String),
 }
 
+/// A new non-blocking, close-on-exec TCP socket of the calling thread's network namespace.
+pub fn tcp_socket() -> nix::Result<std::os::fd::OwnedFd> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
+    socket(AddressFamily::Inet, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)
+}
+
 /// A boxed, sendable future.
 pub type Pending<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
@@ -100,9 +106,7 @@ pub mod testing {
             true
         }
         fn pod_socket(&self, _: &str) -> Result<std::os::fd::OwnedFd, SocketError> {
-            use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
-            socket(AddressFamily::Inet, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)
-                .map_err(|e| SocketError::Failed(e.to_string()))
+            tcp_socket().map_err(|e| SocketError::Failed(e.to_string()))
         }
         fn request(
             &self,

@@ -2,10 +2,11 @@
 //! callers only, so the agent enters the pod's namespace on a thread of its own, opens its socket
 //! to 127.0.0.1 there, and lets the thread die afterwards (no pool thread is ever left in a pod's
 //! namespace); the held pods' prober thread joins it for one `socket` call and goes back
-//! ([`PodNetns::socket_here`]). A socket stays in the namespace it was made in, so a connection opened there is
-//! kept (HTTP/1.1 keep-alive) and used again from the agent's own threads: readiness probes reuse
-//! one connection, and a connection to each quit endpoint is opened ahead of time, so a quit is
-//! one write on an open connection rather than a thread, a `setns` and a handshake.
+//! ([`PodNetns::socket_here`]). A socket stays in the namespace it was made in, so a connection
+//! opened there is kept (HTTP/1.1 keep-alive) and used again from the agent's own threads:
+//! readiness probes reuse one connection, and a connection to each quit endpoint is opened ahead
+//! of time, so a quit is one write on an open connection rather than a thread, a `setns` and a
+//! handshake.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -77,13 +78,11 @@ impl PodNetns {
     /// thread that makes its own connections: the held pods' prober).
     pub fn socket_here(&self) -> Result<OwnedFd, SocketError> {
         use nix::sched::{CloneFlags, setns};
-        use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
         let home = File::open("/proc/thread-self/ns/net")
             .map_err(|e| SocketError::Failed(format!("open this thread's network namespace: {e}")))?;
         setns(&self.file, CloneFlags::CLONE_NEWNET)
             .map_err(|e| SocketError::Failed(format!("setns into the pod's network namespace: {e}")))?;
-        let made =
-            socket(AddressFamily::Inet, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None);
+        let made = super::tcp_socket();
         setns(&home, CloneFlags::CLONE_NEWNET)
             .map_err(|e| SocketError::Stranded(format!("setns back from the pod's network namespace: {e}")))?;
         made.map_err(|e| SocketError::Failed(format!("socket: {e}")))
