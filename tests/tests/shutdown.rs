@@ -38,6 +38,14 @@ fn labelled_job_pod_proxy_quits_when_the_app_exits() {
         node.events_for(&job)
     );
     assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+    // The app's end is logged once, with its container's name and how it ended (written after the
+    // quit went out).
+    let ended = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("container exited") && l.contains("container=\"app\"") && l.contains("Exited(0)"))
+            .count()
+    };
+    assert!(eventually(Duration::from_secs(2), || ended(&agent.log_text()) == 1), "{}", agent.log_text());
 }
 
 /// The quit is one write on a connection the agent opened to the proxy's quit port while the app

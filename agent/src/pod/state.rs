@@ -297,19 +297,31 @@ impl PodState {
             return Vec::new();
         }
         c.end = Some(KernelEnd { end: exit.end, ktime: exit.ktime });
-        let id = c.id.clone();
-        let container = self.name_of(&id);
-        info!(
-            pod = %name,
-            container = container.as_deref().unwrap_or("<not named yet>"),
-            end = ?exit.end,
-            "container exited"
-        );
+        // Logged by the caller once the effects are applied ([`PodState::log_end`]): a quit is
+        // then on its way before the log line's write.
         // A held process whose container ended is gone.
         self.held.retain(|h| h.container_cgroup != exit.container_cgroup);
         let mut fx = vec![Effect::Count(Count::ContainerEnd(exit.end))];
         fx.extend(self.step(now));
         fx
+    }
+
+    /// Whether the container's end was seen already.
+    pub fn container_ended(&self, container_cgroup: u64) -> bool {
+        self.containers.get(&container_cgroup).is_some_and(|c| c.end.is_some())
+    }
+
+    /// Logs the end [`PodState::exit`] recorded for the container.
+    pub fn log_end(&self, container_cgroup: u64) {
+        let Some(c) = self.containers.get(&container_cgroup) else { return };
+        let Some(end) = &c.end else { return };
+        let container = self.name_of(&c.id);
+        info!(
+            pod = %self.name(),
+            container = container.as_deref().unwrap_or("<not named yet>"),
+            end = ?end.end,
+            "container exited"
+        );
     }
 
     /// The kernel stopped a process at its first exec.
