@@ -38,8 +38,7 @@ fn labelled_job_pod_proxy_quits_when_the_app_exits() {
         node.events_for(&job)
     );
     assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
-    // The app's end is logged once, with its container's name and how it ended (written after the
-    // quit went out).
+    // The app's end is logged once, with its container's name and how it ended.
     let ended = |log: &str| {
         log.lines()
             .filter(|l| l.contains("container exited") && l.contains("container=\"app\"") && l.contains("Exited(0)"))

@@ -285,7 +285,8 @@ impl PodState {
         fx
     }
 
-    /// A container's main process ended.
+    /// A container's main process ended. The caller logs it ([`PodState::log_end`]) once the
+    /// effects are applied, so that a quit is on its way before the log line's write.
     pub fn exit(&mut self, exit: ExitSeen, now: Nanos) -> Vec<Effect> {
         self.settled = false;
         let name = self.name();
@@ -297,8 +298,6 @@ impl PodState {
             return Vec::new();
         }
         c.end = Some(KernelEnd { end: exit.end, ktime: exit.ktime });
-        // Logged by the caller once the effects are applied ([`PodState::log_end`]): a quit is
-        // then on its way before the log line's write.
         // A held process whose container ended is gone.
         self.held.retain(|h| h.container_cgroup != exit.container_cgroup);
         let mut fx = vec![Effect::Count(Count::ContainerEnd(exit.end))];
