@@ -346,8 +346,8 @@ const JOB_MS: &str = "300";
 
 /// The agent's default `--ready-probe-interval`: every pod whose proxy was seen ready is probed
 /// again once per interval, all in the same round. An idle figure is measured over one whole
-/// interval, so that it holds one round, as the agent's average does; over a shorter window it
-/// is too low or several times too high, depending on whether a round falls in it.
+/// interval, so that it holds one round, as the agent's average does; a shorter window counts
+/// the round's cost not at all or several times over, depending on whether a round falls in it.
 const READY_PROBE_INTERVAL: Duration = Duration::from_secs(30);
 
 /// A free TCP port on the host's loopback.
