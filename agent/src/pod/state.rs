@@ -289,9 +289,8 @@ impl PodState {
     /// effects are applied, so that a quit is on its way before the log line's write.
     pub fn exit(&mut self, exit: ExitSeen, now: Nanos) -> Vec<Effect> {
         self.settled = false;
-        let name = self.name();
         let Some(c) = self.containers.get_mut(&exit.container_cgroup) else {
-            debug!(pod = %name, cgroup = exit.container_cgroup, "exit in an unknown container cgroup");
+            debug!(pod = %self.name(), cgroup = exit.container_cgroup, "exit in an unknown container cgroup");
             return Vec::new();
         };
         if c.end.is_some() {

@@ -344,6 +344,10 @@ fn read_stamp(path: &Path) -> Option<u64> {
 /// How long the Job's app runs in [3] and [5]: a short Job, over before the API names it.
 const JOB_MS: &str = "300";
 
+/// The in-pod wrapper's arguments before the app's command: the port and path it POSTs to once
+/// the app exited (Istio's quit endpoint).
+const WRAPPER_ARGS: [&str; 3] = ["15020", "/quitquitquit", "--"];
+
 /// The agent's default `--ready-probe-interval`: every pod whose proxy was seen ready is probed
 /// again once per interval, all in the same round. An idle figure is measured over one whole
 /// interval, so that it holds one round, as the agent's average does; a shorter window counts
@@ -444,11 +448,12 @@ fn quit_latency(runs: usize, table: &mut Table) -> Result<()> {
         }
         let stamp = node.scratch.path(&format!("stamp-{with_valet}-{i}"));
         let stamp_s = stamp.to_str().context("path")?.to_owned();
-        let cmd: Vec<&str> = if with_valet {
-            vec![&app, &stamp_s, "0", JOB_MS]
-        } else {
-            vec![&wrapper, "15020", "/quitquitquit", "--", &app, &stamp_s, "0", JOB_MS]
-        };
+        let mut cmd: Vec<&str> = Vec::new();
+        if !with_valet {
+            cmd.push(&wrapper);
+            cmd.extend(WRAPPER_ARGS);
+        }
+        cmd.extend([app.as_str(), &stamp_s, "0", JOB_MS]);
         job.start_app("app", &cmd, &SpawnOptions::default())?;
         if job.wait_proxy_exit(Duration::from_secs(5))?.is_none() {
             bail!("run {i}: proxy still running\n{}", agent.log_text());
@@ -897,10 +902,7 @@ fn held_together(pods: usize, rounds: usize, table: &mut Table) -> Result<()> {
                 }
             }
         }
-        for (job, ..) in &jobs {
-            node.api.delete_pod("jobs", &job.name).ok();
-        }
-        drop_jobs(jobs.into_iter().map(|j| j.0).collect());
+        remove_jobs(&node, jobs.into_iter().map(|j| j.0).collect());
         agent.wait_tracked(0, Duration::from_secs(30))?;
     }
     let r = (!released.is_empty()).then(|| report("released (SIGCONT sent) after its proxy is ready", released));
@@ -1107,6 +1109,14 @@ fn make_pods(node: &Node, tag: &str, n: usize, labelled: bool) -> Result<Vec<Job
     })
 }
 
+/// Deletes the pods from the API, then tears them down ([`drop_jobs`]).
+fn remove_jobs(node: &Node, jobs: Vec<JobPod>) {
+    for job in &jobs {
+        node.api.delete_pod("jobs", &job.name).ok();
+    }
+    drop_jobs(jobs);
+}
+
 /// Tears pods down a few at a time.
 fn drop_jobs(jobs: Vec<JobPod>) {
     let mut lanes: Vec<Vec<JobPod>> = (0..LANES).map(|_| Vec::new()).collect();
@@ -1144,7 +1154,11 @@ impl Burst {
         for (i, job) in jobs.iter_mut().enumerate() {
             let stamp = node.scratch.path(&format!("{tag}-{i}"));
             let stamp_s = stamp.to_str().context("path")?;
-            let mut cmd = if wrapped { vec![wrapper, "15020", "/quitquitquit", "--"] } else { Vec::new() };
+            let mut cmd = Vec::new();
+            if wrapped {
+                cmd.push(wrapper);
+                cmd.extend(WRAPPER_ARGS);
+            }
             cmd.extend([app, stamp_s, "0", &run_ms]);
             job.start_app("app", &cmd, &SpawnOptions::default())?;
             stamps.push(stamp);
@@ -1199,10 +1213,7 @@ fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
     // Jobs' below have.
     let mut wrapped = Burst::start(&node, "wrapped", plan.jobs, Duration::from_secs(10), true)?;
     let (wrapper_quits, wrapper_lost) = wrapped.quits()?;
-    for job in &wrapped.jobs {
-        node.api.delete_pod("jobs", &job.name).ok();
-    }
-    drop_jobs(wrapped.jobs);
+    remove_jobs(&node, wrapped.jobs);
     // The kubelet's reports of their ends (~1 s after), before the opted-in burst.
     std::thread::sleep(Duration::from_secs(2));
     // The Jobs: pods made in a burst, then every app started within one second; each runs past
@@ -1309,10 +1320,7 @@ fn soak(plan: &Plan, table: &mut Table) -> Result<()> {
             }
         }
         lap(2);
-        for job in &jobs {
-            node.api.delete_pod("jobs", &job.name).ok();
-        }
-        drop_jobs(jobs);
+        remove_jobs(&node, jobs);
         // The fake API server runs in this process and records every request for tests to
         // inspect: kept, the record would grow by ~150 kB a Job and slow every fork.
         node.api.clear_requests();
