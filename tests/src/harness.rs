@@ -52,13 +52,14 @@ fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// A scratch directory removed on drop.
+/// A scratch directory removed on drop, on a tmpfs like a node's `/run` where the host has one
+/// ([`valet_sim::util::state_base`]): the runtime's bundles and the stand-ins' event files live here.
 pub struct Scratch(pub PathBuf);
 
 impl Scratch {
     pub fn new(tag: &str) -> Result<Scratch> {
-        let dir =
-            std::env::temp_dir().join(format!("valet-{tag}-{}-{}", std::process::id(), valet_sim::util::random_hex(4)));
+        let name = format!("valet-{tag}-{}-{}", std::process::id(), valet_sim::util::random_hex(4));
+        let dir = valet_sim::util::state_base().join(name);
         std::fs::create_dir_all(&dir)?;
         Ok(Scratch(dir))
     }

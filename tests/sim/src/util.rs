@@ -88,6 +88,35 @@ pub fn monotonic_ns() -> u64 {
     (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// A directory on a tmpfs for the simulated node's runtime state, as a real node keeps its
+/// runtime's state in `/run` (a tmpfs there): `/run` when it is a tmpfs, else `/dev/shm`, else the
+/// temp dir. Some hosts have `/run` and `/tmp` on their root disk, where making and removing
+/// thousands of small files (bundles, leases, event files) costs ext4 inode searches that
+/// dominated the benchmarks' pod setup.
+pub fn state_base() -> std::path::PathBuf {
+    static BASE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BASE.get_or_init(|| {
+        ["/run", "/dev/shm"]
+            .into_iter()
+            .map(std::path::PathBuf::from)
+            .find(|p| is_tmpfs(p))
+            .unwrap_or_else(std::env::temp_dir)
+    })
+    .clone()
+}
+
+/// Whether `path` is on a tmpfs.
+pub fn is_tmpfs(path: &std::path::Path) -> bool {
+    use std::os::unix::ffi::OsStrExt as _;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: `statfs` is plain old data, for which all zeroes is a valid value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and out-pointer.
+    unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type == libc::TMPFS_MAGIC }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,6 +128,14 @@ mod tests {
         assert_eq!(&u[14..15], "4");
         assert!(matches!(&u[19..20], "8" | "9" | "a" | "b"));
         assert_ne!(u, uuid_v4());
+    }
+
+    #[test]
+    fn state_base_is_a_tmpfs_when_the_host_has_one() {
+        assert!(is_tmpfs(std::path::Path::new("/dev/shm")) || !std::path::Path::new("/dev/shm").is_dir());
+        let base = state_base();
+        assert!(is_tmpfs(&base) || base == std::env::temp_dir(), "{}", base.display());
+        assert!(!is_tmpfs(std::path::Path::new("/proc")));
     }
 
     #[test]

@@ -149,6 +149,8 @@ fn istio_pod(driver: CgroupDriver, qos: QosClass, runtime: Runtime) {
     drop(pod);
     assert!(!pod_cg.exists(), "pod cgroup removed");
     assert!(!netns.exists(), "netns removed");
+    // The kernel removes the pair with the namespace, in its own time.
+    wait_link_gone(&host_if);
     let links = std::process::Command::new("ip").args(["-o", "link"]).output().expect("ip link");
     assert!(!String::from_utf8_lossy(&links.stdout).contains(&host_if));
     let nss = std::process::Command::new("ip").args(["netns", "list"]).output().expect("ip netns");
@@ -256,6 +258,44 @@ fn kill_and_no_pid_namespace_and_pause() {
     assert_eq!(std::os::unix::process::ExitStatusExt::signal(&st), Some(libc::SIGKILL));
 }
 
+/// Container processes start through `valet-sim-exec` (posix_spawn, not a fork of the test
+/// process): pid 1 of its namespace under it, as a container's init is under its shim; the
+/// status mirrors how the process ended; a failure before the exec fails the spawn with its cause.
+#[test]
+fn container_processes_start_through_valet_sim_exec() {
+    if !root() {
+        return;
+    }
+    let helper = valet_sim::node::exec_helper().expect("valet-sim-exec is built next to the tests");
+    assert_eq!(helper.file_name().and_then(|f| f.to_str()), Some("valet-sim-exec"));
+    let pod =
+        SimPod::create(SimPodOptions::new("exec").container("app").container("late").lazy_cgroups(true)).expect("pod");
+    pod.make_container_cgroup(&pod.container("app").expect("app")).expect("cgroup");
+    let mut p = pod.spawn("app", &["sleep", "30"], &SpawnOptions::default()).expect("spawn");
+    let status = std::fs::read_to_string(format!("/proc/{}/status", p.host_pid())).expect("status");
+    let ppid = status.lines().find_map(|l| l.strip_prefix("PPid:")).expect("PPid").trim().to_string();
+    let parent = std::fs::read_to_string(format!("/proc/{ppid}/comm")).expect("comm");
+    assert_eq!(parent.trim(), "valet-sim-exec");
+    assert_eq!(nspid(p.host_pid()), format!("{} 1", p.host_pid()));
+    let st = p.kill().expect("kill");
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&st), Some(libc::SIGKILL));
+    let mut code = pod.spawn("app", &["sh", "-c", "exit 7"], &SpawnOptions::default()).expect("spawn");
+    assert_eq!(code.wait_timeout(T).expect("wait").and_then(|s| s.code()), Some(7));
+
+    for pid_namespace in [true, false] {
+        let o = SpawnOptions { pid_namespace, ..Default::default() };
+        let e = pod.spawn("app", &["/nonexistent/valet-prog"], &o).expect_err("no such program");
+        let text = format!("{e:#}");
+        assert!(text.contains("exec /nonexistent/valet-prog") && text.contains("No such file"), "{text}");
+        let e = pod.spawn("late", &["true"], &o).expect_err("no cgroup yet");
+        let text = format!("{e:#}");
+        assert!(text.contains("cgroup.procs") && text.contains("No such file"), "{text}");
+    }
+    // Nothing was left running in the container's cgroup.
+    let procs = pod.container_cgroup_path("app").expect("path").join("cgroup.procs");
+    assert_eq!(std::fs::read_to_string(procs).expect("procs").trim(), "");
+}
+
 #[test]
 fn stale_leases_of_dead_processes_are_reaped() {
     if !root() {
@@ -271,12 +311,13 @@ fn stale_leases_of_dead_processes_are_reaped() {
     let pid = dead.id();
     dead.wait().expect("wait");
     let lease = serde_json::json!({"pid": pid, "start": 1, "dirs": [dir], "shared": [], "netns": ns, "host_if": null});
-    std::fs::create_dir_all("/run/valet-sim/leases").expect("mkdir");
-    std::fs::write(format!("/run/valet-sim/leases/{short}"), lease.to_string()).expect("lease");
+    let leases = valet_sim::node::lease_dir();
+    std::fs::create_dir_all(&leases).expect("mkdir");
+    std::fs::write(leases.join(&short), lease.to_string()).expect("lease");
     valet_sim::node::reap_stale_leases();
     assert!(!dir.exists());
     assert!(!Path::new(&format!("/run/netns/{ns}")).exists());
-    assert!(!Path::new(&format!("/run/valet-sim/leases/{short}")).exists());
+    assert!(!leases.join(&short).exists());
 }
 
 /// Pods made at once (threads here; test processes alike) each get their own subnet, and a
@@ -301,7 +342,7 @@ fn pods_made_at_once_get_their_own_subnets_and_dead_claims_are_taken_over() {
     drop(pods);
 
     // Every unclaimed subnet claimed by a process that does not exist: a new pod still gets one.
-    let dir = Path::new("/run/valet-sim/subnets");
+    let dir = valet_sim::node::subnet_dir();
     let dead = "0 1";
     let mut planted = Vec::new();
     for n in 1..=254u8 {
@@ -321,6 +362,19 @@ fn pods_made_at_once_get_their_own_subnets_and_dead_claims_are_taken_over() {
     let pod = pod.expect("a pod on a subnet whose claim's owner is gone");
     let claim = dir.join(subnet(&pod)[2].to_string());
     assert_ne!(std::fs::read_to_string(&claim).expect("the pod's claim"), dead);
+    let host_if = pod.host_interface().expect("host interface").to_string();
     drop(pod);
-    assert!(!claim.exists(), "the claim goes with the pod");
+    // Released at once; handed out again only once the kernel removed the device with the pod's
+    // namespace (claim_state's unit test covers a device that is still there).
+    assert_eq!(std::fs::read_to_string(&claim).expect("the claim"), format!("released {host_if}"));
+    wait_link_gone(&host_if);
+}
+
+/// Waits until the host's end of a dropped pod's veth pair is gone (up to 10 s).
+fn wait_link_gone(host_if: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while Path::new("/sys/class/net").join(host_if).exists() {
+        assert!(std::time::Instant::now() < deadline, "{host_if} outlived its namespace by 10 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
