@@ -59,7 +59,11 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let listener = server::bind(cfg.metrics_addr).await?;
     tokio::spawn(server::serve(listener, metrics.clone(), health.clone()));
 
-    let client = kube::Client::try_default().await.context("Kubernetes client (in-cluster or KUBECONFIG)")?;
+    let config = kube::Config::infer().await.context("Kubernetes client config (in-cluster or KUBECONFIG)")?;
+    let client = kube::Client::try_from(config.clone()).context("Kubernetes client (in-cluster or KUBECONFIG)")?;
+    let writes = valet_agent::api::writes_client(
+        kube::client::ClientBuilder::try_from(config).context("Kubernetes client (in-cluster or KUBECONFIG)")?,
+    );
 
     // VALET_CGROUP_ANCESTORS=auto|helper|walk: how the kernel programs find a process's pod
     // cgroup (auto: the helper where the kernel allows it, else a walk up the cgroup tree).
@@ -91,8 +95,8 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         RuntimeBundles::new(cfg.runtime_dirs()),
         programs,
         Arc::new(PodNetwork::new(cfg.host_proc.clone(), cgroups)),
-        client.clone(),
-        EventSink::new(client.clone(), &cfg.node_name),
+        writes.clone(),
+        EventSink::new(writes, &cfg.node_name),
         metrics,
         reports_tx,
     );
