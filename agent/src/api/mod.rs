@@ -14,9 +14,10 @@ use kube::client::ClientBuilder;
 /// followed the largest burst seen. The others wait their turn in the client's queue.
 pub const MAX_WRITES_IN_FLIGHT: usize = 4;
 
-/// How long a write may take once sent. A hung API server otherwise held a slot (and the pod's
-/// next condition write) for the client's read timeout, 295 s; a write that fails is retried at
-/// the pod's next probe result.
+/// How long a write may take once sent. kube's client has no read timeout (only a 30 s connect
+/// and a 295 s write timeout), so an API server that took a request and never answered held the
+/// pod's next condition write, and now would hold a slot, for as long as it hung; a write that
+/// fails is retried at the pod's next probe result.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The client the agent writes with: `builder`'s stack with at most [`MAX_WRITES_IN_FLIGHT`]
