@@ -9,7 +9,6 @@ use std::io;
 use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
 use std::os::unix::fs::MetadataExt as _;
-use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
@@ -434,30 +433,25 @@ impl Drop for SimProcess {
     }
 }
 
-/// `valet-sim-exec` (see [`SimPod::spawn`]): `$VALET_SIM_EXEC`, else next to the running
-/// executable (`target/<profile>/`, also from `target/<profile>/deps/`) or to the stand-in proxy.
-/// Without it, container processes are started by a fork of this process, as before.
-pub fn exec_helper() -> Option<&'static Path> {
+/// `valet-sim-exec`, which starts every container process (see [`SimPod::spawn`]):
+/// `$VALET_SIM_EXEC`, else next to the running executable (`target/<profile>/`, also from
+/// `target/<profile>/deps/`) or to the stand-in proxy.
+pub fn exec_helper() -> Result<&'static Path> {
     static HELPER: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
     HELPER
         .get_or_init(|| {
             if let Some(p) = std::env::var_os("VALET_SIM_EXEC") {
                 return Some(PathBuf::from(p));
             }
-            let exe = std::env::current_exe().ok();
-            let standin = crate::standin::binary_path().ok();
-            let dirs = [
-                exe.as_deref().and_then(Path::parent),
-                exe.as_deref().and_then(Path::parent).and_then(Path::parent),
-                standin.as_deref().and_then(Path::parent),
-            ];
-            let found = dirs.into_iter().flatten().map(|d| d.join("valet-sim-exec")).find(|p| p.is_file());
-            if found.is_none() {
-                eprintln!("valet-sim: valet-sim-exec not found (build valet-sim's bins): starting processes by fork");
-            }
-            found
+            util::next_to_exe("valet-sim-exec").or_else(|| {
+                let standin = crate::standin::binary_path().ok()?;
+                Some(standin.parent()?.join("valet-sim-exec")).filter(|p| p.is_file())
+            })
         })
         .as_deref()
+        .ok_or_else(|| {
+            anyhow!("valet-sim-exec not found: build it (`cargo build -p valet-sim --bins`) or set VALET_SIM_EXEC")
+        })
 }
 
 /// Cgroup directories shared by pods of this process (`kubepods.slice`, the QoS level) with the
@@ -839,106 +833,16 @@ impl SimPod {
     /// Starts `cmd` as a process of `container` (`POD` = the sandbox): it joins the container's
     /// cgroup and the pod's netns before exec, and with `pid_namespace` it is pid 1 of a new
     /// pid namespace while the returned handle holds its host pid and can wait for its status.
+    /// The steps before the exec run in `valet-sim-exec`, which std starts with `posix_spawn` (a
+    /// vfork), not in a fork of this (large, many-threaded) process.
     pub fn spawn(&self, container: &str, cmd: &[&str], opts: &SpawnOptions) -> Result<SimProcess> {
+        let helper = exec_helper()?;
         let c = self.container(container)?;
         let (prog, args) = cmd.split_first().ok_or_else(|| anyhow!("empty command"))?;
         let procs_path = c.cgroup.join("cgroup.procs");
-        if let Some(helper) = exec_helper() {
-            return self.spawn_through(helper, container, &procs_path, prog, args, opts);
-        }
-        let procs =
-            File::options().write(true).open(&procs_path).with_context(|| format!("open {}", procs_path.display()))?;
-        let netns = match self.netns_path() {
-            Some(p) => Some(File::open(p).with_context(|| format!("open {}", p.display()))?),
-            None => None,
-        };
-        let mut command = Command::new(prog);
-        command.args(args).stdin(Stdio::null()).stdout(opts.stdout.stdio()?).stderr(opts.stderr.stdio()?);
-        for (k, v) in &opts.env {
-            command.env(k, v);
-        }
-        if let Some(d) = &opts.cwd {
-            command.current_dir(d);
-        }
-        let procs_fd = procs.as_raw_fd();
-        let ns_fd = netns.as_ref().map(|f| f.as_raw_fd());
-        let run_as = opts.uid;
-        let delay = opts
-            .exec_delay
-            .map(|d| libc::timespec { tv_sec: d.as_secs() as libc::time_t, tv_nsec: d.subsec_nanos() as libc::c_long });
-        // SAFETY: between fork and exec only async-signal-safe syscalls on fds opened beforehand
-        // (they are O_CLOEXEC, so the program never sees them).
-        unsafe {
-            command.pre_exec(move || {
-                // "0" means the writing process itself, whatever pid namespace it is in.
-                if libc::write(procs_fd, b"0".as_ptr().cast(), 1) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                if let Some(fd) = ns_fd
-                    && libc::setns(fd, libc::CLONE_NEWNET) != 0
-                {
-                    return Err(io::Error::last_os_error());
-                }
-                if let Some(id) = run_as
-                    && (libc::setgroups(0, std::ptr::null()) != 0
-                        || libc::setresgid(id, id, id) != 0
-                        || libc::setresuid(id, id, id) != 0)
-                {
-                    return Err(io::Error::last_os_error());
-                }
-                // Own session: ^C in the test's terminal must not reach the container.
-                libc::setsid();
-                if let Some(ts) = delay {
-                    let mut left = ts;
-                    while libc::nanosleep(&left, &mut left) != 0 {}
-                }
-                Ok(())
-            });
-        }
-        let child = if opts.pid_namespace {
-            // unshare(CLONE_NEWPID) affects the children of the calling thread only, so fork from
-            // a throwaway thread: its first child becomes pid 1 of the new namespace.
-            std::thread::scope(|s| {
-                s.spawn(|| -> io::Result<Child> {
-                    // SAFETY: plain syscall; only this thread's pid_for_children changes.
-                    if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                    command.spawn()
-                })
-                .join()
-                .map_err(|_| io::Error::other("spawn thread panicked"))?
-            })
-        } else {
-            command.spawn()
-        }
-        .with_context(|| format!("spawn {prog} in {}/{container}", self.name))?;
-        drop(procs);
-        drop(netns);
-        Ok(SimProcess {
-            host_pid: child.id(),
-            child,
-            target: Target::Child,
-            pid_namespace: opts.pid_namespace,
-            container: container.to_string(),
-            status: None,
-        })
-    }
-
-    /// [`SimPod::spawn`] through `valet-sim-exec`, which std starts with `posix_spawn` (a vfork):
-    /// the steps before the exec run in that small program, not in a fork of this process.
-    fn spawn_through(
-        &self,
-        helper: &Path,
-        container: &str,
-        procs_path: &Path,
-        prog: &str,
-        args: &[&str],
-        opts: &SpawnOptions,
-    ) -> Result<SimProcess> {
         let (mut status, status_w) = io::pipe().context("pipe")?;
         let mut command = Command::new(helper);
-        command.arg("--cgroup-procs").arg(procs_path);
+        command.arg("--cgroup-procs").arg(&procs_path);
         if let Some(p) = self.netns_path() {
             command.arg("--netns").arg(p);
         }

@@ -543,15 +543,8 @@ pub fn binary_path() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("VALET_STANDIN_PROXY") {
         return Ok(PathBuf::from(p));
     }
-    let exe = std::env::current_exe().context("current_exe")?;
-    let mut dir = exe.parent();
-    for _ in 0..2 {
-        let Some(d) = dir else { break };
-        let candidate = d.join("valet-standin-proxy");
-        if candidate.is_file() {
-            return Ok(candidate);
-        }
-        dir = d.parent();
+    if let Some(p) = crate::util::next_to_exe("valet-standin-proxy") {
+        return Ok(p);
     }
     bail!(
         "valet-standin-proxy not found: build it (`cargo build -p valet-sim --bin valet-standin-proxy`) or set VALET_STANDIN_PROXY"

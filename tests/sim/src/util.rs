@@ -88,6 +88,13 @@ pub fn monotonic_ns() -> u64 {
     (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// A binary built beside the running executable: in its directory (`target/<profile>/`) or the
+/// one above (from `target/<profile>/deps/`, where tests run).
+pub fn next_to_exe(name: &str) -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    exe.ancestors().skip(1).take(2).map(|d| d.join(name)).find(|p| p.is_file())
+}
+
 /// A directory on a tmpfs for the simulated node's runtime state, as a real node keeps its
 /// runtime's state in `/run` (a tmpfs there): `/run` when it is a tmpfs, else `/dev/shm`, else the
 /// temp dir. Some hosts have `/run` and `/tmp` on their root disk, where making and removing
