@@ -16,7 +16,7 @@ use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use tracing::{debug, info, warn};
 
 use super::decide::{AppState, Decision, ExitOutcome, IgnoreReason, Observed, SidecarState, decide};
-use super::spec::{PodPlan, SidecarDefaults, plan};
+use super::spec::{Endpoint, PodPlan, SidecarDefaults, plan};
 use super::status::{self, hex_id, pod_name};
 use crate::api::condition::{self, ProxyReady};
 use crate::effect::{ContainerSeen, Count, Effect, ExitSeen, Feedback, HeldSeen, LeftHeld, Nanos, Pace, RuntimeName};
@@ -37,6 +37,21 @@ pub struct Rules {
     pub defaults: SidecarDefaults,
     /// SIGTERM a sidecar still running this long after it accepted a quit; `None`: never signal.
     pub escalate_after: Option<Duration>,
+}
+
+/// A quit to send the moment a container's end is read from the kernel ([`PodState::quit_ahead`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuitAhead {
+    pub uid: String,
+    pub pod_rel: String,
+    /// The watched pod cgroup the end must be reported under.
+    pub pod_cgroup: u64,
+    /// The container whose end completes the pod's work.
+    pub container_cgroup: u64,
+    /// The endpoints to quit when it ends with `exit(0)`.
+    pub on_success: Vec<Endpoint>,
+    /// The endpoints to quit when it ends any other way (a code, a signal, or unknown).
+    pub on_failure: Vec<Endpoint>,
 }
 
 /// A container cgroup of the pod.
@@ -302,6 +317,57 @@ impl PodState {
         let mut fx = vec![Effect::Count(Count::ContainerEnd(exit.end))];
         fx.extend(self.step(now));
         fx
+    }
+
+    /// The quit this pod's state machine would send the moment one more container ends, when
+    /// that is already certain: [`PodState::exit`] on that container would decide to quit these
+    /// sidecars through their endpoints, and the pod's network is open. The kernel event reader
+    /// sends it from there as soon as the end is read, before the event reaches the loop (see
+    /// `act::ahead`); the loop's own transition then takes that request over. `None` whenever
+    /// anything else could happen on that end: more than one app left, a restart policy that
+    /// depends on how it ends and no quit either way, a sidecar quit by signal only, a pod done,
+    /// deleting, shutting down or released.
+    pub fn quit_ahead(&self) -> Option<QuitAhead> {
+        let plan = self.plan.as_ref()?;
+        if self.finished || self.released || self.shutting_down || !self.network_open || plan.deleting {
+            return None;
+        }
+        let (pod_rel, pod_cgroup) = self.pod_cgroup.as_ref()?;
+        if self.pod.as_ref().is_some_and(status::terminal) {
+            return None;
+        }
+        // Only an app still running can be the one whose end completes the work.
+        let mut running = plan.apps.iter().filter(|a| !matches!(self.app_state(a), AppState::Exited(_)));
+        let (Some(app), None) = (running.next(), running.next()) else { return None };
+        let instance = self.current(app)?;
+        let (&container_cgroup, _) = self.containers.iter().find(|(_, c)| c.id == instance.id && c.end.is_none())?;
+        let observed = self.observe(plan);
+        if !matches!(decide(plan, &observed), Decision::Wait(_)) {
+            return None;
+        }
+        let quits = |ended: ExitOutcome| -> Vec<Endpoint> {
+            match decide(plan, &self.observe_assuming(plan, Some((&instance.id, ended)))) {
+                Decision::Quit(sidecars) => sidecars
+                    .iter()
+                    // A sidecar quit before (an earlier instance) goes through the loop.
+                    .filter(|name| !self.quits.contains_key(*name))
+                    .filter_map(|name| plan.sidecars.iter().find(|s| &s.name == name)?.quit.clone())
+                    .collect(),
+                _ => Vec::new(),
+            }
+        };
+        let (on_success, on_failure) = (quits(ExitOutcome::Code(0)), quits(ExitOutcome::Code(1)));
+        if on_success.is_empty() && on_failure.is_empty() {
+            return None;
+        }
+        Some(QuitAhead {
+            uid: self.uid.clone(),
+            pod_rel: pod_rel.clone(),
+            pod_cgroup: *pod_cgroup,
+            container_cgroup,
+            on_success,
+            on_failure,
+        })
     }
 
     /// Whether the container's end was seen already.
@@ -951,12 +1017,18 @@ impl PodState {
 
     /// Merges the API's view and the kernel's into the decision's input.
     fn observe(&self, plan: &PodPlan) -> Observed {
+        self.observe_assuming(plan, None)
+    }
+
+    /// What [`PodState::observe`] would see once the container instance `assumed.0` ended as
+    /// `assumed.1` (the kernel's word for it, as [`PodState::exit`] records it).
+    fn observe_assuming(&self, plan: &PodPlan, assumed: Option<(&str, ExitOutcome)>) -> Observed {
         let mut observed = Observed::default();
         for name in &plan.apps {
-            observed.apps.insert(name.clone(), self.app_state(name));
+            observed.apps.insert(name.clone(), self.app_state_assuming(name, assumed));
         }
         for sidecar in &plan.sidecars {
-            let state = match self.app_state(&sidecar.name) {
+            let state = match self.app_state_assuming(&sidecar.name, assumed) {
                 AppState::Exited(_) => SidecarState::Exited,
                 AppState::Running => SidecarState::Running,
                 AppState::Waiting => SidecarState::Unknown,
@@ -978,12 +1050,21 @@ impl PodState {
     /// The state of a container's current instance. The API has the last word on an instance it
     /// reports terminated; the kernel is faster for everything else.
     fn app_state(&self, name: &str) -> AppState {
+        self.app_state_assuming(name, None)
+    }
+
+    fn app_state_assuming(&self, name: &str, assumed: Option<(&str, ExitOutcome)>) -> AppState {
         let Some(instance) = self.current(name) else { return AppState::Waiting };
         if let Some(t) = instance.api.and_then(|s| s.state.as_ref()).and_then(|s| s.terminated.as_ref()) {
             return AppState::Exited(ExitOutcome::Code(t.exit_code));
         }
         if let Some(end) = self.kernel_end(&instance.id) {
             return AppState::Exited(outcome(end.end));
+        }
+        if let Some((id, ended)) = assumed
+            && id == instance.id
+        {
+            return AppState::Exited(ended);
         }
         match instance.api.and_then(|s| s.state.as_ref()) {
             Some(s) if s.running.is_some() => AppState::Running,
@@ -1359,6 +1440,97 @@ mod tests {
             assert!(has(&fx, &Effect::ForgetContainer { container_cgroup: cg }), "{cg}: {fx:?}");
         }
         assert!(d.after(20_000).is_empty(), "the sidecar ended: no escalation");
+    }
+
+    fn quit_endpoints(fx: &[Effect]) -> Vec<Endpoint> {
+        fx.iter()
+            .filter_map(|e| match e {
+                Effect::Quit { endpoint, .. } => Some(endpoint.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// What is armed ahead is exactly what the end then decides: the same endpoints, for each
+    /// way the app can end, under each restart policy; and nothing once the work is done.
+    #[test]
+    fn the_quit_armed_ahead_is_the_quit_the_end_then_decides() {
+        let ends = [
+            Some(ProcessEnd::Exited(0)),
+            Some(ProcessEnd::Exited(1)),
+            Some(ProcessEnd::Signaled { signal: 9, core_dumped: false }),
+            None,
+        ];
+        for policy in ["Never", "OnFailure"] {
+            for end in ends {
+                let mut d = Drive::new(true);
+                d.found(pod(policy, &[], &[]));
+                d.feed(Feedback::Network { ok: false, detail: "no process yet".into() });
+                assert_eq!(d.s.quit_ahead(), None, "not while the pod's network is not open");
+                d.feed(Feedback::Network { ok: true, detail: String::new() });
+                let arm = d.s.quit_ahead().expect("armed once the network is open");
+                assert_eq!((arm.uid.as_str(), arm.pod_cgroup, arm.container_cgroup), (fixtures::UID, POD_CG, APP));
+                assert_eq!(arm.pod_rel, POD_REL);
+                let istio = vec![Endpoint { port: 15020, path: "/quitquitquit".into() }];
+                assert_eq!(arm.on_success, istio, "{policy}");
+                let on_failure = if policy == "Never" { istio.clone() } else { Vec::new() };
+                assert_eq!(arm.on_failure, on_failure, "{policy}: the kubelet restarts a failed app");
+                let armed = if end == Some(ProcessEnd::Exited(0)) { &arm.on_success } else { &arm.on_failure };
+                let fx = d.s.exit(ExitSeen { container_cgroup: APP, tgid: 7, end, ktime: d.now }, d.now);
+                assert_eq!(&quit_endpoints(&fx), armed, "{policy} {end:?}: {fx:?}");
+                if !armed.is_empty() {
+                    assert_eq!(d.s.quit_ahead(), None, "{policy} {end:?}: the work is done");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_quit_is_armed_ahead_only_when_one_end_can_complete_the_work() {
+        let network = || Feedback::Network { ok: true, detail: String::new() };
+        // Two apps: neither end alone completes the work; once one has ended, the other's does.
+        let two_apps = || {
+            let mut json = serde_json::to_value(pod("Never", &[], &[])).unwrap_or_default();
+            if let Some(containers) = json["spec"]["containers"].as_array_mut() {
+                containers.push(json!({"name": "upload", "image": "example/upload:1"}));
+            }
+            fixtures::from_json(json)
+        };
+        let mut d = Drive::new(true);
+        d.found(two_apps());
+        d.feed(Feedback::Containers(vec![seen(APP2, named("upload"))]));
+        d.feed(network());
+        assert_eq!(d.s.quit_ahead(), None, "two apps running");
+        assert!(quit_endpoints(&d.exit(APP2, 0)).is_empty());
+        assert_eq!(d.s.quit_ahead().map(|a| a.container_cgroup), Some(APP), "the last app running");
+
+        // Deleting, terminal, released, shutting down: nothing armed.
+        let mut d = Drive::new(true);
+        d.found(pod("Never", &[], &[]));
+        d.feed(network());
+        assert!(d.s.quit_ahead().is_some());
+        let mut json = serde_json::to_value(pod("Never", &[], &[])).unwrap_or_default();
+        json["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        d.pod(fixtures::from_json(json));
+        assert_eq!(d.s.quit_ahead(), None, "deleting");
+
+        let mut d = Drive::new(true);
+        d.found(pod("Never", &[], &[]));
+        d.feed(network());
+        d.s.shutdown();
+        assert_eq!(d.s.quit_ahead(), None, "shutting down");
+
+        let mut d = Drive::new(true);
+        d.found(pod("Never", &[], &[]));
+        d.feed(network());
+        d.s.removed();
+        assert_eq!(d.s.quit_ahead(), None, "released");
+
+        // The API already reports the app's end: nothing left to arm.
+        let mut d = Drive::new(true);
+        d.found(pod("Never", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &[]));
+        d.feed(network());
+        assert_eq!(d.s.quit_ahead(), None, "already done");
     }
 
     #[test]
