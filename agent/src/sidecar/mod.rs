@@ -57,6 +57,21 @@ pub trait SidecarLink: Send + Sync + 'static {
     fn standby(&self, target: &PodTarget, port: u16) {
         let _ = (target, port);
     }
+    /// Sends `POST path` at once, in one non-blocking write, on the connection [`standby`] kept
+    /// to `port` of pod `uid`, from any thread; whether it went out (no kept connection, or one
+    /// the server closed: no). The next quit request to that port takes the connection over
+    /// with what was written, and reads the answer.
+    ///
+    /// [`standby`]: SidecarLink::standby
+    fn send_ahead(&self, uid: &str, port: u16, path: &str) -> bool {
+        let _ = (uid, port, path);
+        false
+    }
+    /// Drops the requests sent ahead to pod `uid` that no quit request took over; how many.
+    fn drop_sent_ahead(&self, uid: &str) -> usize {
+        let _ = uid;
+        0
+    }
     /// Whether the pod's network namespace is open (the held pods' prober connects only there;
     /// other pods keep being probed by their loops, through the pod IP if need be).
     fn netns_open(&self, uid: &str) -> bool {

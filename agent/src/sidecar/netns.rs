@@ -110,6 +110,8 @@ impl PodNetns {
 
 /// Connections kept open, by pod uid and port on the pod's loopback.
 type Kept = Arc<Mutex<HashMap<(String, u16), tokio::net::TcpStream>>>;
+/// Quit requests sent ahead on a kept connection, with how many bytes of them went out.
+type Ahead = Mutex<HashMap<(String, u16), (tokio::net::TcpStream, usize)>>;
 
 /// Open pod network namespaces, by pod uid.
 type Open = Arc<Mutex<HashMap<String, Arc<PodNetns>>>>;
@@ -136,6 +138,7 @@ pub struct PodNetwork {
     cgroups: CgroupFs,
     open: Open,
     kept: Kept,
+    ahead: Ahead,
 }
 
 impl PodNetwork {
@@ -145,6 +148,7 @@ impl PodNetwork {
             cgroups,
             open: Arc::new(Mutex::new(HashMap::new())),
             kept: Arc::new(Mutex::new(HashMap::new())),
+            ahead: Mutex::new(HashMap::new()),
         }
     }
 
@@ -196,6 +200,34 @@ impl SidecarLink for PodNetwork {
         // In this order (see `keep`): nothing is kept for the pod once this returns.
         self.open.lock().unwrap_or_else(PoisonError::into_inner).remove(uid);
         self.kept.lock().unwrap_or_else(PoisonError::into_inner).retain(|(u, _), _| u != uid);
+        self.drop_sent_ahead(uid);
+    }
+
+    fn send_ahead(&self, uid: &str, port: u16, path: &str) -> bool {
+        let Some(stream) = self.take_kept(uid, port, true) else { return false };
+        let req = http::request_text(SocketAddr::from((Ipv4Addr::LOCALHOST, port)), "POST", path, false);
+        match stream.try_write(req.as_bytes()) {
+            Ok(n) if n > 0 => {
+                self.ahead.lock().unwrap_or_else(PoisonError::into_inner).insert((uid.to_owned(), port), (stream, n));
+                true
+            }
+            // Nothing written: the connection stays kept, and the quit goes the usual way.
+            _ => {
+                self.kept
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .entry((uid.to_owned(), port))
+                    .or_insert(stream);
+                false
+            }
+        }
+    }
+
+    fn drop_sent_ahead(&self, uid: &str) -> usize {
+        let mut ahead = self.ahead.lock().unwrap_or_else(PoisonError::into_inner);
+        let before = ahead.len();
+        ahead.retain(|(u, _), _| u != uid);
+        before - ahead.len()
     }
 
     fn standby(&self, target: &PodTarget, port: u16) {
@@ -238,7 +270,17 @@ impl SidecarLink for PodNetwork {
     ) -> Pending<Result<Response, Failed>> {
         // Probes keep their connection; a quit is the connection's last request.
         let reuse = method == "GET";
-        let kept_conn = if fresh { None } else { self.take_kept(&target.uid, port, !reuse) };
+        // A quit the event reader sent ahead on the kept connection: taken over, answer and all.
+        let ahead = match (fresh, reuse) {
+            (false, false) => {
+                self.ahead.lock().unwrap_or_else(PoisonError::into_inner).remove(&(target.uid.clone(), port))
+            }
+            _ => None,
+        };
+        let (kept_conn, ahead_sent) = match ahead {
+            Some((stream, sent)) => (Some(stream), Some(sent)),
+            None => (if fresh { None } else { self.take_kept(&target.uid, port, !reuse) }, None),
+        };
         // The namespace only when there is no connection to use (looked up now: the future
         // cannot borrow this link).
         let netns = if kept_conn.is_none() || !reuse {
@@ -249,8 +291,9 @@ impl SidecarLink for PodNetwork {
         let (open, kept) = (self.open.clone(), self.kept.clone());
         // A quit on a kept connection goes out now, in one non-blocking write, not when the
         // returned future first runs (its caller may have more to do before it yields).
-        let sent = match (&kept_conn, reuse) {
-            (Some(stream), false) => {
+        let sent = match (&kept_conn, reuse, ahead_sent) {
+            (_, _, Some(sent)) => sent,
+            (Some(stream), false, None) => {
                 let req = http::request_text(SocketAddr::from((Ipv4Addr::LOCALHOST, port)), method, &path, false);
                 stream.try_write(req.as_bytes()).unwrap_or(0)
             }
@@ -443,6 +486,72 @@ mod tests {
         assert_eq!(accepted.load(Ordering::SeqCst), before, "the quit went on the kept connection");
         assert_eq!(net.kept_count(), 0, "a quit's connection is not kept");
         net.close("uid-1");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Waits until a standby has connected to `port` ahead of time.
+    async fn wait_kept(net: &PodNetwork, target: &PodTarget, port: u16) {
+        net.standby(target, port);
+        let deadline = Instant::now() + std::time::Duration::from_secs(2);
+        while net.kept_count() == 0 && Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(net.kept_count(), 1, "connected ahead of time");
+    }
+
+    #[tokio::test]
+    async fn a_quit_sent_ahead_from_another_thread_is_taken_over_by_the_quit_request() {
+        let (dir, net, rel) = fake_pod("ahead");
+        let net = Arc::new(net);
+        // Records every request it reads, answers each, and closes as asked.
+        let seen = Arc::new(Mutex::new(Vec::<String>::new()));
+        let log = seen.clone();
+        let (port, accepted) = counting_server(move |mut s| {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = s.read(&mut buf) {
+                    if n == 0 {
+                        return;
+                    }
+                    log.lock().unwrap_or_else(PoisonError::into_inner).push(String::from_utf8_lossy(&buf[..n]).into());
+                    if s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nOK").is_err() {
+                        return;
+                    }
+                }
+            });
+        });
+        let target = PodTarget { uid: "uid-1".into(), pod_rel: Some(rel.clone()), pod_ip: None };
+        // Nothing kept: nothing sent ahead.
+        net.open("uid-1", &rel).expect("open");
+        assert!(!net.send_ahead("uid-1", port, "/quitquitquit"));
+        wait_kept(&net, &target, port).await;
+        // From a thread of its own, as the event reader does: it reaches the server at once.
+        let n2 = net.clone();
+        let sent = std::thread::spawn(move || n2.send_ahead("uid-1", port, "/quitquitquit")).join().expect("thread");
+        assert!(sent);
+        let deadline = Instant::now() + std::time::Duration::from_secs(2);
+        while seen.lock().unwrap_or_else(PoisonError::into_inner).is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let first = seen.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        assert_eq!(first.len(), 1, "{first:?}");
+        assert!(first[0].starts_with("POST /quitquitquit HTTP/1.1\r\n"), "{first:?}");
+        // The quit request takes it over: the answer is read, nothing is sent twice.
+        let r =
+            net.request(target.clone(), port, "POST", "/quitquitquit".into(), Limits::default(), false, false).await;
+        assert_eq!(r.map(|r| r.status), Ok(200));
+        assert_eq!(seen.lock().unwrap_or_else(PoisonError::into_inner).len(), 1, "one request");
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "on the kept connection");
+        assert_eq!(net.drop_sent_ahead("uid-1"), 0, "taken over");
+        // One that no quit takes over is dropped, and so is it at close.
+        wait_kept(&net, &target, port).await;
+        assert!(net.send_ahead("uid-1", port, "/quitquitquit"));
+        assert_eq!(net.drop_sent_ahead("uid-1"), 1);
+        wait_kept(&net, &target, port).await;
+        assert!(net.send_ahead("uid-1", port, "/quitquitquit"));
+        net.close("uid-1");
+        assert_eq!(net.drop_sent_ahead("uid-1"), 0, "dropped at close");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
