@@ -165,6 +165,9 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
                 queue.extend(state.feedback(feedback, &self.rules, now));
             }
         }
+        // Whatever changed, the quit the pod's next end would call for is armed anew.
+        let arm = self.pods.get(uid).and_then(PodState::quit_ahead);
+        self.act.arm_ahead(uid, arm);
     }
 
     fn on_feedback(&mut self, uid: &str, feedback: Feedback) {
@@ -240,6 +243,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
             debug!(pod = %state.name(), "stopped tracking");
         }
         self.by_cgroup.retain(|_, u| u != uid);
+        self.act.arm_ahead(uid, None);
         self.act.metrics().pods_tracked.set(self.pods.len() as i64);
     }
 
@@ -330,6 +334,14 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
         // (60 µs to a file here, and a pipe a slow reader can fill) never delays it.
         if !seen_before && let Some(state) = self.pods.get(&uid) {
             state.log_end(exit.cgroup_id);
+        }
+        let unclaimed = self.act.unclaimed_ahead(&uid);
+        if unclaimed > 0 {
+            warn!(
+                pod = %self.pods.get(&uid).map(PodState::name).unwrap_or_default(),
+                unclaimed,
+                "a quit sent ahead on this end was not what the pod's state called for by the time the end was handled"
+            );
         }
     }
 

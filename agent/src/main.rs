@@ -15,7 +15,7 @@ use valet_agent::cgroup::root::find_cgroup2_root;
 use valet_agent::config::{Config, LogFormat};
 use valet_agent::controller::Controller;
 use valet_agent::kernel::programs::AncestorMode;
-use valet_agent::kernel::{Attach, EventStream, Programs};
+use valet_agent::kernel::{Attach, EventReader, Programs};
 use valet_agent::metrics::Metrics;
 use valet_agent::pod::spec::SidecarDefaults;
 use valet_agent::pod::state::Rules;
@@ -73,7 +73,6 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         tokio::spawn(valet_agent::kernel::programs::drain_kernel_log(logger));
     }
     let ring = programs.take_events().context("kernel event ring buffer")?;
-    let events = EventStream::new(ring)?;
     // Loading parsed the kernel's BTF (megabytes, freed since): give that memory back to the
     // node rather than keep it in the allocator's free lists for the agent's lifetime.
     // SAFETY: glibc's malloc_trim only releases free memory.
@@ -100,6 +99,8 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         metrics,
         reports_tx,
     );
+    // The ring buffer's reader thread sends the quits armed ahead the moment it reads an end.
+    let events = EventReader::spawn(ring, act.quits_ahead())?;
     let rules = Rules {
         defaults: SidecarDefaults { names: cfg.sidecar_names.clone(), hold_timeout: cfg.hold_timeout },
         escalate_after: (!cfg.no_escalation).then_some(cfg.escalate_after),

@@ -82,6 +82,7 @@ pub struct Metrics {
     pub quits: Family<QuitLabels, Counter>,
     pub escalations: Family<KindLabels, Counter>,
     pub quit_latency: Histogram,
+    pub quits_ahead: Family<ResultLabels, Counter>,
     pub holds: Counter,
     pub releases: Family<ReasonLabels, Counter>,
     pub fail_opens: Counter,
@@ -119,6 +120,7 @@ impl Metrics {
             quits: Family::default(),
             escalations: Family::default(),
             quit_latency: Histogram::new(latency_buckets()),
+            quits_ahead: Family::default(),
             holds: Counter::default(),
             releases: Family::default(),
             fail_opens: Counter::default(),
@@ -151,6 +153,12 @@ impl Metrics {
             "From the last app container's exit to the sidecar acknowledging the quit",
             m.quit_latency.clone(),
         );
+        registry.register(
+            "quits_sent_ahead",
+            "Quit requests sent by the kernel event reader as soon as it read the last app's end, \
+             before the loop's transition (sent; unclaimed: the pod's state had changed and did not quit)",
+            Declared(m.quits_ahead.clone()),
+        );
         registry.register("app_holds", "App processes held at exec until the proxy is ready", m.holds.clone());
         registry.register("app_releases", "Held app processes released, by reason", Declared(m.releases.clone()));
         registry.register(
@@ -182,6 +190,9 @@ impl Metrics {
         // see 0 rather than nothing until the first event.
         for outcome in [ExitOutcome::Success, ExitOutcome::Failure, ExitOutcome::Signal] {
             let _ = m.exits.get_or_create(&ExitLabels { outcome });
+        }
+        for result in ["sent", "unclaimed"] {
+            let _ = m.quits_ahead.get_or_create(&ResultLabels { result });
         }
         for kind in SidecarKind::ALL.map(|k| k.as_str()) {
             let _ = m.quits.get_or_create(&QuitLabels { kind, result: "ok" });
@@ -417,6 +428,7 @@ mod tests {
                 "valet_sidecar_quits_total",
                 "valet_sidecar_escalations_total",
                 "valet_quit_latency_seconds",
+                "valet_quits_sent_ahead_total",
                 "valet_app_holds_total",
                 "valet_app_releases_total",
                 "valet_app_hold_fail_opens_total",

@@ -421,6 +421,7 @@ const FAMILIES: &[(&str, &str, &[&str])] = &[
     ("valet_sidecar_quits_total", "counter", &["kind", "result"]),
     ("valet_sidecar_escalations_total", "counter", &["kind"]),
     ("valet_quit_latency_seconds", "histogram", &["le"]),
+    ("valet_quits_sent_ahead_total", "counter", &["result"]),
     ("valet_app_holds_total", "counter", &[]),
     ("valet_app_releases_total", "counter", &["reason"]),
     ("valet_app_hold_fail_opens_total", "counter", &[]),

@@ -76,6 +76,17 @@ fn the_quit_goes_on_a_connection_opened_before_the_app_exited() {
     let before_exit = valet_agent::kernel::events::monotonic_ns();
     job.run_app("app", "exit 0").expect("app");
     assert_eq!(job.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    // Sent by the kernel event reader as soon as it read the end, and taken over by the loop.
+    assert_eq!(job.quits().len(), 1, "exactly one quit: {:?}", job.quits());
+    assert_eq!(agent.metric("valet_quits_sent_ahead_total{result=\"sent\"} "), 1.0);
+    assert_eq!(agent.metric("valet_quits_sent_ahead_total{result=\"unclaimed\"} "), 0.0);
+    assert!(
+        eventually(Duration::from_secs(2), || {
+            agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ") == 1.0
+        }),
+        "the answer to the quit sent ahead was read\n{}",
+        agent.log_text()
+    );
     let events = valet_sim::standin::read_events(&job.events).expect("events");
     let quit = job.loopback_quits().first().cloned().expect("a quit from the pod's loopback");
     let accepted = events
@@ -180,6 +191,17 @@ fn on_failure_policy_quits_only_after_success() {
     let mut failing = node.job_pod(JobSpec::new("retry").restart_policy("OnFailure")).expect("pod");
     let mut ok = node.job_pod(JobSpec::new("retry-ok").restart_policy("OnFailure")).expect("pod");
     agent.wait_tracked(2, Duration::from_secs(5)).expect("tracked");
+    // Both proxies seen ready: a connection to each quit endpoint is kept, and a quit would go
+    // ahead from the kernel event on it. Only the success calls for one.
+    for job in [&failing, &ok] {
+        assert!(
+            eventually(Duration::from_secs(5), || proxy_ready_condition(&node, job)),
+            "{} seen ready\n{}",
+            job.name,
+            agent.log_text()
+        );
+    }
+    std::thread::sleep(Duration::from_millis(300));
 
     failing.run_app("app", "exit 1").expect("app");
     let status = failing.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").expect("exited");
@@ -210,6 +232,15 @@ fn on_failure_policy_quits_only_after_success() {
     assert!(failing.quits().is_empty(), "still no quit for the failed pod: {:?}", failing.quits());
     assert_eq!(failing.wait_proxy_exit(Duration::ZERO).expect("poll"), None);
     assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
+    assert_eq!(agent.metric("valet_quits_sent_ahead_total{result=\"sent\"} "), 1.0, "the success's, ahead");
+    assert_eq!(agent.metric("valet_quits_sent_ahead_total{result=\"unclaimed\"} "), 0.0);
+}
+
+fn proxy_ready_condition(node: &Node, job: &JobPod) -> bool {
+    let pod = node.pod(job).unwrap_or_default();
+    pod["status"]["conditions"]
+        .as_array()
+        .is_some_and(|cs| cs.iter().any(|c| c["type"] == "valet.dev/ProxyReady" && c["status"] == "True"))
 }
 
 /// Several app containers: the proxy is quit only after the last one, exactly once.

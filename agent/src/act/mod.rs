@@ -3,6 +3,7 @@
 //! is handed straight back; network calls (quits, probes, API writes) run as tasks that report
 //! back on the feedback channel.
 
+pub mod ahead;
 mod answer;
 pub mod held;
 pub mod probe;
@@ -28,6 +29,7 @@ use crate::effect::{ContainerSeen, Count, Effect, Feedback, LeftHeld, Nanos, Pac
 use crate::kernel::container_main::find_container_main;
 use crate::kernel::{KernelControl, RecordOutcome};
 use crate::metrics::{self, KindLabels, Metrics, QuitLabels, ReasonLabels, ResultLabels};
+use crate::pod::state::QuitAhead;
 use crate::runtime::{BundleRole, RuntimeBundles, name_of_process};
 use crate::sidecar::http::Limits;
 use crate::sidecar::quit::{first_attempt, quit};
@@ -79,6 +81,9 @@ pub struct Actuators<K, L> {
     /// signal (checking a batch of them at release took half a millisecond).
     pinned: HashMap<u32, Pinned>,
     creations: Creations,
+    ahead: Arc<ahead::QuitsAhead<L>>,
+    /// Each pod's arm as last set in `ahead` (set again only when it changes).
+    armed: HashMap<String, QuitAhead>,
 }
 
 /// At most this many held processes are pinned ahead (one fd each); more are pinned at release.
@@ -195,6 +200,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     ) -> Actuators<K, L> {
         let held_prober =
             settings.held_prober.then(|| held::HeldProber::start(link.clone(), reports.clone())).flatten();
+        let ahead = Arc::new(ahead::QuitsAhead::new(link.clone(), metrics.clone()));
         Actuators {
             settings,
             cgroups,
@@ -212,7 +218,32 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             releaser: Releaser::start(metrics.clone()),
             pinned: HashMap::new(),
             creations: Creations::new(),
+            ahead,
+            armed: HashMap::new(),
         }
+    }
+
+    /// The quits armed for the kernel event reader ([`ahead`]).
+    pub fn quits_ahead(&self) -> Arc<ahead::QuitsAhead<L>> {
+        self.ahead.clone()
+    }
+
+    /// Sets pod `uid`'s quit ahead (after each of its transitions; `None` disarms).
+    pub fn arm_ahead(&mut self, uid: &str, arm: Option<QuitAhead>) {
+        if self.armed.get(uid) == arm.as_ref() {
+            return;
+        }
+        match &arm {
+            Some(a) => self.armed.insert(uid.to_owned(), a.clone()),
+            None => self.armed.remove(uid),
+        };
+        self.ahead.set(uid, arm);
+    }
+
+    /// After a container end's transition: requests sent ahead to the pod that it did not take
+    /// over (dropped and counted), how many.
+    pub fn unclaimed_ahead(&self, uid: &str) -> usize {
+        self.ahead.unclaimed(uid)
     }
 
     /// Spreads the held pods' probes over the budget: their interval follows how many are held.

@@ -1,6 +1,10 @@
 //! The stream of kernel events: an async reader over the programs' ring buffer (woken by the
 //! ring buffer's fd through epoll, no polling), decoding raw records into domain types.
 
+use std::os::fd::AsRawFd as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use aya::maps::{MapData, RingBuf};
 use tokio::io::unix::AsyncFd;
 use valet_common::{KernelEvent, event_flags, event_kind};
@@ -169,6 +173,129 @@ impl EventStream {
                 return Ok(batch);
             }
         }
+    }
+}
+
+/// What the event reader does with a container's end the moment it is decoded, on its own
+/// thread, before the batch goes to the loop.
+pub trait OnExit: Send + Sync + 'static {
+    fn on_exit(&self, exit: &ProcessExit);
+}
+
+/// Batches the reader thread has decoded and not yet handed over, at most.
+const READER_QUEUE: usize = 64;
+/// How often the reader thread looks whether the loop is still there while no event comes.
+const READER_CHECK: libc::c_int = 1000;
+
+/// Kernel events read by a thread of their own (`valet-events`), blocked on the ring buffer's
+/// fd and nothing else: an end is seen, and handed to [`OnExit`], one wake-up after the kernel
+/// reported it, whatever the loop is busy with. The batches then go to the loop
+/// ([`crate::kernel::EventSource`]). When the loop lags, the queue fills, the thread waits,
+/// and the ring buffer holds the rest as before (what does not fit is counted lost).
+pub struct EventReader {
+    rx: tokio::sync::mpsc::Receiver<Vec<Event>>,
+    undecodable: Arc<AtomicU64>,
+}
+
+impl EventReader {
+    pub fn spawn(ring: RingBuf<MapData>, on_exit: Arc<dyn OnExit>) -> Result<EventReader> {
+        let (tx, rx) = tokio::sync::mpsc::channel(READER_QUEUE);
+        let undecodable = Arc::new(AtomicU64::new(0));
+        let bad = undecodable.clone();
+        std::thread::Builder::new()
+            .name("valet-events".into())
+            .spawn(move || read_events(ring, &tx, on_exit.as_ref(), &bad))
+            .map_err(|e| Error::io("start the kernel event reader", e))?;
+        Ok(EventReader { rx, undecodable })
+    }
+
+    /// Records that could not be decoded (a kernel/user layout mismatch).
+    pub fn undecodable(&self) -> u64 {
+        self.undecodable.load(Ordering::Relaxed)
+    }
+
+    /// The next batch of events (never empty).
+    pub async fn next_batch(&mut self) -> Result<Vec<Event>> {
+        self.rx.recv().await.ok_or_else(|| Error::Ebpf("the kernel event reader stopped".into()))
+    }
+}
+
+fn read_events(
+    mut ring: RingBuf<MapData>,
+    tx: &tokio::sync::mpsc::Sender<Vec<Event>>,
+    on_exit: &dyn OnExit,
+    undecodable: &AtomicU64,
+) {
+    let fd = ring.as_raw_fd();
+    short_slice();
+    loop {
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, READER_CHECK) };
+        if tx.is_closed() {
+            return;
+        }
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                tracing::warn!("poll the kernel event ring buffer: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            continue;
+        }
+        let mut batch = Vec::new();
+        while let Some(item) = ring.next() {
+            match Event::decode(&item) {
+                Some(event) => {
+                    if let Event::Exit(exit) = &event {
+                        on_exit.on_exit(exit);
+                    }
+                    batch.push(event);
+                }
+                None => {
+                    undecodable.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            if batch.len() >= MAX_BATCH && tx.blocking_send(std::mem::take(&mut batch)).is_err() {
+                return;
+            }
+        }
+        if !batch.is_empty() && tx.blocking_send(batch).is_err() {
+            return;
+        }
+    }
+}
+
+/// Asks the scheduler for the shortest slice (0.1 ms) for the calling thread, so that once woken
+/// it gets a CPU ahead of a task running out a longer one (Linux 6.12+, EEVDF; unprivileged,
+/// nice unchanged). The reader runs for microseconds per wake-up; on older kernels this is
+/// refused and the thread runs as any other.
+fn short_slice() {
+    #[repr(C)]
+    struct SchedAttr {
+        size: u32,
+        policy: u32,
+        flags: u64,
+        nice: i32,
+        priority: u32,
+        runtime: u64,
+        deadline: u64,
+        period: u64,
+    }
+    let attr = SchedAttr {
+        size: size_of::<SchedAttr>() as u32,
+        policy: libc::SCHED_OTHER as u32,
+        flags: 0,
+        nice: 0,
+        priority: 0,
+        runtime: 100_000,
+        deadline: 0,
+        period: 0,
+    };
+    // SAFETY: a valid sched_attr of the size it declares, for the calling thread (pid 0).
+    let r = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
+    if r != 0 {
+        tracing::debug!("event reader: no short scheduler slice: {}", std::io::Error::last_os_error());
     }
 }
 

@@ -11,7 +11,7 @@ use std::future::Future;
 use valet_common::Counter;
 
 pub use container_main::MainProcess;
-pub use events::{Event, EventStream, HeldProcess, ProcessEnd, ProcessExit};
+pub use events::{Event, EventReader, EventStream, HeldProcess, ProcessEnd, ProcessExit};
 pub use programs::{Attach, Programs, RecordOutcome};
 
 use crate::error::Result;
@@ -71,6 +71,12 @@ impl KernelControl for Programs {
 
     fn detach(&mut self) {
         Programs::detach(self);
+    }
+}
+
+impl EventSource for EventReader {
+    fn next_batch(&mut self) -> impl Future<Output = Result<Vec<Event>>> + Send {
+        EventReader::next_batch(self)
     }
 }
 
