@@ -335,7 +335,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
         if !seen_before && let Some(state) = self.pods.get(&uid) {
             state.log_end(exit.cgroup_id);
         }
-        let unclaimed = self.act.unclaimed_ahead(&uid);
+        let unclaimed = if exit.quits_sent_ahead > 0 { self.act.unclaimed_ahead(&uid) } else { 0 };
         if unclaimed > 0 {
             warn!(
                 pod = %self.pods.get(&uid).map(PodState::name).unwrap_or_default(),

@@ -16,6 +16,7 @@ use kube::client::Body;
 use kube::runtime::watcher;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
+use valet_agent::act::ahead::QuitsAhead;
 use valet_agent::act::{Actuators, Settings};
 use valet_agent::api::events::EventSink;
 use valet_agent::cgroup::CgroupFs;
@@ -105,6 +106,12 @@ struct LinkState {
     ready: bool,
     requests: Vec<(String, &'static str, u16, String)>,
     opened: Vec<String>,
+    /// Quits sent ahead (uid, port) and not taken over yet; `kept`: a connection is kept to
+    /// send them on.
+    ahead: Vec<(String, u16)>,
+    kept: bool,
+    /// Quits sent ahead that a quit request took over.
+    taken_over: usize,
 }
 
 #[derive(Clone, Default)]
@@ -124,6 +131,21 @@ impl SidecarLink for FakeLink {
     fn close(&self, uid: &str) {
         lock(&self.0).opened.retain(|u| u != uid);
     }
+    fn send_ahead(&self, uid: &str, port: u16, path: &str) -> bool {
+        let mut s = lock(&self.0);
+        if !s.kept {
+            return false;
+        }
+        s.requests.push((uid.to_owned(), "POST", port, path.to_owned()));
+        s.ahead.push((uid.to_owned(), port));
+        true
+    }
+    fn drop_sent_ahead(&self, uid: &str) -> usize {
+        let mut s = lock(&self.0);
+        let before = s.ahead.len();
+        s.ahead.retain(|(u, _)| u != uid);
+        before - s.ahead.len()
+    }
     fn request(
         &self,
         target: PodTarget,
@@ -135,7 +157,14 @@ impl SidecarLink for FakeLink {
         _: bool,
     ) -> Pending<Result<HttpResponse, Failed>> {
         let mut s = lock(&self.0);
-        s.requests.push((target.uid, method, port, path));
+        let key = (target.uid.clone(), port);
+        if method == "POST" && s.ahead.contains(&key) {
+            // Sent already: taken over, the answer read.
+            s.ahead.retain(|k| *k != key);
+            s.taken_over += 1;
+        } else {
+            s.requests.push((target.uid, method, port, path));
+        }
         let status = if method == "POST" || s.ready { 200 } else { 503 };
         Box::pin(async move { Ok(HttpResponse { status, body: String::new() }) })
     }
@@ -310,10 +339,30 @@ fn job_pod(annotations: Value) -> Pod {
     .expect("pod")
 }
 
+/// A container's end as the kernel reports it.
+fn end_of(pod_cg: u64, cg: u64, code: i32) -> ProcessExit {
+    ProcessExit {
+        ktime_ns: now_ns(),
+        cgroup_id: cg,
+        watched_cgroup_id: pod_cg,
+        tgid: 4242,
+        pid: 4242,
+        ns_pid: 1,
+        end: Some(ProcessEnd::Exited(code)),
+        ns_init: true,
+        child_pid_ns: true,
+        container_main: true,
+        comm: "app".into(),
+        quits_sent_ahead: 0,
+    }
+}
+
 /// The running loop and its stand-ins.
 struct Loop {
     kernel: FakeKernel,
     link: FakeLink,
+    /// What the kernel event reader fires.
+    ahead: Arc<QuitsAhead<FakeLink>>,
     events: mpsc::UnboundedSender<Event>,
     watch: mpsc::UnboundedSender<watcher::Event<Pod>>,
     api: mpsc::UnboundedReceiver<ApiCall>,
@@ -351,6 +400,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
         defaults: SidecarDefaults { hold_timeout, ..SidecarDefaults::default() },
         escalate_after: Some(Duration::from_secs(15)),
     };
+    let ahead = act.quits_ahead();
     let controller = Controller::new(NODE, rules, act, reports_rx, Arc::new(Health::default()));
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (watch_tx, watch_rx) = mpsc::unbounded_channel();
@@ -364,7 +414,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
         },
         Duration::from_secs(2),
     ));
-    Loop { kernel, link, events: events_tx, watch: watch_tx, api, metrics, stop: Some(stop_tx), done }
+    Loop { kernel, link, ahead, events: events_tx, watch: watch_tx, api, metrics, stop: Some(stop_tx), done }
 }
 
 fn tokio_stream_of(
@@ -387,19 +437,16 @@ impl Loop {
     }
 
     fn exit(&self, pod_cg: u64, cg: u64, code: i32) {
-        let _ = self.events.send(Event::Exit(ProcessExit {
-            ktime_ns: now_ns(),
-            cgroup_id: cg,
-            watched_cgroup_id: pod_cg,
-            tgid: 4242,
-            pid: 4242,
-            ns_pid: 1,
-            end: Some(ProcessEnd::Exited(code)),
-            ns_init: true,
-            child_pid_ns: true,
-            container_main: true,
-            comm: "app".into(),
-        }));
+        let _ = self.events.send(Event::Exit(end_of(pod_cg, cg, code)));
+    }
+
+    /// As the event reader does: fires what is armed for the end, then hands it to the loop.
+    fn exit_read(&self, pod_cg: u64, cg: u64, code: i32) -> usize {
+        let mut exit = end_of(pod_cg, cg, code);
+        exit.quits_sent_ahead = self.ahead.fire(&exit);
+        let sent = exit.quits_sent_ahead;
+        let _ = self.events.send(Event::Exit(exit));
+        sent
     }
 
     fn held(&self, pod_cg: u64, cg: u64, pid: u32) {
@@ -493,6 +540,65 @@ async fn the_apps_exit_quits_the_proxy_and_releases_the_pods_resources() {
     let (kernel, _) = lp.stop().await;
     assert!(lock(&kernel.0).detached);
     assert_path(&node.dir);
+}
+
+/// The quit sent ahead by the event reader is the one the loop's transition decides: taken over,
+/// never sent twice, not counted unclaimed, even when another end of the pod is handled just
+/// before it (read in the same batch). A pod that changed before its end (deleting) has nothing
+/// armed; a request sent ahead the transition did not call for is counted unclaimed.
+#[tokio::test]
+async fn a_quit_sent_ahead_by_the_event_reader_is_taken_over_by_the_loop() {
+    let node = TempNode::new("ahead");
+    let sandbox = node.container(1, "POD");
+    let app = node.container(2, "app");
+    let _proxy = node.container(3, "istio-proxy");
+    let lp = start(&node, Duration::from_secs(120));
+    lock(&lp.link.0).kept = true;
+    lp.apply(job_pod(json!({})));
+    let pod_cg = node.pod_id();
+    lp.until("armed", |l| l.ahead.armed() == 1).await;
+    // Another end of the pod first (the sandbox's), then the app's, fired by the reader.
+    assert_eq!(lp.ahead.fire(&end_of(pod_cg, sandbox, 0)), 0, "not the armed container");
+    lp.exit(pod_cg, sandbox, 0);
+    assert_eq!(lp.exit_read(pod_cg, app, 0), 1, "sent ahead");
+    lp.until("the quit counted", |l| quit_metric(&l.metrics).ends_with(" 1")).await;
+    {
+        let s = lock(&lp.link.0);
+        assert_eq!(s.taken_over, 1, "the loop's quit took the request over");
+        assert_eq!(s.requests.iter().filter(|r| r.1 == "POST").count(), 1, "one quit: {:?}", s.requests);
+    }
+    let text = lp.metrics.encode();
+    assert!(text.contains("valet_quits_sent_ahead_total{result=\"sent\"} 1\n"), "{text}");
+    assert!(text.contains("valet_quits_sent_ahead_total{result=\"unclaimed\"} 0\n"), "{text}");
+    assert_eq!(lp.ahead.armed(), 0, "nothing armed once the work is done");
+    lp.stop().await;
+
+    // Armed, then the pod is deleted: disarmed. A request the reader had already sent for an
+    // end the loop then does not quit for is dropped and counted.
+    let node = TempNode::new("ahead-gone");
+    let _sandbox = node.container(1, "POD");
+    let app = node.container(2, "app");
+    let _proxy = node.container(3, "istio-proxy");
+    let lp = start(&node, Duration::from_secs(120));
+    lock(&lp.link.0).kept = true;
+    lp.apply(job_pod(json!({})));
+    let pod_cg = node.pod_id();
+    lp.until("armed", |l| l.ahead.armed() == 1).await;
+    let mut exit = end_of(pod_cg, app, 0);
+    exit.quits_sent_ahead = lp.ahead.fire(&exit);
+    assert_eq!(exit.quits_sent_ahead, 1);
+    let mut deleting = serde_json::to_value(job_pod(json!({}))).expect("json");
+    deleting["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+    lp.apply(serde_json::from_value(deleting).expect("pod"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let _ = lp.events.send(Event::Exit(exit));
+    lp.until("counted unclaimed", |l| {
+        l.metrics.encode().contains("valet_quits_sent_ahead_total{result=\"unclaimed\"} 1\n")
+    })
+    .await;
+    assert_eq!(lock(&lp.link.0).taken_over, 0);
+    assert_eq!(lp.ahead.armed(), 0);
+    lp.stop().await;
 }
 
 #[tokio::test]

@@ -14,7 +14,7 @@
 //! transition of that pod. It fires only for an end reported under that same pod cgroup and
 //! container cgroup, and only once. If the loop's transition then does not quit (the pod changed
 //! between the arm and the end: it was deleted, opted out), the request sent ahead is counted
-//! `unclaimed` and logged.
+//! `unclaimed` (and logged, when the end's transition finds it).
 //!
 //! [`PodState::quit_ahead`]: crate::pod::state::PodState::quit_ahead
 
@@ -75,8 +75,10 @@ impl<L: SidecarLink> QuitsAhead<L> {
         sent
     }
 
-    /// After the loop's transition for an end: requests sent ahead for pod `uid` that its quits
-    /// did not take over (how many; dropped and counted).
+    /// Requests sent ahead for pod `uid` that no quit took over (how many; dropped and counted).
+    /// Called after the loop's transition for the very end they were sent for (not after another
+    /// end of the pod handled before it, read in the same batch), and when the pod's network is
+    /// closed.
     pub fn unclaimed(&self, uid: &str) -> usize {
         let n = self.link.drop_sent_ahead(uid);
         if n > 0 {
@@ -87,8 +89,8 @@ impl<L: SidecarLink> QuitsAhead<L> {
 }
 
 impl<L: SidecarLink> OnExit for QuitsAhead<L> {
-    fn on_exit(&self, exit: &ProcessExit) {
-        self.fire(exit);
+    fn on_exit(&self, exit: &ProcessExit) -> usize {
+        self.fire(exit)
     }
 }
 
@@ -157,6 +159,7 @@ mod tests {
             child_pid_ns: true,
             container_main: true,
             comm: "app".into(),
+            quits_sent_ahead: 0,
         }
     }
 

@@ -340,6 +340,9 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 Some(Feedback::Network { ok: opened.is_ok(), detail: opened.err().unwrap_or_default() })
             }
             Effect::CloseNetwork => {
+                // A quit the event reader sent ahead and no transition took over goes with the
+                // network: counted as such.
+                self.ahead.unclaimed(uid);
                 self.link.close(uid);
                 None
             }

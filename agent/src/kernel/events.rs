@@ -68,6 +68,9 @@ pub struct ProcessExit {
     /// The process was its container's recorded main process: the container ended.
     pub container_main: bool,
     pub comm: String,
+    /// Quits the event reader sent ahead the moment it read this end ([`OnExit`]); 0 when read
+    /// any other way.
+    pub quits_sent_ahead: usize,
 }
 
 /// A process stopped at exec, waiting for user space to release it.
@@ -116,6 +119,7 @@ impl Event {
                 child_pid_ns: raw.flags & event_flags::CHILD_PID_NS != 0,
                 container_main: raw.flags & event_flags::CONTAINER_MAIN != 0,
                 comm: comm(&raw.comm),
+                quits_sent_ahead: 0,
             })),
             event_kind::HELD => Some(Event::Held(HeldProcess {
                 ktime_ns: raw.ktime_ns,
@@ -179,7 +183,8 @@ impl EventStream {
 /// What the event reader does with a container's end the moment it is decoded, on its own
 /// thread, before the batch goes to the loop.
 pub trait OnExit: Send + Sync + 'static {
-    fn on_exit(&self, exit: &ProcessExit);
+    /// How many quits it sent for this end.
+    fn on_exit(&self, exit: &ProcessExit) -> usize;
 }
 
 /// Batches the reader thread has decoded and not yet handed over, at most.
@@ -246,9 +251,9 @@ fn read_events(
         let mut batch = Vec::new();
         while let Some(item) = ring.next() {
             match Event::decode(&item) {
-                Some(event) => {
-                    if let Event::Exit(exit) = &event {
-                        on_exit.on_exit(exit);
+                Some(mut event) => {
+                    if let Event::Exit(exit) = &mut event {
+                        exit.quits_sent_ahead = on_exit.on_exit(exit);
                     }
                     batch.push(event);
                 }
