@@ -1,5 +1,7 @@
-//! The stream of kernel events: an async reader over the programs' ring buffer (woken by the
-//! ring buffer's fd through epoll, no polling), decoding raw records into domain types.
+//! The stream of kernel events, decoded from the programs' ring buffer into domain types: read by
+//! a thread of its own in the agent ([`EventReader`], which sends the quits armed ahead), or by
+//! an async reader on the caller's runtime ([`EventStream`], for tests and the bench's kernel
+//! figures). Both are woken by the ring buffer's fd; neither polls.
 
 use std::os::fd::AsRawFd as _;
 use std::sync::Arc;
@@ -273,8 +275,8 @@ fn read_events(
 
 /// Asks the scheduler for the shortest slice (0.1 ms) for the calling thread, so that once woken
 /// it gets a CPU ahead of a task running out a longer one (Linux 6.12+, EEVDF; unprivileged,
-/// nice unchanged). The reader runs for microseconds per wake-up; on older kernels this is
-/// refused and the thread runs as any other.
+/// nice unchanged). The reader runs for microseconds per wake-up; older kernels ignore or refuse
+/// it, and the thread runs as any other.
 fn short_slice() {
     #[repr(C)]
     struct SchedAttr {
