@@ -116,9 +116,10 @@ type Ahead = Mutex<HashMap<(String, u16), (tokio::net::TcpStream, usize)>>;
 /// Open pod network namespaces, by pod uid.
 type Open = Arc<Mutex<HashMap<String, Arc<PodNetns>>>>;
 
-/// Keeps `stream` for the pod of `key` only while the pod's network is open: a request or a
-/// standby that finishes after [`SidecarLink::close`] must not leave a connection behind.
-fn keep(open: &Open, kept: &Kept, key: (String, u16), stream: tokio::net::TcpStream) {
+/// Keeps `stream` (in `kept`, or a request sent ahead on it) for the pod of `key` only while the
+/// pod's network is open: a request, a standby or a quit sent ahead that finishes after
+/// [`SidecarLink::close`] must not leave a connection behind.
+fn keep<V>(open: &Open, kept: &Mutex<HashMap<(String, u16), V>>, key: (String, u16), stream: V) {
     let open = open.lock().unwrap_or_else(PoisonError::into_inner);
     if open.contains_key(&key.0) {
         kept.lock().unwrap_or_else(PoisonError::into_inner).entry(key).or_insert(stream);
@@ -206,18 +207,15 @@ impl SidecarLink for PodNetwork {
     fn send_ahead(&self, uid: &str, port: u16, path: &str) -> bool {
         let Some(stream) = self.take_kept(uid, port, true) else { return false };
         let req = http::request_text(SocketAddr::from((Ipv4Addr::LOCALHOST, port)), "POST", path, false);
+        let key = (uid.to_owned(), port);
         match stream.try_write(req.as_bytes()) {
             Ok(n) if n > 0 => {
-                self.ahead.lock().unwrap_or_else(PoisonError::into_inner).insert((uid.to_owned(), port), (stream, n));
+                keep(&self.open, &self.ahead, key, (stream, n));
                 true
             }
             // Nothing written: the connection stays kept, and the quit goes the usual way.
             _ => {
-                self.kept
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .entry((uid.to_owned(), port))
-                    .or_insert(stream);
+                keep(&self.open, &self.kept, key, stream);
                 false
             }
         }
