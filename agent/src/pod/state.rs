@@ -336,15 +336,15 @@ impl PodState {
         if self.pod.as_ref().is_some_and(status::terminal) {
             return None;
         }
-        // Only an app still running can be the one whose end completes the work.
-        let mut running = plan.apps.iter().filter(|a| !matches!(self.app_state(a), AppState::Exited(_)));
-        let (Some(app), None) = (running.next(), running.next()) else { return None };
-        let instance = self.current(app)?;
-        let (&container_cgroup, _) = self.containers.iter().find(|(_, c)| c.id == instance.id && c.end.is_none())?;
         let observed = self.observe(plan);
         if !matches!(decide(plan, &observed), Decision::Wait(_)) {
             return None;
         }
+        // Only an app still running can be the one whose end completes the work.
+        let mut running = observed.apps.iter().filter(|(_, s)| !matches!(s, AppState::Exited(_)));
+        let (Some((app, _)), None) = (running.next(), running.next()) else { return None };
+        let instance = self.current(app)?;
+        let (&container_cgroup, _) = self.containers.iter().find(|(_, c)| c.id == instance.id && c.end.is_none())?;
         let quits = |ended: ExitOutcome| -> Vec<Endpoint> {
             match decide(plan, &self.observe_assuming(plan, Some((&instance.id, ended)))) {
                 Decision::Quit(sidecars) => sidecars
@@ -1048,11 +1048,8 @@ impl PodState {
     }
 
     /// The state of a container's current instance. The API has the last word on an instance it
-    /// reports terminated; the kernel is faster for everything else.
-    fn app_state(&self, name: &str) -> AppState {
-        self.app_state_assuming(name, None)
-    }
-
+    /// reports terminated; the kernel is faster for everything else. `assumed`: an instance taken
+    /// as ended that way when neither has said it ended ([`PodState::observe_assuming`]).
     fn app_state_assuming(&self, name: &str, assumed: Option<(&str, ExitOutcome)>) -> AppState {
         let Some(instance) = self.current(name) else { return AppState::Waiting };
         if let Some(t) = instance.api.and_then(|s| s.state.as_ref()).and_then(|s| s.terminated.as_ref()) {
