@@ -5,7 +5,6 @@
 
 use std::os::fd::AsRawFd as _;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use aya::maps::{MapData, RingBuf};
 use tokio::io::unix::AsyncFd;
@@ -201,24 +200,16 @@ const READER_CHECK: libc::c_int = 1000;
 /// and the ring buffer holds the rest as before (what does not fit is counted lost).
 pub struct EventReader {
     rx: tokio::sync::mpsc::Receiver<Vec<Event>>,
-    undecodable: Arc<AtomicU64>,
 }
 
 impl EventReader {
     pub fn spawn(ring: RingBuf<MapData>, on_exit: Arc<dyn OnExit>) -> Result<EventReader> {
         let (tx, rx) = tokio::sync::mpsc::channel(READER_QUEUE);
-        let undecodable = Arc::new(AtomicU64::new(0));
-        let bad = undecodable.clone();
         std::thread::Builder::new()
             .name("valet-events".into())
-            .spawn(move || read_events(ring, &tx, on_exit.as_ref(), &bad))
+            .spawn(move || read_events(ring, &tx, on_exit.as_ref()))
             .map_err(|e| Error::io("start the kernel event reader", e))?;
-        Ok(EventReader { rx, undecodable })
-    }
-
-    /// Records that could not be decoded (a kernel/user layout mismatch).
-    pub fn undecodable(&self) -> u64 {
-        self.undecodable.load(Ordering::Relaxed)
+        Ok(EventReader { rx })
     }
 
     /// The next batch of events (never empty).
@@ -227,12 +218,7 @@ impl EventReader {
     }
 }
 
-fn read_events(
-    mut ring: RingBuf<MapData>,
-    tx: &tokio::sync::mpsc::Sender<Vec<Event>>,
-    on_exit: &dyn OnExit,
-    undecodable: &AtomicU64,
-) {
+fn read_events(mut ring: RingBuf<MapData>, tx: &tokio::sync::mpsc::Sender<Vec<Event>>, on_exit: &dyn OnExit) {
     let fd = ring.as_raw_fd();
     short_slice();
     loop {
@@ -252,16 +238,12 @@ fn read_events(
         }
         let mut batch = Vec::new();
         while let Some(item) = ring.next() {
-            match Event::decode(&item) {
-                Some(mut event) => {
-                    if let Event::Exit(exit) = &mut event {
-                        exit.quits_sent_ahead = on_exit.on_exit(exit);
-                    }
-                    batch.push(event);
+            // Records of unknown kind or size are dropped.
+            if let Some(mut event) = Event::decode(&item) {
+                if let Event::Exit(exit) = &mut event {
+                    exit.quits_sent_ahead = on_exit.on_exit(exit);
                 }
-                None => {
-                    undecodable.fetch_add(1, Ordering::Relaxed);
-                }
+                batch.push(event);
             }
             if batch.len() >= MAX_BATCH && tx.blocking_send(std::mem::take(&mut batch)).is_err() {
                 return;
