@@ -542,21 +542,28 @@ async fn the_apps_exit_quits_the_proxy_and_releases_the_pods_resources() {
     assert_path(&node.dir);
 }
 
-/// The quit sent ahead by the event reader is the one the loop's transition decides: taken over,
-/// never sent twice, not counted unclaimed, even when another end of the pod is handled just
-/// before it (read in the same batch). A pod that changed before its end (deleting) has nothing
-/// armed; a request sent ahead the transition did not call for is counted unclaimed.
-#[tokio::test]
-async fn a_quit_sent_ahead_by_the_event_reader_is_taken_over_by_the_loop() {
-    let node = TempNode::new("ahead");
+/// A Job pod found by a running loop whose link keeps a connection to its proxy, once its quit
+/// is armed ahead: the node, the loop, and the sandbox's and the app's container cgroups.
+async fn armed_job(tag: &str) -> (TempNode, Loop, [u64; 2]) {
+    let node = TempNode::new(tag);
     let sandbox = node.container(1, "POD");
     let app = node.container(2, "app");
     let _proxy = node.container(3, "istio-proxy");
     let lp = start(&node, Duration::from_secs(120));
     lock(&lp.link.0).kept = true;
     lp.apply(job_pod(json!({})));
-    let pod_cg = node.pod_id();
     lp.until("armed", |l| l.ahead.armed() == 1).await;
+    (node, lp, [sandbox, app])
+}
+
+/// The quit sent ahead by the event reader is the one the loop's transition decides: taken over,
+/// never sent twice, not counted unclaimed, even when another end of the pod is handled just
+/// before it (read in the same batch). A pod that changed before its end (deleting) has nothing
+/// armed; a request sent ahead the transition did not call for is counted unclaimed.
+#[tokio::test]
+async fn a_quit_sent_ahead_by_the_event_reader_is_taken_over_by_the_loop() {
+    let (node, lp, [sandbox, app]) = armed_job("ahead").await;
+    let pod_cg = node.pod_id();
     // Another end of the pod first (the sandbox's), then the app's, fired by the reader.
     assert_eq!(lp.ahead.fire(&end_of(pod_cg, sandbox, 0)), 0, "not the armed container");
     lp.exit(pod_cg, sandbox, 0);
@@ -575,15 +582,8 @@ async fn a_quit_sent_ahead_by_the_event_reader_is_taken_over_by_the_loop() {
 
     // Armed, then the pod is deleted: disarmed. A request the reader had already sent for an
     // end the loop then does not quit for is dropped and counted.
-    let node = TempNode::new("ahead-gone");
-    let _sandbox = node.container(1, "POD");
-    let app = node.container(2, "app");
-    let _proxy = node.container(3, "istio-proxy");
-    let lp = start(&node, Duration::from_secs(120));
-    lock(&lp.link.0).kept = true;
-    lp.apply(job_pod(json!({})));
+    let (node, lp, [_, app]) = armed_job("ahead-gone").await;
     let pod_cg = node.pod_id();
-    lp.until("armed", |l| l.ahead.armed() == 1).await;
     let mut exit = end_of(pod_cg, app, 0);
     exit.quits_sent_ahead = lp.ahead.fire(&exit);
     assert_eq!(exit.quits_sent_ahead, 1);

@@ -96,43 +96,11 @@ impl<L: SidecarLink> OnExit for QuitsAhead<L> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::Ordering;
+
     use super::*;
     use crate::pod::spec::Endpoint;
-    use crate::sidecar::http::{Limits, Response};
-    use crate::sidecar::{Failed, Pending, PodTarget};
-
-    /// Records what is sent ahead; `left` requests are reported unclaimed by the next drop.
-    #[derive(Default)]
-    struct Recorder {
-        sent: Mutex<Vec<(String, u16, String)>>,
-        left: Mutex<usize>,
-    }
-
-    impl SidecarLink for Recorder {
-        fn open(&self, _: &str, _: &str) -> Result<(), String> {
-            Ok(())
-        }
-        fn close(&self, _: &str) {}
-        fn send_ahead(&self, uid: &str, port: u16, path: &str) -> bool {
-            self.sent.lock().unwrap_or_else(PoisonError::into_inner).push((uid.into(), port, path.into()));
-            true
-        }
-        fn drop_sent_ahead(&self, _: &str) -> usize {
-            std::mem::take(&mut *self.left.lock().unwrap_or_else(PoisonError::into_inner))
-        }
-        fn request(
-            &self,
-            _: PodTarget,
-            _: u16,
-            _: &'static str,
-            _: String,
-            _: Limits,
-            _: bool,
-            _: bool,
-        ) -> Pending<Result<Response, Failed>> {
-            Box::pin(async { Err(("not in this test".into(), "io")) })
-        }
-    }
+    use crate::sidecar::testing::TestLink;
 
     fn arm(uid: &str, pod_cgroup: u64, container_cgroup: u64, on_failure: bool) -> QuitAhead {
         let istio = vec![Endpoint { port: 15020, path: "/quitquitquit".into() }];
@@ -169,7 +137,7 @@ mod tests {
 
     #[test]
     fn an_arm_fires_once_for_its_own_container_of_its_own_pod() {
-        let link = Arc::new(Recorder::default());
+        let link = Arc::new(TestLink::default());
         let metrics = Arc::new(Metrics::new());
         let ahead = QuitsAhead::new(link.clone(), metrics.clone());
         ahead.set("a", Some(arm("a", 10, 11, true)));
@@ -184,7 +152,7 @@ mod tests {
         assert_eq!(ahead.fire(&end(10, 11, ok)), 0, "once");
         // Pod b quits only on success: a failure leaves it to the loop (the kubelet restarts it).
         assert_eq!(ahead.fire(&end(20, 21, Some(ProcessEnd::Exited(3)))), 0);
-        let sent = link.sent.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let sent = link.sent_ahead.lock().unwrap_or_else(PoisonError::into_inner).clone();
         assert_eq!(sent, [("a".to_owned(), 15020, "/quitquitquit".to_owned())]);
         assert_eq!(sent_total(&metrics, "sent"), 1);
         assert_eq!(ahead.armed(), 0);
@@ -192,7 +160,7 @@ mod tests {
 
     #[test]
     fn a_signal_or_an_unknown_code_is_a_failure_and_a_new_arm_replaces_the_old() {
-        let link = Arc::new(Recorder::default());
+        let link = Arc::new(TestLink::default());
         let ahead = QuitsAhead::new(link.clone(), Arc::new(Metrics::new()));
         for e in [Some(ProcessEnd::Signaled { signal: 9, core_dumped: false }), None, Some(ProcessEnd::Exited(1))] {
             ahead.set("b", Some(arm("b", 20, 21, false)));
@@ -205,16 +173,16 @@ mod tests {
         assert_eq!(ahead.fire(&end(20, 21, Some(ProcessEnd::Exited(0)))), 0, "the old container");
         ahead.set("b", None);
         assert_eq!(ahead.fire(&end(20, 22, Some(ProcessEnd::Exited(0)))), 0, "disarmed");
-        assert!(link.sent.lock().unwrap_or_else(PoisonError::into_inner).is_empty());
+        assert!(link.sent_ahead.lock().unwrap_or_else(PoisonError::into_inner).is_empty());
     }
 
     #[test]
     fn requests_no_quit_took_over_are_counted_unclaimed() {
-        let link = Arc::new(Recorder::default());
+        let link = Arc::new(TestLink::default());
         let metrics = Arc::new(Metrics::new());
         let ahead = QuitsAhead::new(link.clone(), metrics.clone());
         assert_eq!(ahead.unclaimed("a"), 0);
-        *link.left.lock().unwrap_or_else(PoisonError::into_inner) = 2;
+        link.unclaimed.store(2, Ordering::SeqCst);
         assert_eq!(ahead.unclaimed("a"), 2);
         assert_eq!(sent_total(&metrics, "unclaimed"), 2);
     }

@@ -101,15 +101,19 @@ pub trait SidecarLink: Send + Sync + 'static {
 }
 
 /// A link for tests of the loops: every request answers 200 and is counted; the prober's sockets
-/// are the test's own (its servers listen on the test's loopback).
+/// are the test's own (its servers listen on the test's loopback). Quits sent ahead are recorded,
+/// and the next drop reports `unclaimed` of them.
 #[cfg(test)]
 pub mod testing {
     use super::*;
+    use std::sync::Mutex;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     #[derive(Default)]
     pub struct TestLink {
         pub requests: AtomicUsize,
+        pub sent_ahead: Mutex<Vec<(String, u16, String)>>,
+        pub unclaimed: AtomicUsize,
     }
 
     impl SidecarLink for TestLink {
@@ -117,6 +121,14 @@ pub mod testing {
             Ok(())
         }
         fn close(&self, _: &str) {}
+        fn send_ahead(&self, uid: &str, port: u16, path: &str) -> bool {
+            let mut sent = self.sent_ahead.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            sent.push((uid.into(), port, path.into()));
+            true
+        }
+        fn drop_sent_ahead(&self, _: &str) -> usize {
+            self.unclaimed.swap(0, Ordering::SeqCst)
+        }
         fn netns_open(&self, _: &str) -> bool {
             true
         }
