@@ -24,7 +24,10 @@ HOST_PATHS = {
     # host paths. Never their parents: /run/containerd holds the runtime's socket.
     "/run/containerd/io.containerd.runtime.v2.task/k8s.io": "/run/containerd/io.containerd.runtime.v2.task/k8s.io",
     "/run/containers/storage/overlay-containers": "/run/containers/storage/overlay-containers",
+    # The one writable host path: the agent's pin directory on the host's bpffs.
+    "/sys/fs/bpf/valet": "/sys/fs/bpf/valet",
 }
+WRITABLE_HOST_PATHS = {"/sys/fs/bpf/valet"}
 BUNDLE_DIRS = {
     "/run/containerd/io.containerd.runtime.v2.task/k8s.io",
     "/run/containers/storage/overlay-containers",
@@ -67,10 +70,12 @@ def test_least_privilege(renders: dict[str, Render], name: str) -> None:
         assert path not in ("/", "/proc", "/run", "/var/run") and not path.endswith(".sock")
         if path.startswith(("/run/containerd", "/var/run/containerd", "/run/containers", "/var/run/crio", "/run/crio")):
             assert path in BUNDLE_DIRS, f"{path}: only the bundle directories, never the runtime's socket"
-    host_volumes = {v["name"] for v in pod["volumes"] if "hostPath" in v}
+    host_volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     for m in c["volumeMounts"]:
-        if m["name"] in host_volumes:
+        if m["name"] in host_volumes and host_volumes[m["name"]] not in WRITABLE_HOST_PATHS:
             assert m.get("readOnly") is True, f"{name}: {m['mountPath']} is writable"
+    writable = {host_volumes[m["name"]] for m in c["volumeMounts"] if m["name"] in host_volumes and not m.get("readOnly")}
+    assert writable <= WRITABLE_HOST_PATHS, f"{name}: writable host paths {writable}"
 
 
 def test_apparmor_annotation_names_the_container(renders: dict[str, Render]) -> None:

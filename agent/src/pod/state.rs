@@ -218,6 +218,21 @@ impl PodState {
         self.quits.values().any(|q| q.state == QuitState::InFlight)
     }
 
+    /// Whether this pod holds its apps until its proxy is ready, and so looks after what the
+    /// kernel stopped in its cgroups (an earlier agent's holds included, found at attach).
+    pub fn holding(&self) -> bool {
+        self.plan.as_ref().is_some_and(wants_hold)
+            && !self.shutting_down
+            && !self.released
+            && !self.finished
+            && !self.stood_down
+    }
+
+    /// The processes this pod holds now.
+    pub fn held_pids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.held.iter().map(|h| h.tgid)
+    }
+
     /// Whether the node's resources for this pod (cgroup search, kernel maps, network namespace)
     /// are still needed.
     pub fn is_released(&self) -> bool {
