@@ -101,6 +101,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
             );
         }
         loop {
+            self.health.turned(monotonic_ns());
             tokio::select! {
                 () = &mut shutdown => break,
                 batch = kernel.next_batch() => match batch {
