@@ -18,10 +18,9 @@ use tracing::{debug, info, warn};
 use super::decide::{AppState, Decision, ExitOutcome, IgnoreReason, Observed, SidecarState, decide};
 use super::spec::{Endpoint, PodPlan, SidecarDefaults, plan};
 use super::status::{self, hex_id, pod_name};
-use crate::api::condition::{self, ProxyReady};
+use crate::api::condition;
 use crate::effect::{ContainerSeen, Count, Effect, ExitSeen, Feedback, HeldSeen, LeftHeld, Nanos, Pace, RuntimeName};
-use crate::kernel::ProcessEnd;
-use crate::sidecar::quit::QuitOutcome;
+use crate::vocab::{ProcessEnd, ProxyReady, QuitOutcome};
 
 /// The longest any app is held, whatever the annotation says.
 const MAX_HOLD: Duration = Duration::from_secs(3600);
