@@ -29,6 +29,7 @@ fn calibrate(layout: &KernelLayout, inum: u32) -> Result<u32> {
     let mut l = *layout;
     l.host_pidns_inum = inum;
     let mut ebpf = EbpfLoader::new()
+        .btf(None)
         .override_global(GLOBAL_LAYOUT, &l, true)
         .load(OBJECT)
         .map_err(|e| Error::ebpf_object("load object (calibration)", e))?;
@@ -166,6 +167,10 @@ impl Programs {
         let btf_path = host_root.join("sys/kernel/btf/vmlinux");
         let btf = Btf::from_file(&btf_path)?;
         let mut layout = read_layout(&btf, &tracefs)?;
+        // Gone before the loader parses the kernel's BTF once more (aya's `EbpfLoader::new`
+        // always does): the two parses at once were the agent's peak memory.
+        drop(btf);
+        trim_heap();
         let host_ns = match attach.host_pidns_of {
             Some(pid) => format!("/proc/{pid}/ns/pid"),
             None => "/proc/self/ns/pid".to_owned(),
@@ -196,7 +201,10 @@ impl Programs {
         let mut pinned = pin_dir.and_then(prepare_pin_dir).map(|dir| dir.join(PIN_HELD));
         let load = |pin: Option<&std::path::Path>| {
             let mut loader = EbpfLoader::new();
-            loader.override_global(GLOBAL_LAYOUT, &layout, true);
+            // The programs read the kernel through offsets in LAYOUT (from our own BTF reader):
+            // no CO-RE relocation needs the kernel's BTF, and aya parsing it again (megabytes
+            // of types) was most of the agent's peak memory.
+            loader.btf(None).override_global(GLOBAL_LAYOUT, &layout, true);
             if let Some(pin) = pin {
                 loader.map_pin_path(MAP_HELD, pin);
             }
@@ -505,6 +513,12 @@ fn mount_tracefs(host_root: &std::path::Path) -> Option<std::path::PathBuf> {
             None
         }
     }
+}
+
+/// Gives freed heap back to the node (glibc keeps it otherwise).
+pub fn trim_heap() {
+    // SAFETY: glibc's malloc_trim only releases free memory.
+    unsafe { libc::malloc_trim(0) };
 }
 
 /// BPF maps are charged to the memlock rlimit on kernels before 5.11; lift it.
