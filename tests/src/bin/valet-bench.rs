@@ -17,7 +17,7 @@
 //! 9. soak: 10,000 short Jobs through one node in batches: RSS, open fds and kernel map entries at
 //!    the start and the end;
 //! 10. observe mode on a full node: 110 pods, a tenth opted in and the rest only observed, every
-//!    app running: RSS and idle CPU against [8]'s targets.
+//!     app running: RSS and idle CPU against [8]'s targets.
 //!
 //! `--quick` runs every section small (a smoke test for CI, not figures for the README).
 //! Pods run on the simulated node's kubelet as unhelpful as a real one (container ids and exits
