@@ -256,3 +256,104 @@ impl Observer {
 fn observed(key: &PodKey) -> ObservedLabels {
     ObservedLabels { namespace: key.namespace.clone(), owner_kind: key.owner_kind.as_str() }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::look::tests::{ended, pod, running, waiting};
+    use super::*;
+
+    /// Answers every question with `answer`, after a quit for the pod if `quit_first`.
+    struct Answer {
+        answer: Option<bool>,
+        quit_first: Option<Arc<Metrics>>,
+        asked: Mutex<Vec<(String, u16)>>,
+    }
+
+    impl ReadyProbe for Answer {
+        fn ready(&self, uid: &str, endpoint: &Endpoint) -> Pending<Option<bool>> {
+            self.asked.lock().unwrap_or_else(PoisonError::into_inner).push((uid.to_owned(), endpoint.port));
+            if let Some(m) = &self.quit_first {
+                m.quit_pods.record(uid);
+            }
+            let answer = self.answer;
+            Box::pin(async move { answer })
+        }
+    }
+
+    fn observer(answer: Option<bool>, quit_first: bool) -> (Observer, Arc<Metrics>, Arc<Answer>) {
+        let metrics = Arc::new(Metrics::new());
+        let probe =
+            Arc::new(Answer { answer, quit_first: quit_first.then(|| metrics.clone()), asked: Mutex::default() });
+        let settings =
+            Settings { node: "n1".into(), defaults: SidecarDefaults::default(), namespace_label: true, act: true };
+        (Observer::new(settings, metrics.clone(), probe.clone()), metrics, probe)
+    }
+
+    fn on_node(mut p: Pod) -> Pod {
+        p.spec.as_mut().expect("spec").node_name = Some("n1".into());
+        p
+    }
+
+    fn exposition(m: &Metrics) -> String {
+        m.render(crate::metrics::Format::Text).expect("render")
+    }
+
+    /// Lets the spawned probe tasks run to the end.
+    async fn settle() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    const LABELS: &str = "namespace=\"jobs\",owner_kind=\"Job\"";
+
+    #[tokio::test]
+    async fn waiting_pods_are_gauged_and_their_series_go_with_them() {
+        let (mut o, m, _) = observer(Some(true), false);
+        o.on_watch(watcher::Event::Apply(on_node(pod(running(), running(), true))));
+        assert!(exposition(&m).contains("valet_pods_observed 1"));
+        o.on_watch(watcher::Event::Apply(on_node(pod(ended("2026-01-01T00:01:00Z"), running(), true))));
+        assert!(
+            exposition(&m).contains(&format!("valet_pods_waiting_on_sidecars{{{LABELS}}} 1")),
+            "{}",
+            exposition(&m)
+        );
+        o.on_watch(watcher::Event::Delete(on_node(pod(ended("2026-01-01T00:01:00Z"), running(), true))));
+        let text = exposition(&m);
+        assert!(!text.contains("valet_pods_waiting_on_sidecars{"), "no series left: {text}");
+        assert!(text.contains(&format!("valet_sidecar_tax_seconds_count{{{LABELS},acted=\"false\"}} 1")), "{text}");
+        assert!(text.contains("valet_pods_observed 0"));
+    }
+
+    #[tokio::test]
+    async fn a_proxy_not_ready_when_asked_counts_the_race_and_another_nodes_pod_is_ignored() {
+        let (mut o, m, probe) = observer(Some(false), false);
+        o.on_watch(watcher::Event::Apply(on_node(pod(waiting(), running(), false))));
+        o.on_watch(watcher::Event::Apply(on_node(pod(running(), running(), false))));
+        settle().await;
+        assert_eq!(*probe.asked.lock().expect("lock"), [("u1".to_owned(), 15021)]);
+        let text = exposition(&m);
+        assert!(text.contains(&format!("valet_app_started_before_proxy_ready_total{{{LABELS}}} 1")), "{text}");
+
+        let (mut o, m, probe) = observer(Some(false), false);
+        o.on_watch(watcher::Event::Apply(pod(waiting(), running(), false)));
+        o.on_watch(watcher::Event::Apply(pod(running(), running(), false)));
+        settle().await;
+        assert!(probe.asked.lock().expect("lock").is_empty());
+        assert!(exposition(&m).contains("valet_pods_observed 0"));
+    }
+
+    #[tokio::test]
+    async fn a_proxy_valet_quit_or_could_not_ask_counts_no_race() {
+        for (answer, quit) in [(Some(false), true), (None, false)] {
+            let (mut o, m, probe) = observer(answer, quit);
+            o.on_watch(watcher::Event::Apply(on_node(pod(waiting(), running(), false))));
+            o.on_watch(watcher::Event::Apply(on_node(pod(running(), running(), false))));
+            settle().await;
+            assert_eq!(probe.asked.lock().expect("lock").len(), 1);
+            let text = exposition(&m);
+            assert!(!text.contains("valet_app_started_before_proxy_ready_total{"), "{text}");
+            assert!(text.contains("valet_pod_skips_total{reason=\"RaceUnknown\"} 1"), "{text}");
+        }
+    }
+}
