@@ -114,7 +114,7 @@ pub struct Metrics {
     pub sidecar_tax: Family<TaxLabels, Histogram, fn() -> Histogram>,
     pub started_before_ready: Family<ObservedLabels, Counter>,
     /// Not a metric: which pods valet quit, for `sidecar_tax`'s `acted` label.
-    pub quit_pods: crate::observe::QuitPods,
+    pub quit_pods: crate::observe::quits::QuitPods,
 }
 
 /// Sidecar tax buckets from 1 s to a day: the API's times are whole seconds, and a stuck Job's
@@ -163,7 +163,7 @@ impl Metrics {
             pods_waiting: Family::default(),
             sidecar_tax: Family::new_with_constructor(tax_histogram),
             started_before_ready: Family::default(),
-            quit_pods: crate::observe::QuitPods::default(),
+            quit_pods: crate::observe::quits::QuitPods::default(),
         };
         registry.register("pods_tracked", "Opted-in pods on this node that valet tracks", m.pods_tracked.clone());
         registry.register(
@@ -494,6 +494,10 @@ mod tests {
                 "valet_watch_restarts_total",
                 "valet_pod_skips_total",
                 "valet_build_info",
+                "valet_pods_observed",
+                "valet_pods_waiting_on_sidecars",
+                "valet_sidecar_tax_seconds",
+                "valet_app_started_before_proxy_ready_total",
             ]
         );
         for zero in [

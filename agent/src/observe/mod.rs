@@ -10,13 +10,13 @@
 //! It runs on its own task: the controller's loop neither waits for it nor knows it.
 
 pub mod look;
+pub mod quits;
 pub mod tally;
 
 use std::collections::HashSet;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use futures::{Stream, StreamExt as _};
 use k8s_openapi::api::core::v1::Pod;
@@ -30,31 +30,6 @@ use crate::metrics::{Metrics, ObservedLabels, TaxLabels};
 use crate::pod::spec::{Endpoint, SidecarDefaults};
 use crate::sidecar::Pending;
 use crate::sidecar::http::{self, Limits};
-
-/// The pods valet sent a quit to, for the tax's `acted` label. The actuators record, the observer
-/// forgets a pod when it goes; nothing is kept while no observer runs.
-#[derive(Debug, Default)]
-pub struct QuitPods {
-    on: AtomicBool,
-    uids: Mutex<HashSet<String>>,
-}
-
-impl QuitPods {
-    /// valet asked one of this pod's sidecars to quit.
-    pub fn record(&self, uid: &str) {
-        if self.on.load(Ordering::Relaxed) {
-            self.uids.lock().unwrap_or_else(PoisonError::into_inner).insert(uid.to_owned());
-        }
-    }
-
-    fn contains(&self, uid: &str) -> bool {
-        self.uids.lock().unwrap_or_else(PoisonError::into_inner).contains(uid)
-    }
-
-    fn forget(&self, uid: &str) {
-        self.uids.lock().unwrap_or_else(PoisonError::into_inner).remove(uid);
-    }
-}
 
 /// Asks a pod's proxy once whether it is ready. `None`: it could not be asked (the pod's
 /// network namespace could not be entered).
@@ -113,7 +88,7 @@ pub struct Observer {
 
 impl Observer {
     pub fn new(settings: Settings, metrics: Arc<Metrics>, probe: Arc<dyn ReadyProbe>) -> Observer {
-        metrics.quit_pods.on.store(true, Ordering::Relaxed);
+        metrics.quit_pods.start();
         Observer {
             tally: Tally::new(settings.namespace_label),
             settings,
@@ -259,6 +234,8 @@ fn observed(key: &PodKey) -> ObservedLabels {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::{Mutex, PoisonError};
+
     use super::look::tests::{ended, pod, running, waiting};
     use super::*;
 
