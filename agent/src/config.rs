@@ -145,6 +145,23 @@ pub struct Config {
     #[arg(long, env = "VALET_RUNTIME_STATE_DIRS", value_delimiter = ',')]
     pub runtime_state_dirs: Vec<PathBuf>,
 
+    /// Act on the pods labelled valet.dev/enabled=true (quit their sidecars, hold their apps,
+    /// write their condition and Events). `false`: a look-only install; every pod is only
+    /// observed.
+    #[arg(long, env = "VALET_ACT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub act: bool,
+
+    /// Observe every pod on the node that has a sidecar valet knows, labelled or not, and export
+    /// what its sidecars cost (valet_pods_waiting_on_sidecars, valet_sidecar_tax_seconds,
+    /// valet_app_started_before_proxy_ready_total). Observing never acts on a pod.
+    #[arg(long, env = "VALET_OBSERVE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub observe: bool,
+
+    /// Give the observed pods' series a `namespace` label (`false`: an empty one, for clusters
+    /// with very many namespaces).
+    #[arg(long, env = "VALET_OBSERVE_NAMESPACE_LABEL", default_value_t = true, action = clap::ArgAction::Set)]
+    pub observe_namespace_label: bool,
+
     /// Log format.
     #[arg(long, env = "VALET_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -219,6 +236,11 @@ mod tests {
         assert!(bad.validate().is_err());
         assert_eq!(cfg.held_probe_budget, 1500);
         assert!(cfg.held_prober);
+        assert!(cfg.act && cfg.observe && cfg.observe_namespace_label, "acting and observing by default");
+        let look_only = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--act=false"]).expect("parse");
+        assert!(!look_only.act && look_only.observe);
+        let blind = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--observe", "false"]).expect("parse");
+        assert!(blind.act && !blind.observe);
         let off =
             Config::try_parse_from(["valet-agent", "--node-name", "n1", "--held-prober", "false"]).expect("parse");
         assert!(!off.held_prober);

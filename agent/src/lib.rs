@@ -6,6 +6,8 @@
 //! release a held app, write the readiness condition — and feed their results back; `metrics`
 //! observes every step. `vocab` holds the words they all share (sidecar kinds, endpoints, how
 //! a process or a quit ended) and imports none of them.
+//! `observe` watches every pod with a known sidecar, labelled or not, and only counts what the
+//! sidecars cost.
 
 pub mod act;
 pub mod api;
@@ -16,6 +18,7 @@ pub mod effect;
 pub mod error;
 pub mod kernel;
 pub mod metrics;
+pub mod observe;
 pub mod pod;
 pub mod runtime;
 pub mod server;

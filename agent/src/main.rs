@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser as _;
+use futures::StreamExt as _;
+use kube::runtime::watcher;
 use tracing::{error, info};
 use tracing_subscriber::EnvFilter;
 use valet_agent::act::{Actuators, Settings};
@@ -17,6 +19,7 @@ use valet_agent::controller::Controller;
 use valet_agent::kernel::programs::AncestorMode;
 use valet_agent::kernel::{Attach, EventReader, Programs};
 use valet_agent::metrics::Metrics;
+use valet_agent::observe::{NetnsProbe, Observer};
 use valet_agent::pod::spec::SidecarDefaults;
 use valet_agent::pod::state::Rules;
 use valet_agent::runtime::RuntimeBundles;
@@ -80,6 +83,17 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     unsafe { libc::malloc_trim(0) };
 
     let cgroups = CgroupFs::new(cgroup_root);
+    if cfg.observe {
+        let settings = valet_agent::observe::Settings {
+            node: cfg.node_name.clone(),
+            defaults: SidecarDefaults { names: cfg.sidecar_names.clone(), hold_timeout: cfg.hold_timeout },
+            namespace_label: cfg.observe_namespace_label,
+            act: cfg.act,
+        };
+        let probe = NetnsProbe { host_proc: cfg.host_proc.clone(), cgroups: cgroups.clone() };
+        let observer = Observer::new(settings, metrics.clone(), Arc::new(probe));
+        tokio::spawn(observer.run(valet_agent::api::watch::all_pods_on_node(client.clone(), &cfg.node_name)));
+    }
     let (reports_tx, reports_rx) = tokio::sync::mpsc::unbounded_channel();
     let act = Actuators::new(
         Settings {
@@ -107,9 +121,18 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         escalate_after: (!cfg.no_escalation).then_some(cfg.escalate_after),
     };
     let controller = Controller::new(&cfg.node_name, rules, act, reports_rx, health);
-    let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node_name);
     // Leave time within the usual 30 s grace period for in-flight quits to finish.
-    controller.run(events, watch, shutdown_signal(), Duration::from_secs(10)).await;
+    let drain = Duration::from_secs(10);
+    if cfg.act {
+        let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node_name);
+        controller.run(events, watch, shutdown_signal(), drain).await;
+    } else {
+        // Look-only: the controller is given no pod (an empty list, then nothing), so it acts on none.
+        info!("--act=false: no pod is acted on; labelled pods are only observed");
+        let none = futures::stream::iter([Ok(watcher::Event::Init), Ok(watcher::Event::InitDone)])
+            .chain(futures::stream::pending());
+        controller.run(events, none, shutdown_signal(), drain).await;
+    }
     info!("stopped");
     Ok(())
 }

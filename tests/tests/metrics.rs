@@ -202,6 +202,11 @@ fn drive_quit(node: &Node, agent: &Agent, tracked_after: usize) -> JobPod {
     job
 }
 
+/// Observed pods the agent quit, counted in the sidecar tax.
+fn taxed(agent: &Agent) -> f64 {
+    agent.metric("valet_sidecar_tax_seconds_count{namespace=\"jobs\",owner_kind=\"Job\",acted=\"true\"} ")
+}
+
 fn quits_ok(agent: &Agent) -> f64 {
     agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ")
 }
@@ -432,7 +437,16 @@ const FAMILIES: &[(&str, &str, &[&str])] = &[
     ("valet_watch_restarts_total", "counter", &[]),
     ("valet_pod_skips_total", "counter", &["reason"]),
     ("valet_build_info", "gauge", &["version"]),
+    ("valet_pods_observed", "gauge", &[]),
+    ("valet_pods_waiting_on_sidecars", "gauge", &["namespace", "owner_kind"]),
+    ("valet_sidecar_tax_seconds", "histogram", &["namespace", "owner_kind", "acted", "le"]),
+    ("valet_app_started_before_proxy_ready_total", "counter", &["namespace", "owner_kind"]),
 ];
+
+/// Observed pods' series carry their namespace on purpose (bounded by the cluster's namespaces;
+/// `--observe-namespace-label=false` empties it).
+const NAMESPACE_LABELLED: &[&str] =
+    &["valet_pods_waiting_on_sidecars", "valet_sidecar_tax_seconds", "valet_app_started_before_proxy_ready_total"];
 
 fn is_hex_id(v: &str) -> bool {
     v.len() >= 8 && v.bytes().all(|b| b.is_ascii_hexdigit())
@@ -473,6 +487,8 @@ fn every_family_is_exposed_with_low_cardinality_labels() {
     let uid = node.pod(&job).and_then(|p| p["metadata"]["uid"].as_str().map(str::to_owned)).expect("pod uid");
     let forbidden = [job.name.as_str(), uid.as_str(), node.name.as_str(), "jobs"];
 
+    // The observer taxes the pod once the API shows its proxy ended (about a second later).
+    assert!(eventually(Duration::from_secs(10), || taxed(&agent) == 1.0), "the quit pod taxed");
     let text = scrape(&agent, None, TEXT);
     let e = Exposition::parse(&text);
     let om = Exposition::parse(&scrape(&agent, Some(PROMETHEUS_ACCEPT), OPENMETRICS));
@@ -495,6 +511,10 @@ fn every_family_is_exposed_with_low_cardinality_labels() {
                 assert!(value == "+Inf" || value.parse::<f64>().is_ok(), "{name}: bucket bound {value:?}");
                 continue;
             }
+            if key == "namespace" && NAMESPACE_LABELLED.contains(&family) {
+                assert_eq!(value, "jobs", "{name}: the observed pod's namespace");
+                continue;
+            }
             if let Some(why) = identifier_like(value, &forbidden) {
                 panic!("{name}{{{key}={value:?}}}: looks like a per-pod or per-process value ({why})");
             }
@@ -514,9 +534,53 @@ fn every_family_is_exposed_with_low_cardinality_labels() {
     // A second pod doing the same thing adds no series: nothing is keyed by pod.
     let _second = drive_quit(&node, &agent, 2);
     assert!(eventually(Duration::from_secs(3), || quits_ok(&agent) == 2.0), "second quit counted");
+    assert!(eventually(Duration::from_secs(10), || taxed(&agent) == 2.0), "the second pod taxed");
     let after = Exposition::parse(&scrape(&agent, None, TEXT));
     assert_eq!(after.series(), e.series(), "the same series after a second pod's quit");
     assert_eq!(after.value("valet_quit_latency_seconds_count", &[]), Some(2.0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3b. the dashboard and the alerts use only names the agent exports
+
+/// Every `valet_*` name in the dashboard's and the rules' PromQL (anywhere in the files: their
+/// descriptions name series too).
+fn names_used_in(path: &std::path::Path) -> BTreeSet<String> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut names = BTreeSet::new();
+    let mut rest = text.as_str();
+    while let Some(at) = rest.find("valet_") {
+        let before = rest[..at].chars().next_back();
+        let tail = &rest[at..];
+        let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+        if !before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_') {
+            names.insert(tail[..end].to_owned());
+        }
+        rest = &tail[end..];
+    }
+    names
+}
+
+#[test]
+fn dashboard_and_rules_use_exported_metrics() {
+    let (_node, agent, _job) = agent_after_one_quit();
+    let e = Exposition::parse(&scrape(&agent, None, TEXT));
+    // A histogram's samples are named after its family; an empty one shows only its # TYPE.
+    let exported: BTreeSet<String> = e
+        .types
+        .iter()
+        .flat_map(|(family, t)| match t.as_str() {
+            "histogram" => ["", "_bucket", "_sum", "_count"].map(|s| format!("{family}{s}")).to_vec(),
+            _ => vec![family.clone()],
+        })
+        .collect();
+    let monitoring = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/monitoring");
+    for file in ["valet-dashboard.json", "prometheusrule.yaml", "tests/rules-test.yaml"] {
+        let used = names_used_in(&monitoring.join(file));
+        assert!(used.len() >= 3, "{file}: valet series found: {used:?}");
+        let unknown: Vec<&String> = used.iter().filter(|n| !exported.contains(*n)).collect();
+        assert!(unknown.is_empty(), "{file} uses {unknown:?}, which the agent does not export:\n{exported:?}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

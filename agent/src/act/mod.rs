@@ -261,6 +261,8 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 None
             }
             Effect::Quit { sidecar, instance, endpoint, pod_rel } => {
+                // For observe mode's tax: this pod's sidecars end because valet acted.
+                self.metrics.quit_pods.record(uid);
                 let target = PodTarget { uid: uid.to_owned(), pod_rel: Some(pod_rel), pod_ip: None };
                 let limits = Limits { total_timeout: self.settings.quit_timeout, ..Limits::default() };
                 let (link, reports, retry_for, uid) =

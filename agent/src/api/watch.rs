@@ -1,4 +1,5 @@
-//! One watch per agent on the opted-in pods of this node (list, then watch; re-list on `410 Gone`
+//! The controller's watch on the opted-in pods of this node, and the observer's on all of them.
+//! Each is one watch per agent (list, then watch; re-list on `410 Gone`
 //! and after dropped connections, with backoff), through kube-runtime's watcher.
 
 use futures::Stream;
@@ -28,4 +29,13 @@ pub fn pods_on_node(
     let api: Api<Pod> = Api::all(client);
     let config = watcher::Config::default().labels(&label_selector()).fields(&field_selector(node));
     watcher(api, config).default_backoff()
+}
+
+/// The watch stream of every pod on `node`, labelled or not (the observer's: it never acts).
+pub fn all_pods_on_node(
+    client: Client,
+    node: &str,
+) -> impl Stream<Item = Result<watcher::Event<Pod>, watcher::Error>> + Send + 'static {
+    let api: Api<Pod> = Api::all(client);
+    watcher(api, watcher::Config::default().fields(&field_selector(node))).default_backoff()
 }
