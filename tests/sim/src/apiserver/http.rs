@@ -122,13 +122,18 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
     let path = parts.uri.path().to_string();
     let raw_query = parts.uri.query().unwrap_or("").to_string();
     let content_type = parts.headers.get(hyper::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_string);
-    lock(&shared.requests).push(RecordedRequest {
+    // Counted until the answer is made, or until the client gives up on the request (hyper
+    // drops this future when the connection closes under it).
+    let _in_flight = InFlight::start(&shared, &parts.method);
+    let recorded = RecordedRequest {
         method: parts.method.to_string(),
         path: path.clone(),
         query: raw_query.clone(),
         content_type: content_type.clone(),
         body: String::from_utf8_lossy(&body).into_owned(),
-    });
+    };
+    let verb = verb(&parts.method, &path, recorded.is_watch());
+    lock(&shared.requests).push(recorded);
     {
         let mut fail = lock(&shared.fail);
         if fail.0 > 0 {
@@ -136,9 +141,75 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
             return Ok(error_response(&ApiError::injected(fail.1)));
         }
     }
+    let (refusal, hang) = {
+        let mut faults = lock(&shared.faults);
+        (faults.refusal(verb), faults.hang_patches && parts.method == Method::PATCH)
+    };
+    if let Some(code) = refusal {
+        shared.fault_counters.refused.fetch_add(1, Ordering::SeqCst);
+        let mut resp = error_response(&ApiError::fault(code));
+        if code == 429 {
+            resp.headers_mut().insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from_static("1"));
+        }
+        return Ok(resp);
+    }
+    if hang {
+        shared.fault_counters.hung.fetch_add(1, Ordering::SeqCst);
+        return std::future::pending().await;
+    }
     let query: HashMap<String, String> = form_urlencoded::parse(raw_query.as_bytes()).into_owned().collect();
     let r = Req { method: parts.method, query, content_type: content_type.unwrap_or_default(), body };
     Ok(route(&shared, &path, r).unwrap_or_else(|e| error_response(&e)))
+}
+
+/// The Kubernetes verb of a request, as RBAC and API Priority and Fairness name it.
+fn verb(method: &Method, path: &str, watch: bool) -> &'static str {
+    match *method {
+        Method::GET if watch => "watch",
+        Method::GET if matches!(path.trim_end_matches('/').rsplit('/').next(), Some("pods" | "events")) => "list",
+        Method::GET => "get",
+        Method::POST => "create",
+        Method::PUT => "update",
+        Method::PATCH => "patch",
+        Method::DELETE => "delete",
+        _ => "",
+    }
+}
+
+/// A write (or PATCH) the server holds: counted in flight while it lives, the peaks kept.
+struct InFlight {
+    shared: Arc<Shared>,
+    write: bool,
+    patch: bool,
+}
+
+impl InFlight {
+    fn start(shared: &Arc<Shared>, method: &Method) -> InFlight {
+        let c = &shared.fault_counters;
+        let patch = *method == Method::PATCH;
+        let write = patch || matches!(*method, Method::POST | Method::PUT | Method::DELETE);
+        if write {
+            let now = c.writes.fetch_add(1, Ordering::SeqCst) + 1;
+            c.peak_writes.fetch_max(now, Ordering::SeqCst);
+        }
+        if patch {
+            let now = c.patches.fetch_add(1, Ordering::SeqCst) + 1;
+            c.peak_patches.fetch_max(now, Ordering::SeqCst);
+        }
+        InFlight { shared: shared.clone(), write, patch }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let c = &self.shared.fault_counters;
+        if self.write {
+            c.writes.fetch_sub(1, Ordering::SeqCst);
+        }
+        if self.patch {
+            c.patches.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
 }
 
 fn route(shared: &Arc<Shared>, path: &str, r: Req) -> Result<Response<Body>, ApiError> {

@@ -17,7 +17,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow};
 use serde_json::Value;
@@ -83,6 +83,74 @@ impl RecordedRequest {
     }
 }
 
+/// A failure of the API server that a test turns on with [`FakeApiServer::set_fault`] and off with
+/// [`FakeApiServer::clear_faults`]. Faults of different kinds can be on at once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fault {
+    /// Requests whose Kubernetes verb (`get`, `list`, `watch`, `create`, `update`, `patch`,
+    /// `delete`) is in `verbs` (empty: every verb) are refused with a `Status` of `code`, as the
+    /// real server words it (500 `InternalError`, 429 `TooManyRequests` with `Retry-After: 1`
+    /// as API Priority and Fairness sends it, 503, 504), until `until` (None: until cleared).
+    /// Watches already open are not cut (see [`FakeApiServer::drop_watches`]).
+    Status { code: u16, verbs: Vec<&'static str>, until: Option<Instant> },
+    /// Every open watch stops sending (no events, no bookmarks) and keeps its chunked response
+    /// open, ignoring its `timeoutSeconds`; watches started while this is on do the same from
+    /// their first line. A stalled stream stays silent for good, like a dead connection, also
+    /// after the fault is cleared: only watches started afterwards flow.
+    StallWatches,
+    /// PATCH requests are read and never answered: each stays open until its client gives up.
+    HangPatches,
+}
+
+/// What the faults did, and the write concurrency the server saw.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FaultStats {
+    /// Requests answered with a [`Fault::Status`].
+    pub refused: u64,
+    /// PATCHes left unanswered ([`Fault::HangPatches`]).
+    pub hung: u64,
+    /// Watch streams that stalled ([`Fault::StallWatches`]).
+    pub stalled_watches: u64,
+    /// PATCHes in flight now: received and neither answered nor given up by their client.
+    pub patches_in_flight: u64,
+    /// The most PATCHes in flight at once since the server started.
+    pub peak_patches_in_flight: u64,
+    /// The most writes (POST, PUT, PATCH, DELETE) in flight at once since the server started.
+    pub peak_writes_in_flight: u64,
+}
+
+/// The faults that are on.
+#[derive(Debug, Default)]
+pub(crate) struct Faults {
+    /// (code, verbs, until) of a [`Fault::Status`].
+    pub status: Option<(u16, Vec<&'static str>, Option<Instant>)>,
+    pub hang_patches: bool,
+}
+
+impl Faults {
+    /// The code to refuse a request of `verb` with now, if any; an expired fault is forgotten.
+    pub fn refusal(&mut self, verb: &str) -> Option<u16> {
+        let (code, verbs, until) = self.status.as_ref()?;
+        if until.is_some_and(|u| Instant::now() >= u) {
+            self.status = None;
+            return None;
+        }
+        (verbs.is_empty() || verbs.contains(&verb)).then_some(*code)
+    }
+}
+
+/// Counters of [`FaultStats`].
+#[derive(Debug, Default)]
+pub(crate) struct FaultCounters {
+    pub refused: AtomicU64,
+    pub hung: AtomicU64,
+    pub stalled_watches: AtomicU64,
+    pub patches: AtomicU64,
+    pub writes: AtomicU64,
+    pub peak_patches: AtomicU64,
+    pub peak_writes: AtomicU64,
+}
+
 /// State shared between the control API and the server tasks.
 pub(crate) struct Shared {
     pub store: Mutex<Store>,
@@ -93,6 +161,10 @@ pub(crate) struct Shared {
     pub requests: Mutex<Vec<RecordedRequest>>,
     /// (remaining, code) of injected failures.
     pub fail: Mutex<(u32, u16)>,
+    pub faults: Mutex<Faults>,
+    /// Whether watches stall ([`Fault::StallWatches`]); open streams learn it here.
+    pub stall_tx: tokio::sync::watch::Sender<bool>,
+    pub fault_counters: FaultCounters,
     pub watch_count: AtomicU64,
     pub opts: ServerOptions,
     pub addr: SocketAddr,
@@ -145,6 +217,9 @@ impl FakeApiServer {
             drop_tx: tokio::sync::watch::Sender::new(0),
             requests: Mutex::new(Vec::new()),
             fail: Mutex::new((0, 0)),
+            faults: Mutex::new(Faults::default()),
+            stall_tx: tokio::sync::watch::Sender::new(false),
+            fault_counters: FaultCounters::default(),
             watch_count: AtomicU64::new(0),
             opts: opts.clone(),
             addr,
@@ -260,6 +335,38 @@ impl FakeApiServer {
     /// The next `n` requests (of any kind) fail with `status_code` and a Status body.
     pub fn fail_next(&self, n: u32, status_code: u16) {
         *lock(&self.shared.fail) = (n, status_code);
+    }
+
+    /// Turns a fault on (a [`Fault::Status`] replaces the one before).
+    pub fn set_fault(&self, fault: Fault) {
+        match fault {
+            Fault::Status { code, verbs, until } => lock(&self.shared.faults).status = Some((code, verbs, until)),
+            Fault::StallWatches => {
+                self.shared.stall_tx.send_replace(true);
+            }
+            Fault::HangPatches => lock(&self.shared.faults).hang_patches = true,
+        }
+    }
+
+    /// Turns every fault off. Requests already hung stay hung and streams already stalled stay
+    /// silent (their clients have to give up on them); new requests are served.
+    pub fn clear_faults(&self) {
+        *lock(&self.shared.faults) = Faults::default();
+        self.shared.stall_tx.send_replace(false);
+    }
+
+    /// What the faults did so far, and the peaks of writes in flight.
+    pub fn fault_stats(&self) -> FaultStats {
+        let c = &self.shared.fault_counters;
+        let load = |a: &AtomicU64| a.load(Ordering::SeqCst);
+        FaultStats {
+            refused: load(&c.refused),
+            hung: load(&c.hung),
+            stalled_watches: load(&c.stalled_watches),
+            patches_in_flight: load(&c.patches),
+            peak_patches_in_flight: load(&c.peak_patches),
+            peak_writes_in_flight: load(&c.peak_writes),
+        }
     }
 
     /// How many watch streams were started.
