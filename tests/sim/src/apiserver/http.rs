@@ -6,6 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
+use std::time::Instant;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full, combinators::BoxBody};
@@ -20,7 +21,7 @@ use super::patch::PatchKind;
 use super::selector::{FieldKind, FieldSelector, LabelSelector};
 use super::status::ApiError;
 use super::store::{EventGroup, Filter, ListParams, Subresource};
-use super::{RecordedRequest, Shared, lock, watch};
+use super::{RecordedRequest, Shared, WriteSpan, lock, watch};
 
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub(crate) type Body = BoxBody<Bytes, BoxError>;
@@ -114,6 +115,21 @@ impl Req {
 }
 
 async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    // A write is counted in flight from when it was read until it is answered, or until its
+    // client gives up on it (hyper drops this future when the connection closes under it).
+    let mut in_flight = None;
+    let response = answer(&shared, req, &mut in_flight).await;
+    if let Some(write) = in_flight.as_mut() {
+        write.answered = true;
+    }
+    response
+}
+
+async fn answer(
+    shared: &Arc<Shared>,
+    req: Request<Incoming>,
+    in_flight: &mut Option<InFlight>,
+) -> Result<Response<Body>, Infallible> {
     let (parts, body) = req.into_parts();
     let body = match body.collect().await {
         Ok(b) => b.to_bytes(),
@@ -122,9 +138,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
     let path = parts.uri.path().to_string();
     let raw_query = parts.uri.query().unwrap_or("").to_string();
     let content_type = parts.headers.get(hyper::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_string);
-    // Counted until the answer is made, or until the client gives up on the request (hyper
-    // drops this future when the connection closes under it).
-    let _in_flight = InFlight::start(&shared, &parts.method);
+    *in_flight = InFlight::start(shared, &parts.method);
     let recorded = RecordedRequest {
         method: parts.method.to_string(),
         path: path.clone(),
@@ -176,36 +190,41 @@ fn verb(method: &Method, path: &str, watch: bool) -> &'static str {
     }
 }
 
-/// A write (or PATCH) the server holds: counted in flight while it lives, the peaks kept.
+/// A write the server holds, counted in flight while it lives.
 struct InFlight {
     shared: Arc<Shared>,
-    write: bool,
+    span: usize,
     patch: bool,
+    /// Answered (else its client gave up on it).
+    answered: bool,
 }
 
 impl InFlight {
-    fn start(shared: &Arc<Shared>, method: &Method) -> InFlight {
-        let c = &shared.fault_counters;
+    /// Starts counting a write; None for reads.
+    fn start(shared: &Arc<Shared>, method: &Method) -> Option<InFlight> {
         let patch = *method == Method::PATCH;
-        let write = patch || matches!(*method, Method::POST | Method::PUT | Method::DELETE);
-        if write {
-            let now = c.writes.fetch_add(1, Ordering::SeqCst) + 1;
-            c.peak_writes.fetch_max(now, Ordering::SeqCst);
+        if !patch && !matches!(*method, Method::POST | Method::PUT | Method::DELETE) {
+            return None;
         }
+        let c = &shared.fault_counters;
+        let open = c.writes.fetch_add(1, Ordering::SeqCst) + 1;
+        c.peak_writes_open.fetch_max(open, Ordering::SeqCst);
         if patch {
-            let now = c.patches.fetch_add(1, Ordering::SeqCst) + 1;
-            c.peak_patches.fetch_max(now, Ordering::SeqCst);
+            c.patches.fetch_add(1, Ordering::SeqCst);
         }
-        InFlight { shared: shared.clone(), write, patch }
+        let mut spans = lock(&c.spans);
+        spans.push(WriteSpan { patch, start: Instant::now(), end: None });
+        Some(InFlight { shared: shared.clone(), span: spans.len() - 1, patch, answered: false })
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         let c = &self.shared.fault_counters;
-        if self.write {
-            c.writes.fetch_sub(1, Ordering::SeqCst);
+        if let Some(span) = lock(&c.spans).get_mut(self.span) {
+            span.end = Some((Instant::now(), !self.answered));
         }
+        c.writes.fetch_sub(1, Ordering::SeqCst);
         if self.patch {
             c.patches.fetch_sub(1, Ordering::SeqCst);
         }

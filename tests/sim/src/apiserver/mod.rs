@@ -111,12 +111,51 @@ pub struct FaultStats {
     pub hung: u64,
     /// Watch streams that stalled ([`Fault::StallWatches`]).
     pub stalled_watches: u64,
-    /// PATCHes in flight now: received and neither answered nor given up by their client.
+    /// PATCHes in flight now: received, not answered, their connection still open.
     pub patches_in_flight: u64,
-    /// The most PATCHes in flight at once since the server started.
+    /// The most PATCHes in flight at once since the server started, a request given up by its
+    /// client counted as ended [`GIVE_UP_SLACK`] before the server saw its connection close.
     pub peak_patches_in_flight: u64,
-    /// The most writes (POST, PUT, PATCH, DELETE) in flight at once since the server started.
+    /// The same for all writes (POST, PUT, PATCH, DELETE).
     pub peak_writes_in_flight: u64,
+    /// The most writes whose connection was open at once, without that slack.
+    pub peak_writes_open: u64,
+}
+
+/// How much earlier than the server saw its connection close a client is taken to have given up
+/// on a request. A client that keeps N requests in flight frees a slot when it gives up on one,
+/// and may send the next on another connection a moment before it closes the one it gave up on
+/// (and the server notices the close a moment later still): the server would see N + 1 open for
+/// that moment. A client over its bound keeps the extra one open for as long as it waits.
+pub const GIVE_UP_SLACK: Duration = Duration::from_millis(250);
+
+/// One write the server received: when, and when it was answered or given up by its client.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WriteSpan {
+    pub patch: bool,
+    pub start: Instant,
+    /// (when, given up by the client)
+    pub end: Option<(Instant, bool)>,
+}
+
+/// The most of `spans` (PATCHes only, or all) in flight at once; see [`GIVE_UP_SLACK`].
+fn peak_in_flight(spans: &[WriteSpan], patches_only: bool) -> u64 {
+    let mut edges: Vec<(Instant, i8)> = Vec::new();
+    for s in spans.iter().filter(|s| s.patch || !patches_only) {
+        edges.push((s.start, 1));
+        if let Some((end, given_up)) = s.end {
+            let end = if given_up { end.checked_sub(GIVE_UP_SLACK).unwrap_or(s.start).max(s.start) } else { end };
+            edges.push((end, -1));
+        }
+    }
+    // At the same instant an end comes before a start.
+    edges.sort();
+    let (mut now, mut peak) = (0i64, 0i64);
+    for (_, d) in edges {
+        now += i64::from(d);
+        peak = peak.max(now);
+    }
+    u64::try_from(peak).unwrap_or(0)
 }
 
 /// The faults that are on.
@@ -147,8 +186,8 @@ pub(crate) struct FaultCounters {
     pub stalled_watches: AtomicU64,
     pub patches: AtomicU64,
     pub writes: AtomicU64,
-    pub peak_patches: AtomicU64,
-    pub peak_writes: AtomicU64,
+    pub peak_writes_open: AtomicU64,
+    pub spans: Mutex<Vec<WriteSpan>>,
 }
 
 /// State shared between the control API and the server tasks.
@@ -359,13 +398,15 @@ impl FakeApiServer {
     pub fn fault_stats(&self) -> FaultStats {
         let c = &self.shared.fault_counters;
         let load = |a: &AtomicU64| a.load(Ordering::SeqCst);
+        let spans = lock(&c.spans).clone();
         FaultStats {
             refused: load(&c.refused),
             hung: load(&c.hung),
             stalled_watches: load(&c.stalled_watches),
             patches_in_flight: load(&c.patches),
-            peak_patches_in_flight: load(&c.peak_patches),
-            peak_writes_in_flight: load(&c.peak_writes),
+            peak_patches_in_flight: peak_in_flight(&spans, true),
+            peak_writes_in_flight: peak_in_flight(&spans, false),
+            peak_writes_open: load(&c.peak_writes_open),
         }
     }
 
@@ -420,5 +461,37 @@ impl FakeApiServer {
 impl Drop for FakeApiServer {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_write_given_up_is_counted_as_ended_a_moment_before_its_close_was_seen() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let span = |start, end: Option<(u64, bool)>| WriteSpan {
+            patch: true,
+            start: at(start),
+            end: end.map(|(e, given_up)| (at(e), given_up)),
+        };
+        // Four hung for 10 s; the first is given up at 10 s and the next is read 1 ms before the
+        // server saw that close: still four.
+        let mut spans: Vec<WriteSpan> = (0..4).map(|i| span(i, Some((10_000 + i, true)))).collect();
+        spans.push(span(9_999, None));
+        assert_eq!(peak_in_flight(&spans, true), 4);
+        // An answered write ends when it is answered: a fifth read before the answers is five.
+        for (i, s) in spans.iter_mut().take(4).enumerate() {
+            *s = span(i as u64, Some((10_000 + i as u64, false)));
+        }
+        assert_eq!(peak_in_flight(&spans, true), 5);
+        // A fifth that stays open while the four wait is five.
+        let mut over: Vec<WriteSpan> = (0..5).map(|i| span(i, Some((10_000 + i, true)))).collect();
+        assert_eq!(peak_in_flight(&over, true), 5);
+        // POSTs count in the writes, not the PATCHes.
+        over[4].patch = false;
+        assert_eq!((peak_in_flight(&over, true), peak_in_flight(&over, false)), (4, 5));
     }
 }
