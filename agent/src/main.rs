@@ -107,7 +107,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         escalate_after: (!cfg.no_escalation).then_some(cfg.escalate_after),
     };
     let controller = Controller::new(&cfg.node_name, rules, act, reports_rx, health);
-    let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node_name);
+    let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node_name, cfg.watch_timeout);
     // Leave time within the usual 30 s grace period for in-flight quits to finish.
     controller.run(events, watch, shutdown_signal(), Duration::from_secs(10)).await;
     info!("stopped");
