@@ -173,7 +173,7 @@ async fn answer(
     }
     let query: HashMap<String, String> = form_urlencoded::parse(raw_query.as_bytes()).into_owned().collect();
     let r = Req { method: parts.method, query, content_type: content_type.unwrap_or_default(), body };
-    Ok(route(&shared, &path, r).unwrap_or_else(|e| error_response(&e)))
+    Ok(route(shared, &path, r).unwrap_or_else(|e| error_response(&e)))
 }
 
 /// The Kubernetes verb of a request, as RBAC and API Priority and Fairness name it.
