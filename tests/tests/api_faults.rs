@@ -120,6 +120,9 @@ impl Scene {
         assert_eq!(code, Some(0), "{tag}: the Job that ended unseen is quit\n{}", self.agent.log_text());
         assert_eq!(late.quits().len(), 1, "{tag}: exactly one quit: {:?}", late.quits());
         assert_eq!(self.ending.quits().len(), 1, "{tag}: no second quit: {:?}", self.ending.quits());
+        // An Event is sent once: one refused is lost, one waiting for a slot goes out later.
+        let quit_events = |job: &JobPod| self.node.events_for(job).iter().filter(|(r, _)| r == "SidecarQuit").count();
+        let (ending_events, late_events) = (quit_events(&self.ending), quit_events(late));
         let tracked = self.agent.metric("valet_pods_tracked ");
         let rss_after = rss_kib(&self.agent);
         let stats = self.node.api.fault_stats();
@@ -129,6 +132,7 @@ impl Scene {
         println!(
             "{tag}: refused {} hung {} stalled watches {}, peak in flight: PATCHes {} writes {} (open {}); \
              condition writes ok {patches} failed {failed}; watch restarts {restarts}; \
+             SidecarQuit Events: ending {ending_events}, late {late_events} (not asserted); \
              pods tracked {tracked}; RSS {} -> {} KiB; after the fault (not asserted): conditions \
              True by {conditions_true:.1?}, the Job that ended unseen quit by {late_quit:.1?}",
             stats.refused,
@@ -240,6 +244,12 @@ fn hanging_patches() {
     }
     api.clear_faults();
     let stats = scene.after_the_fault(tag, &mut late, Instant::now());
+    // The quit's Event waited behind the hung PATCHes for a slot, and went out.
+    assert!(
+        eventually(CONVERGE, || scene.node.events_for(&scene.ending).iter().any(|(r, _)| r == "SidecarQuit")),
+        "the Event of the quit during the fault: {:?}",
+        scene.node.events_for(&scene.ending)
+    );
     assert!(stats.peak_patches_in_flight <= MAX_WRITES, "{stats:?}");
     assert_eq!(stats.peak_patches_in_flight, MAX_WRITES, "the slots were all taken: {stats:?}");
 }
