@@ -492,3 +492,22 @@ fn eventually(mut f: impl FnMut() -> bool) -> bool {
     }
     false
 }
+
+#[test]
+fn hung_reads_answer_nothing_while_open_watches_go_on() {
+    use std::io::{Read as _, Write as _};
+    let s = server(1000);
+    let mut open = client::watch(s.addr(), "/api/v1/pods?watch=true", T).expect("watch");
+    s.set_fault(Fault::HangReads);
+    let mut c = std::net::TcpStream::connect(s.addr()).expect("connect");
+    c.write_all(b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n\r\n").expect("request");
+    assert!(eventually(|| s.fault_stats().hung == 1), "{:?}", s.fault_stats());
+    c.set_nonblocking(true).expect("nonblocking");
+    let read = c.read(&mut [0; 64]);
+    assert!(read.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock), "not a byte: {read:?}");
+    // The watch opened before goes on; a write is served.
+    s.create_pod(pod("a", json!({}), "n1")).expect("create");
+    assert_eq!(open.next_event(T).expect("read").expect("event")["type"], "ADDED");
+    s.clear_faults();
+    assert_eq!(client::get(s.addr(), "/api/v1/pods", T).expect("request").status, 200);
+}

@@ -157,7 +157,12 @@ async fn answer(
     }
     let (refusal, hang) = {
         let mut faults = lock(&shared.faults);
-        (faults.refusal(verb), faults.hang_patches && parts.method == Method::PATCH)
+        let hang = match parts.method {
+            Method::PATCH => faults.hang_patches,
+            Method::GET => faults.hang_reads,
+            _ => false,
+        };
+        (faults.refusal(verb), hang)
     };
     if let Some(code) = refusal {
         shared.fault_counters.refused.fetch_add(1, Ordering::SeqCst);

@@ -100,6 +100,9 @@ pub enum Fault {
     StallWatches,
     /// PATCH requests are read and never answered: each stays open until its client gives up.
     HangPatches,
+    /// GET requests (gets, lists, the start of watches) are read and never answered, not even a
+    /// status line: each stays open until its client gives up. Watches already open go on.
+    HangReads,
 }
 
 /// What the faults did, and the write concurrency the server saw.
@@ -107,7 +110,7 @@ pub enum Fault {
 pub struct FaultStats {
     /// Requests answered with a [`Fault::Status`].
     pub refused: u64,
-    /// PATCHes left unanswered ([`Fault::HangPatches`]).
+    /// Requests left unanswered ([`Fault::HangPatches`], [`Fault::HangReads`]).
     pub hung: u64,
     /// Watch streams that stalled ([`Fault::StallWatches`]).
     pub stalled_watches: u64,
@@ -164,6 +167,7 @@ pub(crate) struct Faults {
     /// (code, verbs, until) of a [`Fault::Status`].
     pub status: Option<(u16, Vec<&'static str>, Option<Instant>)>,
     pub hang_patches: bool,
+    pub hang_reads: bool,
 }
 
 impl Faults {
@@ -384,6 +388,7 @@ impl FakeApiServer {
                 self.shared.stall_tx.send_replace(true);
             }
             Fault::HangPatches => lock(&self.shared.faults).hang_patches = true,
+            Fault::HangReads => lock(&self.shared.faults).hang_reads = true,
         }
     }
 
