@@ -60,7 +60,10 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     tokio::spawn(server::serve(listener, metrics.clone(), health.clone()));
 
     let config = kube::Config::infer().await.context("Kubernetes client config (in-cluster or KUBECONFIG)")?;
-    let client = kube::Client::try_from(config.clone()).context("Kubernetes client (in-cluster or KUBECONFIG)")?;
+    let client = valet_agent::api::watch_client(
+        kube::client::ClientBuilder::try_from(config.clone())
+            .context("Kubernetes client (in-cluster or KUBECONFIG)")?,
+    );
     let writes = valet_agent::api::writes_client(
         kube::client::ClientBuilder::try_from(config).context("Kubernetes client (in-cluster or KUBECONFIG)")?,
     );
