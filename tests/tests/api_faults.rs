@@ -222,6 +222,27 @@ fn stalled_watch() {
     scene.after_the_fault(tag, &mut late, fault_end);
 }
 
+/// Reads hang for 30 s: lists and the start of watches are read and never answered, not even a
+/// status line. The watch open when it begins is cut, so the agent has to start one into the
+/// fault; writes work. A pod created meanwhile is seen once the agent gave that request up and
+/// the API answers again.
+#[test]
+fn hanging_reads() {
+    let tag = "hang-reads";
+    let mut scene = Scene::new(tag, &[]);
+    let started = Instant::now();
+    scene.node.api.set_fault(Fault::HangReads);
+    scene.node.api.drop_watches();
+    let mut late = scene.during_the_fault(tag);
+    let api = &scene.node.api;
+    assert!(eventually(Duration::from_secs(30), || api.fault_stats().hung >= 1), "the agent's watch request hangs");
+    if let Some(rest) = FAULT.checked_sub(started.elapsed()) {
+        std::thread::sleep(rest);
+    }
+    api.clear_faults();
+    scene.after_the_fault(tag, &mut late, Instant::now());
+}
+
 /// PATCHes hang for 30 s: each condition write holds one of the agent's four slots for its 10 s
 /// bound, the others (and the Events) wait their turn; then each pod's write is retried at its
 /// proxy's next probe.
@@ -229,6 +250,7 @@ fn stalled_watch() {
 fn hanging_patches() {
     let tag = "hang";
     let mut scene = Scene::new(tag, &[]);
+    let restarts = scene.agent.metric("valet_watch_restarts_total ");
     let started = Instant::now();
     scene.node.api.set_fault(Fault::HangPatches);
     let mut late = scene.during_the_fault(tag);
@@ -251,5 +273,7 @@ fn hanging_patches() {
         scene.node.events_for(&scene.ending)
     );
     assert!(stats.peak_patches_in_flight <= MAX_WRITES, "{stats:?}");
+    // The watch, open all along (longer than a request may take to be answered), was not cut.
+    assert_eq!(scene.agent.metric("valet_watch_restarts_total "), restarts, "{}", scene.agent.log_text());
     assert_eq!(stats.peak_patches_in_flight, MAX_WRITES, "the slots were all taken: {stats:?}");
 }
