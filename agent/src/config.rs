@@ -137,6 +137,14 @@ pub struct Config {
     #[arg(long, env = "VALET_HOLD_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub hold_timeout: Duration,
 
+    /// How long one pod watch request lasts (its `timeoutSeconds`, whole seconds): the API server
+    /// then ends it and the agent watches on from where it was, without a re-list. It also bounds
+    /// a watch that goes silent without closing (a dead connection, a stalled server): kube's
+    /// watcher gives it up after this plus 5 s without an event or a bookmark and watches again,
+    /// so pods created meanwhile are seen by then.
+    #[arg(long, env = "VALET_WATCH_TIMEOUT", default_value = "290s", value_parser = parse_duration)]
+    pub watch_timeout: Duration,
+
     /// Container runtime state directories holding the containers' OCI bundles (config.json),
     /// to know a container by name before the API reports its id (about a second later). By
     /// default the well-known ones under --host-root: containerd's
@@ -187,6 +195,11 @@ impl Config {
         }
         if let Some(dir) = self.runtime_state_dirs.iter().find(|d| !d.is_dir()) {
             return Err(Error::Config(format!("--runtime-state-dirs: {} is not a directory", dir.display())));
+        }
+        // Zero would turn kube's silent-watch timeout off.
+        if self.watch_timeout < Duration::from_secs(1) || self.watch_timeout > Duration::from_secs(u64::from(u32::MAX))
+        {
+            return Err(Error::Config("--watch-timeout must be at least 1s".into()));
         }
         if self.held_probe_budget == 0 {
             return Err(Error::Config("--held-probe-budget must be greater than zero".into()));
@@ -248,5 +261,9 @@ mod tests {
         bad.held_probe_budget = 0;
         assert!(bad.validate().is_err());
         assert!(Config::try_parse_from(["valet-agent", "--node-name", "n1", "--held-probe-budget", "-1"]).is_err());
+        assert_eq!(cfg.watch_timeout, Duration::from_secs(290));
+        let mut bad = cfg.clone();
+        bad.watch_timeout = Duration::from_millis(500);
+        assert!(bad.validate().is_err());
     }
 }

@@ -63,7 +63,10 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     tokio::spawn(server::serve(listener, metrics.clone(), health.clone()));
 
     let config = kube::Config::infer().await.context("Kubernetes client config (in-cluster or KUBECONFIG)")?;
-    let client = kube::Client::try_from(config.clone()).context("Kubernetes client (in-cluster or KUBECONFIG)")?;
+    let client = valet_agent::api::watch_client(
+        kube::client::ClientBuilder::try_from(config.clone())
+            .context("Kubernetes client (in-cluster or KUBECONFIG)")?,
+    );
     let writes = valet_agent::api::writes_client(
         kube::client::ClientBuilder::try_from(config).context("Kubernetes client (in-cluster or KUBECONFIG)")?,
     );
@@ -92,7 +95,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         };
         let probe = NetnsProbe { host_proc: cfg.host_proc.clone(), cgroups: cgroups.clone() };
         let observer = Observer::new(settings, metrics.clone(), Arc::new(probe));
-        tokio::spawn(observer.run(valet_agent::api::watch::all_pods_on_node(client.clone(), &cfg.node_name)));
+        tokio::spawn(observer.run(valet_agent::api::watch::all_pods_on_node(client.clone(), &cfg.node_name, cfg.watch_timeout)));
     }
     let (reports_tx, reports_rx) = tokio::sync::mpsc::unbounded_channel();
     let act = Actuators::new(
@@ -124,7 +127,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     // Leave time within the usual 30 s grace period for in-flight quits to finish.
     let drain = Duration::from_secs(10);
     if cfg.act {
-        let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node_name);
+        let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node_name, cfg.watch_timeout);
         controller.run(events, watch, shutdown_signal(), drain).await;
     } else {
         // Look-only: the controller is given no pod (an empty list, then nothing), so it acts on none.

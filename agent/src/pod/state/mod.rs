@@ -156,6 +156,9 @@ pub struct PodState {
     shutting_down: bool,
     written: Option<ProxyReady>,
     writing: bool,
+    /// Condition writes failed in a row, and when the next may be made.
+    write_failures: u32,
+    write_retry_at: Option<Nanos>,
     /// The last tick asked for nothing and nothing has come in since: until something does (or
     /// a deadline is pending), a tick has nothing to do. A full node's idle pods cost no CPU.
     settled: bool,
@@ -186,6 +189,8 @@ impl PodState {
             shutting_down: false,
             written: None,
             writing: false,
+            write_failures: 0,
+            write_retry_at: None,
             settled: false,
         }
     }
@@ -385,12 +390,16 @@ impl PodState {
                 fx.push(Effect::Count(Count::ConditionPatch { ok: error.is_none() }));
                 if let Some(e) = error {
                     warn!(pod = %self.name(), "write {} condition: {e}", condition::CONDITION_TYPE);
-                    // Let the next probe result retry (never a loop against the API).
+                    // Retried after a backoff (never a loop against the API).
                     if self.written.as_ref() == Some(&want) {
                         self.written = None;
                     }
+                    self.write_failures = self.write_failures.saturating_add(1);
+                    let backoff = condition::retry_after(self.write_failures).as_nanos() as u64;
+                    self.write_retry_at = Some(now.saturating_add(backoff));
                     return fx;
                 }
+                self.write_failures = 0;
             }
         }
         fx.extend(self.step(now));
@@ -401,6 +410,7 @@ impl PodState {
     pub fn tick(&mut self, now: Nanos) -> Vec<Effect> {
         let mut fx = Vec::new();
         let deadlines = !self.held.is_empty()
+            || self.write_retry_at.is_some()
             || self.quits.values().any(|q| {
                 matches!(
                     q.state,
@@ -463,7 +473,7 @@ impl PodState {
             fx.extend(self.stop_probe());
             fx.extend(self.release_resources());
             fx.extend(self.count_ignore(&plan));
-            fx.extend(self.sync_condition());
+            fx.extend(self.sync_condition(now));
             return fx;
         }
         let hold = wants_hold(&plan) && !self.shutting_down;
@@ -524,7 +534,7 @@ impl PodState {
             }
         }
         fx.extend(self.manage_probe(&plan));
-        fx.extend(self.sync_condition());
+        fx.extend(self.sync_condition(now));
         fx
     }
 }

@@ -40,7 +40,7 @@ impl PodState {
 
     /// Writes the condition when what we want differs from what the pod shows and what we
     /// wrote; one write at a time, so writes never overtake each other.
-    pub(super) fn sync_condition(&mut self) -> Vec<Effect> {
+    pub(super) fn sync_condition(&mut self, now: Nanos) -> Vec<Effect> {
         let want = match (self.ready, self.failed_open) {
             (Some(true), _) => {
                 ProxyReady { ready: true, reason: "ProxyReady", message: "the sidecar proxy reports ready".into() }
@@ -57,9 +57,10 @@ impl PodState {
             },
             (None, false) => return Vec::new(),
         };
-        if self.writing {
+        if self.writing || self.write_retry_at.is_some_and(|at| now < at) {
             return Vec::new();
         }
+        self.write_retry_at = None;
         let on_pod = self.pod.as_ref().is_some_and(|p| condition::already_set(p, &want));
         if self.written.as_ref() == Some(&want) || on_pod {
             self.written = Some(want);

@@ -13,12 +13,22 @@ fn condition_writes_never_overtake_each_other() {
         ProxyReady { ready: false, reason: "ProxyNotReady", message: "the sidecar proxy is not ready yet".into() };
     let fx = d.feed(Feedback::ConditionWritten { want, error: None });
     assert_eq!(writes(&fx), [(true, "ProxyReady")], "then the newest state: {fx:?}");
-    // A failed write is retried by the next probe, not in a loop.
+    // A failed write is retried after a backoff, not in a loop: not at the next tick, nor at a
+    // probe result before the backoff's end; at the first tick after it.
     let want = ProxyReady { ready: true, reason: "ProxyReady", message: "the sidecar proxy reports ready".into() };
-    let fx = d.feed(Feedback::ConditionWritten { want, error: Some("503".into()) });
+    let fx = d.feed(Feedback::ConditionWritten { want: want.clone(), error: Some("500".into()) });
     assert!(writes(&fx).is_empty());
     assert!(has(&fx, &Effect::Count(Count::ConditionPatch { ok: false })));
-    assert_eq!(writes(&d.feed(Feedback::Probed { ready: true, detail: String::new() })), [(true, "ProxyReady")]);
+    assert!(writes(&d.after(250)).is_empty(), "no write at the next tick");
+    assert!(writes(&d.feed(Feedback::Probed { ready: true, detail: String::new() })).is_empty());
+    assert!(writes(&d.after(500)).is_empty());
+    assert_eq!(writes(&d.after(250)), [(true, "ProxyReady")], "1 s after the failure");
+    // The next failure in a row waits twice as long; a success starts over.
+    d.feed(Feedback::ConditionWritten { want: want.clone(), error: Some("500".into()) });
+    assert!(writes(&d.after(1000)).is_empty());
+    assert_eq!(writes(&d.after(1000)), [(true, "ProxyReady")], "2 s after the second failure");
+    d.feed(Feedback::ConditionWritten { want, error: None });
+    assert!(writes(&d.after(30_000)).is_empty(), "written: nothing more to do");
 }
 
 #[test]
