@@ -174,6 +174,17 @@ impl Pod {
             None
         }
     }
+    /// Whether `kind` can still happen to it (a pod the agent no longer sees is left alone).
+    fn can(&self, kind: Disruption) -> bool {
+        !self.deleted
+            && self.labelled
+            && match kind {
+                Disruption::ProxyReady => !self.ready,
+                Disruption::AppEnded => self.ended_ns.is_none() && self.app_ran(),
+                Disruption::Unannotated => self.hold,
+                Disruption::Deleted | Disruption::Unlabelled => true,
+            }
+    }
     fn app_ran(&self) -> bool {
         self.ran.exists()
     }
@@ -224,6 +235,8 @@ struct Tally {
     pods: usize,
     startups: Vec<Duration>,
     held_at_kill: [usize; 2],
+    /// Disruptions made while the agent was down, by kind (see [`DISRUPTIONS`]).
+    disrupted: [usize; 5],
     quits_in_flight: usize,
     conditions_in_flight: usize,
     disrupted_held: Vec<(Disruption, Pidns)>,
@@ -314,7 +327,7 @@ impl Chaos<'_> {
     }
 
     /// One turn while the agent runs: pods advance a step each, at random (the kill lands right
-    /// after the last step, or later).
+    /// after the turn, or later). Whether an app was let end.
     fn advance(&mut self) -> bool {
         let mut ends = Vec::new();
         for i in 0..self.pods.len() {
@@ -362,17 +375,7 @@ impl Chaos<'_> {
     /// While the agent is down: `kind` happens to one pod (one with a held app when there is
     /// one), and now and then something else to others.
     fn disrupt(&mut self, kind: Disruption) {
-        let fits = |p: &Pod| {
-            !p.deleted
-                && p.labelled
-                && !p.failed
-                && match kind {
-                    Disruption::ProxyReady => !p.ready,
-                    Disruption::AppEnded => p.ended_ns.is_none() && p.app_ran(),
-                    Disruption::Unannotated => p.hold,
-                    Disruption::Deleted | Disruption::Unlabelled => true,
-                }
-        };
+        let fits = |p: &Pod| !p.failed && p.can(kind);
         let held = |p: &Pod| p.app.is_some_and(|pid| state(pid) == Some('T'));
         let candidates: Vec<usize> = (0..self.pods.len()).filter(|&i| fits(&self.pods[i])).collect();
         let held_ones: Vec<usize> = candidates.iter().copied().filter(|&i| held(&self.pods[i])).collect();
@@ -396,9 +399,10 @@ impl Chaos<'_> {
     fn apply(&mut self, i: usize, kind: Disruption) {
         let node = self.node;
         let pod = &mut self.pods[i];
-        if pod.deleted || !pod.labelled {
+        if !pod.can(kind) {
             return;
         }
+        self.tally.disrupted[kind as usize] += 1;
         match kind {
             // Gone from the API at once (a forced delete); its processes live on until the
             // pod is retired, as the kubelet takes its time to kill them.
@@ -426,15 +430,9 @@ impl Chaos<'_> {
                     .expect("annotate");
                 pod.hold = false;
             }
-            Disruption::ProxyReady => {
-                if !pod.ready {
-                    pod.make_ready();
-                }
-            }
+            Disruption::ProxyReady => pod.make_ready(),
             Disruption::AppEnded => {
-                if pod.ended_ns.is_none() && pod.app_ran() {
-                    pod.end_app();
-                }
+                pod.end_app();
             }
         }
     }
@@ -683,12 +681,13 @@ fn agent_killed_at_random_moments_leaves_no_app_stopped_no_quit_early_or_late_an
     );
     println!(
         "chaos: at the kills: apps held {} in their own pid namespace, {} in a shared one; {} quits and {} \
-         ProxyReady True writes owed; held apps' pods while the agent was down: own pid namespace: {}; \
-         shared: {}",
+         ProxyReady True writes owed; while the agent was down: {}; of them to pods of held apps, in their own \
+         pid namespace: {}; in a shared one: {}",
         t.held_at_kill[0],
         t.held_at_kill[1],
         t.quits_in_flight,
         t.conditions_in_flight,
+        DISRUPTIONS.iter().map(|d| format!("{d:?} {}", t.disrupted[*d as usize])).collect::<Vec<_>>().join(", "),
         held_kinds(Pidns::Own),
         held_kinds(Pidns::Shared)
     );
