@@ -15,7 +15,9 @@ pub fn chaos(root: &Path, kills: u32, seed: Option<u64>) -> Result<()> {
     if !is_root() {
         bail!("the crash test loads eBPF programs and makes cgroups and namespaces: run it as root");
     }
-    setup::setup(root, true)?;
+    // As the demo's and the bench's: the build tools; the test suite's extras (qemu, pytest) are
+    // not needed here.
+    setup::setup(root, false)?;
     let release = build_release_bins(root)?;
     let mut cmd = cargo();
     cmd.current_dir(root)
