@@ -5,9 +5,11 @@
 //! * `cargo xtask test`   runs every test: unit, privileged integration (as root), manifests.
 //! * `cargo xtask demo`   runs the agent against a simulated node on this host.
 //! * `cargo xtask bench`  prints the performance figures.
+//! * `cargo xtask chaos`  kills the agent at random moments, 200 times, and counts what it left.
 //! * `cargo xtask fuzz`   runs the fuzz targets for a bounded time (also part of `test`).
 //! * `cargo xtask image`  builds the agent's OCI image (no Docker, no registry).
 //! * `cargo xtask kernels`, `cargo xtask node`: the qemu suites (Debian kernels, a real node).
+mod chaos;
 mod cmd;
 mod fuzz;
 mod image;
@@ -77,6 +79,16 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Kill the agent with SIGKILL at random moments and restart it, across held, quitting and
+    /// changing pods; print what it left behind (every count must be 0).
+    Chaos {
+        /// How many times to kill the agent.
+        #[arg(long, default_value_t = chaos::DEFAULT_KILLS)]
+        kills: u32,
+        /// Replay a run's random choices (its seed is printed first).
+        #[arg(long, env = "VALET_CHAOS_SEED")]
+        seed: Option<u64>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -92,5 +104,6 @@ fn main() -> Result<()> {
         Task::Fuzz { target, seconds } => fuzz::run(&root, target.as_deref(), seconds),
         Task::Demo { args } => sim::demo(&root, &args),
         Task::Bench { args } => sim::bench(&root, &args),
+        Task::Chaos { kills, seed } => chaos::chaos(&root, kills, seed),
     }
 }

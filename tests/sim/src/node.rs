@@ -299,6 +299,10 @@ impl Output {
 pub struct SpawnOptions {
     /// Start as pid 1 of a new pid namespace, like a container's main process (default true).
     pub pid_namespace: bool,
+    /// Start in this existing pid namespace instead (`/proc/<pid>/ns/pid`; shareProcessNamespace:
+    /// the sandbox's), as pid N there, with `valet-sim-exec` as its parent as the shim is a real
+    /// container's. Takes precedence over `pid_namespace`.
+    pub join_pid_namespace: Option<PathBuf>,
     pub env: Vec<(String, String)>,
     pub stdout: Output,
     pub stderr: Output,
@@ -315,6 +319,7 @@ impl Default for SpawnOptions {
     fn default() -> Self {
         SpawnOptions {
             pid_namespace: true,
+            join_pid_namespace: None,
             env: Vec::new(),
             stdout: Output::Null,
             stderr: Output::Inherit,
@@ -330,7 +335,8 @@ impl Default for SpawnOptions {
 enum Target {
     /// `host_pid` is our child: it cannot be recycled before we reap it.
     Child,
-    /// The process is `valet-sim-exec`'s child (pid 1 of its pid namespace): through its pidfd.
+    /// The process is `valet-sim-exec`'s child (pid 1 of its pid namespace, or pid N of one it
+    /// joined): through its pidfd.
     Pidfd(OwnedFd),
     /// It was gone before a pidfd could be opened.
     Gone,
@@ -353,7 +359,8 @@ impl SimProcess {
     pub fn host_pid(&self) -> u32 {
         self.host_pid
     }
-    /// Its pid inside its own pid namespace (1 when it has one).
+    /// Its pid inside its own pid namespace (1 when it has one; else its host pid, also when it
+    /// joined another's namespace).
     pub fn ns_pid(&self) -> u32 {
         if self.pid_namespace { 1 } else { self.host_pid }
     }
@@ -855,9 +862,12 @@ impl SimPod {
         if let Some(d) = &opts.cwd {
             command.arg("--cwd").arg(d);
         }
-        if opts.pid_namespace {
+        if let Some(ns) = &opts.join_pid_namespace {
+            command.arg("--join-pidns").arg(ns);
+        } else if opts.pid_namespace {
             command.arg("--pidns");
         }
+        let child_of_helper = opts.pid_namespace || opts.join_pid_namespace.is_some();
         command.arg("--").arg(prog).args(args);
         command.stdin(status_w).stdout(opts.stdout.stdio()?).stderr(opts.stderr.stdio()?);
         for (k, v) in &opts.env {
@@ -881,7 +891,7 @@ impl SimPod {
                 );
             }
         }
-        let (host_pid, target) = if opts.pid_namespace {
+        let (host_pid, target) = if child_of_helper {
             let pid = pid.ok_or_else(|| anyhow!("valet-sim-exec said no pid for {prog}: {said:?}"))?;
             // The command is valet-sim-exec's child: signals go through a pidfd, which cannot hit
             // a recycled pid. Gone already (it ended at once and was reaped): nothing to signal.
@@ -901,7 +911,7 @@ impl SimPod {
             host_pid,
             child,
             target,
-            pid_namespace: opts.pid_namespace,
+            pid_namespace: opts.pid_namespace && opts.join_pid_namespace.is_none(),
             container: container.to_string(),
             status: None,
         })

@@ -296,6 +296,38 @@ fn container_processes_start_through_valet_sim_exec() {
     assert_eq!(std::fs::read_to_string(procs).expect("procs").trim(), "");
 }
 
+/// shareProcessNamespace: a container's process joins the sandbox's pid namespace (pid N there,
+/// the pause is pid 1), in its own cgroup, under `valet-sim-exec` as under the runtime's shim;
+/// the pause's end takes it along.
+#[test]
+fn a_container_process_joins_the_sandboxs_pid_namespace() {
+    if !root() {
+        return;
+    }
+    let pod = SimPod::create(SimPodOptions::new("shared").container("app").netns(false)).expect("pod");
+    let mut pause = pod.spawn_pause().expect("pause");
+    let ns = PathBuf::from(format!("/proc/{}/ns/pid", pause.host_pid()));
+    let o = SpawnOptions { join_pid_namespace: Some(ns.clone()), ..Default::default() };
+    let mut app = pod.spawn("app", &["sleep", "30"], &o).expect("spawn");
+    let ids = nspid(app.host_pid());
+    let ids: Vec<&str> = ids.split_whitespace().collect();
+    assert_eq!(ids.len(), 2, "one namespace below the host's: {ids:?}");
+    assert_ne!(ids[1], "1", "not the namespace's init");
+    let inode = |pid: u32| std::fs::metadata(format!("/proc/{pid}/ns/pid")).expect("ns").ino();
+    assert_eq!(inode(app.host_pid()), inode(pause.host_pid()), "the sandbox's namespace");
+    let cg = std::fs::read_to_string(format!("/proc/{}/cgroup", app.host_pid())).expect("cgroup");
+    assert!(cg.contains(&pod.container("app").expect("app").id), "its own container's cgroup: {cg}");
+    let ppid = std::fs::read_to_string(format!("/proc/{}/status", app.host_pid())).expect("status");
+    let ppid = ppid.lines().find_map(|l| l.strip_prefix("PPid:")).expect("PPid").trim().to_string();
+    assert_eq!(std::fs::read_to_string(format!("/proc/{ppid}/comm")).expect("comm").trim(), "valet-sim-exec");
+    // The namespace's init ends: the kernel kills the rest of it.
+    pause.kill().expect("kill the pause");
+    let st = app.wait_timeout(T).expect("wait").expect("ended with the pause");
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&st), Some(libc::SIGKILL));
+    let e = pod.spawn("app", &["true"], &o).expect_err("the pause and its namespace are gone");
+    assert!(format!("{e:#}").contains(&format!("open {}", ns.display())), "{e:#}");
+}
+
 #[test]
 fn stale_leases_of_dead_processes_are_reaped() {
     if !root() {
