@@ -305,8 +305,8 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             }
             Effect::ScanContainers { pod_rel, adopt } => Some(Feedback::Containers(self.scan(uid, &pod_rel, adopt))),
             Effect::FindLeftHeld { pod_rel } => Some(Feedback::LeftHeld(self.left_held(&pod_rel, now))),
-            Effect::Watch { pod_cgroup, pod_rel, hold } => {
-                let flags = watch_flags::EXITS | if hold { watch_flags::HOLD } else { 0 };
+            Effect::Watch { pod_cgroup, pod_rel, exits, hold } => {
+                let flags = if exits { watch_flags::EXITS } else { 0 } | if hold { watch_flags::HOLD } else { 0 };
                 if let Err(e) = self.kernel.watch(pod_cgroup, flags) {
                     warn!(%uid, "register pod cgroup with the kernel: {e}");
                 }

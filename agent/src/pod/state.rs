@@ -664,9 +664,11 @@ impl PodState {
             return vec![Effect::FindPodCgroup];
         };
         if self.watching != Some(hold) {
-            // Containers already running are recorded with the kernel before it watches the pod.
-            fx.push(Effect::ScanContainers { pod_rel: rel.clone(), adopt: true });
-            fx.push(Effect::Watch { pod_cgroup: id, pod_rel: rel.clone(), hold });
+            // Containers already running are recorded with the kernel before it watches the pod
+            // (not a hostPID pod's: the kernel reports none of its ends).
+            let exits = !plan.host_pid;
+            fx.push(Effect::ScanContainers { pod_rel: rel.clone(), adopt: exits });
+            fx.push(Effect::Watch { pod_cgroup: id, pod_rel: rel.clone(), exits, hold });
             self.watching = Some(hold);
         }
         if hold && !self.left_held_searched {
@@ -1176,6 +1178,7 @@ impl Role {
 /// Whether the kernel should hold this pod's app containers at their first exec.
 pub fn wants_hold(plan: &PodPlan) -> bool {
     plan.hold_app
+        && !plan.host_pid
         && !plan.istio_holds_app
         && plan.native_sidecars.is_empty()
         && plan.sidecars.iter().any(|s| s.ready.is_some())
@@ -1380,7 +1383,10 @@ mod tests {
     fn a_found_pod_is_watched_named_opened_and_probed() {
         let mut d = Drive::new(true);
         let fx = d.found(pod("Never", &[], &[]));
-        assert!(has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), hold: false }), "{fx:?}");
+        assert!(
+            has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits: true, hold: false }),
+            "{fx:?}"
+        );
         assert!(has(&fx, &Effect::ScanContainers { pod_rel: POD_REL.into(), adopt: true }));
         assert!(has(&fx, &Effect::OpenNetwork { pod_rel: POD_REL.into() }));
         assert!(fx.iter().any(|e| matches!(e, Effect::StartProbe { pace: Pace::Normal, .. })), "{fx:?}");
@@ -1394,10 +1400,33 @@ mod tests {
     }
 
     #[test]
+    fn a_host_pid_pod_takes_its_ends_from_the_api_and_is_never_held() {
+        let mut d = Drive::new(true);
+        let mut p = pod("Never", &[], &[("valet.dev/hold-app", "true")]);
+        p.spec.as_mut().expect("spec").host_pid = Some(true);
+        let fx = d.found(p.clone());
+        let watch = Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits: false, hold: false };
+        assert!(has(&fx, &watch), "{fx:?}");
+        assert!(has(&fx, &Effect::ScanContainers { pod_rel: POD_REL.into(), adopt: false }), "{fx:?}");
+        assert!(
+            !fx.iter().any(|e| matches!(e, Effect::ClassifyExec { .. } | Effect::FindLeftHeld { .. })),
+            "not held: {fx:?}"
+        );
+        // The API's word ends the app, and the proxy is quit on it.
+        let mut done = pod("Never", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &[]);
+        done.spec.as_mut().expect("spec").host_pid = Some(true);
+        let fx = d.pod(done);
+        assert!(fx.iter().any(|e| matches!(e, Effect::Quit { .. })), "{fx:?}");
+    }
+
+    #[test]
     fn a_held_pod_classifies_known_containers_before_they_exec() {
         let mut d = Drive::new(true);
         let fx = d.found(pod("Never", &[], &[("valet.dev/hold-app", "true")]));
-        assert!(has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), hold: true }), "{fx:?}");
+        assert!(
+            has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits: true, hold: true }),
+            "{fx:?}"
+        );
         assert!(has(&fx, &Effect::FindLeftHeld { pod_rel: POD_REL.into() }));
         for (cg, hold) in [(SANDBOX, false), (APP, true), (PROXY, false)] {
             assert!(has(&fx, &Effect::ClassifyExec { container_cgroup: cg, hold }), "{cg} {hold}: {fx:?}");
