@@ -46,8 +46,8 @@ use aya_ebpf::{
 };
 use valet_common::{
     CONTAINERS_CAPACITY, COUNTER_SLOTS, ContainerMain, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY, EXEC_CLASS_PASS,
-    KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_HOST_PIDNS_LEVEL, OFFSET_UNKNOWN, WATCHED_CAPACITY,
-    container_flags, event_flags, event_kind, watch_flags,
+    HELD_CAPACITY, HeldRecord, KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_HOST_PIDNS_LEVEL, OFFSET_UNKNOWN,
+    WATCHED_CAPACITY, container_flags, event_flags, event_kind, watch_flags,
 };
 
 const SIGSTOP: u32 = 19;
@@ -82,6 +82,10 @@ static CALIBRATION: Array<u32> = Array::with_max_entries(1, 0);
 
 #[map(name = "CONTAINERS")]
 static CONTAINERS: HashMap<u64, ContainerMain> = HashMap::with_max_entries(CONTAINERS_CAPACITY, 0);
+
+/// Every process stopped at exec, pinned by user space so that it outlives the agent.
+#[map(name = "HELD")]
+static HELD: HashMap<u32, HeldRecord> = HashMap::with_max_entries(HELD_CAPACITY, 0);
 
 #[inline(always)]
 fn layout() -> KernelLayout {
@@ -413,9 +417,21 @@ fn exec_impl<const WALK: bool>() -> u32 {
         count(Counter::EventsLost);
         return 0;
     };
+    // Recorded before the stop: an agent that dies from here on leaves a record its successor
+    // releases by. A pid held before (it exited while no agent ran) is overwritten.
+    let record = HeldRecord { cgroup_id: container, ktime_ns: now };
+    match HELD.insert(info.host_nr, record, 0) {
+        Ok(()) => {}
+        Err(e) => {
+            entry.discard(0);
+            count(if e == -E2BIG || e == -ENOMEM { Counter::MapFull } else { Counter::ReadErrors });
+            return 0;
+        }
+    }
     // SAFETY: signals the current task's thread group; takes effect before it returns to user space.
     let sent = unsafe { bpf_send_signal(SIGSTOP) };
     if sent != 0 {
+        let _ = HELD.remove(info.host_nr);
         entry.discard(0);
         count(Counter::ReadErrors);
         return 0;

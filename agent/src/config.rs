@@ -74,6 +74,13 @@ pub struct Config {
     #[arg(long, env = "VALET_HOST_ROOT", default_value = "/")]
     pub host_root: PathBuf,
 
+    /// A directory on bpffs (the host's, shared with the agent's successors) where the record of
+    /// the processes the kernel stopped at exec is pinned: an agent that dies while holding
+    /// apps leaves its successor every one of them to release. `/sys/fs/bpf` is mounted as
+    /// bpffs first if it is not yet.
+    #[arg(long, env = "VALET_PIN_DIR", default_value = "/sys/fs/bpf/valet")]
+    pub pin_dir: PathBuf,
+
     /// Container names treated as sidecars unless a pod's valet.dev/sidecars annotation says otherwise.
     #[arg(
         long,

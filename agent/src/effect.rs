@@ -2,10 +2,7 @@
 //! it decides (`act`): effects going out, feedback coming back. Plain data only; this module
 //! imports no caller, so neither side depends on the other.
 
-use crate::api::condition::ProxyReady;
-use crate::kernel::ProcessEnd;
-use crate::pod::spec::{Endpoint, Sidecar};
-use crate::sidecar::quit::QuitOutcome;
+use crate::vocab::{Endpoint, ProcessEnd, ProxyReady, QuitOutcome, Sidecar};
 
 /// A time on the kernel's monotonic clock (`bpf_ktime_get_ns`, `CLOCK_MONOTONIC`), in ns. Every
 /// transition gets "now" as an argument; nothing in `pod::state` reads a clock.

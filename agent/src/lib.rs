@@ -4,7 +4,8 @@
 //! each to one pod's state machine (`pod::state`, pure: it decides with `pod::decide` and returns
 //! `effect`s); small actuators (`act`) carry the effects out — ask a sidecar to quit (`sidecar`),
 //! release a held app, write the readiness condition — and feed their results back; `metrics`
-//! observes every step.
+//! observes every step. `vocab` holds the words they all share (sidecar kinds, endpoints, how
+//! a process or a quit ended) and imports none of them.
 
 pub mod act;
 pub mod api;
@@ -19,5 +20,6 @@ pub mod pod;
 pub mod runtime;
 pub mod server;
 pub mod sidecar;
+pub mod vocab;
 
 pub use error::{Error, Result};

@@ -68,7 +68,8 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     // VALET_CGROUP_ANCESTORS=auto|helper|walk: how the kernel programs find a process's pod
     // cgroup (auto: the helper where the kernel allows it, else a walk up the cgroup tree).
     let attach = Attach { ancestors: AncestorMode::from_env()?, ..Attach::default() };
-    let mut programs = Programs::load(&cfg.host_root, attach).context("load kernel programs")?;
+    let mut programs =
+        Programs::load_pinned(&cfg.host_root, attach, Some(&cfg.pin_dir)).context("load kernel programs")?;
     if let Some(logger) = programs.take_logger() {
         tokio::spawn(valet_agent::kernel::programs::drain_kernel_log(logger));
     }

@@ -51,10 +51,24 @@ struct KernelState {
 }
 
 #[derive(Clone, Default)]
-struct FakeKernel(Arc<Mutex<KernelState>>);
+struct FakeKernel(Arc<Mutex<KernelState>>, Arc<(Mutex<bool>, std::sync::Condvar)>);
+
+impl FakeKernel {
+    /// While wedged, a call to watch a cgroup blocks the thread that makes it (the loop's): a
+    /// kernel call that never returns.
+    fn wedge(&self, wedged: bool) {
+        *lock(&self.1.0) = wedged;
+        self.1.1.notify_all();
+    }
+}
 
 impl KernelControl for FakeKernel {
     fn watch(&mut self, cgroup_id: u64, flags: u32) -> valet_agent::Result<()> {
+        let mut wedged = lock(&self.1.0);
+        while *wedged {
+            wedged = self.1.1.wait(wedged).unwrap_or_else(PoisonError::into_inner);
+        }
+        drop(wedged);
         lock(&self.0).watched.insert(cgroup_id, flags);
         Ok(())
     }
@@ -367,9 +381,13 @@ struct Loop {
     watch: mpsc::UnboundedSender<watcher::Event<Pod>>,
     api: mpsc::UnboundedReceiver<ApiCall>,
     metrics: Arc<Metrics>,
+    health: Arc<Health>,
     stop: Option<oneshot::Sender<()>>,
     done: tokio::task::JoinHandle<()>,
 }
+
+/// How long the loop may go without turning in these tests before liveness fails.
+const STALL: Duration = Duration::from_millis(500);
 
 fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
     let (client, api) = mock_api();
@@ -388,7 +406,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
             held_prober: false,
         },
         node.cgroups.clone(),
-        RuntimeBundles::new(vec![node.dir.join("bundles")]),
+        RuntimeBundles::new(vec![node.dir.join("bundles")], None),
         kernel.clone(),
         Arc::new(link.clone()),
         client.clone(),
@@ -401,7 +419,8 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
         escalate_after: Some(Duration::from_secs(15)),
     };
     let ahead = act.quits_ahead();
-    let controller = Controller::new(NODE, rules, act, reports_rx, Arc::new(Health::default()));
+    let health = Arc::new(Health::new(STALL));
+    let controller = Controller::new(NODE, rules, act, reports_rx, health.clone());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (watch_tx, watch_rx) = mpsc::unbounded_channel();
     let watch = tokio_stream_of(watch_rx);
@@ -414,7 +433,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
         },
         Duration::from_secs(2),
     ));
-    Loop { kernel, link, ahead, events: events_tx, watch: watch_tx, api, metrics, stop: Some(stop_tx), done }
+    Loop { kernel, link, ahead, events: events_tx, watch: watch_tx, api, metrics, health, stop: Some(stop_tx), done }
 }
 
 fn tokio_stream_of(
@@ -750,4 +769,30 @@ async fn shutdown_releases_everything_held() {
     assert!(wait_state(child.id(), 'S').await, "released on shutdown");
     assert!(lock(&kernel.0).detached);
     kill(child);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn liveness_fails_while_the_loop_is_wedged_and_recovers_with_it() {
+    let node = TempNode::new("wedge");
+    let l = start(&node, Duration::from_secs(60));
+    let live = |l: &Loop| l.health.stalled(now_ns()).is_none();
+    // A pod arrives; its first step asks the kernel to watch its cgroup, and that call never
+    // returns: the loop's thread is stuck in it.
+    l.kernel.wedge(true);
+    l.apply(job_pod(json!({})));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while live(&l) {
+        assert!(tokio::time::Instant::now() < deadline, "liveness never failed while the loop was wedged");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(lock(&l.kernel.0).watched.is_empty(), "the call is still stuck");
+    // The call returns: the loop turns again, and liveness with it.
+    l.kernel.wedge(false);
+    l.until("the pod watched", |l| !lock(&l.kernel.0).watched.is_empty()).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !live(&l) {
+        assert!(tokio::time::Instant::now() < deadline, "liveness did not come back with the loop");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    l.stop().await;
 }

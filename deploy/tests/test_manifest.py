@@ -21,7 +21,12 @@ HOST_PATHS = {
     "/sys/kernel/tracing": "/sys/kernel/tracing",
     "/sys/kernel/btf": "/sys/kernel/btf",
     # No runtime state directory: bundles are read through the runtime's own processes.
+    # The one writable host path: the agent's pin directory on the host's bpffs.
+    "/sys/fs/bpf/valet": "/sys/fs/bpf/valet",
 }
+WRITABLE_HOST_PATHS = {"/sys/fs/bpf/valet"}
+RUNTIME_STATE = ("/run/containerd", "/var/run/containerd", "/run/containers", "/var/run/crio", "/run/crio",
+                 "/run/k3s", "/var/snap")
 CLUSTER_SCOPED = (
     "Namespace",
     "ClusterRole",
@@ -58,13 +63,13 @@ def test_least_privilege(renders: dict[str, Render], name: str) -> None:
     for v in pod["volumes"]:
         path = v["hostPath"]["path"]
         assert path not in ("/", "/proc", "/run", "/var/run") and not path.endswith(".sock")
-        runtime_state = ("/run/containerd", "/var/run/containerd", "/run/containers", "/var/run/crio", "/run/crio",
-                         "/run/k3s", "/var/snap")
-        assert not path.startswith(runtime_state), f"{path}: no runtime state, and never the runtime's socket"
-    host_volumes = {v["name"] for v in pod["volumes"] if "hostPath" in v}
+        assert not path.startswith(RUNTIME_STATE), f"{path}: no runtime state, and never the runtime's socket"
+    host_volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     for m in c["volumeMounts"]:
-        if m["name"] in host_volumes:
+        if m["name"] in host_volumes and host_volumes[m["name"]] not in WRITABLE_HOST_PATHS:
             assert m.get("readOnly") is True, f"{name}: {m['mountPath']} is writable"
+    writable = {host_volumes[m["name"]] for m in c["volumeMounts"] if m["name"] in host_volumes and not m.get("readOnly")}
+    assert writable <= WRITABLE_HOST_PATHS, f"{name}: writable host paths {writable}"
 
 
 def test_apparmor_annotation_names_the_container(renders: dict[str, Render]) -> None:

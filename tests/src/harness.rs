@@ -83,6 +83,21 @@ pub struct Node {
     pub scratch: Scratch,
     kubeconfig: PathBuf,
     runtime_dir: PathBuf,
+    /// The agents' pin directory on bpffs: this node's own, shared by its successive agents as
+    /// a node's is, and by no other test's agent (whose orphan sweep would release this node's
+    /// holds).
+    pin_dir: PathBuf,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Ok(entries) = std::fs::read_dir(&self.pin_dir) {
+            for e in entries.flatten() {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+        let _ = std::fs::remove_dir(&self.pin_dir);
+    }
 }
 
 impl Node {
@@ -113,7 +128,8 @@ impl Node {
         opts.runtime_state_dir = Some(runtime_dir.clone());
         let kubelet = Kubelet::start(api.handle(), opts)?;
         let name = format!("node-{}", valet_sim::util::random_hex(3));
-        Ok(Node { api, kubelet, name, scratch, kubeconfig, runtime_dir })
+        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/valet-test-{}-{name}", std::process::id()));
+        Ok(Node { api, kubelet, name, scratch, kubeconfig, runtime_dir, pin_dir })
     }
 
     pub fn kubeconfig(&self) -> &Path {
@@ -123,6 +139,11 @@ impl Node {
     /// Where the simulated runtime writes its OCI bundles (`<dir>/<id>/config.json`).
     pub fn runtime_state_dir(&self) -> &Path {
         &self.runtime_dir
+    }
+
+    /// Where this node's agents pin the record of the processes they held.
+    pub fn pin_dir(&self) -> &Path {
+        &self.pin_dir
     }
 
     /// Starts the agent binary for this node, with `extra` flags (and `--runtime-state-dirs`
@@ -156,6 +177,9 @@ impl Node {
         command.args(["--metrics-addr", &metrics.to_string()]).args(extra);
         if !extra.iter().any(|a| a.starts_with("--runtime-state-dirs")) {
             command.arg("--runtime-state-dirs").arg(&self.runtime_dir);
+        }
+        if !extra.iter().any(|a| a.starts_with("--pin-dir")) {
+            command.arg("--pin-dir").arg(&self.pin_dir);
         }
         let child = command
             .env("NODE_NAME", &self.name)

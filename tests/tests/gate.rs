@@ -321,6 +321,72 @@ fn agent_killed_while_holding_leaves_apps_to_its_successor() {
 }
 
 #[test]
+fn apps_held_by_a_killed_agent_run_once_their_pod_no_longer_holds_them() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let mut agent = node.start_agent(&[]).expect("agent");
+    // While no agent runs: d loses its opt-in label (the watch no longer shows it at all),
+    // e loses its hold annotation, f keeps both (its proxy never turns ready: still held).
+    let paths = |tag: &str| (node.scratch.path(&format!("ready-{tag}")), node.scratch.path(&format!("marker-{tag}")));
+    let ((ready_d, marker_d), (ready_e, marker_e), (ready_f, marker_f)) = (paths("d"), paths("e"), paths("f"));
+    let mut d = node.job_pod(held_spec("unlabelled", &ready_d)).expect("pod d");
+    let mut e = node.job_pod(held_spec("unheld", &ready_e)).expect("pod e");
+    let mut f = node.job_pod(held_spec("still-held", &ready_f)).expect("pod f");
+    agent.wait_tracked(3, Duration::from_secs(10)).expect("tracked");
+    for job in [&d, &e, &f] {
+        wait_condition(&node, job, &agent, "False", "ProxyNotReady");
+    }
+    for (job, marker) in [(&mut d, &marker_d), (&mut e, &marker_e), (&mut f, &marker_f)] {
+        job.run_app("app", &format!("echo ran > {}; exec sleep 0.3", marker.display())).expect("app");
+    }
+    for (job, what) in [(&d, "d"), (&e, "e"), (&f, "f")] {
+        assert!(eventually(Duration::from_secs(10), || state(app_pid(job)) == Some('T')), "{what} held");
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || agent.metric("valet_app_holds_total ") == 3.0),
+        "three holds counted\n{}",
+        agent.log_text()
+    );
+    agent.stop(libc::SIGKILL, Duration::from_secs(5)).expect("kill the agent");
+    node.api
+        .modify_pod("jobs", &d.name, |p| {
+            p["metadata"]["labels"].as_object_mut().map(|l| l.remove("valet.dev/enabled"));
+        })
+        .expect("relabel d");
+    node.api
+        .modify_pod("jobs", &e.name, |p| {
+            p["metadata"]["annotations"].as_object_mut().map(|a| a.remove(HOLD));
+        })
+        .expect("unhold e");
+    for (job, marker, what) in [(&d, &marker_d, "d"), (&e, &marker_e, "e"), (&f, &marker_f, "f")] {
+        assert_held(job, marker, &agent, &format!("{what}, with no agent running"));
+    }
+
+    let agent = node.start_agent(&[]).expect("second agent");
+    let restarted = Instant::now();
+    // Ready means the pods were listed and what none of them holds was released.
+    for (marker, what) in [(&marker_d, "d (label removed)"), (&marker_e, "e (hold annotation removed)")] {
+        let after = wait_file(marker, Duration::from_secs(10)).map(|_| restarted.elapsed());
+        println!("{what}: its app ran {after:?} after the new agent was ready");
+        assert!(after.is_some(), "{what}: left stopped by the new agent\n{}", agent.log_text());
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || agent.metric("valet_app_releases_total{reason=\"orphaned\"} ") == 2.0),
+        "d and e released as orphans (no pod holds them)\n{}",
+        agent.log_text()
+    );
+    // f is still held, by the new agent, until its proxy is ready.
+    assert_held(&f, &marker_f, &agent, "f, adopted by the new agent");
+    std::fs::write(&ready_f, "").expect("ready f");
+    assert!(wait_file(&marker_f, Duration::from_secs(10)).is_some(), "f released once ready\n{}", agent.log_text());
+    for (job, what) in [(&mut d, "d"), (&mut e, "e"), (&mut f, "f")] {
+        let status = job.apps[0].wait_timeout(Duration::from_secs(10)).expect("wait");
+        assert!(status.is_some_and(|s| s.success()), "{what} finished: {status:?}\n{}", agent.log_text());
+    }
+    assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "no new holds after the restart");
+}
+
+#[test]
 fn sigterm_releases_held_apps_before_the_agent_exits() {
     let _serial = serial();
     let node = Node::new().expect("node");

@@ -27,6 +27,7 @@ use crate::cgroup::created::Creations;
 use crate::cgroup::signal::{Pinned, pin_in_cgroup, signal_cgroup};
 use crate::effect::{ContainerSeen, Count, Effect, Feedback, LeftHeld, Nanos, Pace, RuntimeName};
 use crate::kernel::container_main::main_among;
+use crate::kernel::held::HeldLedger;
 use crate::kernel::{KernelControl, RecordOutcome};
 use crate::metrics::{self, KindLabels, Metrics, QuitLabels, ReasonLabels, ResultLabels};
 use crate::pod::state::QuitAhead;
@@ -77,6 +78,8 @@ pub struct Actuators<K, L> {
     /// Releases kept for [`Actuators::flush_releases`] while a batch of reports is handled.
     releases: Option<Batch>,
     releaser: Option<Releaser>,
+    /// The kernel's record of the processes it stopped (pinned: it outlives this agent).
+    ledger: Option<Arc<HeldLedger>>,
     /// Held processes checked and pinned when they were held, by pid: a release is only the
     /// signal (checking a batch of them at release took half a millisecond).
     pinned: HashMap<u32, Pinned>,
@@ -85,6 +88,13 @@ pub struct Actuators<K, L> {
     /// Each pod's arm as last set in `ahead` (set again only when it changes).
     armed: HashMap<String, QuitAhead>,
 }
+
+/// A record of a process that is not stopped is dropped only once it is this old: the exec
+/// program writes it just before the stop takes effect.
+const ORPHAN_RECORD_GRACE_NS: u64 = 2_000_000_000;
+/// Most cgroup directories looked at to find the one a held process was stopped in (a node's
+/// whole tree is a few thousand at most).
+const CGROUP_SEARCH_BUDGET: usize = 50_000;
 
 /// At most this many held processes are pinned ahead (one fd each); more are pinned at release.
 const PINNED_MAX: usize = 1024;
@@ -119,7 +129,7 @@ fn spawn_after_releases(batch: &mut Option<Batch>, task: Pending<()>) {
 }
 
 /// Sends the SIGCONTs of a batch of releases, back to back, then counts and logs them.
-fn send_releases(metrics: &Metrics, batch: Vec<PinnedRelease>) {
+fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<PinnedRelease>) {
     let sent: Vec<(Release, Result<(), String>)> = batch
         .into_iter()
         .map(|(r, pin)| {
@@ -136,6 +146,11 @@ fn send_releases(metrics: &Metrics, batch: Vec<PinnedRelease>) {
     for (Release { tgid, reason, held_ns, .. }, sent) in sent {
         match sent {
             Ok(()) => {
+                // Only once the signal is out: an agent that dies before leaves the record to
+                // its successor.
+                if let Some(ledger) = ledger {
+                    ledger.forget(tgid);
+                }
                 let held_for = held_ns as f64 / 1e9;
                 // How long apps waited: the sandbox, sidecars and strays run again at once.
                 if !matches!(reason, "not_app" | "untracked") {
@@ -159,13 +174,13 @@ struct Releaser {
 }
 
 impl Releaser {
-    fn start(metrics: Arc<Metrics>) -> Option<Releaser> {
+    fn start(metrics: Arc<Metrics>, ledger: Option<Arc<HeldLedger>>) -> Option<Releaser> {
         let (tx, rx) = std::sync::mpsc::channel::<Vec<PinnedRelease>>();
         let thread = std::thread::Builder::new()
             .name("valet-release".into())
             .spawn(move || {
                 for batch in rx {
-                    send_releases(&metrics, batch);
+                    send_releases(&metrics, ledger.as_deref(), batch);
                 }
             })
             .map_err(|e| warn!("no release thread, releases go out from the runtime: {e}"))
@@ -201,6 +216,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         let held_prober =
             settings.held_prober.then(|| held::HeldProber::start(link.clone(), reports.clone())).flatten();
         let ahead = Arc::new(ahead::QuitsAhead::new(link.clone(), metrics.clone()));
+        let ledger = kernel.held_ledger();
         Actuators {
             settings,
             cgroups,
@@ -215,7 +231,8 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             reports,
             probes: HashMap::new(),
             releases: None,
-            releaser: Releaser::start(metrics.clone()),
+            releaser: Releaser::start(metrics.clone(), ledger.clone()),
+            ledger,
             pinned: HashMap::new(),
             creations: Creations::new(),
             ahead,
@@ -499,8 +516,9 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                         .find_map(|pid| name_of_process(&self.settings.host_proc, *pid, uid))
                         .map(RuntimeName::Container)
                 });
-            let exec_done =
-                self.kernel.exec_seen(c.id) || procs.iter().any(|pid| held_at_exec(&self.settings.host_proc, *pid));
+            let exec_done = self.kernel.exec_seen(c.id)
+                || procs.iter().any(|pid| held_at_exec(&self.settings.host_proc, *pid))
+                || self.recorded_held(&c.rel).next().is_some();
             seen.push(ContainerSeen {
                 cgroup_id: c.id,
                 rel: c.rel.clone(),
@@ -526,18 +544,101 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         }
     }
 
-    /// Processes stopped at exec in the pod's containers.
+    /// Processes stopped at exec in the pod's containers: those the kernel's record names (any
+    /// process: a shareProcessNamespace app is not its namespace's init), and stopped
+    /// namespace inits (held by an agent without a pinned record).
     fn left_held(&self, pod_rel: &str, now: Nanos) -> Vec<LeftHeld> {
         let proc = &self.settings.host_proc;
         let mut found = Vec::new();
         for c in self.cgroups.containers(pod_rel) {
+            for (pid, since) in self.recorded_held(&c.rel) {
+                found.push(LeftHeld { tgid: pid, container_cgroup: c.id, since });
+            }
             for pid in self.cgroups.container_procs(&c.rel) {
-                if held_at_exec(proc, pid) {
+                if held_at_exec(proc, pid) && !found.iter().any(|f| f.tgid == pid) {
                     found.push(LeftHeld { tgid: pid, container_cgroup: c.id, since: stopped_since(proc, pid, now) });
                 }
             }
         }
         found
+    }
+
+    /// Stopped processes in container cgroup `rel` (or below it) that the kernel's record says
+    /// it stopped, with when.
+    fn recorded_held(&self, rel: &str) -> impl Iterator<Item = (u32, Nanos)> + '_ {
+        let records = match &self.ledger {
+            Some(ledger) => ledger.records(),
+            None => Vec::new(),
+        };
+        let procs: Vec<u32> = if records.is_empty() { Vec::new() } else { self.cgroups.procs_recursive(rel) };
+        records
+            .into_iter()
+            .filter(move |(pid, _)| procs.contains(pid) && process_stopped(&self.settings.host_proc, *pid))
+            .map(|(pid, r)| (pid, r.ktime_ns))
+    }
+
+    /// Releases the processes the kernel's record names that no tracked pod will: their pod was
+    /// deleted, relabelled, stripped of its hold or is done, or they were left by an agent that
+    /// died while holding them. Records of processes gone, or running again for a while, are
+    /// dropped. `held`: the pids tracked pods hold; `holding_pods`: the cgroups of the pods that
+    /// hold their apps (they find what an earlier agent left in them). Returns how many were
+    /// released.
+    pub fn release_orphans(&mut self, held: HashSet<u32>, holding_pods: &[String], now: Nanos) -> usize {
+        let Some(ledger) = self.ledger.clone() else { return 0 };
+        let proc = self.settings.host_proc.clone();
+        let mut claimed = held;
+        for rel in holding_pods {
+            claimed.extend(self.cgroups.procs_recursive(rel));
+        }
+        let mut orphans = Vec::new();
+        for (tgid, record) in ledger.records() {
+            if claimed.contains(&tgid) {
+                continue;
+            }
+            if !proc.join(tgid.to_string()).exists() {
+                ledger.forget(tgid);
+                continue;
+            }
+            if !process_stopped(&proc, tgid) {
+                // Released and running (a record younger than this may be of a stop still on its
+                // way to taking effect).
+                if now.saturating_sub(record.ktime_ns) > ORPHAN_RECORD_GRACE_NS {
+                    ledger.forget(tgid);
+                }
+                continue;
+            }
+            // The signal goes only to the process in the cgroup it was stopped in (no reused pid).
+            match self.cgroups.find_by_id(record.cgroup_id, "/", CGROUP_SEARCH_BUDGET) {
+                Some(rel) => orphans.push(Release {
+                    tgid,
+                    container_rel: rel,
+                    reason: "orphaned",
+                    held_ns: now.saturating_sub(record.ktime_ns),
+                }),
+                None => {
+                    debug!(pid = tgid, "held record of a cgroup that is gone: another process by now");
+                    ledger.forget(tgid);
+                }
+            }
+        }
+        let n = orphans.len();
+        for r in &orphans {
+            warn!(pid = r.tgid, cgroup = %r.container_rel, "a process stopped at exec that no tracked pod holds: releasing");
+        }
+        if n > 0 {
+            self.release(orphans, false);
+        }
+        n
+    }
+
+    /// Whether the kernel's record of held processes is pinned (outlives this agent).
+    pub fn held_record_pinned(&self) -> bool {
+        self.ledger.as_ref().is_some_and(|l| l.pinned().is_some())
+    }
+
+    /// Whether the kernel's record names any process.
+    pub fn any_held_record(&self) -> bool {
+        self.ledger.as_ref().is_some_and(|l| !l.records().is_empty())
     }
 
     /// Pinned processes that exited while held (their pod's state forgot them): their fds go.
@@ -573,7 +674,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             },
             _ => pinned,
         };
-        send_releases(&self.metrics, pinned);
+        send_releases(&self.metrics, self.ledger.as_deref(), pinned);
     }
 
     fn count(&self, count: Count) {
@@ -742,7 +843,7 @@ mod tests {
             })
             .collect();
         let metrics = Arc::new(Metrics::new());
-        let releaser = Releaser::start(metrics.clone()).expect("release thread");
+        let releaser = Releaser::start(metrics.clone(), None).expect("release thread");
         assert!(releaser.send(batch).is_ok());
         // Shutdown waits for what was handed over: nothing is left stopped behind the agent.
         releaser.finish();

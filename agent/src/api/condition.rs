@@ -6,16 +6,9 @@ use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 
 use crate::error::Result;
+pub use crate::vocab::ProxyReady;
 
 pub const CONDITION_TYPE: &str = "valet.dev/ProxyReady";
-
-/// The condition valet wants on a pod.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ProxyReady {
-    pub ready: bool,
-    pub reason: &'static str,
-    pub message: String,
-}
 
 /// Whether the pod already carries this condition with the same status and reason: then no
 /// write is needed.

@@ -9,12 +9,14 @@ use aya::{
 use tracing::{debug, info, warn};
 use valet_common::{
     ContainerMain, Counter, EXEC_CLASS_HOLD, EXEC_CLASS_PASS, GLOBAL_LAYOUT, KernelLayout, MAP_CALIBRATION,
-    MAP_CONTAINERS, MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_WATCHED, MAX_HOST_PIDNS_LEVEL,
-    PROG_CALIBRATE, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT, PROG_EXIT_WALK, container_flags,
+    MAP_CONTAINERS, MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_HELD, MAP_WATCHED,
+    MAX_HOST_PIDNS_LEVEL, PIN_HELD, PROG_CALIBRATE, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT, PROG_EXIT_WALK,
+    container_flags,
 };
 
 use super::btf::Btf;
 use super::container_main::MainProcess;
+use super::held::{HeldLedger, prepare_pin_dir};
 use super::layout::{find_tracefs, pidns_inum, read_layout, supports_ancestor_walk};
 use crate::error::{Error, Result};
 
@@ -128,6 +130,7 @@ pub struct Programs {
     exec_seen: HashMap<MapData, u64, u8>,
     containers: HashMap<MapData, u64, ContainerMain>,
     counters: PerCpuArray<MapData, u64>,
+    held: std::sync::Arc<HeldLedger>,
     events: Option<RingBuf<MapData>>,
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
     layout: KernelLayout,
@@ -144,6 +147,17 @@ impl Programs {
     /// hostPID), loads the object and attaches the requested tracepoints.
     /// `host_root` is where the host's `/sys` is visible (`/` outside a container).
     pub fn load(host_root: &std::path::Path, attach: Attach) -> Result<Programs> {
+        Programs::load_pinned(host_root, attach, None)
+    }
+
+    /// [`Programs::load`], with the held-process map pinned in `pin_dir` (on bpffs, made or
+    /// mounted if need be; an existing pin is taken over with the records an earlier agent
+    /// left). Without a usable directory the map is not pinned, and that is logged.
+    pub fn load_pinned(
+        host_root: &std::path::Path,
+        attach: Attach,
+        pin_dir: Option<&std::path::Path>,
+    ) -> Result<Programs> {
         raise_memlock_limit();
         let tracefs = match find_tracefs(host_root) {
             Ok(path) => path,
@@ -179,10 +193,25 @@ impl Programs {
         }
         debug!(?layout, "kernel layout from BTF");
 
-        let mut ebpf = EbpfLoader::new()
-            .override_global(GLOBAL_LAYOUT, &layout, true)
-            .load(OBJECT)
-            .map_err(|e| Error::ebpf_object("load object", e))?;
+        let mut pinned = pin_dir.and_then(prepare_pin_dir).map(|dir| dir.join(PIN_HELD));
+        let load = |pin: Option<&std::path::Path>| {
+            let mut loader = EbpfLoader::new();
+            loader.override_global(GLOBAL_LAYOUT, &layout, true);
+            if let Some(pin) = pin {
+                loader.map_pin_path(MAP_HELD, pin);
+            }
+            loader.load(OBJECT)
+        };
+        let mut ebpf = match load(pinned.as_deref()) {
+            Ok(ebpf) => ebpf,
+            Err(e) if pinned.is_some() => {
+                // Holds that do not survive the agent beat no holds at all.
+                warn!("cannot pin the record of held apps ({e}): apps held when this agent dies stay stopped");
+                pinned = None;
+                load(None).map_err(|e| Error::ebpf_object("load object", e))?
+            }
+            Err(e) => return Err(Error::ebpf_object("load object", e)),
+        };
 
         // Kernel-side diagnostics go to our log; the logger must outlive the programs.
         let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
@@ -266,12 +295,16 @@ impl Programs {
         let containers = HashMap::try_from(take(&mut ebpf, MAP_CONTAINERS)?).map_err(map_err(MAP_CONTAINERS))?;
         let counters = PerCpuArray::try_from(take(&mut ebpf, MAP_COUNTERS)?).map_err(map_err(MAP_COUNTERS))?;
         let events = RingBuf::try_from(take(&mut ebpf, MAP_EVENTS)?).map_err(map_err(MAP_EVENTS))?;
+        let held = HashMap::try_from(take(&mut ebpf, MAP_HELD)?).map_err(map_err(MAP_HELD))?;
+        let held = std::sync::Arc::new(HeldLedger::new(held, pinned));
         info!(
             attached = ?links.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
             group_dead_field = layout.tp_exit_group_dead != valet_common::OFFSET_UNKNOWN,
             host_pidns_inum = layout.host_pidns_inum,
             host_pidns_level = layout.host_pidns_level,
             ?ancestors,
+            held_pinned = ?held.pinned(),
+            held_left = held.records().len(),
             "kernel programs attached"
         );
         Ok(Programs {
@@ -281,6 +314,7 @@ impl Programs {
             exec_seen,
             containers,
             counters,
+            held,
             events: Some(events),
             logger,
             layout,
@@ -303,6 +337,11 @@ impl Programs {
     /// The layout the programs were loaded with.
     pub fn layout(&self) -> &KernelLayout {
         &self.layout
+    }
+
+    /// The record of processes stopped at exec (shared with the release thread).
+    pub fn held_ledger(&self) -> std::sync::Arc<HeldLedger> {
+        self.held.clone()
     }
 
     /// Hands out the event ring buffer (once) for [`super::events::EventStream`].

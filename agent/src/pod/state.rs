@@ -18,10 +18,9 @@ use tracing::{debug, info, warn};
 use super::decide::{AppState, Decision, ExitOutcome, IgnoreReason, Observed, SidecarState, decide};
 use super::spec::{Endpoint, PodPlan, SidecarDefaults, plan};
 use super::status::{self, hex_id, pod_name};
-use crate::api::condition::{self, ProxyReady};
+use crate::api::condition;
 use crate::effect::{ContainerSeen, Count, Effect, ExitSeen, Feedback, HeldSeen, LeftHeld, Nanos, Pace, RuntimeName};
-use crate::kernel::ProcessEnd;
-use crate::sidecar::quit::QuitOutcome;
+use crate::vocab::{ProcessEnd, ProxyReady, QuitOutcome};
 
 /// The longest any app is held, whatever the annotation says.
 const MAX_HOLD: Duration = Duration::from_secs(3600);
@@ -216,6 +215,21 @@ impl PodState {
     /// Whether a quit is still on its way (shutdown waits for those).
     pub fn quit_in_flight(&self) -> bool {
         self.quits.values().any(|q| q.state == QuitState::InFlight)
+    }
+
+    /// Whether this pod holds its apps until its proxy is ready, and so looks after what the
+    /// kernel stopped in its cgroups (an earlier agent's holds included, found at attach).
+    pub fn holding(&self) -> bool {
+        self.plan.as_ref().is_some_and(wants_hold)
+            && !self.shutting_down
+            && !self.released
+            && !self.finished
+            && !self.stood_down
+    }
+
+    /// The processes this pod holds now.
+    pub fn held_pids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.held.iter().map(|h| h.tgid)
     }
 
     /// Whether the node's resources for this pod (cgroup search, kernel maps, network namespace)
