@@ -419,6 +419,31 @@ async fn shared_pid_namespace_main_is_not_pid_1_and_still_ends_its_container(mod
     assert_eq!(programs.counter(Counter::ExitsReported), 2);
 }
 
+async fn a_nested_sandbox_in_a_shared_pid_namespace_never_ends_the_container(mode: AncestorMode) {
+    // shareProcessNamespace and a sandbox in the app: its init is pid 1 of a namespace two levels
+    // below the host's (the pod's shared one is the first), never its container's end.
+    let (mut programs, mut stream) = load(mode);
+    let mut pod = Pod::new(true, 27);
+    let sandbox_rel = pod.add_container(28);
+    let sandbox = pod.id(&sandbox_rel);
+    let app = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
+    let mut pause = pod.start(&sandbox_rel, &["sleep", "60"]);
+    let pause_main = recorded_main(&programs, sandbox).await;
+    let script = "unshare --pid --fork /bin/sh -c 'exit 3'; [ $? -eq 3 ] || exit 99; sleep 0.2; exit 5";
+    let mut child = pod.start_shared(&pod.container_rel, pause_main.tgid, &["/bin/sh", "-c", script]);
+    let record = recorded_main(&programs, app).await;
+    let got = exits(&mut stream, app, 1, WAIT).await;
+    reap(&mut child);
+    assert_eq!(got.len(), 1, "the main process only: {got:?}");
+    assert_eq!(got[0].tgid, record.tgid);
+    assert_eq!(got[0].end, Some(ProcessEnd::Exited(5)), "the sandbox ran and exited 3 first");
+    assert!(got[0].container_main && !got[0].ns_init, "{:?}", got[0]);
+    assert!(exits(&mut stream, app, 1, Duration::from_millis(300)).await.is_empty());
+    kill(pause_main.tgid, libc::SIGKILL);
+    reap(&mut pause);
+}
+
 async fn a_host_namespace_exec_in_the_container_cgroup_is_not_the_main(mode: AncestorMode) {
     // runc ≥ 1.2: `runc init` execs inside the container cgroup in the host's pid namespace
     // before the entrypoint. Here a host-namespace shell execs there first, starts the
@@ -904,6 +929,7 @@ in_both_modes!(
     crun_runs_the_container_one_level_below_its_scope,
     a_nested_runtimes_cgroups_are_its_container_and_its_main_may_move_there,
     a_host_pid_pod_watched_without_flags_records_and_reports_nothing,
+    a_nested_sandbox_in_a_shared_pid_namespace_never_ends_the_container,
 );
 
 #[tokio::test]
