@@ -539,6 +539,39 @@ mod tests {
     }
 
     #[test]
+    fn finds_the_bundles_through_a_live_shims_procfs_links() {
+        // A real process tree: a shell run as `containerd-shim-runc-v2` from a bundle directory,
+        // and its child, read through this host's /proc.
+        let fake = FakeProc::new("live");
+        let state = fake.root.join("run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io");
+        let (sandbox, app) = ("5".repeat(64), "a".repeat(64));
+        fake.bundle(&state, &sandbox, "{}");
+        fake.bundle(&state, &app, &config("report", UID));
+        let shim_exe = fake.root.join("containerd-shim-runc-v2");
+        std::fs::copy("/bin/sh", &shim_exe).expect("copy sh");
+        let mut shim = std::process::Command::new(&shim_exe)
+            .args(["-c", "sleep 30 & echo $!; wait"])
+            .current_dir(state.join(&sandbox))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn shim");
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(shim.stdout.as_mut().expect("stdout")), &mut line)
+            .expect("child pid");
+        let child: u32 = line.trim().parse().expect("pid");
+        let mut bundles = RuntimeBundles::new(Vec::new(), Some(PathBuf::from("/proc")));
+        let found = bundles.find_runtime(&[child], &HashSet::from([child]));
+        let role = bundles.role(&app, UID);
+        let _ = shim.kill();
+        let _ = shim.wait();
+        // SAFETY: plain syscall to the shell's child, ended with it.
+        unsafe { libc::kill(child as i32, libc::SIGKILL) };
+        assert!(found, "the shim, the child's parent");
+        assert_eq!(role, Some(BundleRole::Container("report".into())));
+        assert_eq!(bundles.role(&app, UID), None, "the shim is gone: not read through any more");
+    }
+
+    #[test]
     fn finds_cri_o_bundles_through_conmon() {
         let fake = FakeProc::new("conmon");
         let storage = fake.root.join("var/lib/crio/overlay-containers");
