@@ -179,7 +179,8 @@ pub fn state_dir_of_bundle(bundle: &Path) -> Option<PathBuf> {
     Some(parts[..at].iter().collect())
 }
 
-/// `NSpid` and `PPid` of a process, from its `status`.
+/// A process's parent (`PPid`) and how many pid namespaces see it (the length of `NSpid`: 1 for a
+/// process of the host's), from its `status`.
 fn parent_and_depth(host_proc: &Path, pid: u32) -> Option<(u32, usize)> {
     let status = std::fs::read_to_string(host_proc.join(pid.to_string()).join("status")).ok()?;
     let ppid = status.lines().find_map(|l| l.strip_prefix("PPid:"))?.trim().parse().ok()?;
@@ -240,7 +241,7 @@ impl RuntimeBundles {
         found
     }
 
-    /// Whether a runtime process is known to read bundles through (alive when last used).
+    /// How many runtime processes bundles are read through (each alive when last used).
     pub fn reaches(&self) -> usize {
         self.reaches.len()
     }
