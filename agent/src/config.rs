@@ -146,10 +146,12 @@ pub struct Config {
     pub watch_timeout: Duration,
 
     /// Container runtime state directories holding the containers' OCI bundles (config.json),
-    /// to know a container by name before the API reports its id (about a second later). By
-    /// default the well-known ones under --host-root: containerd's
-    /// /run/containerd/io.containerd.runtime.v2.task/k8s.io and CRI-O's
-    /// /run/containers/storage/overlay-containers (whichever exist, looked up as needed).
+    /// to know a container by name before the API reports its id (about a second later), tried
+    /// first. By default the well-known ones under --host-root: containerd's
+    /// /run/containerd/io.containerd.runtime.v2.task/k8s.io (and k3s's and microk8s's
+    /// equivalents) and CRI-O's /run/containers/storage/overlay-containers. A bundle in none of
+    /// them is read through the runtime process that started the pod (containerd's shim, CRI-O's
+    /// conmon, found up from the pod's processes in --host-proc), wherever the runtime keeps it.
     #[arg(long, env = "VALET_RUNTIME_STATE_DIRS", value_delimiter = ',')]
     pub runtime_state_dirs: Vec<PathBuf>,
 

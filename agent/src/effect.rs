@@ -90,12 +90,13 @@ pub enum Effect {
     FindLeftHeld {
         pod_rel: String,
     },
-    /// Tell the kernel about the pod's cgroup: report its containers' ends; hold apps' first exec.
-    /// New container cgroups are also watched for as they are made, so that each is named (and,
-    /// in a held pod, its first exec classified) before it runs.
+    /// Tell the kernel about the pod's cgroup: report its containers' ends (`exits`); hold apps'
+    /// first exec (`hold`). New container cgroups are also watched for as they are made, so that
+    /// each is named (and, in a held pod, its first exec classified) before it runs.
     Watch {
         pod_cgroup: u64,
         pod_rel: String,
+        exits: bool,
         hold: bool,
     },
     Unwatch {

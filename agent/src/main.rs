@@ -109,7 +109,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             held_prober: cfg.held_prober,
         },
         cgroups.clone(),
-        RuntimeBundles::new(cfg.runtime_dirs()),
+        RuntimeBundles::new(cfg.runtime_dirs(), Some(cfg.host_proc.clone())),
         programs,
         Arc::new(PodNetwork::new(cfg.host_proc.clone(), cgroups)),
         writes.clone(),

@@ -406,7 +406,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
             held_prober: false,
         },
         node.cgroups.clone(),
-        RuntimeBundles::new(vec![node.dir.join("bundles")]),
+        RuntimeBundles::new(vec![node.dir.join("bundles")], None),
         kernel.clone(),
         Arc::new(link.clone()),
         client.clone(),

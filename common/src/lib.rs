@@ -74,6 +74,8 @@ pub mod watch_flags {
     /// Stop (SIGSTOP) the exec that records a container's main process (the first exec deeper
     /// than the host's pid namespace) in each child cgroup of this cgroup.
     pub const HOLD: u32 = 2;
+    // Neither bit: the cgroup is known (an exit or exec there is routed no further) but nothing
+    // is recorded, reported or held: a hostPID pod, whose ends come from the API.
 }
 
 /// [`MAP_EXEC_CLASS`] value: stop the first init exec in this cgroup (an app container).
@@ -144,7 +146,8 @@ pub struct ContainerMain {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HeldRecord {
-    /// The cgroup (v2) id the process was in when it was stopped: its container's.
+    /// The cgroup (v2) id of the container it was stopped in (the pod cgroup's child, however
+    /// deep below it the process sat).
     pub cgroup_id: u64,
     /// `bpf_ktime_get_ns()` when it was stopped (`CLOCK_MONOTONIC`).
     pub ktime_ns: u64,
@@ -160,7 +163,8 @@ pub struct KernelEvent {
     pub flags: u32,
     /// `bpf_ktime_get_ns()` when the program ran (`CLOCK_MONOTONIC`).
     pub ktime_ns: u64,
-    /// The process's own cgroup (v2) id: the container's cgroup.
+    /// The container's cgroup (v2) id: the watched cgroup's child that holds the process, at any
+    /// depth below it (crun runs a container one level below its scope, nested runtimes deeper).
     pub cgroup_id: u64,
     /// The watched cgroup that matched: the process's own or one of its ancestors (the pod).
     pub watched_cgroup_id: u64,

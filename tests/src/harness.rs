@@ -216,6 +216,7 @@ impl Node {
             .driver(spec.driver)
             .runtime(spec.runtime)
             .qos(spec.qos)
+            .crun(spec.crun)
             .lazy_cgroups(true);
         for app in &spec.apps {
             opts = opts.container(app);
@@ -362,6 +363,8 @@ pub struct JobSpec {
     pub runtime: Runtime,
     /// The pod's QoS class (default Burstable).
     pub qos: QosClass,
+    /// Container processes run one cgroup below their container's, as crun runs them.
+    pub crun: bool,
     /// When the kubelet writes statuses: as a real one (default), at once, or never.
     pub status: StatusTiming,
     /// The runtime writes OCI bundles for the pod's containers (default true).
@@ -390,6 +393,7 @@ impl JobSpec {
             driver: CgroupDriver::Systemd,
             runtime: Runtime::Containerd,
             qos: QosClass::Burstable,
+            crun: false,
             status: StatusTiming::Relist,
             bundles: true,
             report_pod_ip: true,
@@ -400,6 +404,11 @@ impl JobSpec {
         self.driver = driver;
         self.runtime = runtime;
         self.qos = qos;
+        self
+    }
+    /// crun's layout: every container's processes in `<scope>/container`.
+    pub fn crun(mut self) -> Self {
+        self.crun = true;
         self
     }
     pub fn apps(mut self, apps: &[&str]) -> Self {

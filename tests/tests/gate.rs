@@ -652,6 +652,54 @@ fn runtime_bundles_keep_the_sidecar_unheld_before_the_api_names_it() {
 }
 
 #[test]
+fn with_cruns_layout_containers_are_named_held_and_ended_from_one_level_below_their_scope() {
+    // crun runs every process of a container in `<scope>/container`, the scope left empty. The
+    // API never names a container here and never reports an end: the bundles name them, and
+    // the kernel, seeing the processes below the scopes, holds the app alone and ends it.
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let ready = node.scratch.path("ready");
+    let spec = held_spec("crun", &ready).crun().manual_status();
+    let mut job = node
+        .job_pod_proxy_later(spec, || {
+            agent.wait_tracked(1, Duration::from_secs(5))?;
+            Ok(())
+        })
+        .expect("pod");
+    let proxy = job.proxy.host_pid();
+    let proxy_cgroup = std::fs::read_to_string(format!("/proc/{proxy}/cgroup")).expect("cgroup");
+    assert!(proxy_cgroup.trim_end().ends_with(".scope/container"), "crun's layout: {proxy_cgroup}");
+    // The proxy runs (probed, not ready yet): its start was let through.
+    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    assert_ne!(state(proxy), Some('T'));
+    let marker = node.scratch.path("marker");
+    job.run_app("app", &marker_script(&marker)).expect("app");
+    assert!(
+        eventually(Duration::from_secs(3), || agent.metric("valet_app_holds_total ") == 1.0),
+        "the app was held\n{}",
+        agent.log_text()
+    );
+    assert_held(&job, &marker, &agent, "held below its scope");
+    std::fs::write(&ready, "").expect("ready file");
+    let delay = wait_file(&marker, Duration::from_secs(1));
+    assert!(delay.is_some(), "the app ran within 1 s of the proxy turning ready\n{}", agent.log_text());
+    // Its end, seen by the kernel alone, quits the proxy.
+    let status = job.apps[0].wait_timeout(Duration::from_secs(3)).expect("wait app");
+    assert!(status.is_some_and(|s| s.success()), "app finished: {status:?}");
+    assert!(
+        eventually(Duration::from_secs(3), || !job.quits().is_empty()),
+        "the proxy was quit on the app's end\n{}",
+        agent.log_text()
+    );
+    for reason in ["not_app", "untracked"] {
+        let released = agent.metric(&format!("valet_app_releases_total{{reason=\"{reason}\"}} "));
+        assert_eq!(released, 0.0, "{reason}: only the app's first exec was held\n{}", agent.log_text());
+    }
+    assert!(!agent.log_text().contains("unknown container"), "{}", agent.log_text());
+}
+
+#[test]
 fn condition_stays_ready_after_the_work_is_done_and_the_proxy_quits() {
     // Once the app has finished and the proxy is quit, probes stop: the proxy going away does
     // not write the condition back to False.

@@ -419,6 +419,31 @@ async fn shared_pid_namespace_main_is_not_pid_1_and_still_ends_its_container(mod
     assert_eq!(programs.counter(Counter::ExitsReported), 2);
 }
 
+async fn a_nested_sandbox_in_a_shared_pid_namespace_never_ends_the_container(mode: AncestorMode) {
+    // shareProcessNamespace and a sandbox in the app: its init is pid 1 of a namespace two levels
+    // below the host's (the pod's shared one is the first), never its container's end.
+    let (mut programs, mut stream) = load(mode);
+    let mut pod = Pod::new(true, 27);
+    let sandbox_rel = pod.add_container(28);
+    let sandbox = pod.id(&sandbox_rel);
+    let app = pod.container();
+    programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
+    let mut pause = pod.start(&sandbox_rel, &["sleep", "60"]);
+    let pause_main = recorded_main(&programs, sandbox).await;
+    let script = "unshare --pid --fork /bin/sh -c 'exit 3'; [ $? -eq 3 ] || exit 99; sleep 0.2; exit 5";
+    let mut child = pod.start_shared(&pod.container_rel, pause_main.tgid, &["/bin/sh", "-c", script]);
+    let record = recorded_main(&programs, app).await;
+    let got = exits(&mut stream, app, 1, WAIT).await;
+    reap(&mut child);
+    assert_eq!(got.len(), 1, "the main process only: {got:?}");
+    assert_eq!(got[0].tgid, record.tgid);
+    assert_eq!(got[0].end, Some(ProcessEnd::Exited(5)), "the sandbox ran and exited 3 first");
+    assert!(got[0].container_main && !got[0].ns_init, "{:?}", got[0]);
+    assert!(exits(&mut stream, app, 1, Duration::from_millis(300)).await.is_empty());
+    kill(pause_main.tgid, libc::SIGKILL);
+    reap(&mut pause);
+}
+
 async fn a_host_namespace_exec_in_the_container_cgroup_is_not_the_main(mode: AncestorMode) {
     // runc ≥ 1.2: `runc init` execs inside the container cgroup in the host's pid namespace
     // before the entrypoint. Here a host-namespace shell execs there first, starts the
@@ -764,6 +789,101 @@ async fn on_a_kind_node_the_host_namespace_is_the_nodes(mode: AncestorMode) {
     reap(&mut node);
 }
 
+async fn crun_runs_the_container_one_level_below_its_scope(mode: AncestorMode) {
+    // crun (systemd driver) puts a container's processes in `<scope>/container` and leaves the
+    // scope empty: still the container, for its hold, its record and its end.
+    let (mut programs, mut stream) = load(mode);
+    let mut pod = Pod::new(true, 24);
+    let container = pod.container();
+    let leaf = format!("{}/container", pod.container_rel);
+    pod.cgroups.create(&leaf).expect("crun's cgroup");
+    let leaf_id = pod.id(&leaf);
+    programs.watch(pod.pod_id(), watch_flags::EXITS | watch_flags::HOLD).expect("watch");
+    let mut child = pod.start(&leaf, &["/bin/sh", "-c", "exit 6"]);
+    let held = collect(&mut stream, 1, WAIT, |e| match e {
+        Event::Held(h) => Some(h),
+        _ => None,
+    })
+    .await;
+    assert_eq!(held.len(), 1, "{held:?}");
+    assert_eq!((held[0].cgroup_id, held[0].watched_cgroup_id), (container, pod.pod_id()), "named by its scope");
+    let record = programs.container_main(container).expect("recorded under the scope");
+    assert_eq!(record.tgid, held[0].tgid);
+    assert!(record.flags & container_flags::HELD != 0);
+    assert_eq!(programs.container_main(leaf_id), None, "never under crun's own cgroup");
+    kill(held[0].tgid, libc::SIGCONT);
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    reap(&mut child);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(got[0].container_main && got[0].ns_init, "{:?}", got[0]);
+    assert_eq!(got[0].end, Some(ProcessEnd::Exited(6)));
+}
+
+async fn a_nested_runtimes_cgroups_are_its_container_and_its_main_may_move_there(mode: AncestorMode) {
+    // dind, podman or buildah in a CI runner: the container's main process makes cgroups of its
+    // own under the container's and runs nested containers there (a pid namespace one level
+    // deeper), then moves itself into one (as dind's entrypoint does to delegate controllers).
+    let (mut programs, mut stream) = load(mode);
+    let mut pod = Pod::new(false, 25);
+    let container = pod.container();
+    let subs: Vec<String> =
+        (0..8u8).map(|i| format!("{}/docker/{}", pod.container_rel, container_id(100 + i))).collect();
+    let init = format!("{}/init", pod.container_rel);
+    let mut abs = Vec::new();
+    for rel in subs.iter().chain([&init]) {
+        abs.push(pod.cgroups.create(rel).expect("nested cgroup").display().to_string());
+    }
+    programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
+    let (init_abs, sub_abs) = abs.split_last().expect("init");
+    let nested: String = sub_abs
+        .iter()
+        .map(|d| format!("/bin/sh -c 'echo $$ > {d}/cgroup.procs && exec unshare --pid --fork /bin/true' || exit 90; "))
+        .collect();
+    let script = format!("{nested}echo $$ > {init_abs}/cgroup.procs || exit 91; /bin/true; sleep 0.1; exit 7");
+    let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", &script]);
+    let record = recorded_main(&programs, container).await;
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    reap(&mut child);
+    assert_eq!(got.len(), 1, "the main process only: {got:?}");
+    assert_eq!(got[0].end, Some(ProcessEnd::Exited(7)), "it ran every nested container and moved");
+    assert_eq!(got[0].tgid, record.tgid);
+    assert!(got[0].container_main, "{:?}", got[0]);
+    assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
+    for rel in subs.iter().chain([&init]) {
+        let id = pod.id(rel);
+        assert_eq!(programs.container_main(id), None, "{rel}: no record of its own");
+        assert!(!programs.exec_seen(id), "{rel}");
+    }
+    assert!(programs.counter(Counter::ExitsFiltered) >= 8, "the nested inits");
+}
+
+async fn a_host_pid_pod_watched_without_flags_records_and_reports_nothing(mode: AncestorMode) {
+    // A hostPID pod's container runs in the host's pid namespace, so the pid 1 of a sandbox it
+    // makes (`unshare -p`, Chromium) sits right below it, where a container's init would. The
+    // agent watches such a pod with neither flag and takes its ends from the API.
+    let (mut programs, mut stream) = load(mode);
+    let pod = Pod::new(true, 26);
+    let container = pod.container();
+    let script = "unshare --pid --fork /bin/sh -c 'exit 3'; [ $? -eq 3 ] || exit 99; exit 0";
+    programs.watch(pod.pod_id(), 0).expect("watch");
+    let mut cmd = Command::new("/bin/sh");
+    cmd.args(["-c", script]);
+    let mut child = pod.cgroups.spawn_in(&pod.container_rel, &mut cmd).expect("spawn");
+    assert!(reap(&mut child).success(), "the sandbox ran and exited 3");
+    assert_eq!(programs.container_main(container), None);
+    assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
+    assert_eq!(programs.counter(Counter::ExitsReported), 0);
+    // What the flags keep out: reported, the sandbox's end would look like the container's.
+    programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
+    let mut cmd = Command::new("/bin/sh");
+    cmd.args(["-c", script]);
+    let mut child = pod.cgroups.spawn_in(&pod.container_rel, &mut cmd).expect("spawn");
+    let got = exits(&mut stream, container, 1, WAIT).await;
+    assert!(reap(&mut child).success());
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(got[0].ns_init && got[0].end == Some(ProcessEnd::Exited(3)), "{:?}", got[0]);
+}
+
 macro_rules! in_both_modes {
     ($($name:ident),* $(,)?) => {
         /// With `bpf_get_current_ancestor_cgroup_id` (5.11+).
@@ -806,6 +926,10 @@ in_both_modes!(
     exec_hold_skips_cgroups_classified_as_pass,
     a_full_containers_map_is_counted_and_never_holds,
     on_a_kind_node_the_host_namespace_is_the_nodes,
+    crun_runs_the_container_one_level_below_its_scope,
+    a_nested_runtimes_cgroups_are_its_container_and_its_main_may_move_there,
+    a_host_pid_pod_watched_without_flags_records_and_reports_nothing,
+    a_nested_sandbox_in_a_shared_pid_namespace_never_ends_the_container,
 );
 
 #[tokio::test]

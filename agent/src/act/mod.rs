@@ -27,7 +27,7 @@ use crate::cgroup::CgroupFs;
 use crate::cgroup::created::Creations;
 use crate::cgroup::signal::{Pinned, pin_in_cgroup, signal_cgroup};
 use crate::effect::{ContainerSeen, Count, Effect, Feedback, LeftHeld, Nanos, Pace, RuntimeName};
-use crate::kernel::container_main::find_container_main;
+use crate::kernel::container_main::main_among;
 use crate::kernel::held::HeldLedger;
 use crate::kernel::{KernelControl, RecordOutcome};
 use crate::metrics::{self, KindLabels, Metrics, QuitLabels, ReasonLabels, ResultLabels};
@@ -219,8 +219,8 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             }
             Effect::ScanContainers { pod_rel, adopt } => Some(Feedback::Containers(self.scan(uid, &pod_rel, adopt))),
             Effect::FindLeftHeld { pod_rel } => Some(Feedback::LeftHeld(self.left_held(&pod_rel, now))),
-            Effect::Watch { pod_cgroup, pod_rel, hold } => {
-                let flags = watch_flags::EXITS | if hold { watch_flags::HOLD } else { 0 };
+            Effect::Watch { pod_cgroup, pod_rel, exits, hold } => {
+                let flags = if exits { watch_flags::EXITS } else { 0 } | if hold { watch_flags::HOLD } else { 0 };
                 if let Err(e) = self.kernel.watch(pod_cgroup, flags) {
                     warn!(%uid, "register pod cgroup with the kernel: {e}");
                 }
@@ -363,50 +363,83 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
 
     /// The pod's container cgroups, named from the runtime's bundles where they exist.
     fn scan(&mut self, uid: &str, pod_rel: &str, adopt: bool) -> Vec<ContainerSeen> {
-        self.cgroups
+        let containers: Vec<_> = self
+            .cgroups
             .containers(pod_rel)
             .into_iter()
             .map(|c| {
-                let procs = self.cgroups.procs(&c.rel);
-                // A container already running when its pod was first looked at: tell the kernel
-                // which process is its main one (the exec that would have recorded it is past).
-                if adopt && !procs.is_empty() && !self.kernel.exec_seen(c.id) {
-                    self.record_main(uid, &c.rel, c.id);
-                }
-                // The runtime's bundle first; else the kubelet's per-container mount, as a
-                // process of the container sees it.
-                let runtime_name = self
-                    .bundles
-                    .role(&c.container.id, uid)
-                    .map(|role| match role {
-                        BundleRole::Sandbox => RuntimeName::Sandbox,
-                        BundleRole::Container(name) => RuntimeName::Container(name),
-                    })
-                    .or_else(|| {
-                        procs
-                            .iter()
-                            .find_map(|pid| name_of_process(&self.settings.host_proc, *pid, uid))
-                            .map(RuntimeName::Container)
-                    });
-                let exec_done = self.kernel.exec_seen(c.id)
-                    || procs.into_iter().any(|pid| held_at_exec(&self.settings.host_proc, pid))
-                    || self.recorded_held(&c.rel).next().is_some();
-                ContainerSeen { cgroup_id: c.id, rel: c.rel, id: c.container.id, runtime_name, exec_done }
+                let procs = self.cgroups.container_procs(&c.rel);
+                (c, procs)
             })
-            .collect()
+            .collect();
+        let mut searched = false;
+        let mut seen = Vec::with_capacity(containers.len());
+        for (i, (c, procs)) in containers.iter().enumerate() {
+            // A container already running when its pod was first looked at: tell the kernel
+            // which process is its main one (the exec that would have recorded it is past).
+            if adopt && !procs.is_empty() && !self.kernel.exec_seen(c.id) {
+                self.record_main(uid, &c.rel, c.id);
+            }
+            let mut role = self.bundles.role(&c.container.id, uid);
+            if role.is_none() && !searched {
+                // Not where the bundles were looked for: ask the runtime that started the pod,
+                // up from this container's processes, then the others' (the sandbox's pause
+                // runs as long as the pod).
+                searched = true;
+                let pod_procs: HashSet<u32> = containers.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+                let starts: Vec<u32> = procs
+                    .iter()
+                    .copied()
+                    .chain(
+                        containers
+                            .iter()
+                            .enumerate()
+                            .filter(|(j, _)| *j != i)
+                            .filter_map(|(_, (_, p))| p.first().copied()),
+                    )
+                    .collect();
+                if self.bundles.find_runtime(&starts, &pod_procs) {
+                    role = self.bundles.role(&c.container.id, uid);
+                }
+            }
+            // The runtime's bundle first; else the kubelet's per-container mount, as a process
+            // of the container sees it.
+            let runtime_name = role
+                .map(|role| match role {
+                    BundleRole::Sandbox => RuntimeName::Sandbox,
+                    BundleRole::Container(name) => RuntimeName::Container(name),
+                })
+                .or_else(|| {
+                    procs
+                        .iter()
+                        .find_map(|pid| name_of_process(&self.settings.host_proc, *pid, uid))
+                        .map(RuntimeName::Container)
+                });
+            let exec_done = self.kernel.exec_seen(c.id)
+                || procs.iter().any(|pid| held_at_exec(&self.settings.host_proc, *pid))
+                || self.recorded_held(&c.rel).next().is_some();
+            seen.push(ContainerSeen {
+                cgroup_id: c.id,
+                rel: c.rel.clone(),
+                id: c.container.id.clone(),
+                runtime_name,
+                exec_done,
+            });
+        }
+        seen
     }
 
     fn record_main(&mut self, uid: &str, rel: &str, cgroup_id: u64) {
-        match find_container_main(&self.settings.host_proc, &self.cgroups.abs(rel)) {
-            Ok(Some(main)) => match self.kernel.record_container_main(cgroup_id, &main) {
-                Ok(RecordOutcome::MapFull) => {
-                    warn!(%uid, cgroup = %rel, "the kernel's container map is full: this container's end is seen by the API only");
-                }
-                Ok(_) => debug!(%uid, cgroup = %rel, pid = main.tgid, "recorded a running container's main process"),
-                Err(e) => debug!(%uid, "record container main: {e}"),
-            },
-            Ok(None) => {}
-            Err(e) => debug!(%uid, "find container main: {e}"),
+        // The whole subtree: a main process may have moved below the container's cgroup (a
+        // nested runtime's), and its processes' pid namespaces tell the main one apart.
+        let pids = self.cgroups.procs_recursive(rel);
+        let Some(main) = main_among(&self.settings.host_proc, &pids) else { return };
+        match self.kernel.record_container_main(cgroup_id, &main) {
+            Ok(RecordOutcome::MapFull) => {
+                warn!(%uid, cgroup = %rel, "the kernel's container map is full: this container's end is seen by the API only");
+            }
+            Ok(_) => debug!(%uid, cgroup = %rel, pid = main.tgid, "recorded a running container's main process"),
+            Err(e) => debug!(%uid, "record container main: {e}"),
         }
     }
 

@@ -122,7 +122,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             for (pid, since) in self.recorded_held(&c.rel) {
                 found.push(LeftHeld { tgid: pid, container_cgroup: c.id, since });
             }
-            for pid in self.cgroups.procs(&c.rel) {
+            for pid in self.cgroups.container_procs(&c.rel) {
                 if held_at_exec(proc, pid) && !found.iter().any(|f| f.tgid == pid) {
                     found.push(LeftHeld { tgid: pid, container_cgroup: c.id, since: stopped_since(proc, pid, now) });
                 }

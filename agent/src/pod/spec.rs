@@ -72,6 +72,11 @@ pub struct PodPlan {
     pub pod_ip: Option<String>,
     /// `metadata.deletionTimestamp` is set.
     pub deleting: bool,
+    /// `spec.hostPID`: its containers run in the node's pid namespace, where nothing tells a
+    /// container's main process from the runtime's helpers or from an app's nested sandbox
+    /// (whose pid 1 then sits right below the node's namespace, where a container's init would).
+    /// The kernel reports nothing for such a pod and holds nothing: its ends come from the API.
+    pub host_pid: bool,
 }
 
 /// The agent-wide defaults a pod's annotations can override.
@@ -296,6 +301,7 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
         istio_holds_app,
         pod_ip: pod.status.as_ref().and_then(|s| s.pod_ip.clone()).filter(|ip| !ip.is_empty()),
         deleting: meta.deletion_timestamp.is_some(),
+        host_pid: spec.host_pid.unwrap_or(false),
     })
 }
 

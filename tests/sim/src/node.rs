@@ -191,6 +191,9 @@ pub struct SimPodOptions {
     /// Create only the pod's cgroup: the sandbox's and the containers' are made when they start
     /// ([`SimPod::make_container_cgroup`]), as the runtime does (the simulated kubelet does this).
     pub lazy_cgroups: bool,
+    /// Run container processes as crun does (systemd driver, containerd or CRI-O): one cgroup
+    /// below the container's, in `<scope>/container`, the scope itself left empty.
+    pub crun: bool,
 }
 
 impl SimPodOptions {
@@ -207,6 +210,7 @@ impl SimPodOptions {
             netns: true,
             cgroup_root: None,
             lazy_cgroups: false,
+            crun: false,
         }
     }
     pub fn namespace(mut self, ns: &str) -> Self {
@@ -247,6 +251,10 @@ impl SimPodOptions {
     }
     pub fn lazy_cgroups(mut self, on: bool) -> Self {
         self.lazy_cgroups = on;
+        self
+    }
+    pub fn crun(mut self, on: bool) -> Self {
+        self.crun = on;
         self
     }
 }
@@ -474,6 +482,8 @@ pub struct SimPod {
     qos: QosClass,
     driver: CgroupDriver,
     runtime: Runtime,
+    /// Container processes run in crun's `container` cgroup below the container's.
+    crun: bool,
     root: PathBuf,
     pod_cgroup: PathBuf,
     sandbox: SimContainer,
@@ -557,6 +567,7 @@ impl SimPod {
             qos: opts.qos,
             driver: opts.driver,
             runtime: opts.runtime,
+            crun: opts.crun,
             root: root.clone(),
             pod_cgroup: pod_cgroup.clone(),
             sandbox,
@@ -614,6 +625,9 @@ impl SimPod {
     /// systemd driver; nothing when it exists already.
     pub fn make_container_cgroup(&self, c: &SimContainer) -> Result<()> {
         let mut dirs = vec![c.cgroup.clone()];
+        if self.crun {
+            dirs.push(self.procs_cgroup(c));
+        }
         if self.runtime == Runtime::Crio && self.driver == CgroupDriver::Systemd {
             // CRI-O puts each container's conmon in a sibling scope.
             dirs.push(self.pod_cgroup.join(format!("crio-conmon-{}.scope", c.id)));
@@ -629,11 +643,13 @@ impl SimPod {
     /// Removes a container's cgroup (and CRI-O's conmon scope) as the runtime does once its last
     /// process left; false while processes remain in it.
     pub fn remove_container_cgroup(&self, c: &SimContainer) -> bool {
-        let procs = std::fs::read_to_string(c.cgroup.join("cgroup.procs")).unwrap_or_default();
+        let procs = std::fs::read_to_string(self.procs_cgroup(c).join("cgroup.procs")).unwrap_or_default();
         if !procs.trim().is_empty() {
             return false;
         }
-        let mut dirs = vec![c.cgroup.clone()];
+        // crun's cgroup goes first: a cgroup with a child cannot be removed.
+        let mut dirs = if self.crun { vec![self.procs_cgroup(c)] } else { Vec::new() };
+        dirs.push(c.cgroup.clone());
         if self.runtime == Runtime::Crio && self.driver == CgroupDriver::Systemd {
             dirs.push(self.pod_cgroup.join(format!("crio-conmon-{}.scope", c.id)));
         }
@@ -661,6 +677,11 @@ impl SimPod {
         c.cgroup = self.pod_cgroup.join(leaf);
         c.id = id;
         Ok(c.clone())
+    }
+
+    /// The cgroup a container's processes run in: its own, or crun's one below it.
+    pub fn procs_cgroup(&self, c: &SimContainer) -> PathBuf {
+        if self.crun { c.cgroup.join("container") } else { c.cgroup.clone() }
     }
 
     fn make_owned_dir(&self, path: &Path) -> Result<()> {
@@ -846,7 +867,7 @@ impl SimPod {
         let helper = exec_helper()?;
         let c = self.container(container)?;
         let (prog, args) = cmd.split_first().ok_or_else(|| anyhow!("empty command"))?;
-        let procs_path = c.cgroup.join("cgroup.procs");
+        let procs_path = self.procs_cgroup(&c).join("cgroup.procs");
         let (mut status, status_w) = io::pipe().context("pipe")?;
         let mut command = Command::new(helper);
         command.arg("--cgroup-procs").arg(&procs_path);

@@ -11,9 +11,11 @@ impl PodState {
             return vec![Effect::FindPodCgroup];
         };
         if self.watching != Some(hold) {
-            // Containers already running are recorded with the kernel before it watches the pod.
-            fx.push(Effect::ScanContainers { pod_rel: rel.clone(), adopt: true });
-            fx.push(Effect::Watch { pod_cgroup: id, pod_rel: rel.clone(), hold });
+            // Containers already running are recorded with the kernel before it watches the pod
+            // (not a hostPID pod's: the kernel reports none of its ends).
+            let exits = !plan.host_pid;
+            fx.push(Effect::ScanContainers { pod_rel: rel.clone(), adopt: exits });
+            fx.push(Effect::Watch { pod_cgroup: id, pod_rel: rel.clone(), exits, hold });
             self.watching = Some(hold);
         }
         if hold && !self.left_held_searched {

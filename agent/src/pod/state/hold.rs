@@ -140,6 +140,7 @@ impl PodState {
 /// Whether the kernel should hold this pod's app containers at their first exec.
 pub fn wants_hold(plan: &PodPlan) -> bool {
     plan.hold_app
+        && !plan.host_pid
         && !plan.istio_holds_app
         && plan.native_sidecars.is_empty()
         && plan.sidecars.iter().any(|s| s.ready.is_some())
