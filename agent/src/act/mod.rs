@@ -124,7 +124,7 @@ fn send_releases(metrics: &Metrics, batch: Vec<PinnedRelease>) {
         .into_iter()
         .map(|(r, pin)| {
             let sent = match pin {
-                Ok(Some(pinned)) => pinned.signal(libc::SIGCONT).map_err(|e| e.to_string()),
+                Ok(Some(pinned)) => pinned.signal(libc::SIGCONT).map_err(|e| e.chain().to_string()),
                 // SAFETY: plain syscall; SIGCONT to a process that is not stopped does nothing.
                 Ok(None) if unsafe { libc::kill(r.tgid as i32, libc::SIGCONT) } == 0 => Ok(()),
                 Ok(None) => Err(std::io::Error::last_os_error().to_string()),
@@ -308,7 +308,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             Effect::Watch { pod_cgroup, pod_rel, hold } => {
                 let flags = watch_flags::EXITS | if hold { watch_flags::HOLD } else { 0 };
                 if let Err(e) = self.kernel.watch(pod_cgroup, flags) {
-                    warn!(%uid, "register pod cgroup with the kernel: {e}");
+                    warn!(%uid, "register pod cgroup with the kernel: {}", e.chain());
                 }
                 // Every tracked pod: a container is named when its cgroup appears, not when it
                 // ends (the runtime removes cgroup and bundle tens of milliseconds after the end,
@@ -321,13 +321,13 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             Effect::Unwatch { pod_cgroup } => {
                 self.creations.unwatch(pod_cgroup);
                 if let Err(e) = self.kernel.unwatch(pod_cgroup) {
-                    debug!(%uid, "unwatch pod cgroup: {e}");
+                    debug!(%uid, "unwatch pod cgroup: {}", e.chain());
                 }
                 None
             }
             Effect::ClassifyExec { container_cgroup, hold } => {
                 if let Err(e) = self.kernel.classify_exec(container_cgroup, hold) {
-                    debug!(%uid, "classify container cgroup: {e}");
+                    debug!(%uid, "classify container cgroup: {}", e.chain());
                 }
                 None
             }
@@ -407,7 +407,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                         Ok(pinned) => {
                             self.pinned.insert(tgid, pinned);
                         }
-                        Err(e) => debug!(%uid, "pin held process: {e} (checked again at release)"),
+                        Err(e) => debug!(%uid, "pin held process: {} (checked again at release)", e.chain()),
                     }
                 }
                 None
@@ -426,7 +426,8 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                     (p.metadata.namespace.clone().unwrap_or_default(), p.metadata.name.clone().unwrap_or_default())
                 });
                 let write = async move {
-                    let error = condition::write(client, &namespace, &name, &want).await.err().map(|e| e.to_string());
+                    let error =
+                        condition::write(client, &namespace, &name, &want).await.err().map(|e| e.chain().to_string());
                     let _ = reports.send((uid, Feedback::ConditionWritten { want, error }));
                 };
                 spawn_after_releases(&mut self.releases, Box::pin(write));
@@ -486,10 +487,10 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                     warn!(%uid, cgroup = %rel, "the kernel's container map is full: this container's end is seen by the API only");
                 }
                 Ok(_) => debug!(%uid, cgroup = %rel, pid = main.tgid, "recorded a running container's main process"),
-                Err(e) => debug!(%uid, "record container main: {e}"),
+                Err(e) => debug!(%uid, "record container main: {}", e.chain()),
             },
             Ok(None) => {}
-            Err(e) => debug!(%uid, "find container main: {e}"),
+            Err(e) => debug!(%uid, "find container main: {}", e.chain()),
         }
     }
 
@@ -525,7 +526,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 }
                 // Held in a container valet cannot place (empty): never leave it stopped.
                 let pin = (!r.container_rel.is_empty())
-                    .then(|| pin_in_cgroup(&self.cgroups, r.tgid, &r.container_rel).map_err(|e| e.to_string()))
+                    .then(|| pin_in_cgroup(&self.cgroups, r.tgid, &r.container_rel).map_err(|e| e.chain().to_string()))
                     .transpose();
                 (r, pin)
             })
@@ -704,7 +705,7 @@ mod tests {
         let batch: Vec<PinnedRelease> = [a.id(), b.id(), stranger.id()]
             .into_iter()
             .map(|pid| {
-                let pin = pin_in_cgroup(&cgroups, pid, rel).map(Some).map_err(|e| e.to_string());
+                let pin = pin_in_cgroup(&cgroups, pid, rel).map(Some).map_err(|e| e.chain().to_string());
                 (release(pid), pin)
             })
             .collect();

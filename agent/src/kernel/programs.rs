@@ -167,7 +167,7 @@ impl Programs {
         layout.host_pidns_level = match calibrate(&layout, own) {
             Ok(level) => level + deeper,
             Err(e) => {
-                warn!("cannot tell the host's pid namespace level ({e}): taking the kernel's initial one");
+                warn!("cannot tell the host's pid namespace level ({}): taking the kernel's initial one", e.chain());
                 deeper
             }
         };
