@@ -335,12 +335,6 @@ impl Programs {
         self.exec_class.insert(container_cgroup_id, class, 0).map_err(map_err(MAP_EXEC_CLASS))
     }
 
-    /// Forgets a container cgroup in the exec maps (it was removed). Same as
-    /// [`Programs::forget_container`].
-    pub fn forget_exec(&mut self, container_cgroup_id: u64) {
-        self.forget_container(container_cgroup_id);
-    }
-
     /// Forgets everything the kernel keeps about a container cgroup (its main process record,
     /// its exec judgement and class). Call it when the pod's work is done or the cgroup is gone;
     /// never for a running container of a watched pod: its next deeper-than-host exec would be
