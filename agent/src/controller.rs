@@ -106,7 +106,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
                 () = &mut shutdown => break,
                 batch = kernel.next_batch() => match batch {
                     Ok(batch) => for event in batch { self.on_kernel(event) },
-                    Err(e) => { warn!("kernel event stream: {e}"); tokio::time::sleep(Duration::from_millis(100)).await; }
+                    Err(e) => { warn!("kernel event stream: {}", e.chain()); tokio::time::sleep(Duration::from_millis(100)).await; }
                 },
                 Some((uid, feedback)) = self.reports.recv() => {
                     // Whatever else has come in: one slot's probes answer together, and their

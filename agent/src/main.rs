@@ -16,6 +16,7 @@ use valet_agent::cgroup::CgroupFs;
 use valet_agent::cgroup::root::find_cgroup2_root;
 use valet_agent::config::{Config, LogFormat};
 use valet_agent::controller::Controller;
+use valet_agent::error::Chain;
 use valet_agent::kernel::programs::AncestorMode;
 use valet_agent::kernel::{Attach, EventReader, Programs};
 use valet_agent::metrics::Metrics;
@@ -153,7 +154,7 @@ fn main() -> std::process::ExitCode {
     match runtime.block_on(run(cfg)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            error!("{e:#}");
+            error!("{}", Chain(e.as_ref()));
             std::process::ExitCode::FAILURE
         }
     }

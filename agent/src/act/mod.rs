@@ -222,7 +222,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             Effect::Watch { pod_cgroup, pod_rel, exits, hold } => {
                 let flags = if exits { watch_flags::EXITS } else { 0 } | if hold { watch_flags::HOLD } else { 0 };
                 if let Err(e) = self.kernel.watch(pod_cgroup, flags) {
-                    warn!(%uid, "register pod cgroup with the kernel: {e}");
+                    warn!(%uid, "register pod cgroup with the kernel: {}", e.chain());
                 }
                 // Every tracked pod: a container is named when its cgroup appears, not when it
                 // ends (the runtime removes cgroup and bundle tens of milliseconds after the end,
@@ -235,13 +235,13 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             Effect::Unwatch { pod_cgroup } => {
                 self.creations.unwatch(pod_cgroup);
                 if let Err(e) = self.kernel.unwatch(pod_cgroup) {
-                    debug!(%uid, "unwatch pod cgroup: {e}");
+                    debug!(%uid, "unwatch pod cgroup: {}", e.chain());
                 }
                 None
             }
             Effect::ClassifyExec { container_cgroup, hold } => {
                 if let Err(e) = self.kernel.classify_exec(container_cgroup, hold) {
-                    debug!(%uid, "classify container cgroup: {e}");
+                    debug!(%uid, "classify container cgroup: {}", e.chain());
                 }
                 None
             }
@@ -323,7 +323,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                         Ok(pinned) => {
                             self.pinned.insert(tgid, pinned);
                         }
-                        Err(e) => debug!(%uid, "pin held process: {e} (checked again at release)"),
+                        Err(e) => debug!(%uid, "pin held process: {} (checked again at release)", e.chain()),
                     }
                 }
                 None
@@ -342,7 +342,8 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                     (p.metadata.namespace.clone().unwrap_or_default(), p.metadata.name.clone().unwrap_or_default())
                 });
                 let write = async move {
-                    let error = condition::write(client, &namespace, &name, &want).await.err().map(|e| e.to_string());
+                    let error =
+                        condition::write(client, &namespace, &name, &want).await.err().map(|e| e.chain().to_string());
                     let _ = reports.send((uid, Feedback::ConditionWritten { want, error }));
                 };
                 spawn_after_releases(&mut self.releases, Box::pin(write));
@@ -439,7 +440,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 warn!(%uid, cgroup = %rel, "the kernel's container map is full: this container's end is seen by the API only");
             }
             Ok(_) => debug!(%uid, cgroup = %rel, pid = main.tgid, "recorded a running container's main process"),
-            Err(e) => debug!(%uid, "record container main: {e}"),
+            Err(e) => debug!(%uid, "record container main: {}", e.chain()),
         }
     }
 
@@ -565,7 +566,7 @@ mod tests {
         let batch: Vec<PinnedRelease> = [a.id(), b.id(), stranger.id()]
             .into_iter()
             .map(|pid| {
-                let pin = pin_in_cgroup(&cgroups, pid, rel).map(Some).map_err(|e| e.to_string());
+                let pin = pin_in_cgroup(&cgroups, pid, rel).map(Some).map_err(|e| e.chain().to_string());
                 (release(pid), pin)
             })
             .collect();

@@ -17,7 +17,7 @@ pub(super) fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batc
         .into_iter()
         .map(|(r, pin)| {
             let sent = match pin {
-                Ok(Some(pinned)) => pinned.signal(libc::SIGCONT).map_err(|e| e.to_string()),
+                Ok(Some(pinned)) => pinned.signal(libc::SIGCONT).map_err(|e| e.chain().to_string()),
                 // SAFETY: plain syscall; SIGCONT to a process that is not stopped does nothing.
                 Ok(None) if unsafe { libc::kill(r.tgid as i32, libc::SIGCONT) } == 0 => Ok(()),
                 Ok(None) => Err(std::io::Error::last_os_error().to_string()),
@@ -227,7 +227,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 }
                 // Held in a container valet cannot place (empty): never leave it stopped.
                 let pin = (!r.container_rel.is_empty())
-                    .then(|| pin_in_cgroup(&self.cgroups, r.tgid, &r.container_rel).map_err(|e| e.to_string()))
+                    .then(|| pin_in_cgroup(&self.cgroups, r.tgid, &r.container_rel).map_err(|e| e.chain().to_string()))
                     .transpose();
                 (r, pin)
             })

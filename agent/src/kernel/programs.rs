@@ -186,7 +186,7 @@ impl Programs {
         layout.host_pidns_level = match calibrate(&layout, own) {
             Ok(level) => level + deeper,
             Err(e) => {
-                warn!("cannot tell the host's pid namespace level ({e}): taking the kernel's initial one");
+                warn!("cannot tell the host's pid namespace level ({}): taking the kernel's initial one", e.chain());
                 deeper
             }
         };
@@ -380,12 +380,6 @@ impl Programs {
     pub fn classify_exec(&mut self, container_cgroup_id: u64, hold: bool) -> Result<()> {
         let class = if hold { EXEC_CLASS_HOLD } else { EXEC_CLASS_PASS };
         self.exec_class.insert(container_cgroup_id, class, 0).map_err(map_err(MAP_EXEC_CLASS))
-    }
-
-    /// Forgets a container cgroup in the exec maps (it was removed). Same as
-    /// [`Programs::forget_container`].
-    pub fn forget_exec(&mut self, container_cgroup_id: u64) {
-        self.forget_container(container_cgroup_id);
     }
 
     /// Forgets everything the kernel keeps about a container cgroup (its main process record,

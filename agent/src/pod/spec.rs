@@ -841,6 +841,52 @@ mod tests {
         }
     }
 
+    /// The generic kinds take their endpoints and signal from the pod's annotations, within the
+    /// bounds SECURITY.md states: a port, an absolute printable path, one of seven signals.
+    #[test]
+    fn http_and_signal_kinds_from_annotations() {
+        let kind = "valet.dev/sidecar-kind.istio-proxy";
+        let with = |annotations: &[(&str, &str)]| fixtures::with_annotations(fixtures::istio_job(), annotations);
+        let http = plan_of(&with(&[
+            (kind, "http"),
+            ("valet.dev/quit-port.istio-proxy", "8080"),
+            ("valet.dev/quit-path.istio-proxy", "/admin/stop"),
+            ("valet.dev/ready-port.istio-proxy", "8081"),
+            ("valet.dev/ready-path.istio-proxy", "/healthz"),
+        ]));
+        assert_eq!(http.sidecars[0].quit, endpoint(8080, "/admin/stop"));
+        assert_eq!(http.sidecars[0].ready, endpoint(8081, "/healthz"));
+        let bare = plan_of(&with(&[(kind, "http"), ("valet.dev/quit-port.istio-proxy", "8080")]));
+        assert_eq!(
+            (bare.sidecars[0].quit.clone(), bare.sidecars[0].ready.clone()),
+            (endpoint(8080, "/quitquitquit"), None)
+        );
+        let signal = plan_of(&with(&[(kind, "signal"), ("valet.dev/quit-signal.istio-proxy", "sigkill")]));
+        assert_eq!((signal.sidecars[0].quit.clone(), signal.sidecars[0].quit_signal), (None, libc::SIGKILL));
+        assert_eq!(plan_of(&with(&[(kind, "signal")])).sidecars[0].quit_signal, libc::SIGTERM);
+
+        let refused: &[&[(&str, &str)]] = &[
+            &[(kind, "http")],
+            &[(kind, "http"), ("valet.dev/quit-port.istio-proxy", "8080"), ("valet.dev/quit-path.istio-proxy", "stop")],
+            &[(kind, "http"), ("valet.dev/quit-port.istio-proxy", "8080"), ("valet.dev/quit-path.istio-proxy", "/a b")],
+            &[
+                (kind, "http"),
+                ("valet.dev/quit-port.istio-proxy", "8080"),
+                ("valet.dev/quit-path.istio-proxy", "/a\r\nHost: x"),
+            ],
+            &[(kind, "http"), ("valet.dev/quit-port.istio-proxy", "1"), ("valet.dev/ready-path.istio-proxy", "/r")],
+            &[(kind, "signal"), ("valet.dev/quit-port.istio-proxy", "8080")],
+            &[(kind, "signal"), ("valet.dev/quit-path.istio-proxy", "/stop")],
+            &[(kind, "signal"), ("valet.dev/quit-signal.istio-proxy", "SIGSTOP")],
+            &[(kind, "signal"), ("valet.dev/quit-signal.istio-proxy", "9")],
+            &[(kind, "istio"), ("valet.dev/quit-signal.istio-proxy", "SIGKILL")],
+        ];
+        for annotations in refused {
+            let e = err_of(&with(annotations));
+            assert_eq!(e.reason(), "MalformedAnnotation", "{annotations:?}: {e}");
+        }
+    }
+
     #[test]
     fn error_details() {
         let pod = fixtures::with_annotations(fixtures::istio_job(), &[(SIDECARS, "istio-init")]);

@@ -194,7 +194,7 @@ impl SidecarLink for PodNetwork {
     }
 
     fn open(&self, uid: &str, pod_rel: &str) -> Result<(), String> {
-        self.handle(uid, Some(pod_rel), false).map(|_| ()).map_err(|e| e.to_string())
+        self.handle(uid, Some(pod_rel), false).map(|_| ()).map_err(|e| e.chain().to_string())
     }
 
     fn close(&self, uid: &str) {
@@ -339,7 +339,7 @@ impl SidecarLink for PodNetwork {
                             Ok(response)
                         }
                         Ok(Err(failure)) => Err((failure.to_string(), failure.label())),
-                        Err(e) => Err((e.to_string(), "netns")),
+                        Err(e) => Err((e.chain().to_string(), "netns")),
                     }
                 }
                 (Err(_), Some(ip)) if pod_ip_fallback => {
@@ -351,7 +351,7 @@ impl SidecarLink for PodNetwork {
                         Err(e) => Err((e.to_string(), "io")),
                     }
                 }
-                (Err(e), _) => Err((e.to_string(), "no_netns")),
+                (Err(e), _) => Err((e.chain().to_string(), "no_netns")),
             }
         })
     }

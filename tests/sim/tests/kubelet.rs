@@ -1,6 +1,6 @@
 //! Privileged tests of the simulated kubelet and runtime on their own (no agent): statuses come
 //! as late as a real kubelet's, readiness follows the probe, the runtime cleans up at exit like
-//! containerd, OnFailure restarts in place. Skipped (with a note) when not run as root.
+//! containerd, OnFailure restarts in place. They fail when not run as root.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -9,16 +9,8 @@ use serde_json::Value;
 use valet_sim::kubelet::{ContainerSpec, HttpProbe, Kubelet, KubeletOptions, KubeletPod, StatusTiming};
 use valet_sim::node::{PodJsonOptions, SimPod, SimPodOptions, SpawnOptions, cgroup_id};
 use valet_sim::standin::{ProxyKind, StandinOptions};
+use valet_sim::util::require_root;
 use valet_sim::{FakeApiServer, ServerOptions};
-
-fn root() -> bool {
-    // SAFETY: plain syscall.
-    let ok = unsafe { libc::geteuid() } == 0;
-    if !ok {
-        eprintln!("skipped: needs root");
-    }
-    ok
-}
 
 struct Setup {
     api: FakeApiServer,
@@ -85,9 +77,7 @@ fn sh(script: &str) -> ContainerSpec {
 
 #[test]
 fn container_id_and_running_appear_on_the_next_relist_not_at_start() {
-    if !root() {
-        return;
-    }
+    require_root();
     let s = setup(KubeletOptions::default());
     let sim = sim_pod(&["app"]);
     let pod = KubeletPod::new(PodJsonOptions::node("n1"), vec![ContainerSpec::new("app")]);
@@ -133,9 +123,7 @@ fn container_id_and_running_appear_on_the_next_relist_not_at_start() {
 
 #[test]
 fn ready_only_after_the_readiness_probe_passed() {
-    if !root() {
-        return;
-    }
+    require_root();
     let s = setup(KubeletOptions::default());
     let sim = sim_pod(&["istio-proxy"]);
     let ready_file = s.dir.join("ready");
@@ -175,9 +163,7 @@ fn ready_only_after_the_readiness_probe_passed() {
 
 #[test]
 fn istio_default_period_keeps_a_late_proxy_unready_for_long() {
-    if !root() {
-        return;
-    }
+    require_root();
     // Istio's 15 s period: a proxy that was not ready at the first probe stays unready in the
     // API long after it turned ready.
     let s = setup(KubeletOptions::default());
@@ -198,9 +184,7 @@ fn istio_default_period_keeps_a_late_proxy_unready_for_long() {
 
 #[test]
 fn terminated_on_the_relist_after_the_exit_and_the_runtime_cleans_up() {
-    if !root() {
-        return;
-    }
+    require_root();
     let s = setup(KubeletOptions::default());
     let sim = sim_pod(&["app"]);
     let pod = KubeletPod::new(PodJsonOptions::node("n1"), vec![sh("sleep 0.3; exit 3")]);
@@ -245,9 +229,7 @@ fn terminated_on_the_relist_after_the_exit_and_the_runtime_cleans_up() {
 
 #[test]
 fn pod_succeeds_when_every_container_exited_zero() {
-    if !root() {
-        return;
-    }
+    require_root();
     let s = setup(KubeletOptions::default());
     let sim = sim_pod(&["app", "helper"]);
     let helper = ContainerSpec::new("helper").command(&["/bin/sh", "-c", "sleep 0.2"]);
@@ -264,9 +246,7 @@ fn pod_succeeds_when_every_container_exited_zero() {
 
 #[test]
 fn on_failure_restarts_in_place_with_a_new_id_and_cgroup() {
-    if !root() {
-        return;
-    }
+    require_root();
     let s = setup(KubeletOptions { restart_backoff: Duration::from_millis(500), ..KubeletOptions::default() });
     let sim = sim_pod(&["app"]);
     let marker = Path::new(&s.dir).join("ran-once");
@@ -312,9 +292,7 @@ fn on_failure_restarts_in_place_with_a_new_id_and_cgroup() {
 
 #[test]
 fn at_once_timing_is_kinder_on_request() {
-    if !root() {
-        return;
-    }
+    require_root();
     let s = setup(KubeletOptions::default());
     let sim = sim_pod(&["app"]);
     let mut pod = KubeletPod::new(PodJsonOptions::node("n1"), vec![ContainerSpec::new("app")]);
@@ -336,9 +314,7 @@ fn at_once_timing_is_kinder_on_request() {
 
 #[test]
 fn init_containers_run_to_completion_before_the_containers() {
-    if !root() {
-        return;
-    }
+    require_root();
     let s = setup(KubeletOptions::default());
     let sim = sim_pod(&["init", "app"]);
     let init = ContainerSpec::new("init").kind(valet_sim::kubelet::ContainerKind::Init).command(&[

@@ -1,5 +1,5 @@
 //! Privileged tests of the kubelet-shaped pods (cgroups, netns, pid namespaces) with stand-in
-//! proxies inside. Skipped (with a note) when not run as root.
+//! proxies inside. They fail when not run as root.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::fs::MetadataExt as _;
@@ -12,17 +12,9 @@ use valet_sim::node::{
     mark_container_terminated,
 };
 use valet_sim::standin::{ProxyKind, StandinOptions, read_events};
+use valet_sim::util::require_root;
 
 const T: Duration = Duration::from_secs(5);
-
-fn root() -> bool {
-    // SAFETY: plain syscall.
-    let ok = unsafe { libc::geteuid() } == 0;
-    if !ok {
-        eprintln!("skipped: needs root");
-    }
-    ok
-}
 
 fn standin_env() {
     // Integration tests know where cargo put the binary.
@@ -160,37 +152,31 @@ fn istio_pod(driver: CgroupDriver, qos: QosClass, runtime: Runtime) {
 
 #[test]
 fn systemd_burstable_containerd() {
-    if root() {
-        istio_pod(CgroupDriver::Systemd, QosClass::Burstable, Runtime::Containerd);
-    }
+    require_root();
+    istio_pod(CgroupDriver::Systemd, QosClass::Burstable, Runtime::Containerd);
 }
 
 #[test]
 fn systemd_guaranteed_crio() {
-    if root() {
-        istio_pod(CgroupDriver::Systemd, QosClass::Guaranteed, Runtime::Crio);
-    }
+    require_root();
+    istio_pod(CgroupDriver::Systemd, QosClass::Guaranteed, Runtime::Crio);
 }
 
 #[test]
 fn cgroupfs_besteffort_docker() {
-    if root() {
-        istio_pod(CgroupDriver::Cgroupfs, QosClass::BestEffort, Runtime::Docker);
-    }
+    require_root();
+    istio_pod(CgroupDriver::Cgroupfs, QosClass::BestEffort, Runtime::Docker);
 }
 
 #[test]
 fn cgroupfs_guaranteed_containerd() {
-    if root() {
-        istio_pod(CgroupDriver::Cgroupfs, QosClass::Guaranteed, Runtime::Containerd);
-    }
+    require_root();
+    istio_pod(CgroupDriver::Cgroupfs, QosClass::Guaranteed, Runtime::Containerd);
 }
 
 #[test]
 fn other_meshes_in_one_pod() {
-    if !root() {
-        return;
-    }
+    require_root();
     standin_env();
     let pod = SimPod::create(
         SimPodOptions::new("meshes")
@@ -238,9 +224,7 @@ fn other_meshes_in_one_pod() {
 
 #[test]
 fn kill_and_no_pid_namespace_and_pause() {
-    if !root() {
-        return;
-    }
+    require_root();
     let pod = SimPod::create(SimPodOptions::new("plain").container("app").netns(false)).expect("pod");
     assert!(pod.pod_ip().is_none());
     let no_ns = SpawnOptions { pid_namespace: false, ..Default::default() };
@@ -263,9 +247,7 @@ fn kill_and_no_pid_namespace_and_pause() {
 /// status mirrors how the process ended; a failure before the exec fails the spawn with its cause.
 #[test]
 fn container_processes_start_through_valet_sim_exec() {
-    if !root() {
-        return;
-    }
+    require_root();
     let helper = valet_sim::node::exec_helper().expect("valet-sim-exec is built next to the tests");
     assert_eq!(helper.file_name().and_then(|f| f.to_str()), Some("valet-sim-exec"));
     let pod =
@@ -301,9 +283,7 @@ fn container_processes_start_through_valet_sim_exec() {
 /// the pause's end takes it along.
 #[test]
 fn a_container_process_joins_the_sandboxs_pid_namespace() {
-    if !root() {
-        return;
-    }
+    require_root();
     let pod = SimPod::create(SimPodOptions::new("shared").container("app").netns(false)).expect("pod");
     let mut pause = pod.spawn_pause().expect("pause");
     let ns = PathBuf::from(format!("/proc/{}/ns/pid", pause.host_pid()));
@@ -330,9 +310,7 @@ fn a_container_process_joins_the_sandboxs_pid_namespace() {
 
 #[test]
 fn stale_leases_of_dead_processes_are_reaped() {
-    if !root() {
-        return;
-    }
+    require_root();
     let cg_root = CgroupRoot::detect().expect("root");
     let short = valet_sim::util::random_hex(4);
     let dir = cg_root.join(format!("valet-stale-{short}"));
@@ -356,9 +334,7 @@ fn stale_leases_of_dead_processes_are_reaped() {
 /// subnet claimed by a process that is gone is used again.
 #[test]
 fn pods_made_at_once_get_their_own_subnets_and_dead_claims_are_taken_over() {
-    if !root() {
-        return;
-    }
+    require_root();
     let subnet = |p: &SimPod| -> [u8; 3] {
         let o = p.pod_ip().expect("pod ip").octets();
         [o[0], o[1], o[2]]

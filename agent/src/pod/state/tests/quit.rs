@@ -258,3 +258,25 @@ fn a_quit_waits_for_the_pod_cgroup_and_goes_out_once_it_is_found() {
     assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
     let _ = Endpoint { port: 1, path: String::new() };
 }
+
+/// What the README promises for `restartPolicy: Always`: never a quit, but the pod is still
+/// watched, its proxy probed and the condition written, and with `hold-app` its app is held.
+#[test]
+fn a_restart_always_pod_is_held_and_probed_but_never_quit() {
+    let mut d = Drive::new(true);
+    let fx = d.found(pod("Always", &[], &[("valet.dev/hold-app", "true")]));
+    assert!(has(&fx, &Effect::Count(Count::Skip("restart_always"))), "{fx:?}");
+    assert!(has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), hold: true, exits: true }), "{fx:?}");
+    assert!(has(&fx, &Effect::ClassifyExec { container_cgroup: APP, hold: true }), "{fx:?}");
+    assert!(fx.iter().any(|e| matches!(e, Effect::StartProbe { .. })), "{fx:?}");
+    d.held(APP, 42, "report");
+    let fx = d.feed(Feedback::Probed { ready: true, detail: String::new() });
+    assert_eq!(releases(&fx), [(42, "ready")]);
+    assert_eq!(writes(&fx), [(true, "ProxyReady")]);
+    let mut fx = d.exit(APP, 0);
+    let hold = [("valet.dev/hold-app", "true")];
+    fx.extend(d.pod(pod("Always", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &hold)));
+    fx.extend(d.after(60_000));
+    assert!(quits(&fx).is_empty() && signals(&fx).is_empty(), "never quit: {fx:?}");
+}
+
