@@ -96,7 +96,11 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         };
         let probe = NetnsProbe { host_proc: cfg.host_proc.clone(), cgroups: cgroups.clone() };
         let observer = Observer::new(settings, metrics.clone(), Arc::new(probe));
-        tokio::spawn(observer.run(valet_agent::api::watch::all_pods_on_node(client.clone(), &cfg.node_name, cfg.watch_timeout)));
+        tokio::spawn(observer.run(valet_agent::api::watch::all_pods_on_node(
+            client.clone(),
+            &cfg.node_name,
+            cfg.watch_timeout,
+        )));
     }
     let (reports_tx, reports_rx) = tokio::sync::mpsc::unbounded_channel();
     let act = Actuators::new(

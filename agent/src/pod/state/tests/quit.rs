@@ -266,7 +266,10 @@ fn a_restart_always_pod_is_held_and_probed_but_never_quit() {
     let mut d = Drive::new(true);
     let fx = d.found(pod("Always", &[], &[("valet.dev/hold-app", "true")]));
     assert!(has(&fx, &Effect::Count(Count::Skip("restart_always"))), "{fx:?}");
-    assert!(has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), hold: true, exits: true }), "{fx:?}");
+    assert!(
+        has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), hold: true, exits: true }),
+        "{fx:?}"
+    );
     assert!(has(&fx, &Effect::ClassifyExec { container_cgroup: APP, hold: true }), "{fx:?}");
     assert!(fx.iter().any(|e| matches!(e, Effect::StartProbe { .. })), "{fx:?}");
     d.held(APP, 42, "report");
@@ -279,4 +282,3 @@ fn a_restart_always_pod_is_held_and_probed_but_never_quit() {
     fx.extend(d.after(60_000));
     assert!(quits(&fx).is_empty() && signals(&fx).is_empty(), "never quit: {fx:?}");
 }
-
