@@ -604,7 +604,11 @@ async fn a_quit_sent_ahead_by_the_event_reader_is_taken_over_by_the_loop() {
     let mut deleting = serde_json::to_value(job_pod(json!({}))).expect("json");
     deleting["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
     lp.apply(serde_json::from_value(deleting).expect("pod"));
-    lp.until("disarmed by the deletion", |l| l.ahead.armed() == 0).await;
+    // Handled once the pod stood down (the firing above disarmed it already).
+    lp.until("stood down for the deletion", |l| {
+        lock(&l.kernel.0).watched.is_empty() && lock(&l.link.0).opened.is_empty()
+    })
+    .await;
     let _ = lp.events.send(Event::Exit(exit));
     lp.until("counted unclaimed", |l| {
         l.metrics.encode().contains("valet_quits_sent_ahead_total{result=\"unclaimed\"} 1\n")
