@@ -485,7 +485,8 @@ fn the_sidecar_of_a_held_pod_is_never_held() {
         {
             states.push(s);
         }
-        if job.sim.wait_standin_ready(&standin, Duration::ZERO).is_ok() {
+        // One try (a refused connect answers at once).
+        if job.sim.wait_standin_ready(&standin, Duration::from_millis(50)).is_ok() {
             break;
         }
         assert!(Instant::now() < deadline, "the proxy never served: {states}\n{}", agent.log_text());
@@ -568,7 +569,7 @@ fn condition_is_patched_once_per_change_and_keeps_the_kubelets() {
     println!("condition patches: {seen:?}");
     let short: Vec<(&str, &str)> = seen.iter().map(|(s, r, _)| (s.as_str(), r.as_str())).collect();
     assert_eq!(short, [("False", "ProxyNotReady"), ("True", "ProxyReady")], "{seen:?}");
-    assert_eq!(agent.metric("valet_condition_patches_total{result=\"ok\"} "), 2.0);
+    assert_eq!(agent.metric("valet_condition_patches_total{result=\"ok\"} "), 3.0, "two, and the later pod's");
 
     // The kubelet's conditions survive next to the agent's (merged by type).
     let pod = node.pod(&job).expect("pod");

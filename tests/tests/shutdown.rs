@@ -645,9 +645,13 @@ fn restart_always_pod_is_skipped_once() {
         "skip counted\n{}",
         agent.log_text()
     );
+    // String values, as the API server allows no other (a number made the agent's watch fail to
+    // decode the pod, and the witness below was never seen).
     for i in 0..3 {
         node.api
-            .modify_pod("jobs", &job.name, |pod| pod["metadata"]["annotations"]["example.com/rev"] = Value::from(i))
+            .modify_pod("jobs", &job.name, |pod| {
+                pod["metadata"]["annotations"]["example.com/rev"] = Value::from(i.to_string())
+            })
             .expect("update");
     }
     job.run_app("app", "exit 0").expect("app");
