@@ -196,13 +196,19 @@ fn without_a_pod_ip_the_proxy_is_probed_inside_the_pod_netns() {
     println!("no pod IP: proxy ready -> app ran: {delay:?}");
     assert!(delay.is_some(), "released through the netns probe\n{}", agent.log_text());
     wait_condition(&node, &job, &agent, "True", "ProxyReady");
-    // The stand-in saw the agent's probes come from its own loopback.
+    // The stand-in saw the agent's probes come from its own loopback; the only others are the
+    // kubelet's, from the node (the pod's hostIP), every 15 s.
     let probes: Vec<_> = valet_sim::standin::read_events(&job.events)
         .unwrap_or_default()
         .into_iter()
         .filter(|e| e.method == "GET" && e.path == "/healthz/ready")
         .collect();
-    assert!(!probes.is_empty() && probes.iter().all(|e| e.peer.ip().is_loopback()), "probes: {probes:?}");
+    let host_ip = node.pod(&job).and_then(|p| p["status"]["hostIP"].as_str().map(str::to_owned)).unwrap_or_default();
+    assert!(probes.iter().any(|e| e.peer.ip().is_loopback()), "probes: {probes:?}");
+    assert!(
+        probes.iter().all(|e| e.peer.ip().is_loopback() || e.peer.ip().to_string() == host_ip),
+        "probes from elsewhere than the pod's loopback and the kubelet's node ({host_ip}): {probes:?}"
+    );
 }
 
 /// Held pods are probed together, each in its own network namespace (the held pods' prober makes
