@@ -600,6 +600,12 @@ impl Agent {
             .unwrap_or(0.0)
     }
 
+    /// Waits until a sample reads `value` (counts are made a moment after what they count: a
+    /// released app may run, or a quit proxy exit, before the agent counts it); whether it did.
+    pub fn wait_metric(&self, sample: &str, value: f64) -> bool {
+        eventually(HANG_GUARD, || self.metric(sample) == value)
+    }
+
     /// Waits until `pods_tracked` reaches `n` (the agent has seen the pods and their cgroups).
     pub fn wait_tracked(&self, n: usize, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;

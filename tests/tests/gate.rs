@@ -158,7 +158,7 @@ fn held_app_runs_once_the_proxy_is_ready() {
     // Probed again, not ready: still held.
     wait_probes(&job, loopback_probes(&job), 3, &agent);
     assert_held(&job, &marker, &agent, "probed not ready");
-    assert_eq!(agent.metric("valet_app_holds_total "), 1.0, "only the app was held\n{}", agent.log_text());
+    assert!(agent.wait_metric("valet_app_holds_total ", 1.0), "only the app was held\n{}", agent.log_text());
     assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 0.0);
 
     std::fs::write(&ready, "").expect("ready file");
@@ -168,10 +168,10 @@ fn held_app_runs_once_the_proxy_is_ready() {
     assert_ne!(state(app_pid(&job)), Some('T'));
 
     wait_condition(&node, &job, &agent, "True", "ProxyReady");
-    assert_eq!(agent.metric("valet_app_holds_total "), 1.0);
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 1.0);
+    assert!(agent.wait_metric("valet_app_holds_total ", 1.0));
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 1.0));
     assert_eq!(agent.metric("valet_app_hold_fail_opens_total "), 0.0);
-    assert_eq!(agent.metric("valet_app_hold_duration_seconds_count "), 1.0);
+    assert!(agent.wait_metric("valet_app_hold_duration_seconds_count ", 1.0));
     // The app ran to its end (no second hold of its later execs).
     let status = job.apps[0].wait_timeout(HANG_GUARD).expect("wait app");
     assert!(status.is_some_and(|s| s.success()), "app finished: {status:?}\n{}", agent.log_text());
@@ -256,7 +256,7 @@ fn held_pods_probed_together_are_each_released_by_their_own_proxy() {
         // come from the node). How often is the bench's to measure.
         assert!(probes >= 3, "{}: {probes} probes from the pod's loopback", job.name);
     }
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 2.0);
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 2.0));
 }
 
 #[test]
@@ -293,8 +293,8 @@ fn hold_times_out_and_fails_open() {
         "a Warning Event HoldTimeout: {:?}",
         node.api.events()
     );
-    assert_eq!(agent.metric("valet_app_hold_fail_opens_total "), 1.0);
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"timeout\"} "), 1.0);
+    assert!(agent.wait_metric("valet_app_hold_fail_opens_total ", 1.0));
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"timeout\"} ", 1.0));
     assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 0.0);
 }
 
@@ -395,8 +395,8 @@ fn agent_killed_while_holding_leaves_apps_to_its_successor() {
         assert!(status.is_some_and(|s| s.success()), "{what} finished: {status:?}\n{}", agent.log_text());
     }
     assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "no new holds after the restart\n{}", agent.log_text());
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 2.0);
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"timeout\"} "), 1.0);
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 2.0));
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"timeout\"} ", 1.0));
 }
 
 #[test]
@@ -514,7 +514,7 @@ fn the_sidecar_of_a_held_pod_is_never_held() {
     job.run_app("app", &marker_script(&marker)).expect("app");
     assert!(wait_file(&marker, HANG_GUARD).is_some(), "app released\n{}", agent.log_text());
     assert!(eventually(HANG_GUARD, || agent.metric("valet_app_holds_total ") == 1.0));
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 1.0);
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 1.0));
     // Neither the sandbox nor the sidecar was stopped even for a moment (each would have been let
     // through at once as `not_app`).
     assert_eq!(
@@ -581,7 +581,7 @@ fn condition_is_patched_once_per_change_and_keeps_the_kubelets() {
     println!("condition patches: {seen:?}");
     let short: Vec<(&str, &str)> = seen.iter().map(|(s, r, _)| (s.as_str(), r.as_str())).collect();
     assert_eq!(short, [("False", "ProxyNotReady"), ("True", "ProxyReady")], "{seen:?}");
-    assert_eq!(agent.metric("valet_condition_patches_total{result=\"ok\"} "), 3.0, "two, and the later pod's");
+    assert!(agent.wait_metric("valet_condition_patches_total{result=\"ok\"} ", 3.0), "two, and the later pod's");
 
     // The kubelet's conditions survive next to the agent's (merged by type).
     let pod = node.pod(&job).expect("pod");

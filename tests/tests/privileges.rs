@@ -236,7 +236,7 @@ fn the_daemonsets_capabilities_are_enough() {
     let node = Node::new().expect("node");
     let agent = start(&node, &have);
     assert!(held_then_released(&agent, &node, "held"), "released\n{}", agent.log_text());
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 1.0);
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 1.0));
 }
 
 #[test]
@@ -315,5 +315,5 @@ fn without_kill_a_held_app_of_another_uid_stays_stopped() {
     // SAFETY: plain syscall on a process this test started.
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     assert!(stopped, "released without CAP_KILL?\n{}", agent.log_text());
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 1.0, "the witness only");
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 1.0), "the witness only");
 }

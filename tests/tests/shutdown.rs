@@ -61,7 +61,7 @@ fn labelled_job_pod_proxy_quits_when_the_app_exits() {
         "a SidecarQuit Event: {:?}",
         node.events_for(&job)
     );
-    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+    assert!(agent.wait_metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ", 1.0));
     // The app's end is logged once, with its container's name and how it ended.
     let ended = |log: &str| {
         log.lines()
@@ -110,7 +110,7 @@ fn the_quit_goes_on_a_connection_opened_before_the_app_exited() {
     assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     // Sent by the kernel event reader as soon as it read the end, and taken over by the loop.
     assert_eq!(job.quits().len(), 1, "exactly one quit: {:?}", job.quits());
-    assert_eq!(agent.metric("valet_quits_sent_ahead_total{result=\"sent\"} "), 1.0);
+    assert!(agent.wait_metric("valet_quits_sent_ahead_total{result=\"sent\"} ", 1.0));
     assert_eq!(agent.metric("valet_quits_sent_ahead_total{result=\"unclaimed\"} "), 0.0);
     assert!(
         eventually(HANG_GUARD, || { agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ") == 1.0 }),
@@ -164,14 +164,14 @@ fn never_policy_failed_app_still_quits_cgroupfs_crio_guaranteed() {
     assert_eq!(quits.len(), 1, "exactly one quit: {quits:?}");
     assert!(quits[0].peer.ip().is_loopback(), "sent from inside the pod: {:?}", quits[0].peer);
     // The kernel path saw the app's failure and the proxy's clean end.
-    assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Failure\"} "), 1.0);
+    assert!(agent.wait_metric("valet_container_exits_total{outcome=\"Failure\"} ", 1.0));
     assert!(
         eventually(HANG_GUARD, || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
         "{}",
         agent.metrics_text().unwrap_or_default()
     );
     assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Signal\"} "), 0.0);
-    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+    assert!(agent.wait_metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ", 1.0));
 }
 
 /// Pods without the label and pods of another node are never touched, while a labelled pod of
@@ -207,14 +207,14 @@ fn unlabelled_and_other_node_pods_are_left_alone() {
     }
     // Only the labelled pod's cgroup is watched by the kernel programs: its app's and its proxy's
     // ends are seen, none of the other pods'.
-    assert_eq!(agent.metric("valet_pods_tracked "), 2.0, "the good pod and the witness");
+    assert!(agent.wait_metric("valet_pods_tracked ", 2.0), "the good pod and the witness");
     // The witness proxy's own end is counted once the kernel reported it, after its exit.
     assert!(
         eventually(HANG_GUARD, || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 4.0),
         "{}",
         agent.metrics_text().unwrap_or_default()
     );
-    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 2.0);
+    assert!(eventually(HANG_GUARD, || metric_sum(&agent, "valet_sidecar_quits_total") == 2.0));
 }
 
 /// restartPolicy OnFailure: an app that failed is restarted in place by the kubelet (new container
@@ -274,7 +274,7 @@ fn on_failure_policy_quits_only_after_success() {
     assert_eq!(failing.wait_proxy_exit(Duration::ZERO).expect("poll"), None);
     // Counted once the agent read the answer (the proxy may exit before).
     assert!(eventually(HANG_GUARD, || metric_sum(&agent, "valet_sidecar_quits_total") == 1.0), "one quit");
-    assert_eq!(agent.metric("valet_quits_sent_ahead_total{result=\"sent\"} "), 1.0, "the success's, ahead");
+    assert!(agent.wait_metric("valet_quits_sent_ahead_total{result=\"sent\"} ", 1.0), "the success's, ahead");
     assert_eq!(agent.metric("valet_quits_sent_ahead_total{result=\"unclaimed\"} "), 0.0);
 }
 
@@ -313,8 +313,11 @@ fn multi_container_pod_quits_after_the_last_app() {
     assert_eq!(job.wait_api_terminated("b", HANG_GUARD), Some(0));
     witness(&node, &agent, "multi-witness-2");
     assert_eq!(job.quits().len(), 1, "exactly one quit: {:?}", job.quits());
-    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 3.0, "the pod's and the witnesses'");
-    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 3.0);
+    assert!(
+        eventually(HANG_GUARD, || metric_sum(&agent, "valet_sidecar_quits_total") == 3.0),
+        "the pod's and the witnesses'"
+    );
+    assert!(agent.wait_metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ", 3.0));
 }
 
 /// A multi-threaded app whose process is ended by a worker thread after the main thread is gone
@@ -333,7 +336,7 @@ fn multithreaded_app_ended_by_a_worker_thread_quits() {
     assert_eq!(status.code(), Some(6));
     assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     assert_eq!(job.quits().len(), 1);
-    assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Failure\"} "), 1.0, "{}", agent.log_text());
+    assert!(agent.wait_metric("valet_container_exits_total{outcome=\"Failure\"} ", 1.0), "{}", agent.log_text());
     assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Signal\"} "), 0.0, "{}", agent.log_text());
 }
 
@@ -398,7 +401,7 @@ fn agent_started_after_the_app_exited_quits_from_the_api_view() {
         "{}",
         agent.metrics_text().unwrap_or_default()
     );
-    assert_eq!(metric_sum(&agent, "valet_container_exits_total"), 1.0);
+    assert!(eventually(HANG_GUARD, || metric_sum(&agent, "valet_container_exits_total") == 1.0));
 }
 
 /// The pod object (its app already shown terminated) arrives before the kubelet made the pod's
@@ -460,7 +463,7 @@ fn watch_dropped_and_history_expired_pod_added_afterwards_is_handled() {
     assert!(job.apps[0].wait_timeout(HANG_GUARD).expect("wait app").is_some());
     assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     assert_eq!(job.quits().len(), 1);
-    assert_eq!(agent.metric("valet_pods_tracked "), 2.0);
+    assert!(agent.wait_metric("valet_pods_tracked ", 2.0));
     assert!(node.api.watch_count() > watches, "the agent watched again");
     assert!(
         eventually(HANG_GUARD, || agent.metric("valet_watch_restarts_total ") > restarts),
@@ -502,9 +505,9 @@ fn hung_proxy_does_not_block_other_pods_and_is_escalated() {
     // After the retry window: SIGTERM; the stand-in drains (5 s, as pilot-agent) and exits 0.
     assert!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"timeout\"} ") == 0.0, "retried");
     assert_eq!(hung.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
-    assert_eq!(agent.metric("valet_sidecar_escalations_total{kind=\"istio\"} "), 1.0);
-    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"timeout\"} "), 1.0);
-    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+    assert!(agent.wait_metric("valet_sidecar_escalations_total{kind=\"istio\"} ", 1.0));
+    assert!(agent.wait_metric("valet_sidecar_quits_total{kind=\"istio\",result=\"timeout\"} ", 1.0));
+    assert!(agent.wait_metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ", 1.0));
     assert!(
         eventually(HANG_GUARD, || {
             let events = node.events_for(&hung);
@@ -541,7 +544,7 @@ fn endlessly_answering_proxy_is_capped_and_escalated() {
     );
     assert_eq!(flood.quits().len(), 1, "{:?}", flood.quits());
     assert_eq!(flood.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
-    assert_eq!(agent.metric("valet_sidecar_escalations_total{kind=\"istio\"} "), 1.0);
+    assert!(agent.wait_metric("valet_sidecar_escalations_total{kind=\"istio\"} ", 1.0));
     assert_eq!(flood.quits().len(), 1, "never sent twice after a success");
 }
 
@@ -573,7 +576,7 @@ fn proxy_that_ignores_the_quit_is_escalated_after_the_delay() {
     // SIGTERM: pilot-agent drains 5 s and exits 0.
     assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     assert_eq!(job.quits().len(), 1, "never sent twice after a success: {:?}", job.quits());
-    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
+    assert!(eventually(HANG_GUARD, || metric_sum(&agent, "valet_sidecar_quits_total") == 1.0));
     assert!(
         eventually(HANG_GUARD, || node.events_for(&job).iter().any(|(r, _)| r == "SidecarTerminated")),
         "a SidecarTerminated Event: {:?}",
@@ -619,9 +622,12 @@ fn malformed_annotations_skip_the_pod_with_one_warning() {
         assert_eq!(events.len(), 1, "{}: exactly one Event: {events:?}", job.name);
         assert_eq!((events[0].0.as_str(), events[0].1.as_str()), ("Warning", *reason), "{}", job.name);
     }
-    assert_eq!(agent.metric("valet_pod_skips_total{reason=\"bad_annotation\"} "), 3.0);
+    assert!(agent.wait_metric("valet_pod_skips_total{reason=\"bad_annotation\"} ", 3.0));
     assert_eq!(good.quits().len(), 1);
-    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 2.0, "the good pod's and the witness's");
+    assert!(
+        eventually(HANG_GUARD, || metric_sum(&agent, "valet_sidecar_quits_total") == 2.0),
+        "the good pod's and the witness's"
+    );
 }
 
 /// API errors (500s) while a pod is handled: the agent keeps running, retries its watch, handles
@@ -689,8 +695,8 @@ fn restart_always_pod_is_skipped_once() {
     witness(&node, &agent, "witness");
     assert!(job.quits().is_empty(), "no quit: {:?}", job.quits());
     assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None);
-    assert_eq!(agent.metric("valet_pod_skips_total{reason=\"restart_always\"} "), 1.0);
-    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0, "the witness's only");
+    assert!(agent.wait_metric("valet_pod_skips_total{reason=\"restart_always\"} ", 1.0));
+    assert!(eventually(HANG_GUARD, || metric_sum(&agent, "valet_sidecar_quits_total") == 1.0), "the witness's only");
     let log = agent.log_text();
     let said = log.lines().filter(|l| l.contains(&job.name) && l.contains("no sidecar shutdown")).count();
     assert_eq!(said, 1, "logged once:\n{log}");

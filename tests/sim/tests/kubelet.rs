@@ -124,9 +124,8 @@ fn container_id_and_running_appear_on_the_next_relist_not_at_start() {
         println!("read after the next relist tick: not checked");
     }
     let want = format!("containerd://{}", p.id());
-    let seen = wait_for(HANG_GUARD, || {
-        status(&s.api, &sim, "app").is_some_and(|st| st["containerID"] == want.as_str())
-    });
+    let seen =
+        wait_for(HANG_GUARD, || status(&s.api, &sim, "app").is_some_and(|st| st["containerID"] == want.as_str()));
     let at = Instant::now();
     println!("containerID visible {:?} after the start (tick at {:?})", started.elapsed(), tick - started);
     assert!(seen.is_some(), "the id appears");
@@ -264,9 +263,8 @@ fn terminated_on_the_relist_after_the_exit_and_the_runtime_cleans_up() {
     assert!(sandbox_bundle.is_dir(), "the sandbox's bundle stays");
 
     let want = format!("containerd://{}", p.id());
-    let seen = wait_for(HANG_GUARD, || {
-        status(&s.api, &sim, "app").is_some_and(|st| st["state"]["terminated"].is_object())
-    });
+    let seen =
+        wait_for(HANG_GUARD, || status(&s.api, &sim, "app").is_some_and(|st| st["state"]["terminated"].is_object()));
     assert!(seen.is_some(), "terminated within 2.5 s of the exit");
     assert!(Instant::now() >= tick, "not before the relist after the exit");
     let st = status(&s.api, &sim, "app").expect("status");
@@ -288,11 +286,7 @@ fn pod_succeeds_when_every_container_exited_zero() {
     let helper = ContainerSpec::new("helper").command(&["/bin/sh", "-c", "sleep 0.2"]);
     let pod = KubeletPod::new(PodJsonOptions::node("n1"), vec![sh("exit 0"), helper]);
     s.kubelet.add_pod(sim.clone(), pod).expect("add");
-    assert!(
-        wait_for(HANG_GUARD, || phase(&s.api, &sim) == "Succeeded").is_some(),
-        "{}",
-        phase(&s.api, &sim)
-    );
+    assert!(wait_for(HANG_GUARD, || phase(&s.api, &sim) == "Succeeded").is_some(), "{}", phase(&s.api, &sim));
     let st = status(&s.api, &sim, "app").expect("status");
     assert_eq!(st["state"]["terminated"]["reason"], "Completed");
 }
@@ -362,7 +356,8 @@ fn at_once_timing_is_kinder_on_request() {
         .start_container(sim.namespace(), sim.name(), "app", &["sleep", "30"], &SpawnOptions::default())
         .expect("start");
     let want = format!("containerd://{}", p.id());
-    let took = wait_for(HANG_GUARD, || status(&s.api, &sim, "app").is_some_and(|st| st["containerID"] == want.as_str()));
+    let took =
+        wait_for(HANG_GUARD, || status(&s.api, &sim, "app").is_some_and(|st| st["containerID"] == want.as_str()));
     assert!(took.is_some(), "at once");
     assert!(!s.dir.join("state").join(p.id()).exists(), "no bundle asked for");
 }
