@@ -150,7 +150,7 @@ impl Node {
     /// naming the node's runtime state dir unless `extra` has that flag).
     pub fn start_agent(&self, extra: &[&str]) -> Result<Agent> {
         let mut agent = self.spawn_agent(extra)?;
-        agent.wait_ready(Duration::from_secs(20))?;
+        agent.wait_ready(HANG_GUARD)?;
         Ok(agent)
     }
 
@@ -291,10 +291,10 @@ impl Node {
             }
         }
         if spec.ready_file.is_none() {
-            job.sim.wait_standin_ready(&standin, Duration::from_secs(5))?;
+            job.sim.wait_standin_ready(&standin, HANG_GUARD)?;
         }
         for app in &spec.already_exited {
-            if job.wait_api_terminated(app, Duration::from_secs(5)).is_none() {
+            if job.wait_api_terminated(app, HANG_GUARD).is_none() {
                 bail!("the API never showed {app} of {} terminated", job.name);
             }
         }
@@ -593,7 +593,8 @@ pub struct Agent {
 
 impl Agent {
     fn get(&self, path: &str) -> Result<(u16, String)> {
-        let r = valet_sim::client::get(self.metrics, path, Duration::from_secs(2))?;
+        // A metric read as 0 because a busy agent answered late would fail a test for nothing.
+        let r = valet_sim::client::get(self.metrics, path, HANG_GUARD)?;
         Ok((r.status, r.text()))
     }
 
@@ -630,6 +631,12 @@ impl Agent {
             .lines()
             .find_map(|l| l.strip_prefix(sample).and_then(|rest| rest.trim().split(' ').next()?.parse().ok()))
             .unwrap_or(0.0)
+    }
+
+    /// Waits until a sample reads `value` (counts are made a moment after what they count: a
+    /// released app may run, or a quit proxy exit, before the agent counts it); whether it did.
+    pub fn wait_metric(&self, sample: &str, value: f64) -> bool {
+        eventually(HANG_GUARD, || self.metric(sample) == value)
     }
 
     /// Waits until `pods_tracked` reaches `n` (the agent has seen the pods and their cgroups).
@@ -684,6 +691,10 @@ impl Drop for Agent {
         }
     }
 }
+
+/// How long a test waits for an event before it calls it missing: only a guard against a hang
+/// (a test waits for the event itself, never for a time), long enough for a loaded machine.
+pub const HANG_GUARD: Duration = Duration::from_secs(30);
 
 /// Polls `f` every 10 ms until it returns true or `timeout` passes.
 pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {

@@ -23,7 +23,10 @@ use valet_tests::cgroups::{TestCgroups, require_root};
 
 const SYSTEMD_POD: &str = "kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{U}.slice";
 const CGROUPFS_POD: &str = "kubepods/burstable/pod{U}";
-const WAIT: Duration = Duration::from_secs(10);
+/// Only a guard against a hang: the tests wait for events. "Nothing else was reported" is read
+/// from the programs' exact counters once every process that could be reported was reaped (the
+/// exit tracepoint fires before a parent can reap the process), not from a quiet moment.
+const WAIT: Duration = Duration::from_secs(30);
 
 fn uid() -> String {
     static SEQ: AtomicU32 = AtomicU32::new(0);
@@ -305,7 +308,6 @@ async fn run_and_expect(
     assert!(exit.container_main && exit.ns_init && exit.child_pid_ns, "{exit:?}");
     assert_eq!(exit.ns_pid, 1);
     // Nothing else arrives for that cgroup: the runtime process's exit is filtered.
-    assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
     assert_eq!(programs.counter(Counter::ExitsReported), 1);
     assert!(programs.counter(Counter::ExitsFiltered) >= 1, "the runtime process (unshare) exit");
     assert_eq!(programs.counter(Counter::EventsLost), 0);
@@ -353,7 +355,6 @@ async fn pid_namespace_init_is_the_container_end_and_children_are_not(mode: Ance
     assert!(init.container_main && init.ns_init && init.child_pid_ns);
     assert_eq!(init.ns_pid, 1);
     // The child, sleep and unshare (the runtime) exited in the kernel's view only.
-    assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
     assert!(programs.counter(Counter::ExitsFiltered) >= 3, "{}", programs.counter(Counter::ExitsFiltered));
     assert_eq!(programs.counter(Counter::ExitsReported), 1);
 }
@@ -372,7 +373,7 @@ async fn a_nested_sandbox_init_never_ends_the_container(mode: AncestorMode) {
     let got = exits(&mut stream, container, 1, WAIT).await;
     reap(&mut child);
     assert_eq!(got.len(), 1, "the main process only: {got:?}");
-    assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
+    assert_eq!(programs.counter(Counter::ExitsReported), 1, "nothing else");
     assert_eq!(got[0].end, Some(ProcessEnd::Exited(5)), "the nested init ran and exited 3 first");
     assert!(got[0].container_main && got[0].ns_init);
     assert!(programs.counter(Counter::ExitsFiltered) >= 3, "nested init, its unshare, the runtime");
@@ -461,7 +462,7 @@ async fn a_host_namespace_exec_in_the_container_cgroup_is_not_the_main(mode: Anc
     assert_eq!(nspid(record.tgid).last(), Some(&1));
     assert!(reap(&mut child).success(), "the helper exited first");
     let got = exits(&mut stream, container, 1, WAIT).await;
-    assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
+    assert_eq!(programs.counter(Counter::ExitsReported), 1, "nothing else");
     assert_eq!(got.len(), 1, "{got:?}");
     assert_eq!(got[0].tgid, record.tgid);
     assert_eq!(got[0].end, Some(ProcessEnd::Exited(9)));
@@ -490,8 +491,7 @@ async fn a_fork_storm_never_reaches_user_space(mode: AncestorMode) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let storm = started.elapsed();
-    let during = collect(&mut stream, 1, Duration::from_millis(300), Some).await;
-    assert!(during.is_empty(), "no event from the storm: {:?}", &during[..during.len().min(3)]);
+    // Every storm process was reaped by the shell before the mark: the counts are final.
     let filtered = programs.counter(Counter::ExitsFiltered);
     eprintln!(
         "storm ({mode:?}): 5500 short processes in {storm:?}; ExitsFiltered={filtered} ExitsReported={} EventsLost={}",
@@ -599,7 +599,7 @@ async fn forget_container_removes_what_the_kernel_keeps(mode: AncestorMode) {
 }
 
 async fn no_events_from_unregistered_cgroups(mode: AncestorMode) {
-    let (mut programs, mut stream) = load(mode);
+    let (mut programs, _stream) = load(mode);
     let watched = Pod::new(true, 7);
     let other = Pod::new(true, 8);
     programs.watch(watched.pod_id(), watch_flags::EXITS).expect("watch");
@@ -611,16 +611,16 @@ async fn no_events_from_unregistered_cgroups(mode: AncestorMode) {
     for _ in 0..10 {
         let _ = Command::new("unshare").args(["--pid", "--fork", "/bin/true"]).status();
     }
-    let seen = collect(&mut stream, 1, Duration::from_millis(500), Some).await;
-    assert!(seen.is_empty(), "no events at all, got {seen:?}");
-    assert_eq!(programs.counter(Counter::ExitsReported), 0);
+    // All reaped: the counts are final.
+    assert_eq!(programs.counter(Counter::ExitsReported), 0, "no events at all");
     assert_eq!(programs.counter(Counter::ExitsFiltered), 0, "unwatched exits are not even counted");
     assert_eq!(programs.container_main(other.container()), None);
     // And unwatching stops reporting the watched pod too.
     programs.unwatch(watched.pod_id()).expect("unwatch");
     let mut c = watched.start(&watched.container_rel, &["/bin/true"]);
     reap(&mut c);
-    assert!(exits(&mut stream, watched.container(), 1, Duration::from_millis(300)).await.is_empty());
+    assert_eq!(programs.counter(Counter::ExitsReported), 0, "reported after the unwatch");
+    assert_eq!(programs.counter(Counter::ExitsFiltered), 0, "counted after the unwatch");
 }
 
 async fn exec_hold_stops_the_main_process_before_it_runs(mode: AncestorMode) {
@@ -641,11 +641,17 @@ async fn exec_hold_stops_the_main_process_before_it_runs(mode: AncestorMode) {
     let held = held.first().expect("held event").clone();
     assert_ne!(held.tgid, child.id());
     assert_eq!(nspid(held.tgid).last(), Some(&1));
-    std::thread::sleep(Duration::from_millis(300));
+    // Stopped (the signal takes effect as the exec returns, before any of its code runs).
+    let state = || {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", held.tgid)).expect("stat");
+        stat.rsplit(')').next().and_then(|s| s.split_whitespace().next()).map(str::to_owned)
+    };
+    let deadline = Instant::now() + WAIT;
+    while state().as_deref() != Some("T") {
+        assert!(Instant::now() < deadline, "never stopped: {:?}", state());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert!(!file.exists(), "the held process must not have run");
-    let state = std::fs::read_to_string(format!("/proc/{}/stat", held.tgid)).expect("stat");
-    let state = state.rsplit(')').next().and_then(|s| s.split_whitespace().next()).map(str::to_owned);
-    assert_eq!(state.as_deref(), Some("T"), "stopped");
     let record = programs.container_main(container).expect("record");
     assert_eq!(record.tgid, held.tgid);
     assert_eq!(record.flags, container_flags::BY_EXEC | container_flags::NS_INIT | container_flags::HELD);
@@ -697,11 +703,10 @@ async fn exec_hold_skips_cgroups_classified_as_pass(mode: AncestorMode) {
     let container = pod.container();
     programs.watch(pod.pod_id(), watch_flags::EXITS | watch_flags::HOLD).expect("watch");
     programs.classify_exec(container, false).expect("classify");
-    let started = Instant::now();
+    // A held process would stay stopped: reap gives up (and fails) at its hang guard.
     let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", "exit 0"]);
     let status = reap(&mut child);
     assert!(status.success());
-    assert!(started.elapsed() < WAIT);
     let got = exits(&mut stream, container, 1, WAIT).await;
     assert!(got.iter().any(|e| e.container_main), "ran to completion: {got:?}");
     assert_eq!(programs.counter(Counter::Held), 0);
@@ -780,7 +785,7 @@ async fn on_a_kind_node_the_host_namespace_is_the_nodes(mode: AncestorMode) {
     let got = exits(&mut stream, container, 1, WAIT).await;
     reap(&mut child);
     assert_eq!(got.len(), 1, "the main process only: {got:?}");
-    assert!(exits(&mut stream, container, 1, Duration::from_millis(300)).await.is_empty());
+    assert_eq!(programs.counter(Counter::ExitsReported), 1, "nothing else");
     let exit = &got[0];
     assert_eq!(exit.end, Some(ProcessEnd::Exited(3)), "the nested init ran and exited 4 first");
     assert!(exit.container_main && exit.ns_init && exit.child_pid_ns, "{exit:?}");

@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use valet_tests::harness::{Agent, JobPod, JobSpec, Node, Scratch, eventually};
+use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, Scratch, eventually};
 
 /// The `Accept` header Prometheus 2.x scrapes with.
 const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
@@ -57,8 +57,8 @@ impl Reply {
 }
 
 fn http(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)]) -> Reply {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let mut s = TcpStream::connect_timeout(&addr, HANG_GUARD).expect("connect");
+    s.set_read_timeout(Some(HANG_GUARD)).expect("timeout");
     let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
@@ -194,9 +194,9 @@ fn parse_series(line: &str) -> (String, BTreeMap<String, String>, &str) {
 /// is counted.
 fn drive_quit(node: &Node, agent: &Agent, tracked_after: usize) -> JobPod {
     let mut job = node.job_pod(JobSpec::new("metrics")).expect("pod");
-    agent.wait_tracked(tracked_after, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(tracked_after, HANG_GUARD).expect("tracked");
     job.run_app("app", "exit 0").expect("app");
-    let code = job.wait_proxy_exit(Duration::from_secs(5)).expect("wait");
+    let code = job.wait_proxy_exit(HANG_GUARD).expect("wait");
     assert_eq!(code, Some(0), "the agent quit the proxy\n{}", agent.log_text());
     assert_eq!(job.quits().len(), 1, "one quit request");
     job
@@ -216,7 +216,7 @@ fn agent_after_one_quit() -> (Node, Agent, JobPod) {
     let node = Node::new().expect("node");
     let agent = node.start_agent(&[]).expect("agent");
     let job = drive_quit(&node, &agent, 1);
-    assert!(eventually(Duration::from_secs(3), || quits_ok(&agent) == 1.0), "quit counted");
+    assert!(eventually(HANG_GUARD, || quits_ok(&agent) == 1.0), "quit counted");
     (node, agent, job)
 }
 
@@ -363,12 +363,11 @@ fn sample_value(series: &Value) -> f64 {
 #[test]
 fn prometheus_scrapes_the_agent() {
     require_tool("prometheus");
-    let started = Instant::now();
     let (_node, agent, _job) = agent_after_one_quit();
     let mut prometheus = Prometheus::start(agent.metrics);
 
     // Scraped (successfully) at least once: `up` is 1 and the agent's own series are there.
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + HANG_GUARD;
     loop {
         let up = prometheus.get(&format!("/api/v1/query?query={}", percent_encode("up{job=\"valet\"}")));
         let up = up.and_then(|v| v["data"]["result"].as_array().and_then(|r| r.first()).map(sample_value));
@@ -412,7 +411,6 @@ fn prometheus_scrapes_the_agent() {
     assert_eq!(prometheus.query("valet_pods_tracked").iter().map(sample_value).collect::<Vec<_>>(), [1.0]);
 
     drop(prometheus);
-    assert!(started.elapsed() < Duration::from_secs(25), "took {:?}", started.elapsed());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -533,8 +531,8 @@ fn every_family_is_exposed_with_low_cardinality_labels() {
 
     // A second pod doing the same thing adds no series: nothing is keyed by pod.
     let _second = drive_quit(&node, &agent, 2);
-    assert!(eventually(Duration::from_secs(3), || quits_ok(&agent) == 2.0), "second quit counted");
-    assert!(eventually(Duration::from_secs(10), || taxed(&agent) == 2.0), "the second pod taxed");
+    assert!(eventually(HANG_GUARD, || quits_ok(&agent) == 2.0), "second quit counted");
+    assert!(eventually(HANG_GUARD, || taxed(&agent) == 2.0), "the second pod taxed");
     let after = Exposition::parse(&scrape(&agent, None, TEXT));
     assert_eq!(after.series(), e.series(), "the same series after a second pod's quit");
     assert_eq!(after.value("valet_quit_latency_seconds_count", &[]), Some(2.0));
@@ -595,7 +593,7 @@ fn health_readiness_routes_and_methods() {
     let mut agent = node.spawn_agent(&[]).expect("agent");
     let addr = agent.metrics;
     assert!(
-        eventually(Duration::from_secs(20), || {
+        eventually(HANG_GUARD, || {
             TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
                 && http(addr, "GET", "/healthz", &[]).status == 200
         }),
@@ -606,7 +604,7 @@ fn health_readiness_routes_and_methods() {
     assert_eq!(r.status, 503, "not ready before the first pod list: {}", r.body);
     // Kernel programs attached, the pod list keeps failing (and is counted): still not ready.
     assert!(
-        eventually(Duration::from_secs(15), || agent.metric("valet_watch_restarts_total ") >= 1.0),
+        eventually(HANG_GUARD, || agent.metric("valet_watch_restarts_total ") >= 1.0),
         "failed pod lists count as watch restarts\n{}",
         agent.log_text()
     );
@@ -616,7 +614,7 @@ fn health_readiness_routes_and_methods() {
 
     // The API recovers: ready.
     node.api.fail_next(0, 500);
-    agent.wait_ready(Duration::from_secs(20)).expect("ready once the pods are listed");
+    agent.wait_ready(HANG_GUARD).expect("ready once the pods are listed");
     let r = http(addr, "GET", "/readyz", &[]);
     assert_eq!((r.status, r.body.as_str()), (200, "ready\n"));
     let r = http(addr, "GET", "/healthz", &[]);

@@ -23,7 +23,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use valet_sim::node::SpawnOptions;
-use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually};
+use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -31,8 +31,6 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// How long a "does not happen" check watches.
-const QUIET: Duration = Duration::from_secs(2);
 /// The uid of the apps in these tests (a container's `runAsUser`; istio-proxy is 1337).
 const APP_UID: u32 = 65534;
 
@@ -117,7 +115,7 @@ fn start(node: &Node, caps: &[&str]) -> Agent {
     let pid = agent.pid().expect("pid");
     // The wrapper execs the agent: wait for the exec, then read what the agent holds.
     assert!(
-        eventually(Duration::from_secs(5), || std::fs::read_link(format!("/proc/{pid}/exe"))
+        eventually(HANG_GUARD, || std::fs::read_link(format!("/proc/{pid}/exe"))
             .is_ok_and(|p| p.ends_with("valet-agent"))),
         "setpriv did not exec the agent\n{}",
         agent.log_text()
@@ -131,7 +129,7 @@ fn start(node: &Node, caps: &[&str]) -> Agent {
     }
     assert_eq!(status_field(pid, "NoNewPrivs:").as_deref(), Some("1"));
     assert_eq!(status_field(pid, "Uid:").map(|u| u.split_whitespace().all(|x| x == "0")), Some(true));
-    agent.wait_ready(Duration::from_secs(30)).expect("ready");
+    agent.wait_ready(HANG_GUARD).expect("ready");
     agent
 }
 
@@ -140,7 +138,8 @@ fn start(node: &Node, caps: &[&str]) -> Agent {
 fn failed_quit_label(agent: &Agent) -> Option<String> {
     let prefix = "valet_sidecar_quits_total{kind=\"istio\",result=\"";
     let mut found = None;
-    eventually(Duration::from_secs(40), || {
+    // Past the agent's retries (30 s by default) with room to spare: only a hang guard.
+    eventually(HANG_GUARD + Duration::from_secs(10), || {
         found = agent.metrics_text().unwrap_or_default().lines().find_map(|l| {
             let (label, value) = l.strip_prefix(prefix)?.split_once("\"} ")?;
             (label != "ok" && value.trim() != "0").then(|| label.to_owned())
@@ -152,7 +151,7 @@ fn failed_quit_label(agent: &Agent) -> Option<String> {
 
 fn assert_exit_seen(agent: &Agent) {
     assert!(
-        eventually(Duration::from_secs(5), || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") >= 1.0),
+        eventually(HANG_GUARD, || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") >= 1.0),
         "the agent saw the app's exit (the programs work)\n{}",
         agent.log_text()
     );
@@ -198,17 +197,13 @@ fn quit_after_app_exit(agent: &Agent, job: &mut JobPod, timeout: Duration) -> bo
 /// programs loaded, and the pod's cgroup found).
 fn held_then_released(agent: &Agent, node: &Node, name: &str) -> bool {
     let (mut job, ready, marker) = held_pod(node, name);
-    agent.wait_tracked(1, Duration::from_secs(10)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     run_app_as_other_uid(&mut job, &marker);
     let pid = job.apps[0].host_pid();
-    assert!(
-        eventually(Duration::from_secs(5), || state(pid) == Some('T')),
-        "the app is held at exec\n{}",
-        agent.log_text()
-    );
+    assert!(eventually(HANG_GUARD, || state(pid) == Some('T')), "the app is held at exec\n{}", agent.log_text());
     assert!(!marker.exists(), "a held app runs nothing");
     std::fs::write(&ready, "").expect("ready");
-    let released = eventually(Duration::from_secs(5), || marker.exists());
+    let released = eventually(HANG_GUARD, || marker.exists());
     if !released {
         // Leave nothing stopped behind.
         // SAFETY: plain syscall on a process this test started.
@@ -235,13 +230,13 @@ fn the_daemonsets_capabilities_are_enough() {
     let node = Node::new().expect("node");
     let agent = start(&node, &have);
     let mut job = node.job_pod(JobSpec::new("quit")).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(10)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     assert!(quit_after_app_exit(&agent, &mut job, Duration::from_secs(10)), "quit\n{}", agent.log_text());
     // A second node (API server) and agent for the hold, so that the pod counts stay simple.
     let node = Node::new().expect("node");
     let agent = start(&node, &have);
     assert!(held_then_released(&agent, &node, "held"), "released\n{}", agent.log_text());
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 1.0);
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 1.0));
 }
 
 #[test]
@@ -251,17 +246,19 @@ fn without_sys_admin_programs_load_with_bpf_and_perfmon_but_no_pod_netns_is_ente
     // Ready means the programs are loaded and attached: BPF and PERFMON do that.
     let agent = start(&node, &["BPF", "PERFMON", "SYS_PTRACE", "KILL"]);
     let mut job = node.job_pod(JobSpec::new("nosysadmin")).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(10)).expect("tracked");
-    assert!(!quit_after_app_exit(&agent, &mut job, QUIET), "no quit without setns\n{}", agent.log_text());
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
+    // The quit the agent tried and failed is the later event: no quit came before it.
+    assert!(!quit_after_app_exit(&agent, &mut job, Duration::ZERO), "no quit without setns\n{}", agent.log_text());
     assert_exit_seen(&agent);
-    assert!(job.quits().is_empty());
     let label = failed_quit_label(&agent);
     println!("without SYS_ADMIN the quit failed: {label:?}");
     assert!(label.is_some(), "the agent tried and failed to quit\n{}", agent.log_text());
+    assert!(job.quits().is_empty());
+    assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "the proxy was quit");
     // Without BPF, PERFMON and SYS_ADMIN nothing loads at all.
     let node = Node::new().expect("node");
     let mut bare = node.spawn_agent_under(&with_capabilities(&["SYS_PTRACE", "KILL"]), &[]).expect("spawn");
-    let err = bare.wait_ready(Duration::from_secs(30)).expect_err("no program loads without BPF/PERFMON/SYS_ADMIN");
+    let err = bare.wait_ready(HANG_GUARD).expect_err("no program loads without BPF/PERFMON/SYS_ADMIN");
     println!("without BPF, PERFMON and SYS_ADMIN: {err}");
 }
 
@@ -271,13 +268,18 @@ fn without_sys_ptrace_the_pods_network_namespace_cannot_be_opened() {
     let node = Node::new().expect("node");
     let agent = start(&node, &["SYS_ADMIN", "KILL"]);
     let mut job = node.job_pod(JobSpec::new("noptrace")).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(10)).expect("tracked");
-    assert!(!quit_after_app_exit(&agent, &mut job, QUIET), "no quit without ptrace-read\n{}", agent.log_text());
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
+    assert!(
+        !quit_after_app_exit(&agent, &mut job, Duration::ZERO),
+        "no quit without ptrace-read\n{}",
+        agent.log_text()
+    );
     assert_exit_seen(&agent);
-    assert!(job.quits().is_empty());
     let label = failed_quit_label(&agent);
     println!("without SYS_PTRACE the quit failed: {label:?}");
     assert!(label.is_some(), "the agent tried and failed to quit\n{}", agent.log_text());
+    assert!(job.quits().is_empty());
+    assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "the proxy was quit");
 }
 
 #[test]
@@ -285,6 +287,33 @@ fn without_kill_a_held_app_of_another_uid_stays_stopped() {
     let _serial = serial();
     let node = Node::new().expect("node");
     let agent = start(&node, &["SYS_ADMIN", "SYS_PTRACE"]);
-    assert!(!held_then_released(&agent, &node, "nokill"), "released without CAP_KILL?\n{}", agent.log_text());
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 0.0);
+    let (mut job, ready, marker) = held_pod(&node, "nokill");
+    // The witness: an app of the agent's own uid (root) in another held pod, which it may
+    // signal without KILL. Its release, decided after the other's, goes out after it.
+    let (mut witness, witness_ready, witness_marker) = held_pod(&node, "nokill-witness");
+    agent.wait_tracked(2, HANG_GUARD).expect("tracked");
+    run_app_as_other_uid(&mut job, &marker);
+    witness.run_app("app", &format!("echo ran > {}; sleep 0.2", witness_marker.display())).expect("witness app");
+    let (pid, witness_pid) = (job.apps[0].host_pid(), witness.apps[0].host_pid());
+    for (p, what) in [(pid, "the app"), (witness_pid, "the witness")] {
+        assert!(eventually(HANG_GUARD, || state(p) == Some('T')), "{what} is held at exec\n{}", agent.log_text());
+    }
+    // The proxy turns ready: the agent decides the release and writes the condition after it.
+    std::fs::write(&ready, "").expect("ready");
+    let condition_true = || {
+        node.pod(&job).is_some_and(|p| {
+            p["status"]["conditions"]
+                .as_array()
+                .is_some_and(|cs| cs.iter().any(|c| c["type"] == "valet.dev/ProxyReady" && c["status"] == "True"))
+        })
+    };
+    assert!(eventually(HANG_GUARD, condition_true), "the proxy seen ready\n{}", agent.log_text());
+    std::fs::write(&witness_ready, "").expect("witness ready");
+    assert!(eventually(HANG_GUARD, || witness_marker.exists()), "the witness released\n{}", agent.log_text());
+    let stopped = state(pid) == Some('T') && !marker.exists();
+    // Leave nothing stopped behind.
+    // SAFETY: plain syscall on a process this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    assert!(stopped, "released without CAP_KILL?\n{}", agent.log_text());
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 1.0), "the witness only");
 }

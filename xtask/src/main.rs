@@ -47,6 +47,10 @@ enum Task {
         /// Boot every kernel of the matrix (5.10, 6.1, 6.12), not only 6.1.
         #[arg(long)]
         kernels: bool,
+        /// Run N busy loops beside the tests, from the build's end to the run's end, to show no
+        /// test depends on the machine's pace (`--cpu-hog 2` on a 2-core machine).
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        cpu_hog: usize,
     },
     /// Run the kernel tests and one end-to-end scenario on Debian's 5.10, 6.1 and 6.12 kernels in qemu.
     Kernels {
@@ -97,7 +101,9 @@ fn main() -> Result<()> {
     match cli.task {
         Task::Setup => setup::setup(&root, true),
         Task::Lint => lint::lint(&root),
-        Task::Test { filter, no_vm, kernels } => test::test(&root, filter.as_deref(), !no_vm || kernels, kernels),
+        Task::Test { filter, no_vm, kernels, cpu_hog } => {
+            test::test(&root, filter.as_deref(), !no_vm || kernels, kernels, cpu_hog)
+        }
         Task::Image => image::build(&root).map(|_| ()),
         Task::Kernels { only } => test::kernels(&root, &only),
         Task::Node { only } => test::node(&root, &only),

@@ -481,6 +481,9 @@ mod tests {
     use super::release::*;
     use super::*;
 
+    /// Only a guard against a hang: the tests wait for events, never for a time.
+    const HANG_GUARD: Duration = Duration::from_secs(30);
+
     #[tokio::test]
     async fn the_tasks_of_a_batch_start_once_its_releases_are_out() {
         let (tx, mut rx) = mpsc::unbounded_channel();
@@ -492,17 +495,19 @@ mod tests {
         };
         let mut batch = Some(Batch::default());
         spawn_after_releases(&mut batch, task(1));
-        tokio::task::yield_now().await;
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // A task spawned after it: on this single-threaded runtime, spawned tasks run in order,
+        // so had the batch's task started, its message would come first.
+        tokio::spawn(task(0));
+        assert_eq!(tokio::time::timeout(HANG_GUARD, rx.recv()).await.ok().flatten(), Some(0));
         assert!(rx.try_recv().is_err(), "a task of the batch ran before its releases");
         // What flush_releases does once the releases are handed over.
         for task in batch.take().map(|b| b.tasks).unwrap_or_default() {
             tokio::spawn(task);
         }
-        assert_eq!(tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.ok().flatten(), Some(1));
+        assert_eq!(tokio::time::timeout(HANG_GUARD, rx.recv()).await.ok().flatten(), Some(1));
         // No batch kept: at once.
         spawn_after_releases(&mut batch, task(2));
-        assert_eq!(tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.ok().flatten(), Some(2));
+        assert_eq!(tokio::time::timeout(HANG_GUARD, rx.recv()).await.ok().flatten(), Some(2));
     }
 
     #[test]
@@ -544,8 +549,9 @@ mod tests {
         let child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
         // SAFETY: plain syscall to our own child.
         unsafe { libc::kill(child.id() as i32, libc::SIGSTOP) };
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while !process_stopped(Path::new("/proc"), child.id()) && std::time::Instant::now() < deadline {
+        let deadline = std::time::Instant::now() + HANG_GUARD;
+        while !process_stopped(Path::new("/proc"), child.id()) {
+            assert!(std::time::Instant::now() < deadline, "child {} never stopped", child.id());
             std::thread::sleep(Duration::from_millis(5));
         }
         child

@@ -6,7 +6,8 @@ use serde_json::{Value, json};
 use valet_sim::apiserver::{FakeApiServer, Fault, ServerOptions};
 use valet_sim::client;
 
-const T: Duration = Duration::from_secs(5);
+/// Only a guard against a hang: the waits are for events.
+const T: Duration = Duration::from_secs(30);
 
 fn pod(name: &str, labels: Value, node: &str) -> Value {
     json!({
