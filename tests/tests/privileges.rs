@@ -8,8 +8,8 @@
 //! - SYS_ADMIN: entering a pod's network namespace (setns) to quit its proxy; also loading
 //!   the tracing programs (it implies CAP_BPF and CAP_PERFMON, so those two add nothing and
 //!   are not in the DaemonSet: shown by the agent working without them). BPF and PERFMON
-//!   alone load them too, except on Debian's 5.10, whose perf_event_paranoid 3 asks
-//!   CAP_SYS_ADMIN for perf_event_open itself.
+//!   alone load them too, except on Debian's kernels (5.10, 6.1, 6.12 in qemu), whose
+//!   perf_event_paranoid 3 asks CAP_SYS_ADMIN for perf_event_open itself.
 //! - SYS_PTRACE: opening `/proc/<pid>/ns/net` of a pod process (a ptrace read check).
 //! - KILL: SIGCONT to a held app of another uid (in its own session).
 //! - SYS_RESOURCE: lifting RLIMIT_MEMLOCK, which kernels older than 5.11 charge BPF maps and
@@ -315,7 +315,8 @@ fn without_sys_admin_programs_load_with_bpf_and_perfmon_but_no_pod_netns_is_ente
     let node = Node::new().expect("node");
     // Ready means the programs are loaded and attached: BPF and PERFMON do that, except where
     // perf_event_paranoid is above 2 under Debian's patch that then asks CAP_SYS_ADMIN itself
-    // for perf_event_open (seen on bullseye's 5.10): there only SYS_ADMIN attaches them.
+    // for perf_event_open (seen on Debian's 5.10, 6.1 and 6.12): there only SYS_ADMIN
+    // attaches them.
     let mut agent = spawn(&node, None, &[others("SYS_ADMIN"), vec!["BPF", "PERFMON"]].concat());
     let paranoid = perf_event_paranoid();
     match agent.wait_ready(START) {
