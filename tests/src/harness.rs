@@ -150,7 +150,9 @@ impl Node {
     /// naming the node's runtime state dir unless `extra` has that flag).
     pub fn start_agent(&self, extra: &[&str]) -> Result<Agent> {
         let mut agent = self.spawn_agent(extra)?;
-        agent.wait_ready(HANG_GUARD)?;
+        // A hang guard: loading the programs (BTF, the verifier) takes tens of seconds in an
+        // emulated guest (`cargo xtask kernels`) on a busy machine.
+        agent.wait_ready(Duration::from_secs(180))?;
         Ok(agent)
     }
 

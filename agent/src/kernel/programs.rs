@@ -25,14 +25,26 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/va
 
 /// The absolute level of the pid namespace whose inode number is `inum`, which this process
 /// lives in: the calibration program records it from one of our own threads' exit.
-fn calibrate(layout: &KernelLayout, inum: u32) -> Result<u32> {
+fn calibrate(layout: &KernelLayout, inum: u32, memlock_limit: Option<u64>) -> Result<u32> {
     let mut l = *layout;
     l.host_pidns_inum = inum;
-    let mut ebpf = EbpfLoader::new()
-        .btf(None)
-        .override_global(GLOBAL_LAYOUT, &l, true)
+    let mut loader = EbpfLoader::new();
+    loader.btf(None).override_global(GLOBAL_LAYOUT, &l, true);
+    // Loading the object creates every map in it, and this program uses none of the big ones:
+    // the smallest of each, so that the calibration does not double what kernels before 5.11
+    // charge to RLIMIT_MEMLOCK (its maps are freed only after it, by a kernel worker).
+    // SAFETY: sysconf has no preconditions.
+    let page = u32::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    for map in [MAP_WATCHED, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_CONTAINERS, MAP_HELD] {
+        loader.map_max_entries(map, 1);
+    }
+    // Ring buffers: at least a page (a power of two).
+    for map in [MAP_EVENTS, "AYA_LOGS"] {
+        loader.map_max_entries(map, page);
+    }
+    let mut ebpf = loader
         .load(OBJECT)
-        .map_err(|e| Error::ebpf_object("load object (calibration)", e))?;
+        .map_err(|e| Error::ebpf_object(format!("load object (calibration){}", memlock_hint(memlock_limit)), e))?;
     let program: &mut TracePoint = ebpf
         .program_mut(PROG_CALIBRATE)
         .ok_or_else(|| Error::Ebpf(format!("program {PROG_CALIBRATE} missing from object")))?
@@ -159,7 +171,7 @@ impl Programs {
         attach: Attach,
         pin_dir: Option<&std::path::Path>,
     ) -> Result<Programs> {
-        raise_memlock_limit();
+        let memlock_limit = raise_memlock_limit();
         let tracefs = match find_tracefs(host_root) {
             Ok(path) => path,
             Err(e) => mount_tracefs(host_root).ok_or(e)?,
@@ -183,7 +195,7 @@ impl Programs {
             Some(pid) => nspid_depth(pid)?,
             None => 0,
         };
-        layout.host_pidns_level = match calibrate(&layout, own) {
+        layout.host_pidns_level = match calibrate(&layout, own, memlock_limit) {
             Ok(level) => level + deeper,
             Err(e) => {
                 warn!("cannot tell the host's pid namespace level ({}): taking the kernel's initial one", e.chain());
@@ -216,9 +228,9 @@ impl Programs {
                 // Holds that do not survive the agent beat no holds at all.
                 warn!("cannot pin the record of held apps ({e}): apps held when this agent dies stay stopped");
                 pinned = None;
-                load(None).map_err(|e| Error::ebpf_object("load object", e))?
+                load(None).map_err(|e| Error::ebpf_object(format!("load object{}", memlock_hint(memlock_limit)), e))?
             }
-            Err(e) => return Err(Error::ebpf_object("load object", e)),
+            Err(e) => return Err(Error::ebpf_object(format!("load object{}", memlock_hint(memlock_limit)), e)),
         };
 
         // Kernel-side diagnostics go to our log; the logger must outlive the programs.
@@ -305,6 +317,15 @@ impl Programs {
         let events = RingBuf::try_from(take(&mut ebpf, MAP_EVENTS)?).map_err(map_err(MAP_EVENTS))?;
         let held = HashMap::try_from(take(&mut ebpf, MAP_HELD)?).map_err(map_err(MAP_HELD))?;
         let held = std::sync::Arc::new(HeldLedger::new(held, pinned));
+        let memlock = BpfMemlock::of_this_process();
+        info!(
+            maps = memlock.maps,
+            map_kib = memlock.map_bytes / 1024,
+            programs = memlock.programs,
+            program_kib = memlock.program_bytes / 1024,
+            rlimit_memlock_kib = ?memlock_limit.map(|b| b / 1024),
+            "BPF memory (fdinfo memlock; kernels before 5.11 charge it to RLIMIT_MEMLOCK)"
+        );
         info!(
             attached = ?links.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
             group_dead_field = layout.tp_exit_group_dead != valet_common::OFFSET_UNKNOWN,
@@ -515,12 +536,83 @@ pub fn trim_heap() {
     unsafe { libc::malloc_trim(0) };
 }
 
-/// BPF maps are charged to the memlock rlimit on kernels before 5.11; lift it.
-fn raise_memlock_limit() {
-    let limit = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
-    // SAFETY: plain syscall with a valid pointer.
-    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) } != 0 {
-        debug!("setrlimit(RLIMIT_MEMLOCK) failed: {}", std::io::Error::last_os_error());
+/// BPF maps and programs are charged to the memlock rlimit on kernels before 5.11; lift it
+/// (needs CAP_SYS_RESOURCE to go above the hard limit). Returns the soft limit in effect after,
+/// `None` for unlimited.
+fn raise_memlock_limit() -> Option<u64> {
+    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: plain syscalls with valid pointers.
+    unsafe {
+        if libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) != 0 {
+            debug!("setrlimit(RLIMIT_MEMLOCK, unlimited) failed: {}", std::io::Error::last_os_error());
+            // Up to the hard limit needs no capability.
+            let mut have = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut have) == 0 && have.rlim_cur < have.rlim_max {
+                have.rlim_cur = have.rlim_max;
+                let _ = libc::setrlimit(libc::RLIMIT_MEMLOCK, &have);
+            }
+        }
+        let mut now = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut now) != 0 || now.rlim_cur == libc::RLIM_INFINITY {
+            return None;
+        }
+        Some(now.rlim_cur)
+    }
+}
+
+/// Said with a failed load when RLIMIT_MEMLOCK is finite on a kernel before 5.11: there a map
+/// the limit cannot hold fails with EPERM, which reads like a missing capability.
+fn memlock_hint(limit: Option<u64>) -> String {
+    match limit {
+        Some(bytes) if kernel_charges_memlock() => format!(
+            " (RLIMIT_MEMLOCK is {} KiB and could not be raised: kernels before 5.11 charge BPF maps to it; \
+             CAP_SYS_RESOURCE lets the agent lift it)",
+            bytes / 1024
+        ),
+        _ => String::new(),
+    }
+}
+
+/// Whether the running kernel charges BPF objects to RLIMIT_MEMLOCK (before 5.11).
+fn kernel_charges_memlock() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut parts = release.trim().split(['.', '-']).map(|p| p.parse::<u32>().ok());
+    match (parts.next().flatten(), parts.next().flatten()) {
+        (Some(major), Some(minor)) => (major, minor) < (5, 11),
+        // Unknown: say it, the hint costs nothing.
+        _ => true,
+    }
+}
+
+/// The memory the kernel reports charged for this process's BPF objects: the `memlock:` line
+/// of every map and program fd in `/proc/self/fdinfo`. Kernels before 5.11 charge exactly this
+/// to RLIMIT_MEMLOCK (per user: every process of the agent's uid adds to the same sum); later
+/// kernels charge the memory cgroup instead and show their own estimate here.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BpfMemlock {
+    pub maps: u32,
+    pub map_bytes: u64,
+    pub programs: u32,
+    pub program_bytes: u64,
+}
+
+impl BpfMemlock {
+    pub fn of_this_process() -> BpfMemlock {
+        let mut sum = BpfMemlock::default();
+        let Ok(dir) = std::fs::read_dir("/proc/self/fdinfo") else { return sum };
+        for entry in dir.flatten() {
+            let Ok(text) = std::fs::read_to_string(entry.path()) else { continue };
+            let field = |name: &str| text.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
+            let Some(bytes) = field("memlock:").and_then(|v| v.parse::<u64>().ok()) else { continue };
+            if field("map_type:").is_some() {
+                sum.maps += 1;
+                sum.map_bytes += bytes;
+            } else if field("prog_type:").is_some() {
+                sum.programs += 1;
+                sum.program_bytes += bytes;
+            }
+        }
+        sum
     }
 }
 
