@@ -14,6 +14,7 @@ ENV = {
     "VALET_METRICS_ADDR": "0.0.0.0:9090",
     "VALET_LOG_FORMAT": "json",
     "RUST_LOG": "info",
+    "VALET_PIN_DIR": "/host/sys/fs/bpf/valet",
 }
 # hostPath -> mount path, in the base. All read-only.
 HOST_PATHS = {
@@ -22,7 +23,7 @@ HOST_PATHS = {
     "/sys/kernel/btf": "/sys/kernel/btf",
     # No runtime state directory: bundles are read through the runtime's own processes.
     # The one writable host path: the agent's pin directory on the host's bpffs.
-    "/sys/fs/bpf/valet": "/sys/fs/bpf/valet",
+    "/sys/fs/bpf/valet": "/host/sys/fs/bpf/valet",
 }
 WRITABLE_HOST_PATHS = {"/sys/fs/bpf/valet"}
 RUNTIME_STATE = ("/run/containerd", "/var/run/containerd", "/run/containers", "/var/run/crio", "/run/crio",
