@@ -34,10 +34,7 @@ pub fn pods_on_node(
     node: &str,
     timeout: Duration,
 ) -> impl Stream<Item = Result<watcher::Event<Pod>, watcher::Error>> + Send + 'static {
-    let api: Api<Pod> = Api::all(client);
-    let seconds = u32::try_from(timeout.as_secs()).unwrap_or(u32::MAX).max(1);
-    let config = watcher::Config::default().labels(&label_selector()).fields(&field_selector(node)).timeout(seconds);
-    watcher(api, config).default_backoff()
+    bounded(client, watcher::Config::default().labels(&label_selector()).fields(&field_selector(node)), timeout)
 }
 
 /// The watch stream of every pod on `node`, labelled or not (the observer's: it never acts).
@@ -47,7 +44,16 @@ pub fn all_pods_on_node(
     node: &str,
     timeout: Duration,
 ) -> impl Stream<Item = Result<watcher::Event<Pod>, watcher::Error>> + Send + 'static {
+    bounded(client, watcher::Config::default().fields(&field_selector(node)), timeout)
+}
+
+/// The pods `config` selects, each watch request ended by the server after `timeout`.
+fn bounded(
+    client: Client,
+    config: watcher::Config,
+    timeout: Duration,
+) -> impl Stream<Item = Result<watcher::Event<Pod>, watcher::Error>> + Send + 'static {
     let api: Api<Pod> = Api::all(client);
     let seconds = u32::try_from(timeout.as_secs()).unwrap_or(u32::MAX).max(1);
-    watcher(api, watcher::Config::default().fields(&field_selector(node)).timeout(seconds)).default_backoff()
+    watcher(api, config.timeout(seconds)).default_backoff()
 }
