@@ -323,7 +323,7 @@ fn sidecar_names<'a>(
         };
         return Ok(containers
             .iter()
-            .filter(|c| defaults.names.iter().any(|d| *d == c.name) || envoy_beside_others(c))
+            .filter(|c| defaults.names.contains(&c.name) || envoy_beside_others(c))
             .map(|c| c.name.as_str())
             .collect());
     };
