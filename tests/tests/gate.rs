@@ -719,6 +719,16 @@ fn a_proxy_that_starts_listening_after_the_hold_is_probed_when_it_listens() {
                 "the app was not held"
             );
             anyhow::ensure!(!marker.exists(), "the app ran with no proxy at all");
+            // The held pod was probed (nothing listens): the agent is past the hold's decisions,
+            // the listen program's attach among them.
+            let probed = eventually(HANG_GUARD, || {
+                node.api.pods().iter().any(|p| {
+                    p["status"]["conditions"]
+                        .as_array()
+                        .is_some_and(|cs| cs.iter().any(|c| c["type"] == CONDITION && c["reason"] == "ProxyNotReady"))
+                })
+            });
+            anyhow::ensure!(probed, "the held pod was never probed");
             anyhow::ensure!(agent.metric("valet_proxy_listens_total ") == 0.0, "a listen before the proxy");
             Ok(())
         })

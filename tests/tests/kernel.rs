@@ -716,6 +716,10 @@ async fn a_listening_socket_in_a_held_pod_is_reported(mode: AncestorMode) {
     programs.watch(plain.pod_id(), watch_flags::EXITS).expect("watch");
     // The listeners are sidecars, never held; they exec in the host's namespace anyway.
     programs.classify_exec(held.container(), false).expect("classify");
+    // Detached, nothing is reported (the counter is exact: the port is printed after listen()).
+    let (mut before, _) = start_listener(&held, &held.container_rel);
+    assert_eq!(programs.counter(Counter::Listens), 0, "reported while detached");
+    programs.set_listen(true);
     // A pod watched without holds, then a process of no pod: neither is reported. Each listens
     // before the held pod's does, so its event would come first.
     let (mut quiet, _) = start_listener(&plain, &plain.container_rel);
@@ -736,7 +740,7 @@ async fn a_listening_socket_in_a_held_pod_is_reported(mode: AncestorMode) {
     assert_eq!(got.len(), 1, "{got:?}");
     assert_eq!((got[0].port, got[0].cgroup_id, got[0].watched_cgroup_id), (port, held.container(), held.pod_id()));
     assert_eq!(got[0].tgid, proxy.id());
-    for child in [&mut quiet, &mut outside, &mut proxy] {
+    for child in [&mut before, &mut quiet, &mut outside, &mut proxy] {
         drop(child.stdin.take());
         assert!(child.wait().expect("wait").success());
     }
@@ -990,21 +994,21 @@ async fn auto_uses_the_helper_where_the_kernel_allows_it() {
     let programs = Programs::load(Path::new("/"), Attach::default()).expect("load programs");
     if kernel_allows_the_helper() {
         assert_eq!(programs.ancestor_mode(), AncestorMode::Helper);
-        assert_eq!(
-            programs.attached(),
-            vec![valet_common::PROG_EXIT, valet_common::PROG_EXEC, valet_common::PROG_LISTEN]
-        );
+        assert_eq!(programs.attached(), vec![valet_common::PROG_EXIT, valet_common::PROG_EXEC]);
+        assert_eq!(programs.listen_program(), Some(valet_common::PROG_LISTEN), "loaded, attached while holding");
     } else {
         assert_eq!(programs.ancestor_mode(), AncestorMode::Walk);
-        assert_eq!(
-            programs.attached(),
-            vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK, valet_common::PROG_LISTEN_WALK]
-        );
+        assert_eq!(programs.attached(), vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK]);
+        assert_eq!(programs.listen_program(), Some(valet_common::PROG_LISTEN_WALK));
     }
-    let walk = Programs::load(Path::new("/"), Attach { ancestors: AncestorMode::Walk, ..Attach::default() })
+    let mut walk = Programs::load(Path::new("/"), Attach { ancestors: AncestorMode::Walk, ..Attach::default() })
         .expect("load walk programs");
+    assert_eq!(walk.attached(), vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK]);
+    walk.set_listen(true);
     assert_eq!(
         walk.attached(),
         vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK, valet_common::PROG_LISTEN_WALK]
     );
+    walk.set_listen(false);
+    assert_eq!(walk.attached(), vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK]);
 }
