@@ -485,7 +485,9 @@ async fn a_fork_storm_never_reaches_user_space(mode: AncestorMode) {
     let started = Instant::now();
     let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", &script]);
     let record = recorded_main(&programs, container).await;
-    let deadline = Instant::now() + Duration::from_secs(120);
+    // A hang guard only: 5,500 processes took over 120 s in an emulated 5.10 guest beside other
+    // guests (load 17).
+    let deadline = Instant::now() + Duration::from_secs(900);
     while !mark.exists() {
         assert!(Instant::now() < deadline, "storm did not finish");
         tokio::time::sleep(Duration::from_millis(20)).await;
