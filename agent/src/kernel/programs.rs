@@ -195,8 +195,7 @@ impl Programs {
         let btf = Btf::from_file(&btf_path)?;
         memory::note("kernel BTF read");
         let mut layout = read_layout(&btf, &tracefs)?;
-        // Gone before the loader parses the kernel's BTF once more (aya's `EbpfLoader::new`
-        // always does): the two parses at once were the agent's peak memory.
+        // Megabytes, needed no more: given back before the maps and programs are made.
         drop(btf);
         memory::trim_heap();
         memory::note("kernel BTF dropped");
