@@ -86,7 +86,8 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     // node rather than keep it in the allocator's free lists for the agent's lifetime.
     // SAFETY: glibc's malloc_trim only releases free memory.
     unsafe { libc::malloc_trim(0) };
-    memory::note("kernel programs loaded, heap trimmed");
+    let resident = memory::Resident::now();
+    info!(rss_kib = resident.rss_kib, peak_kib = resident.peak_kib, "resident memory after loading");
 
     let cgroups = CgroupFs::new(cgroup_root);
     if cfg.observe {
