@@ -12,11 +12,14 @@
 
 use aya::EbpfLoader;
 
-/// `AUDIT_ARCH_*` of this build's syscall ABI (`include/uapi/linux/audit.h`).
+/// `AUDIT_ARCH_*` of this build's syscall ABI (`include/uapi/linux/audit.h`); on others the
+/// loader is made as aya makes it.
 #[cfg(target_arch = "x86_64")]
-const AUDIT_ARCH: u32 = 0xc000_003e;
+const AUDIT_ARCH: Option<u32> = Some(0xc000_003e);
 #[cfg(target_arch = "aarch64")]
-const AUDIT_ARCH: u32 = 0xc000_00b7;
+const AUDIT_ARCH: Option<u32> = Some(0xc000_00b7);
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+const AUDIT_ARCH: Option<u32> = None;
 
 /// Offsets in `struct seccomp_data`.
 const SECCOMP_DATA_NR: u32 = 0;
@@ -32,7 +35,7 @@ fn open_syscalls() -> Vec<u32> {
 
 /// A classic BPF seccomp program: `open`-family syscalls of this ABI fail with `ENOENT`,
 /// everything else is allowed.
-fn deny_open_filter() -> Vec<libc::sock_filter> {
+fn deny_open_filter(arch: u32) -> Vec<libc::sock_filter> {
     let stmt = |code: u32, k: u32| libc::sock_filter { code: code as u16, jt: 0, jf: 0, k };
     let jeq = |k: u32, jt: u8, jf: u8| libc::sock_filter {
         code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
@@ -45,7 +48,7 @@ fn deny_open_filter() -> Vec<libc::sock_filter> {
     let mut prog = vec![
         stmt(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, SECCOMP_DATA_ARCH),
         // Another ABI (none is used here): allowed, past the syscall checks.
-        jeq(AUDIT_ARCH, 0, n + 1),
+        jeq(arch, 0, n + 1),
         stmt(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, SECCOMP_DATA_NR),
     ];
     for (i, nr) in nrs.iter().enumerate() {
@@ -60,7 +63,8 @@ fn deny_open_filter() -> Vec<libc::sock_filter> {
 /// Makes this thread's `open` calls fail from now on, for the rest of its life. Only for a
 /// thread that is about to end: the filter cannot be lifted.
 fn deny_open_on_this_thread() -> std::io::Result<()> {
-    let filter = deny_open_filter();
+    let arch = AUDIT_ARCH.ok_or_else(|| std::io::Error::other("no seccomp architecture known for this build"))?;
+    let filter = deny_open_filter(arch);
     let prog = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_ptr() as *mut _ };
     // SAFETY: prctl with these options reads only `prog`, which outlives the call. Without
     // SECCOMP_FILTER_FLAG_TSYNC both settings apply to the calling thread alone;
@@ -120,7 +124,7 @@ mod tests {
 
     #[test]
     fn the_filter_jumps_land_on_the_returns() {
-        let prog = deny_open_filter();
+        let prog = deny_open_filter(AUDIT_ARCH.expect("a known architecture"));
         let n = open_syscalls().len();
         assert_eq!(prog.len(), 3 + n + 2);
         let ret = |i: usize| prog[i].code as u32 == libc::BPF_RET | libc::BPF_K;
