@@ -697,6 +697,52 @@ async fn exec_hold_stops_a_shared_namespace_main_too(mode: AncestorMode) {
     reap(&mut pause);
 }
 
+/// Starts `valet-test-listen` in `rel` of `pod`; returns it and the port it listens on.
+fn start_listener(pod: &Pod, rel: &str) -> (Child, u16) {
+    use std::io::BufRead as _;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_valet-test-listen"));
+    cmd.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
+    let mut child = pod.cgroups.spawn_in(rel, &mut cmd).expect("spawn listener");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("port");
+    (child, line.trim().parse().expect("a port"))
+}
+
+async fn a_listening_socket_in_a_held_pod_is_reported(mode: AncestorMode) {
+    let (mut programs, mut stream) = load(mode);
+    let held = Pod::new(true, 31);
+    let plain = Pod::new(false, 32);
+    programs.watch(held.pod_id(), watch_flags::EXITS | watch_flags::HOLD).expect("watch");
+    programs.watch(plain.pod_id(), watch_flags::EXITS).expect("watch");
+    // The listeners are sidecars, never held; they exec in the host's namespace anyway.
+    programs.classify_exec(held.container(), false).expect("classify");
+    // A pod watched without holds, then a process of no pod: neither is reported. Each listens
+    // before the held pod's does, so its event would come first.
+    let (mut quiet, _) = start_listener(&plain, &plain.container_rel);
+    let mut outside = Command::new(env!("CARGO_BIN_EXE_valet-test-listen"));
+    let mut outside =
+        outside.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().expect("spawn");
+    let mut port_line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(outside.stdout.take().expect("stdout")), &mut port_line)
+        .expect("port");
+    let (mut proxy, port) = start_listener(&held, &held.container_rel);
+    // Connections change socket states too (SYN_SENT, ESTABLISHED): not listens.
+    let _client = std::net::TcpStream::connect(("127.0.0.1", port));
+    let got = collect(&mut stream, 1, WAIT, |e| match e {
+        Event::Listen(l) => Some(l),
+        _ => None,
+    })
+    .await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!((got[0].port, got[0].cgroup_id, got[0].watched_cgroup_id), (port, held.container(), held.pod_id()));
+    assert_eq!(got[0].tgid, proxy.id());
+    for child in [&mut quiet, &mut outside, &mut proxy] {
+        drop(child.stdin.take());
+        assert!(child.wait().expect("wait").success());
+    }
+    assert_eq!(programs.counter(Counter::Listens), 1, "one listen reported");
+}
+
 async fn exec_hold_skips_cgroups_classified_as_pass(mode: AncestorMode) {
     let (mut programs, mut stream) = load(mode);
     let pod = Pod::new(false, 10);
@@ -929,6 +975,7 @@ in_both_modes!(
     exec_hold_stops_the_main_process_before_it_runs,
     exec_hold_stops_a_shared_namespace_main_too,
     exec_hold_skips_cgroups_classified_as_pass,
+    a_listening_socket_in_a_held_pod_is_reported,
     a_full_containers_map_is_counted_and_never_holds,
     on_a_kind_node_the_host_namespace_is_the_nodes,
     crun_runs_the_container_one_level_below_its_scope,
@@ -943,12 +990,21 @@ async fn auto_uses_the_helper_where_the_kernel_allows_it() {
     let programs = Programs::load(Path::new("/"), Attach::default()).expect("load programs");
     if kernel_allows_the_helper() {
         assert_eq!(programs.ancestor_mode(), AncestorMode::Helper);
-        assert_eq!(programs.attached(), vec![valet_common::PROG_EXIT, valet_common::PROG_EXEC]);
+        assert_eq!(
+            programs.attached(),
+            vec![valet_common::PROG_EXIT, valet_common::PROG_EXEC, valet_common::PROG_LISTEN]
+        );
     } else {
         assert_eq!(programs.ancestor_mode(), AncestorMode::Walk);
-        assert_eq!(programs.attached(), vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK]);
+        assert_eq!(
+            programs.attached(),
+            vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK, valet_common::PROG_LISTEN_WALK]
+        );
     }
     let walk = Programs::load(Path::new("/"), Attach { ancestors: AncestorMode::Walk, ..Attach::default() })
         .expect("load walk programs");
-    assert_eq!(walk.attached(), vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK]);
+    assert_eq!(
+        walk.attached(),
+        vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK, valet_common::PROG_LISTEN_WALK]
+    );
 }

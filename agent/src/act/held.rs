@@ -44,6 +44,8 @@ struct Wanted {
 
 struct Registry {
     pods: HashMap<String, Wanted>,
+    /// Pods to probe at once, at the thread's next turn.
+    now: Vec<String>,
     /// Bumped on every change (the thread looks at the pods only then).
     version: u64,
     /// The thread ended: nothing is probed here any more.
@@ -113,7 +115,7 @@ impl HeldProber {
         // SAFETY: `fd` was just made and nothing else owns it.
         let wake = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
         let prober = Arc::new(HeldProber {
-            registry: Mutex::new(Registry { pods: HashMap::new(), version: 0, ended: false }),
+            registry: Mutex::new(Registry { pods: HashMap::new(), now: Vec::new(), version: 0, ended: false }),
             wake,
             interval_ns: AtomicU64::new(10_000_000),
             deadline_ns: AtomicU64::new(nanos(LIMITS.total_timeout)),
@@ -176,6 +178,21 @@ impl HeldProber {
         token
     }
 
+    /// Probes pod `uid` at once, if it is probed here: a socket started listening in it.
+    pub fn probe_now(&self, uid: &str) {
+        {
+            let mut registry = self.registry();
+            if !registry.pods.contains_key(uid) {
+                return;
+            }
+            registry.now.push(uid.to_owned());
+            registry.version += 1;
+        }
+        if let Err(e) = (&self.wake).write(&1u64.to_ne_bytes()) {
+            debug!("waking the held-pod prober: {e}");
+        }
+    }
+
     /// Whether the pod handed over with `token` is probed here (not once the thread ended).
     pub fn probes(&self, uid: &str, token: u64) -> bool {
         self.registry().pods.get(uid).is_some_and(|p| p.token == token)
@@ -193,11 +210,16 @@ impl HeldProber {
     /// The pods of the registry, if it changed since `seen`: new ones fresh, their connections
     /// made anew.
     fn sync(&self, pods: &mut Vec<Pod>, seen: &mut u64) {
-        let registry = self.registry();
+        let mut registry = self.registry();
         if registry.version == *seen {
             return;
         }
         *seen = registry.version;
+        for uid in std::mem::take(&mut registry.now) {
+            if let Some(pod) = pods.iter_mut().find(|p| p.uid == uid) {
+                pod.fresh = true;
+            }
+        }
         pods.retain(|p| registry.pods.get(&p.uid).is_some_and(|w| w.token == p.token));
         for (uid, wanted) in &registry.pods {
             if pods.iter().any(|p| p.uid == *uid) {

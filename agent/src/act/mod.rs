@@ -188,6 +188,14 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         self.ahead.unclaimed(uid)
     }
 
+    /// Probes held pod `uid`'s proxies at once (a socket started listening there), if the held
+    /// pods' prober has it; a pod on its own loop keeps its pace.
+    pub fn probe_now(&self, uid: &str) {
+        if let Some(p) = &self.held_prober {
+            p.probe_now(uid);
+        }
+    }
+
     /// Spreads the held pods' probes over the budget: their interval follows how many are held.
     fn pace_held_probes(&self) {
         let held = self.probes.values().filter(|p| p.pace() == Pace::Urgent).count();

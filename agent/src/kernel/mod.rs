@@ -14,7 +14,7 @@ use std::future::Future;
 use valet_common::Counter;
 
 pub use container_main::MainProcess;
-pub use events::{Event, EventReader, EventStream, HeldProcess, ProcessEnd, ProcessExit};
+pub use events::{Event, EventReader, EventStream, HeldProcess, Listening, ProcessEnd, ProcessExit};
 pub use programs::{Attach, Programs, RecordOutcome};
 
 use crate::error::Result;

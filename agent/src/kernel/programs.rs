@@ -10,8 +10,8 @@ use tracing::{debug, info, warn};
 use valet_common::{
     ContainerMain, Counter, EXEC_CLASS_HOLD, EXEC_CLASS_PASS, GLOBAL_LAYOUT, KernelLayout, MAP_CALIBRATION,
     MAP_CONTAINERS, MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_HELD, MAP_WATCHED,
-    MAX_HOST_PIDNS_LEVEL, PIN_HELD, PROG_CALIBRATE, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT, PROG_EXIT_WALK,
-    container_flags,
+    MAX_HOST_PIDNS_LEVEL, PIN_HELD, PROG_CALIBRATE, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT, PROG_EXIT_WALK, PROG_LISTEN,
+    PROG_LISTEN_WALK, container_flags,
 };
 
 use super::btf::Btf;
@@ -21,6 +21,26 @@ use super::layout::{find_tracefs, pidns_inum, read_layout, supports_ancestor_wal
 use super::loader::loader_without_kernel_btf;
 use super::memory;
 use crate::error::{Error, Result};
+
+/// Loads and attaches the listen program of the ancestor `mode`.
+fn attach_listen(
+    ebpf: &mut Ebpf,
+    layout: &KernelLayout,
+    mode: AncestorMode,
+) -> std::result::Result<(&'static str, TracePointLinkId), String> {
+    if layout.tp_sock_newstate == valet_common::OFFSET_UNKNOWN || layout.tp_sock_sport == valet_common::OFFSET_UNKNOWN {
+        return Err("no sock/inet_sock_set_state tracepoint format (kernel before 4.16?)".into());
+    }
+    let prog = if mode == AncestorMode::Walk { PROG_LISTEN_WALK } else { PROG_LISTEN };
+    let program: &mut TracePoint = ebpf
+        .program_mut(prog)
+        .ok_or_else(|| format!("program {prog} missing from object"))?
+        .try_into()
+        .map_err(|e| format!("program {prog}: {e}"))?;
+    program.load().map_err(|e| format!("load {prog}: {e}"))?;
+    let link = program.attach("sock", "inet_sock_set_state").map_err(|e| format!("attach {prog}: {e}"))?;
+    Ok((prog, link))
+}
 
 /// The BPF object built from `agent-ebpf`, aligned for the loader.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/valet-agent-ebpf"));
@@ -321,6 +341,14 @@ impl Programs {
                 .attach("sched", name)
                 .map_err(|e| Error::ebpf_program(format!("attach {prog} to sched/{name}"), e))?;
             links.push((prog, link));
+        }
+        // Listening sockets of held pods: an addition to the probes' poll, so a kernel that
+        // refuses it costs only that (logged).
+        if attach.execs {
+            match attach_listen(&mut ebpf, &layout, ancestors) {
+                Ok(link) => links.push(link),
+                Err(e) => warn!("no listen events (held apps are released by the 10 ms probe alone): {e}"),
+            }
         }
 
         memory::note("programs attached");
