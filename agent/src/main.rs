@@ -18,7 +18,7 @@ use valet_agent::config::{Config, LogFormat};
 use valet_agent::controller::Controller;
 use valet_agent::error::Chain;
 use valet_agent::kernel::programs::AncestorMode;
-use valet_agent::kernel::{Attach, EventReader, Programs};
+use valet_agent::kernel::{Attach, EventReader, Programs, memory};
 use valet_agent::metrics::Metrics;
 use valet_agent::observe::{NetnsProbe, Observer};
 use valet_agent::pod::spec::SidecarDefaults;
@@ -75,6 +75,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     // VALET_CGROUP_ANCESTORS=auto|helper|walk: how the kernel programs find a process's pod
     // cgroup (auto: the helper where the kernel allows it, else a walk up the cgroup tree).
     let attach = Attach { ancestors: AncestorMode::from_env()?, ..Attach::default() };
+    memory::note("before loading the kernel programs");
     let mut programs =
         Programs::load_pinned(&cfg.host_root, attach, Some(&cfg.pin_dir)).context("load kernel programs")?;
     if let Some(logger) = programs.take_logger() {
@@ -85,6 +86,8 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     // node rather than keep it in the allocator's free lists for the agent's lifetime.
     // SAFETY: glibc's malloc_trim only releases free memory.
     unsafe { libc::malloc_trim(0) };
+    let resident = memory::Resident::now();
+    info!(rss_kib = resident.rss_kib, peak_kib = resident.peak_kib, "resident memory after loading");
 
     let cgroups = CgroupFs::new(cgroup_root);
     if cfg.observe {

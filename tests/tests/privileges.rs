@@ -185,6 +185,25 @@ fn spawn(node: &Node, memlock: Option<u64>, caps: &[&str]) -> Agent {
     agent
 }
 
+/// Issue 28: the agent's resident memory from its start, loading included (`VmHWM`), at most
+/// this. The DaemonSet's memory limit is sized from it (deploy/README.md, docs/memory.md).
+const PEAK_RESIDENT_KIB: u64 = 24 << 10;
+
+/// The agent's peak resident memory so far, loading included, fits [`PEAK_RESIDENT_KIB`], and
+/// its BPF loader did not parse the kernel's BTF (which alone took ~22 MiB).
+fn assert_peak_memory_fits(agent: &Agent) {
+    let pid = agent.pid().expect("pid");
+    let kib = |field: &str| -> u64 {
+        let value = status_field(pid, field).unwrap_or_else(|| panic!("{field} of the agent"));
+        value.trim_end_matches("kB").trim().parse().expect("KiB")
+    };
+    let (peak, now) = (kib("VmHWM:"), kib("VmRSS:"));
+    println!("agent resident memory: peak {peak} KiB from start, loading included (VmHWM), now {now} KiB");
+    let log = agent.log_text();
+    assert!(!log.contains("parsed the kernel's BTF"), "the loader parsed the kernel's BTF\n{log}");
+    assert!(peak <= PEAK_RESIDENT_KIB, "peak {peak} KiB > {PEAK_RESIDENT_KIB} KiB\n{log}");
+}
+
 /// After the app's exit was seen and no quit arrived: the quit the agent tried, and failed,
 /// by its metric label (waits for the agent's retries to end).
 fn failed_quit_label(agent: &Agent) -> Option<String> {
@@ -302,6 +321,7 @@ fn the_daemonsets_capabilities_are_enough() {
     let mut job = node.job_pod(JobSpec::new("quit")).expect("pod");
     agent.wait_tracked(1, Duration::from_secs(10)).expect("tracked");
     assert!(quit_after_app_exit(&agent, &mut job, Duration::from_secs(10)), "quit\n{}", agent.log_text());
+    assert_peak_memory_fits(&agent);
     // A second node (API server) and agent for the hold, so that the pod counts stay simple.
     let node = Node::new().expect("node");
     let agent = start(&node, &have);

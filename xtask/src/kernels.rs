@@ -785,8 +785,18 @@ pub(crate) fn qemu(
 /// Console lines worth echoing: test names and results, panics (cut to 400 characters: a
 /// verifier log is long; the whole of it is in the console log), the guest's own markers.
 fn echoed(line: &str) -> bool {
-    const PREFIXES: [&str; 9] =
-        ["test ", "running ", "VALET-", "thread '", "node", "kubelet:", "---", "without ", "BPF memory"];
+    const PREFIXES: [&str; 10] = [
+        "test ",
+        "running ",
+        "VALET-",
+        "thread '",
+        "node",
+        "kubelet:",
+        "---",
+        "without ",
+        "BPF memory",
+        "agent resident memory",
+    ];
     PREFIXES.iter().any(|p| line.starts_with(p)) || line.contains("FAIL") || line.contains("Kernel panic")
 }
 

@@ -3,8 +3,6 @@
 //!
 //! Format: `include/uapi/linux/btf.h` (header, type section, string section).
 
-use std::collections::HashMap;
-
 use crate::error::{Error, Result};
 
 const BTF_MAGIC: u16 = 0xeb9f;
@@ -20,36 +18,43 @@ const KIND_DATASEC: u32 = 15;
 const KIND_DECL_TAG: u32 = 17;
 const KIND_ENUM64: u32 = 19;
 
-#[derive(Debug, Clone)]
+/// Parsed BTF type information: the blob as read, and where each type's record starts in it.
+/// Nothing is copied out of the blob: the kernel's is 5–6 MB, and this reader runs while the
+/// agent's memory is at its peak (its limit must fit it).
+pub struct Btf {
+    data: Vec<u8>,
+    /// The type section's and the string section's place in `data`.
+    types: std::ops::Range<usize>,
+    strings: std::ops::Range<usize>,
+    /// Index = type id: where the type's record starts in the type section (id 0 is `void`,
+    /// which has none).
+    records: Vec<u32>,
+}
+
+fn u32_at(data: &[u8], off: usize) -> Result<u32> {
+    off.checked_add(4)
+        .and_then(|end| data.get(off..end))
+        .and_then(|b| b.try_into().ok())
+        .map(u32::from_le_bytes)
+        .ok_or_else(|| Error::Btf(format!("truncated at byte {off}")))
+}
+
+/// A struct or union: its name, size in bytes and members (`vlen` records after its own).
+#[derive(Clone, Copy)]
+struct Composite {
+    name_off: u32,
+    size: u32,
+    kind_flag: bool,
+    /// Where its member records start in the type section, and how many there are.
+    members_at: usize,
+    vlen: usize,
+}
+
 struct Member {
     name_off: u32,
     type_id: u32,
     /// Bit offset within the parent.
     bit_offset: u32,
-}
-
-#[derive(Debug, Clone)]
-enum Type {
-    /// A struct or union: size in bytes and members.
-    Composite { name_off: u32, size: u32, members: Vec<Member> },
-    /// Anything else; kept so type ids stay aligned with positions.
-    Other,
-}
-
-/// Parsed BTF type information.
-pub struct Btf {
-    strings: Vec<u8>,
-    /// Index = type id (id 0 is `void`).
-    types: Vec<Type>,
-    /// Struct name → first type id with that name.
-    structs: HashMap<String, u32>,
-}
-
-fn u32_at(data: &[u8], off: usize) -> Result<u32> {
-    data.get(off..off + 4)
-        .and_then(|b| b.try_into().ok())
-        .map(u32::from_le_bytes)
-        .ok_or_else(|| Error::Btf(format!("truncated at byte {off}")))
 }
 
 impl Btf {
@@ -60,11 +65,16 @@ impl Btf {
 
     pub fn from_file(path: &std::path::Path) -> Result<Btf> {
         let data = std::fs::read(path).map_err(|e| Error::io(format!("read {}", path.display()), e))?;
-        Self::parse(&data)
+        Self::from_bytes(data)
     }
 
     /// Parses raw BTF (little-endian, as on every host valet supports).
     pub fn parse(data: &[u8]) -> Result<Btf> {
+        Self::from_bytes(data.to_vec())
+    }
+
+    /// [`Btf::parse`], keeping `data`.
+    pub fn from_bytes(data: Vec<u8>) -> Result<Btf> {
         if data.len() < 24 {
             return Err(Error::Btf("shorter than the BTF header".into()));
         }
@@ -72,97 +82,104 @@ impl Btf {
         if magic != BTF_MAGIC {
             return Err(Error::Btf(format!("bad magic {magic:#x} (big-endian BTF is not supported)")));
         }
-        let hdr_len = u32_at(data, 4)? as usize;
-        let type_off = u32_at(data, 8)? as usize;
-        let type_len = u32_at(data, 12)? as usize;
-        let str_off = u32_at(data, 16)? as usize;
-        let str_len = u32_at(data, 20)? as usize;
-        let section = |off: usize, len: usize| {
+        let hdr_len = u32_at(&data, 4)? as usize;
+        let section = |at: usize| -> Result<std::ops::Range<usize>> {
+            let (off, len) = (u32_at(&data, at)? as usize, u32_at(&data, at + 4)? as usize);
             let start = hdr_len.checked_add(off);
-            let end = start.and_then(|s| s.checked_add(len));
-            match (start, end) {
-                (Some(s), Some(e)) if e <= data.len() => Ok(&data[s..e]),
+            match (start, start.and_then(|s| s.checked_add(len))) {
+                (Some(s), Some(e)) if e <= data.len() => Ok(s..e),
                 _ => Err(Error::Btf("section outside the data".into())),
             }
         };
-        let tsec = section(type_off, type_len)?;
-        let strings = section(str_off, str_len)?.to_vec();
+        let types = section(8)?;
+        let strings = section(16)?;
 
-        let mut types = vec![Type::Other];
+        let tsec = &data[types.clone()];
+        let mut records = vec![0];
         let mut pos = 0usize;
         while pos < tsec.len() {
-            let name_off = u32_at(tsec, pos)?;
+            let record = u32::try_from(pos).map_err(|_| Error::Btf("type section over 4 GiB".into()))?;
             let info = u32_at(tsec, pos + 4)?;
-            let size_or_type = u32_at(tsec, pos + 8)?;
-            pos += 12;
+            u32_at(tsec, pos + 8)?;
             let vlen = (info & 0xffff) as usize;
-            let kind = (info >> 24) & 0x1f;
-            let kind_flag = info >> 31 == 1;
-            let ty = match kind {
-                KIND_STRUCT | KIND_UNION => {
-                    let mut members = Vec::with_capacity(vlen);
-                    for i in 0..vlen {
-                        let m = pos + i * 12;
-                        let raw_offset = u32_at(tsec, m + 8)?;
-                        members.push(Member {
-                            name_off: u32_at(tsec, m)?,
-                            type_id: u32_at(tsec, m + 4)?,
-                            // With kind_flag the top 8 bits hold a bitfield size.
-                            bit_offset: if kind_flag { raw_offset & 0x00ff_ffff } else { raw_offset },
-                        });
-                    }
-                    pos += vlen * 12;
-                    Type::Composite { name_off, size: size_or_type, members }
-                }
-                _ => {
-                    pos += match kind {
-                        KIND_INT | KIND_VAR | KIND_DECL_TAG => 4,
-                        KIND_ARRAY => 12,
-                        KIND_ENUM | KIND_FUNC_PROTO => vlen * 8,
-                        KIND_DATASEC | KIND_ENUM64 => vlen * 12,
-                        0 | 2 | 7..=12 | 16 | 18 => 0,
-                        other => return Err(Error::Btf(format!("unknown BTF kind {other}"))),
-                    };
-                    Type::Other
-                }
+            let extra = match (info >> 24) & 0x1f {
+                KIND_INT | KIND_VAR | KIND_DECL_TAG => 4,
+                KIND_ARRAY => 12,
+                KIND_ENUM | KIND_FUNC_PROTO => vlen * 8,
+                KIND_STRUCT | KIND_UNION | KIND_DATASEC | KIND_ENUM64 => vlen * 12,
+                0 | 2 | 7..=12 | 16 | 18 => 0,
+                other => return Err(Error::Btf(format!("unknown BTF kind {other}"))),
             };
-            types.push(ty);
-        }
-
-        let mut btf = Btf { strings, types, structs: HashMap::new() };
-        let mut structs = HashMap::new();
-        for (id, ty) in btf.types.iter().enumerate() {
-            if let Type::Composite { name_off, .. } = ty
-                && *name_off != 0
-            {
-                let name = btf.string(*name_off).to_owned();
-                structs.entry(name).or_insert(id as u32);
+            pos += 12 + extra;
+            if pos > tsec.len() {
+                return Err(Error::Btf(format!("type {} runs past the type section", records.len())));
             }
+            records.push(record);
         }
-        btf.structs = structs;
-        Ok(btf)
+        Ok(Btf { data, types, strings, records })
     }
 
     fn string(&self, off: u32) -> &str {
-        let start = off as usize;
-        let Some(rest) = self.strings.get(start..) else { return "" };
+        let strings = &self.data[self.strings.clone()];
+        let Some(rest) = strings.get(off as usize..) else { return "" };
         let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
         std::str::from_utf8(&rest[..end]).unwrap_or("")
     }
 
+    /// Type `id` if it is a struct or union (every record lies within the type section: checked
+    /// by the parse).
+    fn composite(&self, id: u32) -> Option<Composite> {
+        if id == 0 {
+            return None;
+        }
+        let tsec = &self.data[self.types.clone()];
+        let at = *self.records.get(id as usize)? as usize;
+        let info = u32_at(tsec, at + 4).ok()?;
+        if !matches!((info >> 24) & 0x1f, KIND_STRUCT | KIND_UNION) {
+            return None;
+        }
+        Some(Composite {
+            name_off: u32_at(tsec, at).ok()?,
+            size: u32_at(tsec, at + 8).ok()?,
+            kind_flag: info >> 31 == 1,
+            members_at: at + 12,
+            vlen: (info & 0xffff) as usize,
+        })
+    }
+
+    fn members(&self, c: Composite) -> impl Iterator<Item = Member> + '_ {
+        let tsec = &self.data[self.types.clone()];
+        let kind_flag = c.kind_flag;
+        (0..c.vlen).filter_map(move |i| {
+            let m = c.members_at + i * 12;
+            let raw_offset = u32_at(tsec, m + 8).ok()?;
+            Some(Member {
+                name_off: u32_at(tsec, m).ok()?,
+                type_id: u32_at(tsec, m + 4).ok()?,
+                // With kind_flag the top 8 bits hold a bitfield size.
+                bit_offset: if kind_flag { raw_offset & 0x00ff_ffff } else { raw_offset },
+            })
+        })
+    }
+
+    /// The first struct or union named `name` (a scan: the layout step asks a score of names).
+    fn named(&self, name: &str) -> Option<(u32, Composite)> {
+        (1..self.records.len() as u32).find_map(|id| {
+            let c = self.composite(id)?;
+            (c.name_off != 0 && self.string(c.name_off) == name).then_some((id, c))
+        })
+    }
+
     /// Size in bytes of `struct name`.
     pub fn struct_size(&self, name: &str) -> Result<u32> {
-        match self.structs.get(name).and_then(|id| self.types.get(*id as usize)) {
-            Some(Type::Composite { size, .. }) => Ok(*size),
-            _ => Err(Error::Btf(format!("struct {name} not found"))),
-        }
+        self.named(name).map(|(_, c)| c.size).ok_or_else(|| Error::Btf(format!("struct {name} not found")))
     }
 
     /// Byte offset of `member` in `struct name`, looking through anonymous structs and unions
     /// (the kernel wraps many fields in them, e.g. under randomized layouts).
     pub fn member_offset(&self, name: &str, member: &str) -> Result<u32> {
-        let id = self.structs.get(name).ok_or_else(|| Error::Btf(format!("struct {name} not found")))?;
-        self.find_member(*id, member, 0)
+        let (id, _) = self.named(name).ok_or_else(|| Error::Btf(format!("struct {name} not found")))?;
+        self.find_member(id, member, 0)
             .map(|bits| bits / 8)
             .ok_or_else(|| Error::Btf(format!("{name}.{member} not found")))
     }
@@ -171,15 +188,11 @@ impl Btf {
         if depth > 8 {
             return None;
         }
-        let Some(Type::Composite { members, .. }) = self.types.get(id as usize) else {
-            return None;
-        };
-        for m in members {
-            if m.name_off != 0 && self.string(m.name_off) == member {
-                return Some(m.bit_offset);
-            }
+        let c = self.composite(id)?;
+        if let Some(m) = self.members(c).find(|m| m.name_off != 0 && self.string(m.name_off) == member) {
+            return Some(m.bit_offset);
         }
-        for m in members.iter().filter(|m| m.name_off == 0) {
+        for m in self.members(c).filter(|m| m.name_off == 0) {
             if let Some(inner) = self.find_member(m.type_id, member, depth + 1) {
                 // Checked: offsets come from the blob (an overflow is a panic in debug builds).
                 return m.bit_offset.checked_add(inner);

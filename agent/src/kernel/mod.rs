@@ -5,6 +5,8 @@ pub mod container_main;
 pub mod events;
 pub mod held;
 pub mod layout;
+pub mod loader;
+pub mod memory;
 pub mod programs;
 
 use std::future::Future;

@@ -18,6 +18,8 @@ use super::btf::Btf;
 use super::container_main::MainProcess;
 use super::held::{HeldLedger, prepare_pin_dir};
 use super::layout::{find_tracefs, pidns_inum, read_layout, supports_ancestor_walk};
+use super::loader::loader_without_kernel_btf;
+use super::memory;
 use crate::error::{Error, Result};
 
 /// Loads the listen program of the ancestor `mode`; returns its name.
@@ -47,7 +49,8 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/va
 fn calibrate(layout: &KernelLayout, inum: u32, memlock_limit: Option<u64>) -> Result<u32> {
     let mut l = *layout;
     l.host_pidns_inum = inum;
-    let mut loader = EbpfLoader::new();
+    let mut loader = new_loader();
+    memory::note("calibration loader made");
     loader.btf(None).override_global(GLOBAL_LAYOUT, &l, true);
     // Loading the object creates every map in it, and this program uses none of the big ones:
     // the smallest of each, so that the calibration does not double what kernels before 5.11
@@ -64,6 +67,7 @@ fn calibrate(layout: &KernelLayout, inum: u32, memlock_limit: Option<u64>) -> Re
     let mut ebpf = loader
         .load(OBJECT)
         .map_err(|e| Error::ebpf_object(format!("load object (calibration){}", memlock_hint(memlock_limit)), e))?;
+    memory::note("calibration object loaded");
     let program: &mut TracePoint = ebpf
         .program_mut(PROG_CALIBRATE)
         .ok_or_else(|| Error::Ebpf(format!("program {PROG_CALIBRATE} missing from object")))?
@@ -93,6 +97,16 @@ fn calibrate(layout: &KernelLayout, inum: u32, memlock_limit: Option<u64>) -> Re
         let _ = p.detach(link);
     }
     seen.checked_sub(1).ok_or_else(|| Error::Ebpf("the calibration program saw no exit of ours".into()))
+}
+
+/// A loader for [`OBJECT`], made without aya parsing the kernel's BTF where this process can
+/// (see [`loader_without_kernel_btf`]).
+fn new_loader() -> EbpfLoader<'static> {
+    let (loader, fell_back) = loader_without_kernel_btf();
+    if let Some(why) = fell_back {
+        warn!("the BPF loader parsed the kernel's BTF ({why}): the agent's memory peaks ~20 MiB higher while loading");
+    }
+    loader
 }
 
 /// How many pid namespaces below our procfs's the process `pid` lives (NSpid entries − 1).
@@ -199,12 +213,14 @@ impl Programs {
             Err(e) => mount_tracefs(host_root).ok_or(e)?,
         };
         let btf_path = host_root.join("sys/kernel/btf/vmlinux");
+        memory::note("before reading the kernel's BTF");
         let btf = Btf::from_file(&btf_path)?;
+        memory::note("kernel BTF read");
         let mut layout = read_layout(&btf, &tracefs)?;
-        // Gone before the loader parses the kernel's BTF once more (aya's `EbpfLoader::new`
-        // always does): the two parses at once were the agent's peak memory.
+        // Megabytes, needed no more: given back before the maps and programs are made.
         drop(btf);
-        trim_heap();
+        memory::trim_heap();
+        memory::note("kernel BTF dropped");
         let host_ns = match attach.host_pidns_of {
             Some(pid) => format!("/proc/{pid}/ns/pid"),
             None => "/proc/self/ns/pid".to_owned(),
@@ -234,10 +250,10 @@ impl Programs {
 
         let mut pinned = pin_dir.and_then(prepare_pin_dir).map(|dir| dir.join(PIN_HELD));
         let load = |pin: Option<&std::path::Path>| {
-            let mut loader = EbpfLoader::new();
+            let mut loader = new_loader();
+            memory::note("loader made");
             // The programs read the kernel through offsets in LAYOUT (from our own BTF reader):
-            // no CO-RE relocation needs the kernel's BTF, and aya parsing it again (megabytes
-            // of types) was most of the agent's peak memory.
+            // no CO-RE relocation needs the kernel's BTF.
             loader.btf(None).override_global(GLOBAL_LAYOUT, &layout, true);
             if let Some(pin) = pin {
                 loader.map_pin_path(MAP_HELD, pin);
@@ -255,6 +271,7 @@ impl Programs {
             Err(e) => return Err(Error::ebpf_object(format!("load object{}", memlock_hint(memlock_limit)), e)),
         };
 
+        memory::note("object loaded");
         // Kernel-side diagnostics go to our log; the logger must outlive the programs.
         let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
             Ok(logger) => Some(logger),
@@ -338,6 +355,7 @@ impl Programs {
             None
         };
 
+        memory::note("programs attached");
         let take = |ebpf: &mut Ebpf, name: &str| {
             ebpf.take_map(name).ok_or_else(|| Error::Ebpf(format!("map {name} missing from object")))
         };
@@ -592,12 +610,6 @@ fn mount_tracefs(host_root: &std::path::Path) -> Option<std::path::PathBuf> {
             None
         }
     }
-}
-
-/// Gives freed heap back to the node (glibc keeps it otherwise).
-pub fn trim_heap() {
-    // SAFETY: glibc's malloc_trim only releases free memory.
-    unsafe { libc::malloc_trim(0) };
 }
 
 /// BPF maps and programs are charged to the memlock rlimit on kernels before 5.11; lift it

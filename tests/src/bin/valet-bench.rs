@@ -1029,6 +1029,11 @@ fn rss_kib(pid: u32) -> u64 {
     status_field(pid, "VmRSS:").and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
 }
 
+/// The highest resident set size of a process since it started, in KiB (`VmHWM`).
+fn peak_rss_kib(pid: u32) -> u64 {
+    status_field(pid, "VmHWM:").and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
+}
+
 /// Open file descriptors of a process.
 fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
@@ -1231,6 +1236,7 @@ fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
     let window = plan.idle;
     let idle_mc = cpu_share(pid, window) * 1e3;
     let rss = rss_kib(pid);
+    let peak = peak_rss_kib(pid);
     if jobs.started.elapsed() >= jobs.run {
         println!("  (the Jobs' apps ended before the idle window did: the idle figure includes their ends)");
     }
@@ -1257,6 +1263,13 @@ fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
         "—",
         "≤ 20 MiB",
         met(rss <= 20 * 1024).into(),
+    );
+    table.add(
+        &format!("[8] agent peak RSS from its start, loading included (VmHWM), {total} pods tracked"),
+        format!("{:.1} MiB", peak as f64 / 1024.0),
+        "—",
+        "≤ 24 MiB",
+        met(peak <= 24 * 1024).into(),
     );
     table.add(
         &format!("[8] agent CPU, idle with {total} pods (over {:.0} s)", plan.idle.as_secs_f64()),

@@ -1,0 +1,64 @@
+//! The agent's own resident memory, read at the steps of loading: the DaemonSet's memory limit
+//! has to fit the peak (`VmHWM`), and loading is where it is reached.
+
+/// Resident memory now and at its highest so far, in KiB (`VmRSS`, `VmHWM` of
+/// `/proc/self/status`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Resident {
+    pub rss_kib: u64,
+    pub peak_kib: u64,
+}
+
+impl Resident {
+    /// This process's figures; zeros where procfs does not say (never fails).
+    pub fn now() -> Resident {
+        std::fs::read_to_string("/proc/self/status").map(|s| Resident::parse(&s)).unwrap_or_default()
+    }
+
+    fn parse(status: &str) -> Resident {
+        let kib = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().strip_suffix("kB"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        Resident { rss_kib: kib("VmRSS:"), peak_kib: kib("VmHWM:") }
+    }
+}
+
+/// Logs (at debug) the resident memory after a step of loading.
+pub fn note(step: &str) {
+    let r = Resident::now();
+    tracing::debug!(step, rss_kib = r.rss_kib, peak_kib = r.peak_kib, "resident memory");
+}
+
+/// Gives freed heap back to the node (glibc keeps it otherwise).
+pub fn trim_heap() {
+    // SAFETY: glibc's malloc_trim only releases free memory.
+    unsafe { libc::malloc_trim(0) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_status_fields() {
+        let s = "Name:\tvalet-agent\nVmPeak:\t  100 kB\nVmHWM:\t   34288 kB\nVmRSS:\t   13888 kB\n";
+        assert_eq!(Resident::parse(s), Resident { rss_kib: 13888, peak_kib: 34288 });
+    }
+
+    #[test]
+    fn missing_or_odd_fields_are_zero() {
+        assert_eq!(Resident::parse("VmRSS: lots\n"), Resident::default());
+        assert_eq!(Resident::parse(""), Resident::default());
+    }
+
+    #[test]
+    fn reads_this_process() {
+        let r = Resident::now();
+        assert!(r.rss_kib > 0 && r.peak_kib >= r.rss_kib, "{r:?}");
+    }
+}
