@@ -1006,6 +1006,7 @@ async fn auto_uses_the_helper_where_the_kernel_allows_it() {
     let mut walk = Programs::load(Path::new("/"), Attach { ancestors: AncestorMode::Walk, ..Attach::default() })
         .expect("load walk programs");
     assert_eq!(walk.attached(), vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK]);
+    walk.set_listen_linger(Duration::ZERO);
     walk.set_listen(true);
     assert_eq!(
         walk.attached(),

@@ -4,7 +4,10 @@
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
-    programs::{TracePoint, trace_point::TracePointLinkId},
+    programs::{
+        TracePoint,
+        trace_point::{TracePointLink, TracePointLinkId},
+    },
 };
 use tracing::{debug, info, warn};
 use valet_common::{
@@ -21,6 +24,24 @@ use super::layout::{find_tracefs, pidns_inum, read_layout, supports_ancestor_wal
 use super::loader::loader_without_kernel_btf;
 use super::memory;
 use crate::error::{Error, Result};
+
+/// A thread that closes the links sent to it, one after the other, for as long as the sender
+/// lives.
+fn link_closer() -> Option<std::sync::mpsc::Sender<TracePointLink>> {
+    let (tx, rx) = std::sync::mpsc::channel::<TracePointLink>();
+    let spawned = std::thread::Builder::new().name("valet-unlink".into()).spawn(move || {
+        for link in rx {
+            drop(link);
+        }
+    });
+    match spawned {
+        Ok(_) => Some(tx),
+        Err(e) => {
+            warn!("no thread to close detached links (closed in place: the controller waits): {e}");
+            None
+        }
+    }
+}
 
 /// Loads the listen program of the ancestor `mode`; returns its name.
 fn load_listen(
@@ -185,6 +206,12 @@ pub struct Programs {
     /// The listen program, loaded; attached (its link) while a pod holds an app.
     listen: Option<&'static str>,
     listen_link: Option<TracePointLinkId>,
+    /// Where detached listen links are closed: closing one waits for an RCU grace period
+    /// (50–80 ms here), which the controller's thread must not wait for.
+    closer: Option<std::sync::mpsc::Sender<TracePointLink>>,
+    /// Since when no pod holds an app, while the listen program is still attached.
+    listen_idle_since: Option<std::time::Instant>,
+    listen_linger: std::time::Duration,
 }
 
 fn map_err(what: &str) -> impl FnOnce(aya::maps::MapError) -> Error + '_ {
@@ -401,6 +428,9 @@ impl Programs {
             links,
             listen,
             listen_link: None,
+            closer: None,
+            listen_idle_since: None,
+            listen_linger: std::time::Duration::from_secs(10),
         })
     }
 
@@ -530,32 +560,63 @@ impl Programs {
         self.listen
     }
 
-    /// Attaches the listen program while some pod holds an app (`on`), and detaches it when none
-    /// does: it runs on every TCP state change of the node (a loopback connect/accept/close loop
-    /// ran about 5 % slower with it), a cost only worth paying while an app waits for its proxy.
+    /// Attaches the listen program while some pod holds an app (`on`), and detaches it once none
+    /// has for [`Programs::set_listen_linger`] (10 s): it runs on every TCP state change of the
+    /// node (a loopback connect/accept/close loop ran about 5 % slower with it), a cost only worth
+    /// paying while apps wait for their proxies. Detaching waits for an RCU grace period (50–80
+    /// ms here): the link is closed on a thread of its own, never the caller's. Until that close
+    /// is done the kernel refuses to attach the program again (the linger makes that rare); a
+    /// refused attach is tried again at the next call, and meanwhile the probes' poll does.
     pub fn set_listen(&mut self, on: bool) {
         let Some(prog) = self.listen else { return };
-        let Some(Ok(program)) = self.ebpf.program_mut(prog).map(<&mut TracePoint>::try_from) else { return };
-        match (on, self.listen_link.take()) {
-            (true, None) => match program.attach("sock", "inet_sock_set_state") {
+        if on {
+            self.listen_idle_since = None;
+            if self.listen_link.is_some() {
+                return;
+            }
+            let Some(Ok(program)) = self.ebpf.program_mut(prog).map(<&mut TracePoint>::try_from) else { return };
+            match program.attach("sock", "inet_sock_set_state") {
                 Ok(link) => self.listen_link = Some(link),
-                Err(e) => {
-                    warn!("attach {prog} (held apps are released by the 10 ms probe alone): {e}");
-                    self.listen = None;
+                Err(e) => debug!("attach {prog} (tried again at the next hold; the 10 ms probe meanwhile): {e}"),
+            }
+            return;
+        }
+        if self.listen_link.is_none() {
+            return;
+        }
+        let since = *self.listen_idle_since.get_or_insert_with(std::time::Instant::now);
+        if since.elapsed() >= self.listen_linger {
+            self.unlink_listen();
+        }
+    }
+
+    /// How long the listen program stays attached after the last hold (tests: zero).
+    pub fn set_listen_linger(&mut self, linger: std::time::Duration) {
+        self.listen_linger = linger;
+    }
+
+    /// Detaches the listen program now, closing its link on the closer thread.
+    fn unlink_listen(&mut self) {
+        self.listen_idle_since = None;
+        let (Some(prog), Some(link)) = (self.listen, self.listen_link.take()) else { return };
+        let Some(Ok(program)) = self.ebpf.program_mut(prog).map(<&mut TracePoint>::try_from) else { return };
+        match program.take_link(link) {
+            Ok(owned) => {
+                if self.closer.is_none() {
+                    self.closer = link_closer();
                 }
-            },
-            (false, Some(link)) => {
-                if let Err(e) = program.detach(link) {
-                    warn!("detach {prog}: {e}");
+                // Without the closer thread, closed here (the wait included).
+                if let Some(Err(std::sync::mpsc::SendError(owned))) = self.closer.as_ref().map(|c| c.send(owned)) {
+                    drop(owned);
                 }
             }
-            (_, link) => self.listen_link = link,
+            Err(e) => warn!("detach {prog}: {e}"),
         }
     }
 
     /// Detaches every program now (also done on drop).
     pub fn detach(&mut self) {
-        self.set_listen(false);
+        self.unlink_listen();
         for (prog, link) in self.links.drain(..) {
             if let Some(Ok(p)) = self.ebpf.program_mut(prog).map(<&mut TracePoint>::try_from)
                 && let Err(e) = p.detach(link)
