@@ -25,46 +25,83 @@ pub(crate) fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
     }
     agent.wait_tracked(plan.services, Duration::from_secs(60))?;
     println!("  {} long-running pods up and tracked in {:.1} s", plan.services, t.elapsed().as_secs_f64());
-    // The reference first: the same burst with the wrapper quitting each proxy. Its apps run long
-    // enough for the kubelet to have reported them started and ready before they end, as the
-    // Jobs' below have.
-    let mut wrapped = Burst::start(&node, "wrapped", plan.jobs, Duration::from_secs(10), true)?;
-    let (wrapper_quits, wrapper_lost) = wrapped.quits()?;
-    remove_jobs(&node, wrapped.jobs);
-    // The kubelet's reports of their ends (~1 s after), before the opted-in burst.
-    std::thread::sleep(Duration::from_secs(2));
-    // The Jobs: pods made in a burst, then every app started within one second; each runs past
-    // the idle window.
-    let settle = Duration::from_secs(8);
-    let mut jobs = Burst::start(&node, "burst", plan.jobs, settle + plan.idle + Duration::from_secs(4), false)?;
-    agent.wait_tracked(total, Duration::from_secs(30))?;
-    println!("  {total} tracked {:.2} s after the first app", jobs.started.elapsed().as_secs_f64());
-    let full_watch = watch_latency(&node, &agent, total as f64, 20)?;
-    // Idle: every proxy ready, every app running, the kubelet done reporting them (ids ~1 s after
-    // the start, ready after the probes); the agent only keeps the conditions current.
-    std::thread::sleep(settle.saturating_sub(jobs.started.elapsed()));
-    let window = plan.idle;
-    let idle_mc = cpu_share(pid, window) * 1e3;
-    let rss = rss_kib(pid);
-    if jobs.started.elapsed() >= jobs.run {
-        println!("  (the Jobs' apps ended before the idle window did: the idle figure includes their ends)");
+    let peak_at_start = peak_rss_kib(pid);
+    // Repetitions: the slowest of 50 quits is one sample, so the comparison of the slowest is
+    // made again and again on the same node (the first repetition also holds the idle window).
+    let (mut wrapper_all, mut valet_all, mut lost, mut wrapper_lost) = (Vec::new(), Vec::new(), 0, 0);
+    let mut slowest: Vec<(f64, f64)> = Vec::new();
+    let (mut full_watch, mut idle_mc, mut rss) = (Vec::new(), f64::NAN, 0);
+    for rep in 0..plan.node_reps {
+        // The reference first: the same burst with the wrapper quitting each proxy. Its apps run
+        // long enough for the kubelet to have reported them started and ready before they end,
+        // as the Jobs' below have.
+        let mut wrapped = Burst::start(&node, "wrapped", plan.jobs, Duration::from_secs(10), true)?;
+        let (wrapper_quits, w_lost) = wrapped.quits()?;
+        remove_jobs(&node, wrapped.jobs);
+        // The kubelet's reports of their ends (~1 s after), before the opted-in burst.
+        std::thread::sleep(Duration::from_secs(2));
+        // The Jobs: pods made in a burst, then every app started within one second; in the first
+        // repetition each runs past the idle window.
+        let settle = Duration::from_secs(8);
+        let run = if rep == 0 { settle + plan.idle + Duration::from_secs(4) } else { Duration::from_secs(10) };
+        let mut jobs = Burst::start(&node, "burst", plan.jobs, run, false)?;
+        agent.wait_tracked(total, Duration::from_secs(30))?;
+        if rep == 0 {
+            println!("  {total} tracked {:.2} s after the first app", jobs.started.elapsed().as_secs_f64());
+            full_watch = watch_latency(&node, &agent, total as f64, 20)?;
+            // Idle: every proxy ready, every app running, the kubelet done reporting them (ids
+            // ~1 s after the start, ready after the probes); the agent only keeps the
+            // conditions current.
+            std::thread::sleep(settle.saturating_sub(jobs.started.elapsed()));
+            let window = plan.idle;
+            idle_mc = cpu_share(pid, window) * 1e3;
+            rss = rss_kib(pid);
+            if jobs.started.elapsed() >= jobs.run {
+                println!("  (the Jobs' apps ended before the idle window did: the idle figure includes their ends)");
+            }
+            println!(
+                "  idle with {total} pods: CPU {idle_mc:.2} millicores over {:.0} s, RSS {:.1} MiB, {} fds",
+                window.as_secs_f64(),
+                rss as f64 / 1024.0,
+                open_fds(pid)
+            );
+        }
+        // The Jobs end within the same second as they started: their quits.
+        let (quits, v_lost) = jobs.quits()?;
+        remove_jobs(&node, jobs.jobs);
+        agent.wait_tracked(plan.services, Duration::from_secs(30))?;
+        let w = report(
+            &format!("repetition {}: in-pod wrapper, {} Jobs ending together", rep + 1, plan.jobs),
+            wrapper_quits.clone(),
+        );
+        let q = report(&format!("repetition {}: valet, {} Jobs ending together", rep + 1, plan.jobs), quits.clone());
+        slowest.push((q.max, w.max));
+        wrapper_all.extend(wrapper_quits);
+        valet_all.extend(quits);
+        lost += v_lost;
+        wrapper_lost += w_lost;
     }
-    println!(
-        "  idle with {total} pods: CPU {idle_mc:.2} millicores over {:.0} s, RSS {:.1} MiB, {} fds",
-        window.as_secs_f64(),
-        rss as f64 / 1024.0,
-        open_fds(pid)
-    );
-    // The Jobs end within the same second as they started: their quits.
-    let (quits, lost) = jobs.quits()?;
-    let w = report(&format!("in-pod wrapper, {} Jobs ending together", plan.jobs), wrapper_quits);
-    let q = report(&format!("valet, {} Jobs ending together", plan.jobs), quits);
+    let w = report(&format!("in-pod wrapper, all {} repetitions", plan.node_reps), wrapper_all);
+    let q = report(&format!("valet, all {} repetitions", plan.node_reps), valet_all);
     let qw = report("pod-watch latency, no pods", quiet_watch);
     let fw = report(&format!("pod-watch latency, {total} pods"), full_watch);
     if let Some(quiet) = table.wrapper_median {
         println!("  slowest valet quit against [3]'s wrapper median (one Job at a time): {:.1}×", q.max / quiet);
     }
-    drop_jobs(jobs.jobs);
+    let slowest_met = slowest.iter().filter(|(v, w)| v <= w).count();
+    let words: Vec<String> = slowest.iter().map(|(v, w)| format!("{:.2}/{:.2}", v / 1e3, w / 1e3)).collect();
+    println!(
+        "  slowest of {} quits, valet/wrapper (ms) per repetition: {}; valet at or below the wrapper in {slowest_met} of {}",
+        plan.jobs,
+        words.join(", "),
+        slowest.len()
+    );
+    let peak = peak_rss_kib(pid);
+    println!(
+        "  agent peak RSS (VmHWM): {:.1} MiB once started (loading included), {:.1} MiB at the end",
+        peak_at_start as f64 / 1024.0,
+        peak as f64 / 1024.0
+    );
     drop(services);
     table.add(
         &format!("[8] agent RSS, {total} pods tracked"),
@@ -74,6 +111,13 @@ pub(crate) fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
         met(rss <= 20 * 1024).into(),
     );
     table.add(
+        "[8] agent peak RSS since its start, loading included (VmHWM)",
+        format!("{:.1} MiB", peak as f64 / 1024.0),
+        "—",
+        "≤ 24 MiB (a DaemonSet's limit must fit the peak)",
+        met(peak > 0 && peak <= 24 * 1024).into(),
+    );
+    table.add(
         &format!("[8] agent CPU, idle with {total} pods (over {:.0} s)", plan.idle.as_secs_f64()),
         format!("{idle_mc:.2} millicores"),
         "—",
@@ -81,23 +125,30 @@ pub(crate) fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
         met(idle_mc <= 2.0).into(),
     );
     table.add(
-        &format!("[8] exit → quit, {} Jobs started within one second (median / p99, max)", plan.jobs),
+        &format!(
+            "[8] exit → quit, {} Jobs started within one second, {} repetitions (median / p99, max)",
+            plan.jobs, plan.node_reps
+        ),
         format!("{}, {:.2} ms; {lost} not quit", q.ms(), q.max / 1e3),
-        &format!("in-pod wrapper, same burst on this node: {}, {:.2} ms; {wrapper_lost} not quit", w.ms(), w.max / 1e3),
-        "≤ 1.0× wrapper, median and slowest",
+        &format!(
+            "in-pod wrapper, same bursts on this node: {}, {:.2} ms; {wrapper_lost} not quit",
+            w.ms(),
+            w.max / 1e3
+        ),
+        "≤ 1.0× wrapper: the median, and the slowest of each repetition",
         format!(
-            "median {:.2}×, slowest {:.2}×: {}",
+            "median {:.2}×; slowest at or below the wrapper's in {slowest_met} of {}: {}",
             q.median / w.median,
-            q.max / w.max,
-            met(lost == 0 && q.median <= w.median && q.max <= w.max)
+            slowest.len(),
+            met(lost == 0 && q.median <= w.median && slowest_met == slowest.len())
         ),
     );
     table.add(
         &format!("[8] pod-watch latency with {total} pods (median / p99)"),
         fw.ms(),
         &format!("no pods {}", qw.ms()),
-        "no lag (≤ 2× no pods)",
-        format!("{:.2}×: {}", fw.median / qw.median, met(fw.median <= 2.0 * qw.median)),
+        "no lag (≤ 1.2× no pods)",
+        format!("{:.2}×: {}", fw.median / qw.median, met(fw.median <= 1.2 * qw.median)),
     );
     Ok(())
 }

@@ -81,6 +81,11 @@ pub(crate) fn rss_kib(pid: u32) -> u64 {
     status_field(pid, "VmRSS:").and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
 }
 
+/// Peak resident set size of a process since its start (`VmHWM`), in KiB.
+pub(crate) fn peak_rss_kib(pid: u32) -> u64 {
+    status_field(pid, "VmHWM:").and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
+}
+
 /// Open file descriptors of a process.
 pub(crate) fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)

@@ -1,5 +1,8 @@
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
 
 /// The summary: one row per figure, with its reference (measured in the same run) and target.
 #[derive(Default)]
@@ -7,23 +10,61 @@ pub(crate) struct Table {
     pub(crate) rows: Vec<[String; 5]>,
     /// The in-pod wrapper's exit → quit median (µs), the reference of later quit figures.
     pub(crate) wrapper_median: Option<f64>,
+    /// Rows whose target was missed (their result says `NOT met`).
+    pub(crate) missed: Vec<String>,
 }
 
 impl Table {
+    /// A row; a result with `NOT met` in it counts as a missed target (see [`met`]).
     pub(crate) fn add(&mut self, figure: &str, valet: String, reference: &str, target: &str, result: String) {
+        if result.contains("NOT met") {
+            self.missed.push(figure.to_owned());
+        }
         self.rows.push([figure.to_owned(), valet, reference.to_owned(), target.to_owned(), result]);
     }
 
-    /// Prints the table in Markdown, ready for the README.
-    pub(crate) fn print(&self, machine: &str, took: Duration, quick: bool) {
-        println!("\n## valet bench{}: {machine}, {:.0} s", if quick { " --quick" } else { "" }, took.as_secs_f64());
-        println!();
-        println!("| figure | valet | reference (same run) | target | result |");
-        println!("|---|---|---|---|---|");
+    /// The table in Markdown, under a line naming the run: what `--table` writes and the docs
+    /// include as it is.
+    pub(crate) fn markdown(&self, machine: &str, took: Duration, quick: bool, only: Option<&str>) -> String {
+        let mut out = format!(
+            "`cargo xtask bench{}{}` on {machine}: {:.0} s, {}.\n\n",
+            if quick { " --quick" } else { "" },
+            only.map(|o| format!(" --only {o}")).unwrap_or_default(),
+            took.as_secs_f64(),
+            match self.missed.len() {
+                0 => "every target met".to_owned(),
+                n => format!("{n} target{} NOT met", if n == 1 { "" } else { "s" }),
+            }
+        );
+        out.push_str("| figure | valet | reference (same run) | target | result |\n|---|---|---|---|---|\n");
         for [figure, valet, reference, target, result] in &self.rows {
-            println!("| {figure} | {valet} | {reference} | {target} | {result} |");
+            out.push_str(&format!("| {figure} | {valet} | {reference} | {target} | {result} |\n"));
         }
+        out
     }
+}
+
+/// Writes the table to `path`, and into every Markdown file beside it that includes it: between
+/// the lines `<!-- begin <file name> -->` and `<!-- end <file name> -->`, replaced as they are.
+pub(crate) fn write_table(path: &Path, markdown: &str) -> Result<()> {
+    std::fs::write(path, markdown).with_context(|| format!("write {}", path.display()))?;
+    let name = path.file_name().context("--table names a file")?.to_string_lossy().into_owned();
+    let (begin, end) = (format!("<!-- begin {name} -->"), format!("<!-- end {name} -->"));
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    for doc in std::fs::read_dir(dir)?.flatten().map(|e| e.path()) {
+        if doc == path || doc.extension().is_none_or(|e| e != "md") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&doc)?;
+        let (Some(b), Some(e)) = (text.find(&begin), text.find(&end)) else { continue };
+        if e < b {
+            bail!("{}: {end} before {begin}", doc.display());
+        }
+        let spliced = format!("{}{begin}\n{markdown}{}", &text[..b], &text[e..]);
+        std::fs::write(&doc, spliced).with_context(|| format!("write {}", doc.display()))?;
+        println!("  the table is in {} and {}", path.display(), doc.display());
+    }
+    Ok(())
 }
 
 pub(crate) fn met(ok: bool) -> &'static str {

@@ -83,15 +83,17 @@ pub(crate) fn held_together(pods: usize, rounds: usize, table: &mut Table) -> Re
         &format!("[7] {pods} pods held at once, proxies ready together: released, SIGCONT sent (median / p99)"),
         r.as_ref().map_or_else(|| "—".into(), Stats::ms),
         "—",
-        "median ≤ 12.5 ms",
-        r.as_ref().map_or_else(|| "not traced".into(), |r| met(r.median <= 12_500.0).into()),
+        "—",
+        r.as_ref().map_or_else(|| "not traced".into(), |_| "the signal only: the app runs later".into()),
     );
+    // Judged where the promise is kept: the released app running (its own start included: the
+    // apps of a round start at once on two CPUs).
     table.add(
-        "[7] … the released app runs (median / p99)",
+        &format!("[7] … the released app runs (median / p99, n={})", m.n),
         m.ms(),
         "—",
-        "—",
-        format!("its own start included: {pods} apps start at once"),
+        "median ≤ 12.5 ms",
+        met(m.median <= 12_500.0).into(),
     );
     table.add(
         &format!("[7] agent CPU while probing {pods} held pods"),
