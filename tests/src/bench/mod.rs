@@ -114,6 +114,8 @@ pub(crate) struct Plan {
     pub(crate) jobs: usize,
     /// [8]: how long the agent's idle CPU is measured.
     pub(crate) idle: Duration,
+    /// [4]: held pods per variant, and the reference's.
+    pub(crate) release_runs: usize,
     /// [8]: repetitions of the two bursts (the wrapper's, then valet's).
     pub(crate) node_reps: usize,
     /// [9]: Jobs in all, and per batch.
@@ -134,6 +136,7 @@ impl Plan {
                 jobs: 10,
                 idle: Duration::from_secs(8),
                 node_reps: 2,
+                release_runs: 10,
                 soak: 200,
                 batch: 50,
             }
@@ -148,6 +151,7 @@ impl Plan {
                 jobs: 50,
                 idle: READY_PROBE_INTERVAL,
                 node_reps: 10,
+                release_runs: 50,
                 soak: 10_000,
                 batch: 50,
             }
@@ -213,7 +217,7 @@ pub fn main() -> Result<()> {
     let sections: [(&str, Section); 9] = [
         ("exit", &|t| exit_latency(if plan.quick { 50 } else { 500 }, t)),
         ("quit", &|t| quit_latency(plan.runs, t)),
-        ("release", &|t| release_latency(plan.runs / 2, t)),
+        ("release", &|t| release_latency(&plan, t)),
         ("storm", &|t| storm(&plan, t)),
         ("kernel", &|t| kernel_cost(t)),
         ("together", &|t| held_together(20, if plan.quick { 1 } else { 20 }, t)),

@@ -105,7 +105,7 @@ pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
 #[derive(Clone, Copy)]
 pub(crate) struct Stats {
     pub(crate) median: f64,
-    p99: f64,
+    pub(crate) p99: f64,
     pub(crate) max: f64,
     pub(crate) n: usize,
 }
