@@ -35,6 +35,7 @@ mod procfs;
 mod quit;
 mod release;
 mod soak;
+mod stall;
 mod storm;
 mod table;
 mod together;
@@ -55,6 +56,8 @@ pub(crate) use quit::*;
 pub(crate) use release::*;
 #[allow(clippy::wildcard_imports)]
 pub(crate) use soak::*;
+#[allow(clippy::wildcard_imports)]
+pub(crate) use stall::*;
 #[allow(clippy::wildcard_imports)]
 pub(crate) use storm::*;
 #[allow(clippy::wildcard_imports)]
@@ -107,6 +110,8 @@ pub(crate) struct Plan {
     /// The fork storm's length and the agent stall in it.
     pub(crate) storm: Duration,
     pub(crate) stall: Duration,
+    /// Container ends while the agent is stopped.
+    pub(crate) stall_ends: usize,
     /// Other Jobs during the storm.
     pub(crate) storm_jobs: usize,
     /// [8]: long-running pods, and Jobs started within one second beside them.
@@ -129,8 +134,9 @@ impl Plan {
             Plan {
                 quick: true,
                 runs: 20,
-                storm: Duration::from_secs(12),
-                stall: Duration::from_secs(2),
+                storm: Duration::from_secs(40),
+                stall: Duration::from_secs(4),
+                stall_ends: 20,
                 storm_jobs: 5,
                 services: 20,
                 jobs: 10,
@@ -144,8 +150,9 @@ impl Plan {
             Plan {
                 quick: false,
                 runs: 60,
-                storm: Duration::from_secs(60),
-                stall: Duration::from_secs(3),
+                storm: Duration::from_secs(120),
+                stall: Duration::from_secs(8),
+                stall_ends: 200,
                 storm_jobs: 20,
                 services: 60,
                 jobs: 50,

@@ -86,6 +86,18 @@ pub(crate) fn peak_rss_kib(pid: u32) -> u64 {
     status_field(pid, "VmHWM:").and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
 }
 
+/// `max_entries` of the BPF map named `name` that process `pid` holds open (a ring buffer's
+/// size in bytes).
+pub(crate) fn map_max_entries(pid: u32, name: &str) -> Option<u32> {
+    let dir = std::fs::read_dir(format!("/proc/{pid}/fdinfo")).ok()?;
+    dir.flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+        .filter_map(|info| info.lines().find_map(|l| l.strip_prefix("map_id:")?.trim().parse().ok()))
+        .filter_map(|id| aya::maps::MapInfo::from_id(id).ok())
+        .find(|info| info.name_as_str() == Some(name))
+        .map(|info| info.max_entries())
+}
+
 /// Open file descriptors of a process.
 pub(crate) fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)

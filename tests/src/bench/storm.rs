@@ -11,7 +11,8 @@ use super::*;
 pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
     let jobs = plan.storm_jobs;
     println!(
-        "\n[5] a watched pod forking as fast as it can: {jobs} other 0.3 s Jobs, pod-watch latency, an agent stall"
+        "\n[5] a watched pod forking as fast as it can: {jobs} other 0.3 s Jobs, pod-watch latency, {} ends in an agent stall (twice)",
+        plan.stall_ends
     );
     let app = bin("valet-bench-app")?;
     let app = app.to_str().context("path")?.to_owned();
@@ -49,17 +50,13 @@ pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
         }
     }
     let storm_watch = watch_latency(&node, &agent, 1.0, 30)?;
-    // The agent stalled for 3 s (as CPU throttling under its limit would stall it) while another
-    // pod's app ends: its quit must come from the kernel path right after the agent resumes.
-    let pid = agent.pid().context("agent pid")? as i32;
-    let stall = plan.stall;
-    let stalled = one_job(&node, &agent, &app, "stalled", 2, || {
-        // SAFETY: plain syscalls on our own child.
-        unsafe { libc::kill(pid, libc::SIGSTOP) };
-        std::thread::sleep(stall);
-        unsafe { libc::kill(pid, libc::SIGCONT) };
-        Ok(())
-    })?;
+    // The agent stalled while many other pods' apps end, their reports held past the stall.
+    let stalled = stall_ends(&node, &agent, plan.stall_ends, plan.stall, false, 1)?;
+    // The same with Jobs shorter than the stall: they start and end while the agent is stopped.
+    let short = stall_ends(&node, &agent, plan.stall_ends, plan.stall, true, 1)?;
+    if short.resumed_at >= started + plan.storm {
+        bail!("the storm ended before the stall did: the stall's figures would be without it");
+    }
     let lost_during = events_lost(&agent) - lost_before;
     let left = Duration::from_millis(storm_ms).saturating_sub(started.elapsed());
     if left.is_zero() {
@@ -77,22 +74,28 @@ pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
     let sw = report("pod-watch latency, during the storm", storm_watch);
     let qq = report("exit → quit, 0.3 s Job, quiet", quiet_quits);
     let sq = report("exit → quit, 0.3 s Job, during the storm", storm_quits);
-    // The quit of the app that ended while the agent was stopped, counted from the end of the stall.
-    let after_stall =
-        stalled.map(|us| (us / 1e3 - (stall.as_secs_f64() * 1e3 - JOB_MS.parse::<f64>().unwrap_or(0.0))).max(0.0));
-    match after_stall {
-        Some(ms) => println!(
-            "  app ended during a {:.0} s agent stall: quit {ms:.0} ms after the agent resumed",
-            stall.as_secs_f64()
-        ),
-        None => {
-            ends_lost += 1;
-            println!("  app ended during a {:.0} s agent stall: its proxy was NOT quit", stall.as_secs_f64());
-        }
-    }
+    let resumed = report(
+        &format!("quit after the agent resumed (from its SIGCONT{})", if stalled.traced { "" } else { ", our clock" }),
+        stalled.after_resume.clone(),
+    );
+    let short_resumed = report("… apps started in the stall: quit after the agent resumed", short.after_resume.clone());
     println!(
-        "  container ends lost: {ends_lost} of {}; valet_kernel_events_lost_total during the storm: {lost_during:.0}",
-        jobs + 1
+        "  apps started and ended in the stall: {} lost of {}; valet_kernel_events_lost_total across it: {:.0}",
+        short.lost, short.ends, short.events_lost
+    );
+    println!(
+        "  {} container ends during a {:.0} s agent stall: {} lost (not quit before the API's reports); \
+         ring buffer {} KiB, {} bytes an end: {} ends; valet_kernel_events_lost_total across the stall: {:.0}",
+        stalled.ends,
+        plan.stall.as_secs_f64(),
+        stalled.lost,
+        stalled.ring_bytes / 1024,
+        stalled.end_bytes,
+        stalled.ring_capacity(),
+        stalled.events_lost
+    );
+    println!(
+        "  container ends lost in the storm: {ends_lost} of {jobs}; valet_kernel_events_lost_total during it: {lost_during:.0}"
     );
     table.add(
         "[5] fork storm in a watched pod (2 processes fork+_exit)",
@@ -103,27 +106,58 @@ pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
     );
     table.add(
         &format!(
-            "[5] container ends lost ({jobs} Jobs in the storm + 1 during a {:.0} s agent stall)",
-            stall.as_secs_f64()
+            "[5] container ends while the agent was stopped {:.0} s in the storm, the API's reports held past it: lost",
+            plan.stall.as_secs_f64()
         ),
-        format!("{ends_lost} of {}", jobs + 1),
+        format!("{} of {}", stalled.lost, stalled.ends),
+        &format!(
+            "ring buffer: {} ends ({} KiB, {} bytes an end)",
+            stalled.ring_capacity(),
+            stalled.ring_bytes / 1024,
+            stalled.end_bytes
+        ),
+        "0",
+        met(stalled.lost == 0 && stalled.ends >= plan.stall_ends).into(),
+    );
+    table.add(
+        &format!("[5] … their quits after the agent resumed, from its SIGCONT (median / p99, max; n={})", resumed.n),
+        format!("{}, {:.1} ms", resumed.ms(), resumed.max / 1e3),
+        "—",
+        "right after it resumes: every one ≤ 100 ms",
+        met(resumed.n > 0 && resumed.max <= 100_000.0).into(),
+    );
+    table.add(
+        "[5] … the same with Jobs shorter than the stall (started and ended while the agent was stopped): lost",
+        format!("{} of {}", short.lost, short.ends),
+        "—",
+        "0",
+        met(short.lost == 0 && short.ends >= plan.stall_ends).into(),
+    );
+    table.add(
+        &format!("[5] … their quits after the agent resumed (median / p99, max; n={})", short_resumed.n),
+        format!("{}, {:.1} ms", short_resumed.ms(), short_resumed.max / 1e3),
+        "—",
+        "every one ≤ 100 ms",
+        met(short_resumed.n > 0 && short_resumed.max <= 100_000.0).into(),
+    );
+    table.add(
+        &format!("[5] container ends lost, {jobs} Jobs in the storm"),
+        format!("{ends_lost} of {jobs}"),
         "—",
         "0",
         met(ends_lost == 0).into(),
     );
     table.add(
-        "[5] app ended during the agent stall: quit after the agent resumed",
-        after_stall.map_or_else(|| "never".into(), |ms| format!("{ms:.0} ms")),
-        "—",
-        "right after it resumes (≤ 100 ms)",
-        met(after_stall.is_some_and(|ms| ms <= 100.0)).into(),
-    );
-    table.add(
-        "[5] valet_kernel_events_lost_total during the storm",
-        format!("{lost_during:.0}"),
+        "[5] valet_kernel_events_lost_total during the storm, and across the stall",
+        format!("{lost_during:.0}, {:.0}", stalled.events_lost + short.events_lost),
         "—",
         "only exits that cannot matter",
-        (if ends_lost == 0 { "no container end among them" } else { "container ends lost" }).into(),
+        (if ends_lost + stalled.lost + short.lost == 0 {
+            "no container end among them"
+        } else {
+            "container ends lost"
+        })
+        .into(),
     );
     table.add(
         "[5] exit → quit, 0.3 s Job, during the storm (median / p99)",
