@@ -87,8 +87,8 @@ pub(crate) fn parse_args() -> Result<Args> {
             "--table" => args.table = Some(it.next().context("--table FILE")?.into()),
             "--only" => {
                 let only = it.next().context(SECTIONS)?;
-                if !SECTIONS.split('|').any(|s| s == only) {
-                    bail!("--only {only}: one of {SECTIONS}");
+                if let Some(bad) = only.split(',').find(|o| !SECTIONS.split('|').any(|s| s == *o)) {
+                    bail!("--only {bad}: one of {SECTIONS} (several: comma-separated)");
                 }
                 args.only = Some(only);
             }
@@ -215,7 +215,7 @@ pub fn main() -> Result<()> {
     let args = parse_args()?;
     valet_tests::cgroups::require_root();
     let plan = Plan::new(&args);
-    let want = |s: &str| args.only.as_deref().is_none_or(|o| o == s);
+    let want = |s: &str| args.only.as_deref().is_none_or(|o| o.split(',').any(|o| o == s));
     let machine = machine();
     println!("valet benchmarks{}: {machine}", if plan.quick { " (--quick: a smoke run, not figures)" } else { "" });
     let started = Instant::now();

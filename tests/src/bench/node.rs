@@ -35,7 +35,7 @@ pub(crate) fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
         // The reference first: the same burst with the wrapper quitting each proxy. Its apps run
         // long enough for the kubelet to have reported them started and ready before they end,
         // as the Jobs' below have.
-        let mut wrapped = Burst::start(&node, "wrapped", plan.jobs, Duration::from_secs(10), true)?;
+        let mut wrapped = Burst::start(&node, &format!("wrapped-{rep}"), plan.jobs, Duration::from_secs(10), true)?;
         let (wrapper_quits, w_lost) = wrapped.quits()?;
         remove_jobs(&node, wrapped.jobs);
         // The kubelet's reports of their ends (~1 s after), before the opted-in burst.
@@ -44,7 +44,7 @@ pub(crate) fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
         // repetition each runs past the idle window.
         let settle = Duration::from_secs(8);
         let run = if rep == 0 { settle + plan.idle + Duration::from_secs(4) } else { Duration::from_secs(10) };
-        let mut jobs = Burst::start(&node, "burst", plan.jobs, run, false)?;
+        let mut jobs = Burst::start(&node, &format!("burst-{rep}"), plan.jobs, run, false)?;
         agent.wait_tracked(total, Duration::from_secs(30))?;
         if rep == 0 {
             println!("  {total} tracked {:.2} s after the first app", jobs.started.elapsed().as_secs_f64());
