@@ -9,17 +9,24 @@ use valet_tests::cgroups::TestCgroups;
 #[allow(clippy::wildcard_imports)]
 use super::*;
 
-/// Sum of `run_time_ns` and `run_cnt` over the loaded programs named `valet_exit*`.
-pub(crate) fn exit_program_stats() -> (u64, u64) {
-    program_stats("valet_exit")
+/// Ids of the loaded BPF programs whose name starts with `valet_`.
+fn valet_program_ids() -> std::collections::HashSet<u32> {
+    aya::programs::loaded_programs()
+        .flatten()
+        .filter(|info| info.name_as_str().is_some_and(|n| n.starts_with("valet_")))
+        .map(|info| info.id())
+        .collect()
 }
 
-/// Sum of `run_time_ns` and `run_cnt` over the loaded programs whose name starts with `prefix`.
-pub(crate) fn program_stats(prefix: &str) -> (u64, u64) {
+/// Sum of `run_time_ns` and `run_cnt` over the programs among `ours` whose name starts with
+/// `prefix`. Only the bench's own: the tracepoints are the whole host's, and another agent's
+/// programs on this host (a test run beside the bench) run on the same exits and may come and go
+/// between two reads.
+pub(crate) fn program_stats(ours: &std::collections::HashSet<u32>, prefix: &str) -> (u64, u64) {
     let mut time = 0u64;
     let mut count = 0u64;
     for info in aya::programs::loaded_programs().flatten() {
-        if info.name_as_str().is_some_and(|n| n.starts_with(prefix)) {
+        if ours.contains(&info.id()) && info.name_as_str().is_some_and(|n| n.starts_with(prefix)) {
             time += info.run_time().as_nanos() as u64;
             count += info.run_count();
         }
@@ -67,7 +74,15 @@ pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
     let ms = 3000;
     let detached = fork_rate(&cgroups, None, ms)?;
     let detached_exec = spawn_rate(&cgroups, None, ms, Some(EXEC_PROGRAM))?;
+    let others = valet_program_ids();
     let mut programs = Programs::load(Path::new("/"), Attach::default())?;
+    let ours: std::collections::HashSet<u32> = valet_program_ids().difference(&others).copied().collect();
+    let exit_program_stats = || program_stats(&ours, "valet_exit");
+    println!(
+        "  {} programs of the bench's own; {} other valet programs loaded on this host",
+        ours.len(),
+        others.len()
+    );
     for id in 0..110u64 {
         programs.watch(u64::MAX - id, watch_flags::EXITS | watch_flags::HOLD)?;
     }
@@ -84,9 +99,9 @@ pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
     // The exec storm: every child execs, as a build Job's shell steps and compilers do; the exec
     // program's cost per exec (it looks for a container's first exec) and the exit program's.
     let measure_exec = |cgroup: Option<&str>| -> Result<(f64, f64, f64)> {
-        let ((e0, n0), (x0, m0)) = (program_stats("valet_exec"), exit_program_stats());
+        let ((e0, n0), (x0, m0)) = (program_stats(&ours, "valet_exec"), exit_program_stats());
         let rate = spawn_rate(&cgroups, cgroup, ms, Some(EXEC_PROGRAM))?;
-        let ((e1, n1), (x1, m1)) = (program_stats("valet_exec"), exit_program_stats());
+        let ((e1, n1), (x1, m1)) = (program_stats(&ours, "valet_exec"), exit_program_stats());
         let per = |t: u64, c: u64| t as f64 / c.max(1) as f64;
         Ok((rate, per(e1 - e0, n1 - n0), per(x1 - x0, m1 - m0)))
     };
