@@ -9,6 +9,11 @@
 //!   — the first exec in a container cgroup by a process deeper than the host's pid namespace —
 //!   and, in a held pod, stops that exec with SIGSTOP before it runs one instruction of its own.
 //!
+//! * `valet_listen` (tracepoint `sock/inet_sock_set_state`): reports a TCP socket that starts
+//!   listening in a pod watched for holds (the pod's proxy comes up), so that user space probes
+//!   the proxy at once instead of at its next poll. Every other state change of every socket of
+//!   the node passes through it: it returns after one read of the record for those.
+//!
 //! A container is the watched pod cgroup's child and everything below it (crun's `/container`
 //! leaf, a nested runtime's cgroups): events and map keys always name that child.
 //!
@@ -58,6 +63,11 @@ const E2BIG: i32 = 7;
 const ENOMEM: i32 = 12;
 /// The kernel's MAX_PID_NS_LEVEL.
 const MAX_PID_NS_LEVEL: u32 = 32;
+/// The kernel's `TCP_LISTEN` socket state and `IPPROTO_TCP`.
+const TCP_LISTEN: i32 = 10;
+const IPPROTO_TCP: u16 = 6;
+/// `BPF_RB_AVAIL_DATA`: bytes in the ring buffer not yet consumed.
+const BPF_RB_AVAIL_DATA: u64 = 0;
 
 #[unsafe(no_mangle)]
 static LAYOUT: KernelLayout = KernelLayout::unknown();
@@ -452,6 +462,64 @@ fn exec_impl<const WALK: bool>() -> u32 {
     entry.submit(0);
     count(Counter::Held);
     0
+}
+
+#[inline(always)]
+fn listen_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
+    let l = layout();
+    if l.tp_sock_newstate == OFFSET_UNKNOWN || l.tp_sock_sport == OFFSET_UNKNOWN {
+        return 0;
+    }
+    // SAFETY: reading the tracepoint record at offsets from its format file.
+    match unsafe { ctx.read_at::<i32>(l.tp_sock_newstate as usize) } {
+        Ok(TCP_LISTEN) => {}
+        _ => return 0,
+    }
+    if l.tp_sock_protocol != OFFSET_UNKNOWN {
+        // SAFETY: as above.
+        match unsafe { ctx.read_at::<u16>(l.tp_sock_protocol as usize) } {
+            Ok(IPPROTO_TCP) => {}
+            _ => return 0,
+        }
+    }
+    // SAFETY: see exit_impl.
+    let task = unsafe { bpf_get_current_task() };
+    let Some((container, watched, flags)) = watched_match::<WALK>(&l, task) else {
+        return 0;
+    };
+    if flags & watch_flags::HOLD == 0 {
+        return 0;
+    }
+    // Listens never take the room container ends need: at most a quarter of the ring.
+    if EVENTS.query(BPF_RB_AVAIL_DATA) > u64::from(EVENTS_RING_BYTES / 4) {
+        count(Counter::ListensSkipped);
+        return 0;
+    }
+    // SAFETY: as above.
+    let Ok(port) = (unsafe { ctx.read_at::<u16>(l.tp_sock_sport as usize) }) else {
+        return 0;
+    };
+    let Some(mut entry) = EVENTS.reserve::<KernelEvent>(0) else {
+        count(Counter::ListensSkipped);
+        return 0;
+    };
+    let mut event = KernelEvent::zeroed();
+    fill_common(&mut event, event_kind::LISTEN, container, watched);
+    event.exit_status = u32::from(port);
+    entry.write(event);
+    entry.submit(0);
+    count(Counter::Listens);
+    0
+}
+
+#[tracepoint]
+pub fn valet_listen(ctx: TracePointContext) -> u32 {
+    listen_impl::<false>(&ctx)
+}
+
+#[tracepoint]
+pub fn valet_listen_walk(ctx: TracePointContext) -> u32 {
+    listen_impl::<true>(&ctx)
 }
 
 #[tracepoint]

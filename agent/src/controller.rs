@@ -19,7 +19,7 @@ use crate::act::{Actuators, Report};
 use crate::api::watch::ENABLED_LABEL;
 use crate::effect::{Effect, ExitSeen, Feedback, HeldSeen, Nanos};
 use crate::kernel::events::monotonic_ns;
-use crate::kernel::{Event, EventSource, HeldProcess, KernelControl, ProcessExit};
+use crate::kernel::{Event, EventSource, HeldProcess, KernelControl, Listening, ProcessExit};
 use crate::pod::state::{PodState, Rules};
 use crate::server::Health;
 use crate::sidecar::SidecarLink;
@@ -337,7 +337,20 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
         match event {
             Event::Exit(exit) => self.on_exit(exit),
             Event::Held(held) => self.on_held(held),
+            Event::Listen(listening) => self.on_listen(&listening),
         }
+    }
+
+    /// A socket started listening in a pod watched for holds: while it holds an app, its proxy
+    /// is asked at once whether it is ready, not at the next slot of the held pods' poll.
+    fn on_listen(&mut self, listening: &Listening) {
+        let Some(uid) = self.by_cgroup.get(&listening.watched_cgroup_id).cloned() else { return };
+        if self.pods.get(&uid).is_none_or(|s| s.held_pids().next().is_none()) {
+            return;
+        }
+        debug!(%uid, port = listening.port, comm = %listening.comm, "a socket listens in a pod holding its app: probing it now");
+        self.act.metrics().proxy_listens.inc();
+        self.act.probe_now(&uid);
     }
 
     /// The pod a kernel event belongs to, with its container cgroup known to the pod's state

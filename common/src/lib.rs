@@ -43,6 +43,11 @@ pub const PROG_EXEC: &str = "valet_exec";
 pub const PROG_EXIT_WALK: &str = "valet_exit_walk";
 /// The exec program that walks `cgroup->kn->parent` instead.
 pub const PROG_EXEC_WALK: &str = "valet_exec_walk";
+/// Name of the listen tracepoint program (`sock/inet_sock_set_state`), helper variant: a socket
+/// of a held pod starts listening (its proxy comes up), and the pod is probed at once.
+pub const PROG_LISTEN: &str = "valet_listen";
+/// The listen program that walks `cgroup->kn->parent`.
+pub const PROG_LISTEN_WALK: &str = "valet_listen_walk";
 /// Calibration program (tracepoint `sched/sched_process_exit`, loaded alone before the others):
 /// records in [`MAP_CALIBRATION`] the absolute level of the pid namespace whose inode number is
 /// [`KernelLayout::host_pidns_inum`], from any task that lives in it.
@@ -89,6 +94,9 @@ pub mod event_kind {
     pub const EXIT: u32 = 1;
     /// A process was stopped with SIGSTOP right after exec, before its first instruction.
     pub const HELD: u32 = 2;
+    /// A TCP socket of a process in a pod watched with [`super::watch_flags::HOLD`] started
+    /// listening; [`super::KernelEvent::exit_status`] holds the port.
+    pub const LISTEN: u32 = 3;
 }
 
 /// Bits of [`KernelEvent::flags`].
@@ -173,7 +181,8 @@ pub struct KernelEvent {
     /// Id of the thread that ran the program (the last thread of the group for exits).
     pub pid: u32,
     /// Raw `task_struct.exit_code`: a wait(2) status (exit status in bits 8–15, terminating
-    /// signal in bits 0–6, core dump in bit 7). Zero for [`event_kind::HELD`].
+    /// signal in bits 0–6, core dump in bit 7). Zero for [`event_kind::HELD`]; the port listened
+    /// on for [`event_kind::LISTEN`].
     pub exit_status: u32,
     /// Pid of the process inside its own pid namespace.
     pub ns_pid: u32,
@@ -218,10 +227,15 @@ pub enum Counter {
     /// (E2BIG/ENOMEM): that container's main process is unknown to the kernel, or its exec was
     /// not held.
     MapFull = 5,
+    /// Listening sockets reported in held pods.
+    Listens = 6,
+    /// Listening sockets not reported: the ring buffer was over a quarter full (its room is kept
+    /// for container ends; the pod's 10 ms probe still finds the proxy).
+    ListensSkipped = 7,
 }
 
 /// Number of entries in [`MAP_COUNTERS`].
-pub const COUNTER_SLOTS: u32 = 6;
+pub const COUNTER_SLOTS: u32 = 8;
 
 /// Kernel layout facts the programs need, read by user space from the running kernel's BTF
 /// (and the tracepoint format file) and written into the object as read-only globals before load.
@@ -273,6 +287,11 @@ pub struct KernelLayout {
     /// a constant keeps a loop over a task's namespaces out of them (the 6.1 verifier gives up
     /// on that loop: "sequence of 8193 jumps is too complex").
     pub host_pidns_level: u32,
+    /// Offsets of `newstate`, `sport` and `protocol` in the `sock/inet_sock_set_state`
+    /// tracepoint record.
+    pub tp_sock_newstate: u32,
+    pub tp_sock_sport: u32,
+    pub tp_sock_protocol: u32,
 }
 
 /// Marks an offset the running kernel does not provide.
@@ -298,6 +317,9 @@ impl KernelLayout {
             css_set_dfl_cgrp: OFFSET_UNKNOWN,
             cgroup_kn: OFFSET_UNKNOWN,
             kernfs_node_parent: OFFSET_UNKNOWN,
+            tp_sock_newstate: OFFSET_UNKNOWN,
+            tp_sock_sport: OFFSET_UNKNOWN,
+            tp_sock_protocol: OFFSET_UNKNOWN,
             kernfs_node_id: OFFSET_UNKNOWN,
             host_pidns_inum: 0,
             host_pidns_level: 0,

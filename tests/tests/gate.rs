@@ -703,6 +703,48 @@ fn the_pod_sandbox_is_released_at_once() {
 }
 
 #[test]
+fn a_proxy_that_starts_listening_after_the_hold_is_probed_when_it_listens() {
+    // The app is held before its proxy exists; the proxy is ready as soon as it listens. The
+    // kernel reports its listening socket, and the held pod is probed then, not at its next poll
+    // (the bench times it: [4], the late listener).
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let marker = node.scratch.path("marker");
+    let spec = JobSpec::new("listens-late").annotation(HOLD, "true").app_command("app", &marker_script(&marker));
+    let job = node
+        .job_pod_proxy_later(spec, || {
+            anyhow::ensure!(
+                eventually(HANG_GUARD, || agent.metric("valet_app_holds_total ") == 1.0),
+                "the app was not held"
+            );
+            anyhow::ensure!(!marker.exists(), "the app ran with no proxy at all");
+            // The held pod was probed (nothing listens): the agent is past the hold's decisions,
+            // the listen program's attach among them.
+            let probed = eventually(HANG_GUARD, || {
+                node.api.pods().iter().any(|p| {
+                    p["status"]["conditions"]
+                        .as_array()
+                        .is_some_and(|cs| cs.iter().any(|c| c["type"] == CONDITION && c["reason"] == "ProxyNotReady"))
+                })
+            });
+            anyhow::ensure!(probed, "the held pod was never probed");
+            anyhow::ensure!(agent.metric("valet_proxy_listens_total ") == 0.0, "a listen before the proxy");
+            Ok(())
+        })
+        .expect("pod");
+    assert!(wait_file(&marker, HANG_GUARD).is_some(), "the app never ran\n{}", agent.log_text());
+    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 1.0, "{}", agent.log_text());
+    assert!(
+        agent.metric("valet_proxy_listens_total ") >= 1.0,
+        "the proxy's listening socket was seen in the held pod\n{}",
+        agent.log_text()
+    );
+    let status = job.apps[0].wait_timeout(HANG_GUARD).expect("wait app");
+    assert!(status.is_some_and(|s| s.success()), "app finished: {status:?}");
+}
+
+#[test]
 fn runtime_bundles_keep_the_sidecar_unheld_before_the_api_names_it() {
     // The API shows no container ids (as for the first second of a real pod; here never); the
     // runtime's bundles name the containers, so the sidecar is let through and only the app waits.

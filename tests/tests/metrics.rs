@@ -432,6 +432,7 @@ const FAMILIES: &[(&str, &str, &[&str])] = &[
     ("valet_condition_patches_total", "counter", &["result"]),
     ("valet_kernel_events_lost_total", "counter", &[]),
     ("valet_kernel_map_full_total", "counter", &[]),
+    ("valet_proxy_listens_total", "counter", &[]),
     ("valet_watch_restarts_total", "counter", &[]),
     ("valet_pod_skips_total", "counter", &["reason"]),
     ("valet_build_info", "gauge", &["version"]),

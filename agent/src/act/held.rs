@@ -32,6 +32,11 @@ use crate::sidecar::{SidecarLink, SocketError};
 /// How long the news of a round waits for the round's slower answers: the answers of a slot
 /// come within a millisecond or so, and their news then wakes the agent once.
 const ROUND_WAIT: Duration = Duration::from_millis(2);
+/// After a socket started listening in a pod, its proxy is asked this many more times, this far
+/// apart, while it is not ready: a proxy binds its listeners just before it turns ready (Envoy
+/// listens, then goes LIVE), so the first answer may still say no.
+const LISTEN_BURST: u8 = 5;
+const BURST_GAP: Duration = Duration::from_millis(2);
 /// With nothing to do, how often the thread looks whether the agent is still there.
 const IDLE_WAIT: Duration = Duration::from_secs(1);
 
@@ -44,6 +49,8 @@ struct Wanted {
 
 struct Registry {
     pods: HashMap<String, Wanted>,
+    /// Pods to probe at once, at the thread's next turn.
+    now: Vec<String>,
     /// Bumped on every change (the thread looks at the pods only then).
     version: u64,
     /// The thread ended: nothing is probed here any more.
@@ -95,6 +102,9 @@ struct Pod {
     endpoints: Vec<Endpoint>,
     /// Handed over since the last slot: probed at once.
     fresh: bool,
+    /// Quick asks left after a listening socket ([`LISTEN_BURST`]), and when the next is due.
+    burst: u8,
+    burst_next: Option<Instant>,
     /// Asked, and not every answer is in yet.
     asked: bool,
     last: Option<(Vec<Answer>, Instant)>,
@@ -113,7 +123,7 @@ impl HeldProber {
         // SAFETY: `fd` was just made and nothing else owns it.
         let wake = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
         let prober = Arc::new(HeldProber {
-            registry: Mutex::new(Registry { pods: HashMap::new(), version: 0, ended: false }),
+            registry: Mutex::new(Registry { pods: HashMap::new(), now: Vec::new(), version: 0, ended: false }),
             wake,
             interval_ns: AtomicU64::new(10_000_000),
             deadline_ns: AtomicU64::new(nanos(LIMITS.total_timeout)),
@@ -176,6 +186,21 @@ impl HeldProber {
         token
     }
 
+    /// Probes pod `uid` at once, if it is probed here: a socket started listening in it.
+    pub fn probe_now(&self, uid: &str) {
+        {
+            let mut registry = self.registry();
+            if !registry.pods.contains_key(uid) {
+                return;
+            }
+            registry.now.push(uid.to_owned());
+            registry.version += 1;
+        }
+        if let Err(e) = (&self.wake).write(&1u64.to_ne_bytes()) {
+            debug!("waking the held-pod prober: {e}");
+        }
+    }
+
     /// Whether the pod handed over with `token` is probed here (not once the thread ended).
     pub fn probes(&self, uid: &str, token: u64) -> bool {
         self.registry().pods.get(uid).is_some_and(|p| p.token == token)
@@ -193,11 +218,18 @@ impl HeldProber {
     /// The pods of the registry, if it changed since `seen`: new ones fresh, their connections
     /// made anew.
     fn sync(&self, pods: &mut Vec<Pod>, seen: &mut u64) {
-        let registry = self.registry();
+        let mut registry = self.registry();
         if registry.version == *seen {
             return;
         }
         *seen = registry.version;
+        for uid in std::mem::take(&mut registry.now) {
+            if let Some(pod) = pods.iter_mut().find(|p| p.uid == uid) {
+                pod.fresh = true;
+                pod.burst = LISTEN_BURST;
+                pod.burst_next = None;
+            }
+        }
         pods.retain(|p| registry.pods.get(&p.uid).is_some_and(|w| w.token == p.token));
         for (uid, wanted) in &registry.pods {
             if pods.iter().any(|p| p.uid == *uid) {
@@ -212,7 +244,16 @@ impl HeldProber {
                     Endpoint { name: name.clone(), port: *port, request, conn: Conn::None, answer: None }
                 })
                 .collect();
-            pods.push(Pod { uid: uid.clone(), token: wanted.token, endpoints, fresh: true, asked: false, last: None });
+            pods.push(Pod {
+                uid: uid.clone(),
+                token: wanted.token,
+                endpoints,
+                fresh: true,
+                burst: 0,
+                burst_next: None,
+                asked: false,
+                last: None,
+            });
         }
     }
 
@@ -239,14 +280,28 @@ impl HeldProber {
                 let period = Duration::from_nanos(self.interval_ns.load(Ordering::Relaxed));
                 next_slot = origin + next_multiple(now.duration_since(origin), period);
             }
-            for pod in pods.iter_mut().filter(|p| slot || p.fresh) {
+            let burst_due = |p: &Pod| p.burst_next.is_some_and(|at| now >= at);
+            for pod in pods.iter_mut().filter(|p| slot || p.fresh || burst_due(p)) {
                 round = Some(now);
                 pod.fresh = false;
+                if burst_due(pod) {
+                    pod.burst_next = None;
+                    pod.burst -= 1;
+                }
                 ask(link, pod, now)?;
             }
             let deadline = self.deadline();
             expire(&mut pods, Instant::now(), deadline);
             collect(&mut pods, &mut news);
+            // A burst goes on while the pod's answers are in and not ready yet.
+            let now = Instant::now();
+            for pod in pods.iter_mut().filter(|p| p.burst > 0 && !p.asked && p.burst_next.is_none()) {
+                if pod.last.as_ref().is_some_and(|(answers, _)| all_ready(answers)) {
+                    pod.burst = 0;
+                } else {
+                    pod.burst_next = Some(now + BURST_GAP);
+                }
+            }
             // The round's news, once its answers are in or it waited long enough.
             let waiting = |at: Instant| in_flight(&pods).any(|since| since >= at);
             if let Some(at) = round
@@ -269,6 +324,9 @@ impl HeldProber {
             }
             if let Some(at) = round {
                 until = until.min(at + ROUND_WAIT);
+            }
+            if let Some(at) = pods.iter().filter_map(|p| p.burst_next).min() {
+                until = until.min(at);
             }
             if let Some(first) = in_flight(&pods).min() {
                 until = until.min(first + deadline);
@@ -646,6 +704,28 @@ mod tests {
         assert_eq!(next(&mut rx).await.0, "first");
         let _ = prober.hold("second", endpoint(port));
         assert_eq!(next(&mut rx).await.0, "second");
+    }
+
+    // A socket listening in a held pod brings a probe at once and, while the proxy still says no
+    // (it binds its listeners just before it turns ready), a short burst more. No slot comes
+    // within the hang guard: every request after the first is the listens'.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_listening_socket_brings_a_probe_at_once_and_a_short_burst() {
+        let (port, ready, seen) = server(false, false);
+        let (prober, mut rx) = prober();
+        prober.set_interval(Duration::from_secs(3600));
+        let _ = prober.hold("pod", endpoint(port));
+        assert_eq!(next(&mut rx).await, ("pod".into(), false, "istio-proxy answered 503".into()));
+        prober.probe_now("pod");
+        let burst = 2 + u64::from(LISTEN_BURST);
+        until("the listen's probe and its burst", || count(&seen.requests) >= burst).await;
+        ready.store(true, Ordering::SeqCst);
+        prober.probe_now("pod");
+        let unchanged = Some((false, "istio-proxy answered 503"));
+        assert_eq!(next_of(&mut rx, "pod", unchanged).await, (true, "istio-proxy answered 200".into()));
+        // A listen in a pod the prober does not have is nothing.
+        prober.probe_now("another");
+        assert_eq!(count(&seen.conns), 1, "one kept connection throughout");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -188,9 +188,19 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         self.ahead.unclaimed(uid)
     }
 
+    /// Probes held pod `uid`'s proxies at once (a socket started listening there), if the held
+    /// pods' prober has it; a pod on its own loop keeps its pace.
+    pub fn probe_now(&self, uid: &str) {
+        if let Some(p) = &self.held_prober {
+            p.probe_now(uid);
+        }
+    }
+
     /// Spreads the held pods' probes over the budget: their interval follows how many are held.
-    fn pace_held_probes(&self) {
+    /// Listening sockets are reported while any is.
+    fn pace_held_probes(&mut self) {
         let held = self.probes.values().filter(|p| p.pace() == Pace::Urgent).count();
+        self.kernel.set_listen(held > 0);
         let interval = self.probe_reports.set_held(held, self.settings.held_probe_budget);
         if let Some(p) = &self.held_prober {
             p.set_interval(interval);

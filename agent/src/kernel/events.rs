@@ -57,11 +57,23 @@ pub struct HeldProcess {
     pub comm: String,
 }
 
+/// A TCP socket started listening in a pod watched for holds: its proxy may answer now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Listening {
+    pub ktime_ns: u64,
+    pub cgroup_id: u64,
+    pub watched_cgroup_id: u64,
+    pub tgid: u32,
+    pub port: u16,
+    pub comm: String,
+}
+
 /// One decoded kernel event.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     Exit(ProcessExit),
     Held(HeldProcess),
+    Listen(Listening),
 }
 
 fn comm(raw: &[u8; 16]) -> String {
@@ -99,6 +111,14 @@ impl Event {
                 cgroup_id: raw.cgroup_id,
                 watched_cgroup_id: raw.watched_cgroup_id,
                 tgid: raw.tgid,
+                comm: comm(&raw.comm),
+            })),
+            event_kind::LISTEN => Some(Event::Listen(Listening {
+                ktime_ns: raw.ktime_ns,
+                cgroup_id: raw.cgroup_id,
+                watched_cgroup_id: raw.watched_cgroup_id,
+                tgid: raw.tgid,
+                port: u16::try_from(raw.exit_status).ok()?,
                 comm: comm(&raw.comm),
             })),
             _ => None,

@@ -68,7 +68,17 @@ pub fn read_layout(btf: &Btf, tracefs: &Path) -> Result<KernelLayout> {
         kernfs_node_id: opt(btf.member_offset("kernfs_node", "id")),
         host_pidns_inum: 0,
         host_pidns_level: 0,
+        tp_sock_newstate: OFFSET_UNKNOWN,
+        tp_sock_sport: OFFSET_UNKNOWN,
+        tp_sock_protocol: OFFSET_UNKNOWN,
     };
+    // The listen tracepoint (4.16+): without its format, no listen events (the probes still poll).
+    let mut layout = layout;
+    if let Ok(format) = std::fs::read_to_string(tracefs.join("events/sock/inet_sock_set_state/format")) {
+        let at = |field| tracepoint_field_offset(&format, field).unwrap_or(OFFSET_UNKNOWN);
+        (layout.tp_sock_newstate, layout.tp_sock_sport, layout.tp_sock_protocol) =
+            (at("newstate"), at("sport"), at("protocol"));
+    }
     if layout.task_exit_code == OFFSET_UNKNOWN {
         return Err(Error::Btf("task_struct.exit_code not found: cannot report exit codes".into()));
     }

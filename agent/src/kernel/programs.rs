@@ -10,8 +10,8 @@ use tracing::{debug, info, warn};
 use valet_common::{
     ContainerMain, Counter, EXEC_CLASS_HOLD, EXEC_CLASS_PASS, GLOBAL_LAYOUT, KernelLayout, MAP_CALIBRATION,
     MAP_CONTAINERS, MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_HELD, MAP_WATCHED,
-    MAX_HOST_PIDNS_LEVEL, PIN_HELD, PROG_CALIBRATE, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT, PROG_EXIT_WALK,
-    container_flags,
+    MAX_HOST_PIDNS_LEVEL, PIN_HELD, PROG_CALIBRATE, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT, PROG_EXIT_WALK, PROG_LISTEN,
+    PROG_LISTEN_WALK, container_flags,
 };
 
 use super::btf::Btf;
@@ -19,6 +19,25 @@ use super::container_main::MainProcess;
 use super::held::{HeldLedger, prepare_pin_dir};
 use super::layout::{find_tracefs, pidns_inum, read_layout, supports_ancestor_walk};
 use crate::error::{Error, Result};
+
+/// Loads the listen program of the ancestor `mode`; returns its name.
+fn load_listen(
+    ebpf: &mut Ebpf,
+    layout: &KernelLayout,
+    mode: AncestorMode,
+) -> std::result::Result<&'static str, String> {
+    if layout.tp_sock_newstate == valet_common::OFFSET_UNKNOWN || layout.tp_sock_sport == valet_common::OFFSET_UNKNOWN {
+        return Err("no sock/inet_sock_set_state tracepoint format (kernel before 4.16?)".into());
+    }
+    let prog = if mode == AncestorMode::Walk { PROG_LISTEN_WALK } else { PROG_LISTEN };
+    let program: &mut TracePoint = ebpf
+        .program_mut(prog)
+        .ok_or_else(|| format!("program {prog} missing from object"))?
+        .try_into()
+        .map_err(|e| format!("program {prog}: {e}"))?;
+    program.load().map_err(|e| format!("load {prog}: {e}"))?;
+    Ok(prog)
+}
 
 /// The BPF object built from `agent-ebpf`, aligned for the loader.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/valet-agent-ebpf"));
@@ -149,6 +168,9 @@ pub struct Programs {
     layout: KernelLayout,
     ancestors: AncestorMode,
     links: Vec<(&'static str, TracePointLinkId)>,
+    /// The listen program, loaded; attached (its link) while a pod holds an app.
+    listen: Option<&'static str>,
+    listen_link: Option<TracePointLinkId>,
 }
 
 fn map_err(what: &str) -> impl FnOnce(aya::maps::MapError) -> Error + '_ {
@@ -305,6 +327,16 @@ impl Programs {
                 .map_err(|e| Error::ebpf_program(format!("attach {prog} to sched/{name}"), e))?;
             links.push((prog, link));
         }
+        // Listening sockets of held pods: loaded now (the verifier's word comes at start), attached
+        // only while a pod holds an app ([`Programs::set_listen`]). An addition to the probes'
+        // poll, so a kernel that refuses it costs only that (logged).
+        let listen = if attach.execs {
+            load_listen(&mut ebpf, &layout, ancestors)
+                .map_err(|e| warn!("no listen events (held apps are released by the 10 ms probe alone): {e}"))
+                .ok()
+        } else {
+            None
+        };
 
         let take = |ebpf: &mut Ebpf, name: &str| {
             ebpf.take_map(name).ok_or_else(|| Error::Ebpf(format!("map {name} missing from object")))
@@ -349,6 +381,8 @@ impl Programs {
             layout,
             ancestors,
             links,
+            listen,
+            listen_link: None,
         })
     }
 
@@ -469,11 +503,41 @@ impl Programs {
 
     /// Names of attached programs.
     pub fn attached(&self) -> Vec<&'static str> {
-        self.links.iter().map(|(p, _)| *p).collect()
+        let listening = self.listen.filter(|_| self.listen_link.is_some());
+        self.links.iter().map(|(p, _)| *p).chain(listening).collect()
+    }
+
+    /// The listen program, if the kernel took it (attached or not).
+    pub fn listen_program(&self) -> Option<&'static str> {
+        self.listen
+    }
+
+    /// Attaches the listen program while some pod holds an app (`on`), and detaches it when none
+    /// does: it runs on every TCP state change of the node (a loopback connect/accept/close loop
+    /// ran about 5 % slower with it), a cost only worth paying while an app waits for its proxy.
+    pub fn set_listen(&mut self, on: bool) {
+        let Some(prog) = self.listen else { return };
+        let Some(Ok(program)) = self.ebpf.program_mut(prog).map(<&mut TracePoint>::try_from) else { return };
+        match (on, self.listen_link.take()) {
+            (true, None) => match program.attach("sock", "inet_sock_set_state") {
+                Ok(link) => self.listen_link = Some(link),
+                Err(e) => {
+                    warn!("attach {prog} (held apps are released by the 10 ms probe alone): {e}");
+                    self.listen = None;
+                }
+            },
+            (false, Some(link)) => {
+                if let Err(e) = program.detach(link) {
+                    warn!("detach {prog}: {e}");
+                }
+            }
+            (_, link) => self.listen_link = link,
+        }
     }
 
     /// Detaches every program now (also done on drop).
     pub fn detach(&mut self) {
+        self.set_listen(false);
         for (prog, link) in self.links.drain(..) {
             if let Some(Ok(p)) = self.ebpf.program_mut(prog).map(<&mut TracePoint>::try_from)
                 && let Err(e) = p.detach(link)

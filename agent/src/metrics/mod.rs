@@ -108,6 +108,7 @@ pub struct Metrics {
     pub condition_patches: Family<ResultLabels, Counter>,
     pub events_lost: Counter,
     pub map_full: Counter,
+    pub proxy_listens: Counter,
     pub watch_restarts: Counter,
     pub skips: Family<ReasonLabels, Counter>,
     pub build_info: Family<BuildLabels, Gauge>,
@@ -158,6 +159,7 @@ impl Metrics {
             condition_patches: Family::default(),
             events_lost: Counter::default(),
             map_full: Counter::default(),
+            proxy_listens: Counter::default(),
             watch_restarts: Counter::default(),
             skips: Family::default(),
             build_info: Family::default(),
@@ -216,6 +218,11 @@ impl Metrics {
             "kernel_map_full",
             "Container records the kernel could not make because its map was full",
             m.map_full.clone(),
+        );
+        registry.register(
+            "proxy_listens",
+            "Sockets that started listening in pods holding an app, each a probe of the pod at once",
+            m.proxy_listens.clone(),
         );
         registry.register("watch_restarts", "Restarts of the pod watch (errors, re-lists)", m.watch_restarts.clone());
         registry.register("pod_skips", "Pods or actions skipped, by reason", Declared(m.skips.clone()));
@@ -493,6 +500,7 @@ mod tests {
                 "valet_condition_patches_total",
                 "valet_kernel_events_lost_total",
                 "valet_kernel_map_full_total",
+                "valet_proxy_listens_total",
                 "valet_watch_restarts_total",
                 "valet_pod_skips_total",
                 "valet_build_info",

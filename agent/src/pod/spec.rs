@@ -305,7 +305,10 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
     })
 }
 
-/// The sidecar container names: the pod's own list, or the agent's defaults that the pod has.
+/// The sidecar container names: the pod's own list, or else the agent's default names that the
+/// pod has, and a container named `envoy` that runs Envoy's own image beside other containers
+/// (name and image agree: Envoy beside an app is its proxy; alone, or under another name, it may
+/// be the work itself, and `valet.dev/sidecars` says otherwise).
 fn sidecar_names<'a>(
     valet: &ValetAnnotations<'a>,
     containers: &'a [Container],
@@ -313,10 +316,15 @@ fn sidecar_names<'a>(
     defaults: &SidecarDefaults,
 ) -> Result<BTreeSet<&'a str>, SpecError> {
     let Some(list) = valet.sidecars else {
+        let envoy_beside_others = |c: &Container| {
+            c.name == "envoy"
+                && containers.len() > 1
+                && c.image.as_deref().and_then(kind_from_image) == Some(SidecarKind::Envoy)
+        };
         return Ok(containers
             .iter()
+            .filter(|c| defaults.names.contains(&c.name) || envoy_beside_others(c))
             .map(|c| c.name.as_str())
-            .filter(|n| defaults.names.iter().any(|d| d == n))
             .collect());
     };
     let mut names = BTreeSet::new();
@@ -672,8 +680,29 @@ mod tests {
         assert_eq!(p.sidecars.len(), 1);
         assert_eq!((p.sidecars[0].name.as_str(), p.sidecars[0].kind), ("envoy", SidecarKind::Envoy));
         let Ok(p) = plan(&pod, &defaults()) else { panic!("plan") };
-        assert_eq!(p.apps, ["app", "envoy"]);
-        assert_eq!(p.sidecars[0].name, "istio-proxy");
+        assert_eq!(p.apps, ["app"]);
+        let names: Vec<&str> = p.sidecars.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["envoy", "istio-proxy"]);
+    }
+
+    // A container named `envoy` running Envoy's image beside an app is its proxy by default; the
+    // name or the image alone is not enough, and Envoy alone in its pod is the work.
+    #[test]
+    fn envoy_by_name_and_image_is_a_sidecar_by_default() {
+        let planned = |containers: serde_json::Value| {
+            let pod = fixtures::pod(json!({"containers": containers, "restartPolicy": "Never"}));
+            let Ok(p) = plan(&pod, &defaults()) else { panic!("plan") };
+            (p.apps, p.sidecars.iter().map(|s| (s.name.clone(), s.kind)).collect::<Vec<_>>())
+        };
+        let app = json!({"name": "app", "image": "busybox"});
+        let (apps, sidecars) = planned(json!([app, {"name": "envoy", "image": "docker.io/envoyproxy/envoy:v1.40.0"}]));
+        assert_eq!((apps, sidecars), (vec!["app".to_owned()], vec![("envoy".to_owned(), SidecarKind::Envoy)]));
+        let (apps, sidecars) = planned(json!([app, {"name": "envoy", "image": "nginx"}]));
+        assert_eq!((apps.len(), sidecars.len()), (2, 0), "the name alone");
+        let (apps, sidecars) = planned(json!([app, {"name": "gateway", "image": "envoyproxy/envoy:v1.40.0"}]));
+        assert_eq!((apps.len(), sidecars.len()), (2, 0), "the image alone");
+        let (apps, sidecars) = planned(json!([{"name": "envoy", "image": "envoyproxy/envoy:v1.40.0"}]));
+        assert_eq!((apps.len(), sidecars.len()), (1, 0), "Envoy alone is the work");
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! A deliberately small, blocking HTTP/1.1 client for sidecar endpoints: hard connect and total
 //! deadlines, and a cap on what it reads, so a hung or hostile endpoint can cost at most the
-//! deadline and a few kilobytes. A connection may be kept for the next request when the answer
-//! ended exactly where its `Content-Length` said and the server did not ask to close it.
+//! deadline and a few kilobytes. An answer is complete at the end of its `Content-Length` body or
+//! of its last chunk (Envoy's admin answers chunked: read to the deadline, every `/ready` of a
+//! real Envoy took 500 ms). A connection may be kept for the next request when the answer ended
+//! exactly there and the server did not ask to close it.
 
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
@@ -225,23 +227,104 @@ pub async fn exchange_async(
     answer(&buf, limits, keep)
 }
 
-/// Whether a complete answer ends exactly at its `Content-Length` and leaves the connection open.
+/// Whether a complete answer ends exactly where its framing says and leaves the connection open.
 fn reusable(buf: &[u8]) -> bool {
     let Some(end) = find(buf, b"\r\n\r\n") else { return false };
     let head = String::from_utf8_lossy(&buf[..end]);
-    let header = |name: &str| {
-        head.lines().skip(1).find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
-        })
-    };
-    if header("connection").is_some_and(|v| v.eq_ignore_ascii_case("close")) || !head.starts_with("HTTP/1.1 ") {
+    if header(&head, "connection").is_some_and(|v| v.eq_ignore_ascii_case("close")) || !head.starts_with("HTTP/1.1 ") {
         return false;
     }
-    match header("content-length").and_then(|v| v.parse::<usize>().ok()) {
-        Some(n) => buf.len().saturating_sub(end + 4) == n,
-        None => false,
+    frame(buf) == Frame::Complete(buf.len())
+}
+
+/// The value of header `name` in `head` (the status line and headers).
+fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines().skip(1).find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+    })
+}
+
+/// How far the answer in a buffer has come.
+#[derive(Debug, PartialEq, Eq)]
+enum Frame {
+    /// Headers, and a body whose end is known, are not all in yet.
+    Partial,
+    /// Complete: the answer's length in bytes.
+    Complete(usize),
+    /// Only the server's close ends it: no length, or a chunked body that cannot be read.
+    UntilClose,
+}
+
+/// Where the answer in `buf` ends: after its `Content-Length` body, or after the last chunk and
+/// trailers of a chunked one (`Transfer-Encoding` wins over `Content-Length`, as RFC 9112 says).
+fn frame(buf: &[u8]) -> Frame {
+    let Some(end) = find(buf, b"\r\n\r\n") else { return Frame::Partial };
+    let head = String::from_utf8_lossy(&buf[..end]);
+    let body_at = end + 4;
+    if let Some(coding) = header(&head, "transfer-encoding") {
+        let last = coding.rsplit(',').next().unwrap_or_default().trim();
+        if !last.eq_ignore_ascii_case("chunked") {
+            return Frame::UntilClose;
+        }
+        return match chunks(&buf[body_at..]) {
+            Chunks::Partial => Frame::Partial,
+            Chunks::End(n) => Frame::Complete(body_at + n),
+            Chunks::Broken => Frame::UntilClose,
+        };
     }
+    match header(&head, "content-length").and_then(|v| v.parse::<usize>().ok()) {
+        // Saturating: a Content-Length near usize::MAX must not overflow (a panic in debug builds).
+        Some(n) if buf.len().saturating_sub(body_at) >= n => Frame::Complete(body_at.saturating_add(n)),
+        Some(_) => Frame::Partial,
+        None => Frame::UntilClose,
+    }
+}
+
+enum Chunks {
+    Partial,
+    /// The chunked body ends after this many bytes.
+    End(usize),
+    Broken,
+}
+
+/// Walks a chunked body: its chunks' data, given to `data`, and where it ends.
+fn walk_chunks(body: &[u8], mut data: impl FnMut(&[u8])) -> Chunks {
+    let mut at = 0usize;
+    loop {
+        let Some(line) = find(&body[at..], b"\r\n") else { return Chunks::Partial };
+        let size_text = String::from_utf8_lossy(&body[at..at + line]);
+        let size_text = size_text.split(';').next().unwrap_or_default().trim();
+        let Some(size) =
+            usize::from_str_radix(size_text, 16).ok().filter(|_| !size_text.is_empty() && size_text.len() <= 8)
+        else {
+            return Chunks::Broken;
+        };
+        at += line + 2;
+        if size == 0 {
+            // Trailer fields, if any, then an empty line.
+            if body[at..].starts_with(b"\r\n") {
+                return Chunks::End(at + 2);
+            }
+            return match find(&body[at..], b"\r\n\r\n") {
+                Some(t) => Chunks::End(at + t + 4),
+                None => Chunks::Partial,
+            };
+        }
+        let have = body.len() - at;
+        data(&body[at..at + size.min(have)]);
+        if have < size + 2 {
+            return Chunks::Partial;
+        }
+        if &body[at + size..at + size + 2] != b"\r\n" {
+            return Chunks::Broken;
+        }
+        at += size + 2;
+    }
+}
+
+fn chunks(body: &[u8]) -> Chunks {
+    walk_chunks(body, |_| {})
 }
 
 fn io_failure(e: &std::io::Error) -> Failure {
@@ -251,19 +334,10 @@ fn io_failure(e: &std::io::Error) -> Failure {
     }
 }
 
-/// Whether the bytes read so far hold the headers and a Content-Length body: reading can stop.
+/// Whether the bytes read so far hold a whole answer (headers, and a `Content-Length` or chunked
+/// body): reading can stop.
 pub fn response_complete(buf: &[u8]) -> bool {
-    let Some(end) = find(buf, b"\r\n\r\n") else { return false };
-    let head = String::from_utf8_lossy(&buf[..end]);
-    let length = head.lines().find_map(|l| {
-        let (k, v) = l.split_once(':')?;
-        k.trim().eq_ignore_ascii_case("content-length").then(|| v.trim().parse::<usize>().ok()).flatten()
-    });
-    match length {
-        // Saturating: a Content-Length near usize::MAX must not overflow (a panic in debug builds).
-        Some(n) => buf.len().saturating_sub(end + 4) >= n,
-        None => false,
-    }
+    matches!(frame(buf), Frame::Complete(_))
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
@@ -297,7 +371,18 @@ fn parse(buf: &[u8]) -> Result<Response, Failure> {
         .filter(|s| (100..600).contains(s))
         .ok_or_else(|| Failure::Malformed(format!("bad status line: {:.40}", line)))?;
     let body = match find(buf, b"\r\n\r\n") {
-        Some(end) => String::from_utf8_lossy(&buf[end + 4..]).into_owned(),
+        Some(end) => {
+            let head = String::from_utf8_lossy(&buf[..end]);
+            let raw = &buf[end + 4..];
+            let chunked = header(&head, "transfer-encoding")
+                .is_some_and(|c| c.rsplit(',').next().unwrap_or_default().trim().eq_ignore_ascii_case("chunked"));
+            let mut data = Vec::new();
+            if chunked && !matches!(walk_chunks(raw, |d| data.extend_from_slice(d)), Chunks::Broken) {
+                String::from_utf8_lossy(&data).into_owned()
+            } else {
+                String::from_utf8_lossy(raw).into_owned()
+            }
+        }
         None => String::new(),
     };
     Ok(Response { status, body })
@@ -493,6 +578,51 @@ mod tests {
         assert!(matches!(parse_response(b"HTTP/1.1 200 OK", limits), Err(Failure::Malformed(_))));
         assert!(response_complete(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n"));
         assert!(!response_complete(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nab"));
+    }
+
+    // Envoy's admin answers chunked (`/ready` is `5\r\nLIVE\n\r\n0\r\n\r\n`): complete at its last
+    // chunk, not at the deadline, and its connection kept.
+    #[test]
+    fn chunked_answers_end_at_their_last_chunk() {
+        let envoy = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=UTF-8\r\nserver: envoy\r\n\
+                      transfer-encoding: chunked\r\n\r\n5\r\nLIVE\n\r\n0\r\n\r\n";
+        assert!(response_complete(envoy));
+        assert!(reusable(envoy));
+        assert_eq!(parse_response(envoy, Limits::default()).map(|r| r.body), Ok("LIVE\n".into()));
+        for cut in 0..envoy.len() {
+            assert!(!response_complete(&envoy[..cut]), "complete after {cut} of {} bytes", envoy.len());
+        }
+        let trailers = b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n\r\n\
+                         4;ext=1\r\nPRE_\r\nA\r\nINITIALIZE\r\n0\r\nX-T: 1\r\n\r\n";
+        assert!(response_complete(trailers));
+        assert_eq!(parse_response(trailers, Limits::default()).map(|r| r.body), Ok("PRE_INITIALIZE".into()));
+        // More than the answer: complete, but the connection is not kept.
+        let mut extra = envoy.to_vec();
+        extra.extend_from_slice(b"HTTP/1.1 200");
+        assert!(response_complete(&extra) && !reusable(&extra));
+        // A chunk size that is not hex, or data not ended by CRLF: read until the close.
+        assert!(!response_complete(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n"));
+        assert!(!response_complete(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nabc\r\n0\r\n\r\n"));
+        assert!(!response_complete(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nab"));
+        let huge = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\nab";
+        assert!(!response_complete(huge));
+        assert_eq!(parse_response(huge, Limits::default()).map(|r| r.status), Ok(200));
+    }
+
+    // Over a real connection, as the probes read: the answer is in as soon as its last chunk is,
+    // with the server keeping the connection open.
+    #[test]
+    fn a_chunked_answer_on_an_open_connection_is_read_without_waiting_for_the_deadline() {
+        let (addr, release, server) =
+            serve_and_hold(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nLIVE\n\r\n0\r\n\r\n");
+        // A deadline no test machine reaches: answered from the framing, not at the deadline.
+        let limits = Limits { total_timeout: HANG_GUARD, ..Limits::default() };
+        let mut stream = connect(addr, limits).expect("connect");
+        let (response, again) =
+            exchange(&mut stream, addr, "GET", "/ready", limits, Instant::now(), true).expect("answer");
+        assert_eq!((response.status, response.body.as_str(), again), (200, "LIVE\n", true));
+        let _ = release.send(());
+        assert!(server.join().expect("server"), "the answer came only when the server let go");
     }
 
     #[test]

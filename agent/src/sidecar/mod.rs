@@ -114,6 +114,8 @@ pub mod testing {
         pub requests: AtomicUsize,
         pub sent_ahead: Mutex<Vec<(String, u16, String)>>,
         pub unclaimed: AtomicUsize,
+        /// The next this many requests fail with this failure (refused, timeout) instead.
+        pub failing: Mutex<Option<(usize, super::http::Failure)>>,
     }
 
     impl SidecarLink for TestLink {
@@ -146,6 +148,14 @@ pub mod testing {
             _: bool,
         ) -> Pending<Result<Response, Failed>> {
             self.requests.fetch_add(1, Ordering::SeqCst);
+            let mut failing = self.failing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some((left, failure)) = failing.as_mut()
+                && *left > 0
+            {
+                *left -= 1;
+                let failed = (failure.to_string(), failure.label());
+                return Box::pin(async move { Err(failed) });
+            }
             Box::pin(async { Ok(Response { status: 200, body: String::new() }) })
         }
     }
