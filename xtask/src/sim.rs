@@ -19,6 +19,10 @@ pub fn bench(root: &Path, args: &[String]) -> Result<()> {
     if !is_root() {
         bail!("the benchmarks load eBPF programs: run them as root");
     }
+    // [4] runs a real Envoy; without it a full run fails (a smoke run leaves its row out).
+    if let Err(e) = setup::envoy(root) {
+        eprintln!("no Envoy for the bench's [4] ({e:#}): `cargo xtask setup` installs it");
+    }
     run_driver(root, "valet-bench", args)
 }
 
@@ -35,7 +39,9 @@ fn run_driver(root: &Path, bin: &str, args: &[String]) -> Result<()> {
         "valet-sim",
     ]))?;
     let release = root.join("target/release");
+    // From the workspace root: `--table docs/bench-table.md` names the file there.
     run(Command::new(release.join(bin))
+        .current_dir(root)
         .args(args)
         .env("VALET_AGENT_BIN", release.join("valet-agent"))
         .env("VALET_STANDIN_PROXY", release.join("valet-standin-proxy")))

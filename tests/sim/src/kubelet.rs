@@ -355,6 +355,8 @@ struct Inner {
     opts: KubeletOptions,
     epoch: Instant,
     pods: Mutex<BTreeMap<(String, String), KPod>>,
+    /// No status write before this moment (see [`Kubelet::hold_status_writes`]).
+    writes_held_until: Mutex<Option<Instant>>,
 }
 
 /// The simulated kubelet of one node. Clones share it; its thread ends when the last clone is
@@ -370,10 +372,24 @@ impl Kubelet {
         if let Some(d) = &opts.runtime_state_dir {
             std::fs::create_dir_all(d).with_context(|| format!("mkdir {}", d.display()))?;
         }
-        let inner = Arc::new(Inner { api, opts, epoch: Instant::now(), pods: Mutex::new(BTreeMap::new()) });
+        let inner = Arc::new(Inner {
+            api,
+            opts,
+            epoch: Instant::now(),
+            pods: Mutex::new(BTreeMap::new()),
+            writes_held_until: Mutex::new(None),
+        });
         let weak = Arc::downgrade(&inner);
         std::thread::Builder::new().name("sim-kubelet".into()).spawn(move || run(weak)).context("kubelet thread")?;
         Ok(Kubelet { inner })
+    }
+
+    /// Holds every pod's status writes until `until`, as a kubelet behind on its work or an API
+    /// server too slow to take them would: what happens meanwhile reaches the API late, from the
+    /// relist after `until` (nothing is lost; a container that started and ended meanwhile is
+    /// reported terminated).
+    pub fn hold_status_writes(&self, until: Instant) {
+        *lock(&self.inner.writes_held_until) = Some(until);
     }
 
     pub fn options(&self) -> &KubeletOptions {
@@ -910,6 +926,7 @@ impl Inner {
     }
 
     fn tick(&self, now: Instant, relist: bool) {
+        let held = lock(&self.writes_held_until).is_some_and(|until| now < until);
         let mut pods = lock(&self.pods);
         for kpod in pods.values_mut() {
             self.step(kpod, now);
@@ -940,7 +957,7 @@ impl Inner {
                 }
             }
             kpod.changed = false;
-            if kpod.pending_write.is_some_and(|t| now >= t) {
+            if !held && kpod.pending_write.is_some_and(|t| now >= t) {
                 kpod.pending_write = None;
                 // A pod object not posted yet (or deleted) gets the next relist's status.
                 let _ = self.write(kpod);

@@ -3,16 +3,18 @@
 //! quit (loopback only) and what answers look like. The binary `valet-standin-proxy` runs
 //! [`run`]; [`crate::node::SimPod::spawn_standin`] starts it inside a sim pod's container.
 //!
-//! Everything here is std only (a thread per listener and per connection): small and robust.
+//! Connections are served as Go's net/http serves them: tasks on a small runtime (a worker thread
+//! per CPU, woken by epoll), never a thread started for a connection (see [`run`]).
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
 
 use crate::node::{SimPod, SimProcess, SpawnOptions};
 use crate::util::monotonic_ns;
@@ -389,9 +391,9 @@ fn reason(code: u16) -> &'static str {
 
 /// Reads the request head: method, path without query, Content-Length, and whether the client
 /// asked to close the connection after the answer. None if the peer sent nothing usable (or closed).
-fn read_head(r: &mut BufReader<TcpStream>) -> Option<(String, String, usize, bool)> {
+async fn read_head<R: AsyncBufRead + Unpin>(r: &mut R) -> Option<(String, String, usize, bool)> {
     let mut line = String::new();
-    r.read_line(&mut line).ok()?;
+    r.read_line(&mut line).await.ok()?;
     let mut parts = line.split_whitespace();
     let method = parts.next()?.to_string();
     let target = parts.next()?;
@@ -401,7 +403,7 @@ fn read_head(r: &mut BufReader<TcpStream>) -> Option<(String, String, usize, boo
     let mut total = line.len();
     loop {
         let mut h = String::new();
-        if r.read_line(&mut h).ok()? == 0 {
+        if r.read_line(&mut h).await.ok()? == 0 {
             return None;
         }
         total += h.len();
@@ -427,36 +429,35 @@ fn read_head(r: &mut BufReader<TcpStream>) -> Option<(String, String, usize, boo
     Some((method, path, content_length, close))
 }
 
-fn handle(stream: TcpStream, role: Role, state: &State) {
+async fn handle(stream: tokio::net::TcpStream, role: Role, state: Arc<State>) {
     let peer = match stream.peer_addr() {
         Ok(p) => p,
         Err(_) => return,
     };
-    // As Go's `http.Serve`, which pilot-agent's status server uses: HTTP/1.1 keep-alive, no read
-    // or idle timeout; the connection is closed when the client asks or goes away.
+    // As Go's net/http, which pilot-agent's status server uses: TCP_NODELAY, HTTP/1.1
+    // keep-alive, no read or idle timeout; the connection is closed when the client asks or
+    // goes away.
+    let _ = stream.set_nodelay(true);
     // A line per connection too (`ACCEPT /`), so tests can tell which requests shared one.
     state.log("ACCEPT", "/", peer);
-    let Ok(write_half) = stream.try_clone() else {
-        return;
-    };
-    let mut w = write_half;
-    let mut reader = BufReader::new(stream);
+    let (read_half, mut w) = stream.into_split();
+    let mut reader = tokio::io::BufReader::new(read_half);
     loop {
-        let Some((method, path, content_length, close)) = read_head(&mut reader) else {
+        let Some((method, path, content_length, close)) = read_head(&mut reader).await else {
             return;
         };
         state.log(&method, &path, peer);
         if state.opts.hang {
             // Hold the connection open and never answer (until the peer gives up).
             let mut sink = [0u8; 4096];
-            while matches!(reader.read(&mut sink), Ok(n) if n > 0) {}
+            while matches!(reader.read(&mut sink).await, Ok(n) if n > 0) {}
             return;
         }
-        let _ = std::io::copy(&mut (&mut reader).take(content_length as u64), &mut std::io::sink());
+        let _ = tokio::io::copy(&mut (&mut reader).take(content_length as u64), &mut tokio::io::sink()).await;
         if state.opts.flood {
-            let _ = w.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n");
+            let _ = w.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n").await;
             let chunk = vec![b'x'; 64 * 1024];
-            while w.write_all(&chunk).is_ok() {}
+            while w.write_all(&chunk).await.is_ok() {}
             return;
         }
         let loopback = peer.ip().is_loopback()
@@ -470,20 +471,24 @@ fn handle(stream: TcpStream, role: Role, state: &State) {
         let conn = if close { "Connection: close\r\n" } else { "" };
         let resp =
             format!("HTTP/1.1 {code} {}\r\n{ct}Content-Length: {}\r\n{conn}\r\n{body}", reason(code), body.len());
-        let _ = w.write_all(resp.as_bytes());
-        let _ = w.flush();
+        let _ = w.write_all(resp.as_bytes()).await;
+        let _ = w.flush().await;
         if let Some(code) = exit {
-            let _ = w.shutdown(Shutdown::Write);
+            let _ = w.shutdown().await;
             std::process::exit(code);
         }
         if close {
-            let _ = w.shutdown(Shutdown::Write);
+            let _ = w.shutdown().await;
             return;
         }
     }
 }
 
 /// Serves until a quit request or a signal ends the process.
+///
+/// Connections are served as Go's net/http serves them (pilot-agent, cloud-sql-proxy): each one a
+/// task on a runtime with a worker thread per CPU, woken by epoll; no thread is started for a
+/// connection, so a fresh connection costs what it costs a Go proxy, not a thread's start.
 pub fn run(opts: StandinOptions) -> Result<()> {
     use nix::sys::signal::{SigSet, Signal};
     // Block the stop signals before any thread exists so all inherit the mask and the main
@@ -502,21 +507,30 @@ pub fn run(opts: StandinOptions) -> Result<()> {
     let listeners = opts
         .listeners()
         .into_iter()
-        .map(|(role, addr)| Ok((role, TcpListener::bind(addr).with_context(|| format!("bind {addr}"))?)))
+        .map(|(role, addr)| {
+            let l = TcpListener::bind(addr).with_context(|| format!("bind {addr}"))?;
+            l.set_nonblocking(true)?;
+            Ok((role, l))
+        })
         .collect::<Result<Vec<_>>>()?;
     let state = Arc::new(State { opts, started: Instant::now(), events });
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_io().enable_time().build()?;
     for (role, l) in listeners {
         let state = state.clone();
-        std::thread::Builder::new().name(format!("{role:?}")).spawn(move || {
-            for conn in l.incoming() {
-                let Ok(conn) = conn else {
-                    std::thread::sleep(Duration::from_millis(10));
-                    continue;
-                };
-                let state = state.clone();
-                let _ = std::thread::Builder::new().spawn(move || handle(conn, role, &state));
+        let l = {
+            let _guard = runtime.enter();
+            tokio::net::TcpListener::from_std(l)?
+        };
+        runtime.spawn(async move {
+            loop {
+                match l.accept().await {
+                    Ok((conn, _)) => {
+                        tokio::spawn(handle(conn, role, state.clone()));
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                }
             }
-        })?;
+        });
     }
     let sig = sigs.wait().context("sigwait")?;
     let default_drain = if state.opts.kind == ProxyKind::Istio { Duration::from_secs(5) } else { Duration::ZERO };

@@ -1,16 +1,25 @@
 //! A build Job's worst case for the benchmarks: forks short-lived processes as fast as it can.
 //! `valet-bench-forker <duration-ms> <workers> <count-file>`: `workers` processes each fork a
 //! child that `_exit(0)`s at once and reap it, in a loop, for `duration-ms`; the total number of
-//! processes is written to `count-file` at the end.
+//! processes is written to `count-file` at the end. With a fourth argument, each child execs
+//! that program (no arguments; `/bin/true`, as a build's shell steps do) instead of `_exit`.
 use std::time::{Duration, Instant};
 
-fn worker(until: Instant) -> u64 {
+fn worker(until: Instant, exec: Option<&std::ffi::CStr>) -> u64 {
     let mut n = 0u64;
+    let argv = exec.map(|p| [p.as_ptr(), std::ptr::null()]);
+    let envp: [*const libc::c_char; 1] = [std::ptr::null()];
     while Instant::now() < until {
-        // SAFETY: the child only calls _exit; the parent reaps it.
+        // SAFETY: the child only execs (async-signal-safe, built before the fork) or _exits; the
+        // parent reaps it.
         let pid = unsafe { libc::fork() };
         match pid {
-            0 => unsafe { libc::_exit(0) },
+            0 => unsafe {
+                if let Some(argv) = &argv {
+                    libc::execve(argv[0], argv.as_ptr(), envp.as_ptr());
+                }
+                libc::_exit(0)
+            },
             p if p > 0 => {
                 let mut status = 0;
                 // SAFETY: our own child.
@@ -28,9 +37,18 @@ fn main() {
     let (Some(ms), Some(workers), Some(out)) =
         (args.get(1).and_then(|a| a.parse::<u64>().ok()), args.get(2).and_then(|a| a.parse::<u32>().ok()), args.get(3))
     else {
-        eprintln!("usage: valet-bench-forker <duration-ms> <workers> <count-file>");
+        eprintln!("usage: valet-bench-forker <duration-ms> <workers> <count-file> [exec-program]");
         std::process::exit(2);
     };
+    let exec = match args.get(4).map(|p| std::ffi::CString::new(p.as_str())) {
+        Some(Ok(p)) => Some(p),
+        Some(Err(_)) => {
+            eprintln!("exec program with a NUL byte");
+            std::process::exit(2);
+        }
+        None => None,
+    };
+    let exec = exec.as_deref();
     let until = Instant::now() + Duration::from_millis(ms);
     let mut pipes = Vec::new();
     for _ in 1..workers.max(1) {
@@ -43,7 +61,7 @@ fn main() {
         // SAFETY: the child runs the loop, writes its count and exits.
         match unsafe { libc::fork() } {
             0 => {
-                let n = worker(until).to_le_bytes();
+                let n = worker(until, exec).to_le_bytes();
                 // SAFETY: a valid buffer on an fd we own.
                 unsafe {
                     libc::write(fds[1], n.as_ptr().cast(), n.len());
@@ -61,7 +79,7 @@ fn main() {
             }
         }
     }
-    let mut total = worker(until);
+    let mut total = worker(until, exec);
     for (pid, fd) in pipes {
         let mut buf = [0u8; 8];
         // SAFETY: a valid buffer on an fd we own; then our own child is reaped.

@@ -1,0 +1,161 @@
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context as _, Result};
+use valet_agent::kernel::{Attach, Programs};
+use valet_common::watch_flags;
+use valet_tests::cgroups::TestCgroups;
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// Ids of the loaded BPF programs whose name starts with `valet_`.
+fn valet_program_ids() -> std::collections::HashSet<u32> {
+    aya::programs::loaded_programs()
+        .flatten()
+        .filter(|info| info.name_as_str().is_some_and(|n| n.starts_with("valet_")))
+        .map(|info| info.id())
+        .collect()
+}
+
+/// Sum of `run_time_ns` and `run_cnt` over the programs among `ours` whose name starts with
+/// `prefix`. Only the bench's own: the tracepoints are the whole host's, and another agent's
+/// programs on this host (a test run beside the bench) run on the same exits and may come and go
+/// between two reads.
+pub(crate) fn program_stats(ours: &std::collections::HashSet<u32>, prefix: &str) -> (u64, u64) {
+    let mut time = 0u64;
+    let mut count = 0u64;
+    for info in aya::programs::loaded_programs().flatten() {
+        if ours.contains(&info.id()) && info.name_as_str().is_some_and(|n| n.starts_with(prefix)) {
+            time += info.run_time().as_nanos() as u64;
+            count += info.run_count();
+        }
+    }
+    (time, count)
+}
+
+/// Runs the forker for `ms` in `cgroup` (None: the bench's own cgroup); exits per second.
+pub(crate) fn fork_rate(cgroups: &TestCgroups, cgroup: Option<&str>, ms: u64) -> Result<f64> {
+    spawn_rate(cgroups, cgroup, ms, None)
+}
+
+/// The program each child of the exec storm runs: a build's shell step at its smallest.
+const EXEC_PROGRAM: &str = "/bin/true";
+
+/// Runs the forker for `ms` in `cgroup`, each child exec'ing `exec` if given; processes per second.
+pub(crate) fn spawn_rate(cgroups: &TestCgroups, cgroup: Option<&str>, ms: u64, exec: Option<&str>) -> Result<f64> {
+    let forker = bin("valet-bench-forker")?;
+    let out = std::env::temp_dir().join(format!("valet-forks-{}", std::process::id()));
+    let mut cmd = Command::new(&forker);
+    cmd.args([&ms.to_string(), "2", out.to_str().context("path")?]);
+    cmd.args(exec);
+    let mut child = match cgroup {
+        Some(rel) => cgroups.spawn_in(rel, &mut cmd)?,
+        None => cmd.spawn()?,
+    };
+    child.wait()?;
+    let n: f64 = std::fs::read_to_string(&out)?.trim().parse()?;
+    let _ = std::fs::remove_file(&out);
+    Ok(n / (ms as f64 / 1000.0))
+}
+
+/// 6. What the kernel programs cost each exit, from the kernel's own BPF statistics.
+pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
+    println!(
+        "\n[6] cost of the exit and exec programs per exit and exec (kernel.bpf_stats_enabled: run_time_ns ÷ run_cnt)"
+    );
+    // Keeps the kernel's statistics on while held (as sysctl kernel.bpf_stats_enabled=1).
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enable BPF run-time statistics")?;
+    let mut cgroups = TestCgroups::new()?;
+    let pod = format!("kubepods/besteffort/pod{}", valet_sim::util::uuid_v4());
+    let container = format!("{pod}/{}", "cd".repeat(32));
+    cgroups.create(&pod)?;
+    cgroups.create(&container)?;
+    let ms = 3000;
+    let detached = fork_rate(&cgroups, None, ms)?;
+    let detached_exec = spawn_rate(&cgroups, None, ms, Some(EXEC_PROGRAM))?;
+    let others = valet_program_ids();
+    let mut programs = Programs::load(Path::new("/"), Attach::default())?;
+    let ours: std::collections::HashSet<u32> = valet_program_ids().difference(&others).copied().collect();
+    let exit_program_stats = || program_stats(&ours, "valet_exit");
+    println!(
+        "  {} programs of the bench's own; {} other valet programs loaded on this host",
+        ours.len(),
+        others.len()
+    );
+    for id in 0..110u64 {
+        programs.watch(u64::MAX - id, watch_flags::EXITS | watch_flags::HOLD)?;
+    }
+    programs.watch(cgroups.id(&pod)?, watch_flags::EXITS)?;
+    let measure = |cgroup: Option<&str>| -> Result<(f64, f64)> {
+        let (t0, c0) = exit_program_stats();
+        let rate = fork_rate(&cgroups, cgroup, ms)?;
+        let (t1, c1) = exit_program_stats();
+        let per = (t1 - t0) as f64 / (c1 - c0).max(1) as f64;
+        Ok((rate, per))
+    };
+    let (outside_rate, outside_ns) = measure(None)?;
+    let (inside_rate, inside_ns) = measure(Some(&container))?;
+    // The exec storm: every child execs, as a build Job's shell steps and compilers do; the exec
+    // program's cost per exec (it looks for a container's first exec) and the exit program's.
+    let measure_exec = |cgroup: Option<&str>| -> Result<(f64, f64, f64)> {
+        let ((e0, n0), (x0, m0)) = (program_stats(&ours, "valet_exec"), exit_program_stats());
+        let rate = spawn_rate(&cgroups, cgroup, ms, Some(EXEC_PROGRAM))?;
+        let ((e1, n1), (x1, m1)) = (program_stats(&ours, "valet_exec"), exit_program_stats());
+        let per = |t: u64, c: u64| t as f64 / c.max(1) as f64;
+        Ok((rate, per(e1 - e0, n1 - n0), per(x1 - x0, m1 - m0)))
+    };
+    let (exec_outside_rate, exec_outside_ns, _) = measure_exec(None)?;
+    let (exec_inside_rate, exec_inside_ns, exec_exit_ns) = measure_exec(Some(&container))?;
+    drop(programs);
+    let detached_again = fork_rate(&cgroups, None, ms)?;
+    let reference = (detached + detached_again) / 2.0;
+    let exec_reference = (detached_exec + spawn_rate(&cgroups, None, ms, Some(EXEC_PROGRAM))?) / 2.0;
+    println!("  execs outside watched pods: {exec_outside_ns:>6.0} ns per exec (exec program)");
+    println!(
+        "  execs inside a watched pod:  {exec_inside_ns:>6.0} ns per exec (exec program), {exec_exit_ns:.0} ns per exit"
+    );
+    println!(
+        "  fork+exec {EXEC_PROGRAM} loop, 2 processes: detached {exec_reference:.0}/s, attached {exec_outside_rate:.0}/s \
+         outside and {exec_inside_rate:.0}/s inside a watched pod (ratio {:.3} / {:.3})",
+        exec_outside_rate / exec_reference,
+        exec_inside_rate / exec_reference
+    );
+    println!("  exits outside watched pods (110 pods watched): {outside_ns:>6.0} ns per exit");
+    println!("  exits inside a watched pod (filtered there):   {inside_ns:>6.0} ns per exit");
+    println!(
+        "  fork+_exit loop, 2 processes: detached {reference:.0}/s, attached {outside_rate:.0}/s outside and \
+         {inside_rate:.0}/s inside a watched pod (ratio {:.3} / {:.3})",
+        outside_rate / reference,
+        inside_rate / reference
+    );
+    table.add(
+        "[6] exit program per exit, outside / inside a watched pod (BPF stats)",
+        format!("{outside_ns:.0} / {inside_ns:.0} ns"),
+        "—",
+        "—",
+        "—".into(),
+    );
+    table.add(
+        "[6] tight fork+_exit loop (2 processes), programs attached: outside / inside a watched pod",
+        format!("{outside_rate:.0} / {inside_rate:.0} exits/s"),
+        &format!("detached {reference:.0} exits/s"),
+        "—",
+        format!("{:.3} / {:.3} of detached", outside_rate / reference, inside_rate / reference),
+    );
+    table.add(
+        "[6] exec program per exec, outside / inside a watched pod (BPF stats, fork+exec storm)",
+        format!("{exec_outside_ns:.0} / {exec_inside_ns:.0} ns"),
+        "—",
+        "—",
+        format!("the exit program in the same storm: {exec_exit_ns:.0} ns per exit"),
+    );
+    table.add(
+        &format!("[6] fork+exec {EXEC_PROGRAM} storm (2 processes), programs attached: outside / inside a watched pod"),
+        format!("{exec_outside_rate:.0} / {exec_inside_rate:.0} execs/s"),
+        &format!("detached {exec_reference:.0} execs/s"),
+        "—",
+        format!("{:.3} / {:.3} of detached", exec_outside_rate / exec_reference, exec_inside_rate / exec_reference),
+    );
+    Ok(())
+}

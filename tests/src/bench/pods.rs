@@ -1,0 +1,188 @@
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+use valet_sim::node::SpawnOptions;
+use valet_tests::harness::{Agent, JobPod, JobSpec, Node};
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// Waits until the agent's `valet_pods_tracked` is `n`, polling its metrics as fast as it
+/// answers; the time it took.
+pub(crate) fn tracked_after(agent: &Agent, n: f64, since: Instant) -> Result<Duration> {
+    while agent.metric("valet_pods_tracked ") != n {
+        if since.elapsed() > Duration::from_secs(10) {
+            bail!("the agent never tracked {n} pods");
+        }
+    }
+    Ok(since.elapsed())
+}
+
+/// Pod-watch latency: a labelled pod object appears on the node (and is deleted again); the time
+/// until the agent's tracked count shows it, `samples` times.
+pub(crate) fn watch_latency(node: &Node, agent: &Agent, base: f64, samples: usize) -> Result<Vec<f64>> {
+    let mut out = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let name = format!("watch-probe-{i}-{}", valet_sim::util::random_hex(3));
+        let pod = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "jobs", "uid": valet_sim::util::uuid_v4(),
+                         "labels": {"valet.dev/enabled": "true"}},
+            "spec": {"nodeName": node.name, "restartPolicy": "Never", "containers": [
+                {"name": "app", "image": "example/app:1"},
+                {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.22.0"}]},
+            "status": {"phase": "Pending"}
+        });
+        let t0 = Instant::now();
+        node.api.create_pod(pod)?;
+        out.push(tracked_after(agent, base + 1.0, t0)?.as_secs_f64() * 1e6);
+        node.api.delete_pod("jobs", &name)?;
+        tracked_after(agent, base, Instant::now())?;
+    }
+    Ok(out)
+}
+
+/// One 0.3 s Job: the time from its app's exit to the quit its proxy received, or None when the
+/// proxy was not asked to quit within 5 s (a container end lost). `during` runs after the app
+/// started (e.g. stalling the agent).
+pub(crate) fn one_job(
+    node: &Node,
+    agent: &Agent,
+    app: &str,
+    tag: &str,
+    tracked: usize,
+    during: impl FnOnce() -> Result<()>,
+) -> Result<Option<f64>> {
+    let mut job = node.job_pod(JobSpec::new(tag))?;
+    let stamp = node.scratch.path(&format!("stamp-{tag}"));
+    let stamp_s = stamp.to_str().context("path")?.to_owned();
+    // The agent knows the pod (its container ends come from the kernel from then on).
+    agent.wait_tracked(tracked, Duration::from_secs(5))?;
+    job.start_app("app", &[app, &stamp_s, "0", JOB_MS], &SpawnOptions::default())?;
+    during()?;
+    let quit = match job.wait_proxy_exit(Duration::from_secs(5))? {
+        Some(_) => job.quits().first().map(|q| q.mono_ns),
+        None => None,
+    };
+    let exited = read_stamp(&stamp);
+    node.api.delete_pod("jobs", &job.name).ok();
+    drop(job);
+    agent.wait_tracked(tracked - 1, Duration::from_secs(5))?;
+    Ok(match (quit, exited) {
+        (Some(q), Some(e)) => Some(q.saturating_sub(e) as f64 / 1000.0),
+        _ => None,
+    })
+}
+
+/// Threads making or tearing down simulated pods at once.
+pub(crate) const LANES: usize = 10;
+
+/// Starts `n` labelled Job pods (proxy ready) as fast as the simulated node makes them (a few
+/// at a time: making one is mostly waiting for processes).
+pub(crate) fn make_jobs(node: &Node, tag: &str, n: usize) -> Result<Vec<JobPod>> {
+    make_pods(node, tag, n, true)
+}
+
+/// [`make_jobs`], opted in or not.
+pub(crate) fn make_pods(node: &Node, tag: &str, n: usize, labelled: bool) -> Result<Vec<JobPod>> {
+    let spec = || {
+        let mut spec = JobSpec::new(tag);
+        spec.labelled = labelled;
+        spec
+    };
+    std::thread::scope(|s| {
+        let lanes: Vec<_> = (0..LANES)
+            .map(|lane| {
+                let count = n / LANES + usize::from(lane < n % LANES);
+                s.spawn(move || (0..count).map(|_| node.job_pod(spec())).collect::<Result<Vec<_>>>())
+            })
+            .collect();
+        let mut jobs = Vec::with_capacity(n);
+        for lane in lanes {
+            jobs.extend(lane.join().map_err(|_| anyhow::anyhow!("a pod-making thread panicked"))??);
+        }
+        Ok(jobs)
+    })
+}
+
+/// Deletes the pods from the API, then tears them down ([`drop_jobs`]).
+pub(crate) fn remove_jobs(node: &Node, jobs: Vec<JobPod>) {
+    for job in &jobs {
+        node.api.delete_pod("jobs", &job.name).ok();
+    }
+    drop_jobs(jobs);
+}
+
+/// Tears pods down a few at a time.
+pub(crate) fn drop_jobs(jobs: Vec<JobPod>) {
+    let mut lanes: Vec<Vec<JobPod>> = (0..LANES).map(|_| Vec::new()).collect();
+    for (i, job) in jobs.into_iter().enumerate() {
+        lanes[i % LANES].push(job);
+    }
+    std::thread::scope(|s| {
+        for lane in lanes {
+            s.spawn(move || drop(lane));
+        }
+    });
+}
+
+/// Jobs made in a burst, their apps then started within about one second; each app runs `run`.
+pub(crate) struct Burst {
+    pub(crate) jobs: Vec<JobPod>,
+    pub(crate) stamps: Vec<PathBuf>,
+    pub(crate) run: Duration,
+    /// When the first app was started.
+    pub(crate) started: Instant,
+}
+
+impl Burst {
+    /// `wrapped`: each app runs under the in-pod wrapper (pods not opted in), else bare (opted in).
+    pub(crate) fn start(node: &Node, tag: &str, n: usize, run: Duration, wrapped: bool) -> Result<Burst> {
+        let app = bin("valet-bench-app")?;
+        let wrapper = bin("valet-bench-wrapper")?;
+        let (app, wrapper) = (app.to_str().context("path")?, wrapper.to_str().context("path")?);
+        let t = Instant::now();
+        let mut jobs = make_pods(node, tag, n, !wrapped)?;
+        let made = t.elapsed();
+        let started = Instant::now();
+        let run_ms = run.as_millis().to_string();
+        let mut stamps = Vec::new();
+        for (i, job) in jobs.iter_mut().enumerate() {
+            let stamp = node.scratch.path(&format!("{tag}-{i}"));
+            let stamp_s = stamp.to_str().context("path")?;
+            let mut cmd = Vec::new();
+            if wrapped {
+                cmd.push(wrapper);
+                cmd.extend(WRAPPER_ARGS);
+            }
+            cmd.extend([app, stamp_s, "0", &run_ms]);
+            job.start_app("app", &cmd, &SpawnOptions::default())?;
+            stamps.push(stamp);
+        }
+        println!(
+            "  {n} {} Job pods made in {:.1} s, their apps started within {:.2} s",
+            if wrapped { "wrapper" } else { "opted-in" },
+            made.as_secs_f64(),
+            started.elapsed().as_secs_f64()
+        );
+        Ok(Burst { jobs, stamps, run, started })
+    }
+
+    /// Waits for the apps to end: each one's exit → quit (µs), and how many were not quit.
+    pub(crate) fn quits(&mut self) -> Result<(Vec<f64>, usize)> {
+        let (mut quits, mut lost) = (Vec::new(), 0);
+        for (job, stamp) in self.jobs.iter_mut().zip(&self.stamps) {
+            let left = self.run.saturating_sub(self.started.elapsed());
+            let quit = match job.wait_proxy_exit(left + Duration::from_secs(5))? {
+                Some(_) => job.quits().first().map(|q| q.mono_ns),
+                None => None,
+            };
+            match (quit, read_stamp(stamp)) {
+                (Some(q), Some(e)) => quits.push(q.saturating_sub(e) as f64 / 1e3),
+                _ => lost += 1,
+            }
+        }
+        Ok((quits, lost))
+    }
+}

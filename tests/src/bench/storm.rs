@@ -1,0 +1,177 @@
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use valet_sim::node::SpawnOptions;
+use valet_tests::harness::{Agent, JobSpec, Node};
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// 5. A watched pod forks short processes as fast as the machine allows.
+pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
+    let jobs = plan.storm_jobs;
+    println!(
+        "\n[5] a watched pod forking as fast as it can: {jobs} other 0.3 s Jobs, pod-watch latency, {} ends in an agent stall (twice)",
+        plan.stall_ends
+    );
+    let app = bin("valet-bench-app")?;
+    let app = app.to_str().context("path")?.to_owned();
+    let forker = bin("valet-bench-forker")?;
+    let forker = forker.to_str().context("path")?.to_owned();
+    let node = Node::new()?;
+    let agent = node.start_agent(&[])?;
+    let events_lost = |a: &Agent| a.metric("valet_kernel_events_lost_total ");
+
+    // Quiet machine first: the references.
+    let quiet_watch = watch_latency(&node, &agent, 0.0, 30)?;
+    let mut quiet_quits = Vec::new();
+    for i in 0..jobs {
+        if let Some(us) = one_job(&node, &agent, &app, &format!("quiet-{i}"), 1, || Ok(()))? {
+            quiet_quits.push(us);
+        }
+    }
+
+    // The storm: a labelled pod whose app forks in two processes for long enough.
+    let mut busy = node.job_pod(JobSpec::new("busy"))?;
+    agent.wait_tracked(1, Duration::from_secs(5))?;
+    let count = node.scratch.path("forks");
+    let count_s = count.to_str().context("path")?.to_owned();
+    let storm_ms = plan.storm.as_millis() as u64;
+    let started = Instant::now();
+    busy.start_app("app", &[&forker, &storm_ms.to_string(), "2", &count_s], &SpawnOptions::default())?;
+    std::thread::sleep(Duration::from_secs(1));
+    let lost_before = events_lost(&agent);
+    let mut storm_quits = Vec::new();
+    let mut ends_lost = 0;
+    for i in 0..jobs {
+        match one_job(&node, &agent, &app, &format!("storm-{i}"), 2, || Ok(()))? {
+            Some(us) => storm_quits.push(us),
+            None => ends_lost += 1,
+        }
+    }
+    let storm_watch = watch_latency(&node, &agent, 1.0, 30)?;
+    // The agent stalled while many other pods' apps end, their reports held past the stall.
+    let stalled = stall_ends(&node, &agent, plan.stall_ends, plan.stall, false, 1)?;
+    // The same with Jobs shorter than the stall: they start and end while the agent is stopped.
+    let short = stall_ends(&node, &agent, plan.stall_ends, plan.stall, true, 1)?;
+    if short.resumed_at >= started + plan.storm {
+        bail!("the storm ended before the stall did: the stall's figures would be without it");
+    }
+    let lost_during = events_lost(&agent) - lost_before;
+    let left = Duration::from_millis(storm_ms).saturating_sub(started.elapsed());
+    if left.is_zero() {
+        println!("  (the storm ended before the measurements: figures below are partly without it)");
+    }
+    let _ = busy.wait_proxy_exit(left + Duration::from_secs(10))?;
+    let forks: f64 = std::fs::read_to_string(&count).ok().and_then(|c| c.trim().parse().ok()).unwrap_or(0.0);
+    let rate = forks / (storm_ms as f64 / 1000.0);
+    drop(busy);
+    println!(
+        "  storm: {forks:.0} processes in {:.1} s = {rate:.0} exits/s in the watched pod",
+        storm_ms as f64 / 1000.0
+    );
+    let qw = report("pod-watch latency, quiet", quiet_watch);
+    let sw = report("pod-watch latency, during the storm", storm_watch);
+    let qq = report("exit → quit, 0.3 s Job, quiet", quiet_quits);
+    let sq = report("exit → quit, 0.3 s Job, during the storm", storm_quits);
+    let resumed = report(
+        &format!("quit after the agent resumed (from its SIGCONT{})", if stalled.traced { "" } else { ", our clock" }),
+        stalled.after_resume.clone(),
+    );
+    let short_resumed = report("… apps started in the stall: quit after the agent resumed", short.after_resume.clone());
+    println!(
+        "  apps started and ended in the stall: {} lost of {}; valet_kernel_events_lost_total across it: {:.0}",
+        short.lost, short.ends, short.events_lost
+    );
+    println!(
+        "  {} container ends during a {:.0} s agent stall: {} lost (not quit before the API's reports); \
+         ring buffer {} KiB, {} bytes an end: {} ends; valet_kernel_events_lost_total across the stall: {:.0}",
+        stalled.ends,
+        plan.stall.as_secs_f64(),
+        stalled.lost,
+        stalled.ring_bytes / 1024,
+        stalled.end_bytes,
+        stalled.ring_capacity(),
+        stalled.events_lost
+    );
+    println!(
+        "  container ends lost in the storm: {ends_lost} of {jobs}; valet_kernel_events_lost_total during it: {lost_during:.0}"
+    );
+    table.add(
+        "[5] fork storm in a watched pod (2 processes fork+_exit)",
+        format!("{rate:.0} exits/s for {:.0} s", storm_ms as f64 / 1e3),
+        "—",
+        "as fast as the machine allows",
+        "—".into(),
+    );
+    table.add(
+        &format!(
+            "[5] container ends while the agent was stopped {:.0} s in the storm, the API's reports held past it: lost",
+            plan.stall.as_secs_f64()
+        ),
+        format!("{} of {}", stalled.lost, stalled.ends),
+        &format!(
+            "ring buffer: {} ends ({} KiB, {} bytes an end)",
+            stalled.ring_capacity(),
+            stalled.ring_bytes / 1024,
+            stalled.end_bytes
+        ),
+        "0",
+        met(stalled.lost == 0 && stalled.ends >= plan.stall_ends).into(),
+    );
+    table.add(
+        &format!("[5] … their quits after the agent resumed, from its SIGCONT (median / p99, max; n={})", resumed.n),
+        format!("{}, {:.1} ms", resumed.ms(), resumed.max / 1e3),
+        "—",
+        "right after it resumes: every one ≤ 100 ms",
+        met(resumed.n > 0 && resumed.max <= 100_000.0).into(),
+    );
+    table.add(
+        "[5] … the same with Jobs shorter than the stall (started and ended while the agent was stopped): lost",
+        format!("{} of {}", short.lost, short.ends),
+        "—",
+        "0",
+        met(short.lost == 0 && short.ends >= plan.stall_ends).into(),
+    );
+    table.add(
+        &format!("[5] … their quits after the agent resumed (median / p99, max; n={})", short_resumed.n),
+        format!("{}, {:.1} ms", short_resumed.ms(), short_resumed.max / 1e3),
+        "—",
+        "every one ≤ 100 ms",
+        met(short_resumed.n > 0 && short_resumed.max <= 100_000.0).into(),
+    );
+    table.add(
+        &format!("[5] container ends lost, {jobs} Jobs in the storm"),
+        format!("{ends_lost} of {jobs}"),
+        "—",
+        "0",
+        met(ends_lost == 0).into(),
+    );
+    table.add(
+        "[5] valet_kernel_events_lost_total during the storm, and across the stall",
+        format!("{lost_during:.0}, {:.0}", stalled.events_lost + short.events_lost),
+        "—",
+        "only exits that cannot matter",
+        (if ends_lost + stalled.lost + short.lost == 0 {
+            "no container end among them"
+        } else {
+            "container ends lost"
+        })
+        .into(),
+    );
+    table.add(
+        "[5] exit → quit, 0.3 s Job, during the storm (median / p99)",
+        sq.ms(),
+        &format!("quiet {}", qq.ms()),
+        "—",
+        format!("{:.2}× quiet", sq.median / qq.median),
+    );
+    table.add(
+        "[5] pod-watch latency during the storm (median / p99)",
+        sw.ms(),
+        &format!("quiet {}", qw.ms()),
+        "no lag (≤ 1.2× quiet)",
+        format!("{:.2}× quiet: {}", sw.median / qw.median, met(sw.median <= 1.2 * qw.median)),
+    );
+    Ok(())
+}

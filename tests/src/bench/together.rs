@@ -1,0 +1,106 @@
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
+use valet_agent::kernel::events::monotonic_ns;
+use valet_sim::node::SpawnOptions;
+use valet_tests::harness::{JobSpec, Node, eventually};
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// Section 7, many held pods at once: their proxies turn ready together. Over `rounds` rounds of
+/// `pods` new pods each: the moment the proxies turn ready falls at a new place in the agent's
+/// probe period each round (one round is one draw of it).
+pub(crate) fn held_together(pods: usize, rounds: usize, table: &mut Table) -> Result<()> {
+    const CPU_ROUNDS: usize = 3;
+    println!("\n[7] {pods} pods held at once, their proxies ready at the same moment ({rounds} rounds)");
+    let app = bin("valet-bench-app")?;
+    let app = app.to_str().context("path")?.to_owned();
+    let node = Node::new()?;
+    let agent = node.start_agent(&[])?;
+    let pid = agent.pid().context("agent pid")?;
+    let trace = SignalTrace::start().map_err(|e| println!("  (SIGCONT times not traced: {e:#})")).ok();
+    let (mut samples, mut released, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let mut jobs = Vec::new();
+        // One file for every stand-in of the round: made once, it turns them all ready at the same
+        // instant (a file each, written one after another, spread the moment over milliseconds
+        // whenever the writer lost its CPU to the probes it set off).
+        let ready = node.scratch.path(&format!("together-ready-{round}"));
+        for i in 0..pods {
+            let mut spec = JobSpec::new("together").annotation("valet.dev/hold-app", "true");
+            spec.ready_file = Some(ready.clone());
+            let mut job = node.job_pod(spec)?;
+            let stamp = node.scratch.path(&format!("together-ran-{round}-{i}"));
+            let stamp_s = stamp.to_str().context("path")?.to_owned();
+            let app_pid =
+                job.start_app("app", &[&app, &stamp_s, "0", "0", "2000"], &SpawnOptions::default())?.host_pid();
+            jobs.push((job, stamp, app_pid));
+        }
+        agent.wait_tracked(pods, Duration::from_secs(10))?;
+        let all_held = eventually(Duration::from_secs(10), || jobs.iter().all(|(_, _, p)| stopped(*p)));
+        if !all_held {
+            bail!("not every app was held\n{}", agent.log_text());
+        }
+        // Once the kubelet has reported the containers (about a second after they started, and
+        // the agent's work of naming them and opening their networks is done), the agent only
+        // probes every held pod's proxy until it is ready: its CPU over 5 s of that, in the
+        // first rounds. The later ones are more draws of the moment in the probe period.
+        std::thread::sleep(Duration::from_millis(1500));
+        if round < CPU_ROUNDS {
+            // VALET_BENCH_CPU_SECS: a longer window, to look at the agent meanwhile.
+            let secs = std::env::var("VALET_BENCH_CPU_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
+            cpu.push(cpu_share(pid, Duration::from_secs(secs)));
+        }
+        if let Some(trace) = &trace {
+            trace.sent();
+        }
+        let t_ready = monotonic_ns();
+        std::fs::write(&ready, b"")?;
+        for (i, (_, stamp, _)) in jobs.iter().enumerate() {
+            if !eventually(Duration::from_secs(5), || read_stamp(stamp).is_some()) {
+                bail!("round {round}, pod {i}: app not released\n{}", agent.log_text());
+            }
+            samples.push(read_stamp(stamp).context("stamp")?.saturating_sub(t_ready) as f64 / 1000.0);
+        }
+        if let Some(trace) = &trace {
+            let sent = trace.sent();
+            for (i, (.., app_pid)) in jobs.iter().enumerate() {
+                match sent.get(app_pid) {
+                    Some(at) => released.push(at.saturating_sub(t_ready) as f64 / 1000.0),
+                    None => println!("  round {round}, pod {i}: its SIGCONT was not traced (left out)"),
+                }
+            }
+        }
+        remove_jobs(&node, jobs.into_iter().map(|j| j.0).collect());
+        agent.wait_tracked(0, Duration::from_secs(30))?;
+    }
+    let r = (!released.is_empty()).then(|| report("released (SIGCONT sent) after its proxy is ready", released));
+    let m = report("held app runs after its proxy is ready", samples);
+    let cpu = cpu.iter().sum::<f64>() / cpu.len().max(1) as f64;
+    println!("  agent CPU while probing {pods} held pods: {:.1} % of one core", cpu * 100.0);
+    table.add(
+        &format!("[7] {pods} pods held at once, proxies ready together: released, SIGCONT sent (median / p99)"),
+        r.as_ref().map_or_else(|| "—".into(), Stats::ms),
+        "—",
+        "—",
+        r.as_ref().map_or_else(|| "not traced".into(), |_| "the signal only: the app runs later".into()),
+    );
+    // Judged where the promise is kept: the released app running (its own start included: the
+    // apps of a round start at once on two CPUs).
+    table.add(
+        &format!("[7] … the released app runs (median / p99, n={})", m.n),
+        m.ms(),
+        "—",
+        "median ≤ 12.5 ms",
+        met(m.median <= 12_500.0).into(),
+    );
+    table.add(
+        &format!("[7] agent CPU while probing {pods} held pods"),
+        format!("{:.1} % of one core", cpu * 100.0),
+        "—",
+        "≤ 5 %",
+        met(cpu <= 0.05).into(),
+    );
+    Ok(())
+}
