@@ -382,7 +382,13 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
     fn on_exit(&mut self, exit: ProcessExit) {
         // The kernel reports only exits that end a container: its recorded main process, or pid 1
         // of a container's own pid namespace; never a process of a sandbox an app made.
-        let Some(uid) = self.route(exit.watched_cgroup_id, exit.cgroup_id) else { return };
+        let Some(uid) = self.route(exit.watched_cgroup_id, exit.cgroup_id) else {
+            // The pod is gone (its resources let go): its container's record goes with the end.
+            if exit.container_main {
+                self.act.kernel().forget_container(exit.cgroup_id);
+            }
+            return;
+        };
         let seen = ExitSeen { container_cgroup: exit.cgroup_id, tgid: exit.tgid, end: exit.end, ktime: exit.ktime_ns };
         let seen_before = self.pods.get(&uid).is_some_and(|s| s.container_ended(exit.cgroup_id));
         self.transition(&uid, |state, now| state.exit(seen, now));

@@ -340,6 +340,11 @@ impl PodState {
                     self.network_open = false;
                 }
             }
+            // Found after the pod's resources were let go: what the kernel may hold of them goes
+            // too (the soak left a few container records behind).
+            Feedback::Containers(seen) if self.released => {
+                fx.extend(seen.into_iter().map(|s| Effect::ForgetContainer { container_cgroup: s.cgroup_id }));
+            }
             Feedback::Containers(seen) => self.merge_containers(seen),
             Feedback::LeftHeld(found) => fx.extend(self.adopt(found)),
             Feedback::Network { ok, detail } => {

@@ -30,6 +30,10 @@ fn the_apps_end_quits_the_sidecar_once() {
         assert!(has(&fx, &Effect::ForgetContainer { container_cgroup: cg }), "{cg}: {fx:?}");
     }
     assert!(d.after(20_000).is_empty(), "the sidecar ended: no escalation");
+    // A container found once the resources were let go (a scan that was under way) leaves
+    // nothing behind in the kernel, and is not tracked again.
+    let fx = d.feed(Feedback::Containers(vec![seen(APP2, None)]));
+    assert_eq!(fx, vec![Effect::ForgetContainer { container_cgroup: APP2 }]);
 }
 
 fn quit_endpoints(fx: &[Effect]) -> Vec<Endpoint> {
