@@ -55,6 +55,14 @@ enum Task {
     Image,
     /// Run valet on a real node: a Debian VM with containerd driven through the CRI.
     Node {
+        /// Every cell of the runtime matrix: Debian suite (containerd 1.6, 1.7, 2.1) × OCI
+        /// runtime (runc, crun) × containerd layout (kubeadm, k3s), one VM after the other.
+        #[arg(long)]
+        matrix: bool,
+        /// Only this cell, `suite/runtime/layout` (e.g. `sid/crun/k3s`); repeatable. Default:
+        /// bookworm/runc/kubeadm.
+        #[arg(long = "cell")]
+        cells: Vec<String>,
         /// Only these scenarios (tests/node/scenarios.py), e.g. `job hold_app`.
         only: Vec<String>,
     },
@@ -88,7 +96,7 @@ fn main() -> Result<()> {
         Task::Test { filter, no_vm, kernels } => test::test(&root, filter.as_deref(), !no_vm || kernels, kernels),
         Task::Image => image::build(&root).map(|_| ()),
         Task::Kernels { only } => test::kernels(&root, &only),
-        Task::Node { only } => test::node(&root, &only),
+        Task::Node { matrix, cells, only } => test::node(&root, matrix, &cells, &only),
         Task::Fuzz { target, seconds } => fuzz::run(&root, target.as_deref(), seconds),
         Task::Demo { args } => sim::demo(&root, &args),
         Task::Bench { args } => sim::bench(&root, &args),

@@ -40,8 +40,10 @@ pub fn test(root: &Path, filter: Option<&str>, vm: bool, all_kernels: bool) -> R
         println!("\nkernel matrix in qemu: {} (all three: cargo xtask test --kernels)", suites.join(", "));
         let (passed, failed) = crate::kernels::run(root, suites)?;
         (tally.passed, tally.failed) = (tally.passed + passed, tally.failed + failed);
-        println!("\nreal node in qemu: containerd through the CRI, the node scenarios");
-        let (passed, failed) = crate::node::run(root, &[])?;
+        println!(
+            "\nreal node in qemu: containerd through the CRI, the node scenarios (every cell: cargo xtask node --matrix)"
+        );
+        let (passed, failed) = crate::node::run(root, &crate::node::CI_CELLS, &[])?;
         (tally.passed, tally.failed) = (tally.passed + passed, tally.failed + failed);
     }
     println!("\ntotal: {} passed, {} failed", tally.passed, tally.failed);
@@ -68,13 +70,21 @@ pub fn kernels(root: &Path, only: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// `cargo xtask node`: valet on a real node (a Debian VM with containerd driven through the CRI).
-pub fn node(root: &Path, only: &[String]) -> Result<()> {
+/// `cargo xtask node`: valet on a real node (a Debian VM with containerd driven through the CRI),
+/// in the default cell, the named cells, or every cell of the matrix.
+pub fn node(root: &Path, matrix: bool, cells: &[String], only: &[String]) -> Result<()> {
     if !is_root() {
         bail!("the node VM needs root (mmdebstrap, qemu): run it as root");
     }
+    let cells = if matrix {
+        crate::node::matrix()
+    } else if cells.is_empty() {
+        vec![crate::node::DEFAULT_CELL]
+    } else {
+        cells.iter().map(|c| crate::node::Cell::parse(c)).collect::<Result<Vec<_>>>()?
+    };
     setup::setup(root, true)?;
-    let (_, failed) = crate::node::run(root, only)?;
+    let (_, failed) = crate::node::run(root, &cells, only)?;
     if failed > 0 {
         bail!("{failed} failed on the real node");
     }
