@@ -196,7 +196,8 @@ impl Node {
         for app in &spec.apps {
             opts = opts.container(app);
         }
-        opts = opts.container("istio-proxy");
+        let proxy_name = spec.sidecar.as_ref().map_or("istio-proxy", |(name, _)| name.as_str());
+        opts = opts.container(proxy_name);
         let sim = Arc::new(SimPod::create(opts)?);
         let events = self.scratch.path(&format!("{name}.proxy-events"));
         let mut standin = StandinOptions::new(ProxyKind::Istio);
@@ -205,9 +206,12 @@ impl Node {
         standin.hang = spec.proxy_hangs;
         standin.quit_ignored = spec.proxy_ignores_quit;
         standin.flood = spec.proxy_floods;
-        let proxy_cmd: Vec<String> = std::iter::once(valet_sim::standin::binary_path()?.to_string_lossy().into_owned())
-            .chain(standin.to_args())
-            .collect();
+        let proxy_cmd: Vec<String> = match &spec.sidecar {
+            Some((_, cmd)) => cmd.clone(),
+            None => std::iter::once(valet_sim::standin::binary_path()?.to_string_lossy().into_owned())
+                .chain(standin.to_args())
+                .collect(),
+        };
 
         let mut json_opts = PodJsonOptions::node(spec.node.as_deref().unwrap_or(&self.name))
             .restart_policy(&spec.restart_policy)
@@ -228,7 +232,7 @@ impl Node {
             }
             containers.push(c);
         }
-        let mut proxy = ContainerSpec::new("istio-proxy");
+        let mut proxy = ContainerSpec::new(proxy_name);
         if before_proxy.is_none() {
             proxy.command = Some(proxy_cmd.clone());
         }
@@ -245,9 +249,9 @@ impl Node {
         if let Some(hook) = before_proxy {
             hook()?;
             let cmd: Vec<&str> = proxy_cmd.iter().map(String::as_str).collect();
-            self.kubelet.start_container("jobs", &name, "istio-proxy", &cmd, &SpawnOptions::default())?;
+            self.kubelet.start_container("jobs", &name, proxy_name, &cmd, &SpawnOptions::default())?;
         }
-        let proxy = self.kubelet.process("jobs", &name, "istio-proxy").context("the proxy did not start")?;
+        let proxy = self.kubelet.process("jobs", &name, proxy_name).context("the proxy did not start")?;
         let mut job = JobPod {
             pause,
             proxy,
@@ -265,7 +269,7 @@ impl Node {
                 job.apps.push(p);
             }
         }
-        if spec.ready_file.is_none() {
+        if spec.ready_file.is_none() && spec.sidecar.is_none() {
             job.sim.wait_standin_ready(&standin, Duration::from_secs(5))?;
         }
         for app in &spec.already_exited {
@@ -327,6 +331,9 @@ pub struct JobSpec {
     /// The stand-in answers every request with an endless body (set `ready_file` too: the
     /// readiness wait cannot read such an answer).
     pub proxy_floods: bool,
+    /// Another sidecar in place of the stand-in istio-proxy: its container name and command (a
+    /// real Envoy); the test waits for its readiness itself.
+    pub sidecar: Option<(String, Vec<String>)>,
     /// istio-proxy's readinessProbe: Istio's (`:15021/healthz/ready`, every 15 s) by default;
     /// None: no probe, so the kubelet reports it ready as soon as it runs.
     pub proxy_probe: Option<HttpProbe>,
@@ -361,6 +368,7 @@ impl JobSpec {
             proxy_hangs: false,
             proxy_ignores_quit: false,
             proxy_floods: false,
+            sidecar: None,
             proxy_probe: Some(HttpProbe::istio()),
             post: true,
             driver: CgroupDriver::Systemd,

