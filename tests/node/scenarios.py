@@ -177,6 +177,9 @@ class Agent:
         sys.stdout.flush()
 
 
+RELAYS = {}
+
+
 class Relay(threading.Thread):
     """Forwards TCP connections from `listen` to `target` (the fake API server listens on loopback
     only; a pod reaches the node at its bridge's address)."""
@@ -279,8 +282,10 @@ class ContainerAgent:
         # The fake API server, reachable from the pod at the bridge's address.
         port = int(self.api_url.rsplit(":", 1)[1])
         gateway = self.pod_ip.rsplit(".", 1)[0] + ".1"
-        if not hasattr(self, "relay"):
-            self.relay = Relay((gateway, port), ("127.0.0.1", port))
+        # One relay per address for the whole run: a later agent container (the cgroupfs twin)
+        # reuses the first one's, whose socket still listens.
+        if (gateway, port) not in RELAYS:
+            RELAYS[(gateway, port)] = Relay((gateway, port), ("127.0.0.1", port))
         kube_dir = f"{WORK}/agent-kubeconfig"
         os.makedirs(kube_dir, exist_ok=True)
         text = open(f"{WORK}/kubeconfig").read().replace("127.0.0.1", gateway)
@@ -802,7 +807,7 @@ def dind_subcgroup(api, agent, tag="", driver="systemd"):
     that moves there and exits is not the container's end; the main process moving there and
     exiting is."""
     sub = "/sys/fs/cgroup/valet-sub"
-    app = (f"mkdir {sub} || exit 9; "
+    app = (f"grep cgroup /proc/self/mountinfo > /events/mounts; mkdir {sub} 2> /events/mkdir.err || exit 9; "
            f"sh -c 'echo $$ > {sub}/cgroup.procs && cat /proc/uptime > /events/child-start; sleep 1'; "
            "cat /proc/uptime > /events/child-exit; "
            f"{WAIT_GO}; echo $$ > {sub}/cgroup.procs || exit 8; cat /proc/self/cgroup > /events/app-cgroup; "
@@ -811,6 +816,16 @@ def dind_subcgroup(api, agent, tag="", driver="systemd"):
     try:
         kernel_quits = metric(agent, KERNEL_QUITS)
         sc.start()
+
+        def app_exited():
+            st = sc.run.containers["app"]["status"]
+            return st is not None and st.state == kubelet.pb.CONTAINER_EXITED
+        sc.sync_until("the child in the app's sub-cgroup", lambda: os.path.exists(sc.path("child-start")) or app_exited())
+        if app_exited():
+            err = open(sc.path("mkdir.err")).read().strip() if os.path.exists(sc.path("mkdir.err")) else ""
+            mounts = open(sc.path("mounts")).read().split("\n")[0] if os.path.exists(sc.path("mounts")) else ""
+            raise Failed(f"the app exited {sc.run.containers['app']['status'].exit_code} before its child ran "
+                         f"(9: no sub-cgroup: {err!r}; its cgroup mount: {mounts!r})")
         sc.proxy_ready()
         wait_for("the sub-cgroup child's exit", lambda: os.path.exists(sc.path("child-exit")), 60)
         if not os.path.exists(sc.path("child-start")):
@@ -834,7 +849,18 @@ def dind_subcgroup(api, agent, tag="", driver="systemd"):
         sc.teardown()
 
 
-ENVOY_BOOTSTRAP = "admin:\n  address:\n    socket_address: {address: 127.0.0.1, port_value: 15000}\n"
+# Envoy's admin logs each request it served (wall clock, microseconds) to the events directory; the
+# file is flushed when Envoy exits.
+ENVOY_BOOTSTRAP = """admin:
+  access_log:
+  - name: envoy.access_loggers.file
+    typed_config:
+      "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog
+      path: /events/admin.log
+      log_format: {text_format_source: {inline_string: "%START_TIME(%s.%6f)% %REQ(:METHOD)% %REQ(:PATH)%\\n"}}
+  address:
+    socket_address: {address: 127.0.0.1, port_value: 15000}
+"""
 ENVOY = {"name": "envoy", "image": "docker.io/valet/envoy:1",
          "command": ["/envoy", "-c", "/events/envoy.yaml", "--disable-hot-restart", "--concurrency", "1",
                      "--log-level", "warn"]}
@@ -842,8 +868,8 @@ ENVOY_SIDECAR = {"valet.dev/sidecars": "envoy", "valet.dev/sidecar-kind.envoy": 
 
 
 def envoy_job(api, agent, tag="", driver="systemd"):
-    """A real Envoy (the official 1.40 build) as the pod's sidecar: quit through its admin at the
-    app's exit, it exits 0; its exit (which follows the quit) within the quit bound."""
+    """A real Envoy (the official 1.40 build) as the pod's sidecar: quit through its admin within the
+    bound of the app's exit (its admin's access log says when), and it exits 0."""
     sc = Scenario(api, "envoy_job" + tag, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0", driver=driver,
                   annotations=ENVOY_SIDECAR, sidecar=ENVOY)
     try:
@@ -864,13 +890,18 @@ def envoy_job(api, agent, tag="", driver="systemd"):
         envoy = sc.run.containers["envoy"]["status"]
         if envoy.exit_code != 0:
             raise Failed(f"Envoy exited {envoy.exit_code} ({envoy.reason}), not 0 on valet's quit")
+        served = [line.split() for line in open(sc.path("admin.log")) if line.strip()]
+        quits = [real_to_mono_ns(int(float(e[0]) * 1e9)) for e in served if e[1:3] == ["POST", "/quitquitquit"]]
+        if not quits:
+            raise Failed(f"Envoy's admin served no POST /quitquitquit: {served[-5:]}")
+        sc.quits = lambda: quits
         exit_ns = uptime_ns(sc.path("app-exit"))
-        delay = (real_to_mono_ns(envoy.finished_at) - exit_ns) / 1e6
-        if delay > QUIT_BOUND_MS:
-            raise Failed(f"Envoy exited {delay:.0f} ms after the app's exit, over the {QUIT_BOUND_MS} ms bound")
+        delay = quit_after(sc, exit_ns)
         if not kernel_saw_exit(agent, kernel_quits):
             raise Failed("the agent did not time a quit from the app's exit in the kernel")
-        return f"Envoy quit through its admin, exited 0 {delay:.0f} ms after the app's exit" + driver_note(sc, where)
+        exited = (real_to_mono_ns(envoy.finished_at) - exit_ns) / 1e6
+        return (f"Envoy's admin served the quit {delay:.0f} ms after the app's exit; Envoy exited 0 (containerd's "
+                f"finishedAt {exited:.0f} ms after the app's exit)" + driver_note(sc, where))
     finally:
         sc.teardown()
 
@@ -878,7 +909,7 @@ def envoy_job(api, agent, tag="", driver="systemd"):
 def onfailure_restart(api, agent, tag="", driver="systemd"):
     app = ("if [ ! -e /events/failed-once ]; then touch /events/failed-once; "
            f"{WAIT_GO}; cat /proc/uptime > /events/first-exit; exit 3; fi; "
-           "sleep 1; cat /proc/uptime > /events/app-exit; exit 0")
+           "while [ ! -e /events/rerun-go ]; do sleep 0.2; done; cat /proc/uptime > /events/app-exit; exit 0")
     sc = Scenario(api, "onfailure_restart" + tag, app, restart="OnFailure", driver=driver)
     try:
         sc.start()
@@ -890,6 +921,9 @@ def onfailure_restart(api, agent, tag="", driver="systemd"):
         if early:
             raise Failed(f"the proxy was quit {(early[0] - first_exit) / 1e6:.0f} ms after the failed run "
                          "that the kubelet restarts")
+        # The rerun ends only now: under load StartContainer can answer seconds after the
+        # process started, and a rerun that had already ended would pass its quit off as early.
+        sc.touch("rerun-go")
         sc.finish()
         app = sc.run.containers["app"]
         if app["status"].exit_code != 0 or app["attempt"] != 1:
