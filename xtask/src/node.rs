@@ -36,10 +36,12 @@ const SUITES: [(&str, &str, &[&str]); 3] = [
 ];
 /// containerd's layouts: kubeadm's paths, and k3s's (also RKE2's).
 const LAYOUTS: [&str; 2] = ["kubeadm", "k3s"];
-/// What plain `cargo xtask test` runs: today's default node, and the newest cell.
+/// What plain `cargo xtask test` runs: today's default node with both cgroup drivers, and the
+/// newest cell with the systemd driver only (its cgroupfs half would take CI from a fresh machine
+/// past 45 minutes; `--cell sid/crun/k3s` and `--matrix` run it).
 pub const CI_CELLS: [Cell; 2] = [
-    Cell { suite: "bookworm", runtime: "runc", layout: "kubeadm" },
-    Cell { suite: "sid", runtime: "crun", layout: "k3s" },
+    Cell { suite: "bookworm", runtime: "runc", layout: "kubeadm", cgroupfs: true },
+    Cell { suite: "sid", runtime: "crun", layout: "k3s", cgroupfs: false },
 ];
 /// `cargo xtask node` without `--matrix` or `--cell`.
 pub const DEFAULT_CELL: Cell = CI_CELLS[0];
@@ -57,6 +59,8 @@ pub struct Cell {
     pub suite: &'static str,
     pub runtime: &'static str,
     pub layout: &'static str,
+    /// Every scenario again under the kubelet's cgroupfs driver.
+    pub cgroupfs: bool,
 }
 
 impl Cell {
@@ -90,7 +94,7 @@ pub fn matrix() -> Vec<Cell> {
     for (suite, _, runtimes) in SUITES {
         for runtime in runtimes {
             for layout in LAYOUTS {
-                cells.push(Cell { suite, runtime, layout });
+                cells.push(Cell { suite, runtime, layout, cgroupfs: true });
             }
         }
     }
@@ -133,8 +137,9 @@ pub fn run(root: &Path, cells: &[Cell], only: &[String]) -> Result<(u64, u64)> {
         let t = Instant::now();
         let outcome = run_cell(root, &apt, &busybox, &release, &images, &pod.stdout, *cell, only)?;
         let line = format!(
-            "node {}: {} passed, {} failed ({}) [{:.0?}]",
+            "node {}{}: {} passed, {} failed ({}) [{:.0?}]",
             cell.name(),
+            if cell.cgroupfs { "" } else { " (systemd driver only)" },
             outcome.passed,
             outcome.failed,
             outcome.versions,
@@ -200,13 +205,15 @@ fn run_cell(
         &script,
         format!(
             "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
-             export CONTAINERD_ADDRESS={socket} VALET_NODE_STATE={state} VALET_NODE_RUNTIME={runtime}\n\
+             export CONTAINERD_ADDRESS={socket} VALET_NODE_STATE={state} VALET_NODE_RUNTIME={runtime} \
+             VALET_NODE_DRIVERS={drivers}\n\
              echo \"VALET-NODE-VERSIONS $(containerd --version | cut -d' ' -f3) / {runtime} \
              $({runtime} --version | head -1 | sed 's/.*version //') / kernel $(uname -r) / \
              AppArmor $(cat /sys/module/apparmor/parameters/enabled 2>/dev/null || echo absent)\"\n\
              mkdir -p {OUT} && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out {OUT} || exit 1\n\
              python3 {scenarios} {release} {images} {OUT} {only}\n",
             runtime = cell.runtime,
+            drivers = if cell.cgroupfs { "both" } else { "systemd" },
             scenarios = host(&root.join("tests/node/scenarios.py")).display(),
             release = host(release).display(),
             images = host(images).display(),
@@ -357,4 +364,20 @@ fn oci_images(root: &Path, release: &Path, busybox: &Path) -> Result<PathBuf> {
         std::fs::rename(dir.join(format!("{envoy}.tmp")), dir.join(&envoy))?;
     }
     Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matrix_cells_and_names() {
+        let cells = matrix();
+        assert_eq!(cells.len(), 10, "bookworm runc × 2 layouts, trixie and sid 2 runtimes × 2 layouts");
+        assert_eq!(Cell::parse("sid/crun/k3s").ok(), Some(Cell { cgroupfs: true, ..CI_CELLS[1] }));
+        assert!(Cell::parse("bookworm/crun/kubeadm").is_err(), "bookworm has runc only");
+        assert!(Cell::parse("sid/crun").is_err());
+        assert_eq!(CI_CELLS[1].containerd(), ("/run/k3s/containerd/containerd.sock", "/run/k3s/containerd"));
+        assert_eq!(CI_CELLS[1].kernel_suite(), "trixie");
+    }
 }
