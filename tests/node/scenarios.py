@@ -338,7 +338,7 @@ class ContainerAgent:
         root_ro = any(line.split()[4] == "/" and "ro" in line.split()[5].split(",")
                       for line in open(f"/proc/{pids[0]}/mountinfo"))
         return {"caps": caps + ([f"0x{unknown:x}"] if unknown else []), "no_new_privs": status["NoNewPrivs"].strip(),
-                "seccomp": status["Seccomp"].strip(), "root_ro": root_ro}
+                "seccomp": status["Seccomp"].strip(), "root_ro": root_ro, "apparmor": apparmor_label(pids[0])}
 
     def dump(self):
         if self.log_path and os.path.exists(self.log_path):
@@ -553,6 +553,11 @@ def driver_note(sc, where):
     return f"; cgroupfs driver: the pod's processes in {where}" if sc.driver == "cgroupfs" else ""
 
 
+def apparmor_label(pid):
+    """The AppArmor confinement of a process (`unconfined`, or `<profile> (enforce)`)."""
+    return open(f"/proc/{pid}/attr/current").read().strip().rstrip("\0")
+
+
 def job(api, agent, tag="", driver="systemd"):
     sc = Scenario(api, "job" + tag, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0", driver=driver)
     try:
@@ -561,6 +566,10 @@ def job(api, agent, tag="", driver="systemd"):
         app_id = sc.run.containers["app"]["id"]
         watcher = CgroupWatcher(app_id)
         where = check_cgroups(sc, ["app", "istio-proxy"])
+        # AppArmor is on in the node (as on a default Debian node): the runtime confines the pods.
+        confined = apparmor_label(container_pids(app_id)[0])
+        if not confined.startswith("cri-containerd.apparmor.d"):
+            raise Failed(f"the app runs with AppArmor label {confined!r}, not the runtime's default profile")
         sc.proxy_ready()
         sc.touch("go")
         sc.finish()
@@ -577,6 +586,7 @@ def job(api, agent, tag="", driver="systemd"):
         for what in ("cgroup", "bundle"):
             if what in watcher.gone:
                 extra.append(f"its {what} removed {(watcher.gone[what] - exit_ns) / 1e6:.0f} ms after")
+        extra.append(f"the app confined by AppArmor's {confined}")
         return f"quit {delay:.0f} ms after the app's exit (±10 ms); " + "; ".join(extra) + driver_note(sc, where)
     finally:
         sc.teardown()
@@ -1005,10 +1015,12 @@ def daemonset_agent(api, agent, tag="", driver="systemd"):
                 got = boxed.privileges()
                 log(f"the agent's container runs with {got}")
                 want = sorted(boxed.spec["container"]["security_context"]["capabilities"]["add_capabilities"])
-                if got["caps"] != want or got["no_new_privs"] != "1" or got["seccomp"] != "2" or not got["root_ro"]:
+                if got["caps"] != want or got["no_new_privs"] != "1" or got["seccomp"] != "2" or not got["root_ro"] \
+                        or got["apparmor"] != "unconfined":
                     raise Failed(f"the runtime gave the agent {got}, not the DaemonSet's capabilities {want}, "
-                                 "no_new_privs, a seccomp filter and a read-only root")
-                figures.append(f"CapEff {'+'.join(got['caps'])}, NoNewPrivs, seccomp filter, read-only /")
+                                 "no_new_privs, a seccomp filter, a read-only root and AppArmor unconfined")
+                figures.append(f"CapEff {'+'.join(got['caps'])}, NoNewPrivs, seccomp filter, read-only /, "
+                               f"AppArmor {got['apparmor']}")
         figures.append("job: " + job(api, boxed, tag="-ds" + tag, driver=driver))
         figures.append("hold_app: " + hold_app(api, boxed, tag="-ds" + tag, driver=driver))
         return "; ".join(figures)
