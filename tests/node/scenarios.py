@@ -645,8 +645,9 @@ def wait_held(sc, window_s=3.0):
 
 def release_after_ready(sc, held_since):
     ready_ns = sc.touch("ready")
-    wait_for("the held app's start after the proxy became ready", lambda: os.path.exists(sc.path("app-start")), 60)
-    time.sleep(0.05)
+    # The stamp's content, not the file: `cat > file` makes it before it writes (seen empty under load).
+    wait_for("the held app's start after the proxy became ready",
+             lambda: os.path.exists(sc.path("app-start")) and os.path.getsize(sc.path("app-start")) > 0, 60)
     start_ns = uptime_ns(sc.path("app-start"))
     delay_ms = (start_ns - ready_ns) / 1e6
     if delay_ms < -10:
