@@ -824,9 +824,13 @@ def dind_subcgroup(api, agent, tag="", driver="systemd"):
     """A dind-like app (privileged, so its cgroup is writable) makes a child cgroup: a process
     that moves there and exits is not the container's end; the main process moving there and
     exiting is."""
-    sub = "/sys/fs/cgroup/valet-sub"
-    app = (f"grep cgroup /proc/self/mountinfo > /events/mounts; mkdir {sub} 2> /events/mkdir.err || exit 9; "
-           f"sh -c 'echo $$ > {sub}/cgroup.procs && cat /proc/uptime > /events/child-start; sleep 1'; "
+    # Below the app's own cgroup as its /proc/self/cgroup names it: a privileged container may see
+    # the node's whole cgroup tree (seen: runc and crun both), where `/sys/fs/cgroup/x` is outside
+    # the pod altogether.
+    sub = "/sys/fs/cgroup${cg%/}/valet-sub"
+    app = ("grep cgroup /proc/self/mountinfo > /events/mounts; cg=$(sed -n 's/^0:://p' /proc/self/cgroup); "
+           f"echo \"$cg\" > /events/own-cgroup; mkdir {sub} 2> /events/mkdir.err || exit 9; "
+           f"sh -c \"echo \\$\\$ > {sub}/cgroup.procs && cat /proc/uptime > /events/child-start; sleep 1\"; "
            "cat /proc/uptime > /events/child-exit; "
            f"{WAIT_GO}; echo $$ > {sub}/cgroup.procs || exit 8; cat /proc/self/cgroup > /events/app-cgroup; "
            "cat /proc/uptime > /events/app-exit")
