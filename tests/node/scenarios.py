@@ -553,6 +553,14 @@ def driver_note(sc, where):
     return f"; cgroupfs driver: the pod's processes in {where}" if sc.driver == "cgroupfs" else ""
 
 
+def read_or(path, default=""):
+    """A small file's text, stripped; `default` when there is none."""
+    try:
+        return open(path).read().strip()
+    except OSError:
+        return default
+
+
 def apparmor_label(pid):
     """The AppArmor confinement of a process (`unconfined`, or `<profile> (enforce)`)."""
     return open(f"/proc/{pid}/attr/current").read().strip().rstrip("\0")
@@ -681,7 +689,7 @@ def hold_app(api, agent, tag="", driver="systemd"):
 def nested_pidns(api, agent, tag="", driver="systemd"):
     app = ("while [ ! -e /events/sandbox ]; do sleep 0.2; done; "
            "unshare --user --map-root-user --pid --fork /bin/sh -c 'cat /proc/uptime > /events/child-start; "
-           "sleep 1'; cat /proc/uptime > /events/child-exit; "
+           "sleep 1' 2> /events/unshare.err; cat /proc/uptime > /events/child-exit; "
            f"{WAIT_GO}; cat /proc/uptime > /events/app-exit")
     sc = Scenario(api, "nested_pidns" + tag, app, driver=driver)
     try:
@@ -691,7 +699,7 @@ def nested_pidns(api, agent, tag="", driver="systemd"):
         sc.touch("sandbox")
         wait_for("the nested child's exit", lambda: os.path.exists(sc.path("child-exit")), 60)
         if not os.path.exists(sc.path("child-start")):
-            raise Failed("the nested pid namespace child never ran")
+            raise Failed(f"the nested pid namespace child never ran: {read_or(sc.path('unshare.err'))!r}")
         time.sleep(3)
         if sc.quits():
             raise Failed("the proxy was quit when the app's nested pid-namespace child exited")
@@ -762,7 +770,7 @@ def hostpid_nested(api, agent, tag="", driver="systemd"):
     the API), so the bound runs from the kubelet's report of the app's exit."""
     app = ("while [ ! -e /events/sandbox ]; do sleep 0.2; done; "
            "unshare --user --map-root-user --pid --fork /bin/sh -c 'cat /proc/uptime > /events/child-start; "
-           "sleep 1'; cat /proc/uptime > /events/child-exit; "
+           "sleep 1' 2> /events/unshare.err; cat /proc/uptime > /events/child-exit; "
            f"{WAIT_GO}; cat /proc/uptime > /events/app-exit")
     sc = Scenario(api, "hostpid_nested" + tag, app, driver=driver, pod_spec={"hostPID": True})
     try:
@@ -771,7 +779,7 @@ def hostpid_nested(api, agent, tag="", driver="systemd"):
         sc.touch("sandbox")
         wait_for("the nested child's exit", lambda: os.path.exists(sc.path("child-exit")), 60)
         if not os.path.exists(sc.path("child-start")):
-            raise Failed("the nested pid namespace child never ran")
+            raise Failed(f"the nested pid namespace child never ran: {read_or(sc.path('unshare.err'))!r}")
         time.sleep(3)
         if sc.quits():
             raise Failed("the proxy was quit when the hostPID app's nested pid-namespace child exited")
