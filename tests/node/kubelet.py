@@ -272,6 +272,13 @@ class PodRun:
         m = self.meta
         ns = m.get("namespace", "default")
         linux = {"security_context": {"namespace_options": self.namespace_options(), "privileged": self.privileged(c)}}
+        # securityContext.appArmorProfile, as the kubelet hands it to the runtime (the default:
+        # the runtime's own profile).
+        apparmor = c.get("securityContext", {}).get("appArmorProfile", {}).get("type")
+        if apparmor == "Unconfined":
+            linux["security_context"]["apparmor"] = {"profile_type": "Unconfined"}
+        elif apparmor not in (None, "RuntimeDefault"):
+            raise ValueError(f"appArmorProfile type {apparmor}: only Unconfined and RuntimeDefault are run")
         linux["resources"] = {"unified": {"memory.oom.group": "1"}}
         limit = memory_limit(c.get("resources", {}))
         if limit:
