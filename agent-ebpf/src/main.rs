@@ -9,6 +9,9 @@
 //!   — the first exec in a container cgroup by a process deeper than the host's pid namespace —
 //!   and, in a held pod, stops that exec with SIGSTOP before it runs one instruction of its own.
 //!
+//! A container is the watched pod cgroup's child and everything below it (crun's `/container`
+//! leaf, a nested runtime's cgroups): events and map keys always name that child.
+//!
 //! A container's main process: the runtime starts it in the container's cgroup and pid namespace
 //! (pid 1 there, or any pid in a pod-wide shared namespace). Runtime helpers exec in the host's
 //! pid namespace first (runc ≥ 1.2 starts `runc init` inside the container cgroup with
@@ -43,8 +46,8 @@ use aya_ebpf::{
 };
 use valet_common::{
     CONTAINERS_CAPACITY, COUNTER_SLOTS, ContainerMain, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY, EXEC_CLASS_PASS,
-    KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_HOST_PIDNS_LEVEL, OFFSET_UNKNOWN, WATCHED_CAPACITY,
-    container_flags, event_flags, event_kind, watch_flags,
+    HELD_CAPACITY, HeldRecord, KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_HOST_PIDNS_LEVEL, OFFSET_UNKNOWN,
+    WATCHED_CAPACITY, container_flags, event_flags, event_kind, watch_flags,
 };
 
 const SIGSTOP: u32 = 19;
@@ -80,6 +83,10 @@ static CALIBRATION: Array<u32> = Array::with_max_entries(1, 0);
 #[map(name = "CONTAINERS")]
 static CONTAINERS: HashMap<u64, ContainerMain> = HashMap::with_max_entries(CONTAINERS_CAPACITY, 0);
 
+/// Every process stopped at exec, pinned by user space so that it outlives the agent.
+#[map(name = "HELD")]
+static HELD: HashMap<u32, HeldRecord> = HashMap::with_max_entries(HELD_CAPACITY, 0);
+
 #[inline(always)]
 fn layout() -> KernelLayout {
     // SAFETY: LAYOUT is a valid static; read_volatile keeps the compiler from folding the
@@ -113,21 +120,27 @@ fn read_u64(base: u64, off: u32) -> Option<u64> {
     unsafe { bpf_probe_read_kernel((base + off as u64) as *const u64).ok() }
 }
 
-/// Returns (own cgroup id, matched watched cgroup id, its flags) when the current task's cgroup
-/// or one of its ancestors is watched.
+/// Returns (container cgroup id, matched watched cgroup id, its flags) when the current task's
+/// cgroup or one of its ancestors is watched. The container cgroup is the watched (pod) cgroup's
+/// child on the task's path, however deep the task sits below it: crun runs a container's
+/// processes one level below its scope (`…/cri-containerd-<id>.scope/container`), and nested
+/// runtimes (dind, podman in a CI runner) make cgroups of their own under the container. All of
+/// them are that one container, and only its id ever becomes a map key, so sub-cgroups never
+/// grow the maps. 0 when the task is in the watched cgroup itself.
 #[inline(always)]
 fn watched_match<const WALK: bool>(l: &KernelLayout, task: u64) -> Option<(u64, u64, u32)> {
     // SAFETY: helper without pointer arguments (4.18+, allowed in tracepoints).
     let own = unsafe { bpf_get_current_cgroup_id() };
     // SAFETY: map lookup by value; the reference is copied out at once.
     if let Some(flags) = unsafe { WATCHED.get(own) } {
-        return Some((own, own, *flags));
+        return Some((0, own, *flags));
     }
     if WALK {
         // task->cgroups->dfl_cgrp->kn, then up kn->parent: a cgroup's id is its kernfs node's.
         let cset = read_u64(task, l.task_cgroups)?;
         let cgrp = read_u64(cset, l.css_set_dfl_cgrp)?;
         let mut kn = read_u64(cgrp, l.cgroup_kn)?;
+        let mut child = own;
         let mut depth = 0u32;
         while depth < MAX_CGROUP_DEPTH {
             kn = read_u64(kn, l.kernfs_node_parent)?;
@@ -137,8 +150,9 @@ fn watched_match<const WALK: bool>(l: &KernelLayout, task: u64) -> Option<(u64, 
             let id = read_u64(kn, l.kernfs_node_id)?;
             // SAFETY: as above.
             if let Some(flags) = unsafe { WATCHED.get(id) } {
-                return Some((own, id, *flags));
+                return Some((child, id, *flags));
             }
+            child = id;
             depth += 1;
         }
         return None;
@@ -152,7 +166,10 @@ fn watched_match<const WALK: bool>(l: &KernelLayout, task: u64) -> Option<(u64, 
         }
         // SAFETY: as above.
         if let Some(flags) = unsafe { WATCHED.get(ancestor) } {
-            return Some((own, ancestor, *flags));
+            // The next level down is at most the task's own cgroup (the loop stopped before it).
+            // SAFETY: helper without pointer arguments.
+            let child = unsafe { bpf_get_current_ancestor_cgroup_id(level as i32 + 1) };
+            return Some((if child == 0 { own } else { child }, ancestor, *flags));
         }
         level += 1;
     }
@@ -225,12 +242,12 @@ fn pid_info(l: &KernelLayout, task: u64) -> Option<PidInfo> {
 }
 
 #[inline(always)]
-fn fill_common(event: &mut KernelEvent, kind: u32, own: u64, watched: u64) {
+fn fill_common(event: &mut KernelEvent, kind: u32, container: u64, watched: u64) {
     let pid_tgid = bpf_get_current_pid_tgid();
     event.kind = kind;
     // SAFETY: helper without arguments.
     event.ktime_ns = unsafe { bpf_ktime_get_ns() };
-    event.cgroup_id = own;
+    event.cgroup_id = container;
     event.watched_cgroup_id = watched;
     event.tgid = (pid_tgid >> 32) as u32;
     event.pid = pid_tgid as u32;
@@ -264,13 +281,13 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
     if !group_dead {
         return 0;
     }
-    let Some((own, watched, flags)) = watched_match::<WALK>(&l, task) else {
+    let Some((container, watched, flags)) = watched_match::<WALK>(&l, task) else {
         return 0;
     };
     if flags & watch_flags::EXITS == 0 {
         return 0;
     }
-    if own == watched {
+    if container == 0 {
         // A process in the pod cgroup itself belongs to no container.
         count(Counter::ExitsFiltered);
         return 0;
@@ -285,7 +302,7 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
         return 0;
     };
     // SAFETY: map lookup by value; the fields are copied out at once.
-    let recorded = unsafe { CONTAINERS.get(own) }.map(|r| r.tgid);
+    let recorded = unsafe { CONTAINERS.get(container) }.map(|r| r.tgid);
     let main = match recorded {
         Some(tgid) => info.host_nr == tgid,
         None => false,
@@ -307,7 +324,7 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
         return 0;
     };
     let mut event = KernelEvent::zeroed();
-    fill_common(&mut event, event_kind::EXIT, own, watched);
+    fill_common(&mut event, event_kind::EXIT, container, watched);
     event.tgid = info.host_nr;
     match read_u32(task, l.task_exit_code) {
         Some(code) => event.exit_status = code,
@@ -337,11 +354,12 @@ fn exec_impl<const WALK: bool>() -> u32 {
     let l = layout();
     // SAFETY: see exit_impl.
     let task = unsafe { bpf_get_current_task() };
-    let Some((own, watched, flags)) = watched_match::<WALK>(&l, task) else {
+    let Some((container, watched, flags)) = watched_match::<WALK>(&l, task) else {
         return 0;
     };
-    // Containers are child cgroups of the pod cgroup.
-    if own == watched {
+    // Containers are child cgroups of the pod cgroup. A pod watched with neither flag (hostPID:
+    // its containers have no pid namespace that tells their main process) records nothing.
+    if container == 0 || flags & (watch_flags::EXITS | watch_flags::HOLD) == 0 {
         return 0;
     }
     // After exec the current task is its process's leader.
@@ -354,7 +372,7 @@ fn exec_impl<const WALK: bool>() -> u32 {
         return 0;
     }
     // SAFETY: map lookup by value.
-    if unsafe { CONTAINERS.get(own) }.is_some() {
+    if unsafe { CONTAINERS.get(container) }.is_some() {
         return 0;
     }
     // SAFETY: helper without arguments.
@@ -370,7 +388,7 @@ fn exec_impl<const WALK: bool>() -> u32 {
         record.flags |= container_flags::NS_INIT;
     }
     // Two threads of different processes may race here: the insert decides.
-    match CONTAINERS.insert(own, record, BPF_NOEXIST) {
+    match CONTAINERS.insert(container, record, BPF_NOEXIST) {
         Ok(()) => {}
         Err(e) if e == -EEXIST => return 0,
         Err(e) if e == -E2BIG || e == -ENOMEM => {
@@ -387,9 +405,9 @@ fn exec_impl<const WALK: bool>() -> u32 {
     if flags & watch_flags::HOLD == 0 {
         return 0;
     }
-    let _ = EXEC_SEEN.insert(own, 1, 0);
+    let _ = EXEC_SEEN.insert(container, 1, 0);
     // SAFETY: map lookup by value.
-    if let Some(class) = unsafe { EXEC_CLASS.get(own) }
+    if let Some(class) = unsafe { EXEC_CLASS.get(container) }
         && *class == EXEC_CLASS_PASS
     {
         return 0;
@@ -399,19 +417,31 @@ fn exec_impl<const WALK: bool>() -> u32 {
         count(Counter::EventsLost);
         return 0;
     };
+    // Recorded before the stop: an agent that dies from here on leaves a record its successor
+    // releases by. A pid held before (it exited while no agent ran) is overwritten.
+    let record = HeldRecord { cgroup_id: container, ktime_ns: now };
+    match HELD.insert(info.host_nr, record, 0) {
+        Ok(()) => {}
+        Err(e) => {
+            entry.discard(0);
+            count(if e == -E2BIG || e == -ENOMEM { Counter::MapFull } else { Counter::ReadErrors });
+            return 0;
+        }
+    }
     // SAFETY: signals the current task's thread group; takes effect before it returns to user space.
     let sent = unsafe { bpf_send_signal(SIGSTOP) };
     if sent != 0 {
+        let _ = HELD.remove(info.host_nr);
         entry.discard(0);
         count(Counter::ReadErrors);
         return 0;
     }
-    if let Some(stored) = CONTAINERS.get_ptr_mut(own) {
+    if let Some(stored) = CONTAINERS.get_ptr_mut(container) {
         // SAFETY: a valid map value pointer; only this field changes.
         unsafe { (*stored).flags |= container_flags::HELD };
     }
     let mut event = KernelEvent::zeroed();
-    fill_common(&mut event, event_kind::HELD, own, watched);
+    fill_common(&mut event, event_kind::HELD, container, watched);
     event.tgid = info.host_nr;
     event.ns_pid = info.nr;
     event.flags = event_flags::CONTAINER_MAIN | event_flags::CHILD_PID_NS;

@@ -74,6 +74,13 @@ pub struct Config {
     #[arg(long, env = "VALET_HOST_ROOT", default_value = "/")]
     pub host_root: PathBuf,
 
+    /// A directory on bpffs (the host's, shared with the agent's successors) where the record of
+    /// the processes the kernel stopped at exec is pinned: an agent that dies while holding
+    /// apps leaves its successor every one of them to release. `/sys/fs/bpf` is mounted as
+    /// bpffs first if it is not yet.
+    #[arg(long, env = "VALET_PIN_DIR", default_value = "/sys/fs/bpf/valet")]
+    pub pin_dir: PathBuf,
+
     /// Container names treated as sidecars unless a pod's valet.dev/sidecars annotation says otherwise.
     #[arg(
         long,
@@ -130,13 +137,40 @@ pub struct Config {
     #[arg(long, env = "VALET_HOLD_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub hold_timeout: Duration,
 
+    /// How long one pod watch request lasts (its `timeoutSeconds`, whole seconds): the API server
+    /// then ends it and the agent watches on from where it was, without a re-list. It also bounds
+    /// a watch that goes silent without closing (a dead connection, a stalled server): kube's
+    /// watcher gives it up after this plus 5 s without an event or a bookmark and watches again,
+    /// so pods created meanwhile are seen by then.
+    #[arg(long, env = "VALET_WATCH_TIMEOUT", default_value = "290s", value_parser = parse_duration)]
+    pub watch_timeout: Duration,
+
     /// Container runtime state directories holding the containers' OCI bundles (config.json),
-    /// to know a container by name before the API reports its id (about a second later). By
-    /// default the well-known ones under --host-root: containerd's
-    /// /run/containerd/io.containerd.runtime.v2.task/k8s.io and CRI-O's
-    /// /run/containers/storage/overlay-containers (whichever exist, looked up as needed).
+    /// to know a container by name before the API reports its id (about a second later), tried
+    /// first. By default the well-known ones under --host-root: containerd's
+    /// /run/containerd/io.containerd.runtime.v2.task/k8s.io (and k3s's and microk8s's
+    /// equivalents) and CRI-O's /run/containers/storage/overlay-containers. A bundle in none of
+    /// them is read through the runtime process that started the pod (containerd's shim, CRI-O's
+    /// conmon, found up from the pod's processes in --host-proc), wherever the runtime keeps it.
     #[arg(long, env = "VALET_RUNTIME_STATE_DIRS", value_delimiter = ',')]
     pub runtime_state_dirs: Vec<PathBuf>,
+
+    /// Act on the pods labelled valet.dev/enabled=true (quit their sidecars, hold their apps,
+    /// write their condition and Events). `false`: a look-only install; every pod is only
+    /// observed.
+    #[arg(long, env = "VALET_ACT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub act: bool,
+
+    /// Observe every pod on the node that has a sidecar valet knows, labelled or not, and export
+    /// what its sidecars cost (valet_pods_waiting_on_sidecars, valet_sidecar_tax_seconds,
+    /// valet_app_started_before_proxy_ready_total). Observing never acts on a pod.
+    #[arg(long, env = "VALET_OBSERVE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub observe: bool,
+
+    /// Give the observed pods' series a `namespace` label (`false`: an empty one, for clusters
+    /// with very many namespaces).
+    #[arg(long, env = "VALET_OBSERVE_NAMESPACE_LABEL", default_value_t = true, action = clap::ArgAction::Set)]
+    pub observe_namespace_label: bool,
 
     /// Log format.
     #[arg(long, env = "VALET_LOG_FORMAT", value_enum, default_value = "text")]
@@ -163,6 +197,11 @@ impl Config {
         }
         if let Some(dir) = self.runtime_state_dirs.iter().find(|d| !d.is_dir()) {
             return Err(Error::Config(format!("--runtime-state-dirs: {} is not a directory", dir.display())));
+        }
+        // Zero would turn kube's silent-watch timeout off.
+        if self.watch_timeout < Duration::from_secs(1) || self.watch_timeout > Duration::from_secs(u64::from(u32::MAX))
+        {
+            return Err(Error::Config("--watch-timeout must be at least 1s".into()));
         }
         if self.held_probe_budget == 0 {
             return Err(Error::Config("--held-probe-budget must be greater than zero".into()));
@@ -212,6 +251,11 @@ mod tests {
         assert!(bad.validate().is_err());
         assert_eq!(cfg.held_probe_budget, 1500);
         assert!(cfg.held_prober);
+        assert!(cfg.act && cfg.observe && cfg.observe_namespace_label, "acting and observing by default");
+        let look_only = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--act=false"]).expect("parse");
+        assert!(!look_only.act && look_only.observe);
+        let blind = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--observe", "false"]).expect("parse");
+        assert!(blind.act && !blind.observe);
         let off =
             Config::try_parse_from(["valet-agent", "--node-name", "n1", "--held-prober", "false"]).expect("parse");
         assert!(!off.held_prober);
@@ -219,5 +263,9 @@ mod tests {
         bad.held_probe_budget = 0;
         assert!(bad.validate().is_err());
         assert!(Config::try_parse_from(["valet-agent", "--node-name", "n1", "--held-probe-budget", "-1"]).is_err());
+        assert_eq!(cfg.watch_timeout, Duration::from_secs(290));
+        let mut bad = cfg.clone();
+        bad.watch_timeout = Duration::from_millis(500);
+        assert!(bad.validate().is_err());
     }
 }

@@ -26,6 +26,10 @@ use crate::sidecar::SidecarLink;
 
 /// How often deadlines are checked and missing cgroups looked for.
 const TICK: Duration = Duration::from_millis(250);
+/// The kernel's record of held processes is checked for orphans every this many ticks (while
+/// it names any): a pod that stops holding its apps releases those it knows, this releases the
+/// rest within a second.
+const SWEEP_TICKS: u32 = 4;
 /// Most reports handled in one turn of the loop once one has arrived (the rest waits a turn: a
 /// kernel batch or a watch event is never starved by a flood of reports).
 const REPORT_BATCH: usize = 64;
@@ -47,6 +51,8 @@ pub struct Controller<K, L> {
     lists_done: u64,
     events_lost_seen: u64,
     map_full_seen: u64,
+    /// Ticks since the kernel's record of held processes was last swept for orphans.
+    ticks_since_sweep: u32,
 }
 
 impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
@@ -70,6 +76,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
             lists_done: 0,
             events_lost_seen: 0,
             map_full_seen: 0,
+            ticks_since_sweep: 0,
         }
     }
 
@@ -88,12 +95,18 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         self.health.programs_attached.store(true, Ordering::Relaxed);
+        if !self.act.held_record_pinned() {
+            warn!(
+                "the record of held apps is not pinned: apps held when this agent dies stay stopped until they time out in its successor or their pod ends"
+            );
+        }
         loop {
+            self.health.turned(monotonic_ns());
             tokio::select! {
                 () = &mut shutdown => break,
                 batch = kernel.next_batch() => match batch {
                     Ok(batch) => for event in batch { self.on_kernel(event) },
-                    Err(e) => { warn!("kernel event stream: {e}"); tokio::time::sleep(Duration::from_millis(100)).await; }
+                    Err(e) => { warn!("kernel event stream: {}", e.chain()); tokio::time::sleep(Duration::from_millis(100)).await; }
                 },
                 Some((uid, feedback)) = self.reports.recv() => {
                     // Whatever else has come in: one slot's probes answer together, and their
@@ -208,6 +221,10 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
                     }
                 }
                 self.lists_done += 1;
+                // Every pod on the node is known now: what the kernel stopped that none of them
+                // holds (an earlier agent's holds in pods deleted, relabelled or no longer
+                // held meanwhile) runs again before the agent says it is ready.
+                self.release_orphans();
                 self.health.pods_listed.store(true, Ordering::Relaxed);
             }
             watcher::Event::Apply(pod) => self.upsert(pod),
@@ -247,9 +264,33 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
         self.act.metrics().pods_tracked.set(self.pods.len() as i64);
     }
 
+    /// See [`Actuators::release_orphans`]. Only once the pods have been listed: before that,
+    /// every pod would look gone.
+    fn release_orphans(&mut self) {
+        self.ticks_since_sweep = 0;
+        if self.lists_done == 0 {
+            return;
+        }
+        let held = self.pods.values().flat_map(PodState::held_pids).collect();
+        let holding: Vec<String> = self
+            .pods
+            .values()
+            .filter(|s| s.holding())
+            .filter_map(|s| s.pod_cgroup().map(|(rel, _)| rel.to_owned()))
+            .collect();
+        let released = self.act.release_orphans(held, &holding, monotonic_ns());
+        if released > 0 {
+            info!(released, "released processes stopped at exec that no tracked pod holds");
+        }
+    }
+
     fn on_tick(&mut self) {
         let now = monotonic_ns();
         self.act.prune_pinned();
+        self.ticks_since_sweep += 1;
+        if self.ticks_since_sweep >= SWEEP_TICKS && self.act.any_held_record() {
+            self.release_orphans();
+        }
         // Most pods of a full node are settled and have nothing to do: only the others' uids are
         // copied (copying all 110 four times a second was about a fifth of the idle agent's CPU).
         let due: Vec<(String, Vec<Effect>)> = self

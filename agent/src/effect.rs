@@ -2,10 +2,7 @@
 //! it decides (`act`): effects going out, feedback coming back. Plain data only; this module
 //! imports no caller, so neither side depends on the other.
 
-use crate::api::condition::ProxyReady;
-use crate::kernel::ProcessEnd;
-use crate::pod::spec::{Endpoint, Sidecar};
-use crate::sidecar::quit::QuitOutcome;
+use crate::vocab::{Endpoint, ProcessEnd, ProxyReady, QuitOutcome, Sidecar};
 
 /// A time on the kernel's monotonic clock (`bpf_ktime_get_ns`, `CLOCK_MONOTONIC`), in ns. Every
 /// transition gets "now" as an argument; nothing in `pod::state` reads a clock.
@@ -93,12 +90,13 @@ pub enum Effect {
     FindLeftHeld {
         pod_rel: String,
     },
-    /// Tell the kernel about the pod's cgroup: report its containers' ends; hold apps' first exec.
-    /// New container cgroups are also watched for as they are made, so that each is named (and,
-    /// in a held pod, its first exec classified) before it runs.
+    /// Tell the kernel about the pod's cgroup: report its containers' ends (`exits`); hold apps'
+    /// first exec (`hold`). New container cgroups are also watched for as they are made, so that
+    /// each is named (and, in a held pod, its first exec classified) before it runs.
     Watch {
         pod_cgroup: u64,
         pod_rel: String,
+        exits: bool,
         hold: bool,
     },
     Unwatch {

@@ -4,7 +4,10 @@
 //! each to one pod's state machine (`pod::state`, pure: it decides with `pod::decide` and returns
 //! `effect`s); small actuators (`act`) carry the effects out — ask a sidecar to quit (`sidecar`),
 //! release a held app, write the readiness condition — and feed their results back; `metrics`
-//! observes every step.
+//! observes every step. `vocab` holds the words they all share (sidecar kinds, endpoints, how
+//! a process or a quit ended) and imports none of them.
+//! `observe` watches every pod with a known sidecar, labelled or not, and only counts what the
+//! sidecars cost.
 
 pub mod act;
 pub mod api;
@@ -15,9 +18,11 @@ pub mod effect;
 pub mod error;
 pub mod kernel;
 pub mod metrics;
+pub mod observe;
 pub mod pod;
 pub mod runtime;
 pub mod server;
 pub mod sidecar;
+pub mod vocab;
 
 pub use error::{Error, Result};

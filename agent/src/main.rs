@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser as _;
+use futures::StreamExt as _;
+use kube::runtime::watcher;
 use tracing::{error, info};
 use tracing_subscriber::EnvFilter;
 use valet_agent::act::{Actuators, Settings};
@@ -14,9 +16,11 @@ use valet_agent::cgroup::CgroupFs;
 use valet_agent::cgroup::root::find_cgroup2_root;
 use valet_agent::config::{Config, LogFormat};
 use valet_agent::controller::Controller;
+use valet_agent::error::Chain;
 use valet_agent::kernel::programs::AncestorMode;
 use valet_agent::kernel::{Attach, EventReader, Programs};
 use valet_agent::metrics::Metrics;
+use valet_agent::observe::{NetnsProbe, Observer};
 use valet_agent::pod::spec::SidecarDefaults;
 use valet_agent::pod::state::Rules;
 use valet_agent::runtime::RuntimeBundles;
@@ -60,7 +64,10 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     tokio::spawn(server::serve(listener, metrics.clone(), health.clone()));
 
     let config = kube::Config::infer().await.context("Kubernetes client config (in-cluster or KUBECONFIG)")?;
-    let client = kube::Client::try_from(config.clone()).context("Kubernetes client (in-cluster or KUBECONFIG)")?;
+    let client = valet_agent::api::watch_client(
+        kube::client::ClientBuilder::try_from(config.clone())
+            .context("Kubernetes client (in-cluster or KUBECONFIG)")?,
+    );
     let writes = valet_agent::api::writes_client(
         kube::client::ClientBuilder::try_from(config).context("Kubernetes client (in-cluster or KUBECONFIG)")?,
     );
@@ -68,7 +75,8 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     // VALET_CGROUP_ANCESTORS=auto|helper|walk: how the kernel programs find a process's pod
     // cgroup (auto: the helper where the kernel allows it, else a walk up the cgroup tree).
     let attach = Attach { ancestors: AncestorMode::from_env()?, ..Attach::default() };
-    let mut programs = Programs::load(&cfg.host_root, attach).context("load kernel programs")?;
+    let mut programs =
+        Programs::load_pinned(&cfg.host_root, attach, Some(&cfg.pin_dir)).context("load kernel programs")?;
     if let Some(logger) = programs.take_logger() {
         tokio::spawn(valet_agent::kernel::programs::drain_kernel_log(logger));
     }
@@ -79,6 +87,21 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     unsafe { libc::malloc_trim(0) };
 
     let cgroups = CgroupFs::new(cgroup_root);
+    if cfg.observe {
+        let settings = valet_agent::observe::Settings {
+            node: cfg.node_name.clone(),
+            defaults: SidecarDefaults { names: cfg.sidecar_names.clone(), hold_timeout: cfg.hold_timeout },
+            namespace_label: cfg.observe_namespace_label,
+            act: cfg.act,
+        };
+        let probe = NetnsProbe { host_proc: cfg.host_proc.clone(), cgroups: cgroups.clone() };
+        let observer = Observer::new(settings, metrics.clone(), Arc::new(probe));
+        tokio::spawn(observer.run(valet_agent::api::watch::all_pods_on_node(
+            client.clone(),
+            &cfg.node_name,
+            cfg.watch_timeout,
+        )));
+    }
     let (reports_tx, reports_rx) = tokio::sync::mpsc::unbounded_channel();
     let act = Actuators::new(
         Settings {
@@ -91,7 +114,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             held_prober: cfg.held_prober,
         },
         cgroups.clone(),
-        RuntimeBundles::new(cfg.runtime_dirs()),
+        RuntimeBundles::new(cfg.runtime_dirs(), Some(cfg.host_proc.clone())),
         programs,
         Arc::new(PodNetwork::new(cfg.host_proc.clone(), cgroups)),
         writes.clone(),
@@ -106,9 +129,18 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         escalate_after: (!cfg.no_escalation).then_some(cfg.escalate_after),
     };
     let controller = Controller::new(&cfg.node_name, rules, act, reports_rx, health);
-    let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node_name);
     // Leave time within the usual 30 s grace period for in-flight quits to finish.
-    controller.run(events, watch, shutdown_signal(), Duration::from_secs(10)).await;
+    let drain = Duration::from_secs(10);
+    if cfg.act {
+        let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node_name, cfg.watch_timeout);
+        controller.run(events, watch, shutdown_signal(), drain).await;
+    } else {
+        // Look-only: the controller is given no pod (an empty list, then nothing), so it acts on none.
+        info!("--act=false: no pod is acted on; labelled pods are only observed");
+        let none = futures::stream::iter([Ok(watcher::Event::Init), Ok(watcher::Event::InitDone)])
+            .chain(futures::stream::pending());
+        controller.run(events, none, shutdown_signal(), drain).await;
+    }
     info!("stopped");
     Ok(())
 }
@@ -126,7 +158,7 @@ fn main() -> std::process::ExitCode {
     match runtime.block_on(run(cfg)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            error!("{e:#}");
+            error!("{}", Chain(e.as_ref()));
             std::process::ExitCode::FAILURE
         }
     }

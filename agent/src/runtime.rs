@@ -1,25 +1,57 @@
 //! Container names from the container runtime's OCI bundles. The runtime writes a container's
 //! `config.json` (with the kubelet's annotations) before it starts the container's process, about
-//! a second before the API reports the container's id: with the state directory mounted, valet
-//! knows a container as soon as its process exits or execs.
+//! a second before the API reports the container's id: with the bundles in reach, valet knows a
+//! container as soon as its process exits or execs.
 //!
-//! Read-only files, looked up by container id; a bundle whose pod uid differs from the pod's is
-//! ignored. Layouts: containerd `<dir>/<id>/config.json` (dir
-//! `/run/containerd/io.containerd.runtime.v2.task/k8s.io`), CRI-O `<dir>/<id>/userdata/config.json`
-//! (dir `/run/containers/storage/overlay-containers`).
+//! Where the bundles are, the runtime's own processes say, whatever the node's state paths
+//! (kubeadm's `/run/containerd`, k3s's and RKE2's `/run/k3s/containerd`, microk8s's under
+//! `/var/snap`): containerd's shim runs with a bundle (`<state>/io.containerd.runtime.v2.task/
+//! <namespace>/<id>`) as its working directory, and CRI-O's conmon gets its bundle
+//! (`<storage>/overlay-containers/<id>/userdata`) with `-b`. Either is the parent of a container's
+//! processes (the grandparent while `runc create` still runs), which the pod's cgroups list: a
+//! few reads of `/proc/<pid>/status` up from one of them find it, never a walk of all of `/proc`.
+//! The bundles are then read through that process's own procfs links (`/proc/<pid>/root`), so
+//! nothing of the runtime's state is mounted into the agent's container: hostPID and
+//! CAP_SYS_PTRACE reach them. Fixed directories (`--runtime-state-dirs`, else the well-known ones
+//! under the host root) are tried first.
+//!
+//! Only the annotations that name a container are read from a `config.json`: the rest (the
+//! process's environment holds secrets) is skipped by the parser, never kept. A bundle whose pod
+//! uid differs from the pod's is ignored. Layouts: containerd `<dir>/<id>/config.json`, CRI-O
+//! `<dir>/<id>/userdata/config.json`.
 
+use std::collections::HashSet;
 use std::io::Read as _;
-use std::path::PathBuf;
+use std::path::{Component, Path, PathBuf};
 
-/// The most of a `config.json` read (they are tens of kilobytes; environments can be large).
+use serde::Deserialize;
+
+use crate::kernel::container_main::start_time;
+
+/// The most of a `config.json` read (they are tens of kilobytes; environments can be large, and
+/// containerd writes the annotations after the process).
 const MAX_CONFIG_BYTES: u64 = 4 * 1024 * 1024;
 /// The most of a `mountinfo` read.
 const MAX_MOUNTINFO_BYTES: u64 = 1024 * 1024;
+/// How many parents up from a container's process the runtime's is looked for: the shim or
+/// conmon is the parent, or the grandparent while `runc create` (or crun's) still runs.
+const RUNTIME_SEARCH_DEPTH: usize = 4;
+/// How many of a pod's processes the runtime's is looked for from, per search.
+const MAX_SEARCH_STARTS: usize = 8;
+/// How many runtime processes are kept to read bundles through (one serves every pod of its
+/// runtime's namespace; more than one runtime on a node is rare).
+const MAX_REACHES: usize = 4;
+/// Container ids are 64 lower-case hex digits.
+const CONTAINER_ID_LEN: usize = 64;
 
 /// Where the runtimes keep the bundles of Kubernetes containers, relative to the host root:
-/// containerd's CRI namespace and CRI-O's storage.
-pub const WELL_KNOWN_STATE_DIRS: [&str; 2] =
-    ["run/containerd/io.containerd.runtime.v2.task/k8s.io", "run/containers/storage/overlay-containers"];
+/// containerd's CRI namespace (kubeadm's, k3s's and RKE2's, microk8s's) and CRI-O's storage.
+pub const WELL_KNOWN_STATE_DIRS: [&str; 4] = [
+    "run/containerd/io.containerd.runtime.v2.task/k8s.io",
+    "run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io",
+    "var/snap/microk8s/common/run/containerd/io.containerd.runtime.v2.task/k8s.io",
+    "run/containers/storage/overlay-containers",
+];
 
 /// The name the kubelet gives the pod sandbox (infra container). Container names are DNS-1123
 /// labels, lower case: no app or sidecar can be called this.
@@ -34,30 +66,42 @@ pub enum BundleRole {
     Container(String),
 }
 
-/// The runtime state directories to look in (none: the feature is off).
-#[derive(Clone, Debug, Default)]
-pub struct RuntimeBundles {
-    dirs: Vec<PathBuf>,
+/// The part of a `config.json` valet reads. Every other field (`process`, with its `env`;
+/// `mounts`; `linux`) is skipped by the parser without being built or kept.
+#[derive(Deserialize)]
+struct OciConfig {
+    #[serde(default)]
+    annotations: KubeAnnotations,
 }
 
-fn annotation<'a>(annotations: &'a serde_json::Value, keys: &[&str]) -> Option<&'a str> {
-    keys.iter().find_map(|k| annotations.get(*k).and_then(|v| v.as_str()))
+/// The kubelet's annotations, as containerd's CRI plugin and CRI-O spell them; others skipped.
+#[derive(Default, Deserialize)]
+struct KubeAnnotations {
+    #[serde(rename = "io.kubernetes.cri.container-type")]
+    cri_type: Option<String>,
+    #[serde(rename = "io.kubernetes.cri-o.ContainerType")]
+    crio_type: Option<String>,
+    #[serde(rename = "io.kubernetes.cri.container-name")]
+    cri_name: Option<String>,
+    #[serde(rename = "io.kubernetes.container.name")]
+    crio_name: Option<String>,
+    #[serde(rename = "io.kubernetes.cri.sandbox-uid")]
+    cri_uid: Option<String>,
+    #[serde(rename = "io.kubernetes.pod.uid")]
+    crio_uid: Option<String>,
 }
 
-/// Reads the role and pod uid from a `config.json`'s annotations (containerd or CRI-O keys).
-pub fn parse_config(text: &str) -> Option<(BundleRole, Option<String>)> {
-    let config: serde_json::Value = serde_json::from_str(text).ok()?;
-    let annotations = config.get("annotations")?;
-    let kind = annotation(annotations, &["io.kubernetes.cri.container-type", "io.kubernetes.cri-o.ContainerType"])?;
-    let uid = annotation(annotations, &["io.kubernetes.cri.sandbox-uid", "io.kubernetes.pod.uid"]).map(str::to_owned);
-    let role = match kind {
+/// Reads the role and pod uid from a `config.json`'s annotations (containerd or CRI-O keys),
+/// streaming at most `limit` bytes of it: a longer or malformed file names nothing.
+pub fn parse_config(reader: impl std::io::Read, limit: u64) -> Option<(BundleRole, Option<String>)> {
+    let config: OciConfig = serde_json::from_reader(std::io::BufReader::new(reader.take(limit))).ok()?;
+    let a = config.annotations;
+    let role = match a.cri_type.or(a.crio_type)?.as_str() {
         "sandbox" => BundleRole::Sandbox,
-        "container" => BundleRole::Container(
-            annotation(annotations, &["io.kubernetes.cri.container-name", "io.kubernetes.container.name"])?.to_owned(),
-        ),
+        "container" => BundleRole::Container(a.cri_name.or(a.crio_name)?),
         _ => return None,
     };
-    Some((role, uid))
+    Some((role, a.cri_uid.or(a.crio_uid)))
 }
 
 impl BundleRole {
@@ -95,36 +139,180 @@ pub fn name_of_process(host_proc: &std::path::Path, pid: u32, pod_uid: &str) -> 
     name_from_mountinfo(&text, pod_uid)
 }
 
+/// A runtime process through which bundles are read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Reach {
+    pid: u32,
+    /// Its start time (clock ticks after boot): the same pid with another start time is another
+    /// process, whose links lead elsewhere.
+    start: u64,
+    /// The directory of the bundles, through the process's `root` link.
+    dir: PathBuf,
+}
+
+/// Where container bundles are read from.
+#[derive(Clone, Debug, Default)]
+pub struct RuntimeBundles {
+    /// Fixed directories, tried first.
+    dirs: Vec<PathBuf>,
+    /// The host's procfs (runtime processes are found and read through it); none: fixed
+    /// directories only.
+    host_proc: Option<PathBuf>,
+    /// Runtime processes found so far, newest first.
+    reaches: Vec<Reach>,
+}
+
+fn is_container_id(name: &str) -> bool {
+    name.len() == CONTAINER_ID_LEN && name.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// The directory holding a bundle's siblings: the part of an absolute bundle path before its
+/// container id component (`…/k8s.io/<id>` and `…/overlay-containers/<id>/userdata` alike).
+pub fn state_dir_of_bundle(bundle: &Path) -> Option<PathBuf> {
+    let parts: Vec<Component<'_>> = bundle.components().collect();
+    if parts.first() != Some(&Component::RootDir)
+        || parts.iter().any(|c| !matches!(c, Component::Normal(_) | Component::RootDir))
+    {
+        return None;
+    }
+    let at = parts.iter().rposition(|c| c.as_os_str().to_str().is_some_and(is_container_id))?;
+    Some(parts[..at].iter().collect())
+}
+
+/// A process's parent (`PPid`) and how many pid namespaces see it (the length of `NSpid`: 1 for a
+/// process of the host's), from its `status`.
+fn parent_and_depth(host_proc: &Path, pid: u32) -> Option<(u32, usize)> {
+    let status = std::fs::read_to_string(host_proc.join(pid.to_string()).join("status")).ok()?;
+    let ppid = status.lines().find_map(|l| l.strip_prefix("PPid:"))?.trim().parse().ok()?;
+    let depth = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?.split_whitespace().count();
+    Some((ppid, depth))
+}
+
+/// The bundle a runtime process works on: a containerd shim's working directory, or conmon's
+/// `-b`/`--bundle` argument. `None` for any other process.
+fn runtime_bundle(host_proc: &Path, pid: u32) -> Option<PathBuf> {
+    let dir = host_proc.join(pid.to_string());
+    // The executable, not `comm` (which any process may set); a shim left running by an upgrade
+    // of its binary shows as "<path> (deleted)".
+    let exe = std::fs::read_link(dir.join("exe")).ok()?;
+    let exe = exe.file_name()?.to_str()?;
+    let exe = exe.strip_suffix(" (deleted)").unwrap_or(exe);
+    if exe.starts_with("containerd-shim") {
+        return std::fs::read_link(dir.join("cwd")).ok();
+    }
+    if exe != "conmon" {
+        return None;
+    }
+    let mut cmdline = Vec::new();
+    std::fs::File::open(dir.join("cmdline")).ok()?.take(64 * 1024).read_to_end(&mut cmdline).ok()?;
+    let args: Vec<&str> = cmdline.split(|b| *b == 0).filter_map(|a| std::str::from_utf8(a).ok()).collect();
+    args.iter().enumerate().find_map(|(i, arg)| match *arg {
+        "-b" | "--bundle" => args.get(i + 1).map(PathBuf::from),
+        _ => arg.strip_prefix("--bundle=").map(PathBuf::from),
+    })
+}
+
 impl RuntimeBundles {
-    pub fn new(dirs: Vec<PathBuf>) -> RuntimeBundles {
-        RuntimeBundles { dirs }
+    /// `dirs`: fixed directories; `host_proc`: where runtime processes are looked for.
+    pub fn new(dirs: Vec<PathBuf>, host_proc: Option<PathBuf>) -> RuntimeBundles {
+        RuntimeBundles { dirs, host_proc, reaches: Vec::new() }
     }
 
-    pub fn enabled(&self) -> bool {
-        !self.dirs.is_empty()
-    }
-
-    /// The role of container `id` in the pod with uid `pod_uid`, if a bundle says so.
-    pub fn role(&self, id: &str, pod_uid: &str) -> Option<BundleRole> {
-        // Only a container id is ever joined to the directory.
-        if id.len() != 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+    /// The role of container `id` in the pod with uid `pod_uid`, if a bundle says so: from the
+    /// fixed directories, else through a runtime process found before.
+    pub fn role(&mut self, id: &str, pod_uid: &str) -> Option<BundleRole> {
+        // Only a container id is ever joined to a directory.
+        if !is_container_id(id) {
             return None;
         }
-        for dir in &self.dirs {
-            for path in [dir.join(id).join("config.json"), dir.join(id).join("userdata/config.json")] {
-                let Ok(file) = std::fs::File::open(&path) else { continue };
-                let mut text = String::new();
-                if file.take(MAX_CONFIG_BYTES).read_to_string(&mut text).is_err() {
+        if let Some(role) = self.dirs.iter().find_map(|dir| read_bundle(dir, id, pod_uid)) {
+            return Some(role);
+        }
+        let proc = self.host_proc.clone()?;
+        let mut found = None;
+        self.reaches.retain(|r| {
+            if found.is_some() {
+                return true;
+            }
+            let (role, alive) = read_bundle_through(&proc, r, id, pod_uid);
+            found = role;
+            alive
+        });
+        found
+    }
+
+    /// How many runtime processes bundles are read through (each alive when last used).
+    pub fn reaches(&self) -> usize {
+        self.reaches.len()
+    }
+
+    /// Looks for the runtime process that started a pod's containers, up from its processes
+    /// (`starts`, the container's own first; `pod_procs`: every process of the pod, never taken
+    /// for the runtime's). Returns whether one was found that was not known yet.
+    pub fn find_runtime(&mut self, starts: &[u32], pod_procs: &HashSet<u32>) -> bool {
+        let Some(proc) = self.host_proc.clone() else { return false };
+        for &start in starts.iter().take(MAX_SEARCH_STARTS) {
+            let mut pid = start;
+            for _ in 0..RUNTIME_SEARCH_DEPTH {
+                let Some((parent, _)) = parent_and_depth(&proc, pid) else { break };
+                // 0: the kernel's; 1: the node's init, never a runtime process.
+                if parent <= 1 {
+                    break;
+                }
+                pid = parent;
+                if pod_procs.contains(&pid) {
                     continue;
                 }
-                match parse_config(&text) {
-                    Some((role, Some(uid))) if uid == pod_uid => return Some(role),
-                    _ => continue,
+                // The host's pid namespace only: a process in a pod's namespace is a pod's.
+                if parent_and_depth(&proc, pid).map(|(_, depth)| depth) != Some(1) {
+                    break;
                 }
+                let Some(bundle) = runtime_bundle(&proc, pid) else { continue };
+                let Some(state) = state_dir_of_bundle(&bundle) else { break };
+                let Some(started) = start_time(&proc, pid) else { break };
+                // Read through its root: the path is the runtime's, in its mount namespace.
+                let dir = proc.join(pid.to_string()).join("root").join(state.strip_prefix("/").unwrap_or(&state));
+                let reach = Reach { pid, start: started, dir };
+                if self.reaches.contains(&reach) {
+                    return false;
+                }
+                self.reaches.insert(0, reach);
+                self.reaches.truncate(MAX_REACHES);
+                return true;
             }
         }
-        None
+        false
     }
+}
+
+/// Reads container `id`'s bundle in `dir` (either runtime's layout); its role if it is of pod
+/// `pod_uid`.
+fn read_bundle(dir: &Path, id: &str, pod_uid: &str) -> Option<BundleRole> {
+    [dir.join(id).join("config.json"), dir.join(id).join("userdata/config.json")].into_iter().find_map(|path| {
+        let file = std::fs::File::open(path).ok()?;
+        match parse_config(file, MAX_CONFIG_BYTES) {
+            Some((role, Some(uid))) if uid == pod_uid => Some(role),
+            _ => None,
+        }
+    })
+}
+
+/// [`read_bundle`] through a runtime process's links, and whether that process is still the one
+/// found (checked after the open: what was opened was reached through it).
+fn read_bundle_through(host_proc: &Path, reach: &Reach, id: &str, pod_uid: &str) -> (Option<BundleRole>, bool) {
+    let alive = || start_time(host_proc, reach.pid) == Some(reach.start);
+    let files = [reach.dir.join(id).join("config.json"), reach.dir.join(id).join("userdata/config.json")];
+    for path in files {
+        let Ok(file) = std::fs::File::open(path) else { continue };
+        if !alive() {
+            return (None, false);
+        }
+        return match parse_config(file, MAX_CONFIG_BYTES) {
+            Some((role, Some(uid))) if uid == pod_uid => (Some(role), true),
+            _ => (None, true),
+        };
+    }
+    (None, alive())
 }
 
 #[cfg(test)]
@@ -139,6 +327,10 @@ mod tests {
         "io.kubernetes.cri-o.ContainerType":"sandbox",
         "io.kubernetes.pod.uid":"0b5e1f6e-2a4b-4c3d-8e9f-0a1b2c3d4e5f"}}"#;
     const UID: &str = "0b5e1f6e-2a4b-4c3d-8e9f-0a1b2c3d4e5f";
+
+    fn parse(text: &str) -> Option<(BundleRole, Option<String>)> {
+        parse_config(text.as_bytes(), MAX_CONFIG_BYTES)
+    }
 
     #[test]
     fn names_a_container_from_the_kubelets_mounts() {
@@ -157,12 +349,31 @@ mod tests {
 
     #[test]
     fn parses_both_runtimes_and_rejects_the_rest() {
-        assert_eq!(parse_config(CONTAINERD), Some((BundleRole::Container("istio-proxy".into()), Some(UID.into()))));
-        assert_eq!(parse_config(CRIO_SANDBOX), Some((BundleRole::Sandbox, Some(UID.into()))));
-        assert_eq!(parse_config("not json"), None);
-        assert_eq!(parse_config(r#"{"annotations":{}}"#), None);
-        assert_eq!(parse_config(r#"{"annotations":{"io.kubernetes.cri.container-type":"container"}}"#), None);
-        assert_eq!(parse_config(r#"{"annotations":{"io.kubernetes.cri.container-type":"weird"}}"#), None);
+        assert_eq!(parse(CONTAINERD), Some((BundleRole::Container("istio-proxy".into()), Some(UID.into()))));
+        assert_eq!(parse(CRIO_SANDBOX), Some((BundleRole::Sandbox, Some(UID.into()))));
+        assert_eq!(parse("not json"), None);
+        assert_eq!(parse(r#"{"annotations":{}}"#), None);
+        assert_eq!(parse(r#"{"annotations":{"io.kubernetes.cri.container-type":"container"}}"#), None);
+        assert_eq!(parse(r#"{"annotations":{"io.kubernetes.cri.container-type":"weird"}}"#), None);
+    }
+
+    #[test]
+    fn only_the_naming_annotations_are_read_and_the_read_is_bounded() {
+        // containerd writes `process` (and its environment) before the annotations. Whatever it
+        // holds, in whatever shape, is skipped: only the declared annotations are built.
+        let secret = "s3cr3t-".repeat(10_000);
+        let config = format!(
+            r#"{{"ociVersion":"1.2.0","process":{{"env":["PATH=/bin","DB_PASSWORD={secret}"],"args":[1,{{"x":null}}]}},
+               "mounts":[{{"destination":"/run/secrets","options":["ro"]}}],
+               "annotations":{{"io.kubernetes.cri.container-type":"container",
+                 "io.kubernetes.cri.container-name":"app","io.kubernetes.cri.sandbox-uid":"{UID}",
+                 "io.kubernetes.cri.sandbox-namespace":"batch","other":"{{\"nested\":1}}"}},
+               "linux":{{"namespaces":[{{"type":"pid"}}]}}}}"#
+        );
+        assert_eq!(parse(&config), Some((BundleRole::Container("app".into()), Some(UID.into()))));
+        // A file longer than the bound names nothing (no partial read taken for a whole one).
+        assert_eq!(parse_config(config.as_bytes(), config.len() as u64 - 1), None);
+        assert_eq!(parse_config(config.as_bytes(), 64), None);
     }
 
     #[test]
@@ -174,13 +385,14 @@ mod tests {
         std::fs::create_dir_all(dir.join(&b).join("userdata")).expect("mkdir");
         std::fs::write(dir.join(&a).join("config.json"), CONTAINERD).expect("write");
         std::fs::write(dir.join(&b).join("userdata/config.json"), CRIO_SANDBOX).expect("write");
-        let bundles = RuntimeBundles::new(vec![dir.clone()]);
+        let mut bundles = RuntimeBundles::new(vec![dir.clone()], None);
         let found = (
             bundles.role(&a, UID),
             bundles.role(&b, UID),
             bundles.role(&a, "11111111-2222-4333-8444-555555555555"),
             bundles.role("../../etc/passwd", UID),
             bundles.role(&"c".repeat(64), UID),
+            bundles.role(&"A".repeat(64), UID),
         );
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(found.0, Some(BundleRole::Container("istio-proxy".into())));
@@ -188,6 +400,196 @@ mod tests {
         assert_eq!(found.2, None, "a bundle of another pod is ignored");
         assert_eq!(found.3, None, "only container ids are looked up");
         assert_eq!(found.4, None);
-        assert!(!RuntimeBundles::default().enabled());
+        assert_eq!(found.5, None);
+        assert!(!bundles.find_runtime(&[1, 2], &HashSet::new()), "no procfs given: no search");
+    }
+
+    #[test]
+    fn a_bundles_state_directory_is_before_its_container_id() {
+        let id = "0123456789abcdef".repeat(4);
+        let some = |s: &str| Some(s.to_owned());
+        let cases = [
+            (
+                format!("/run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io/{id}"),
+                some("/run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io"),
+            ),
+            (
+                format!("/run/containers/storage/overlay-containers/{id}/userdata"),
+                some("/run/containers/storage/overlay-containers"),
+            ),
+            (format!("/a/{id}/b/{id}/userdata"), Some(format!("/a/{id}/b"))),
+            ("/run/containerd/io.containerd.runtime.v2.task/k8s.io/not-an-id".to_owned(), None),
+            (format!("relative/{id}"), None),
+            (format!("/x/../{id}"), None),
+            (format!("/x/{}", id.to_uppercase()), None),
+        ];
+        for (bundle, want) in cases {
+            assert_eq!(state_dir_of_bundle(Path::new(&bundle)), want.map(PathBuf::from), "{bundle}");
+        }
+    }
+
+    /// A procfs stand-in: processes with a parent, a pid namespace depth, a start time and, for
+    /// runtime processes, an executable and the links the agent reads through.
+    struct FakeProc {
+        root: PathBuf,
+    }
+
+    impl FakeProc {
+        fn new(name: &str) -> FakeProc {
+            let root = std::env::temp_dir().join(format!("valet-fakeproc-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&root);
+            std::fs::create_dir_all(root.join("proc")).expect("mkdir");
+            FakeProc { root }
+        }
+
+        fn proc(&self) -> PathBuf {
+            self.root.join("proc")
+        }
+
+        fn process(&self, pid: u32, ppid: u32, nspid: &str, start: u64) -> PathBuf {
+            let dir = self.proc().join(pid.to_string());
+            std::fs::create_dir_all(&dir).expect("mkdir");
+            std::fs::write(dir.join("status"), format!("Name:\tx\nPPid:\t{ppid}\nNSpid:\t{nspid}\n")).expect("status");
+            let fields: Vec<String> = (3..=22).map(|i| if i == 22 { start.to_string() } else { "0".into() }).collect();
+            std::fs::write(dir.join("stat"), format!("{pid} (x) {}", fields.join(" "))).expect("stat");
+            dir
+        }
+
+        /// A containerd shim whose working directory is `bundle` (a real directory here; its
+        /// `root` is the real root, so its paths read as they are).
+        fn shim(&self, pid: u32, start: u64, bundle: &Path) {
+            let dir = self.process(pid, 1, &pid.to_string(), start);
+            std::os::unix::fs::symlink("/usr/bin/containerd-shim-runc-v2", dir.join("exe")).expect("exe");
+            std::os::unix::fs::symlink(bundle, dir.join("cwd")).expect("cwd");
+            std::os::unix::fs::symlink("/", dir.join("root")).expect("root");
+        }
+
+        fn bundle(&self, state: &Path, id: &str, config: &str) {
+            std::fs::create_dir_all(state.join(id)).expect("mkdir");
+            std::fs::write(state.join(id).join("config.json"), config).expect("config");
+        }
+    }
+
+    impl Drop for FakeProc {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.root);
+        }
+    }
+
+    fn config(name: &str, uid: &str) -> String {
+        format!(
+            r#"{{"annotations":{{"io.kubernetes.cri.container-type":"container",
+                "io.kubernetes.cri.container-name":"{name}","io.kubernetes.cri.sandbox-uid":"{uid}"}}}}"#
+        )
+    }
+
+    #[test]
+    fn finds_the_bundles_through_the_shim_that_started_the_pod() {
+        let fake = FakeProc::new("shim");
+        // k3s's state path, which no fixed directory names.
+        let state = fake.root.join("run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io");
+        let (sandbox, app, other) = ("5".repeat(64), "a".repeat(64), "b".repeat(64));
+        fake.bundle(&state, &sandbox, r#"{"annotations":{"io.kubernetes.cri.container-type":"sandbox"}}"#);
+        fake.bundle(&state, &app, &config("report", UID));
+        fake.bundle(&state, &other, &config("istio-proxy", UID));
+        fake.shim(50, 1000, &state.join(&sandbox));
+        // The app's init (pid 1 of its namespace), started by `runc create` (pid 60, the host's
+        // namespace), which the shim started.
+        fake.process(60, 50, "60", 1001);
+        fake.process(100, 60, "100\t1", 1002);
+        let mut bundles = RuntimeBundles::new(vec![fake.root.join("run/containerd/nothing-here")], Some(fake.proc()));
+        assert_eq!(bundles.role(&app, UID), None, "not in the fixed directories");
+        let pod: HashSet<u32> = [100].into();
+        assert!(bundles.find_runtime(&[100], &pod), "the shim, two parents up");
+        assert!(!bundles.find_runtime(&[100], &pod), "already known");
+        assert_eq!(bundles.role(&app, UID), Some(BundleRole::Container("report".into())));
+        // One shim reaches every bundle of its namespace, other pods' containers too.
+        assert_eq!(bundles.role(&other, UID), Some(BundleRole::Container("istio-proxy".into())));
+        assert_eq!(bundles.role(&other, "11111111-2222-4333-8444-555555555555"), None, "another pod's uid");
+        // The shim exits and its pid goes to another process: its links are not followed.
+        fake.process(50, 1, "50", 2000);
+        assert_eq!(bundles.role(&app, UID), None);
+        assert_eq!(bundles.reaches(), 0, "a runtime process that is gone is dropped");
+    }
+
+    #[test]
+    fn a_pods_own_process_is_never_taken_for_the_runtime() {
+        let fake = FakeProc::new("forged");
+        let state = fake.root.join("run/containerd/io.containerd.runtime.v2.task/k8s.io");
+        let forged = fake.root.join("forged/k8s.io");
+        let (sandbox, app) = ("5".repeat(64), "a".repeat(64));
+        fake.bundle(&state, &sandbox, "{}");
+        fake.bundle(&state, &app, &config("report", UID));
+        fake.bundle(&forged, &sandbox, "{}");
+        fake.bundle(&forged, &app, &config("istio-proxy", UID));
+        fake.shim(50, 1000, &state.join(&sandbox));
+        // A hostPID pod's process (the host's namespace) running a binary named like a shim, with
+        // a forged bundle as its working directory, parent of the pod's other process.
+        fake.shim(70, 1001, &forged.join(&sandbox));
+        let status = fake.proc().join("70/status");
+        std::fs::write(&status, "PPid:\t50\nNSpid:\t70\n").expect("status");
+        fake.process(100, 70, "100", 1002);
+        // A container process's parent in a pod's pid namespace is not a runtime's either.
+        fake.process(200, 201, "200\t2", 1003);
+        let deep = fake.process(201, 50, "201\t1", 1004);
+        std::os::unix::fs::symlink("/usr/bin/conmon", deep.join("exe")).expect("exe");
+        let mut bundles = RuntimeBundles::new(Vec::new(), Some(fake.proc()));
+        assert!(!bundles.find_runtime(&[200], &HashSet::from([200])), "its parent is in a pod's namespace");
+        assert!(bundles.find_runtime(&[100], &HashSet::from([100, 70])));
+        assert_eq!(bundles.role(&app, UID), Some(BundleRole::Container("report".into())), "the real shim's");
+    }
+
+    #[test]
+    fn finds_the_bundles_through_a_live_shims_procfs_links() {
+        // A real process tree: a shell run as `containerd-shim-runc-v2` from a bundle directory,
+        // and its child, read through this host's /proc.
+        let fake = FakeProc::new("live");
+        let state = fake.root.join("run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io");
+        let (sandbox, app) = ("5".repeat(64), "a".repeat(64));
+        fake.bundle(&state, &sandbox, "{}");
+        fake.bundle(&state, &app, &config("report", UID));
+        let shim_exe = fake.root.join("containerd-shim-runc-v2");
+        std::fs::copy("/bin/sh", &shim_exe).expect("copy sh");
+        let mut shim = std::process::Command::new(&shim_exe)
+            .args(["-c", "sleep 30 & echo $!; wait"])
+            .current_dir(state.join(&sandbox))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn shim");
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(shim.stdout.as_mut().expect("stdout")), &mut line)
+            .expect("child pid");
+        let child: u32 = line.trim().parse().expect("pid");
+        let mut bundles = RuntimeBundles::new(Vec::new(), Some(PathBuf::from("/proc")));
+        let found = bundles.find_runtime(&[child], &HashSet::from([child]));
+        let role = bundles.role(&app, UID);
+        let _ = shim.kill();
+        let _ = shim.wait();
+        // SAFETY: plain syscall to the shell's child, ended with it.
+        unsafe { libc::kill(child as i32, libc::SIGKILL) };
+        assert!(found, "the shim, the child's parent");
+        assert_eq!(role, Some(BundleRole::Container("report".into())));
+        assert_eq!(bundles.role(&app, UID), None, "the shim is gone: not read through any more");
+    }
+
+    #[test]
+    fn finds_cri_o_bundles_through_conmon() {
+        let fake = FakeProc::new("conmon");
+        let storage = fake.root.join("var/lib/crio/overlay-containers");
+        let (app, other) = ("a".repeat(64), "b".repeat(64));
+        for (id, name) in [(&app, "report"), (&other, "istio-proxy")] {
+            std::fs::create_dir_all(storage.join(id).join("userdata")).expect("mkdir");
+            std::fs::write(storage.join(id).join("userdata/config.json"), config(name, UID)).expect("config");
+        }
+        let dir = fake.process(40, 1, "40", 500);
+        std::os::unix::fs::symlink("/usr/libexec/crio/conmon (deleted)", dir.join("exe")).expect("exe");
+        std::os::unix::fs::symlink("/", dir.join("root")).expect("root");
+        let bundle = storage.join(&app).join("userdata");
+        let cmdline = format!("/usr/libexec/crio/conmon\0-c\0{app}\0-b\0{}\0--log-level\0info\0", bundle.display());
+        std::fs::write(dir.join("cmdline"), cmdline).expect("cmdline");
+        fake.process(100, 40, "100\t1", 501);
+        let mut bundles = RuntimeBundles::new(Vec::new(), Some(fake.proc()));
+        assert!(bundles.find_runtime(&[100], &HashSet::from([100])));
+        assert_eq!(bundles.role(&other, UID), Some(BundleRole::Container("istio-proxy".into())));
     }
 }

@@ -1,9 +1,10 @@
-//! The agent's own small HTTP server: `/metrics`, `/healthz` (process alive), `/readyz`
+//! The agent's own small HTTP server: `/metrics`, `/healthz` (the loop turns), `/readyz`
 //! (programs attached and the first pod list done).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -16,16 +17,52 @@ use tracing::{debug, info};
 use crate::error::{Error, Result};
 use crate::metrics::{Format, Metrics};
 
-/// Readiness shared between the agent loop and the server.
-#[derive(Default)]
+/// Liveness and readiness, shared between the agent loop and the server.
 pub struct Health {
     pub programs_attached: AtomicBool,
     pub pods_listed: AtomicBool,
+    /// When the loop last turned (`CLOCK_MONOTONIC` ns; 0: it has not started). It always has
+    /// work (its tick), so a loop that stops turning is wedged: a deadlock, a blocked call.
+    loop_turned: AtomicU64,
+    /// How long the loop may go without turning before `/healthz` fails.
+    stall: Duration,
 }
 
+impl Default for Health {
+    fn default() -> Self {
+        Health::new(DEFAULT_STALL)
+    }
+}
+
+/// `/healthz` fails once the loop has not turned for this long (it turns at least four times a
+/// second).
+pub const DEFAULT_STALL: Duration = Duration::from_secs(5);
+
 impl Health {
+    pub fn new(stall: Duration) -> Health {
+        Health {
+            programs_attached: AtomicBool::new(false),
+            pods_listed: AtomicBool::new(false),
+            loop_turned: AtomicU64::new(0),
+            stall,
+        }
+    }
+
     pub fn ready(&self) -> bool {
         self.programs_attached.load(Ordering::Relaxed) && self.pods_listed.load(Ordering::Relaxed)
+    }
+
+    /// The loop turned at `now` (monotonic ns).
+    pub fn turned(&self, now: u64) {
+        self.loop_turned.store(now, Ordering::Relaxed);
+    }
+
+    /// How long the loop has gone without turning at `now`, if longer than allowed. A loop that
+    /// has not started yet (the kernel programs are loading) is not stalled.
+    pub fn stalled(&self, now: u64) -> Option<Duration> {
+        let last = self.loop_turned.load(Ordering::Relaxed);
+        let since = Duration::from_nanos(now.saturating_sub(last));
+        (last != 0 && since > self.stall).then_some(since)
     }
 }
 
@@ -61,7 +98,14 @@ fn route<B>(req: &Request<B>, metrics: &Metrics, health: &Health) -> Response<Fu
     }
     match path {
         "/metrics" => metrics_reply(req, metrics),
-        "/healthz" => reply(StatusCode::OK, "text/plain", "ok\n".into()),
+        "/healthz" => match health.stalled(crate::kernel::events::monotonic_ns()) {
+            None => reply(StatusCode::OK, "text/plain", "ok\n".into()),
+            Some(since) => reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain",
+                format!("the agent's loop has not turned for {:.1}s\n", since.as_secs_f64()),
+            ),
+        },
         "/readyz" if health.ready() => reply(StatusCode::OK, "text/plain", "ready\n".into()),
         "/readyz" => {
             let why = if health.programs_attached.load(Ordering::Relaxed) {
@@ -168,5 +212,22 @@ mod tests {
         let unready = Health::default();
         assert_eq!(route(&request("GET", "/readyz", &[]), &m, &unready).status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(route(&request("GET", "/healthz", &[]), &m, &unready).status(), StatusCode::OK);
+    }
+
+    #[test]
+    fn healthz_fails_once_the_loop_stops_turning() {
+        let m = Metrics::new();
+        let h = Health::new(Duration::from_secs(5));
+        let now = crate::kernel::events::monotonic_ns();
+        assert_eq!(h.stalled(now), None, "a loop that has not started is not stalled");
+        h.turned(now);
+        assert_eq!(h.stalled(now + 5_000_000_000), None);
+        assert_eq!(h.stalled(now + 5_000_000_001), Some(Duration::from_nanos(5_000_000_001)));
+        // The route reads the clock: a turn 6 s ago is a wedged loop.
+        h.turned(now.saturating_sub(6_000_000_000));
+        let r = route(&request("GET", "/healthz", &[]), &m, &h);
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        h.turned(crate::kernel::events::monotonic_ns());
+        assert_eq!(route(&request("GET", "/healthz", &[]), &m, &h).status(), StatusCode::OK);
     }
 }

@@ -73,15 +73,8 @@ fn edges(module: &str, text: &str, known: &BTreeMap<String, PathBuf>) -> BTreeSe
     out
 }
 
-#[test]
-fn agent_modules_form_no_import_cycle() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let known = modules(&src);
-    assert!(known.contains_key("pod::state") && known.contains_key("controller"), "{known:?}");
-    let graph: BTreeMap<String, BTreeSet<String>> =
-        known.iter().map(|(m, p)| (m.clone(), edges(m, &std::fs::read_to_string(p).expect("read"), &known))).collect();
-    assert!(graph["controller"].contains("pod::state"), "the checker sees edges: {:?}", graph["controller"]);
-    // Depth-first search for a back edge.
+/// Depth-first search for a back edge: the first cycle found, as a path.
+fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     fn visit(
         m: &str,
         graph: &BTreeMap<String, BTreeSet<String>>,
@@ -107,14 +100,59 @@ fn agent_modules_form_no_import_cycle() {
         None
     }
     let mut done = BTreeSet::new();
-    for m in graph.keys() {
-        if let Some(cycle) = visit(m, &graph, &mut Vec::new(), &mut done) {
-            panic!("import cycle: {}", cycle.join(" → "));
-        }
+    graph.keys().find_map(|m| visit(m, graph, &mut Vec::new(), &mut done))
+}
+
+/// Every module of the agent and the modules it imports.
+fn module_graph() -> BTreeMap<String, BTreeSet<String>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let known = modules(&src);
+    assert!(known.contains_key("pod::state") && known.contains_key("controller"), "{known:?}");
+    let graph: BTreeMap<String, BTreeSet<String>> =
+        known.iter().map(|(m, p)| (m.clone(), edges(m, &std::fs::read_to_string(p).expect("read"), &known))).collect();
+    assert!(graph["controller"].contains("pod::state"), "the checker sees edges: {:?}", graph["controller"]);
+    graph
+}
+
+/// The graph of top-level modules (`pod`, `sidecar`, `effect`, ...): an edge wherever any module
+/// inside one imports any module inside another.
+fn top_level(graph: &BTreeMap<String, BTreeSet<String>>) -> BTreeMap<String, BTreeSet<String>> {
+    let top = |m: &str| m.split("::").next().unwrap_or(m).to_owned();
+    let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (m, targets) in graph {
+        let from = top(m);
+        let entry = out.entry(from.clone()).or_default();
+        entry.extend(targets.iter().map(|t| top(t)).filter(|t| *t != from));
+    }
+    out
+}
+
+#[test]
+fn agent_modules_form_no_import_cycle() {
+    let graph = module_graph();
+    if let Some(cycle) = find_cycle(&graph) {
+        panic!("import cycle: {}", cycle.join(" → "));
     }
     // The checker itself finds a cycle when there is one.
     let mut broken = graph.clone();
     broken.entry("effect".into()).or_default().insert("pod::state".into());
-    let mut done = BTreeSet::new();
-    assert!(broken.keys().any(|m| visit(m, &broken, &mut Vec::new(), &mut done).is_some()));
+    assert!(find_cycle(&broken).is_some());
+}
+
+#[test]
+fn top_level_modules_form_no_import_cycle() {
+    let graph = top_level(&module_graph());
+    if let Some(cycle) = find_cycle(&graph) {
+        panic!("import cycle between top-level modules: {}", cycle.join(" → "));
+    }
+    // Decisions (`pod`) and talking to sidecars (`sidecar`) know nothing of each other, and the
+    // effects a decision returns are spoken in leaf words only.
+    assert!(!graph["pod"].contains("sidecar") && !graph["sidecar"].contains("pod"), "{graph:?}");
+    for dep in &graph["effect"] {
+        assert!(graph[dep].is_empty() || dep == "error", "effect imports {dep}, which is no leaf: {:?}", graph[dep]);
+    }
+    let mut broken = graph.clone();
+    broken.entry("vocab".into()).or_default().insert("pod".into());
+    broken.entry("pod".into()).or_default().insert("vocab".into());
+    assert!(find_cycle(&broken).is_some(), "the checker finds a cycle between top-level modules");
 }

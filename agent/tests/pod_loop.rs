@@ -1,7 +1,10 @@
 //! Scenario tests of the whole loop, without root: the real controller and actuators against a
 //! mocked API (`tower-test`), a stand-in for the kernel programs and for the pod's network, a
 //! kubelet-shaped cgroup tree in a temporary directory, and real (unprivileged) child processes
-//! for the holds. Every wait has a timeout, so a missing or an extra action fails the test.
+//! for the holds. Every wait has a timeout, so a missing or an extra action fails the test; the
+//! timeout only guards against a hang: a test waits for the event itself, and proves that
+//! something did not happen by a later event that would have come after it, never by a quiet
+//! moment (which a busy machine stretches or shortens).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -33,7 +36,8 @@ use valet_common::{Counter, watch_flags};
 
 const UID: &str = "6b1f2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
 const NODE: &str = "n1";
-const WAIT: Duration = Duration::from_secs(5);
+/// Only a guard against a hang.
+const WAIT: Duration = Duration::from_secs(30);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -47,14 +51,30 @@ struct KernelState {
     classified: HashMap<u64, bool>,
     forgotten: Vec<u64>,
     recorded: Vec<(u64, u32)>,
+    /// Container cgroups the agent asked about (it does so as it reads a container's cgroup).
+    exec_asked: Vec<u64>,
     detached: bool,
 }
 
 #[derive(Clone, Default)]
-struct FakeKernel(Arc<Mutex<KernelState>>);
+struct FakeKernel(Arc<Mutex<KernelState>>, Arc<(Mutex<bool>, std::sync::Condvar)>);
+
+impl FakeKernel {
+    /// While wedged, a call to watch a cgroup blocks the thread that makes it (the loop's): a
+    /// kernel call that never returns.
+    fn wedge(&self, wedged: bool) {
+        *lock(&self.1.0) = wedged;
+        self.1.1.notify_all();
+    }
+}
 
 impl KernelControl for FakeKernel {
     fn watch(&mut self, cgroup_id: u64, flags: u32) -> valet_agent::Result<()> {
+        let mut wedged = lock(&self.1.0);
+        while *wedged {
+            wedged = self.1.1.wait(wedged).unwrap_or_else(PoisonError::into_inner);
+        }
+        drop(wedged);
         lock(&self.0).watched.insert(cgroup_id, flags);
         Ok(())
     }
@@ -66,7 +86,8 @@ impl KernelControl for FakeKernel {
         lock(&self.0).classified.insert(container_cgroup_id, hold);
         Ok(())
     }
-    fn exec_seen(&self, _: u64) -> bool {
+    fn exec_seen(&self, container_cgroup_id: u64) -> bool {
+        lock(&self.0).exec_asked.push(container_cgroup_id);
         false
     }
     fn forget_container(&mut self, container_cgroup_id: u64) {
@@ -367,9 +388,13 @@ struct Loop {
     watch: mpsc::UnboundedSender<watcher::Event<Pod>>,
     api: mpsc::UnboundedReceiver<ApiCall>,
     metrics: Arc<Metrics>,
+    health: Arc<Health>,
     stop: Option<oneshot::Sender<()>>,
     done: tokio::task::JoinHandle<()>,
 }
+
+/// How long the loop may go without turning in these tests before liveness fails.
+const STALL: Duration = Duration::from_millis(500);
 
 fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
     let (client, api) = mock_api();
@@ -388,7 +413,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
             held_prober: false,
         },
         node.cgroups.clone(),
-        RuntimeBundles::new(vec![node.dir.join("bundles")]),
+        RuntimeBundles::new(vec![node.dir.join("bundles")], None),
         kernel.clone(),
         Arc::new(link.clone()),
         client.clone(),
@@ -401,7 +426,8 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
         escalate_after: Some(Duration::from_secs(15)),
     };
     let ahead = act.quits_ahead();
-    let controller = Controller::new(NODE, rules, act, reports_rx, Arc::new(Health::default()));
+    let health = Arc::new(Health::new(STALL));
+    let controller = Controller::new(NODE, rules, act, reports_rx, health.clone());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (watch_tx, watch_rx) = mpsc::unbounded_channel();
     let watch = tokio_stream_of(watch_rx);
@@ -414,7 +440,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
         },
         Duration::from_secs(2),
     ));
-    Loop { kernel, link, ahead, events: events_tx, watch: watch_tx, api, metrics, stop: Some(stop_tx), done }
+    Loop { kernel, link, ahead, events: events_tx, watch: watch_tx, api, metrics, health, stop: Some(stop_tx), done }
 }
 
 fn tokio_stream_of(
@@ -488,13 +514,19 @@ fn state(pid: u32) -> Option<char> {
 
 /// Polls (without blocking the runtime the loop runs on) until `pid` is in state `want`.
 async fn wait_state(pid: u32, want: char) -> bool {
-    for _ in 0..500 {
+    let deadline = std::time::Instant::now() + WAIT;
+    while std::time::Instant::now() < deadline {
         if state(pid) == Some(want) {
             return true;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     false
+}
+
+/// The value of the metric line that starts with `series ` (0 when absent).
+fn metric(metrics: &Metrics, series: &str) -> f64 {
+    metrics.encode().lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
 }
 
 fn kill(mut child: Child) {
@@ -535,9 +567,10 @@ async fn the_apps_exit_quits_the_proxy_and_releases_the_pods_resources() {
     lp.exit(pod_cg, proxy, 0);
     lp.until("resources released", |l| lock(&l.kernel.0).watched.is_empty() && lock(&l.link.0).opened.is_empty()).await;
     assert!(lock(&lp.kernel.0).forgotten.contains(&app));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(lp.link.quits(), 1, "never twice");
-    let (kernel, _) = lp.stop().await;
+    // Once the loop has ended, every quit it ever decided is on record (the first attempt is
+    // made as the transition is applied).
+    let (kernel, link) = lp.stop().await;
+    assert_eq!(link.quits(), 1, "never twice");
     assert!(lock(&kernel.0).detached);
     assert_path(&node.dir);
 }
@@ -590,7 +623,11 @@ async fn a_quit_sent_ahead_by_the_event_reader_is_taken_over_by_the_loop() {
     let mut deleting = serde_json::to_value(job_pod(json!({}))).expect("json");
     deleting["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
     lp.apply(serde_json::from_value(deleting).expect("pod"));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Handled once the pod stood down (the firing above disarmed it already).
+    lp.until("stood down for the deletion", |l| {
+        lock(&l.kernel.0).watched.is_empty() && lock(&l.link.0).opened.is_empty()
+    })
+    .await;
     let _ = lp.events.send(Event::Exit(exit));
     lp.until("counted unclaimed", |l| {
         l.metrics.encode().contains("valet_quits_sent_ahead_total{result=\"unclaimed\"} 1\n")
@@ -614,7 +651,8 @@ async fn a_container_is_named_when_its_cgroup_appears_not_when_it_ends() {
     let pod_cg = node.pod_id();
     lp.until("the pod cgroup watched", |l| lock(&l.kernel.0).watched.get(&pod_cg) == Some(&watch_flags::EXITS)).await;
     let app = node.container(2, "app");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The loop reads a new container's bundle, then asks the kernel about it, in one step.
+    lp.until("the new container read", |l| lock(&l.kernel.0).exec_asked.contains(&app)).await;
     // The app ran and ended; the runtime removed its cgroup and bundle before the agent read the
     // exit (the API has not named the container either).
     std::fs::remove_dir_all(node.cgroups.abs(&node.container_rel(2))).expect("rm cgroup");
@@ -624,7 +662,10 @@ async fn a_container_is_named_when_its_cgroup_appears_not_when_it_ends() {
     lp.stop().await;
 }
 
-#[tokio::test]
+// On a paused clock: the runtime's time moves only when nothing can run, so "no write within
+// 400 ms" means none after the probes of 400 ms (20 ms apart) and all they caused, however busy
+// the machine is. Nothing here waits on another thread or the kernel.
+#[tokio::test(start_paused = true)]
 async fn condition_writes_never_overtake_each_other() {
     let node = TempNode::new("cond");
     node.container(1, "POD");
@@ -661,11 +702,16 @@ async fn a_held_app_fails_open_at_the_hold_timeout() {
     assert_eq!(lock(&lp.kernel.0).classified.get(&app), Some(&true), "the app is classified before it execs");
     let child = stopped_child().await;
     node.add_process(2, child.id());
+    // The hold counts from the kernel's stop, which the event says is now: before this instant.
+    let held = std::time::Instant::now();
     lp.held(pod_cg, app, child.id());
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(state(child.id()), Some('T'), "held while the proxy is not ready");
     assert!(wait_state(child.id(), 'S').await, "released after the 1 s hold timeout");
+    let released_after = held.elapsed();
+    // A lower bound only: a busy machine makes a release late, never early.
+    assert!(released_after >= Duration::from_secs(1), "released {released_after:?} after it was held");
     lp.until("fail-open counted", |l| l.metrics.encode().contains("valet_app_hold_fail_opens_total 1")).await;
+    lp.until("the release counted", |l| metric(&l.metrics, "valet_app_releases_total{reason=\"timeout\"}") == 1.0)
+        .await;
     lp.stop().await;
     kill(child);
 }
@@ -685,10 +731,18 @@ async fn processes_an_earlier_agent_left_held_are_adopted_and_released_when_read
     let lp = start(&node, Duration::from_secs(120));
     lp.apply(job_pod(json!({"valet.dev/hold-app": "true"})));
     assert!(wait_state(proxy_child.id(), 'S').await, "the sidecar left held is released at once");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Probes that answered "not ready" came after the adoption that released the sidecar.
+    let probes = |l: &Loop| lock(&l.link.0).requests.iter().filter(|r| r.1 == "GET").count();
+    lp.until("three probes answered not ready", |l| probes(l) >= 3).await;
     assert_eq!(state(app_child.id()), Some('T'), "the app stays held until the proxy is ready");
     lock(&lp.link.0).ready = true;
     assert!(wait_state(app_child.id(), 'S').await, "released when the proxy is ready");
+    // Released once, for the proxy's readiness: not at its adoption.
+    lp.until("the releases counted", |l| {
+        metric(&l.metrics, "valet_app_releases_total{reason=\"ready\"}") == 1.0
+            && metric(&l.metrics, "valet_app_releases_total{reason=\"not_app\"}") == 1.0
+    })
+    .await;
     lp.stop().await;
     kill(app_child);
     kill(proxy_child);
@@ -744,10 +798,36 @@ async fn shutdown_releases_everything_held() {
     let child = stopped_child().await;
     node.add_process(2, child.id());
     lp.held(pod_cg, app, child.id());
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(state(child.id()), Some('T'));
+    lp.until("the hold counted", |l| metric(&l.metrics, "valet_app_holds_total") == 1.0).await;
+    assert_eq!(state(child.id()), Some('T'), "released before the shutdown");
     let (kernel, _) = lp.stop().await;
     assert!(wait_state(child.id(), 'S').await, "released on shutdown");
     assert!(lock(&kernel.0).detached);
     kill(child);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn liveness_fails_while_the_loop_is_wedged_and_recovers_with_it() {
+    let node = TempNode::new("wedge");
+    let l = start(&node, Duration::from_secs(60));
+    let live = |l: &Loop| l.health.stalled(now_ns()).is_none();
+    // A pod arrives; its first step asks the kernel to watch its cgroup, and that call never
+    // returns: the loop's thread is stuck in it.
+    l.kernel.wedge(true);
+    l.apply(job_pod(json!({})));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while live(&l) {
+        assert!(tokio::time::Instant::now() < deadline, "liveness never failed while the loop was wedged");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(lock(&l.kernel.0).watched.is_empty(), "the call is still stuck");
+    // The call returns: the loop turns again, and liveness with it.
+    l.kernel.wedge(false);
+    l.until("the pod watched", |l| !lock(&l.kernel.0).watched.is_empty()).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !live(&l) {
+        assert!(tokio::time::Instant::now() < deadline, "liveness did not come back with the loop");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    l.stop().await;
 }

@@ -24,6 +24,16 @@ pub const MAP_EXEC_CLASS: &str = "EXEC_CLASS";
 /// already running.
 pub const MAP_CONTAINERS: &str = "CONTAINERS";
 
+/// Name of the hash map of the processes the exec program stopped (key: thread-group id as the
+/// host sees it, value: [`HeldRecord`]). The agent pins it (file [`PIN_HELD`] in its pin
+/// directory on bpffs) so that it outlives the agent: a successor of an agent that crashed while
+/// holding apps finds every one of them, whatever has become of their pods meanwhile. The
+/// program writes the record before the stop, so no stop goes unrecorded.
+pub const MAP_HELD: &str = "HELD";
+/// File name of the pinned [`MAP_HELD`]; the suffix changes with [`HeldRecord`]'s layout (a pin
+/// of another layout is never reused: the kernel would take the old map as it is).
+pub const PIN_HELD: &str = "held_v1";
+
 /// Name of the exit tracepoint program (`sched/sched_process_exit`) that finds a cgroup's
 /// ancestors with `bpf_get_current_ancestor_cgroup_id` (not allowed in tracepoints on 5.10).
 pub const PROG_EXIT: &str = "valet_exit";
@@ -46,6 +56,9 @@ pub const EVENTS_RING_BYTES: u32 = 256 * 1024;
 pub const WATCHED_CAPACITY: u32 = 16 * 1024;
 /// Capacity of [`MAP_EXEC_SEEN`] and [`MAP_EXEC_CLASS`].
 pub const EXEC_CAPACITY: u32 = 16 * 1024;
+/// Capacity of [`MAP_HELD`]: processes stopped at once on one node. With no room left, execs
+/// are not held (a stop nobody recorded could outlive the agent).
+pub const HELD_CAPACITY: u32 = 4096;
 /// Capacity of [`MAP_CONTAINERS`]: container cgroups of one node's watched pods.
 pub const CONTAINERS_CAPACITY: u32 = 16 * 1024;
 /// Deepest level of the host's pid namespace accepted (a node inside a node inside a host fits).
@@ -61,6 +74,8 @@ pub mod watch_flags {
     /// Stop (SIGSTOP) the exec that records a container's main process (the first exec deeper
     /// than the host's pid namespace) in each child cgroup of this cgroup.
     pub const HOLD: u32 = 2;
+    // Neither bit: the cgroup is known (an exit or exec there is routed no further) but nothing
+    // is recorded, reported or held: a hostPID pod, whose ends come from the API.
 }
 
 /// [`MAP_EXEC_CLASS`] value: stop the first init exec in this cgroup (an app container).
@@ -127,6 +142,17 @@ pub struct ContainerMain {
     pub ktime_ns: u64,
 }
 
+/// A [`MAP_HELD`] value: where and when a process was stopped at exec.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldRecord {
+    /// The cgroup (v2) id of the container it was stopped in (the pod cgroup's child, however
+    /// deep below it the process sat).
+    pub cgroup_id: u64,
+    /// `bpf_ktime_get_ns()` when it was stopped (`CLOCK_MONOTONIC`).
+    pub ktime_ns: u64,
+}
+
 /// One event from the kernel programs.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,7 +163,8 @@ pub struct KernelEvent {
     pub flags: u32,
     /// `bpf_ktime_get_ns()` when the program ran (`CLOCK_MONOTONIC`).
     pub ktime_ns: u64,
-    /// The process's own cgroup (v2) id: the container's cgroup.
+    /// The container's cgroup (v2) id: the watched cgroup's child that holds the process, at any
+    /// depth below it (crun runs a container one level below its scope, nested runtimes deeper).
     pub cgroup_id: u64,
     /// The watched cgroup that matched: the process's own or one of its ancestors (the pod).
     pub watched_cgroup_id: u64,
@@ -187,8 +214,9 @@ pub enum Counter {
     /// Whole-process exits in watched pods dropped in the kernel: not a container's main
     /// process (build steps, test runners, nested sandboxes, runtime helpers).
     ExitsFiltered = 4,
-    /// Inserts into [`MAP_CONTAINERS`] that failed for want of room (E2BIG/ENOMEM): that
-    /// container's main process is unknown to the kernel and its exec is not held.
+    /// Inserts into [`MAP_CONTAINERS`] or [`MAP_HELD`] that failed for want of room
+    /// (E2BIG/ENOMEM): that container's main process is unknown to the kernel, or its exec was
+    /// not held.
     MapFull = 5,
 }
 
@@ -288,4 +316,6 @@ mod user {
     unsafe impl aya::Pod for super::KernelLayout {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::ContainerMain {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::HeldRecord {}
 }

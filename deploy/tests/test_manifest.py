@@ -14,21 +14,20 @@ ENV = {
     "VALET_METRICS_ADDR": "0.0.0.0:9090",
     "VALET_LOG_FORMAT": "json",
     "RUST_LOG": "info",
+    "VALET_PIN_DIR": "/host/sys/fs/bpf/valet",
 }
 # hostPath -> mount path, in the base. All read-only.
 HOST_PATHS = {
     "/sys/fs/cgroup": "/host/sys/fs/cgroup",
     "/sys/kernel/tracing": "/sys/kernel/tracing",
     "/sys/kernel/btf": "/sys/kernel/btf",
-    # The runtimes' bundle directories (container names before the API has them), at their
-    # host paths. Never their parents: /run/containerd holds the runtime's socket.
-    "/run/containerd/io.containerd.runtime.v2.task/k8s.io": "/run/containerd/io.containerd.runtime.v2.task/k8s.io",
-    "/run/containers/storage/overlay-containers": "/run/containers/storage/overlay-containers",
+    # No runtime state directory: bundles are read through the runtime's own processes.
+    # The one writable host path: the agent's pin directory on the host's bpffs.
+    "/sys/fs/bpf/valet": "/host/sys/fs/bpf/valet",
 }
-BUNDLE_DIRS = {
-    "/run/containerd/io.containerd.runtime.v2.task/k8s.io",
-    "/run/containers/storage/overlay-containers",
-}
+WRITABLE_HOST_PATHS = {"/sys/fs/bpf/valet"}
+RUNTIME_STATE = ("/run/containerd", "/var/run/containerd", "/run/containers", "/var/run/crio", "/run/crio",
+                 "/run/k3s", "/var/snap")
 CLUSTER_SCOPED = (
     "Namespace",
     "ClusterRole",
@@ -65,12 +64,13 @@ def test_least_privilege(renders: dict[str, Render], name: str) -> None:
     for v in pod["volumes"]:
         path = v["hostPath"]["path"]
         assert path not in ("/", "/proc", "/run", "/var/run") and not path.endswith(".sock")
-        if path.startswith(("/run/containerd", "/var/run/containerd", "/run/containers", "/var/run/crio", "/run/crio")):
-            assert path in BUNDLE_DIRS, f"{path}: only the bundle directories, never the runtime's socket"
-    host_volumes = {v["name"] for v in pod["volumes"] if "hostPath" in v}
+        assert not path.startswith(RUNTIME_STATE), f"{path}: no runtime state, and never the runtime's socket"
+    host_volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     for m in c["volumeMounts"]:
-        if m["name"] in host_volumes:
+        if m["name"] in host_volumes and host_volumes[m["name"]] not in WRITABLE_HOST_PATHS:
             assert m.get("readOnly") is True, f"{name}: {m['mountPath']} is writable"
+    writable = {host_volumes[m["name"]] for m in c["volumeMounts"] if m["name"] in host_volumes and not m.get("readOnly")}
+    assert writable <= WRITABLE_HOST_PATHS, f"{name}: writable host paths {writable}"
 
 
 def test_apparmor_annotation_names_the_container(renders: dict[str, Render]) -> None:

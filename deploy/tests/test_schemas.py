@@ -4,7 +4,8 @@ the node-scoped-writes policy objects (admissionregistration.k8s.io/v1, GA in 1.
 validated from 1.30 on, and deploy/before-1.30 (the render for older clusters) has none.
 
 kubernetes-validate carries its schemas in the package, so this runs offline. Custom
-resources have no schema there; the only one allowed is the PodMonitor, checked by hand.
+resources have no schema there; the only ones allowed are the PodMonitor, checked by hand, and the
+PrometheusRule, checked by promtool (test_monitoring.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ OLDEST = Version("1.29")
 VERSIONS = sorted({v for v in all_versions() if Version(v) >= OLDEST}, key=Version)
 
 # (apiVersion, kind) of custom resources: no schema in kubernetes-validate.
-CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PodMonitor")}
+CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 # (apiVersion, kind) -> the first release that serves it.
 INTRODUCED = {
     ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"): Version("1.30"),
@@ -83,7 +84,7 @@ def test_podmonitor_by_hand(renders: dict[str, Render]) -> None:
     endpoints = pm["spec"]["podMetricsEndpoints"]
     assert endpoints and all(e["port"] in port_names for e in endpoints)
     assert all(e.get("path", "/metrics") == "/metrics" for e in endpoints)
-    known = {"port", "path", "interval", "scrapeTimeout", "relabelings", "metricRelabelings"}
+    known = {"port", "path", "interval", "scrapeTimeout", "honorLabels", "relabelings", "metricRelabelings"}
     for e in endpoints:
         assert set(e) <= known, f"unexpected PodMonitor endpoint fields: {set(e) - known}"
 

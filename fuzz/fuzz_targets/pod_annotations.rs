@@ -1,6 +1,7 @@
 //! A pod as the API returns it, with annotations (and container names, images, restart policy)
 //! chosen by its owner: `pod::spec::plan` must answer with a plan or an error, never panic,
-//! and a plan's sidecar endpoints stay on the pod's loopback ports it names.
+//! and a plan's sidecar endpoints stay on the pod's loopback ports it names, with paths that
+//! cannot break the request line.
 #![no_main]
 
 use std::collections::BTreeMap;
@@ -12,13 +13,16 @@ use libfuzzer_sys::fuzz_target;
 use valet_agent::pod::spec::{SidecarDefaults, plan};
 
 /// Key prefixes the fuzzer picks from, so that it reaches every annotation valet reads.
-const PREFIXES: [&str; 10] = [
+const PREFIXES: [&str; 13] = [
     "",
     "valet.dev/",
     "valet.dev/sidecars",
     "valet.dev/sidecar-kind.",
     "valet.dev/quit-port.",
     "valet.dev/ready-port.",
+    "valet.dev/quit-path.",
+    "valet.dev/ready-path.",
+    "valet.dev/quit-signal.",
     "valet.dev/hold-app",
     "valet.dev/hold-timeout",
     "status.sidecar.istio.io/port",
@@ -86,6 +90,9 @@ fuzz_target!(|input: Input| {
         for s in &plan.sidecars {
             let ports = s.quit.iter().chain(s.ready.iter()).map(|e| e.port);
             assert!(ports.into_iter().all(|p| p != 0), "{s:?}");
+            // A path goes into the request line as is: nothing that could end it or add a header.
+            let paths = s.quit.iter().chain(s.ready.iter()).map(|e| e.path.as_str());
+            assert!(paths.into_iter().all(|p| p.starts_with('/') && p.bytes().all(|b| b.is_ascii_graphic())), "{s:?}");
         }
     }
 });

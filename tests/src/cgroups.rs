@@ -82,8 +82,4 @@ impl Drop for TestCgroups {
 }
 
 /// Fails the test run when not root: privileged tests must never be skipped silently.
-pub fn require_root() {
-    // SAFETY: plain syscall.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(euid, 0, "privileged tests need root (run them with `cargo xtask test`)");
-}
+pub use valet_sim::util::require_root;

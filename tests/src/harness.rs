@@ -83,6 +83,21 @@ pub struct Node {
     pub scratch: Scratch,
     kubeconfig: PathBuf,
     runtime_dir: PathBuf,
+    /// The agents' pin directory on bpffs: this node's own, shared by its successive agents as
+    /// a node's is, and by no other test's agent (whose orphan sweep would release this node's
+    /// holds).
+    pin_dir: PathBuf,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Ok(entries) = std::fs::read_dir(&self.pin_dir) {
+            for e in entries.flatten() {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+        let _ = std::fs::remove_dir(&self.pin_dir);
+    }
 }
 
 impl Node {
@@ -113,7 +128,8 @@ impl Node {
         opts.runtime_state_dir = Some(runtime_dir.clone());
         let kubelet = Kubelet::start(api.handle(), opts)?;
         let name = format!("node-{}", valet_sim::util::random_hex(3));
-        Ok(Node { api, kubelet, name, scratch, kubeconfig, runtime_dir })
+        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/valet-test-{}-{name}", std::process::id()));
+        Ok(Node { api, kubelet, name, scratch, kubeconfig, runtime_dir, pin_dir })
     }
 
     pub fn kubeconfig(&self) -> &Path {
@@ -125,11 +141,18 @@ impl Node {
         &self.runtime_dir
     }
 
+    /// Where this node's agents pin the record of the processes they held.
+    pub fn pin_dir(&self) -> &Path {
+        &self.pin_dir
+    }
+
     /// Starts the agent binary for this node, with `extra` flags (and `--runtime-state-dirs`
     /// naming the node's runtime state dir unless `extra` has that flag).
     pub fn start_agent(&self, extra: &[&str]) -> Result<Agent> {
         let mut agent = self.spawn_agent(extra)?;
-        agent.wait_ready(Duration::from_secs(20))?;
+        // A hang guard: loading the programs (BTF, the verifier) takes tens of seconds in an
+        // emulated guest (`cargo xtask kernels`) on a busy machine.
+        agent.wait_ready(Duration::from_secs(180))?;
         Ok(agent)
     }
 
@@ -156,6 +179,9 @@ impl Node {
         command.args(["--metrics-addr", &metrics.to_string()]).args(extra);
         if !extra.iter().any(|a| a.starts_with("--runtime-state-dirs")) {
             command.arg("--runtime-state-dirs").arg(&self.runtime_dir);
+        }
+        if !extra.iter().any(|a| a.starts_with("--pin-dir")) {
+            command.arg("--pin-dir").arg(&self.pin_dir);
         }
         let child = command
             .env("NODE_NAME", &self.name)
@@ -192,6 +218,7 @@ impl Node {
             .driver(spec.driver)
             .runtime(spec.runtime)
             .qos(spec.qos)
+            .crun(spec.crun)
             .lazy_cgroups(true);
         for app in &spec.apps {
             opts = opts.container(app);
@@ -270,10 +297,10 @@ impl Node {
             }
         }
         if spec.ready_file.is_none() && spec.sidecar.is_none() {
-            job.sim.wait_standin_ready(&standin, Duration::from_secs(5))?;
+            job.sim.wait_standin_ready(&standin, HANG_GUARD)?;
         }
         for app in &spec.already_exited {
-            if job.wait_api_terminated(app, Duration::from_secs(5)).is_none() {
+            if job.wait_api_terminated(app, HANG_GUARD).is_none() {
                 bail!("the API never showed {app} of {} terminated", job.name);
             }
         }
@@ -345,6 +372,8 @@ pub struct JobSpec {
     pub runtime: Runtime,
     /// The pod's QoS class (default Burstable).
     pub qos: QosClass,
+    /// Container processes run one cgroup below their container's, as crun runs them.
+    pub crun: bool,
     /// When the kubelet writes statuses: as a real one (default), at once, or never.
     pub status: StatusTiming,
     /// The runtime writes OCI bundles for the pod's containers (default true).
@@ -374,6 +403,7 @@ impl JobSpec {
             driver: CgroupDriver::Systemd,
             runtime: Runtime::Containerd,
             qos: QosClass::Burstable,
+            crun: false,
             status: StatusTiming::Relist,
             bundles: true,
             report_pod_ip: true,
@@ -384,6 +414,11 @@ impl JobSpec {
         self.driver = driver;
         self.runtime = runtime;
         self.qos = qos;
+        self
+    }
+    /// crun's layout: every container's processes in `<scope>/container`.
+    pub fn crun(mut self) -> Self {
+        self.crun = true;
         self
     }
     pub fn apps(mut self, apps: &[&str]) -> Self {
@@ -568,7 +603,8 @@ pub struct Agent {
 
 impl Agent {
     fn get(&self, path: &str) -> Result<(u16, String)> {
-        let r = valet_sim::client::get(self.metrics, path, Duration::from_secs(2))?;
+        // A metric read as 0 because a busy agent answered late would fail a test for nothing.
+        let r = valet_sim::client::get(self.metrics, path, HANG_GUARD)?;
         Ok((r.status, r.text()))
     }
 
@@ -605,6 +641,12 @@ impl Agent {
             .lines()
             .find_map(|l| l.strip_prefix(sample).and_then(|rest| rest.trim().split(' ').next()?.parse().ok()))
             .unwrap_or(0.0)
+    }
+
+    /// Waits until a sample reads `value` (counts are made a moment after what they count: a
+    /// released app may run, or a quit proxy exit, before the agent counts it); whether it did.
+    pub fn wait_metric(&self, sample: &str, value: f64) -> bool {
+        eventually(HANG_GUARD, || self.metric(sample) == value)
     }
 
     /// Waits until `pods_tracked` reaches `n` (the agent has seen the pods and their cgroups).
@@ -659,6 +701,10 @@ impl Drop for Agent {
         }
     }
 }
+
+/// How long a test waits for an event before it calls it missing: only a guard against a hang
+/// (a test waits for the event itself, never for a time), long enough for a loaded machine.
+pub const HANG_GUARD: Duration = Duration::from_secs(30);
 
 /// Polls `f` every 10 ms until it returns true or `timeout` passes.
 pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {

@@ -7,15 +7,17 @@
 //! the API about a second after the start, istio-proxy `ready` only after its readinessProbe passed
 //! (every 15 s, as Istio injects it). Tests that need a kinder node say so.
 //!
-//! The tests run one at a time (a file-wide lock): they measure release latencies and hold
-//! timings that a busy 2-core machine would blur.
+//! The tests run one at a time (a file-wide lock): they print release latencies and hold
+//! timings that a busy 2-core machine would blur. They assert none: each waits for the event
+//! itself (only a hang guard bounds the wait), and shows that something did not happen by a
+//! later event that would have come after it.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually};
+use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually};
 
 const HOLD: &str = "valet.dev/hold-app";
 const HOLD_TIMEOUT: &str = "valet.dev/hold-timeout";
@@ -45,7 +47,7 @@ fn held_spec(name: &str, ready: &Path) -> JobSpec {
     spec
 }
 
-/// Polls every 200 µs (fine enough to measure release latency) until `path` exists.
+/// Polls every 200 µs (fine enough to print the release latency) until `path` exists.
 fn wait_file(path: &Path, timeout: Duration) -> Option<Duration> {
     let start = Instant::now();
     while start.elapsed() < timeout {
@@ -68,7 +70,7 @@ fn condition(node: &Node, job: &JobPod) -> Option<(String, String)> {
 fn wait_condition(node: &Node, job: &JobPod, agent: &Agent, status: &str, reason: &str) {
     let want = Some((status.to_owned(), reason.to_owned()));
     assert!(
-        eventually(Duration::from_secs(5), || condition(node, job) == want),
+        eventually(HANG_GUARD, || condition(node, job) == want),
         "condition {CONDITION} {status}/{reason} on {}: have {:?}\n{}",
         job.name,
         condition(node, job),
@@ -87,6 +89,52 @@ fn app_pid(job: &JobPod) -> u32 {
     job.apps[0].host_pid()
 }
 
+/// Waits until the app is stopped at exec and the agent counted `holds` holds, then asserts it
+/// is held.
+fn wait_held(job: &JobPod, marker: &Path, agent: &Agent, holds: f64, what: &str) {
+    assert!(eventually(HANG_GUARD, || state(app_pid(job)) == Some('T')), "{what}: never stopped\n{}", agent.log_text());
+    // The kernel stops the process and reports it in one step; the agent counts the report a
+    // moment later.
+    assert!(
+        eventually(HANG_GUARD, || agent.metric("valet_app_holds_total ") == holds),
+        "{what}: {holds} holds counted: {}\n{}",
+        agent.metric("valet_app_holds_total "),
+        agent.log_text()
+    );
+    assert_held(job, marker, agent, what);
+}
+
+/// Readiness probes the stand-in proxy of `job` answered from the pod's own loopback so far.
+fn loopback_probes(job: &JobPod) -> usize {
+    valet_sim::standin::read_events(&job.events)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e.method == "GET" && e.path == "/healthz/ready" && e.peer.ip().is_loopback())
+        .count()
+}
+
+/// Waits until the agent probed `job`'s proxy `n` more times than `before` (each probe answered
+/// "not ready" is a decision not to release, made after whatever came before it).
+fn wait_probes(job: &JobPod, before: usize, n: usize, agent: &Agent) {
+    assert!(
+        eventually(HANG_GUARD, || loopback_probes(job) >= before + n),
+        "{}: {} probes, want {}\n{}",
+        job.name,
+        loopback_probes(job),
+        before + n,
+        agent.log_text()
+    );
+}
+
+/// The hold the agent logged when it released `pid` (`released app pid=.. held_ms=..`).
+fn released_held_ms(agent: &Agent, pid: u32) -> Option<f64> {
+    let pid = format!(" pid={pid} ");
+    agent.log_text().lines().filter(|l| l.contains("released app") && l.contains(&pid)).find_map(|l| {
+        let rest = &l[l.find("held_ms=")? + "held_ms=".len()..];
+        rest.split_whitespace().next()?.parse().ok()
+    })
+}
+
 /// Asserts the app is held: stopped at exec and not having run a single line.
 fn assert_held(job: &JobPod, marker: &Path, agent: &Agent, what: &str) {
     assert!(!marker.exists(), "{what}: the held app must not have run\n{}", agent.log_text());
@@ -101,31 +149,31 @@ fn held_app_runs_once_the_proxy_is_ready() {
     let ready = node.scratch.path("ready");
     let marker = node.scratch.path("marker");
     let mut job = node.job_pod(held_spec("held", &ready)).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     // The agent probed the proxy (not ready): it knows the pod and its cgroup.
     wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
 
     job.run_app("app", &marker_script(&marker)).expect("app");
-    std::thread::sleep(Duration::from_secs(1));
-    assert_held(&job, &marker, &agent, "1 s after start with the proxy not ready");
-    assert_eq!(agent.metric("valet_app_holds_total "), 1.0, "only the app was held\n{}", agent.log_text());
+    wait_held(&job, &marker, &agent, 1.0, "the proxy not ready");
+    // Probed again, not ready: still held.
+    wait_probes(&job, loopback_probes(&job), 3, &agent);
+    assert_held(&job, &marker, &agent, "probed not ready");
+    assert!(agent.wait_metric("valet_app_holds_total ", 1.0), "only the app was held\n{}", agent.log_text());
     assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 0.0);
 
     std::fs::write(&ready, "").expect("ready file");
-    let delay = wait_file(&marker, Duration::from_secs(1));
+    let delay = wait_file(&marker, HANG_GUARD);
     println!("proxy ready -> app ran: {delay:?}");
-    let delay = delay
-        .unwrap_or_else(|| panic!("the app did not run within 1 s of the proxy turning ready\n{}", agent.log_text()));
-    assert!(delay < Duration::from_secs(1));
+    assert!(delay.is_some(), "the app never ran after the proxy turned ready\n{}", agent.log_text());
     assert_ne!(state(app_pid(&job)), Some('T'));
 
     wait_condition(&node, &job, &agent, "True", "ProxyReady");
-    assert_eq!(agent.metric("valet_app_holds_total "), 1.0);
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 1.0);
+    assert!(agent.wait_metric("valet_app_holds_total ", 1.0));
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 1.0));
     assert_eq!(agent.metric("valet_app_hold_fail_opens_total "), 0.0);
-    assert_eq!(agent.metric("valet_app_hold_duration_seconds_count "), 1.0);
+    assert!(agent.wait_metric("valet_app_hold_duration_seconds_count ", 1.0));
     // The app ran to its end (no second hold of its later execs).
-    let status = job.apps[0].wait_timeout(Duration::from_secs(3)).expect("wait app");
+    let status = job.apps[0].wait_timeout(HANG_GUARD).expect("wait app");
     assert!(status.is_some_and(|s| s.success()), "app finished: {status:?}\n{}", agent.log_text());
 }
 
@@ -142,20 +190,25 @@ fn without_a_pod_ip_the_proxy_is_probed_inside_the_pod_netns() {
     let mut job = node.job_pod(spec).expect("pod");
     wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
     job.run_app("app", &marker_script(&marker)).expect("app");
-    std::thread::sleep(Duration::from_millis(500));
-    assert_held(&job, &marker, &agent, "before the proxy is ready");
+    wait_held(&job, &marker, &agent, 1.0, "before the proxy is ready");
     std::fs::write(&ready, "").expect("ready file");
-    let delay = wait_file(&marker, Duration::from_secs(1));
+    let delay = wait_file(&marker, HANG_GUARD);
     println!("no pod IP: proxy ready -> app ran: {delay:?}");
     assert!(delay.is_some(), "released through the netns probe\n{}", agent.log_text());
     wait_condition(&node, &job, &agent, "True", "ProxyReady");
-    // The stand-in saw the agent's probes come from its own loopback.
+    // The stand-in saw the agent's probes come from its own loopback; the only others are the
+    // kubelet's, from the node (the pod's hostIP), every 15 s.
     let probes: Vec<_> = valet_sim::standin::read_events(&job.events)
         .unwrap_or_default()
         .into_iter()
         .filter(|e| e.method == "GET" && e.path == "/healthz/ready")
         .collect();
-    assert!(!probes.is_empty() && probes.iter().all(|e| e.peer.ip().is_loopback()), "probes: {probes:?}");
+    let host_ip = node.pod(&job).and_then(|p| p["status"]["hostIP"].as_str().map(str::to_owned)).unwrap_or_default();
+    assert!(probes.iter().any(|e| e.peer.ip().is_loopback()), "probes: {probes:?}");
+    assert!(
+        probes.iter().all(|e| e.peer.ip().is_loopback() || e.peer.ip().to_string() == host_ip),
+        "probes from elsewhere than the pod's loopback and the kubelet's node ({host_ip}): {probes:?}"
+    );
 }
 
 /// Held pods are probed together, each in its own network namespace (the held pods' prober makes
@@ -180,28 +233,30 @@ fn held_pods_probed_together_are_each_released_by_their_own_proxy() {
     for (job, _, marker) in &mut pods {
         job.run_app("app", &marker_script(marker)).expect("app");
     }
-    std::thread::sleep(Duration::from_millis(500));
     for (job, _, marker) in &pods {
+        assert!(eventually(HANG_GUARD, || state(app_pid(job)) == Some('T')), "{} held", job.name);
+        wait_probes(job, loopback_probes(job), 3, &agent);
         assert_held(job, marker, &agent, "both proxies not ready");
     }
     std::fs::write(&pods[1].1, "").expect("ready file");
-    let delay = wait_file(&pods[1].2, Duration::from_secs(1));
+    let delay = wait_file(&pods[1].2, HANG_GUARD);
     assert!(delay.is_some(), "the second pod's app was not released by its proxy\n{}", agent.log_text());
-    std::thread::sleep(Duration::from_millis(500));
+    // The first pod's proxy probed again (not ready) after the second's release: still held.
+    wait_probes(&pods[0].0, loopback_probes(&pods[0].0), 3, &agent);
     assert_held(&pods[0].0, &pods[0].2, &agent, "the other pod's proxy turned ready");
     std::fs::write(&pods[0].1, "").expect("ready file");
-    assert!(wait_file(&pods[0].2, Duration::from_secs(1)).is_some(), "first pod not released\n{}", agent.log_text());
+    assert!(wait_file(&pods[0].2, HANG_GUARD).is_some(), "first pod not released\n{}", agent.log_text());
     for (job, ..) in &pods {
         let probes = valet_sim::standin::read_events(&job.events)
             .unwrap_or_default()
             .into_iter()
             .filter(|e| e.method == "GET" && e.path == "/healthz/ready" && e.peer.ip().is_loopback())
             .count();
-        // Probed every 10 ms while held (a second and more), from the pod's own loopback (the
-        // kubelet's probes come from the node).
-        assert!(probes >= 50, "{}: {probes} probes from the pod's loopback", job.name);
+        // Probed again and again while held, from the pod's own loopback (the kubelet's probes
+        // come from the node). How often is the bench's to measure.
+        assert!(probes >= 3, "{}: {probes} probes from the pod's loopback", job.name);
     }
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 2.0);
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 2.0));
 }
 
 #[test]
@@ -216,17 +271,18 @@ fn hold_times_out_and_fails_open() {
 
     let started = Instant::now();
     job.run_app("app", &marker_script(&marker)).expect("app");
-    std::thread::sleep(Duration::from_secs(1));
-    assert_held(&job, &marker, &agent, "1 s into a 2 s hold");
-    let ran_after = wait_file(&marker, Duration::from_secs(4)).map(|_| started.elapsed());
+    assert!(eventually(HANG_GUARD, || state(app_pid(&job)) == Some('T')), "held\n{}", agent.log_text());
+    assert_held(&job, &marker, &agent, "in a 2 s hold");
+    let ran_after = wait_file(&marker, HANG_GUARD).map(|_| started.elapsed());
     println!("fail-open: the app ran {ran_after:?} after its start (hold timeout 2 s)");
     let ran_after = ran_after.unwrap_or_else(|| panic!("never released\n{}", agent.log_text()));
+    // A lower bound only (measured from before the hold began): a busy machine makes the
+    // release late, never early.
     assert!(ran_after >= Duration::from_millis(1500), "released too early: {ran_after:?}");
-    assert!(ran_after <= Duration::from_millis(3500), "released too late: {ran_after:?}");
 
     wait_condition(&node, &job, &agent, "False", "HoldTimeout");
     assert!(
-        eventually(Duration::from_secs(3), || {
+        eventually(HANG_GUARD, || {
             node.api.events().iter().any(|e| {
                 let regarding = e.get("regarding").or_else(|| e.get("involvedObject"));
                 regarding.and_then(|r| r.get("name")).and_then(Value::as_str) == Some(job.name.as_str())
@@ -237,8 +293,8 @@ fn hold_times_out_and_fails_open() {
         "a Warning Event HoldTimeout: {:?}",
         node.api.events()
     );
-    assert_eq!(agent.metric("valet_app_hold_fail_opens_total "), 1.0);
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"timeout\"} "), 1.0);
+    assert!(agent.wait_metric("valet_app_hold_fail_opens_total ", 1.0));
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"timeout\"} ", 1.0));
     assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 0.0);
 }
 
@@ -258,66 +314,155 @@ fn agent_killed_while_holding_leaves_apps_to_its_successor() {
     let mut b = node.job_pod(spec_b).expect("pod b");
     // The API names the proxy (the app has not started); it never shows more.
     b.publish_status().expect("b's status");
-    agent.wait_tracked(3, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(3, HANG_GUARD).expect("tracked");
     for job in [&a, &b, &c] {
         wait_condition(&node, job, &agent, "False", "ProxyNotReady");
     }
+    // b's hold counts from the kernel's stop, after this instant.
+    let b_started = Instant::now();
     for (job, marker) in [(&mut a, &marker_a), (&mut b, &marker_b), (&mut c, &marker_c)] {
         job.run_app("app", &script(marker)).expect("app");
     }
     for (job, marker, what) in [(&a, &marker_a, "a"), (&b, &marker_b, "b"), (&c, &marker_c, "c")] {
-        assert!(eventually(Duration::from_secs(2), || state(app_pid(job)) == Some('T')), "{what} held");
+        assert!(eventually(HANG_GUARD, || state(app_pid(job)) == Some('T')), "{what} held");
         assert!(!marker.exists());
     }
-    // b was stopped by the kernel no later than now: its hold timeout counts from then.
+    // b was stopped by the kernel no later than now.
     let b_seen_held = Instant::now();
     // The kernel stops the process and reports it in one step; the agent counts the report a
     // moment later.
     assert!(
-        eventually(Duration::from_secs(2), || agent.metric("valet_app_holds_total ") == 3.0),
+        eventually(HANG_GUARD, || agent.metric("valet_app_holds_total ") == 3.0),
         "three holds counted: {}\n{}",
         agent.metric("valet_app_holds_total "),
         agent.log_text()
     );
 
-    agent.stop(libc::SIGKILL, Duration::from_secs(5)).expect("kill the agent");
+    agent.stop(libc::SIGKILL, HANG_GUARD).expect("kill the agent");
     std::fs::write(&ready_c, "").expect("ready c");
-    std::thread::sleep(Duration::from_millis(500));
+    // The agent is reaped: nothing releases them now.
     for (job, marker, what) in [(&a, &marker_a, "a"), (&b, &marker_b, "b"), (&c, &marker_c, "c")] {
-        assert_held(job, marker, &agent, &format!("{what}, 0.5 s after the agent was killed"));
+        assert_held(job, marker, &agent, &format!("{what}, the agent killed"));
+    }
+    // The successor starts once b's 3 s hold is over (at least: a later start only widens the
+    // gap): a successor that counted b's hold from its own start would hold b 3 s more, and
+    // report a hold of about 3 s; one that counts from the kernel's stop reports the whole hold.
+    while b_seen_held.elapsed() < Duration::from_millis(3500) {
+        std::thread::sleep(Duration::from_millis(50));
     }
 
-    let agent = node.start_agent(&[]).expect("second agent");
     let restarted = Instant::now();
+    let agent = node.start_agent(&[]).expect("second agent");
     // c: its proxy is already ready: released right away.
-    let c_after = wait_file(&marker_c, Duration::from_secs(3)).map(|_| restarted.elapsed());
+    let c_after = wait_file(&marker_c, HANG_GUARD).map(|_| restarted.elapsed());
     println!("c released {c_after:?} after the new agent was ready");
     assert!(c_after.is_some(), "c released by the new agent\n{}", agent.log_text());
-    // a: adopted and still held while its proxy is not ready.
-    std::thread::sleep(Duration::from_millis(700));
+    // a: adopted and still held while its proxy is not ready (probed by the new agent).
+    wait_probes(&a, loopback_probes(&a), 3, &agent);
     assert_held(&a, &marker_a, &agent, "a, adopted by the new agent");
     std::fs::write(&ready_a, "").expect("ready a");
-    let a_delay = wait_file(&marker_a, Duration::from_secs(1));
+    let a_delay = wait_file(&marker_a, HANG_GUARD);
     println!("a: proxy ready -> app ran after the restart: {a_delay:?}");
     assert!(a_delay.is_some(), "a released once its proxy is ready\n{}", agent.log_text());
     // b: in a container the API does not name yet: still released, by the hold timeout, which
     // counts from when the kernel stopped it: the restart does not extend it.
-    let b_after = wait_file(&marker_b, Duration::from_secs(5)).map(|_| restarted.elapsed());
+    let b_after = wait_file(&marker_b, HANG_GUARD).map(|_| restarted.elapsed());
     println!("b (container unknown to the API) released {b_after:?} after the restart (hold timeout 3 s)");
-    let b_after = b_after.unwrap_or_else(|| panic!("b left stopped\n{}", agent.log_text()));
-    let b_held_for = b_seen_held.elapsed();
+    assert!(b_after.is_some(), "b left stopped\n{}", agent.log_text());
+    // Lower bounds only. b_started is before the stop (the process start, which the successor
+    // takes as the stop, to the clock's 10 ms tick).
+    let b_held_for = b_started.elapsed();
     assert!(b_held_for >= Duration::from_millis(2500), "b released before its hold timeout: held {b_held_for:?}");
-    assert!(b_after < Duration::from_secs(3), "the restart extended b's hold: released {b_after:?} after it");
+    let b_pid = app_pid(&b);
+    // Logged right after the signal (the app may run, and write its marker, first).
+    assert!(
+        eventually(HANG_GUARD, || released_held_ms(&agent, b_pid).is_some()),
+        "b's release logged\n{}",
+        agent.log_text()
+    );
+    let held_ms = released_held_ms(&agent, b_pid).unwrap_or_default();
+    let gap = restarted.duration_since(b_seen_held);
+    println!("b: the successor released it after a hold of {held_ms:.0} ms (it started {gap:?} after b was held)");
+    assert!(
+        held_ms >= gap.as_secs_f64() * 1e3,
+        "the restart extended b's hold: the successor counted {held_ms:.0} ms, but b was held {gap:?} before it started"
+    );
     wait_condition(&node, &b, &agent, "False", "HoldTimeout");
 
     // Every app ran to its end: the released processes' later execs were not held again.
     for (job, what) in [(&mut a, "a"), (&mut b, "b"), (&mut c, "c")] {
-        let status = job.apps[0].wait_timeout(Duration::from_secs(3)).expect("wait");
+        let status = job.apps[0].wait_timeout(HANG_GUARD).expect("wait");
         assert!(status.is_some_and(|s| s.success()), "{what} finished: {status:?}\n{}", agent.log_text());
     }
     assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "no new holds after the restart\n{}", agent.log_text());
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 2.0);
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"timeout\"} "), 1.0);
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 2.0));
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"timeout\"} ", 1.0));
+}
+
+#[test]
+fn apps_held_by_a_killed_agent_run_once_their_pod_no_longer_holds_them() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let mut agent = node.start_agent(&[]).expect("agent");
+    // While no agent runs: d loses its opt-in label (the watch no longer shows it at all),
+    // e loses its hold annotation, f keeps both (its proxy never turns ready: still held).
+    let paths = |tag: &str| (node.scratch.path(&format!("ready-{tag}")), node.scratch.path(&format!("marker-{tag}")));
+    let ((ready_d, marker_d), (ready_e, marker_e), (ready_f, marker_f)) = (paths("d"), paths("e"), paths("f"));
+    let mut d = node.job_pod(held_spec("unlabelled", &ready_d)).expect("pod d");
+    let mut e = node.job_pod(held_spec("unheld", &ready_e)).expect("pod e");
+    let mut f = node.job_pod(held_spec("still-held", &ready_f)).expect("pod f");
+    agent.wait_tracked(3, Duration::from_secs(10)).expect("tracked");
+    for job in [&d, &e, &f] {
+        wait_condition(&node, job, &agent, "False", "ProxyNotReady");
+    }
+    for (job, marker) in [(&mut d, &marker_d), (&mut e, &marker_e), (&mut f, &marker_f)] {
+        job.run_app("app", &format!("echo ran > {}; exec sleep 0.3", marker.display())).expect("app");
+    }
+    for (job, what) in [(&d, "d"), (&e, "e"), (&f, "f")] {
+        assert!(eventually(Duration::from_secs(10), || state(app_pid(job)) == Some('T')), "{what} held");
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || agent.metric("valet_app_holds_total ") == 3.0),
+        "three holds counted\n{}",
+        agent.log_text()
+    );
+    agent.stop(libc::SIGKILL, Duration::from_secs(5)).expect("kill the agent");
+    node.api
+        .modify_pod("jobs", &d.name, |p| {
+            p["metadata"]["labels"].as_object_mut().map(|l| l.remove("valet.dev/enabled"));
+        })
+        .expect("relabel d");
+    node.api
+        .modify_pod("jobs", &e.name, |p| {
+            p["metadata"]["annotations"].as_object_mut().map(|a| a.remove(HOLD));
+        })
+        .expect("unhold e");
+    for (job, marker, what) in [(&d, &marker_d, "d"), (&e, &marker_e, "e"), (&f, &marker_f, "f")] {
+        assert_held(job, marker, &agent, &format!("{what}, with no agent running"));
+    }
+
+    let agent = node.start_agent(&[]).expect("second agent");
+    let restarted = Instant::now();
+    // Ready means the pods were listed and what none of them holds was released.
+    for (marker, what) in [(&marker_d, "d (label removed)"), (&marker_e, "e (hold annotation removed)")] {
+        let after = wait_file(marker, Duration::from_secs(10)).map(|_| restarted.elapsed());
+        println!("{what}: its app ran {after:?} after the new agent was ready");
+        assert!(after.is_some(), "{what}: left stopped by the new agent\n{}", agent.log_text());
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || agent.metric("valet_app_releases_total{reason=\"orphaned\"} ") == 2.0),
+        "d and e released as orphans (no pod holds them)\n{}",
+        agent.log_text()
+    );
+    // f is still held, by the new agent, until its proxy is ready.
+    assert_held(&f, &marker_f, &agent, "f, adopted by the new agent");
+    std::fs::write(&ready_f, "").expect("ready f");
+    assert!(wait_file(&marker_f, Duration::from_secs(10)).is_some(), "f released once ready\n{}", agent.log_text());
+    for (job, what) in [(&mut d, "d"), (&mut e, "e"), (&mut f, "f")] {
+        let status = job.apps[0].wait_timeout(Duration::from_secs(10)).expect("wait");
+        assert!(status.is_some_and(|s| s.success()), "{what} finished: {status:?}\n{}", agent.log_text());
+    }
+    assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "no new holds after the restart");
 }
 
 #[test]
@@ -330,16 +475,15 @@ fn sigterm_releases_held_apps_before_the_agent_exits() {
     let mut job = node.job_pod(held_spec("graceful", &ready)).expect("pod");
     wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
     job.run_app("app", &marker_script(&marker)).expect("app");
-    assert!(eventually(Duration::from_secs(2), || state(app_pid(&job)) == Some('T')), "held");
-    std::thread::sleep(Duration::from_millis(300));
+    assert!(eventually(HANG_GUARD, || state(app_pid(&job)) == Some('T')), "held");
     assert_held(&job, &marker, &agent, "before SIGTERM");
 
-    let status = agent.stop(libc::SIGTERM, Duration::from_secs(10)).expect("agent stops");
+    let status = agent.stop(libc::SIGTERM, HANG_GUARD).expect("agent stops");
     // Checked the moment the agent is gone: the release happened before its exit.
     let after_exit = state(app_pid(&job));
     assert!(status.is_some_and(|s| s.success()), "agent exit status {status:?}\n{}", agent.log_text());
     assert_ne!(after_exit, Some('T'), "the app was still stopped when the agent exited\n{}", agent.log_text());
-    assert!(wait_file(&marker, Duration::from_secs(1)).is_some(), "the app ran");
+    assert!(wait_file(&marker, HANG_GUARD).is_some(), "the app ran");
     let log = agent.log_text();
     assert!(
         log.lines().any(|l| l.contains("released app") && l.contains("shutdown")),
@@ -361,14 +505,16 @@ fn pods_that_must_not_be_held_run_at_once() {
     let istio_spec =
         held_spec("istio-holds", &ready).annotation("proxy.istio.io/config", "holdApplicationUntilProxyStarts: true");
     let mut istio = node.job_pod(istio_spec).expect("istio pod");
-    agent.wait_tracked(2, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(2, HANG_GUARD).expect("tracked");
     wait_condition(&node, &plain, &agent, "False", "ProxyNotReady");
     wait_condition(&node, &istio, &agent, "False", "ProxyNotReady");
 
     for (job, tag) in [(&mut plain, "plain"), (&mut istio, "istio")] {
         let marker = node.scratch.path(&format!("marker-{tag}"));
         job.run_app("app", &marker_script(&marker)).expect("app");
-        let ran = wait_file(&marker, Duration::from_secs(1));
+        // The proxy never turns ready: a held app would wait for its 120 s hold timeout, far past
+        // the hang guard.
+        let ran = wait_file(&marker, HANG_GUARD);
         println!("{tag}: app ran {ran:?} after its start");
         assert!(ran.is_some(), "{tag}: the app runs at once\n{}", agent.log_text());
         assert_ne!(state(app_pid(job)), Some('T'));
@@ -387,9 +533,9 @@ fn the_sidecar_of_a_held_pod_is_never_held() {
     let spec = held_spec("sidecar", &ready);
     let mut job = node
         .job_pod_proxy_later(spec, || {
-            agent.wait_tracked(1, Duration::from_secs(5))?;
+            agent.wait_tracked(1, HANG_GUARD)?;
             // The agent's first probe (nothing listens yet) shows it has placed the pod.
-            let probed = eventually(Duration::from_secs(5), || {
+            let probed = eventually(HANG_GUARD, || {
                 node.api.pods().iter().any(|p| {
                     p["status"]["conditions"]
                         .as_array()
@@ -401,40 +547,40 @@ fn the_sidecar_of_a_held_pod_is_never_held() {
         })
         .expect("pod");
     let proxy = job.proxy.host_pid();
-    let deadline = Instant::now() + Duration::from_millis(500);
+    let standin = {
+        let mut o = valet_sim::StandinOptions::new(valet_sim::ProxyKind::Istio);
+        o.ready_file = Some(ready.clone());
+        o
+    };
+    // Its states until it serves (it ran past its exec and set up its listeners).
+    let deadline = Instant::now() + HANG_GUARD;
     let mut states = String::new();
-    while Instant::now() < deadline {
-        let s = state(proxy);
+    loop {
         // The agent learns of the proxy's container when the runtime makes its cgroup (its bundle
         // names it) and tells the kernel to let its first exec run: it is never stopped.
-        if let Some(s) = s
+        if let Some(s) = state(proxy)
             && !states.ends_with(s)
         {
             states.push(s);
         }
+        // One try (a refused connect answers at once).
+        if job.sim.wait_standin_ready(&standin, Duration::from_millis(50)).is_ok() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the proxy never served: {states}\n{}", agent.log_text());
         std::thread::sleep(Duration::from_micros(500));
     }
-    println!("proxy states over 0.5 s: {states}");
+    println!("proxy states until it served: {states}");
     assert!(!states.contains('T'), "the sidecar was stopped: {states}\n{}", agent.log_text());
-    job.sim
-        .wait_standin_ready(
-            &{
-                let mut o = valet_sim::StandinOptions::new(valet_sim::ProxyKind::Istio);
-                o.ready_file = Some(ready.clone());
-                o
-            },
-            Duration::from_secs(3),
-        )
-        .expect("the proxy serves");
     wait_condition(&node, &job, &agent, "True", "ProxyReady");
     assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "the sidecar's start was not held\n{}", agent.log_text());
 
     // The app of the same pod is still held at its start, and released since the proxy is ready.
     let marker = node.scratch.path("marker");
     job.run_app("app", &marker_script(&marker)).expect("app");
-    assert!(wait_file(&marker, Duration::from_secs(1)).is_some(), "app released\n{}", agent.log_text());
-    assert!(eventually(Duration::from_secs(1), || agent.metric("valet_app_holds_total ") == 1.0));
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 1.0);
+    assert!(wait_file(&marker, HANG_GUARD).is_some(), "app released\n{}", agent.log_text());
+    assert!(eventually(HANG_GUARD, || agent.metric("valet_app_holds_total ") == 1.0));
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 1.0));
     // Neither the sandbox nor the sidecar was stopped even for a moment (each would have been let
     // through at once as `not_app`).
     assert_eq!(
@@ -455,7 +601,7 @@ fn condition_is_patched_once_per_change_and_keeps_the_kubelets() {
     let mut job = node.job_pod(held_spec("conditions", &ready)).expect("pod");
     wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
     job.run_app("app", &marker_script(&marker)).expect("app");
-    assert!(eventually(Duration::from_secs(2), || state(app_pid(&job)) == Some('T')), "held");
+    assert!(eventually(HANG_GUARD, || state(app_pid(&job)) == Some('T')), "held");
 
     // Unrelated updates, as the kubelet and controllers make them, while the app is held...
     let touch = |n: usize| {
@@ -474,13 +620,16 @@ fn condition_is_patched_once_per_change_and_keeps_the_kubelets() {
     }
     assert_held(&job, &marker, &agent, "after unrelated pod updates");
     std::fs::write(&ready, "").expect("ready file");
-    assert!(wait_file(&marker, Duration::from_secs(1)).is_some(), "released");
+    assert!(wait_file(&marker, HANG_GUARD).is_some(), "released");
     wait_condition(&node, &job, &agent, "True", "ProxyReady");
     // ... and after the proxy turned ready.
     for n in 3..6 {
         touch(n);
     }
-    std::thread::sleep(Duration::from_millis(500));
+    // A pod added after the updates: the agent handles the watch in order, so once it wrote this
+    // pod's condition it had handled every update above (and started any write they called for).
+    let later = node.job_pod(held_spec("conditions-later", &node.scratch.path("later-ready"))).expect("pod");
+    wait_condition(&node, &later, &agent, "False", "ProxyNotReady");
 
     let patches = status_patches(&node, &job);
     let seen: Vec<(String, String, String)> = patches
@@ -498,7 +647,7 @@ fn condition_is_patched_once_per_change_and_keeps_the_kubelets() {
     println!("condition patches: {seen:?}");
     let short: Vec<(&str, &str)> = seen.iter().map(|(s, r, _)| (s.as_str(), r.as_str())).collect();
     assert_eq!(short, [("False", "ProxyNotReady"), ("True", "ProxyReady")], "{seen:?}");
-    assert_eq!(agent.metric("valet_condition_patches_total{result=\"ok\"} "), 2.0);
+    assert!(agent.wait_metric("valet_condition_patches_total{result=\"ok\"} ", 3.0), "two, and the later pod's");
 
     // The kubelet's conditions survive next to the agent's (merged by type).
     let pod = node.pod(&job).expect("pod");
@@ -520,7 +669,7 @@ fn the_pod_sandbox_is_released_at_once() {
     let agent = node.start_agent(&[]).expect("agent");
     let ready = node.scratch.path("sandbox-ready");
     let job = node.job_pod(held_spec("sandbox", &ready)).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     // A second sandbox start in the pod's sandbox cgroup, as after a sandbox restart; the
     // program is named pause like the real one.
     let pause = node.scratch.path("pause");
@@ -531,10 +680,16 @@ fn the_pod_sandbox_is_released_at_once() {
         .expect("spawn pause");
     let pid = p.host_pid();
     // It was never stopped, not even to be let through at once as `not_app`: the sandbox's
-    // container is known from its bundle and classified before any exec in it.
-    let deadline = Instant::now() + Duration::from_millis(300);
-    while Instant::now() < deadline {
+    // container is known from its bundle and classified before any exec in it. Watched until
+    // it sleeps as pause (past its exec).
+    let deadline = Instant::now() + HANG_GUARD;
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
         assert_ne!(state(pid), Some('T'), "the pause process was stopped\n{}", agent.log_text());
+        if stat.contains("(pause) S") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "pause never slept: {stat}\n{}", agent.log_text());
         std::thread::sleep(Duration::from_micros(500));
     }
     assert_eq!(
@@ -558,14 +713,14 @@ fn runtime_bundles_keep_the_sidecar_unheld_before_the_api_names_it() {
     let spec = held_spec("bundled", &ready).manual_status();
     let mut job = node
         .job_pod_proxy_later(spec, || {
-            agent.wait_tracked(1, Duration::from_secs(5))?;
+            agent.wait_tracked(1, HANG_GUARD)?;
             Ok(())
         })
         .expect("pod");
     let proxy = job.proxy.host_pid();
     std::fs::write(&ready, "").expect("ready file");
     // The proxy serves (it was not stopped at its exec) ...
-    let serves = eventually(Duration::from_secs(3), || condition(&node, &job).is_some_and(|(s, _)| s == "True"));
+    let serves = eventually(HANG_GUARD, || condition(&node, &job).is_some_and(|(s, _)| s == "True"));
     assert!(serves, "the proxy was probed ready\n{}", agent.log_text());
     assert_ne!(state(proxy), Some('T'));
     assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "the sidecar's start was let through");
@@ -573,7 +728,7 @@ fn runtime_bundles_keep_the_sidecar_unheld_before_the_api_names_it() {
     std::fs::remove_file(&ready).expect("not ready again");
     let marker = node.scratch.path("marker");
     job.run_app("app", &marker_script(&marker)).expect("app");
-    assert!(eventually(Duration::from_secs(3), || agent.metric("valet_app_holds_total ") == 1.0));
+    assert!(eventually(HANG_GUARD, || agent.metric("valet_app_holds_total ") == 1.0));
     // Neither the sandbox nor the sidecar was stopped even for a moment (each would have been let
     // through at once as `not_app`).
     assert_eq!(
@@ -583,6 +738,54 @@ fn runtime_bundles_keep_the_sidecar_unheld_before_the_api_names_it() {
         agent.log_text()
     );
     let _ = job.apps.len();
+}
+
+#[test]
+fn with_cruns_layout_containers_are_named_held_and_ended_from_one_level_below_their_scope() {
+    // crun runs every process of a container in `<scope>/container`, the scope left empty. The
+    // API never names a container here and never reports an end: the bundles name them, and
+    // the kernel, seeing the processes below the scopes, holds the app alone and ends it.
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let ready = node.scratch.path("ready");
+    let spec = held_spec("crun", &ready).crun().manual_status();
+    let mut job = node
+        .job_pod_proxy_later(spec, || {
+            agent.wait_tracked(1, Duration::from_secs(5))?;
+            Ok(())
+        })
+        .expect("pod");
+    let proxy = job.proxy.host_pid();
+    let proxy_cgroup = std::fs::read_to_string(format!("/proc/{proxy}/cgroup")).expect("cgroup");
+    assert!(proxy_cgroup.trim_end().ends_with(".scope/container"), "crun's layout: {proxy_cgroup}");
+    // The proxy runs (probed, not ready yet): its start was let through.
+    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    assert_ne!(state(proxy), Some('T'));
+    let marker = node.scratch.path("marker");
+    job.run_app("app", &marker_script(&marker)).expect("app");
+    assert!(
+        eventually(Duration::from_secs(3), || agent.metric("valet_app_holds_total ") == 1.0),
+        "the app was held\n{}",
+        agent.log_text()
+    );
+    assert_held(&job, &marker, &agent, "held below its scope");
+    std::fs::write(&ready, "").expect("ready file");
+    let delay = wait_file(&marker, Duration::from_secs(1));
+    assert!(delay.is_some(), "the app ran within 1 s of the proxy turning ready\n{}", agent.log_text());
+    // Its end, seen by the kernel alone, quits the proxy.
+    let status = job.apps[0].wait_timeout(Duration::from_secs(3)).expect("wait app");
+    assert!(status.is_some_and(|s| s.success()), "app finished: {status:?}");
+    assert!(
+        eventually(Duration::from_secs(3), || !job.quits().is_empty()),
+        "the proxy was quit on the app's end\n{}",
+        agent.log_text()
+    );
+    for reason in ["not_app", "untracked"] {
+        let released = agent.metric(&format!("valet_app_releases_total{{reason=\"{reason}\"}} "));
+        assert_eq!(released, 0.0, "{reason}: only the app's first exec was held\n{}", agent.log_text());
+    }
+    assert!(!agent.log_text().contains("unknown container"), "{}", agent.log_text());
 }
 
 #[test]
@@ -597,11 +800,13 @@ fn condition_stays_ready_after_the_work_is_done_and_the_proxy_quits() {
     let mut job = node.job_pod(held_spec("done", &ready)).expect("pod");
     wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
     job.run_app("app", &format!("echo ran > {}", marker.display())).expect("app");
-    assert!(eventually(Duration::from_secs(2), || state(app_pid(&job)) == Some('T')), "held");
+    assert!(eventually(HANG_GUARD, || state(app_pid(&job)) == Some('T')), "held");
     std::fs::write(&ready, "").expect("ready");
-    assert_eq!(job.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     wait_condition(&node, &job, &agent, "True", "ProxyReady");
-    // Longer than the probe interval of a ready proxy (1 s here).
+    // Longer than the probe interval of a ready proxy (1 s here). A wait the test cannot replace
+    // by an event: the probe that would write False goes to a proxy that is gone and leaves no
+    // trace but that write. Only at least 2.5 s: a busy machine makes it longer, never shorter.
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(condition(&node, &job), Some(("True".into(), "ProxyReady".into())), "{}", agent.log_text());
     let patches = status_patches(&node, &job);

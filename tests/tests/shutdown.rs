@@ -8,43 +8,67 @@
 //!
 //! Every test starts its own node (API server) and agent, so they run in parallel. Negative
 //! checks ("no quit") always run next to a pod that does quit in the same agent, or check an
-//! exact metric, so a dead agent cannot pass them.
+//! exact metric, so a dead agent cannot pass them; and they run after a later event that the
+//! agent handles after what they check (a witness pod's quit), never after a quiet moment. Waits
+//! are for events; their timeout is only a hang guard.
 
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use valet_sim::node::{CgroupDriver, QosClass, Runtime};
-use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually};
+use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually};
 
-/// How long a "no quit" check watches after the app exited.
-const QUIET: Duration = Duration::from_millis(1500);
+/// The later event of a "nothing happened" check: a labelled pod added now, whose app exits and
+/// whose proxy the agent quits. The agent learns of it through the same pod watch, after every
+/// update before it, and of its end through the same ring buffer, after every end before it:
+/// once it is quit, whatever came before was handled (and any quit it called for was sent).
+fn witness(node: &Node, agent: &Agent, name: &str) {
+    let mut job = node.job_pod(JobSpec::new(name)).expect("witness pod");
+    job.run_app("app", "exit 0").expect("witness app");
+    assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "the witness quit\n{}", agent.log_text());
+    // The proxy exits once it answered; the agent counts the quit (and posts this Event after
+    // it) when it has read the answer.
+    assert!(
+        eventually(HANG_GUARD, || node.events_for(&job).iter().any(|(r, _)| r == "SidecarQuit")),
+        "the witness's quit handled\n{}",
+        agent.log_text()
+    );
+}
+
+/// Readiness probes from the pod's own loopback (the agent's; the kubelet probes the pod IP).
+fn loopback_probes(job: &JobPod) -> usize {
+    job.requests()
+        .iter()
+        .filter(|e| e.method == "GET" && e.path == "/healthz/ready" && e.peer.ip().is_loopback())
+        .count()
+}
 
 #[test]
 fn labelled_job_pod_proxy_quits_when_the_app_exits() {
     let node = Node::new().expect("node");
     let agent = node.start_agent(&[]).expect("agent");
     let mut job = node.job_pod(JobSpec::new("quick")).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     job.run_app("app", "sleep 0.1; exit 0").expect("app");
-    let code = job.wait_proxy_exit(Duration::from_secs(5)).expect("wait");
+    let code = job.wait_proxy_exit(HANG_GUARD).expect("wait");
     assert_eq!(code, Some(0), "proxy exited 0 after the quit\n{}", agent.log_text());
     let quits = job.quits();
     assert_eq!(quits.len(), 1, "exactly one quit: {quits:?}");
     assert!(quits[0].peer.ip().is_loopback(), "sent from inside the pod: {:?}", quits[0].peer);
     assert!(
-        eventually(Duration::from_secs(3), || node.events_for(&job).iter().any(|(r, _)| r == "SidecarQuit")),
+        eventually(HANG_GUARD, || node.events_for(&job).iter().any(|(r, _)| r == "SidecarQuit")),
         "a SidecarQuit Event: {:?}",
         node.events_for(&job)
     );
-    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+    assert!(agent.wait_metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ", 1.0));
     // The app's end is logged once, with its container's name and how it ended.
     let ended = |log: &str| {
         log.lines()
             .filter(|l| l.contains("container exited") && l.contains("container=\"app\"") && l.contains("Exited(0)"))
             .count()
     };
-    assert!(eventually(Duration::from_secs(2), || ended(&agent.log_text()) == 1), "{}", agent.log_text());
+    assert!(eventually(HANG_GUARD, || ended(&agent.log_text()) == 1), "{}", agent.log_text());
 }
 
 /// The quit is one write on a connection the agent opened to the proxy's quit port while the app
@@ -58,12 +82,12 @@ fn the_quit_goes_on_a_connection_opened_before_the_app_exited() {
     let mut spec = JobSpec::new("kept");
     spec.ready_file = Some(ready.clone());
     let mut job = node.job_pod(spec).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
-    // Probed every 100 ms while not ready, then ready.
-    std::thread::sleep(Duration::from_millis(600));
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
+    // Probed a few times while not ready, then ready.
+    assert!(eventually(HANG_GUARD, || loopback_probes(&job) >= 3), "probed\n{}", agent.log_text());
     std::fs::write(&ready, "").expect("ready file");
     assert!(
-        eventually(Duration::from_secs(5), || {
+        eventually(HANG_GUARD, || {
             let pod = node.pod(&job).unwrap_or_default();
             pod["status"]["conditions"]
                 .as_array()
@@ -72,18 +96,24 @@ fn the_quit_goes_on_a_connection_opened_before_the_app_exited() {
         "the proxy was seen ready\n{}",
         agent.log_text()
     );
-    std::thread::sleep(Duration::from_millis(500));
+    // The connection for the quit: from the pod's loopback, carrying no probe (the probes share
+    // theirs, made before).
+    let standby = || {
+        let events = job.requests();
+        let used: std::collections::HashSet<_> =
+            events.iter().filter(|e| e.method != "ACCEPT").map(|e| e.peer).collect();
+        events.iter().any(|e| e.method == "ACCEPT" && e.peer.ip().is_loopback() && !used.contains(&e.peer))
+    };
+    assert!(eventually(HANG_GUARD, standby), "no connection opened for the quit\n{}", agent.log_text());
     let before_exit = valet_agent::kernel::events::monotonic_ns();
     job.run_app("app", "exit 0").expect("app");
-    assert_eq!(job.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     // Sent by the kernel event reader as soon as it read the end, and taken over by the loop.
     assert_eq!(job.quits().len(), 1, "exactly one quit: {:?}", job.quits());
-    assert_eq!(agent.metric("valet_quits_sent_ahead_total{result=\"sent\"} "), 1.0);
+    assert!(agent.wait_metric("valet_quits_sent_ahead_total{result=\"sent\"} ", 1.0));
     assert_eq!(agent.metric("valet_quits_sent_ahead_total{result=\"unclaimed\"} "), 0.0);
     assert!(
-        eventually(Duration::from_secs(2), || {
-            agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ") == 1.0
-        }),
+        eventually(HANG_GUARD, || { agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ") == 1.0 }),
         "the answer to the quit sent ahead was read\n{}",
         agent.log_text()
     );
@@ -124,24 +154,24 @@ fn never_policy_failed_app_still_quits_cgroupfs_crio_guaranteed() {
         "cgroupfs Guaranteed layout: {}",
         job.sim.pod_cgroup_path().display()
     );
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     job.run_app("app", "sleep 0.1; exit 3").expect("app");
-    let app = job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").expect("app exited");
+    let app = job.apps[0].wait_timeout(HANG_GUARD).expect("wait app").expect("app exited");
     assert_eq!(app.code(), Some(3));
-    let code = job.wait_proxy_exit(Duration::from_secs(5)).expect("wait");
+    let code = job.wait_proxy_exit(HANG_GUARD).expect("wait");
     assert_eq!(code, Some(0), "proxy quit and exited 0\n{}", agent.log_text());
     let quits = job.quits();
     assert_eq!(quits.len(), 1, "exactly one quit: {quits:?}");
     assert!(quits[0].peer.ip().is_loopback(), "sent from inside the pod: {:?}", quits[0].peer);
     // The kernel path saw the app's failure and the proxy's clean end.
-    assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Failure\"} "), 1.0);
+    assert!(agent.wait_metric("valet_container_exits_total{outcome=\"Failure\"} ", 1.0));
     assert!(
-        eventually(Duration::from_secs(2), || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
+        eventually(HANG_GUARD, || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
         "{}",
         agent.metrics_text().unwrap_or_default()
     );
     assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Signal\"} "), 0.0);
-    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+    assert!(agent.wait_metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ", 1.0));
 }
 
 /// Pods without the label and pods of another node are never touched, while a labelled pod of
@@ -157,19 +187,19 @@ fn unlabelled_and_other_node_pods_are_left_alone() {
     foreign.node = Some("other".into());
     let mut foreign = node.job_pod(foreign).expect("foreign pod");
     let mut good = node.job_pod(JobSpec::new("good")).expect("good pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
 
     for job in [&mut unlabelled, &mut foreign, &mut good] {
         job.run_app("app", "exit 0").expect("app");
     }
-    assert_eq!(good.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(good.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     assert_eq!(good.quits().len(), 1);
     // The kubelet reports the other apps terminated a second later; still nothing happens.
     for job in [&unlabelled, &foreign] {
-        assert_eq!(job.wait_api_terminated("app", Duration::from_secs(3)), Some(0), "{}", job.name);
+        assert_eq!(job.wait_api_terminated("app", HANG_GUARD), Some(0), "{}", job.name);
     }
 
-    std::thread::sleep(QUIET);
+    witness(&node, &agent, "witness");
     for job in [&mut unlabelled, &mut foreign] {
         assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "{} proxy must still run", job.name);
         assert!(job.quits().is_empty(), "{}: no quit at all: {:?}", job.name, job.quits());
@@ -177,9 +207,14 @@ fn unlabelled_and_other_node_pods_are_left_alone() {
     }
     // Only the labelled pod's cgroup is watched by the kernel programs: its app's and its proxy's
     // ends are seen, none of the other pods'.
-    assert_eq!(agent.metric("valet_pods_tracked "), 1.0);
-    assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Success\"} "), 2.0);
-    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
+    assert!(agent.wait_metric("valet_pods_tracked ", 2.0), "the good pod and the witness");
+    // The witness proxy's own end is counted once the kernel reported it, after its exit.
+    assert!(
+        eventually(HANG_GUARD, || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 4.0),
+        "{}",
+        agent.metrics_text().unwrap_or_default()
+    );
+    assert!(eventually(HANG_GUARD, || metric_sum(&agent, "valet_sidecar_quits_total") == 2.0));
 }
 
 /// restartPolicy OnFailure: an app that failed is restarted in place by the kubelet (new container
@@ -190,49 +225,56 @@ fn on_failure_policy_quits_only_after_success() {
     let agent = node.start_agent(&[]).expect("agent");
     let mut failing = node.job_pod(JobSpec::new("retry").restart_policy("OnFailure")).expect("pod");
     let mut ok = node.job_pod(JobSpec::new("retry-ok").restart_policy("OnFailure")).expect("pod");
-    agent.wait_tracked(2, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(2, HANG_GUARD).expect("tracked");
     // Both proxies seen ready: a connection to each quit endpoint is kept, and a quit would go
     // ahead from the kernel event on it. Only the success calls for one.
     for job in [&failing, &ok] {
         assert!(
-            eventually(Duration::from_secs(5), || proxy_ready_condition(&node, job)),
+            eventually(HANG_GUARD, || proxy_ready_condition(&node, job)),
             "{} seen ready\n{}",
             job.name,
             agent.log_text()
         );
     }
-    std::thread::sleep(Duration::from_millis(300));
+    // ... and a quit connection kept to each (opened once the proxy was seen ready).
+    for job in [&failing, &ok] {
+        let kept = || {
+            let events = job.requests();
+            let used: std::collections::HashSet<_> =
+                events.iter().filter(|e| e.method != "ACCEPT").map(|e| e.peer).collect();
+            events.iter().any(|e| e.method == "ACCEPT" && e.peer.ip().is_loopback() && !used.contains(&e.peer))
+        };
+        assert!(eventually(HANG_GUARD, kept), "{}: no quit connection\n{}", job.name, agent.log_text());
+    }
 
     failing.run_app("app", "exit 1").expect("app");
-    let status = failing.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").expect("exited");
+    let status = failing.apps[0].wait_timeout(HANG_GUARD).expect("wait app").expect("exited");
     assert_eq!(status.code(), Some(1));
     assert!(
-        eventually(Duration::from_secs(3), || agent.metric("valet_container_exits_total{outcome=\"Failure\"} ") == 1.0),
+        eventually(HANG_GUARD, || agent.metric("valet_container_exits_total{outcome=\"Failure\"} ") == 1.0),
         "the agent saw the failure\n{}",
         agent.log_text()
     );
     // The kubelet restarts it in place (and it fails again): still no quit.
     let first_id = failing.apps[0].id().to_owned();
     assert!(
-        eventually(Duration::from_secs(5), || failing.process("app").is_some_and(|p| p.id() != first_id)),
+        eventually(HANG_GUARD, || failing.process("app").is_some_and(|p| p.id() != first_id)),
         "the kubelet restarted the app"
     );
     assert!(
-        eventually(Duration::from_secs(3), || failing.api_status("app").is_some_and(|s| s["restartCount"] == 1)),
+        eventually(HANG_GUARD, || failing.api_status("app").is_some_and(|s| s["restartCount"] == 1)),
         "the API shows the restart: {:?}",
         failing.api_status("app")
     );
-    std::thread::sleep(QUIET);
-    assert_eq!(failing.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "proxy kept for the restart");
-    assert!(failing.quits().is_empty(), "no quit after a failure: {:?}", failing.quits());
-
+    // The other pod's app ends after all this: its quit is the later event.
     ok.run_app("app", "exit 0").expect("app");
-    assert_eq!(ok.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(ok.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     assert_eq!(ok.quits().len(), 1);
     assert!(failing.quits().is_empty(), "still no quit for the failed pod: {:?}", failing.quits());
     assert_eq!(failing.wait_proxy_exit(Duration::ZERO).expect("poll"), None);
-    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
-    assert_eq!(agent.metric("valet_quits_sent_ahead_total{result=\"sent\"} "), 1.0, "the success's, ahead");
+    // Counted once the agent read the answer (the proxy may exit before).
+    assert!(eventually(HANG_GUARD, || metric_sum(&agent, "valet_sidecar_quits_total") == 1.0), "one quit");
+    assert!(agent.wait_metric("valet_quits_sent_ahead_total{result=\"sent\"} ", 1.0), "the success's, ahead");
     assert_eq!(agent.metric("valet_quits_sent_ahead_total{result=\"unclaimed\"} "), 0.0);
 }
 
@@ -249,30 +291,33 @@ fn multi_container_pod_quits_after_the_last_app() {
     let node = Node::new().expect("node");
     let agent = node.start_agent(&[]).expect("agent");
     let mut job = node.job_pod(JobSpec::new("multi").apps(&["a", "b"])).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     let go = node.scratch.path(&format!("{}.b-go", job.name));
     job.run_app("a", "exit 0").expect("app a");
     job.run_app("b", &format!("while [ ! -e {} ]; do sleep 0.02; done; exit 0", go.display())).expect("app b");
 
-    assert!(job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait a").is_some(), "a exited");
+    assert!(job.apps[0].wait_timeout(HANG_GUARD).expect("wait a").is_some(), "a exited");
     assert!(
-        eventually(Duration::from_secs(3), || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
+        eventually(HANG_GUARD, || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
         "the agent saw a's exit\n{}",
         agent.log_text()
     );
-    std::thread::sleep(Duration::from_secs(1));
+    witness(&node, &agent, "multi-witness");
     assert!(job.quits().is_empty(), "no quit while b runs: {:?}", job.quits());
     assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None);
 
     std::fs::write(&go, b"").expect("release b");
-    assert_eq!(job.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     // The kubelet reports both a moment later: nothing more happens.
-    assert_eq!(job.wait_api_terminated("a", Duration::from_secs(3)), Some(0));
-    assert_eq!(job.wait_api_terminated("b", Duration::from_secs(3)), Some(0));
-    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(job.wait_api_terminated("a", HANG_GUARD), Some(0));
+    assert_eq!(job.wait_api_terminated("b", HANG_GUARD), Some(0));
+    witness(&node, &agent, "multi-witness-2");
     assert_eq!(job.quits().len(), 1, "exactly one quit: {:?}", job.quits());
-    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
-    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+    assert!(
+        eventually(HANG_GUARD, || metric_sum(&agent, "valet_sidecar_quits_total") == 3.0),
+        "the pod's and the witnesses'"
+    );
+    assert!(agent.wait_metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ", 3.0));
 }
 
 /// A multi-threaded app whose process is ended by a worker thread after the main thread is gone
@@ -284,14 +329,14 @@ fn multithreaded_app_ended_by_a_worker_thread_quits() {
     let node = Node::new().expect("node");
     let agent = node.start_agent(&[]).expect("agent");
     let mut job = node.job_pod(JobSpec::new("threads")).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     let threads = env!("CARGO_BIN_EXE_valet-test-threads");
     job.run_app("app", &format!("sleep 30 & exec {threads} leader-first")).expect("app");
-    let status = job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").expect("exited");
+    let status = job.apps[0].wait_timeout(HANG_GUARD).expect("wait app").expect("exited");
     assert_eq!(status.code(), Some(6));
-    assert_eq!(job.wait_proxy_exit(Duration::from_secs(3)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     assert_eq!(job.quits().len(), 1);
-    assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Failure\"} "), 1.0, "{}", agent.log_text());
+    assert!(agent.wait_metric("valet_container_exits_total{outcome=\"Failure\"} ", 1.0), "{}", agent.log_text());
     assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Signal\"} "), 0.0, "{}", agent.log_text());
 }
 
@@ -304,15 +349,15 @@ fn exit_before_the_api_shows_container_ids_is_used_when_they_arrive() {
     let node = Node::new().expect("node");
     let agent = node.start_agent(&[]).expect("agent");
     let mut job = node.job_pod(JobSpec::new("no-ids").manual_status().no_bundles()).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
 
     job.run_app("app", "exit 0").expect("app");
     assert!(
-        eventually(Duration::from_secs(3), || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
+        eventually(HANG_GUARD, || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
         "the agent saw the exit\n{}",
         agent.log_text()
     );
-    std::thread::sleep(Duration::from_millis(300));
+    witness(&node, &agent, "no-ids-witness");
     assert!(job.quits().is_empty(), "which container ended is not known yet: {:?}", job.quits());
 
     // The kubelet's next status sync names the containers (the app still shown running).
@@ -328,7 +373,7 @@ fn exit_before_the_api_shows_container_ids_is_used_when_they_arrive() {
     assert!(status["containerStatuses"][0]["containerID"].is_string(), "{status}");
     let ids = status["containerStatuses"].clone();
     node.api.modify_pod("jobs", &job.name, |pod| pod["status"]["containerStatuses"] = ids).expect("sync");
-    assert_eq!(job.wait_proxy_exit(Duration::from_secs(2)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     assert_eq!(job.quits().len(), 1);
 }
 
@@ -340,20 +385,23 @@ fn agent_started_after_the_app_exited_quits_from_the_api_view() {
     let mut spec = JobSpec::new("late");
     spec.already_exited = vec!["app".into()];
     let mut job = node.job_pod(spec).expect("pod");
-    let started = Instant::now();
     let agent = node.start_agent(&[]).expect("agent");
-    let code = job.wait_proxy_exit(Duration::from_secs(5).saturating_sub(started.elapsed())).expect("wait");
-    assert_eq!(code, Some(0), "quit within 5 s of the agent's start\n{}", agent.log_text());
-    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    let code = job.wait_proxy_exit(HANG_GUARD).expect("wait");
+    assert_eq!(code, Some(0), "quit after the agent's start\n{}", agent.log_text());
     assert_eq!(job.quits().len(), 1, "{:?}", job.quits());
-    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+    // Counted once the agent read the answer (the proxy may exit before).
+    assert!(
+        eventually(HANG_GUARD, || agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ") == 1.0),
+        "the quit counted\n{}",
+        agent.log_text()
+    );
     // The only container end the kernel saw is the proxy's own: the app's came from the API.
     assert!(
-        eventually(Duration::from_secs(2), || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
+        eventually(HANG_GUARD, || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
         "{}",
         agent.metrics_text().unwrap_or_default()
     );
-    assert_eq!(metric_sum(&agent, "valet_container_exits_total"), 1.0);
+    assert!(eventually(HANG_GUARD, || metric_sum(&agent, "valet_container_exits_total") == 1.0));
 }
 
 /// The pod object (its app already shown terminated) arrives before the kubelet made the pod's
@@ -381,7 +429,7 @@ fn pod_seen_before_its_cgroup_is_quit_once_the_cgroup_appears() {
     valet_sim::node::mark_container_terminated(&mut pod, "app", 0).expect("terminated");
     node.api.create_pod(pod).expect("post");
     let agent = node.start_agent(&[]).expect("agent");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     std::thread::sleep(Duration::from_millis(600));
 
     // Now the kubelet's cgroups, the sandbox and the proxy.
@@ -391,7 +439,7 @@ fn pod_seen_before_its_cgroup_is_quit_once_the_cgroup_appears() {
     let mut standin = StandinOptions::new(ProxyKind::Istio);
     standin.events = Some(events.clone());
     let mut proxy = sim.spawn_standin("istio-proxy", &standin, &SpawnOptions::default()).expect("proxy");
-    let status = proxy.wait_timeout(Duration::from_secs(5)).expect("wait");
+    let status = proxy.wait_timeout(HANG_GUARD).expect("wait");
     assert_eq!(status.and_then(|s| s.code()), Some(0), "proxy quit once its cgroup appeared\n{}", agent.log_text());
     let quits = valet_sim::standin::read_events(&events).expect("events");
     assert_eq!(quits.iter().filter(|e| e.path == "/quitquitquit").count(), 1, "{quits:?}");
@@ -404,7 +452,7 @@ fn watch_dropped_and_history_expired_pod_added_afterwards_is_handled() {
     let node = Node::new().expect("node");
     let agent = node.start_agent(&[]).expect("agent");
     let _before = node.job_pod(JobSpec::new("before")).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     let restarts = agent.metric("valet_watch_restarts_total ");
     let watches = node.api.watch_count();
 
@@ -412,13 +460,13 @@ fn watch_dropped_and_history_expired_pod_added_afterwards_is_handled() {
     node.api.drop_watches();
     let mut job = node.job_pod(JobSpec::new("after")).expect("pod");
     job.run_app("app", "sleep 0.2; exit 0").expect("app");
-    assert!(job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").is_some());
-    assert_eq!(job.wait_proxy_exit(Duration::from_secs(10)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert!(job.apps[0].wait_timeout(HANG_GUARD).expect("wait app").is_some());
+    assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     assert_eq!(job.quits().len(), 1);
-    assert_eq!(agent.metric("valet_pods_tracked "), 2.0);
+    assert!(agent.wait_metric("valet_pods_tracked ", 2.0));
     assert!(node.api.watch_count() > watches, "the agent watched again");
     assert!(
-        eventually(Duration::from_secs(3), || agent.metric("valet_watch_restarts_total ") > restarts),
+        eventually(HANG_GUARD, || agent.metric("valet_watch_restarts_total ") > restarts),
         "watch restart counted: {} → {}",
         restarts,
         agent.metric("valet_watch_restarts_total ")
@@ -430,10 +478,12 @@ fn watch_dropped_and_history_expired_pod_added_afterwards_is_handled() {
 
 /// A stand-in that accepts connections and never answers: its quit times out and is retried for
 /// `--quit-retry-for` while another pod is handled at once; then it is escalated (SIGTERM).
+/// The retry window is long (10 s) so that "at once" is an order, not a time: the other pod's
+/// proxy is gone while the hung one is still being retried.
 #[test]
 fn hung_proxy_does_not_block_other_pods_and_is_escalated() {
     let node = Node::new().expect("node");
-    let agent = node.start_agent(&["--quit-retry-for", "2s", "--escalate-after", "1s"]).expect("agent");
+    let agent = node.start_agent(&["--quit-retry-for", "10s", "--escalate-after", "1s"]).expect("agent");
     let mut hung = JobSpec::new("hung");
     hung.proxy_hangs = true;
     // A hung stand-in never answers its readiness endpoint either.
@@ -441,30 +491,25 @@ fn hung_proxy_does_not_block_other_pods_and_is_escalated() {
     let mut hung = node.job_pod(hung).expect("hung pod");
     wait_listening(&hung, 15020);
     let mut normal = node.job_pod(JobSpec::new("normal")).expect("pod");
-    agent.wait_tracked(2, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(2, HANG_GUARD).expect("tracked");
 
     hung.run_app("app", "exit 0").expect("app");
-    assert!(
-        eventually(Duration::from_secs(3), || !hung.quits().is_empty()),
-        "the hung proxy got a quit\n{}",
-        agent.log_text()
-    );
+    assert!(eventually(HANG_GUARD, || !hung.quits().is_empty()), "the hung proxy got a quit\n{}", agent.log_text());
     normal.run_app("app", "exit 0").expect("app");
-    let app_exit = Instant::now();
-    assert_eq!(normal.wait_proxy_exit(Duration::from_secs(2)).expect("wait"), Some(0), "{}", agent.log_text());
-    assert!(app_exit.elapsed() < Duration::from_secs(2));
+    assert_eq!(normal.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     // Meanwhile the hung pod's quit is still timing out.
     assert_eq!(hung.wait_proxy_exit(Duration::ZERO).expect("poll"), None);
     assert_eq!(agent.metric("valet_sidecar_escalations_total{kind=\"istio\"} "), 0.0);
     assert!(agent.metrics_text().is_ok(), "the agent answers while a quit hangs");
 
     // After the retry window: SIGTERM; the stand-in drains (5 s, as pilot-agent) and exits 0.
-    assert_eq!(hung.wait_proxy_exit(Duration::from_secs(12)).expect("wait"), Some(0), "{}", agent.log_text());
-    assert_eq!(agent.metric("valet_sidecar_escalations_total{kind=\"istio\"} "), 1.0);
-    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"timeout\"} "), 1.0);
-    assert_eq!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} "), 1.0);
+    assert!(agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"timeout\"} ") == 0.0, "retried");
+    assert_eq!(hung.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
+    assert!(agent.wait_metric("valet_sidecar_escalations_total{kind=\"istio\"} ", 1.0));
+    assert!(agent.wait_metric("valet_sidecar_quits_total{kind=\"istio\",result=\"timeout\"} ", 1.0));
+    assert!(agent.wait_metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ", 1.0));
     assert!(
-        eventually(Duration::from_secs(3), || {
+        eventually(HANG_GUARD, || {
             let events = node.events_for(&hung);
             events.iter().any(|(r, _)| r == "SidecarTerminated") && events.iter().any(|(r, _)| r == "SidecarQuitFailed")
         }),
@@ -487,20 +532,19 @@ fn endlessly_answering_proxy_is_capped_and_escalated() {
     let mut flood = node.job_pod(flood).expect("flood pod");
     wait_listening(&flood, 15020);
     let mut normal = node.job_pod(JobSpec::new("normal")).expect("pod");
-    agent.wait_tracked(2, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(2, HANG_GUARD).expect("tracked");
 
     flood.run_app("app", "exit 0").expect("app");
     normal.run_app("app", "exit 0").expect("app");
-    assert_eq!(normal.wait_proxy_exit(Duration::from_secs(2)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(normal.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     assert!(
-        eventually(Duration::from_secs(2), || agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ")
-            == 2.0),
+        eventually(HANG_GUARD, || agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ") == 2.0),
         "both quits answered 200\n{}",
         agent.log_text()
     );
     assert_eq!(flood.quits().len(), 1, "{:?}", flood.quits());
-    assert_eq!(flood.wait_proxy_exit(Duration::from_secs(9)).expect("wait"), Some(0), "{}", agent.log_text());
-    assert_eq!(agent.metric("valet_sidecar_escalations_total{kind=\"istio\"} "), 1.0);
+    assert_eq!(flood.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
+    assert!(agent.wait_metric("valet_sidecar_escalations_total{kind=\"istio\"} ", 1.0));
     assert_eq!(flood.quits().len(), 1, "never sent twice after a success");
 }
 
@@ -513,28 +557,28 @@ fn proxy_that_ignores_the_quit_is_escalated_after_the_delay() {
     let mut spec = JobSpec::new("stubborn");
     spec.proxy_ignores_quit = true;
     let mut job = node.job_pod(spec).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     job.run_app("app", "exit 0").expect("app");
-    assert!(eventually(Duration::from_secs(3), || job.quits().len() == 1), "quit sent\n{}", agent.log_text());
+    assert!(eventually(HANG_GUARD, || job.quits().len() == 1), "quit sent\n{}", agent.log_text());
     let quit_ns = job.quits()[0].mono_ns;
-
-    std::thread::sleep(Duration::from_millis(500));
+    // Running on: SIGTERM comes at the earliest 1 s after the quit, and the drain takes 5 s.
     assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "the proxy ignored the quit");
-    assert_eq!(agent.metric("valet_sidecar_escalations_total{kind=\"istio\"} "), 0.0, "not before --escalate-after");
 
     assert!(
-        eventually(Duration::from_secs(3), || agent.metric("valet_sidecar_escalations_total{kind=\"istio\"} ") == 1.0),
+        eventually(HANG_GUARD, || agent.metric("valet_sidecar_escalations_total{kind=\"istio\"} ") == 1.0),
         "escalated\n{}",
         agent.log_text()
     );
+    // Not before --escalate-after: a lower bound (measured once the escalation was seen, so a
+    // busy machine only makes it longer).
     let after = Duration::from_nanos(valet_sim::util::monotonic_ns().saturating_sub(quit_ns));
     assert!(after >= Duration::from_millis(950), "escalated {after:?} after the quit, want >= 1 s");
     // SIGTERM: pilot-agent drains 5 s and exits 0.
-    assert_eq!(job.wait_proxy_exit(Duration::from_secs(8)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     assert_eq!(job.quits().len(), 1, "never sent twice after a success: {:?}", job.quits());
-    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
+    assert!(eventually(HANG_GUARD, || metric_sum(&agent, "valet_sidecar_quits_total") == 1.0));
     assert!(
-        eventually(Duration::from_secs(3), || node.events_for(&job).iter().any(|(r, _)| r == "SidecarTerminated")),
+        eventually(HANG_GUARD, || node.events_for(&job).iter().any(|(r, _)| r == "SidecarTerminated")),
         "a SidecarTerminated Event: {:?}",
         node.events_for(&job)
     );
@@ -556,21 +600,21 @@ fn malformed_annotations_skip_the_pod_with_one_warning() {
         .map(|(name, k, v, reason)| (node.job_pod(JobSpec::new(name).annotation(k, v)).expect("pod"), *reason))
         .collect();
     let mut good = node.job_pod(JobSpec::new("good")).expect("pod");
-    agent.wait_tracked(4, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(4, HANG_GUARD).expect("tracked");
 
     for (job, _) in bad.iter_mut() {
         job.run_app("app", "exit 0").expect("app");
     }
     good.run_app("app", "exit 0").expect("app");
-    assert_eq!(good.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(good.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     // Updates with the same error are not reported again (the kubelet's and others').
     for (job, _) in &bad {
-        assert_eq!(job.wait_api_terminated("app", Duration::from_secs(3)), Some(0), "{}", job.name);
+        assert_eq!(job.wait_api_terminated("app", HANG_GUARD), Some(0), "{}", job.name);
         node.api
             .modify_pod("jobs", &job.name, |pod| pod["metadata"]["labels"]["touched"] = Value::from("yes"))
             .expect("touch");
     }
-    std::thread::sleep(QUIET);
+    witness(&node, &agent, "witness");
     for (job, reason) in bad.iter_mut() {
         assert!(job.quits().is_empty(), "{}: no quit: {:?}", job.name, job.quits());
         assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "{}", job.name);
@@ -578,9 +622,12 @@ fn malformed_annotations_skip_the_pod_with_one_warning() {
         assert_eq!(events.len(), 1, "{}: exactly one Event: {events:?}", job.name);
         assert_eq!((events[0].0.as_str(), events[0].1.as_str()), ("Warning", *reason), "{}", job.name);
     }
-    assert_eq!(agent.metric("valet_pod_skips_total{reason=\"bad_annotation\"} "), 3.0);
+    assert!(agent.wait_metric("valet_pod_skips_total{reason=\"bad_annotation\"} ", 3.0));
     assert_eq!(good.quits().len(), 1);
-    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 1.0);
+    assert!(
+        eventually(HANG_GUARD, || metric_sum(&agent, "valet_sidecar_quits_total") == 2.0),
+        "the good pod's and the witness's"
+    );
 }
 
 /// API errors (500s) while a pod is handled: the agent keeps running, retries its watch, handles
@@ -590,22 +637,22 @@ fn api_errors_do_not_stop_the_agent() {
     let node = Node::new().expect("node");
     let mut agent = node.start_agent(&[]).expect("agent");
     let mut first = node.job_pod(JobSpec::new("first")).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     let restarts = agent.metric("valet_watch_restarts_total ");
 
     node.api.fail_next(3, 500);
     node.api.drop_watches();
     let mut second = node.job_pod(JobSpec::new("second")).expect("pod");
     first.run_app("app", "exit 0").expect("app");
-    assert_eq!(first.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(first.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
 
     // The watch comes back through the failures (with backoff) and finds the new pod.
-    agent.wait_tracked(2, Duration::from_secs(15)).expect("second pod tracked after the errors");
+    agent.wait_tracked(2, HANG_GUARD).expect("second pod tracked after the errors");
     second.run_app("app", "exit 0").expect("app");
-    assert_eq!(second.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(second.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     assert_eq!(first.quits().len() + second.quits().len(), 2);
     assert!(agent.metric("valet_watch_restarts_total ") > restarts, "the failed watch was counted");
-    agent.wait_ready(Duration::from_secs(2)).expect("the agent is alive and ready");
+    agent.wait_ready(HANG_GUARD).expect("the agent is alive and ready");
     assert!(!agent.log_text().contains("panicked"), "{}", agent.log_text());
 }
 
@@ -616,52 +663,54 @@ fn restart_always_pod_is_skipped_once() {
     let node = Node::new().expect("node");
     let agent = node.start_agent(&[]).expect("agent");
     let mut job = node.job_pod(JobSpec::new("deploy").restart_policy("Always")).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     assert!(
-        eventually(Duration::from_secs(3), || agent.metric("valet_pod_skips_total{reason=\"restart_always\"} ") == 1.0),
+        eventually(HANG_GUARD, || agent.metric("valet_pod_skips_total{reason=\"restart_always\"} ") == 1.0),
         "skip counted\n{}",
         agent.log_text()
     );
+    // String values, as the API server allows no other (a number made the agent's watch fail to
+    // decode the pod, and the witness below was never seen).
     for i in 0..3 {
         node.api
-            .modify_pod("jobs", &job.name, |pod| pod["metadata"]["annotations"]["example.com/rev"] = Value::from(i))
+            .modify_pod("jobs", &job.name, |pod| {
+                pod["metadata"]["annotations"]["example.com/rev"] = Value::from(i.to_string())
+            })
             .expect("update");
     }
     job.run_app("app", "exit 0").expect("app");
-    assert!(job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app").is_some());
+    assert!(job.apps[0].wait_timeout(HANG_GUARD).expect("wait app").is_some());
     assert!(
-        eventually(Duration::from_secs(3), || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
+        eventually(HANG_GUARD, || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
         "the agent saw the exit\n{}",
         agent.log_text()
     );
     assert!(
-        eventually(Duration::from_secs(3), || job
+        eventually(HANG_GUARD, || job
             .api_status("app")
             .is_some_and(|s| s["lastState"]["terminated"].is_object() || s["state"]["terminated"].is_object())),
         "the API shows the exit: {:?}",
         job.api_status("app")
     );
-    std::thread::sleep(QUIET);
+    witness(&node, &agent, "witness");
     assert!(job.quits().is_empty(), "no quit: {:?}", job.quits());
     assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None);
-    assert_eq!(agent.metric("valet_pod_skips_total{reason=\"restart_always\"} "), 1.0);
-    assert_eq!(metric_sum(&agent, "valet_sidecar_quits_total"), 0.0);
+    assert!(agent.wait_metric("valet_pod_skips_total{reason=\"restart_always\"} ", 1.0));
+    assert!(eventually(HANG_GUARD, || metric_sum(&agent, "valet_sidecar_quits_total") == 1.0), "the witness's only");
     let log = agent.log_text();
     let said = log.lines().filter(|l| l.contains(&job.name) && l.contains("no sidecar shutdown")).count();
     assert_eq!(said, 1, "logged once:\n{log}");
 }
 
-/// SIGTERM (the kubelet stopping the DaemonSet pod): the agent exits 0 within a few seconds.
+/// SIGTERM (the kubelet stopping the DaemonSet pod): the agent exits 0 (how fast is the bench's).
 #[test]
 fn sigterm_stops_the_agent_cleanly() {
     let node = Node::new().expect("node");
     let mut agent = node.start_agent(&[]).expect("agent");
     let _job = node.job_pod(JobSpec::new("idle")).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
-    let started = Instant::now();
-    let status = agent.stop(libc::SIGTERM, Duration::from_secs(5)).expect("stopped in time").expect("was running");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
+    let status = agent.stop(libc::SIGTERM, HANG_GUARD).expect("stopped").expect("was running");
     assert_eq!(status.code(), Some(0), "exit 0: {status:?}\n{}", agent.log_text());
-    assert!(started.elapsed() < Duration::from_secs(3), "took {:?}", started.elapsed());
     assert!(agent.log_text().contains("stopped"), "{}", agent.log_text());
 }
 
@@ -676,13 +725,13 @@ fn sigterm_with_a_hung_quit_in_flight_exits_after_the_bounded_wait() {
     spec.ready_file = Some(node.scratch.path("hung-at-stop-never-ready"));
     let mut job = node.job_pod(spec).expect("pod");
     wait_listening(&job, 15020);
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     job.run_app("app", "exit 0").expect("app");
-    assert!(eventually(Duration::from_secs(3), || !job.quits().is_empty()), "quit in flight\n{}", agent.log_text());
-    let started = Instant::now();
-    let status = agent.stop(libc::SIGTERM, Duration::from_secs(8)).expect("stopped in time").expect("was running");
+    assert!(eventually(HANG_GUARD, || !job.quits().is_empty()), "quit in flight\n{}", agent.log_text());
+    // Bounded: an agent that waited for the hung quit would never exit (the hang guard is 30 s,
+    // the bound 2 s); the quit's failure is logged before the exit.
+    let status = agent.stop(libc::SIGTERM, HANG_GUARD).expect("stopped").expect("was running");
     assert_eq!(status.code(), Some(0), "exit 0: {status:?}\n{}", agent.log_text());
-    assert!(started.elapsed() < Duration::from_secs(4), "took {:?}", started.elapsed());
     assert!(agent.log_text().contains("could not quit sidecar"), "the quit finished first:\n{}", agent.log_text());
 }
 
@@ -715,33 +764,32 @@ fn typed_events(node: &Node, job: &JobPod) -> Vec<(String, String)> {
 /// Waits until something listens on `port` on the pod's loopback (a bare connect sends no request).
 fn wait_listening(job: &JobPod, port: u16) {
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    let up = eventually(Duration::from_secs(5), || {
+    let up = eventually(HANG_GUARD, || {
         job.sim.in_netns(|| TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()).unwrap_or(false)
     });
     assert!(up, "{}: nothing listens on {addr}", job.name);
 }
 
 /// With the runtime's state directory, the agent names a container from its OCI bundle: an app
-/// that exits right after a kubelet relist, so the API cannot name it for a second, is acted on
-/// at once, although the runtime removes its bundle and cgroup as soon as it exited.
+/// that exits before the API names it is acted on at once, although the runtime removes its
+/// bundle and cgroup as soon as it exited. Here the API never names it (the kubelet writes no
+/// status), so the quit can only have come from the bundle, however long anything took.
 #[test]
 fn runtime_bundles_name_an_app_that_exits_before_the_api_shows_its_id() {
     let node = Node::new().expect("node");
     let agent = node.start_agent(&[]).expect("agent");
-    let mut job = node.job_pod(JobSpec::new("bundled")).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    let mut job = node.job_pod(JobSpec::new("bundled").manual_status()).expect("pod");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
 
-    let tick = node.kubelet.next_tick_after(Instant::now());
-    std::thread::sleep(tick.saturating_duration_since(Instant::now()) + Duration::from_millis(20));
     let started = Instant::now();
     job.run_app("app", "exit 0").expect("app");
-    let code = job.wait_proxy_exit(Duration::from_secs(3)).expect("wait");
-    let took = started.elapsed();
+    let code = job.wait_proxy_exit(HANG_GUARD).expect("wait");
+    println!("quit {:?} after the app started", started.elapsed());
     assert_eq!(code, Some(0), "the proxy was quit\n{}", agent.log_text());
     assert!(
-        took < Duration::from_millis(900),
-        "quit {took:?} after the app started: it waited for the API (next relist ~1 s after the start)\n{}",
-        agent.log_text()
+        job.api_status("app").is_none_or(|s| s.get("containerID").is_none()),
+        "the API named the app: {:?}",
+        job.api_status("app")
     );
     assert_eq!(job.loopback_quits().len(), 1);
 }
@@ -763,13 +811,11 @@ fn runtime_bundles_of_another_pod_are_ignored() {
         "io.kubernetes.cri.sandbox-name": job.name,
         "io.kubernetes.cri.sandbox-namespace": "jobs"}});
     std::fs::write(bundle.join("config.json"), config.to_string()).expect("write");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     job.run_app("app", "exit 0").expect("app");
-    assert_eq!(
-        job.wait_proxy_exit(Duration::from_millis(1500)).expect("wait"),
-        None,
-        "no quit on a foreign bundle's word"
-    );
+    assert!(job.apps[0].wait_timeout(HANG_GUARD).expect("wait app").is_some(), "the app exited");
+    witness(&node, &agent, "witness");
+    assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "no quit on a foreign bundle's word");
     assert!(job.quits().is_empty());
 }
 
@@ -780,12 +826,12 @@ fn container_without_its_own_pid_namespace_ends_with_its_last_process() {
     let node = Node::new().expect("node");
     let agent = node.start_agent(&[]).expect("agent");
     let mut job = node.job_pod(JobSpec::new("shared-pidns").restart_policy("OnFailure")).expect("pod");
-    agent.wait_tracked(1, Duration::from_secs(5)).expect("tracked");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     let opts = valet_sim::node::SpawnOptions { pid_namespace: false, ..Default::default() };
     // A child exits first (the container goes on), then the main process exits 0.
     let started = Instant::now();
     job.start_app("app", &["/bin/sh", "-c", "/bin/sh -c 'exit 0'; sleep 0.3; exit 0"], &opts).expect("app");
-    assert_eq!(job.wait_proxy_exit(Duration::from_secs(5)).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     assert!(started.elapsed() >= Duration::from_millis(300), "not before the main process ended");
     assert_eq!(job.loopback_quits().len(), 1);
 }

@@ -34,8 +34,12 @@ const INITRAMFS_VERSION: u32 = 3;
 const GUEST_TMPFS: &[&str] = &["/tmp", "/run"];
 /// The end-to-end scenario run on every kernel.
 const SCENARIO: &str = "labelled_job_pod_proxy_quits_when_the_app_exits";
+/// The test binaries the guests run: the kernel tests, the scenario, and the agent under the
+/// DaemonSet's capabilities (what each is needed for, SYS_RESOURCE's memlock limit above all,
+/// depends on the kernel).
+const TEST_BINARIES: [&str; 3] = ["kernel", "shutdown", "privileges"];
 /// A guest that has not powered off by then is killed and its kernel counted as failed.
-const DEADLINE: Duration = Duration::from_secs(10 * 60);
+const DEADLINE: Duration = Duration::from_secs(15 * 60);
 /// Lists older than this are refreshed before a kernel version is chosen.
 const LISTS_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 
@@ -99,6 +103,7 @@ pub fn run(root: &Path, suites: &[&str]) -> Result<(u64, u64)> {
 struct Binaries {
     kernel_test: PathBuf,
     shutdown_test: PathBuf,
+    privileges_test: PathBuf,
     agent: PathBuf,
     standin: PathBuf,
     /// Cargo's target directory.
@@ -110,20 +115,21 @@ impl Binaries {
         crate::cmd::build_release_bins(root)?;
         let out = crate::cmd::cargo()
             .current_dir(root)
-            .args(["test", "--release", "-p", "valet-tests", "--test", "kernel", "--test", "shutdown", "--no-run"])
+            .args(["test", "--release", "-p", "valet-tests", "--no-run"])
+            .args(TEST_BINARIES.iter().flat_map(|t| ["--test", t]))
             .args(["--message-format=json"])
             .stderr(Stdio::inherit())
             .output()
             .context("cargo test --no-run")?;
         if !out.status.success() {
-            bail!("building the kernel and shutdown test binaries failed");
+            bail!("building the test binaries {TEST_BINARIES:?} failed");
         }
         let mut found = BTreeMap::new();
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
             let name = msg["target"]["name"].as_str().unwrap_or_default();
             if let Some(exe) = msg["executable"].as_str()
-                && ["kernel", "shutdown"].contains(&name)
+                && TEST_BINARIES.contains(&name)
             {
                 found.insert(name.to_string(), PathBuf::from(exe));
             }
@@ -135,6 +141,7 @@ impl Binaries {
             target,
             kernel_test: take("kernel")?,
             shutdown_test: take("shutdown")?,
+            privileges_test: take("privileges")?,
             agent: release.join("valet-agent"),
             standin: release.join("valet-standin-proxy"),
         })
@@ -623,7 +630,7 @@ struct Outcome {
     note: Option<String>,
 }
 
-/// The guest's script: both test binaries, their summaries on the console, then power off. The
+/// The guest's script: the test binaries, their summaries on the console, then power off. The
 /// tests' output is not captured: a panic (a verifier log) reaches the console when it happens,
 /// not at the end of a run the deadline may cut short. `VALET_KERNEL_TESTS` (a test name filter)
 /// narrows the kernel tests.
@@ -641,6 +648,9 @@ echo "VALET-VM-END kernel $?"
 echo "VALET-VM-BEGIN shutdown"
 {shutdown} --exact {scenario} --test-threads=1 --nocapture --color=never 2>&1
 echo "VALET-VM-END shutdown $?"
+echo "VALET-VM-BEGIN privileges"
+{privileges} --test-threads=1 --nocapture --color=never 2>&1
+echo "VALET-VM-END privileges $?"
 sync
 echo "VALET-VM-DONE"
 {busybox} poweroff -f
@@ -650,6 +660,7 @@ echo "VALET-VM-DONE"
         tests = root.join("tests").display(),
         kernel = bins.kernel_test.display(),
         shutdown = bins.shutdown_test.display(),
+        privileges = bins.privileges_test.display(),
         scenario = SCENARIO,
         filter = filter.split_whitespace().collect::<Vec<_>>().join(" "),
         busybox = busybox.display(),
@@ -774,11 +785,12 @@ pub(crate) fn qemu(
 /// Console lines worth echoing: test names and results, panics (cut to 400 characters: a
 /// verifier log is long; the whole of it is in the console log), the guest's own markers.
 fn echoed(line: &str) -> bool {
-    const PREFIXES: [&str; 7] = ["test ", "running ", "VALET-", "thread '", "node", "kubelet:", "---"];
+    const PREFIXES: [&str; 9] =
+        ["test ", "running ", "VALET-", "thread '", "node", "kubelet:", "---", "without ", "BPF memory"];
     PREFIXES.iter().any(|p| line.starts_with(p)) || line.contains("FAIL") || line.contains("Kernel panic")
 }
 
-/// Counts the cargo test summaries of both binaries. A binary that ended (or was cut off by the
+/// Counts the cargo test summaries of the test binaries. A binary that ended (or was cut off by the
 /// deadline) without a summary counts the test results it printed, plus one failure, with the
 /// reason; so does a guest that never finished.
 fn judge(lines: &[String]) -> Outcome {

@@ -1,5 +1,5 @@
-//! `cargo xtask lint`: formatting, clippy on the host crates, and clippy on the kernel programs
-//! for the BPF target. Every step runs; each ends with a one-line verdict.
+//! `cargo xtask lint`: formatting, clippy on the host crates and the fuzz targets, and clippy on
+//! the kernel programs for the BPF target. Every step runs; each ends with a one-line verdict.
 use std::path::Path;
 use std::process::Command;
 
@@ -20,6 +20,14 @@ pub fn lint(root: &Path) -> Result<()> {
     let mut host = cargo();
     host.args(["clippy", "--workspace", "--exclude", "valet-agent-ebpf", "--all-targets", "--", "-D", "warnings"]);
 
+    // fuzz/ is a workspace of its own (cargo-fuzz builds it instrumented): `--all` above does not
+    // reach it. Its clippy build shares fuzz/target with `cargo xtask fuzz`.
+    let fuzz_manifest = root.join("fuzz/Cargo.toml");
+    let mut fuzz_fmt = cargo();
+    fuzz_fmt.args(["fmt", "--all", "--check", "--manifest-path"]).arg(&fuzz_manifest);
+    let mut fuzz_clippy = cargo();
+    fuzz_clippy.args(["clippy", "--all-targets", "--manifest-path"]).arg(&fuzz_manifest).args(["--", "-D", "warnings"]);
+
     // The kernel crate only builds for the BPF target, with the toolchain agent/build.rs picks.
     // Clippy only checks, so bpf-linker is not involved; its own target dir keeps it from
     // invalidating the host build.
@@ -37,8 +45,13 @@ pub fn lint(root: &Path) -> Result<()> {
     let kernel_name = format!("clippy, kernel crate for bpfel-unknown-none (toolchain {})", bpf.name);
 
     let mut verdicts = Vec::new();
-    for (name, cmd) in [("rustfmt", &mut fmt), ("clippy, host crates", &mut host), (kernel_name.as_str(), &mut kernel)]
-    {
+    for (name, cmd) in [
+        ("rustfmt", &mut fmt),
+        ("rustfmt, fuzz targets", &mut fuzz_fmt),
+        ("clippy, host crates", &mut host),
+        ("clippy, fuzz targets", &mut fuzz_clippy),
+        (kernel_name.as_str(), &mut kernel),
+    ] {
         println!("xtask lint: {name}: {cmd:?}");
         let ok = cmd.current_dir(root).status().is_ok_and(|s| s.success());
         let verdict = format!("xtask lint: {:<6} {name}", if ok { "ok" } else { "FAILED" });

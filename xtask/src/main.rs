@@ -5,9 +5,11 @@
 //! * `cargo xtask test`   runs every test: unit, privileged integration (as root), manifests.
 //! * `cargo xtask demo`   runs the agent against a simulated node on this host.
 //! * `cargo xtask bench`  prints the performance figures.
+//! * `cargo xtask chaos`  kills the agent at random moments, 200 times, and counts what it left.
 //! * `cargo xtask fuzz`   runs the fuzz targets for a bounded time (also part of `test`).
 //! * `cargo xtask image`  builds the agent's OCI image (no Docker, no registry).
 //! * `cargo xtask kernels`, `cargo xtask node`: the qemu suites (Debian kernels, a real node).
+mod chaos;
 mod cmd;
 mod fuzz;
 mod image;
@@ -45,6 +47,10 @@ enum Task {
         /// Boot every kernel of the matrix (5.10, 6.1, 6.12), not only 6.1.
         #[arg(long)]
         kernels: bool,
+        /// Run N busy loops beside the tests, from the build's end to the run's end, to show no
+        /// test depends on the machine's pace (`--cpu-hog 2` on a 2-core machine).
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        cpu_hog: usize,
     },
     /// Run the kernel tests and one end-to-end scenario on Debian's 5.10, 6.1 and 6.12 kernels in qemu.
     Kernels {
@@ -85,6 +91,16 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Kill the agent with SIGKILL at random moments and restart it, across held, quitting and
+    /// changing pods; print what it left behind (every count must be 0).
+    Chaos {
+        /// How many times to kill the agent.
+        #[arg(long, default_value_t = chaos::DEFAULT_KILLS)]
+        kills: u32,
+        /// Replay a run's random choices (its seed is printed first).
+        #[arg(long, env = "VALET_CHAOS_SEED")]
+        seed: Option<u64>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -93,12 +109,15 @@ fn main() -> Result<()> {
     match cli.task {
         Task::Setup => setup::setup(&root, true),
         Task::Lint => lint::lint(&root),
-        Task::Test { filter, no_vm, kernels } => test::test(&root, filter.as_deref(), !no_vm || kernels, kernels),
+        Task::Test { filter, no_vm, kernels, cpu_hog } => {
+            test::test(&root, filter.as_deref(), !no_vm || kernels, kernels, cpu_hog)
+        }
         Task::Image => image::build(&root).map(|_| ()),
         Task::Kernels { only } => test::kernels(&root, &only),
         Task::Node { matrix, cells, only } => test::node(&root, matrix, &cells, &only),
         Task::Fuzz { target, seconds } => fuzz::run(&root, target.as_deref(), seconds),
         Task::Demo { args } => sim::demo(&root, &args),
         Task::Bench { args } => sim::bench(&root, &args),
+        Task::Chaos { kills, seed } => chaos::chaos(&root, kills, seed),
     }
 }

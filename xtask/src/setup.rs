@@ -11,6 +11,7 @@ use crate::cmd::{cargo, is_root, on_path, run, succeeds};
 pub fn setup(root: &Path, for_tests: bool) -> Result<()> {
     build_tools()?;
     ensure_tracefs()?;
+    ensure_bpffs()?;
     if for_tests {
         ensure_test_tools(root)?;
         envoy(root)?;
@@ -149,6 +150,21 @@ fn ensure_bpf_linker() -> Result<()> {
         .env("PATH", path)
         .env("LLVM_SYS_221_PREFIX", "/usr/lib/llvm-22")
         .env("LLVM_SYS_220_PREFIX", "/usr/lib/llvm-22"))
+}
+
+/// bpffs at /sys/fs/bpf, where systemd mounts it on a node: the agent pins its record of held
+/// processes there (it would mount it itself; done here so that the first test does not).
+fn ensure_bpffs() -> Result<()> {
+    let mounted = std::fs::read_to_string("/proc/self/mounts")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.split_whitespace().nth(1) == Some("/sys/fs/bpf") && l.split_whitespace().nth(2) == Some("bpf"));
+    if mounted || !is_root() {
+        return Ok(());
+    }
+    run(Command::new("mount").args(["-t", "bpf", "-o", "mode=0700", "bpf", "/sys/fs/bpf"]))?;
+    did("mounted bpffs at /sys/fs/bpf");
+    Ok(())
 }
 
 fn ensure_tracefs() -> Result<()> {

@@ -1,14 +1,17 @@
 //! `cargo xtask test`: every test, privileged ones included, with one summary count at the end.
 use std::io::BufRead as _;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 
 use anyhow::{Context as _, Result, bail};
 
 use crate::cmd::{build_release_bins, cargo, is_root};
 use crate::setup;
 
-pub fn test(root: &Path, filter: Option<&str>, vm: bool, all_kernels: bool) -> Result<()> {
+/// `cpu_hog`: that many busy loops run beside the tests, from the build's end to the run's end
+/// (failed or not), to show that no test depends on the machine's pace (`--cpu-hog 2` keeps a
+/// 2-core machine's cores busy, as a CI neighbour would).
+pub fn test(root: &Path, filter: Option<&str>, vm: bool, all_kernels: bool, cpu_hog: usize) -> Result<()> {
     if !is_root() {
         bail!("the test suite has privileged tests (eBPF, cgroups, namespaces): run it as root");
     }
@@ -16,6 +19,7 @@ pub fn test(root: &Path, filter: Option<&str>, vm: bool, all_kernels: bool) -> R
     // The agent binary is what the end-to-end tests run, like a DaemonSet would; the stand-in
     // proxy is what they run as the sidecar.
     let release = build_release_bins(root)?;
+    let _hog = CpuHog::start(cpu_hog)?;
     let mut tally = Tally::default();
     let mut cmd = cargo();
     cmd.current_dir(root)
@@ -92,6 +96,38 @@ pub fn node(root: &Path, matrix: bool, cells: &[String], only: &[String]) -> Res
     Ok(())
 }
 
+/// Busy loops beside the test run; ended when dropped (on every way out of [`test`]).
+struct CpuHog(Vec<Child>);
+
+impl CpuHog {
+    fn start(n: usize) -> Result<CpuHog> {
+        let mut hog = CpuHog(Vec::with_capacity(n));
+        if n > 0 {
+            println!("{n} busy loop(s) run beside the tests (--cpu-hog)");
+        }
+        for _ in 0..n {
+            // The loop also ends by itself once this process is gone (killed, say), since its
+            // test of the parent fails then: no loop outlives the run.
+            let child = Command::new("sh")
+                .args(["-c", "while kill -0 $PPID 2>/dev/null; do :; done"])
+                .stdin(Stdio::null())
+                .spawn()
+                .context("spawn a busy loop for --cpu-hog")?;
+            hog.0.push(child);
+        }
+        Ok(hog)
+    }
+}
+
+impl Drop for CpuHog {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// Runs a test runner, echoing its output and counting its results. Whether it exited 0.
 fn run_counted(cmd: &mut Command, tally: &mut Tally) -> Result<bool> {
     let mut child = cmd.stdout(Stdio::piped()).spawn().with_context(|| format!("spawn {cmd:?}"))?;
@@ -138,7 +174,23 @@ impl Tally {
 
 #[cfg(test)]
 mod tests {
-    use super::Tally;
+    use super::{CpuHog, Tally};
+
+    #[test]
+    fn the_busy_loops_run_until_dropped() {
+        let hog = CpuHog::start(2).expect("busy loops");
+        let pids: Vec<u32> = hog.0.iter().map(std::process::Child::id).collect();
+        let running = |pid: u32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()).map(str::to_owned))
+                .is_some_and(|state| state != "Z")
+        };
+        assert!(pids.iter().all(|&p| running(p)), "a busy loop ended by itself");
+        drop(hog);
+        // Reaped on drop: gone, not even a zombie.
+        assert!(pids.iter().all(|&p| !running(p)), "a busy loop outlived the run");
+    }
 
     #[test]
     fn counts_cargo_and_pytest_summaries() {

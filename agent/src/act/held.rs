@@ -56,6 +56,9 @@ pub struct HeldProber {
     /// An eventfd: a hand-over wakes the thread.
     wake: File,
     interval_ns: AtomicU64,
+    /// A request's deadline: [`LIMITS`]' total timeout (a test makes it longer, to look at the
+    /// other pods while one request is still open).
+    deadline_ns: AtomicU64,
     tokens: AtomicU64,
 }
 
@@ -113,6 +116,7 @@ impl HeldProber {
             registry: Mutex::new(Registry { pods: HashMap::new(), version: 0, ended: false }),
             wake,
             interval_ns: AtomicU64::new(10_000_000),
+            deadline_ns: AtomicU64::new(nanos(LIMITS.total_timeout)),
             tokens: AtomicU64::new(0),
         });
         let p = prober.clone();
@@ -139,7 +143,19 @@ impl HeldProber {
 
     /// The held pods' probe interval.
     pub fn set_interval(&self, interval: Duration) {
-        self.interval_ns.store(u64::try_from(interval.as_nanos()).unwrap_or(u64::MAX).max(1), Ordering::Relaxed);
+        self.interval_ns.store(nanos(interval).max(1), Ordering::Relaxed);
+    }
+
+    #[cfg(test)]
+    fn set_deadline(&self, deadline: Duration) {
+        self.deadline_ns.store(nanos(deadline), Ordering::Relaxed);
+        if let Err(e) = (&self.wake).write(&1u64.to_ne_bytes()) {
+            debug!("waking the held-pod prober: {e}");
+        }
+    }
+
+    fn deadline(&self) -> Duration {
+        Duration::from_nanos(self.deadline_ns.load(Ordering::Relaxed))
     }
 
     /// Takes over probing pod `uid`'s `(name, port, path)` endpoints, at once and then every
@@ -228,7 +244,8 @@ impl HeldProber {
                 pod.fresh = false;
                 ask(link, pod, now)?;
             }
-            expire(&mut pods, Instant::now());
+            let deadline = self.deadline();
+            expire(&mut pods, Instant::now(), deadline);
             collect(&mut pods, &mut news);
             // The round's news, once its answers are in or it waited long enough.
             let waiting = |at: Instant| in_flight(&pods).any(|since| since >= at);
@@ -254,7 +271,7 @@ impl HeldProber {
                 until = until.min(at + ROUND_WAIT);
             }
             if let Some(first) = in_flight(&pods).min() {
-                until = until.min(first + LIMITS.total_timeout);
+                until = until.min(first + deadline);
             }
             fds.clear();
             polled.clear();
@@ -295,6 +312,10 @@ impl HeldProber {
             }
         }
     }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// The times the requests in flight went out.
@@ -444,14 +465,14 @@ fn answer_so_far(buf: &[u8], failure: String) -> Answer {
 
 /// Requests past the probe's deadline are answered with a failure, as a loop's probe would be;
 /// their connections are dropped (the next slot makes a new one).
-fn expire(pods: &mut [Pod], now: Instant) {
+fn expire(pods: &mut [Pod], now: Instant, deadline: Duration) {
     for ep in pods.iter_mut().flat_map(|p| &mut p.endpoints) {
         let answer = match &ep.conn {
             Conn::Connecting { since, .. } if now.duration_since(*since) >= LIMITS.connect_timeout => {
                 Answer::Failed(Failure::ConnectTimeout.to_string())
             }
             // A status line that already arrived is an answer, even if the rest hangs.
-            Conn::Waiting { since, buf, .. } if now.duration_since(*since) >= LIMITS.total_timeout => {
+            Conn::Waiting { since, buf, .. } if now.duration_since(*since) >= deadline => {
                 answer_so_far(buf, Failure::Timeout.to_string())
             }
             _ => continue,
@@ -489,11 +510,16 @@ mod tests {
     use crate::sidecar::testing::TestLink;
     use std::sync::atomic::AtomicBool;
 
-    /// What a test server saw: requests and connections.
+    /// Only a guard against a hang: the tests wait for events, never for a time.
+    const HANG_GUARD: Duration = Duration::from_secs(30);
+
+    /// What a test server saw: requests, connections, and connections the prober closed (each
+    /// counted once its requests were).
     #[derive(Default)]
     struct Seen {
         requests: AtomicU64,
         conns: AtomicU64,
+        closed: AtomicU64,
     }
 
     /// A keep-alive server on `listener` answering 503 until `ready`, then 200; `close`: it
@@ -508,7 +534,7 @@ mod tests {
                     let mut buf = [0u8; 1024];
                     while let Ok(n) = conn.read(&mut buf) {
                         if n == 0 {
-                            return;
+                            break;
                         }
                         seen.requests.fetch_add(1, Ordering::SeqCst);
                         let answer: &[u8] = if ready.load(Ordering::SeqCst) {
@@ -517,9 +543,10 @@ mod tests {
                             b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
                         };
                         if conn.write_all(answer).is_err() || close {
-                            return;
+                            break;
                         }
                     }
+                    seen.closed.fetch_add(1, Ordering::SeqCst);
                 });
             }
         });
@@ -543,10 +570,38 @@ mod tests {
     }
 
     async fn next(rx: &mut mpsc::UnboundedReceiver<Report>) -> (String, bool, String) {
-        match tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.ok().flatten() {
+        match tokio::time::timeout(HANG_GUARD, rx.recv()).await.ok().flatten() {
             Some((uid, Feedback::Probed { ready, detail })) => (uid, ready, detail),
             other => panic!("no probe news: {other:?}"),
         }
+    }
+
+    /// The next news of `uid` that is not `unchanged` (an unchanged answer is news again after
+    /// [`REPEAT`], which a busy machine can reach; other pods' news is passed over).
+    async fn next_of(
+        rx: &mut mpsc::UnboundedReceiver<Report>,
+        uid: &str,
+        unchanged: Option<(bool, &str)>,
+    ) -> (bool, String) {
+        loop {
+            let (of, ready, detail) = next(rx).await;
+            if of == uid && unchanged != Some((ready, detail.as_str())) {
+                return (ready, detail);
+            }
+        }
+    }
+
+    /// Waits until `f` holds (panics with `what` at the hang guard).
+    async fn until(what: &str, f: impl Fn() -> bool) {
+        let deadline = Instant::now() + HANG_GUARD;
+        while !f() {
+            assert!(Instant::now() < deadline, "never: {what}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    fn count(n: &AtomicU64) -> u64 {
+        n.load(Ordering::SeqCst)
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -556,72 +611,96 @@ mod tests {
         let token = prober.hold("pod-a", endpoint(port));
         assert_eq!(next(&mut rx).await, ("pod-a".into(), false, "istio-proxy answered 503".into()));
         ready.store(true, Ordering::SeqCst);
-        let flipped = Instant::now();
-        assert_eq!(next(&mut rx).await, ("pod-a".into(), true, "istio-proxy answered 200".into()));
-        assert!(flipped.elapsed() < Duration::from_secs(1), "ready seen after {:?}", flipped.elapsed());
-        // Every 10 ms, on the one connection; nothing once the pod is given back.
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(seen.requests.load(Ordering::SeqCst) >= 5, "{} requests", seen.requests.load(Ordering::SeqCst));
-        assert_eq!(seen.conns.load(Ordering::SeqCst), 1, "a connection per probe");
+        let unchanged = Some((false, "istio-proxy answered 503"));
+        assert_eq!(next_of(&mut rx, "pod-a", unchanged).await, (true, "istio-proxy answered 200".into()));
+        // Probed again and again, on the one connection.
+        until("five probes", || count(&seen.requests) >= 5).await;
+        assert_eq!(count(&seen.conns), 1, "a connection per probe");
+        // A stale token gives nothing back: the probes go on.
         prober.unhold("pod-a", token + 1);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let before = seen.requests.load(Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(seen.requests.load(Ordering::SeqCst) > before, "a stale token gave the pod back");
+        assert!(prober.probes("pod-a", token), "a stale token gave the pod back");
+        let before = count(&seen.requests);
+        until("probes after a stale give-back", || count(&seen.requests) >= before + 3).await;
+        // Given back: the prober drops its connection, and makes no other. The proof that no
+        // probe follows is another pod's, handed over later and probed slot after slot by the
+        // same thread (which looks at its pods, and drops pod-a, before it probes pod-b).
         prober.unhold("pod-a", token);
         assert!(!prober.probes("pod-a", token));
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let after = seen.requests.load(Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(seen.requests.load(Ordering::SeqCst), after, "still probed after it was given back");
+        let (other_port, _, other) = server(true, false);
+        let _ = prober.hold("pod-b", endpoint(other_port));
+        assert_eq!(next_of(&mut rx, "pod-b", None).await, (true, "istio-proxy answered 200".into()));
+        until("pod-a's connection closed", || count(&seen.closed) == count(&seen.conns)).await;
+        let after = count(&seen.requests);
+        until("pod-b probed in later slots", || count(&other.requests) >= 5).await;
+        assert_eq!(count(&seen.requests), after, "still probed after it was given back");
+        assert_eq!(count(&seen.conns), 1, "a new connection after it was given back");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_pod_handed_over_is_probed_at_once_not_at_the_next_slot() {
         let (port, _, _) = server(true, false);
         let (prober, mut rx) = prober();
-        prober.set_interval(Duration::from_secs(30));
+        // The next slot is an hour away, far past the hang guard: only a probe at once is seen.
+        prober.set_interval(Duration::from_secs(3600));
         let _ = prober.hold("first", endpoint(port));
         assert_eq!(next(&mut rx).await.0, "first");
-        let handed = Instant::now();
         let _ = prober.hold("second", endpoint(port));
         assert_eq!(next(&mut rx).await.0, "second");
-        assert!(handed.elapsed() < Duration::from_secs(1), "probed after {:?}", handed.elapsed());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_proxy_that_does_not_answer_holds_back_no_other_and_fails_at_the_deadline() {
         let (port, _, seen) = server(true, false);
-        // A listener that accepts and never answers.
+        // A listener that accepts, reads, and never answers; it counts the connections, and
+        // those the prober closed.
         let hung = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let hung_port = hung.local_addr().expect("addr").port();
-        let hung_conns = Arc::new(AtomicU64::new(0));
-        let counted = hung_conns.clone();
+        let hung_seen = Arc::new(Seen::default());
+        let counted = hung_seen.clone();
         std::thread::spawn(move || {
-            let mut kept = Vec::new();
             for conn in hung.incoming().flatten() {
-                counted.fetch_add(1, Ordering::SeqCst);
-                kept.push(conn);
+                counted.conns.fetch_add(1, Ordering::SeqCst);
+                let counted = counted.clone();
+                std::thread::spawn(move || {
+                    let mut conn = conn;
+                    let mut buf = [0u8; 1024];
+                    while conn.read(&mut buf).is_ok_and(|n| n > 0) {
+                        counted.requests.fetch_add(1, Ordering::SeqCst);
+                    }
+                    counted.closed.fetch_add(1, Ordering::SeqCst);
+                });
             }
         });
         let (prober, mut rx) = prober();
+        // The hung request stays open while the other pod is looked at (its deadline, far past
+        // the hang guard, is brought back below).
+        prober.set_deadline(Duration::from_secs(3600));
+        let started = Instant::now();
         let hung_token = prober.hold("hung", endpoint(hung_port));
         let _ = prober.hold("fine", endpoint(port));
-        let started = Instant::now();
         assert_eq!(next(&mut rx).await.0, "fine");
-        assert!(started.elapsed() < Duration::from_millis(250), "the other pod waited {:?}", started.elapsed());
-        let before = seen.requests.load(Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        assert!(seen.requests.load(Ordering::SeqCst) >= before + 8, "the other pod is not probed every 10 ms");
-        let (uid, ready, detail) = next(&mut rx).await;
-        assert_eq!((uid.as_str(), ready), ("hung", false));
+        until("the hung request read", || count(&hung_seen.requests) == 1).await;
+        let before = count(&seen.requests);
+        until("the other pod probed slot after slot", || count(&seen.requests) >= before + 8).await;
+        assert_eq!(
+            (count(&hung_seen.conns), count(&hung_seen.requests), count(&hung_seen.closed)),
+            (1, 1, 0),
+            "the hung request was not left open while the other pod was probed"
+        );
+        while let Ok((uid, news)) = rx.try_recv() {
+            assert_eq!(uid, "fine", "news before the hung request's deadline: {news:?}");
+        }
+        // The deadline: a failure, and the request's connection is dropped.
+        prober.set_deadline(LIMITS.total_timeout);
+        let (ready, detail) = next_of(&mut rx, "hung", None).await;
+        assert!(!ready);
         assert_eq!(detail, "istio-proxy: no complete answer before the deadline");
         let failed_after = started.elapsed();
-        assert!(failed_after >= LIMITS.total_timeout && failed_after < Duration::from_secs(2), "{failed_after:?}");
+        assert!(failed_after >= LIMITS.total_timeout, "failed before the deadline: {failed_after:?}");
         // Still probed here, on a new connection.
         assert!(prober.probes("hung", hung_token));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(hung_conns.load(Ordering::SeqCst) >= 2, "no new connection after the deadline");
+        until("the timed-out connection closed", || count(&hung_seen.closed) >= 1).await;
+        until("a new connection after the deadline", || count(&hung_seen.conns) >= 2).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -642,11 +721,13 @@ mod tests {
         let (port, _, seen) = server(true, true);
         let (prober, mut rx) = prober();
         let _ = prober.hold("closing", endpoint(port));
-        assert_eq!(next(&mut rx).await, ("closing".into(), true, "istio-proxy answered 200".into()));
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert!(seen.conns.load(Ordering::SeqCst) >= 10, "{} connections", seen.conns.load(Ordering::SeqCst));
-        // The unchanged answer is no news; a failure would be.
-        assert!(rx.try_recv().is_err(), "news while the proxy answered 200 each time");
+        let answered = ("closing".to_owned(), true, "istio-proxy answered 200".to_owned());
+        assert_eq!(next(&mut rx).await, answered);
+        until("ten connections", || count(&seen.conns) >= 10).await;
+        // The unchanged answer is no news; a failure would be, and so would the 200 after it.
+        // The next news is the unchanged answer's repeat (due after REPEAT): whatever a probe
+        // on the first ten connections reported came before it.
+        assert_eq!(next(&mut rx).await, answered, "a failure while the proxy answered 200 each time");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -655,11 +736,7 @@ mod tests {
         let (prober, rx) = prober();
         let token = prober.hold("pod-a", endpoint(port));
         drop(rx);
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while prober.probes("pod-a", token) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert!(!prober.probes("pod-a", token), "still held by a prober whose agent is gone");
+        until("the pod given back", || !prober.probes("pod-a", token)).await;
         let again = prober.hold("pod-b", endpoint(port));
         assert!(!prober.probes("pod-b", again), "a pod handed to an ended prober");
     }

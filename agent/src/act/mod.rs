@@ -7,8 +7,9 @@ pub mod ahead;
 mod answer;
 pub mod held;
 pub mod probe;
+mod release;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -26,7 +27,8 @@ use crate::cgroup::CgroupFs;
 use crate::cgroup::created::Creations;
 use crate::cgroup::signal::{Pinned, pin_in_cgroup, signal_cgroup};
 use crate::effect::{ContainerSeen, Count, Effect, Feedback, LeftHeld, Nanos, Pace, RuntimeName};
-use crate::kernel::container_main::find_container_main;
+use crate::kernel::container_main::main_among;
+use crate::kernel::held::HeldLedger;
 use crate::kernel::{KernelControl, RecordOutcome};
 use crate::metrics::{self, KindLabels, Metrics, QuitLabels, ReasonLabels, ResultLabels};
 use crate::pod::state::QuitAhead;
@@ -34,6 +36,9 @@ use crate::runtime::{BundleRole, RuntimeBundles, name_of_process};
 use crate::sidecar::http::Limits;
 use crate::sidecar::quit::{first_attempt, quit};
 use crate::sidecar::{Pending, PodTarget, SidecarLink};
+
+use release::Releaser;
+pub use release::held_at_exec;
 
 /// Feedback for one pod, from a task.
 pub type Report = (String, Feedback);
@@ -77,6 +82,8 @@ pub struct Actuators<K, L> {
     /// Releases kept for [`Actuators::flush_releases`] while a batch of reports is handled.
     releases: Option<Batch>,
     releaser: Option<Releaser>,
+    /// The kernel's record of the processes it stopped (pinned: it outlives this agent).
+    ledger: Option<Arc<HeldLedger>>,
     /// Held processes checked and pinned when they were held, by pid: a release is only the
     /// signal (checking a batch of them at release took half a millisecond).
     pinned: HashMap<u32, Pinned>,
@@ -118,73 +125,6 @@ fn spawn_after_releases(batch: &mut Option<Batch>, task: Pending<()>) {
     }
 }
 
-/// Sends the SIGCONTs of a batch of releases, back to back, then counts and logs them.
-fn send_releases(metrics: &Metrics, batch: Vec<PinnedRelease>) {
-    let sent: Vec<(Release, Result<(), String>)> = batch
-        .into_iter()
-        .map(|(r, pin)| {
-            let sent = match pin {
-                Ok(Some(pinned)) => pinned.signal(libc::SIGCONT).map_err(|e| e.to_string()),
-                // SAFETY: plain syscall; SIGCONT to a process that is not stopped does nothing.
-                Ok(None) if unsafe { libc::kill(r.tgid as i32, libc::SIGCONT) } == 0 => Ok(()),
-                Ok(None) => Err(std::io::Error::last_os_error().to_string()),
-                Err(e) => Err(e),
-            };
-            (r, sent)
-        })
-        .collect();
-    for (Release { tgid, reason, held_ns, .. }, sent) in sent {
-        match sent {
-            Ok(()) => {
-                let held_for = held_ns as f64 / 1e9;
-                // How long apps waited: the sandbox, sidecars and strays run again at once.
-                if !matches!(reason, "not_app" | "untracked") {
-                    metrics.hold_duration.observe(held_for);
-                }
-                metrics.releases.get_or_create(&ReasonLabels { reason }).inc();
-                info!(pid = tgid, reason, held_ms = held_for * 1e3, "released app");
-            }
-            Err(e) => debug!(pid = tgid, "release: {e}"),
-        }
-    }
-}
-
-/// A thread of its own for the signals of a batch of releases. It wakes for the batch, with
-/// its scheduler slice ahead of it, so the apps it signals do not take its CPU before the last
-/// signal (a runtime thread busy with the slot's probes and decisions was preempted by the
-/// first apps it released, and the rest of the batch waited milliseconds for its CPU).
-struct Releaser {
-    tx: std::sync::mpsc::Sender<Vec<PinnedRelease>>,
-    thread: std::thread::JoinHandle<()>,
-}
-
-impl Releaser {
-    fn start(metrics: Arc<Metrics>) -> Option<Releaser> {
-        let (tx, rx) = std::sync::mpsc::channel::<Vec<PinnedRelease>>();
-        let thread = std::thread::Builder::new()
-            .name("valet-release".into())
-            .spawn(move || {
-                for batch in rx {
-                    send_releases(&metrics, batch);
-                }
-            })
-            .map_err(|e| warn!("no release thread, releases go out from the runtime: {e}"))
-            .ok()?;
-        Some(Releaser { tx, thread })
-    }
-
-    /// Hands `batch` to the thread; if it is gone, gives it back.
-    fn send(&self, batch: Vec<PinnedRelease>) -> Result<(), Vec<PinnedRelease>> {
-        self.tx.send(batch).map_err(|std::sync::mpsc::SendError(batch)| batch)
-    }
-
-    /// Returns once every batch handed over is sent.
-    fn finish(self) {
-        drop(self.tx);
-        let _ = self.thread.join();
-    }
-}
-
 impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -201,6 +141,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         let held_prober =
             settings.held_prober.then(|| held::HeldProber::start(link.clone(), reports.clone())).flatten();
         let ahead = Arc::new(ahead::QuitsAhead::new(link.clone(), metrics.clone()));
+        let ledger = kernel.held_ledger();
         Actuators {
             settings,
             cgroups,
@@ -215,7 +156,8 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             reports,
             probes: HashMap::new(),
             releases: None,
-            releaser: Releaser::start(metrics.clone()),
+            releaser: Releaser::start(metrics.clone(), ledger.clone()),
+            ledger,
             pinned: HashMap::new(),
             creations: Creations::new(),
             ahead,
@@ -255,34 +197,6 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         }
     }
 
-    /// Keeps the releases of the effects applied from now on, until [`Actuators::flush_releases`]
-    /// (a batch of probe answers: their apps go on together).
-    pub fn batch_releases(&mut self) {
-        self.releases.get_or_insert_with(Batch::default);
-    }
-
-    /// Carries out the releases kept since [`Actuators::batch_releases`]: every process is
-    /// pinned first (when it was held, or checked and pinned now), then all are signalled back
-    /// to back, and only then the batch's other tasks start. A signalled app takes a CPU at once;
-    /// work between the signals gave it the time to push the rest back.
-    pub fn flush_releases(&mut self) {
-        if let Some(Batch { releases, tasks }) = self.releases.take() {
-            self.release(releases, true);
-            for task in tasks {
-                tokio::spawn(task);
-            }
-        }
-    }
-
-    /// Returns once every release handed to the release thread is sent (before the agent
-    /// exits: no app is left stopped). Releases after this go out from the caller.
-    pub fn finish_releases(&mut self) {
-        self.flush_releases();
-        if let Some(releaser) = self.releaser.take() {
-            releaser.finish();
-        }
-    }
-
     /// New container cgroups in held pods.
     pub fn creations(&mut self) -> &mut Creations {
         &mut self.creations
@@ -305,10 +219,10 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             }
             Effect::ScanContainers { pod_rel, adopt } => Some(Feedback::Containers(self.scan(uid, &pod_rel, adopt))),
             Effect::FindLeftHeld { pod_rel } => Some(Feedback::LeftHeld(self.left_held(&pod_rel, now))),
-            Effect::Watch { pod_cgroup, pod_rel, hold } => {
-                let flags = watch_flags::EXITS | if hold { watch_flags::HOLD } else { 0 };
+            Effect::Watch { pod_cgroup, pod_rel, exits, hold } => {
+                let flags = if exits { watch_flags::EXITS } else { 0 } | if hold { watch_flags::HOLD } else { 0 };
                 if let Err(e) = self.kernel.watch(pod_cgroup, flags) {
-                    warn!(%uid, "register pod cgroup with the kernel: {e}");
+                    warn!(%uid, "register pod cgroup with the kernel: {}", e.chain());
                 }
                 // Every tracked pod: a container is named when its cgroup appears, not when it
                 // ends (the runtime removes cgroup and bundle tens of milliseconds after the end,
@@ -321,13 +235,13 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             Effect::Unwatch { pod_cgroup } => {
                 self.creations.unwatch(pod_cgroup);
                 if let Err(e) = self.kernel.unwatch(pod_cgroup) {
-                    debug!(%uid, "unwatch pod cgroup: {e}");
+                    debug!(%uid, "unwatch pod cgroup: {}", e.chain());
                 }
                 None
             }
             Effect::ClassifyExec { container_cgroup, hold } => {
                 if let Err(e) = self.kernel.classify_exec(container_cgroup, hold) {
-                    debug!(%uid, "classify container cgroup: {e}");
+                    debug!(%uid, "classify container cgroup: {}", e.chain());
                 }
                 None
             }
@@ -347,6 +261,8 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 None
             }
             Effect::Quit { sidecar, instance, endpoint, pod_rel } => {
+                // For observe mode's tax: this pod's sidecars end because valet acted.
+                self.metrics.quit_pods.record(uid);
                 let target = PodTarget { uid: uid.to_owned(), pod_rel: Some(pod_rel), pod_ip: None };
                 let limits = Limits { total_timeout: self.settings.quit_timeout, ..Limits::default() };
                 let (link, reports, retry_for, uid) =
@@ -407,7 +323,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                         Ok(pinned) => {
                             self.pinned.insert(tgid, pinned);
                         }
-                        Err(e) => debug!(%uid, "pin held process: {e} (checked again at release)"),
+                        Err(e) => debug!(%uid, "pin held process: {} (checked again at release)", e.chain()),
                     }
                 }
                 None
@@ -426,7 +342,8 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                     (p.metadata.namespace.clone().unwrap_or_default(), p.metadata.name.clone().unwrap_or_default())
                 });
                 let write = async move {
-                    let error = condition::write(client, &namespace, &name, &want).await.err().map(|e| e.to_string());
+                    let error =
+                        condition::write(client, &namespace, &name, &want).await.err().map(|e| e.chain().to_string());
                     let _ = reports.send((uid, Feedback::ConditionWritten { want, error }));
                 };
                 spawn_after_releases(&mut self.releases, Box::pin(write));
@@ -447,100 +364,84 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
 
     /// The pod's container cgroups, named from the runtime's bundles where they exist.
     fn scan(&mut self, uid: &str, pod_rel: &str, adopt: bool) -> Vec<ContainerSeen> {
-        self.cgroups
+        let containers: Vec<_> = self
+            .cgroups
             .containers(pod_rel)
             .into_iter()
             .map(|c| {
-                let procs = self.cgroups.procs(&c.rel);
-                // A container already running when its pod was first looked at: tell the kernel
-                // which process is its main one (the exec that would have recorded it is past).
-                if adopt && !procs.is_empty() && !self.kernel.exec_seen(c.id) {
-                    self.record_main(uid, &c.rel, c.id);
-                }
-                // The runtime's bundle first; else the kubelet's per-container mount, as a
-                // process of the container sees it.
-                let runtime_name = self
-                    .bundles
-                    .role(&c.container.id, uid)
-                    .map(|role| match role {
-                        BundleRole::Sandbox => RuntimeName::Sandbox,
-                        BundleRole::Container(name) => RuntimeName::Container(name),
-                    })
-                    .or_else(|| {
-                        procs
-                            .iter()
-                            .find_map(|pid| name_of_process(&self.settings.host_proc, *pid, uid))
-                            .map(RuntimeName::Container)
-                    });
-                let exec_done = self.kernel.exec_seen(c.id)
-                    || procs.into_iter().any(|pid| held_at_exec(&self.settings.host_proc, pid));
-                ContainerSeen { cgroup_id: c.id, rel: c.rel, id: c.container.id, runtime_name, exec_done }
+                let procs = self.cgroups.container_procs(&c.rel);
+                (c, procs)
             })
-            .collect()
+            .collect();
+        let mut searched = false;
+        let mut seen = Vec::with_capacity(containers.len());
+        for (i, (c, procs)) in containers.iter().enumerate() {
+            // A container already running when its pod was first looked at: tell the kernel
+            // which process is its main one (the exec that would have recorded it is past).
+            if adopt && !procs.is_empty() && !self.kernel.exec_seen(c.id) {
+                self.record_main(uid, &c.rel, c.id);
+            }
+            let mut role = self.bundles.role(&c.container.id, uid);
+            if role.is_none() && !searched {
+                // Not where the bundles were looked for: ask the runtime that started the pod,
+                // up from this container's processes, then the others' (the sandbox's pause
+                // runs as long as the pod).
+                searched = true;
+                let pod_procs: HashSet<u32> = containers.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+                let starts: Vec<u32> = procs
+                    .iter()
+                    .copied()
+                    .chain(
+                        containers
+                            .iter()
+                            .enumerate()
+                            .filter(|(j, _)| *j != i)
+                            .filter_map(|(_, (_, p))| p.first().copied()),
+                    )
+                    .collect();
+                if self.bundles.find_runtime(&starts, &pod_procs) {
+                    role = self.bundles.role(&c.container.id, uid);
+                }
+            }
+            // The runtime's bundle first; else the kubelet's per-container mount, as a process
+            // of the container sees it.
+            let runtime_name = role
+                .map(|role| match role {
+                    BundleRole::Sandbox => RuntimeName::Sandbox,
+                    BundleRole::Container(name) => RuntimeName::Container(name),
+                })
+                .or_else(|| {
+                    procs
+                        .iter()
+                        .find_map(|pid| name_of_process(&self.settings.host_proc, *pid, uid))
+                        .map(RuntimeName::Container)
+                });
+            let exec_done = self.kernel.exec_seen(c.id)
+                || procs.iter().any(|pid| held_at_exec(&self.settings.host_proc, *pid))
+                || self.recorded_held(&c.rel).next().is_some();
+            seen.push(ContainerSeen {
+                cgroup_id: c.id,
+                rel: c.rel.clone(),
+                id: c.container.id.clone(),
+                runtime_name,
+                exec_done,
+            });
+        }
+        seen
     }
 
     fn record_main(&mut self, uid: &str, rel: &str, cgroup_id: u64) {
-        match find_container_main(&self.settings.host_proc, &self.cgroups.abs(rel)) {
-            Ok(Some(main)) => match self.kernel.record_container_main(cgroup_id, &main) {
-                Ok(RecordOutcome::MapFull) => {
-                    warn!(%uid, cgroup = %rel, "the kernel's container map is full: this container's end is seen by the API only");
-                }
-                Ok(_) => debug!(%uid, cgroup = %rel, pid = main.tgid, "recorded a running container's main process"),
-                Err(e) => debug!(%uid, "record container main: {e}"),
-            },
-            Ok(None) => {}
-            Err(e) => debug!(%uid, "find container main: {e}"),
-        }
-    }
-
-    /// Processes stopped at exec in the pod's containers.
-    fn left_held(&self, pod_rel: &str, now: Nanos) -> Vec<LeftHeld> {
-        let proc = &self.settings.host_proc;
-        let mut found = Vec::new();
-        for c in self.cgroups.containers(pod_rel) {
-            for pid in self.cgroups.procs(&c.rel) {
-                if held_at_exec(proc, pid) {
-                    found.push(LeftHeld { tgid: pid, container_cgroup: c.id, since: stopped_since(proc, pid, now) });
-                }
+        // The whole subtree: a main process may have moved below the container's cgroup (a
+        // nested runtime's), and its processes' pid namespaces tell the main one apart.
+        let pids = self.cgroups.procs_recursive(rel);
+        let Some(main) = main_among(&self.settings.host_proc, &pids) else { return };
+        match self.kernel.record_container_main(cgroup_id, &main) {
+            Ok(RecordOutcome::MapFull) => {
+                warn!(%uid, cgroup = %rel, "the kernel's container map is full: this container's end is seen by the API only");
             }
+            Ok(_) => debug!(%uid, cgroup = %rel, pid = main.tgid, "recorded a running container's main process"),
+            Err(e) => debug!(%uid, "record container main: {}", e.chain()),
         }
-        found
-    }
-
-    /// Pinned processes that exited while held (their pod's state forgot them): their fds go.
-    pub fn prune_pinned(&mut self) {
-        self.pinned.retain(|_, p| !p.exited());
-    }
-
-    /// Checks and pins every process of `batch` not pinned yet, then signals them (see
-    /// [`Releaser`]).
-    fn release(&mut self, batch: Vec<Release>, on_releaser: bool) {
-        let pinned: Vec<PinnedRelease> = batch
-            .into_iter()
-            .map(|r| {
-                // Pinned when held, and still there (else pinned now: a new process may have the
-                // pid of one that exited while held).
-                if let Some(pinned) = self.pinned.remove(&r.tgid).filter(|p| !p.exited()) {
-                    return (r, Ok(Some(pinned)));
-                }
-                // Held in a container valet cannot place (empty): never leave it stopped.
-                let pin = (!r.container_rel.is_empty())
-                    .then(|| pin_in_cgroup(&self.cgroups, r.tgid, &r.container_rel).map_err(|e| e.to_string()))
-                    .transpose();
-                (r, pin)
-            })
-            .collect();
-        let pinned = match &self.releaser {
-            Some(releaser) if on_releaser => match releaser.send(pinned) {
-                Ok(()) => return,
-                Err(pinned) => {
-                    warn!("the release thread is gone: releasing from the runtime");
-                    pinned
-                }
-            },
-            _ => pinned,
-        };
-        send_releases(&self.metrics, pinned);
     }
 
     fn count(&self, count: Count) {
@@ -575,49 +476,13 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     }
 }
 
-/// Whether a process is stopped (state `T` in /proc/<pid>/stat).
-fn process_stopped(host_proc: &Path, pid: u32) -> bool {
-    std::fs::read_to_string(host_proc.join(pid.to_string()).join("stat"))
-        .ok()
-        .and_then(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()).map(|st| st == "T"))
-        .unwrap_or(false)
-}
-
-/// Whether a process is pid 1 of a pid namespace below the host's (the last `NSpid` entry is 1),
-/// that is a container's init, the only kind of process the kernel holds.
-fn is_ns_init(host_proc: &Path, pid: u32) -> bool {
-    std::fs::read_to_string(host_proc.join(pid.to_string()).join("status"))
-        .ok()
-        .and_then(|s| {
-            let ids: Vec<&str> = s.lines().find_map(|l| l.strip_prefix("NSpid:"))?.split_whitespace().collect();
-            Some(ids.len() > 1 && ids.last() == Some(&"1"))
-        })
-        .unwrap_or(false)
-}
-
-/// Whether a process looks held at exec: a container's init, stopped. A killed agent leaves
-/// such processes behind; its successor takes them over.
-pub fn held_at_exec(host_proc: &Path, pid: u32) -> bool {
-    process_stopped(host_proc, pid) && is_ns_init(host_proc, pid)
-}
-
-/// When a process left stopped at exec was stopped, on the monotonic clock: it is held right
-/// after it starts, so its start time (boot-relative, as the monotonic clock on a node that never
-/// suspends) stands for it. Unknown: now.
-fn stopped_since(host_proc: &Path, pid: u32, now: Nanos) -> Nanos {
-    // SAFETY: sysconf has no preconditions.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    let Some(start) = crate::kernel::container_main::start_time(host_proc, pid) else { return now };
-    if ticks <= 0 {
-        return now;
-    }
-    let started = start.saturating_mul(1_000_000_000) / ticks as u64;
-    started.min(now)
-}
-
 #[cfg(test)]
 mod tests {
+    use super::release::*;
     use super::*;
+
+    /// Only a guard against a hang: the tests wait for events, never for a time.
+    const HANG_GUARD: Duration = Duration::from_secs(30);
 
     #[tokio::test]
     async fn the_tasks_of_a_batch_start_once_its_releases_are_out() {
@@ -630,17 +495,19 @@ mod tests {
         };
         let mut batch = Some(Batch::default());
         spawn_after_releases(&mut batch, task(1));
-        tokio::task::yield_now().await;
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // A task spawned after it: on this single-threaded runtime, spawned tasks run in order,
+        // so had the batch's task started, its message would come first.
+        tokio::spawn(task(0));
+        assert_eq!(tokio::time::timeout(HANG_GUARD, rx.recv()).await.ok().flatten(), Some(0));
         assert!(rx.try_recv().is_err(), "a task of the batch ran before its releases");
         // What flush_releases does once the releases are handed over.
         for task in batch.take().map(|b| b.tasks).unwrap_or_default() {
             tokio::spawn(task);
         }
-        assert_eq!(tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.ok().flatten(), Some(1));
+        assert_eq!(tokio::time::timeout(HANG_GUARD, rx.recv()).await.ok().flatten(), Some(1));
         // No batch kept: at once.
         spawn_after_releases(&mut batch, task(2));
-        assert_eq!(tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.ok().flatten(), Some(2));
+        assert_eq!(tokio::time::timeout(HANG_GUARD, rx.recv()).await.ok().flatten(), Some(2));
     }
 
     #[test]
@@ -682,8 +549,9 @@ mod tests {
         let child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
         // SAFETY: plain syscall to our own child.
         unsafe { libc::kill(child.id() as i32, libc::SIGSTOP) };
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while !process_stopped(Path::new("/proc"), child.id()) && std::time::Instant::now() < deadline {
+        let deadline = std::time::Instant::now() + HANG_GUARD;
+        while !process_stopped(Path::new("/proc"), child.id()) {
+            assert!(std::time::Instant::now() < deadline, "child {} never stopped", child.id());
             std::thread::sleep(Duration::from_millis(5));
         }
         child
@@ -704,12 +572,12 @@ mod tests {
         let batch: Vec<PinnedRelease> = [a.id(), b.id(), stranger.id()]
             .into_iter()
             .map(|pid| {
-                let pin = pin_in_cgroup(&cgroups, pid, rel).map(Some).map_err(|e| e.to_string());
+                let pin = pin_in_cgroup(&cgroups, pid, rel).map(Some).map_err(|e| e.chain().to_string());
                 (release(pid), pin)
             })
             .collect();
         let metrics = Arc::new(Metrics::new());
-        let releaser = Releaser::start(metrics.clone()).expect("release thread");
+        let releaser = Releaser::start(metrics.clone(), None).expect("release thread");
         assert!(releaser.send(batch).is_ok());
         // Shutdown waits for what was handed over: nothing is left stopped behind the agent.
         releaser.finish();

@@ -1,20 +1,22 @@
 //! The `valet.dev/ProxyReady` pod condition, written through `pods/status` with a strategic merge
 //! patch (conditions merge by `type`, so the kubelet's own conditions are untouched).
 
+use std::time::Duration;
+
 use k8s_openapi::api::core::v1::{Pod, PodCondition};
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 
 use crate::error::Result;
+pub use crate::vocab::ProxyReady;
 
 pub const CONDITION_TYPE: &str = "valet.dev/ProxyReady";
 
-/// The condition valet wants on a pod.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ProxyReady {
-    pub ready: bool,
-    pub reason: &'static str,
-    pub message: String,
+/// How long after its `failures`-th failure in a row a pod's condition write is tried again:
+/// 1 s, doubling up to 30 s. A write that fails fast (a 500) was otherwise made again at every
+/// tick, four times a second per pod, for as long as the API server failed.
+pub fn retry_after(failures: u32) -> Duration {
+    Duration::from_secs(1u64 << failures.saturating_sub(1).min(5)).min(Duration::from_secs(30))
 }
 
 /// Whether the pod already carries this condition with the same status and reason: then no
@@ -57,6 +59,13 @@ pub async fn write(client: Client, namespace: &str, name: &str, want: &ProxyRead
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failed_writes_back_off_up_to_half_a_minute() {
+        let secs: Vec<u64> = (1..=8).map(|n| retry_after(n).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 30, 30, 30]);
+        assert_eq!(retry_after(u32::MAX), Duration::from_secs(30));
+    }
 
     #[test]
     fn detects_an_unchanged_condition() {

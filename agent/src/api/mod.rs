@@ -20,6 +20,26 @@ pub const MAX_WRITES_IN_FLIGHT: usize = 4;
 /// fails is retried at the pod's next probe result.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a request of the pod watch (a list, the start of a watch) may take until the API
+/// server's answer begins. kube's watcher awaits both without a timeout, and its idle timeout
+/// covers only a watch stream that has started: a server that took the request and never
+/// answered held the watch, and left new pods unseen, for as long as the connection lived. A
+/// watch stream itself is not bounded by this (its body comes after the answer's head).
+pub const WATCH_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The client the pod watch uses: `builder`'s stack, each request bounded by
+/// [`WATCH_REQUEST_TIMEOUT`] until its answer begins.
+pub fn watch_client<S, B>(builder: ClientBuilder<S>) -> Client
+where
+    S: tower::Service<http::Request<kube::client::Body>, Response = http::Response<B>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<tower::BoxError>,
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<tower::BoxError>,
+{
+    builder.with_layer(&tower::timeout::TimeoutLayer::new(WATCH_REQUEST_TIMEOUT)).build()
+}
+
 /// The client the agent writes with: `builder`'s stack with at most [`MAX_WRITES_IN_FLIGHT`]
 /// requests in flight, each bounded by [`WRITE_TIMEOUT`] (from when it is sent, not queued). The
 /// pod watch has a client of its own, so that writes waiting never delay a re-list.
@@ -48,12 +68,14 @@ mod tests {
     type Handle = tower_test::mock::Handle<http::Request<Body>, http::Response<Body>>;
     type Call = (http::Request<Body>, tower_test::mock::SendResponse<http::Response<Body>>);
 
-    /// The next request to reach the server, if one does within 300 ms.
+    /// The next request to reach the server, if one does before the runtime has nothing left to
+    /// run: on a paused clock, time moves only then, so the 300 ms are no window a busy machine
+    /// can close.
     async fn next(h: &mut Handle) -> Option<Call> {
         tokio::time::timeout(Duration::from_millis(300), h.next_request()).await.ok().flatten()
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn at_most_four_writes_are_in_flight() {
         let (service, mut handle) = tower_test::mock::pair::<http::Request<Body>, http::Response<Body>>();
         let client = writes_client(ClientBuilder::new(service, "default"));
@@ -87,6 +109,44 @@ mod tests {
             served += 1;
         }
         assert_eq!(served, 10);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_request_left_unanswered_fails_after_its_timeout_and_an_answered_one_streams_on() {
+        use futures::{SinkExt as _, StreamExt as _};
+        type Chunks = futures::channel::mpsc::Receiver<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>;
+        type Streamed = http_body_util::StreamBody<Chunks>;
+        let (service, mut handle) = tower_test::mock::pair::<http::Request<Body>, http::Response<Streamed>>();
+        let api: Api<Pod> = Api::all(watch_client(ClientBuilder::new(service, "default")));
+        let started = tokio::time::Instant::now();
+        let list = tokio::spawn({
+            let api = api.clone();
+            async move { api.list(&kube::api::ListParams::default()).await }
+        });
+        let _unanswered = handle.next_request().await.expect("the list is sent");
+        let result = list.await.expect("task");
+        assert!(result.is_err(), "an unanswered list fails: {result:?}");
+        assert!(started.elapsed() >= WATCH_REQUEST_TIMEOUT, "after {:?}", started.elapsed());
+
+        // A watch answered at once streams on for longer than the timeout: a later event comes.
+        let watch = tokio::spawn(async move {
+            let stream = api.watch(&kube::api::WatchParams::default(), "0").await?;
+            let mut stream = std::pin::pin!(stream);
+            stream.next().await.transpose()
+        });
+        let (_, send) = handle.next_request().await.expect("the watch is sent");
+        let (mut tx, rx) = futures::channel::mpsc::channel(1);
+        send.send_response(
+            http::Response::builder().status(200).body(http_body_util::StreamBody::new(rx)).expect("a response"),
+        );
+        tokio::time::sleep(WATCH_REQUEST_TIMEOUT * 3).await;
+        let line = concat!(
+            r#"{"type":"ADDED","object":{"apiVersion":"v1","kind":"Pod","metadata":{"name":"p","resourceVersion":"2"}}}"#,
+            "\n"
+        );
+        tx.send(Ok(http_body::Frame::data(bytes::Bytes::from(line)))).await.expect("send a line");
+        let event = watch.await.expect("task");
+        assert!(matches!(event, Ok(Some(kube::api::WatchEvent::Added(_)))), "{event:?}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -105,6 +105,9 @@ const MAX_PATH_LEN: usize = 4096;
 const CONTAINER_ID_LEN: usize = 64;
 const SYSTEMD_ROOT: &str = "kubepods.slice";
 const CGROUPFS_ROOT: &str = "kubepods";
+/// crun's default `run.oci.systemd.subgroup`: the cgroup below a container's scope where its
+/// processes run.
+const CRUN_SUBGROUP: &str = "container";
 /// CRI-O's monitor process gets a scope of its own next to the container's; it is not the container.
 const CRIO_CONMON_PREFIX: &str = "crio-conmon-";
 
@@ -163,7 +166,7 @@ fn classify_cgroupfs(rest: &[&str]) -> Option<CgroupKind> {
     };
     let uid = rest.first()?.strip_prefix("pod").and_then(canonical_uid)?;
     let pod = PodCgroup { uid, qos, driver: Driver::Cgroupfs };
-    Some(match &rest[1..] {
+    Some(match runtime_subgroup_folded(&rest[1..]) {
         [] => CgroupKind::Pod(pod),
         [leaf] => {
             if leaf.starts_with(CRIO_CONMON_PREFIX) {
@@ -196,7 +199,7 @@ fn classify_systemd(prefix: &str, rest: &[&str]) -> Option<CgroupKind> {
     let uid =
         pod_slice.strip_prefix(expected_head.as_str()).and_then(|n| n.strip_suffix(".slice")).and_then(systemd_uid)?;
     let pod = PodCgroup { uid, qos, driver: Driver::Systemd };
-    Some(match rest {
+    Some(match runtime_subgroup_folded(rest) {
         [] => CgroupKind::Pod(pod),
         [scope] => {
             let Some(name) = scope.strip_suffix(".scope") else {
@@ -212,6 +215,16 @@ fn classify_systemd(prefix: &str, rest: &[&str]) -> Option<CgroupKind> {
         }
         _ => CgroupKind::NotPodContainer,
     })
+}
+
+/// What follows a pod cgroup, with crun's sub-cgroup folded into its container: crun (under
+/// containerd or CRI-O, systemd driver) runs a container's processes in `<scope>/container`,
+/// leaving the scope itself empty, and that is still the container.
+fn runtime_subgroup_folded<'a>(rest: &'a [&'a str]) -> &'a [&'a str] {
+    match rest {
+        [_, sub] if *sub == CRUN_SUBGROUP => &rest[..1],
+        _ => rest,
+    }
 }
 
 fn container(pod: PodCgroup, runtime: Option<Runtime>, id: &str) -> CgroupKind {
@@ -482,10 +495,14 @@ mod tests {
             format!("/kubepods.slice/kubepods-pod{UID_}.slice/containerd-{ID}.scope"),
             format!("/kubepods.slice/kubepods-pod{UID_}.slice/crio-conmon-{ID}.scope"),
             format!("/kubepods.slice/kubepods-pod{UID_}.slice/cri-containerd-{}.scope", &ID[2..]),
-            // Extra components under a container.
+            // Extra components under a container (crun's one `container` level is the container).
             format!("/kubepods/pod{UID}/{ID}/child"),
-            format!("/kubepods.slice/kubepods-pod{UID_}.slice/crio-{ID}.scope/container"),
             format!("/kubepods.slice/kubepods-pod{UID_}.slice/crio-{ID}.scope/{ID}"),
+            format!("/kubepods.slice/kubepods-pod{UID_}.slice/crio-{ID}.scope/container/container"),
+            format!("/kubepods.slice/kubepods-pod{UID_}.slice/crio-{ID}.scope/container/x"),
+            format!("/kubepods.slice/kubepods-pod{UID_}.slice/crio-{ID}.scope/Container"),
+            format!("/kubepods.slice/kubepods-pod{UID_}.slice/container"),
+            format!("/kubepods/pod{UID}/container"),
             // Non-ASCII, control characters, very long.
             format!("/kubepods/pod{UID}/{}é", &ID[1..]),
             format!("/kübepods/pod{UID}"),
@@ -536,6 +553,23 @@ mod tests {
         // The same planted names under a prefix that holds no pod are kubelet roots (kind nodes).
         let kind_node = format!("/docker/{ID}/kubepods/besteffort/pod{OTHER}");
         assert!(matches!(classify(&kind_node), CgroupKind::Pod(p) if p.uid == OTHER));
+    }
+
+    #[test]
+    fn crun_runs_a_container_one_level_below_its_scope() {
+        let scope = format!(
+            "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID_}.slice/cri-containerd-{ID}.scope"
+        );
+        let crio = format!("/kubepods.slice/kubepods-pod{UID_}.slice/crio-{ID}.scope");
+        let cgroupfs = format!("/kubepods/burstable/pod{UID}/{ID}");
+        for leaf in [&scope, &crio, &cgroupfs] {
+            let CgroupKind::Container(c) = classify(leaf) else { panic!("{leaf} is a container") };
+            assert_eq!(classify(&format!("{leaf}/container")), CgroupKind::Container(c.clone()), "{leaf}/container");
+            assert_eq!(c.id, ID);
+        }
+        // A planted pod below crun's level is still nothing.
+        let planted = format!("{scope}/container/kubepods/pod{UID}");
+        assert_eq!(classify(&planted), CgroupKind::NotPodContainer);
     }
 
     #[test]

@@ -146,6 +146,14 @@ impl CgroupFs {
             .unwrap_or_default()
     }
 
+    /// A container's processes: those of its cgroup, else those below it. runc puts them in the
+    /// container's cgroup itself; crun one level below (`<scope>/container`), leaving the scope
+    /// empty; only then is the directory read.
+    pub fn container_procs(&self, rel: &str) -> Vec<u32> {
+        let own = self.procs(rel);
+        if own.is_empty() { self.procs_recursive(rel) } else { own }
+    }
+
     /// Processes in a cgroup and every cgroup below it.
     pub fn procs_recursive(&self, rel: &str) -> Vec<u32> {
         let mut out = self.procs(rel);

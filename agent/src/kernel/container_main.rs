@@ -96,9 +96,15 @@ pub fn read_process(host_proc: &Path, pid: u32) -> Option<ProcInfo> {
 pub fn find_container_main(host_proc: &Path, cgroup_dir: &Path) -> Result<Option<MainProcess>> {
     let path = cgroup_dir.join("cgroup.procs");
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(format!("read {}", path.display()), e))?;
-    let procs: Vec<ProcInfo> =
-        text.lines().filter_map(|l| l.trim().parse().ok()).filter_map(|pid| read_process(host_proc, pid)).collect();
-    Ok(choose_main(&procs))
+    let pids: Vec<u32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+    Ok(main_among(host_proc, &pids))
+}
+
+/// The main process among a container's processes, wherever they sit in its cgroup subtree (crun
+/// runs them one level below the container's cgroup; a main process may move deeper).
+pub fn main_among(host_proc: &Path, pids: &[u32]) -> Option<MainProcess> {
+    let procs: Vec<ProcInfo> = pids.iter().filter_map(|pid| read_process(host_proc, *pid)).collect();
+    choose_main(&procs)
 }
 
 #[cfg(test)]

@@ -11,35 +11,7 @@ use tokio::io::unix::AsyncFd;
 use valet_common::{KernelEvent, event_flags, event_kind};
 
 use crate::error::{Error, Result};
-
-/// How a process ended, decoded from a wait(2) status.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ProcessEnd {
-    /// `exit(n)` or return from main.
-    Exited(i32),
-    /// Killed by a signal.
-    Signaled { signal: i32, core_dumped: bool },
-}
-
-impl ProcessEnd {
-    /// Decodes `task_struct.exit_code`: status in bits 8–15, signal in bits 0–6, core in bit 7.
-    pub fn from_wait_status(raw: u32) -> ProcessEnd {
-        let signal = (raw & 0x7f) as i32;
-        if signal == 0 {
-            ProcessEnd::Exited(((raw >> 8) & 0xff) as i32)
-        } else {
-            ProcessEnd::Signaled { signal, core_dumped: raw & 0x80 != 0 }
-        }
-    }
-
-    /// The exit code a container runtime reports for this end (128 + signal for signals).
-    pub fn container_exit_code(&self) -> i32 {
-        match *self {
-            ProcessEnd::Exited(code) => code,
-            ProcessEnd::Signaled { signal, .. } => 128 + signal,
-        }
-    }
-}
+pub use crate::vocab::ProcessEnd;
 
 /// A whole-process exit in a watched pod that can end its container. The kernel reports only:
 /// * the exit of a container's recorded main process (`container_main`): the container ended;

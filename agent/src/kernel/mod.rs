@@ -3,6 +3,7 @@
 pub mod btf;
 pub mod container_main;
 pub mod events;
+pub mod held;
 pub mod layout;
 pub mod programs;
 
@@ -32,6 +33,11 @@ pub trait KernelControl: Send {
     fn record_container_main(&mut self, container_cgroup_id: u64, main: &MainProcess) -> Result<RecordOutcome>;
     fn counter(&self, counter: Counter) -> u64;
     fn detach(&mut self);
+    /// The record of processes the kernel stopped at exec, where there is one (not in tests
+    /// that run the loop without a kernel).
+    fn held_ledger(&self) -> Option<std::sync::Arc<held::HeldLedger>> {
+        None
+    }
 }
 
 /// Batches of decoded kernel events.
@@ -71,6 +77,10 @@ impl KernelControl for Programs {
 
     fn detach(&mut self) {
         Programs::detach(self);
+    }
+
+    fn held_ledger(&self) -> Option<std::sync::Arc<held::HeldLedger>> {
+        Some(Programs::held_ledger(self))
     }
 }
 

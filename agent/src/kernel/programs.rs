@@ -9,12 +9,14 @@ use aya::{
 use tracing::{debug, info, warn};
 use valet_common::{
     ContainerMain, Counter, EXEC_CLASS_HOLD, EXEC_CLASS_PASS, GLOBAL_LAYOUT, KernelLayout, MAP_CALIBRATION,
-    MAP_CONTAINERS, MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_WATCHED, MAX_HOST_PIDNS_LEVEL,
-    PROG_CALIBRATE, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT, PROG_EXIT_WALK, container_flags,
+    MAP_CONTAINERS, MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_HELD, MAP_WATCHED,
+    MAX_HOST_PIDNS_LEVEL, PIN_HELD, PROG_CALIBRATE, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT, PROG_EXIT_WALK,
+    container_flags,
 };
 
 use super::btf::Btf;
 use super::container_main::MainProcess;
+use super::held::{HeldLedger, prepare_pin_dir};
 use super::layout::{find_tracefs, pidns_inum, read_layout, supports_ancestor_walk};
 use crate::error::{Error, Result};
 
@@ -23,13 +25,26 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/va
 
 /// The absolute level of the pid namespace whose inode number is `inum`, which this process
 /// lives in: the calibration program records it from one of our own threads' exit.
-fn calibrate(layout: &KernelLayout, inum: u32) -> Result<u32> {
+fn calibrate(layout: &KernelLayout, inum: u32, memlock_limit: Option<u64>) -> Result<u32> {
     let mut l = *layout;
     l.host_pidns_inum = inum;
-    let mut ebpf = EbpfLoader::new()
-        .override_global(GLOBAL_LAYOUT, &l, true)
+    let mut loader = EbpfLoader::new();
+    loader.btf(None).override_global(GLOBAL_LAYOUT, &l, true);
+    // Loading the object creates every map in it, and this program uses none of the big ones:
+    // the smallest of each, so that the calibration does not double what kernels before 5.11
+    // charge to RLIMIT_MEMLOCK (its maps are freed only after it, by a kernel worker).
+    // SAFETY: sysconf has no preconditions.
+    let page = u32::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    for map in [MAP_WATCHED, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_CONTAINERS, MAP_HELD] {
+        loader.map_max_entries(map, 1);
+    }
+    // Ring buffers: at least a page (a power of two).
+    for map in [MAP_EVENTS, "AYA_LOGS"] {
+        loader.map_max_entries(map, page);
+    }
+    let mut ebpf = loader
         .load(OBJECT)
-        .map_err(|e| Error::ebpf_object("load object (calibration)", e))?;
+        .map_err(|e| Error::ebpf_object(format!("load object (calibration){}", memlock_hint(memlock_limit)), e))?;
     let program: &mut TracePoint = ebpf
         .program_mut(PROG_CALIBRATE)
         .ok_or_else(|| Error::Ebpf(format!("program {PROG_CALIBRATE} missing from object")))?
@@ -128,6 +143,7 @@ pub struct Programs {
     exec_seen: HashMap<MapData, u64, u8>,
     containers: HashMap<MapData, u64, ContainerMain>,
     counters: PerCpuArray<MapData, u64>,
+    held: std::sync::Arc<HeldLedger>,
     events: Option<RingBuf<MapData>>,
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
     layout: KernelLayout,
@@ -144,7 +160,18 @@ impl Programs {
     /// hostPID), loads the object and attaches the requested tracepoints.
     /// `host_root` is where the host's `/sys` is visible (`/` outside a container).
     pub fn load(host_root: &std::path::Path, attach: Attach) -> Result<Programs> {
-        raise_memlock_limit();
+        Programs::load_pinned(host_root, attach, None)
+    }
+
+    /// [`Programs::load`], with the held-process map pinned in `pin_dir` (on bpffs, made or
+    /// mounted if need be; an existing pin is taken over with the records an earlier agent
+    /// left). Without a usable directory the map is not pinned, and that is logged.
+    pub fn load_pinned(
+        host_root: &std::path::Path,
+        attach: Attach,
+        pin_dir: Option<&std::path::Path>,
+    ) -> Result<Programs> {
+        let memlock_limit = raise_memlock_limit();
         let tracefs = match find_tracefs(host_root) {
             Ok(path) => path,
             Err(e) => mount_tracefs(host_root).ok_or(e)?,
@@ -152,6 +179,10 @@ impl Programs {
         let btf_path = host_root.join("sys/kernel/btf/vmlinux");
         let btf = Btf::from_file(&btf_path)?;
         let mut layout = read_layout(&btf, &tracefs)?;
+        // Gone before the loader parses the kernel's BTF once more (aya's `EbpfLoader::new`
+        // always does): the two parses at once were the agent's peak memory.
+        drop(btf);
+        trim_heap();
         let host_ns = match attach.host_pidns_of {
             Some(pid) => format!("/proc/{pid}/ns/pid"),
             None => "/proc/self/ns/pid".to_owned(),
@@ -164,10 +195,10 @@ impl Programs {
             Some(pid) => nspid_depth(pid)?,
             None => 0,
         };
-        layout.host_pidns_level = match calibrate(&layout, own) {
+        layout.host_pidns_level = match calibrate(&layout, own, memlock_limit) {
             Ok(level) => level + deeper,
             Err(e) => {
-                warn!("cannot tell the host's pid namespace level ({e}): taking the kernel's initial one");
+                warn!("cannot tell the host's pid namespace level ({}): taking the kernel's initial one", e.chain());
                 deeper
             }
         };
@@ -179,10 +210,28 @@ impl Programs {
         }
         debug!(?layout, "kernel layout from BTF");
 
-        let mut ebpf = EbpfLoader::new()
-            .override_global(GLOBAL_LAYOUT, &layout, true)
-            .load(OBJECT)
-            .map_err(|e| Error::ebpf_object("load object", e))?;
+        let mut pinned = pin_dir.and_then(prepare_pin_dir).map(|dir| dir.join(PIN_HELD));
+        let load = |pin: Option<&std::path::Path>| {
+            let mut loader = EbpfLoader::new();
+            // The programs read the kernel through offsets in LAYOUT (from our own BTF reader):
+            // no CO-RE relocation needs the kernel's BTF, and aya parsing it again (megabytes
+            // of types) was most of the agent's peak memory.
+            loader.btf(None).override_global(GLOBAL_LAYOUT, &layout, true);
+            if let Some(pin) = pin {
+                loader.map_pin_path(MAP_HELD, pin);
+            }
+            loader.load(OBJECT)
+        };
+        let mut ebpf = match load(pinned.as_deref()) {
+            Ok(ebpf) => ebpf,
+            Err(e) if pinned.is_some() => {
+                // Holds that do not survive the agent beat no holds at all.
+                warn!("cannot pin the record of held apps ({e}): apps held when this agent dies stay stopped");
+                pinned = None;
+                load(None).map_err(|e| Error::ebpf_object(format!("load object{}", memlock_hint(memlock_limit)), e))?
+            }
+            Err(e) => return Err(Error::ebpf_object(format!("load object{}", memlock_hint(memlock_limit)), e)),
+        };
 
         // Kernel-side diagnostics go to our log; the logger must outlive the programs.
         let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
@@ -266,12 +315,25 @@ impl Programs {
         let containers = HashMap::try_from(take(&mut ebpf, MAP_CONTAINERS)?).map_err(map_err(MAP_CONTAINERS))?;
         let counters = PerCpuArray::try_from(take(&mut ebpf, MAP_COUNTERS)?).map_err(map_err(MAP_COUNTERS))?;
         let events = RingBuf::try_from(take(&mut ebpf, MAP_EVENTS)?).map_err(map_err(MAP_EVENTS))?;
+        let held = HashMap::try_from(take(&mut ebpf, MAP_HELD)?).map_err(map_err(MAP_HELD))?;
+        let held = std::sync::Arc::new(HeldLedger::new(held, pinned));
+        let memlock = BpfMemlock::of_this_process();
+        info!(
+            maps = memlock.maps,
+            map_kib = memlock.map_bytes / 1024,
+            programs = memlock.programs,
+            program_kib = memlock.program_bytes / 1024,
+            rlimit_memlock_kib = ?memlock_limit.map(|b| b / 1024),
+            "BPF memory (fdinfo memlock; kernels before 5.11 charge it to RLIMIT_MEMLOCK)"
+        );
         info!(
             attached = ?links.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
             group_dead_field = layout.tp_exit_group_dead != valet_common::OFFSET_UNKNOWN,
             host_pidns_inum = layout.host_pidns_inum,
             host_pidns_level = layout.host_pidns_level,
             ?ancestors,
+            held_pinned = ?held.pinned(),
+            held_left = held.records().len(),
             "kernel programs attached"
         );
         Ok(Programs {
@@ -281,6 +343,7 @@ impl Programs {
             exec_seen,
             containers,
             counters,
+            held,
             events: Some(events),
             logger,
             layout,
@@ -303,6 +366,11 @@ impl Programs {
     /// The layout the programs were loaded with.
     pub fn layout(&self) -> &KernelLayout {
         &self.layout
+    }
+
+    /// The record of processes stopped at exec (shared with the release thread).
+    pub fn held_ledger(&self) -> std::sync::Arc<HeldLedger> {
+        self.held.clone()
     }
 
     /// Hands out the event ring buffer (once) for [`super::events::EventStream`].
@@ -333,12 +401,6 @@ impl Programs {
     pub fn classify_exec(&mut self, container_cgroup_id: u64, hold: bool) -> Result<()> {
         let class = if hold { EXEC_CLASS_HOLD } else { EXEC_CLASS_PASS };
         self.exec_class.insert(container_cgroup_id, class, 0).map_err(map_err(MAP_EXEC_CLASS))
-    }
-
-    /// Forgets a container cgroup in the exec maps (it was removed). Same as
-    /// [`Programs::forget_container`].
-    pub fn forget_exec(&mut self, container_cgroup_id: u64) {
-        self.forget_container(container_cgroup_id);
     }
 
     /// Forgets everything the kernel keeps about a container cgroup (its main process record,
@@ -468,12 +530,89 @@ fn mount_tracefs(host_root: &std::path::Path) -> Option<std::path::PathBuf> {
     }
 }
 
-/// BPF maps are charged to the memlock rlimit on kernels before 5.11; lift it.
-fn raise_memlock_limit() {
-    let limit = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
-    // SAFETY: plain syscall with a valid pointer.
-    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) } != 0 {
-        debug!("setrlimit(RLIMIT_MEMLOCK) failed: {}", std::io::Error::last_os_error());
+/// Gives freed heap back to the node (glibc keeps it otherwise).
+pub fn trim_heap() {
+    // SAFETY: glibc's malloc_trim only releases free memory.
+    unsafe { libc::malloc_trim(0) };
+}
+
+/// BPF maps and programs are charged to the memlock rlimit on kernels before 5.11; lift it
+/// (needs CAP_SYS_RESOURCE to go above the hard limit). Returns the soft limit in effect after,
+/// `None` for unlimited.
+fn raise_memlock_limit() -> Option<u64> {
+    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: plain syscalls with valid pointers.
+    unsafe {
+        if libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) != 0 {
+            debug!("setrlimit(RLIMIT_MEMLOCK, unlimited) failed: {}", std::io::Error::last_os_error());
+            // Up to the hard limit needs no capability.
+            let mut have = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut have) == 0 && have.rlim_cur < have.rlim_max {
+                have.rlim_cur = have.rlim_max;
+                let _ = libc::setrlimit(libc::RLIMIT_MEMLOCK, &have);
+            }
+        }
+        let mut now = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut now) != 0 || now.rlim_cur == libc::RLIM_INFINITY {
+            return None;
+        }
+        Some(now.rlim_cur)
+    }
+}
+
+/// Said with a failed load when RLIMIT_MEMLOCK is finite on a kernel before 5.11: there a map
+/// the limit cannot hold fails with EPERM, which reads like a missing capability.
+fn memlock_hint(limit: Option<u64>) -> String {
+    match limit {
+        Some(bytes) if kernel_charges_memlock() => format!(
+            " (RLIMIT_MEMLOCK is {} KiB and could not be raised: kernels before 5.11 charge BPF maps to it; \
+             CAP_SYS_RESOURCE lets the agent lift it)",
+            bytes / 1024
+        ),
+        _ => String::new(),
+    }
+}
+
+/// Whether the running kernel charges BPF objects to RLIMIT_MEMLOCK (before 5.11).
+fn kernel_charges_memlock() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut parts = release.trim().split(['.', '-']).map(|p| p.parse::<u32>().ok());
+    match (parts.next().flatten(), parts.next().flatten()) {
+        (Some(major), Some(minor)) => (major, minor) < (5, 11),
+        // Unknown: say it, the hint costs nothing.
+        _ => true,
+    }
+}
+
+/// The memory the kernel reports charged for this process's BPF objects: the `memlock:` line
+/// of every map and program fd in `/proc/self/fdinfo`. Kernels before 5.11 charge exactly this
+/// to RLIMIT_MEMLOCK (per user: every process of the agent's uid adds to the same sum); later
+/// kernels charge the memory cgroup instead and show their own estimate here.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BpfMemlock {
+    pub maps: u32,
+    pub map_bytes: u64,
+    pub programs: u32,
+    pub program_bytes: u64,
+}
+
+impl BpfMemlock {
+    pub fn of_this_process() -> BpfMemlock {
+        let mut sum = BpfMemlock::default();
+        let Ok(dir) = std::fs::read_dir("/proc/self/fdinfo") else { return sum };
+        for entry in dir.flatten() {
+            let Ok(text) = std::fs::read_to_string(entry.path()) else { continue };
+            let field = |name: &str| text.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
+            let Some(bytes) = field("memlock:").and_then(|v| v.parse::<u64>().ok()) else { continue };
+            if field("map_type:").is_some() {
+                sum.maps += 1;
+                sum.map_bytes += bytes;
+            } else if field("prog_type:").is_some() {
+                sum.programs += 1;
+                sum.program_bytes += bytes;
+            }
+        }
+        sum
     }
 }
 

@@ -183,6 +183,7 @@ mod tests {
             hold_app: false,
             hold_timeout: DEFAULT_HOLD_TIMEOUT,
             istio_holds_app: false,
+            host_pid: false,
             pod_ip: None,
             deleting: false,
         }

@@ -5,10 +5,9 @@
 //! misreads could lose its proxy while the app still needs it, or keep a Job running forever.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
-use std::str::FromStr;
 use std::time::Duration;
 
+pub use crate::vocab::{Endpoint, Sidecar, SidecarKind, UnknownKind};
 use k8s_openapi::api::core::v1::{Container, Pod};
 
 /// Every valet annotation lives under this prefix; unknown keys under it are errors.
@@ -51,117 +50,6 @@ pub enum RestartPolicy {
     Always,
 }
 
-/// The sidecars valet knows how to quit and probe: proxies with known endpoints, any helper with
-/// an HTTP quit endpoint the pod names (`http`), and any helper that ends on a signal (`signal`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum SidecarKind {
-    Istio,
-    Envoy,
-    Linkerd,
-    CloudSql,
-    Http,
-    Signal,
-}
-
-/// An HTTP endpoint on the pod's loopback.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Endpoint {
-    pub port: u16,
-    pub path: String,
-}
-
-impl Endpoint {
-    fn new(port: u16, path: &str) -> Endpoint {
-        Endpoint { port, path: path.to_owned() }
-    }
-}
-
-impl SidecarKind {
-    pub const ALL: [SidecarKind; 6] = [
-        SidecarKind::Istio,
-        SidecarKind::Envoy,
-        SidecarKind::Linkerd,
-        SidecarKind::CloudSql,
-        SidecarKind::Http,
-        SidecarKind::Signal,
-    ];
-
-    /// The name used in annotations, logs and metric labels.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            SidecarKind::Istio => "istio",
-            SidecarKind::Envoy => "envoy",
-            SidecarKind::Linkerd => "linkerd",
-            SidecarKind::CloudSql => "cloudsql",
-            SidecarKind::Http => "http",
-            SidecarKind::Signal => "signal",
-        }
-    }
-
-    /// Where the proxy accepts `POST` to exit cleanly (exit code 0); none for the generic kinds
-    /// (`http` takes it from the pod's annotations, `signal` has none).
-    pub fn quit_endpoint(&self) -> Option<Endpoint> {
-        match self {
-            // pilot-agent, not Envoy: pilot-agent would restart an Envoy that quit alone.
-            SidecarKind::Istio => Some(Endpoint::new(15020, "/quitquitquit")),
-            SidecarKind::Envoy => Some(Endpoint::new(15000, "/quitquitquit")),
-            SidecarKind::Linkerd => Some(Endpoint::new(4191, "/shutdown")),
-            SidecarKind::CloudSql => Some(Endpoint::new(9091, "/quitquitquit")),
-            SidecarKind::Http | SidecarKind::Signal => None,
-        }
-    }
-
-    /// Where `GET` answers 2xx once the proxy can carry the app's traffic; none for the generic
-    /// kinds unless the pod names one.
-    pub fn ready_endpoint(&self) -> Option<Endpoint> {
-        match self {
-            SidecarKind::Istio => Some(Endpoint::new(15021, "/healthz/ready")),
-            SidecarKind::Envoy => Some(Endpoint::new(15000, "/ready")),
-            SidecarKind::Linkerd => Some(Endpoint::new(4191, "/ready")),
-            SidecarKind::CloudSql => Some(Endpoint::new(9090, "/readiness")),
-            SidecarKind::Http | SidecarKind::Signal => None,
-        }
-    }
-}
-
-impl fmt::Display for SidecarKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// A kind name that is none of `istio`, `envoy`, `linkerd`, `cloudsql`.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unknown sidecar kind {0:?} (valet knows istio, envoy, linkerd, cloudsql, http, signal)")]
-pub struct UnknownKind(pub String);
-
-/// Parses a kind name. ASCII case and surrounding spaces are ignored (`Istio` is `istio`): the
-/// names cannot be confused with each other, so being lenient here cannot pick a wrong proxy.
-impl FromStr for SidecarKind {
-    type Err = UnknownKind;
-
-    fn from_str(text: &str) -> Result<SidecarKind, UnknownKind> {
-        let wanted = text.trim();
-        SidecarKind::ALL
-            .into_iter()
-            .find(|k| k.as_str().eq_ignore_ascii_case(wanted))
-            .ok_or_else(|| UnknownKind(text.to_owned()))
-    }
-}
-
-/// One sidecar of a pod and how to end it.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Sidecar {
-    pub name: String,
-    pub kind: SidecarKind,
-    /// Its HTTP quit endpoint; none: it is ended with `quit_signal`.
-    pub quit: Option<Endpoint>,
-    /// Its readiness endpoint; none: valet cannot tell when it is ready (no hold, no condition).
-    pub ready: Option<Endpoint>,
-    /// The signal that ends a sidecar without a quit endpoint.
-    pub quit_signal: i32,
-}
-
 /// What valet needs to know about a pod, as plain data.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodPlan {
@@ -184,6 +72,11 @@ pub struct PodPlan {
     pub pod_ip: Option<String>,
     /// `metadata.deletionTimestamp` is set.
     pub deleting: bool,
+    /// `spec.hostPID`: its containers run in the node's pid namespace, where nothing tells a
+    /// container's main process from the runtime's helpers or from an app's nested sandbox
+    /// (whose pid 1 then sits right below the node's namespace, where a container's init would).
+    /// The kernel reports nothing for such a pod and holds nothing: its ends come from the API.
+    pub host_pid: bool,
 }
 
 /// The agent-wide defaults a pod's annotations can override.
@@ -408,6 +301,7 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
         istio_holds_app,
         pod_ip: pod.status.as_ref().and_then(|s| s.pod_ip.clone()).filter(|ip| !ip.is_empty()),
         deleting: meta.deletion_timestamp.is_some(),
+        host_pid: spec.host_pid.unwrap_or(false),
     })
 }
 
@@ -944,6 +838,52 @@ mod tests {
             let e = err_of(&pod);
             assert_eq!(e.reason(), reason, "{key}={value:?}: {e}");
             assert!(e.to_string().contains(key), "{key}={value:?}: message names the key: {e}");
+        }
+    }
+
+    /// The generic kinds take their endpoints and signal from the pod's annotations, within the
+    /// bounds SECURITY.md states: a port, an absolute printable path, one of seven signals.
+    #[test]
+    fn http_and_signal_kinds_from_annotations() {
+        let kind = "valet.dev/sidecar-kind.istio-proxy";
+        let with = |annotations: &[(&str, &str)]| fixtures::with_annotations(fixtures::istio_job(), annotations);
+        let http = plan_of(&with(&[
+            (kind, "http"),
+            ("valet.dev/quit-port.istio-proxy", "8080"),
+            ("valet.dev/quit-path.istio-proxy", "/admin/stop"),
+            ("valet.dev/ready-port.istio-proxy", "8081"),
+            ("valet.dev/ready-path.istio-proxy", "/healthz"),
+        ]));
+        assert_eq!(http.sidecars[0].quit, endpoint(8080, "/admin/stop"));
+        assert_eq!(http.sidecars[0].ready, endpoint(8081, "/healthz"));
+        let bare = plan_of(&with(&[(kind, "http"), ("valet.dev/quit-port.istio-proxy", "8080")]));
+        assert_eq!(
+            (bare.sidecars[0].quit.clone(), bare.sidecars[0].ready.clone()),
+            (endpoint(8080, "/quitquitquit"), None)
+        );
+        let signal = plan_of(&with(&[(kind, "signal"), ("valet.dev/quit-signal.istio-proxy", "sigkill")]));
+        assert_eq!((signal.sidecars[0].quit.clone(), signal.sidecars[0].quit_signal), (None, libc::SIGKILL));
+        assert_eq!(plan_of(&with(&[(kind, "signal")])).sidecars[0].quit_signal, libc::SIGTERM);
+
+        let refused: &[&[(&str, &str)]] = &[
+            &[(kind, "http")],
+            &[(kind, "http"), ("valet.dev/quit-port.istio-proxy", "8080"), ("valet.dev/quit-path.istio-proxy", "stop")],
+            &[(kind, "http"), ("valet.dev/quit-port.istio-proxy", "8080"), ("valet.dev/quit-path.istio-proxy", "/a b")],
+            &[
+                (kind, "http"),
+                ("valet.dev/quit-port.istio-proxy", "8080"),
+                ("valet.dev/quit-path.istio-proxy", "/a\r\nHost: x"),
+            ],
+            &[(kind, "http"), ("valet.dev/quit-port.istio-proxy", "1"), ("valet.dev/ready-path.istio-proxy", "/r")],
+            &[(kind, "signal"), ("valet.dev/quit-port.istio-proxy", "8080")],
+            &[(kind, "signal"), ("valet.dev/quit-path.istio-proxy", "/stop")],
+            &[(kind, "signal"), ("valet.dev/quit-signal.istio-proxy", "SIGSTOP")],
+            &[(kind, "signal"), ("valet.dev/quit-signal.istio-proxy", "9")],
+            &[(kind, "istio"), ("valet.dev/quit-signal.istio-proxy", "SIGKILL")],
+        ];
+        for annotations in refused {
+            let e = err_of(&with(annotations));
+            assert_eq!(e.reason(), "MalformedAnnotation", "{annotations:?}: {e}");
         }
     }
 

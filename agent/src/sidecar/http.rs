@@ -308,7 +308,10 @@ mod tests {
     use super::*;
     use std::net::TcpListener;
 
-    fn serve(reply: &'static [u8], hold: Duration) -> SocketAddr {
+    /// Only a guard against a hang: the tests wait for events, never for a time.
+    const HANG_GUARD: Duration = Duration::from_secs(30);
+
+    fn serve(reply: &'static [u8]) -> SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr");
         std::thread::spawn(move || {
@@ -316,42 +319,57 @@ mod tests {
                 let mut buf = [0u8; 1024];
                 let _ = s.read(&mut buf);
                 let _ = s.write_all(reply);
-                std::thread::sleep(hold);
             }
         });
         addr
     }
 
+    /// A server that accepts one connection, reads the request, sends `reply` (if any) and then
+    /// keeps the connection open until the test lets it go (`Sender::send`). Joined, it says
+    /// whether the test let it go before the hang guard did.
+    fn serve_and_hold(
+        reply: &'static [u8],
+    ) -> (SocketAddr, std::sync::mpsc::Sender<()>, std::thread::JoinHandle<bool>) {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (let_go, held) = std::sync::mpsc::channel();
+        let server = std::thread::spawn(move || {
+            let Ok((mut s, _)) = listener.accept() else { return false };
+            let mut buf = [0u8; 1024];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(reply);
+            held.recv_timeout(HANG_GUARD).is_ok()
+        });
+        (addr, let_go, server)
+    }
+
     #[test]
     fn reads_status_and_body() {
-        let addr = serve(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK", Duration::ZERO);
+        let addr = serve(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK");
         let r = request(addr, "POST", "/quitquitquit", Limits::default()).expect("answer");
         assert_eq!(r, Response { status: 200, body: "OK".into() });
     }
 
+    // The deadline is what is tested: the server holds the connection open until the answer is
+    // in, so the answer can only have come at the deadline, not at the close.
     #[test]
     fn a_status_line_then_silence_is_still_an_answer() {
-        let addr = serve(b"HTTP/1.1 403 Forbidden\r\n\r\nOnly requests from localhost", Duration::from_secs(3));
+        let (addr, let_go, server) = serve_and_hold(b"HTTP/1.1 403 Forbidden\r\n\r\nOnly requests from localhost");
         let limits = Limits { total_timeout: Duration::from_millis(300), ..Limits::default() };
-        let started = Instant::now();
-        let r = request(addr, "POST", "/quitquitquit", limits).expect("answer");
-        assert_eq!(r.status, 403);
-        assert!(started.elapsed() < Duration::from_secs(2));
+        let r = request(addr, "POST", "/quitquitquit", limits);
+        let _ = let_go.send(());
+        assert!(server.join().expect("server"), "answered only when the server closed the connection");
+        assert_eq!(r.expect("answer").status, 403);
     }
 
     #[test]
     fn a_hung_endpoint_times_out() {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let _keep = std::thread::spawn(move || {
-            let conn = listener.accept();
-            std::thread::sleep(Duration::from_secs(2));
-            drop(conn);
-        });
+        let (addr, let_go, server) = serve_and_hold(b"");
         let limits = Limits { total_timeout: Duration::from_millis(200), ..Limits::default() };
-        let started = Instant::now();
-        assert_eq!(request(addr, "POST", "/q", limits), Err(Failure::Timeout));
-        assert!(started.elapsed() < Duration::from_secs(1));
+        let r = request(addr, "POST", "/q", limits);
+        let _ = let_go.send(());
+        assert!(server.join().expect("server"), "returned only when the server closed the connection");
+        assert_eq!(r, Err(Failure::Timeout));
     }
 
     #[test]
@@ -431,11 +449,14 @@ mod tests {
         let std_stream = connect(hung, limits).expect("connect");
         std_stream.set_nonblocking(true).expect("nonblocking");
         let mut s = tokio::net::TcpStream::from_std(std_stream).expect("tokio stream");
+        // The listener never accepts nor closes while the request is under way.
         let short = Limits { total_timeout: Duration::from_millis(200), ..limits };
-        let started = Instant::now();
-        let r = exchange_async(&mut s, hung, "GET", "/ready", short, started, true, 0).await;
-        assert_eq!(r, Err(Failure::Timeout));
-        assert!(started.elapsed() < Duration::from_secs(1));
+        let r = tokio::time::timeout(
+            HANG_GUARD,
+            exchange_async(&mut s, hung, "GET", "/ready", short, Instant::now(), true, 0),
+        )
+        .await;
+        assert_eq!(r, Ok(Err(Failure::Timeout)), "the deadline did not hold");
         drop(listener);
     }
 
@@ -453,8 +474,12 @@ mod tests {
         let (server_side, _) = listener.accept().expect("accept");
         assert!(idle_and_open(&s));
         drop(server_side);
-        std::thread::sleep(Duration::from_millis(50));
-        assert!(!idle_and_open(&s));
+        // The close reaches this end in the network stack's time, not at once.
+        let deadline = Instant::now() + HANG_GUARD;
+        while idle_and_open(&s) {
+            assert!(Instant::now() < deadline, "still idle and open after the server closed it");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     #[test]
@@ -486,9 +511,9 @@ mod tests {
             l.local_addr().expect("addr")
         };
         assert_eq!(request(addr, "GET", "/", Limits::default()), Err(Failure::Refused));
-        let addr = serve(b"SSH-2.0-OpenSSH\r\n", Duration::ZERO);
+        let addr = serve(b"SSH-2.0-OpenSSH\r\n");
         assert!(matches!(request(addr, "GET", "/", Limits::default()), Err(Failure::Malformed(_))));
-        let addr = serve(b"", Duration::ZERO);
+        let addr = serve(b"");
         assert!(matches!(request(addr, "GET", "/", Limits::default()), Err(Failure::Malformed(_))));
     }
 }

@@ -194,7 +194,7 @@ impl SidecarLink for PodNetwork {
     }
 
     fn open(&self, uid: &str, pod_rel: &str) -> Result<(), String> {
-        self.handle(uid, Some(pod_rel), false).map(|_| ()).map_err(|e| e.to_string())
+        self.handle(uid, Some(pod_rel), false).map(|_| ()).map_err(|e| e.chain().to_string())
     }
 
     fn close(&self, uid: &str) {
@@ -339,7 +339,7 @@ impl SidecarLink for PodNetwork {
                             Ok(response)
                         }
                         Ok(Err(failure)) => Err((failure.to_string(), failure.label())),
-                        Err(e) => Err((e.to_string(), "netns")),
+                        Err(e) => Err((e.chain().to_string(), "netns")),
                     }
                 }
                 (Err(_), Some(ip)) if pod_ip_fallback => {
@@ -351,7 +351,7 @@ impl SidecarLink for PodNetwork {
                         Err(e) => Err((e.to_string(), "io")),
                     }
                 }
-                (Err(e), _) => Err((e.to_string(), "no_netns")),
+                (Err(e), _) => Err((e.chain().to_string(), "no_netns")),
             }
         })
     }
@@ -409,21 +409,39 @@ mod tests {
     }
 
     /// Answers one request per connection (keep-alive, by its headers), then closes the
-    /// connection once it has been idle a moment, as a proxy with a short idle timeout does.
-    fn idle_closing_server() -> (u16, Arc<AtomicUsize>) {
-        counting_server(|mut s| {
+    /// connection once it has been idle a moment, as a proxy with a short idle timeout does;
+    /// (port, accepted, closed).
+    fn idle_closing_server() -> (u16, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+        let closed = Arc::new(AtomicUsize::new(0));
+        let count = closed.clone();
+        let (port, accepted) = counting_server(move |mut s| {
             let mut buf = [0u8; 1024];
             if s.read(&mut buf).is_ok_and(|n| n > 0) {
                 let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK");
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
-        })
+            drop(s);
+            count.fetch_add(1, Ordering::SeqCst);
+        });
+        (port, accepted, closed)
+    }
+
+    /// Only a guard against a hang: the tests wait for events, never for a time.
+    const HANG_GUARD: std::time::Duration = std::time::Duration::from_secs(30);
+
+    /// Waits until `f` holds (panics with `what` at the hang guard).
+    async fn until(what: &str, f: impl Fn() -> bool) {
+        let deadline = Instant::now() + HANG_GUARD;
+        while !f() {
+            assert!(Instant::now() < deadline, "never: {what}");
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
     }
 
     #[tokio::test]
     async fn a_probe_on_a_connection_the_server_closed_goes_again_on_a_new_one() {
         let (dir, net, rel) = fake_pod("closed");
-        let (port, accepted) = idle_closing_server();
+        let (port, accepted, closed) = idle_closing_server();
         net.open("uid-1", &rel).expect("open");
         let target = PodTarget { uid: "uid-1".into(), pod_rel: Some(rel.clone()), pod_ip: None };
         for round in 1..=3 {
@@ -431,7 +449,7 @@ mod tests {
             assert_eq!(r.map(|r| r.status), Ok(200), "probe {round}");
             assert_eq!(net.kept_count(), 1, "kept: the answer said nothing of closing");
             // The server closes it meanwhile: the next probe finds it closed.
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            until("the server closed the connection", || closed.load(Ordering::SeqCst) >= round).await;
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 3, "each probe after a close went on a new connection");
         net.close("uid-1");
@@ -466,18 +484,18 @@ mod tests {
         net.close("uid-1");
         assert_eq!(net.kept_count(), 0);
         assert_eq!(net.open_count(), 0);
-        // A standby after the close does not reopen anything.
+        // A standby after the close does not reopen anything: it starts no connection (one
+        // would be a task on this runtime).
+        let tasks = || tokio::runtime::Handle::current().metrics().num_alive_tasks();
+        let before = tasks();
         net.standby(&target, port);
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert_eq!(tasks(), before, "a standby after the close started a connection");
         assert_eq!((net.kept_count(), net.open_count()), (0, 0));
         // While open, a standby opens one connection ahead of time, and a quit uses it.
         net.open("uid-1", &rel).expect("open");
         net.standby(&target, port);
-        let deadline = Instant::now() + std::time::Duration::from_secs(2);
-        while net.kept_count() == 0 && Instant::now() < deadline {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-        assert_eq!(net.kept_count(), 1, "connected ahead of time");
+        assert_eq!(tasks(), before + 1, "a standby while open starts a connection");
+        until("connected ahead of time", || net.kept_count() == 1).await;
         let before = accepted.load(Ordering::SeqCst);
         let r = net.request(target.clone(), port, "POST", "/quit".into(), Limits::default(), false, false).await;
         assert_eq!(r.map(|r| r.status), Ok(200));
@@ -490,11 +508,7 @@ mod tests {
     /// Waits until a standby has connected to `port` ahead of time.
     async fn wait_kept(net: &PodNetwork, target: &PodTarget, port: u16) {
         net.standby(target, port);
-        let deadline = Instant::now() + std::time::Duration::from_secs(2);
-        while net.kept_count() == 0 && Instant::now() < deadline {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-        assert_eq!(net.kept_count(), 1, "connected ahead of time");
+        until("connected ahead of time", || net.kept_count() == 1).await;
     }
 
     #[tokio::test]
@@ -528,10 +542,7 @@ mod tests {
         let n2 = net.clone();
         let sent = std::thread::spawn(move || n2.send_ahead("uid-1", port, "/quitquitquit")).join().expect("thread");
         assert!(sent);
-        let deadline = Instant::now() + std::time::Duration::from_secs(2);
-        while seen.lock().unwrap_or_else(PoisonError::into_inner).is_empty() && Instant::now() < deadline {
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
+        until("the quit sent ahead read", || !seen.lock().unwrap_or_else(PoisonError::into_inner).is_empty()).await;
         let first = seen.lock().unwrap_or_else(PoisonError::into_inner).clone();
         assert_eq!(first.len(), 1, "{first:?}");
         assert!(first[0].starts_with("POST /quitquitquit HTTP/1.1\r\n"), "{first:?}");

@@ -8,29 +8,8 @@ use tracing::debug;
 use super::http::Limits;
 use super::http::Response;
 use super::{Failed, Pending, PodTarget, SidecarLink};
-use crate::pod::spec::Endpoint;
-
-/// How a quit ended.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum QuitOutcome {
-    /// 2xx: the sidecar will exit.
-    Accepted { status: u16, attempts: u32 },
-    /// A definitive refusal (4xx): the endpoint is not there or not allowed; retrying won't help.
-    Rejected { status: u16, body: String },
-    /// Never got an acceptance in the retry window.
-    Failed { last: String, label: &'static str, attempts: u32 },
-}
-
-impl QuitOutcome {
-    /// Short label for metrics.
-    pub fn label(&self) -> &'static str {
-        match self {
-            QuitOutcome::Accepted { .. } => "ok",
-            QuitOutcome::Rejected { .. } => "rejected",
-            QuitOutcome::Failed { label, .. } => label,
-        }
-    }
-}
+use crate::vocab::Endpoint;
+pub use crate::vocab::QuitOutcome;
 
 /// The first attempt of a quit, started at once: on a connection kept open ahead of time the
 /// request is written before this returns.

@@ -191,6 +191,9 @@ pub struct SimPodOptions {
     /// Create only the pod's cgroup: the sandbox's and the containers' are made when they start
     /// ([`SimPod::make_container_cgroup`]), as the runtime does (the simulated kubelet does this).
     pub lazy_cgroups: bool,
+    /// Run container processes as crun does (systemd driver, containerd or CRI-O): one cgroup
+    /// below the container's, in `<scope>/container`, the scope itself left empty.
+    pub crun: bool,
 }
 
 impl SimPodOptions {
@@ -207,6 +210,7 @@ impl SimPodOptions {
             netns: true,
             cgroup_root: None,
             lazy_cgroups: false,
+            crun: false,
         }
     }
     pub fn namespace(mut self, ns: &str) -> Self {
@@ -247,6 +251,10 @@ impl SimPodOptions {
     }
     pub fn lazy_cgroups(mut self, on: bool) -> Self {
         self.lazy_cgroups = on;
+        self
+    }
+    pub fn crun(mut self, on: bool) -> Self {
+        self.crun = on;
         self
     }
 }
@@ -299,6 +307,10 @@ impl Output {
 pub struct SpawnOptions {
     /// Start as pid 1 of a new pid namespace, like a container's main process (default true).
     pub pid_namespace: bool,
+    /// Start in this existing pid namespace instead (`/proc/<pid>/ns/pid`; shareProcessNamespace:
+    /// the sandbox's), as pid N there, with `valet-sim-exec` as its parent as the shim is a real
+    /// container's. Takes precedence over `pid_namespace`.
+    pub join_pid_namespace: Option<PathBuf>,
     pub env: Vec<(String, String)>,
     pub stdout: Output,
     pub stderr: Output,
@@ -315,6 +327,7 @@ impl Default for SpawnOptions {
     fn default() -> Self {
         SpawnOptions {
             pid_namespace: true,
+            join_pid_namespace: None,
             env: Vec::new(),
             stdout: Output::Null,
             stderr: Output::Inherit,
@@ -330,7 +343,8 @@ impl Default for SpawnOptions {
 enum Target {
     /// `host_pid` is our child: it cannot be recycled before we reap it.
     Child,
-    /// The process is `valet-sim-exec`'s child (pid 1 of its pid namespace): through its pidfd.
+    /// The process is `valet-sim-exec`'s child (pid 1 of its pid namespace, or pid N of one it
+    /// joined): through its pidfd.
     Pidfd(OwnedFd),
     /// It was gone before a pidfd could be opened.
     Gone,
@@ -353,7 +367,8 @@ impl SimProcess {
     pub fn host_pid(&self) -> u32 {
         self.host_pid
     }
-    /// Its pid inside its own pid namespace (1 when it has one).
+    /// Its pid inside its own pid namespace (1 when it has one; else its host pid, also when it
+    /// joined another's namespace).
     pub fn ns_pid(&self) -> u32 {
         if self.pid_namespace { 1 } else { self.host_pid }
     }
@@ -467,6 +482,8 @@ pub struct SimPod {
     qos: QosClass,
     driver: CgroupDriver,
     runtime: Runtime,
+    /// Container processes run in crun's `container` cgroup below the container's.
+    crun: bool,
     root: PathBuf,
     pod_cgroup: PathBuf,
     sandbox: SimContainer,
@@ -550,6 +567,7 @@ impl SimPod {
             qos: opts.qos,
             driver: opts.driver,
             runtime: opts.runtime,
+            crun: opts.crun,
             root: root.clone(),
             pod_cgroup: pod_cgroup.clone(),
             sandbox,
@@ -607,6 +625,9 @@ impl SimPod {
     /// systemd driver; nothing when it exists already.
     pub fn make_container_cgroup(&self, c: &SimContainer) -> Result<()> {
         let mut dirs = vec![c.cgroup.clone()];
+        if self.crun {
+            dirs.push(self.procs_cgroup(c));
+        }
         if self.runtime == Runtime::Crio && self.driver == CgroupDriver::Systemd {
             // CRI-O puts each container's conmon in a sibling scope.
             dirs.push(self.pod_cgroup.join(format!("crio-conmon-{}.scope", c.id)));
@@ -622,11 +643,13 @@ impl SimPod {
     /// Removes a container's cgroup (and CRI-O's conmon scope) as the runtime does once its last
     /// process left; false while processes remain in it.
     pub fn remove_container_cgroup(&self, c: &SimContainer) -> bool {
-        let procs = std::fs::read_to_string(c.cgroup.join("cgroup.procs")).unwrap_or_default();
+        let procs = std::fs::read_to_string(self.procs_cgroup(c).join("cgroup.procs")).unwrap_or_default();
         if !procs.trim().is_empty() {
             return false;
         }
-        let mut dirs = vec![c.cgroup.clone()];
+        // crun's cgroup goes first: a cgroup with a child cannot be removed.
+        let mut dirs = if self.crun { vec![self.procs_cgroup(c)] } else { Vec::new() };
+        dirs.push(c.cgroup.clone());
         if self.runtime == Runtime::Crio && self.driver == CgroupDriver::Systemd {
             dirs.push(self.pod_cgroup.join(format!("crio-conmon-{}.scope", c.id)));
         }
@@ -654,6 +677,11 @@ impl SimPod {
         c.cgroup = self.pod_cgroup.join(leaf);
         c.id = id;
         Ok(c.clone())
+    }
+
+    /// The cgroup a container's processes run in: its own, or crun's one below it.
+    pub fn procs_cgroup(&self, c: &SimContainer) -> PathBuf {
+        if self.crun { c.cgroup.join("container") } else { c.cgroup.clone() }
     }
 
     fn make_owned_dir(&self, path: &Path) -> Result<()> {
@@ -839,7 +867,7 @@ impl SimPod {
         let helper = exec_helper()?;
         let c = self.container(container)?;
         let (prog, args) = cmd.split_first().ok_or_else(|| anyhow!("empty command"))?;
-        let procs_path = c.cgroup.join("cgroup.procs");
+        let procs_path = self.procs_cgroup(&c).join("cgroup.procs");
         let (mut status, status_w) = io::pipe().context("pipe")?;
         let mut command = Command::new(helper);
         command.arg("--cgroup-procs").arg(&procs_path);
@@ -855,9 +883,12 @@ impl SimPod {
         if let Some(d) = &opts.cwd {
             command.arg("--cwd").arg(d);
         }
-        if opts.pid_namespace {
+        if let Some(ns) = &opts.join_pid_namespace {
+            command.arg("--join-pidns").arg(ns);
+        } else if opts.pid_namespace {
             command.arg("--pidns");
         }
+        let child_of_helper = opts.pid_namespace || opts.join_pid_namespace.is_some();
         command.arg("--").arg(prog).args(args);
         command.stdin(status_w).stdout(opts.stdout.stdio()?).stderr(opts.stderr.stdio()?);
         for (k, v) in &opts.env {
@@ -881,7 +912,7 @@ impl SimPod {
                 );
             }
         }
-        let (host_pid, target) = if opts.pid_namespace {
+        let (host_pid, target) = if child_of_helper {
             let pid = pid.ok_or_else(|| anyhow!("valet-sim-exec said no pid for {prog}: {said:?}"))?;
             // The command is valet-sim-exec's child: signals go through a pidfd, which cannot hit
             // a recycled pid. Gone already (it ended at once and was reaped): nothing to signal.
@@ -901,7 +932,7 @@ impl SimPod {
             host_pid,
             child,
             target,
-            pid_namespace: opts.pid_namespace,
+            pid_namespace: opts.pid_namespace && opts.join_pid_namespace.is_none(),
             container: container.to_string(),
             status: None,
         })

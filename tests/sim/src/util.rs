@@ -124,6 +124,14 @@ pub fn is_tmpfs(path: &std::path::Path) -> bool {
     unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type == libc::TMPFS_MAGIC }
 }
 
+/// Fails the test when not run as root: privileged tests must never pass by skipping silently
+/// (`cargo xtask test` runs them as root).
+pub fn require_root() {
+    // SAFETY: plain syscall.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "privileged tests need root (run them with `cargo xtask test`)");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

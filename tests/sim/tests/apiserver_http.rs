@@ -3,10 +3,11 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use valet_sim::apiserver::{FakeApiServer, ServerOptions};
+use valet_sim::apiserver::{FakeApiServer, Fault, ServerOptions};
 use valet_sim::client;
 
-const T: Duration = Duration::from_secs(5);
+/// Only a guard against a hang: the waits are for events.
+const T: Duration = Duration::from_secs(30);
 
 fn pod(name: &str, labels: Value, node: &str) -> Value {
     json!({
@@ -347,4 +348,167 @@ fn events_both_groups() {
         .json()
         .expect("json");
     assert_eq!(list["items"].as_array().map(Vec::len), Some(1));
+}
+
+#[test]
+fn fault_status_refusals_are_worded_as_the_real_server_words_them() {
+    let s = server(1000);
+    s.create_pod(pod("a", json!({}), "n1")).expect("create");
+    s.set_fault(Fault::Status { code: 429, verbs: Vec::new(), until: None });
+    let r = client::get(s.addr(), "/api/v1/namespaces/ns/pods/a", T).expect("request");
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(
+        r.json().expect("status"),
+        json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+               "message": "Too many requests, please try again later.", "reason": "TooManyRequests",
+               "details": {"retryAfterSeconds": 1}, "code": 429})
+    );
+    // A watch is refused before its stream starts.
+    let w = client::watch(s.addr(), "/api/v1/pods?watch=true", T);
+    assert!(w.is_err_and(|e| e.to_string().contains("429")));
+
+    // Only the verbs named: a PATCH fails with 500, a GET and a list are served.
+    s.set_fault(Fault::Status { code: 500, verbs: vec!["patch"], until: None });
+    let r = client::request(
+        s.addr(),
+        "PATCH",
+        "/api/v1/namespaces/ns/pods/a/status",
+        Some("application/merge-patch+json"),
+        b"{}",
+        T,
+    )
+    .expect("request");
+    assert_eq!(r.status, 500);
+    assert_eq!(r.header("retry-after"), None);
+    let st = r.json().expect("status");
+    assert_eq!((st["reason"].as_str(), st["code"].as_u64()), (Some("InternalError"), Some(500)));
+    assert!(st["message"].as_str().is_some_and(|m| m.starts_with("Internal error occurred: ")), "{st}");
+    assert_eq!(client::get(s.addr(), "/api/v1/namespaces/ns/pods/a", T).expect("request").status, 200);
+    assert_eq!(client::get(s.addr(), "/api/v1/pods", T).expect("request").status, 200);
+    assert_eq!(s.fault_stats().refused, 3);
+
+    // A fault past its end refuses nothing; cleared faults neither.
+    s.set_fault(Fault::Status { code: 503, verbs: Vec::new(), until: Some(Instant::now()) });
+    assert_eq!(client::get(s.addr(), "/api/v1/pods", T).expect("request").status, 200);
+    s.set_fault(Fault::Status { code: 503, verbs: Vec::new(), until: None });
+    assert_eq!(client::get(s.addr(), "/api/v1/pods", T).expect("request").status, 503);
+    s.clear_faults();
+    assert_eq!(client::get(s.addr(), "/api/v1/pods", T).expect("request").status, 200);
+    assert_eq!(s.fault_stats().refused, 4);
+}
+
+/// A stalled watch sends nothing, not even the bookmarks and the end its `timeoutSeconds` would
+/// bring, while a watch started after the fault was cleared gets all of them: read up to its end,
+/// it is the clock that shows the stalled one had its chance.
+#[test]
+fn a_stalled_watch_sends_nothing_and_stays_open() {
+    let s = server(10);
+    let rv = s.resource_version();
+    let target = format!("/api/v1/pods?watch=true&allowWatchBookmarks=true&timeoutSeconds=1&resourceVersion={rv}");
+    let mut open = client::watch(s.addr(), &target, T).expect("watch");
+    s.set_fault(Fault::StallWatches);
+    assert!(eventually(|| s.fault_stats().stalled_watches == 1), "{:?}", s.fault_stats());
+    let mut stalled_from_start = client::watch(s.addr(), &target, T).expect("a stalled watch still answers 200");
+    assert_eq!(stalled_from_start.header_value("transfer-encoding"), Some("chunked"));
+    assert!(eventually(|| s.fault_stats().stalled_watches == 2), "{:?}", s.fault_stats());
+    s.create_pod(pod("a", json!({}), "n1")).expect("create");
+    s.clear_faults();
+    let mut flowing = client::watch(s.addr(), &target, T).expect("watch");
+    let mut lines = Vec::new();
+    while let Some(e) = flowing.next_event(T).expect("read") {
+        lines.push(e["type"].as_str().unwrap_or_default().to_owned());
+    }
+    assert_eq!(lines.first().map(String::as_str), Some("ADDED"), "{lines:?}");
+    assert!(lines.iter().any(|l| l == "BOOKMARK"), "{lines:?}");
+    // The stalled ones are still open: cut, they show the abort, not a clean end, and no line
+    // sent after the stall (the one opened before may have had bookmarks until then).
+    s.drop_watches();
+    let mut before_stall = Vec::new();
+    let end = loop {
+        match open.next_event(T) {
+            Ok(Some(e)) => before_stall.push(e),
+            other => break other,
+        }
+    };
+    assert!(end.is_err(), "cut, not ended: {end:?}");
+    assert!(before_stall.iter().all(|e| e["type"] == "BOOKMARK"), "{before_stall:?}");
+    let next = stalled_from_start.next_event(T);
+    assert!(next.is_err(), "a watch stalled from its start sends not one line: {next:?}");
+}
+
+#[test]
+fn a_hung_patch_is_held_until_its_client_gives_up() {
+    use std::io::Write as _;
+    let s = server(1000);
+    s.create_pod(pod("a", json!({}), "n1")).expect("create");
+    s.set_fault(Fault::HangPatches);
+    let body = br#"{"status":{"phase":"Succeeded"}}"#;
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let mut c = std::net::TcpStream::connect(s.addr()).expect("connect");
+        write!(
+            c,
+            "PATCH /api/v1/namespaces/ns/pods/a/status HTTP/1.1\r\nHost: x\r\n\
+             Content-Type: application/merge-patch+json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .expect("head");
+        c.write_all(body).expect("body");
+        held.push(c);
+    }
+    assert!(eventually(|| s.fault_stats().patches_in_flight == 3), "{:?}", s.fault_stats());
+    // Read, recorded, not applied; other verbs are served.
+    assert_eq!(s.requests().iter().filter(|r| r.method == "PATCH").count(), 3);
+    assert_eq!(s.get_pod("ns", "a").expect("pod")["status"]["phase"], "Running");
+    assert_eq!(client::get(s.addr(), "/api/v1/namespaces/ns/pods/a", T).expect("request").status, 200);
+    // Clearing the fault answers none of them; each ends when its client closes.
+    s.clear_faults();
+    let ok = client::request(
+        s.addr(),
+        "PATCH",
+        "/api/v1/namespaces/ns/pods/a/status",
+        Some("application/merge-patch+json"),
+        body,
+        T,
+    )
+    .expect("request");
+    assert_eq!(ok.status, 200);
+    held.pop();
+    assert!(eventually(|| s.fault_stats().patches_in_flight == 2), "{:?}", s.fault_stats());
+    held.clear();
+    assert!(eventually(|| s.fault_stats().patches_in_flight == 0), "{:?}", s.fault_stats());
+    let stats = s.fault_stats();
+    assert_eq!((stats.hung, stats.peak_writes_open), (3, 4), "{stats:?}");
+}
+
+/// Polls until `f` holds, with a generous hang guard.
+fn eventually(mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+#[test]
+fn hung_reads_answer_nothing_while_open_watches_go_on() {
+    use std::io::{Read as _, Write as _};
+    let s = server(1000);
+    let mut open = client::watch(s.addr(), "/api/v1/pods?watch=true", T).expect("watch");
+    s.set_fault(Fault::HangReads);
+    let mut c = std::net::TcpStream::connect(s.addr()).expect("connect");
+    c.write_all(b"GET /api/v1/pods HTTP/1.1\r\nHost: x\r\n\r\n").expect("request");
+    assert!(eventually(|| s.fault_stats().hung == 1), "{:?}", s.fault_stats());
+    c.set_nonblocking(true).expect("nonblocking");
+    let read = c.read(&mut [0; 64]);
+    assert!(read.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock), "not a byte: {read:?}");
+    // The watch opened before goes on; a write is served.
+    s.create_pod(pod("a", json!({}), "n1")).expect("create");
+    assert_eq!(open.next_event(T).expect("read").expect("event")["type"], "ADDED");
+    s.clear_faults();
+    assert_eq!(client::get(s.addr(), "/api/v1/pods", T).expect("request").status, 200);
 }

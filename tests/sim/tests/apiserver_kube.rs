@@ -38,7 +38,7 @@ async fn client_for(server: &FakeApiServer) -> Client {
 /// The next watcher event that is not an error, as a short label.
 async fn next(stream: &mut (impl Stream<Item = watcher::Result<Event<Pod>>> + Unpin)) -> String {
     loop {
-        let item = tokio::time::timeout(Duration::from_secs(10), stream.next())
+        let item = tokio::time::timeout(Duration::from_secs(30), stream.next())
             .await
             .expect("watcher event in time")
             .expect("watcher stream continues");

@@ -15,7 +15,9 @@
 //!    exit → quit of the 50 beside as many Jobs under the in-pod wrapper in the same kind of burst
 //!    on the same node, pod-watch latency;
 //! 9. soak: 10,000 short Jobs through one node in batches: RSS, open fds and kernel map entries at
-//!    the start and the end.
+//!    the start and the end;
+//! 10. observe mode on a full node: 110 pods, a tenth opted in and the rest only observed, every
+//!     app running: RSS and idle CPU against [8]'s targets.
 //!
 //! `--quick` runs every section small (a smoke test for CI, not figures for the README).
 //! Pods run on the simulated node's kubelet as unhelpful as a real one (container ids and exits
@@ -31,7 +33,7 @@ use valet_sim::node::SpawnOptions;
 use valet_tests::cgroups::TestCgroups;
 use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually};
 
-const SECTIONS: &str = "exit|quit|release|storm|kernel|together|node|soak";
+const SECTIONS: &str = "exit|quit|release|storm|kernel|together|node|soak|observe";
 
 struct Args {
     runs: Option<usize>,
@@ -1285,6 +1287,77 @@ fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
     Ok(())
 }
 
+/// Section 10, observe mode on a full node: as many pods as [8], a tenth of them opted in and the
+/// rest only observed (the observer's own watch of every pod, its records, and one readiness
+/// probe per app the API showed started before its proxy was reported ready), every app running.
+/// The agent's RSS and idle CPU against [8]'s targets, beside the same node with observation off.
+fn observed_node(plan: &Plan, table: &mut Table) -> Result<()> {
+    let total = plan.services + plan.jobs;
+    let labelled = total / 10;
+    println!("\n[10] observe mode on a full node: {total} pods, {labelled} opted in, the rest only observed");
+    let (off_rss, off_mc) = observed_idle(plan, total, labelled, false)?;
+    let (rss, idle_mc) = observed_idle(plan, total, labelled, true)?;
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    table.add(
+        &format!("[10] agent RSS, {total} pods observed, {labelled} of them tracked"),
+        format!("{:.1} MiB", mib(rss)),
+        &format!("observation off, same pods: {:.1} MiB", mib(off_rss)),
+        "≤ 20 MiB",
+        met(rss <= 20 * 1024).into(),
+    );
+    table.add(
+        &format!("[10] agent CPU, idle with {total} pods observed (over {:.0} s)", plan.idle.as_secs_f64()),
+        format!("{idle_mc:.2} millicores"),
+        &format!("observation off, same pods: {off_mc:.2} millicores"),
+        "≤ 2 millicores",
+        met(idle_mc <= 2.0).into(),
+    );
+    Ok(())
+}
+
+/// One agent on a new node with `total` pods, `labelled` of them opted in, every app running:
+/// its RSS (KiB) and idle CPU (millicores) once the kubelet has reported the apps started.
+fn observed_idle(plan: &Plan, total: usize, labelled: usize, observe: bool) -> Result<(u64, f64)> {
+    let node = Node::new()?;
+    let agent = node.start_agent(if observe { &[] } else { &["--observe=false"] })?;
+    let pid = agent.pid().context("agent pid")?;
+    let t = Instant::now();
+    let mut pods = make_pods(&node, "observed", total - labelled, false)?;
+    pods.extend(make_pods(&node, "service", labelled, true)?);
+    for pod in &mut pods {
+        pod.start_app("app", &["/bin/sleep", "3600"], &SpawnOptions::default())?;
+    }
+    agent.wait_tracked(labelled, Duration::from_secs(60))?;
+    let want = if observe { total } else { 0 };
+    if !eventually(Duration::from_secs(60), || agent.metric("valet_pods_observed ") as usize == want) {
+        bail!("the agent observes {} pods, want {want}:\n{}", agent.metric("valet_pods_observed "), agent.log_text());
+    }
+    // Idle: the kubelet has reported every app started (about a second after), and the observer
+    // has asked the proxies it had to; the agent keeps the opted-in pods' conditions current.
+    std::thread::sleep(Duration::from_secs(3));
+    let idle_mc = cpu_share(pid, plan.idle) * 1e3;
+    let rss = rss_kib(pid);
+    let races: u64 = agent
+        .metrics_text()
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("valet_app_started_before_proxy_ready_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum();
+    println!(
+        "  observation {}: {total} pods up in {:.1} s; idle CPU {idle_mc:.2} millicores over {:.0} s, RSS {:.1} MiB, \
+         {} fds; {races} apps counted started before their proxy was ready",
+        if observe { "on" } else { "off" },
+        t.elapsed().as_secs_f64(),
+        plan.idle.as_secs_f64(),
+        rss as f64 / 1024.0,
+        open_fds(pid)
+    );
+    remove_jobs(&node, pods);
+    Ok((rss, idle_mc))
+}
+
 /// Section 9, the soak: many short Jobs through one node, a batch at a time; what the agent
 /// holds at the start and at the end.
 fn soak(plan: &Plan, table: &mut Table) -> Result<()> {
@@ -1388,7 +1461,7 @@ fn main() -> Result<()> {
     let started = Instant::now();
     let mut table = Table::default();
     type Section<'a> = &'a dyn Fn(&mut Table) -> Result<()>;
-    let sections: [(&str, Section); 8] = [
+    let sections: [(&str, Section); 9] = [
         ("exit", &|t| exit_latency(if plan.quick { 50 } else { 500 }, t)),
         ("quit", &|t| quit_latency(plan.runs, t)),
         ("release", &|t| release_latency(plan.runs / 2, t)),
@@ -1397,6 +1470,7 @@ fn main() -> Result<()> {
         ("together", &|t| held_together(20, if plan.quick { 1 } else { 20 }, t)),
         ("node", &|t| full_node(&plan, t)),
         ("soak", &|t| soak(&plan, t)),
+        ("observe", &|t| observed_node(&plan, t)),
     ];
     for (name, section) in sections {
         if want(name) {

@@ -6,6 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
+use std::time::Instant;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full, combinators::BoxBody};
@@ -20,7 +21,7 @@ use super::patch::PatchKind;
 use super::selector::{FieldKind, FieldSelector, LabelSelector};
 use super::status::ApiError;
 use super::store::{EventGroup, Filter, ListParams, Subresource};
-use super::{RecordedRequest, Shared, lock, watch};
+use super::{RecordedRequest, Shared, WriteSpan, lock, watch};
 
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub(crate) type Body = BoxBody<Bytes, BoxError>;
@@ -114,6 +115,21 @@ impl Req {
 }
 
 async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    // A write is counted in flight from when it was read until it is answered, or until its
+    // client gives up on it (hyper drops this future when the connection closes under it).
+    let mut in_flight = None;
+    let response = answer(&shared, req, &mut in_flight).await;
+    if let Some(write) = in_flight.as_mut() {
+        write.answered = true;
+    }
+    response
+}
+
+async fn answer(
+    shared: &Arc<Shared>,
+    req: Request<Incoming>,
+    in_flight: &mut Option<InFlight>,
+) -> Result<Response<Body>, Infallible> {
     let (parts, body) = req.into_parts();
     let body = match body.collect().await {
         Ok(b) => b.to_bytes(),
@@ -122,13 +138,16 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
     let path = parts.uri.path().to_string();
     let raw_query = parts.uri.query().unwrap_or("").to_string();
     let content_type = parts.headers.get(hyper::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_string);
-    lock(&shared.requests).push(RecordedRequest {
+    *in_flight = InFlight::start(shared, &parts.method);
+    let recorded = RecordedRequest {
         method: parts.method.to_string(),
         path: path.clone(),
         query: raw_query.clone(),
         content_type: content_type.clone(),
         body: String::from_utf8_lossy(&body).into_owned(),
-    });
+    };
+    let verb = verb(&parts.method, &path, recorded.is_watch());
+    lock(&shared.requests).push(recorded);
     {
         let mut fail = lock(&shared.fail);
         if fail.0 > 0 {
@@ -136,9 +155,85 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
             return Ok(error_response(&ApiError::injected(fail.1)));
         }
     }
+    let (refusal, hang) = {
+        let mut faults = lock(&shared.faults);
+        let hang = match parts.method {
+            Method::PATCH => faults.hang_patches,
+            Method::GET => faults.hang_reads,
+            _ => false,
+        };
+        (faults.refusal(verb), hang)
+    };
+    if let Some(code) = refusal {
+        shared.fault_counters.refused.fetch_add(1, Ordering::SeqCst);
+        let mut resp = error_response(&ApiError::fault(code));
+        if code == 429 {
+            resp.headers_mut().insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from_static("1"));
+        }
+        return Ok(resp);
+    }
+    if hang {
+        shared.fault_counters.hung.fetch_add(1, Ordering::SeqCst);
+        return std::future::pending().await;
+    }
     let query: HashMap<String, String> = form_urlencoded::parse(raw_query.as_bytes()).into_owned().collect();
     let r = Req { method: parts.method, query, content_type: content_type.unwrap_or_default(), body };
-    Ok(route(&shared, &path, r).unwrap_or_else(|e| error_response(&e)))
+    Ok(route(shared, &path, r).unwrap_or_else(|e| error_response(&e)))
+}
+
+/// The Kubernetes verb of a request, as RBAC and API Priority and Fairness name it.
+fn verb(method: &Method, path: &str, watch: bool) -> &'static str {
+    match *method {
+        Method::GET if watch => "watch",
+        Method::GET if matches!(path.trim_end_matches('/').rsplit('/').next(), Some("pods" | "events")) => "list",
+        Method::GET => "get",
+        Method::POST => "create",
+        Method::PUT => "update",
+        Method::PATCH => "patch",
+        Method::DELETE => "delete",
+        _ => "",
+    }
+}
+
+/// A write the server holds, counted in flight while it lives.
+struct InFlight {
+    shared: Arc<Shared>,
+    span: usize,
+    patch: bool,
+    /// Answered (else its client gave up on it).
+    answered: bool,
+}
+
+impl InFlight {
+    /// Starts counting a write; None for reads.
+    fn start(shared: &Arc<Shared>, method: &Method) -> Option<InFlight> {
+        let patch = *method == Method::PATCH;
+        if !patch && !matches!(*method, Method::POST | Method::PUT | Method::DELETE) {
+            return None;
+        }
+        let c = &shared.fault_counters;
+        let open = c.writes.fetch_add(1, Ordering::SeqCst) + 1;
+        c.peak_writes_open.fetch_max(open, Ordering::SeqCst);
+        if patch {
+            c.patches.fetch_add(1, Ordering::SeqCst);
+        }
+        let mut spans = lock(&c.spans);
+        spans.push(WriteSpan { patch, start: Instant::now(), end: None });
+        Some(InFlight { shared: shared.clone(), span: spans.len() - 1, patch, answered: false })
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let c = &self.shared.fault_counters;
+        if let Some(span) = lock(&c.spans).get_mut(self.span) {
+            span.end = Some((Instant::now(), !self.answered));
+        }
+        c.writes.fetch_sub(1, Ordering::SeqCst);
+        if self.patch {
+            c.patches.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
 }
 
 fn route(shared: &Arc<Shared>, path: &str, r: Req) -> Result<Response<Body>, ApiError> {

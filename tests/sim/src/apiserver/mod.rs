@@ -17,7 +17,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow};
 use serde_json::Value;
@@ -83,6 +83,117 @@ impl RecordedRequest {
     }
 }
 
+/// A failure of the API server that a test turns on with [`FakeApiServer::set_fault`] and off with
+/// [`FakeApiServer::clear_faults`]. Faults of different kinds can be on at once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fault {
+    /// Requests whose Kubernetes verb (`get`, `list`, `watch`, `create`, `update`, `patch`,
+    /// `delete`) is in `verbs` (empty: every verb) are refused with a `Status` of `code`, as the
+    /// real server words it (500 `InternalError`, 429 `TooManyRequests` with `Retry-After: 1`
+    /// as API Priority and Fairness sends it, 503, 504), until `until` (None: until cleared).
+    /// Watches already open are not cut (see [`FakeApiServer::drop_watches`]).
+    Status { code: u16, verbs: Vec<&'static str>, until: Option<Instant> },
+    /// Every open watch stops sending (no events, no bookmarks) and keeps its chunked response
+    /// open, ignoring its `timeoutSeconds`; watches started while this is on do the same from
+    /// their first line. A stalled stream stays silent for good, like a dead connection, also
+    /// after the fault is cleared: only watches started afterwards flow.
+    StallWatches,
+    /// PATCH requests are read and never answered: each stays open until its client gives up.
+    HangPatches,
+    /// GET requests (gets, lists, the start of watches) are read and never answered, not even a
+    /// status line: each stays open until its client gives up. Watches already open go on.
+    HangReads,
+}
+
+/// What the faults did, and the write concurrency the server saw.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FaultStats {
+    /// Requests answered with a [`Fault::Status`].
+    pub refused: u64,
+    /// Requests left unanswered ([`Fault::HangPatches`], [`Fault::HangReads`]).
+    pub hung: u64,
+    /// Watch streams that stalled ([`Fault::StallWatches`]).
+    pub stalled_watches: u64,
+    /// PATCHes in flight now: received, not answered, their connection still open.
+    pub patches_in_flight: u64,
+    /// The most PATCHes in flight at once since the server started, a request given up by its
+    /// client counted as ended [`GIVE_UP_SLACK`] before the server saw its connection close.
+    pub peak_patches_in_flight: u64,
+    /// The same for all writes (POST, PUT, PATCH, DELETE).
+    pub peak_writes_in_flight: u64,
+    /// The most writes whose connection was open at once, without that slack.
+    pub peak_writes_open: u64,
+}
+
+/// How much earlier than the server saw its connection close a client is taken to have given up
+/// on a request. A client that keeps N requests in flight frees a slot when it gives up on one,
+/// and may send the next on another connection a moment before it closes the one it gave up on
+/// (and the server notices the close a moment later still): the server would see N + 1 open for
+/// that moment. A client over its bound keeps the extra one open for as long as it waits.
+pub const GIVE_UP_SLACK: Duration = Duration::from_millis(250);
+
+/// One write the server received: when, and when it was answered or given up by its client.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WriteSpan {
+    pub patch: bool,
+    pub start: Instant,
+    /// (when, given up by the client)
+    pub end: Option<(Instant, bool)>,
+}
+
+/// The most of `spans` (PATCHes only, or all) in flight at once; see [`GIVE_UP_SLACK`].
+fn peak_in_flight(spans: &[WriteSpan], patches_only: bool) -> u64 {
+    let mut edges: Vec<(Instant, i8)> = Vec::new();
+    for s in spans.iter().filter(|s| s.patch || !patches_only) {
+        edges.push((s.start, 1));
+        if let Some((end, given_up)) = s.end {
+            let end = if given_up { end.checked_sub(GIVE_UP_SLACK).unwrap_or(s.start).max(s.start) } else { end };
+            edges.push((end, -1));
+        }
+    }
+    // At the same instant an end comes before a start.
+    edges.sort();
+    let (mut now, mut peak) = (0i64, 0i64);
+    for (_, d) in edges {
+        now += i64::from(d);
+        peak = peak.max(now);
+    }
+    u64::try_from(peak).unwrap_or(0)
+}
+
+/// The faults that are on.
+#[derive(Debug, Default)]
+pub(crate) struct Faults {
+    /// (code, verbs, until) of a [`Fault::Status`].
+    pub status: Option<(u16, Vec<&'static str>, Option<Instant>)>,
+    pub hang_patches: bool,
+    pub hang_reads: bool,
+}
+
+impl Faults {
+    /// The code to refuse a request of `verb` with now, if any; an expired fault is forgotten.
+    pub fn refusal(&mut self, verb: &str) -> Option<u16> {
+        let (code, verbs, until) = self.status.as_ref()?;
+        if until.is_some_and(|u| Instant::now() >= u) {
+            self.status = None;
+            return None;
+        }
+        (verbs.is_empty() || verbs.contains(&verb)).then_some(*code)
+    }
+}
+
+/// Counters of [`FaultStats`].
+#[derive(Debug, Default)]
+pub(crate) struct FaultCounters {
+    pub refused: AtomicU64,
+    pub hung: AtomicU64,
+    pub stalled_watches: AtomicU64,
+    pub patches: AtomicU64,
+    pub writes: AtomicU64,
+    pub peak_writes_open: AtomicU64,
+    pub spans: Mutex<Vec<WriteSpan>>,
+}
+
 /// State shared between the control API and the server tasks.
 pub(crate) struct Shared {
     pub store: Mutex<Store>,
@@ -93,6 +204,10 @@ pub(crate) struct Shared {
     pub requests: Mutex<Vec<RecordedRequest>>,
     /// (remaining, code) of injected failures.
     pub fail: Mutex<(u32, u16)>,
+    pub faults: Mutex<Faults>,
+    /// Whether watches stall ([`Fault::StallWatches`]); open streams learn it here.
+    pub stall_tx: tokio::sync::watch::Sender<bool>,
+    pub fault_counters: FaultCounters,
     pub watch_count: AtomicU64,
     pub opts: ServerOptions,
     pub addr: SocketAddr,
@@ -145,6 +260,9 @@ impl FakeApiServer {
             drop_tx: tokio::sync::watch::Sender::new(0),
             requests: Mutex::new(Vec::new()),
             fail: Mutex::new((0, 0)),
+            faults: Mutex::new(Faults::default()),
+            stall_tx: tokio::sync::watch::Sender::new(false),
+            fault_counters: FaultCounters::default(),
             watch_count: AtomicU64::new(0),
             opts: opts.clone(),
             addr,
@@ -262,6 +380,41 @@ impl FakeApiServer {
         *lock(&self.shared.fail) = (n, status_code);
     }
 
+    /// Turns a fault on (a [`Fault::Status`] replaces the one before).
+    pub fn set_fault(&self, fault: Fault) {
+        match fault {
+            Fault::Status { code, verbs, until } => lock(&self.shared.faults).status = Some((code, verbs, until)),
+            Fault::StallWatches => {
+                self.shared.stall_tx.send_replace(true);
+            }
+            Fault::HangPatches => lock(&self.shared.faults).hang_patches = true,
+            Fault::HangReads => lock(&self.shared.faults).hang_reads = true,
+        }
+    }
+
+    /// Turns every fault off. Requests already hung stay hung and streams already stalled stay
+    /// silent (their clients have to give up on them); new requests are served.
+    pub fn clear_faults(&self) {
+        *lock(&self.shared.faults) = Faults::default();
+        self.shared.stall_tx.send_replace(false);
+    }
+
+    /// What the faults did so far, and the peaks of writes in flight.
+    pub fn fault_stats(&self) -> FaultStats {
+        let c = &self.shared.fault_counters;
+        let load = |a: &AtomicU64| a.load(Ordering::SeqCst);
+        let spans = lock(&c.spans).clone();
+        FaultStats {
+            refused: load(&c.refused),
+            hung: load(&c.hung),
+            stalled_watches: load(&c.stalled_watches),
+            patches_in_flight: load(&c.patches),
+            peak_patches_in_flight: peak_in_flight(&spans, true),
+            peak_writes_in_flight: peak_in_flight(&spans, false),
+            peak_writes_open: load(&c.peak_writes_open),
+        }
+    }
+
     /// How many watch streams were started.
     pub fn watch_count(&self) -> u64 {
         self.shared.watch_count.load(Ordering::SeqCst)
@@ -313,5 +466,37 @@ impl FakeApiServer {
 impl Drop for FakeApiServer {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_write_given_up_is_counted_as_ended_a_moment_before_its_close_was_seen() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let span = |start, end: Option<(u64, bool)>| WriteSpan {
+            patch: true,
+            start: at(start),
+            end: end.map(|(e, given_up)| (at(e), given_up)),
+        };
+        // Four hung for 10 s; the first is given up at 10 s and the next is read 1 ms before the
+        // server saw that close: still four.
+        let mut spans: Vec<WriteSpan> = (0..4).map(|i| span(i, Some((10_000 + i, true)))).collect();
+        spans.push(span(9_999, None));
+        assert_eq!(peak_in_flight(&spans, true), 4);
+        // An answered write ends when it is answered: a fifth read before the answers is five.
+        for (i, s) in spans.iter_mut().take(4).enumerate() {
+            *s = span(i as u64, Some((10_000 + i as u64, false)));
+        }
+        assert_eq!(peak_in_flight(&spans, true), 5);
+        // A fifth that stays open while the four wait is five.
+        let mut over: Vec<WriteSpan> = (0..5).map(|i| span(i, Some((10_000 + i, true)))).collect();
+        assert_eq!(peak_in_flight(&over, true), 5);
+        // POSTs count in the writes, not the PATCHes.
+        over[4].patch = false;
+        assert_eq!((peak_in_flight(&over, true), peak_in_flight(&over, false)), (4, 5));
     }
 }

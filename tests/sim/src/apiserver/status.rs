@@ -87,6 +87,19 @@ impl ApiError {
         ApiError::new(code, reason, message)
     }
 
+    /// A refusal of [`crate::apiserver::Fault::Status`], worded as the real server words it:
+    /// 429 as API Priority and Fairness rejects (with `retryAfterSeconds`, and the
+    /// `Retry-After` header the HTTP layer adds), 500 as a storage timeout surfaces.
+    pub fn fault(code: u16) -> ApiError {
+        match code {
+            429 => ApiError::new(429, "TooManyRequests", "Too many requests, please try again later.")
+                .with_details(json!({"retryAfterSeconds": 1})),
+            500 => ApiError::new(500, "InternalError", "Internal error occurred: etcdserver: request timed out")
+                .with_details(json!({"causes": [{"message": "etcdserver: request timed out"}]})),
+            _ => ApiError::injected(code),
+        }
+    }
+
     /// The Status object as JSON.
     pub fn to_status(&self) -> Value {
         let mut s = json!({

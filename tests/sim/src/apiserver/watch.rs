@@ -1,6 +1,7 @@
 //! Watch streams: one JSON object per line over a chunked HTTP/1.1 response.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -94,11 +95,27 @@ async fn send(tx: &Tx, bytes: Bytes) -> bool {
     tx.send(Ok(bytes)).await.is_ok()
 }
 
+/// A stalled stream ([`crate::apiserver::Fault::StallWatches`]): nothing more is sent, and the
+/// response stays open until the client goes or the test drops the watches.
+async fn stall(shared: &Shared, tx: &Tx, drop_rx: &mut tokio::sync::watch::Receiver<u64>) {
+    shared.fault_counters.stalled_watches.fetch_add(1, Ordering::SeqCst);
+    tokio::select! {
+        _ = drop_rx.changed() => {
+            let _ = tx.send(Err("watch dropped by the test".into())).await;
+        }
+        _ = tx.closed() => {}
+    }
+}
+
 async fn run(shared: Arc<Shared>, filter: Filter, p: WatchParams, tx: Tx) {
     let mut rv_rx = shared.rv_tx.subscribe();
     let mut drop_rx = shared.drop_tx.subscribe();
+    let mut stall_rx = shared.stall_tx.subscribe();
     drop_rx.borrow_and_update();
     rv_rx.borrow_and_update();
+    if *stall_rx.borrow_and_update() {
+        return stall(&shared, &tx, &mut drop_rx).await;
+    }
     let start = lock(&shared.store).watch_start(&filter, p.rv.as_deref(), p.send_initial);
     let mut last_rv = match start {
         Err(e) => {
@@ -153,6 +170,11 @@ async fn run(shared: Arc<Shared>, filter: Filter, p: WatchParams, tx: Tx) {
                 return;
             }
             _ = tx.closed() => return,
+            _ = stall_rx.changed() => {
+                if *stall_rx.borrow_and_update() {
+                    return stall(&shared, &tx, &mut drop_rx).await;
+                }
+            }
             _ = timeout => return,
             r = rv_rx.changed() => {
                 if r.is_err() {

@@ -2,7 +2,9 @@
 //! joins the container's cgroup and the pod's network namespace, takes its uid, waits its exec
 //! delay and execs the container's command; with `--pidns` the command is pid 1 of a new pid
 //! namespace, under this process, which waits for it and ends the same way it ended (exit code or
-//! signal), as containerd's shim is the parent of a container's init.
+//! signal), as containerd's shim is the parent of a container's init. With `--join-pidns PATH` it
+//! joins that pid namespace instead (shareProcessNamespace: the sandbox's), where the command is
+//! pid N, still under this process.
 //!
 //! The simulated node starts it with `posix_spawn` (a vfork), so starting a container no longer
 //! forks the whole test process: on these VMs that fork (page tables of a large, many-threaded
@@ -10,10 +12,10 @@
 //! does. See `valet_sim::node::SimPod::spawn`.
 //!
 //! Usage: `valet-sim-exec [--cgroup-procs PATH] [--netns PATH] [--uid N] [--delay-ns N] [--cwd DIR]
-//! [--pidns] -- PROGRAM ARGS...`
+//! [--pidns | --join-pidns PATH] -- PROGRAM ARGS...`
 //!
 //! fd 0 is the write end of a status pipe (the command gets /dev/null as its stdin). Written to
-//! it: `pid N` (with `--pidns`: the command's host pid), or `err ERRNO WHAT` when a step before the
+//! it: `pid N` (with `--pidns` or `--join-pidns`: the command's host pid), or `err ERRNO WHAT` when a step before the
 //! exec failed (then the exit code is 127). It reaches end of file when the command has exec'd.
 
 use std::ffi::{CString, OsString};
@@ -27,6 +29,7 @@ struct Opts {
     delay_ns: u64,
     cwd: Option<CString>,
     pidns: bool,
+    join_pidns: Option<CString>,
     argv: Vec<CString>,
 }
 
@@ -51,6 +54,7 @@ fn parse(mut args: impl Iterator<Item = OsString>) -> Result<Opts, String> {
             }
             b"--cwd" => o.cwd = Some(cstring(value("--cwd")?)?),
             b"--pidns" => o.pidns = true,
+            b"--join-pidns" => o.join_pidns = Some(cstring(value("--join-pidns")?)?),
             b"--" => {
                 o.argv = args.map(cstring).collect::<Result<_, _>>()?;
                 break;
@@ -60,6 +64,9 @@ fn parse(mut args: impl Iterator<Item = OsString>) -> Result<Opts, String> {
     }
     if o.argv.is_empty() {
         return Err("no command after --".into());
+    }
+    if o.pidns && o.join_pidns.is_some() {
+        return Err("--pidns and --join-pidns exclude each other".into());
     }
     Ok(o)
 }
@@ -182,12 +189,25 @@ fn main() {
         Ok(o) => o,
         Err(e) => fail(status, libc::EINVAL, &format!("valet-sim-exec: {e}")),
     };
-    if !o.pidns {
+    if let Some(p) = &o.join_pidns {
+        // SAFETY: a valid C string.
+        let fd = unsafe { libc::open(p.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+        if fd < 0 {
+            fail(status, errno(), &format!("open {}", p.to_string_lossy()));
+        }
+        // SAFETY: a valid fd to a pid namespace; only this process' later children enter it.
+        if unsafe { libc::setns(fd, libc::CLONE_NEWPID) } != 0 {
+            fail(status, errno(), &format!("setns {}", p.to_string_lossy()));
+        }
+        // SAFETY: our own fd.
+        unsafe { libc::close(fd) };
+    } else if !o.pidns {
         setup_and_exec(&o, status);
-    }
-    // SAFETY: plain syscall; only this (single-threaded) process' later children are affected.
-    if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
-        fail(status, errno(), "unshare(CLONE_NEWPID)");
+    } else {
+        // SAFETY: plain syscall; only this (single-threaded) process' later children are affected.
+        if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
+            fail(status, errno(), "unshare(CLONE_NEWPID)");
+        }
     }
     // SAFETY: this process is single-threaded, so the child may run anything.
     let pid = unsafe { libc::fork() };

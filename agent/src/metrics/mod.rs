@@ -1,6 +1,8 @@
 //! Node-level metrics for Prometheus. Labels are low-cardinality by construction: enums and
 //! fixed strings only, never pod names, pids or ids.
 
+pub mod quit_pods;
+
 use std::collections::HashMap;
 use std::fmt::Write as _;
 
@@ -12,7 +14,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::pod::spec::SidecarKind;
+use crate::vocab::SidecarKind;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 pub enum ExitOutcome {
@@ -47,6 +49,22 @@ pub struct ReasonLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     pub result: &'static str,
+}
+
+/// An observed pod's series: its namespace (empty when the agent drops it) and owner kind (Job,
+/// CronJob, other).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ObservedLabels {
+    pub namespace: String,
+    pub owner_kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TaxLabels {
+    pub namespace: String,
+    pub owner_kind: &'static str,
+    /// "true": valet quit one of the pod's sidecars.
+    pub acted: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -93,6 +111,18 @@ pub struct Metrics {
     pub watch_restarts: Counter,
     pub skips: Family<ReasonLabels, Counter>,
     pub build_info: Family<BuildLabels, Gauge>,
+    pub pods_observed: Gauge,
+    pub pods_waiting: Family<ObservedLabels, Gauge>,
+    pub sidecar_tax: Family<TaxLabels, Histogram, fn() -> Histogram>,
+    pub started_before_ready: Family<ObservedLabels, Counter>,
+    /// Not a metric: which pods valet quit, for `sidecar_tax`'s `acted` label.
+    pub quit_pods: quit_pods::QuitPods,
+}
+
+/// Sidecar tax buckets from 1 s to a day: the API's times are whole seconds, and a stuck Job's
+/// proxy runs until someone deletes the pod.
+fn tax_histogram() -> Histogram {
+    Histogram::new([1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 10800.0, 43200.0, 86400.0])
 }
 
 /// Latency buckets from 50 µs to 30 s: the fast path is sub-millisecond, fallbacks take seconds.
@@ -131,6 +161,11 @@ impl Metrics {
             watch_restarts: Counter::default(),
             skips: Family::default(),
             build_info: Family::default(),
+            pods_observed: Gauge::default(),
+            pods_waiting: Family::default(),
+            sidecar_tax: Family::new_with_constructor(tax_histogram),
+            started_before_ready: Family::default(),
+            quit_pods: quit_pods::QuitPods::default(),
         };
         registry.register("pods_tracked", "Opted-in pods on this node that valet tracks", m.pods_tracked.clone());
         registry.register(
@@ -185,6 +220,28 @@ impl Metrics {
         registry.register("watch_restarts", "Restarts of the pod watch (errors, re-lists)", m.watch_restarts.clone());
         registry.register("pod_skips", "Pods or actions skipped, by reason", Declared(m.skips.clone()));
         registry.register("build_info", "Build information", Declared(m.build_info.clone()));
+        registry.register(
+            "pods_observed",
+            "Pods on this node with a sidecar valet knows, labelled or not, that the observer keeps",
+            m.pods_observed.clone(),
+        );
+        registry.register(
+            "pods_waiting_on_sidecars",
+            "Pods on this node whose app containers have all ended while a sidecar still runs (labelled or not)",
+            Declared(m.pods_waiting.clone()),
+        );
+        registry.register(
+            "sidecar_tax_seconds",
+            "From a pod's apps' end to its last sidecar's end, observed when the sidecars end \
+             (acted: valet quit one of them)",
+            Declared(m.sidecar_tax.clone()),
+        );
+        registry.register(
+            "app_started_before_proxy_ready",
+            "App containers that started while their pod's proxy was not ready (its proxy, asked \
+             when the API first showed the app started, was not ready yet)",
+            Declared(m.started_before_ready.clone()),
+        );
         m.build_info.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION") }).set(1);
         // Series whose label values are known in advance start at 0, so rates and alerts on them
         // see 0 rather than nothing until the first event.
@@ -439,6 +496,10 @@ mod tests {
                 "valet_watch_restarts_total",
                 "valet_pod_skips_total",
                 "valet_build_info",
+                "valet_pods_observed",
+                "valet_pods_waiting_on_sidecars",
+                "valet_sidecar_tax_seconds",
+                "valet_app_started_before_proxy_ready_total",
             ]
         );
         for zero in [

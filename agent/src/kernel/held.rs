@@ -1,0 +1,101 @@
+//! The kernel's record of the processes its exec program stopped ([`valet_common::MAP_HELD`]),
+//! pinned on bpffs so that it outlives the agent. A held app is the one thing valet can make
+//! worse than no agent at all: an agent killed while holding (OOM, SIGKILL, node pressure) must
+//! leave its successor a list of every process it stopped, whatever happened to their pods
+//! meanwhile (deleted, relabelled, stripped of their hold annotation). The program writes the
+//! record before the stop; the agent drops it after the SIGCONT.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use aya::maps::{HashMap, MapData};
+use nix::sys::statfs::FsType;
+use tracing::{info, warn};
+use valet_common::HeldRecord;
+
+/// `statfs(2)`'s `f_type` of bpffs.
+const BPF_FS_MAGIC: FsType = FsType(0xcafe_4a11);
+
+/// The held-process map, shared by the loop (which reads it) and the release thread (which
+/// drops an entry once its SIGCONT is sent).
+pub struct HeldLedger {
+    map: Mutex<HashMap<MapData, u32, HeldRecord>>,
+    pinned: Option<PathBuf>,
+}
+
+impl HeldLedger {
+    pub fn new(map: HashMap<MapData, u32, HeldRecord>, pinned: Option<PathBuf>) -> HeldLedger {
+        HeldLedger { map: Mutex::new(map), pinned }
+    }
+
+    /// Where the map is pinned; `None`: it dies with this agent (no bpffs could be had).
+    pub fn pinned(&self) -> Option<&Path> {
+        self.pinned.as_deref()
+    }
+
+    /// Every record, by thread-group id.
+    pub fn records(&self) -> Vec<(u32, HeldRecord)> {
+        let Ok(map) = self.map.lock() else { return Vec::new() };
+        map.iter().filter_map(Result::ok).collect()
+    }
+
+    pub fn get(&self, tgid: u32) -> Option<HeldRecord> {
+        self.map.lock().ok()?.get(&tgid, 0).ok()
+    }
+
+    /// Drops `tgid`'s record (released, gone, or another process by now).
+    pub fn forget(&self, tgid: u32) {
+        if let Ok(mut map) = self.map.lock() {
+            let _ = map.remove(&tgid);
+        }
+    }
+}
+
+fn fs_type(path: &Path) -> Option<FsType> {
+    nix::sys::statfs::statfs(path).ok().map(|s| s.filesystem_type())
+}
+
+/// Makes `dir` a directory on bpffs, mounting bpffs on its parent when that is the kernel's
+/// empty `/sys/fs/bpf` (a host whose init did not mount it; in a DaemonSet the host's
+/// `/sys/fs/bpf/valet` is mounted at `dir` itself). `None`, with the reason logged, when it cannot be had: holds then do not survive the
+/// agent.
+pub fn prepare_pin_dir(dir: &Path) -> Option<PathBuf> {
+    // The DaemonSet mounts the host's directory itself here.
+    if fs_type(dir) == Some(BPF_FS_MAGIC) {
+        return Some(dir.to_path_buf());
+    }
+    let parent = dir.parent()?;
+    if fs_type(parent) != Some(BPF_FS_MAGIC) && parent.ends_with("sys/fs/bpf") {
+        match nix::mount::mount(
+            Some("bpf"),
+            parent,
+            Some("bpf"),
+            nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV | nix::mount::MsFlags::MS_NOEXEC,
+            Some("mode=0700"),
+        ) {
+            Ok(()) => info!(path = %parent.display(), "mounted bpffs"),
+            Err(e) => warn!(path = %parent.display(), "bpffs is not mounted and mounting it failed: {e}"),
+        }
+    }
+    if let Err(e) = std::fs::create_dir_all(dir) {
+        warn!(path = %dir.display(), "cannot make the pin directory: {e}: apps held by this agent stay stopped if it dies");
+        return None;
+    }
+    if fs_type(dir) != Some(BPF_FS_MAGIC) {
+        warn!(path = %dir.display(), "the pin directory is not on bpffs: apps held by this agent stay stopped if it dies");
+        return None;
+    }
+    Some(dir.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_directory_off_bpffs_is_refused() {
+        let dir = std::env::temp_dir().join(format!("valet-pin-test-{}", std::process::id()));
+        assert_eq!(prepare_pin_dir(&dir.join("valet")), None, "a tmp directory is no bpffs");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,53 @@
+//! The pods valet sent a quit to, for the sidecar tax's `acted` label: the actuators record, the
+//! observer asks and forgets. Beside the metrics that hold it, so that `observe`, which counts
+//! into `metrics`, is imported by nothing it imports.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
+
+/// Nothing is kept until an observer starts (no one would forget it).
+#[derive(Debug, Default)]
+pub struct QuitPods {
+    on: AtomicBool,
+    uids: Mutex<HashSet<String>>,
+}
+
+impl QuitPods {
+    /// valet asked one of this pod's sidecars to quit.
+    pub fn record(&self, uid: &str) {
+        if self.on.load(Ordering::Relaxed) {
+            self.uids.lock().unwrap_or_else(PoisonError::into_inner).insert(uid.to_owned());
+        }
+    }
+
+    /// An observer runs: record from now on.
+    pub(crate) fn start(&self) {
+        self.on.store(true, Ordering::Relaxed);
+    }
+
+    pub(crate) fn contains(&self, uid: &str) -> bool {
+        self.uids.lock().unwrap_or_else(PoisonError::into_inner).contains(uid)
+    }
+
+    pub(crate) fn forget(&self, uid: &str) {
+        self.uids.lock().unwrap_or_else(PoisonError::into_inner).remove(uid);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_only_while_an_observer_runs_and_until_forgotten() {
+        let q = QuitPods::default();
+        q.record("a");
+        assert!(!q.contains("a"), "no observer: nothing kept");
+        q.start();
+        q.record("a");
+        assert!(q.contains("a"));
+        q.forget("a");
+        assert!(!q.contains("a"));
+    }
+}

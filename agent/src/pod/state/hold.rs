@@ -1,0 +1,149 @@
+//! The hold: apps stopped at their first exec, adopted from an earlier agent, released.
+
+use super::*;
+
+impl PodState {
+    /// The kernel stopped a process at its first exec.
+    pub fn held(&mut self, held: HeldSeen, now: Nanos) -> Vec<Effect> {
+        self.settled = false;
+        let rel = self.containers.get(&held.container_cgroup).map(|c| c.rel.clone());
+        let Some(rel) = rel else {
+            warn!(pod = %self.name(), pid = held.tgid, "held process in an unknown container: releasing");
+            return vec![Effect::Release {
+                tgid: held.tgid,
+                container_rel: String::new(),
+                reason: "untracked",
+                since: held.ktime,
+            }];
+        };
+        let release =
+            |reason| Effect::Release { tgid: held.tgid, container_rel: rel.clone(), reason, since: held.ktime };
+        let Some(plan) = self.plan.as_ref().filter(|p| wants_hold(p)) else {
+            return vec![release("not_app")];
+        };
+        if self.finished || self.shutting_down {
+            return vec![release("not_app")];
+        }
+        let role = self.role(held.container_cgroup);
+        // The sandbox's pause starts before any container the API could name.
+        let app = match &role {
+            Role::Sandbox => false,
+            Role::Named(name) => plan.apps.contains(name),
+            Role::Unnamed => held.comm != "pause" && self.may_be_app(plan),
+        };
+        // Surely an app: named one, or unnamed while every other kind of container is known.
+        let surely_app = match &role {
+            Role::Named(_) => app,
+            Role::Unnamed => {
+                app && plan.init_containers.is_empty() && plan.sidecars.iter().all(|s| self.current(&s.name).is_some())
+            }
+            Role::Sandbox => false,
+        };
+        if !app {
+            return vec![release("not_app")];
+        }
+        if self.held.iter().any(|h| h.tgid == held.tgid) {
+            return Vec::new();
+        }
+        // An app process the kernel stopped: counted even when it runs again at once.
+        if self.ready == Some(true) {
+            return vec![Effect::Count(Count::Hold), release("ready")];
+        }
+        if self.failed_open {
+            return vec![Effect::Count(Count::Hold), release("timeout")];
+        }
+        let counted = surely_app;
+        info!(
+            pod = %self.name(),
+            container = role.name().unwrap_or("<not named yet>"),
+            pid = held.tgid,
+            "holding app until the proxy is ready"
+        );
+        self.held.push(Held { tgid: held.tgid, container_cgroup: held.container_cgroup, since: held.ktime, counted });
+        let mut fx = if counted { vec![Effect::Count(Count::Hold)] } else { Vec::new() };
+        fx.push(Effect::Pin { tgid: held.tgid, container_rel: rel });
+        fx.extend(self.step(now));
+        fx
+    }
+
+    /// Takes over processes an earlier agent left stopped at exec: apps (and containers not
+    /// named yet) are held again with their original deadline; the rest run at once.
+    pub(super) fn adopt(&mut self, found: Vec<LeftHeld>) -> Vec<Effect> {
+        let mut fx = Vec::new();
+        for f in found {
+            if let Some(c) = self.containers.get_mut(&f.container_cgroup) {
+                // Its first exec is past: classified (again) so that later execs run.
+                c.exec_done = true;
+                c.classified = false;
+            }
+            if self.held.iter().any(|h| h.tgid == f.tgid) {
+                continue;
+            }
+            // Counted by the agent that held it.
+            let h = Held { tgid: f.tgid, container_cgroup: f.container_cgroup, since: f.since, counted: true };
+            let app = match (&self.plan, self.role(f.container_cgroup)) {
+                (_, Role::Sandbox) | (None, _) => false,
+                (Some(p), Role::Named(n)) => p.apps.contains(&n),
+                (Some(p), Role::Unnamed) => self.may_be_app(p),
+            };
+            if !app || self.shutting_down || self.finished || self.ready == Some(true) {
+                let reason = if self.shutting_down {
+                    "shutdown"
+                } else if app && self.ready == Some(true) {
+                    "ready"
+                } else {
+                    "not_app"
+                };
+                fx.push(self.release(&h, reason));
+                continue;
+            }
+            info!(pod = %self.name(), pid = f.tgid, "found a process left held by an earlier agent");
+            if let Some(c) = self.containers.get(&f.container_cgroup) {
+                fx.push(Effect::Pin { tgid: f.tgid, container_rel: c.rel.clone() });
+            }
+            self.held.push(h);
+        }
+        fx
+    }
+
+    pub(super) fn release(&self, h: &Held, reason: &'static str) -> Effect {
+        let container_rel = self.containers.get(&h.container_cgroup).map(|c| c.rel.clone()).unwrap_or_default();
+        Effect::Release { tgid: h.tgid, container_rel, reason, since: h.since }
+    }
+
+    /// Releases a held process; one not counted yet is counted now unless it turned out not to
+    /// be an app.
+    pub(super) fn release_counted(&self, h: &Held, reason: &'static str) -> Vec<Effect> {
+        let mut fx = Vec::new();
+        if !h.counted && reason != "not_app" {
+            fx.push(Effect::Count(Count::Hold));
+        }
+        fx.push(self.release(h, reason));
+        fx
+    }
+
+    pub(super) fn release_all(&mut self, reason: &'static str) -> Vec<Effect> {
+        let held = std::mem::take(&mut self.held);
+        held.iter().flat_map(|h| self.release_counted(h, reason)).collect()
+    }
+
+    /// The pod's plan is gone (bad annotations, hostNetwork): stop everything valet started.
+    pub(super) fn stand_down(&mut self, reason: &'static str) -> Vec<Effect> {
+        let mut fx = self.release_all(reason);
+        fx.extend(self.stop_probe());
+        fx.extend(self.release_resources());
+        self.stood_down = true;
+        fx
+    }
+}
+
+/// Whether the kernel should hold this pod's app containers at their first exec.
+pub fn wants_hold(plan: &PodPlan) -> bool {
+    plan.hold_app
+        && !plan.host_pid
+        && !plan.istio_holds_app
+        && plan.native_sidecars.is_empty()
+        && plan.sidecars.iter().any(|s| s.ready.is_some())
+        && !plan.apps.is_empty()
+        && !plan.deleting
+}

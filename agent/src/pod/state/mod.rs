@@ -1,0 +1,546 @@
+//! Everything the agent knows about one opted-in pod, and the transitions that change it.
+//!
+//! Each transition takes plain inputs (the pod object, an exit or a hold the kernel saw, the
+//! result of an effect, a tick with the current time) and returns the [`Effect`]s to carry out.
+//! No I/O and no clock reads here: the controller routes inputs in and hands effects to `act`.
+//!
+//! A pod goes through: found (its cgroup watched, its containers named, its network namespace
+//! opened) → apps held until the proxy is ready (or the hold times out) → the work is done and
+//! the sidecars are asked to quit → resources released. The API can move it anywhere at any time
+//! (a label removed, annotations broken, the pod deleted): then nothing it held stays held.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
+use tracing::{debug, info, warn};
+
+use super::decide::{AppState, Decision, ExitOutcome, IgnoreReason, Observed, SidecarState, decide};
+use super::spec::{Endpoint, PodPlan, SidecarDefaults, plan};
+use super::status::{self, hex_id, pod_name};
+use crate::api::condition;
+use crate::effect::{ContainerSeen, Count, Effect, ExitSeen, Feedback, HeldSeen, LeftHeld, Nanos, Pace, RuntimeName};
+use crate::vocab::{ProcessEnd, ProxyReady, QuitOutcome};
+
+mod containers;
+mod hold;
+mod quit;
+mod ready;
+
+use containers::Role;
+pub use hold::wants_hold;
+
+/// The longest any app is held, whatever the annotation says.
+const MAX_HOLD: Duration = Duration::from_secs(3600);
+/// Backoff between retries of a failed quit when escalation is off: from 1 s, doubling, to 60 s,
+/// at most this many retries.
+const QUIT_RETRY_FIRST: Duration = Duration::from_secs(1);
+const QUIT_RETRY_MAX: Duration = Duration::from_secs(60);
+const QUIT_RETRIES: u32 = 10;
+
+/// Agent-wide rules every pod follows.
+#[derive(Clone, Debug)]
+pub struct Rules {
+    pub defaults: SidecarDefaults,
+    /// SIGTERM a sidecar still running this long after it accepted a quit; `None`: never signal.
+    pub escalate_after: Option<Duration>,
+}
+
+/// A quit to send the moment a container's end is read from the kernel ([`PodState::quit_ahead`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuitAhead {
+    pub uid: String,
+    pub pod_rel: String,
+    /// The watched pod cgroup the end must be reported under.
+    pub pod_cgroup: u64,
+    /// The container whose end completes the pod's work.
+    pub container_cgroup: u64,
+    /// The endpoints to quit when it ends with `exit(0)`.
+    pub on_success: Vec<Endpoint>,
+    /// The endpoints to quit when it ends any other way (a code, a signal, or unknown).
+    pub on_failure: Vec<Endpoint>,
+}
+
+/// A container cgroup of the pod.
+#[derive(Clone, Debug)]
+struct Container {
+    id: String,
+    rel: String,
+    runtime_name: Option<RuntimeName>,
+    /// Told the kernel whether to hold its first exec.
+    classified: bool,
+    /// Its first exec happened before this agent could judge it: what it execs later runs.
+    exec_done: bool,
+    /// Its main process ended, as the kernel saw it.
+    end: Option<KernelEnd>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct KernelEnd {
+    end: Option<ProcessEnd>,
+    ktime: Nanos,
+}
+
+/// A process held at exec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Held {
+    tgid: u32,
+    container_cgroup: u64,
+    since: Nanos,
+    /// Counted in `valet_app_holds_total` (app processes only: an unnamed container's process is
+    /// counted once it is known to be an app, or released as one).
+    counted: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum QuitState {
+    InFlight,
+    Accepted {
+        escalate_at: Option<Nanos>,
+    },
+    /// Not accepted; retried at `retry_at` (none: out of retries).
+    Failed {
+        retry_at: Option<Nanos>,
+    },
+    Escalated,
+}
+
+/// The quit of one sidecar container instance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Quit {
+    /// The container id it was sent to (none: the instance was not known yet).
+    instance: Option<String>,
+    state: QuitState,
+    /// Failed attempts so far.
+    failures: u32,
+}
+
+/// The one instance of a container that counts now.
+struct Instance<'a> {
+    id: String,
+    /// The API's status, when the API shows this very instance as current.
+    api: Option<&'a ContainerStatus>,
+}
+
+/// Everything the agent knows about one opted-in pod.
+pub struct PodState {
+    uid: String,
+    pod: Option<Pod>,
+    plan: Option<PodPlan>,
+    /// The last spec error reported (reported again only when it changes).
+    spec_error: Option<String>,
+    /// Why the pod is ignored, once counted.
+    ignored: Option<&'static str>,
+    pod_cgroup: Option<(String, u64)>,
+    /// The hold flag the kernel watches the pod cgroup with.
+    watching: Option<bool>,
+    /// Container cgroup id → what is known of it.
+    containers: BTreeMap<u64, Container>,
+    network_open: bool,
+    held: Vec<Held>,
+    left_held_searched: bool,
+    failed_open: bool,
+    /// The running probe's target and pace.
+    probe: Option<(ProbeTarget, Pace)>,
+    ready: Option<bool>,
+    quits: BTreeMap<String, Quit>,
+    /// Kernel time of the end that completed the work (for the latency figure).
+    done_ktime: Option<Nanos>,
+    /// The work is done: no more probing, holding, or condition downgrades.
+    finished: bool,
+    /// Kernel maps, network namespace and probe are released.
+    released: bool,
+    /// Released because the plan is gone (bad annotations, hostNetwork): attached again if it
+    /// comes back.
+    stood_down: bool,
+    shutting_down: bool,
+    written: Option<ProxyReady>,
+    writing: bool,
+    /// Condition writes failed in a row, and when the next may be made.
+    write_failures: u32,
+    write_retry_at: Option<Nanos>,
+    /// The last tick asked for nothing and nothing has come in since: until something does (or
+    /// a deadline is pending), a tick has nothing to do. A full node's idle pods cost no CPU.
+    settled: bool,
+}
+
+impl PodState {
+    pub fn new(uid: &str) -> PodState {
+        PodState {
+            uid: uid.to_owned(),
+            pod: None,
+            plan: None,
+            spec_error: None,
+            ignored: None,
+            pod_cgroup: None,
+            watching: None,
+            containers: BTreeMap::new(),
+            network_open: false,
+            held: Vec::new(),
+            left_held_searched: false,
+            failed_open: false,
+            probe: None,
+            ready: None,
+            quits: BTreeMap::new(),
+            done_ktime: None,
+            finished: false,
+            released: false,
+            stood_down: false,
+            shutting_down: false,
+            written: None,
+            writing: false,
+            write_failures: 0,
+            write_retry_at: None,
+            settled: false,
+        }
+    }
+
+    pub fn uid(&self) -> &str {
+        &self.uid
+    }
+
+    /// `namespace/name` for logs.
+    pub fn name(&self) -> String {
+        self.pod.as_ref().map_or_else(|| self.uid.clone(), pod_name)
+    }
+
+    pub fn pod(&self) -> Option<&Pod> {
+        self.pod.as_ref()
+    }
+
+    pub fn pod_cgroup(&self) -> Option<(&str, u64)> {
+        self.pod_cgroup.as_ref().map(|(rel, id)| (rel.as_str(), *id))
+    }
+
+    /// Whether a container cgroup is one this pod knows.
+    pub fn knows_container(&self, cgroup_id: u64) -> bool {
+        self.containers.contains_key(&cgroup_id)
+    }
+
+    /// The kind of a sidecar, as a metric label.
+    pub fn sidecar_kind(&self, sidecar: &str) -> &'static str {
+        self.plan
+            .as_ref()
+            .and_then(|p| p.sidecars.iter().find(|s| s.name == sidecar))
+            .map_or("unknown", |s| s.kind.as_str())
+    }
+
+    /// Whether a quit is still on its way (shutdown waits for those).
+    pub fn quit_in_flight(&self) -> bool {
+        self.quits.values().any(|q| q.state == QuitState::InFlight)
+    }
+
+    /// Whether this pod holds its apps until its proxy is ready, and so looks after what the
+    /// kernel stopped in its cgroups (an earlier agent's holds included, found at attach).
+    pub fn holding(&self) -> bool {
+        self.plan.as_ref().is_some_and(wants_hold)
+            && !self.shutting_down
+            && !self.released
+            && !self.finished
+            && !self.stood_down
+    }
+
+    /// The processes this pod holds now.
+    pub fn held_pids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.held.iter().map(|h| h.tgid)
+    }
+
+    /// Whether the node's resources for this pod (cgroup search, kernel maps, network namespace)
+    /// are still needed.
+    pub fn is_released(&self) -> bool {
+        self.released
+    }
+
+    // ---- transitions ----
+
+    /// A new version of the pod object from the API.
+    pub fn observe_pod(&mut self, pod: Pod, rules: &Rules, now: Nanos) -> Vec<Effect> {
+        self.settled = false;
+        let mut fx = Vec::new();
+        let host_network = pod.spec.as_ref().and_then(|s| s.host_network).unwrap_or(false);
+        let planned = plan(&pod, &rules.defaults);
+        self.pod = Some(pod);
+        match planned {
+            Ok(_) if host_network => {
+                if self.ignored != Some("host_network") {
+                    info!(pod = %self.name(), "hostNetwork pod: its sidecar's loopback is the node's; leaving it alone");
+                    fx.push(Effect::Count(Count::Skip("host_network")));
+                    self.ignored = Some("host_network");
+                }
+                self.plan = None;
+            }
+            Ok(p) => {
+                self.spec_error = None;
+                self.plan = Some(p);
+                if std::mem::take(&mut self.stood_down) {
+                    // Watched again, from scratch.
+                    self.released = false;
+                    self.watching = None;
+                    self.network_open = false;
+                    self.left_held_searched = false;
+                }
+            }
+            Err(e) => {
+                let text = e.to_string();
+                if self.spec_error.as_deref() != Some(text.as_str()) {
+                    warn!(pod = %self.name(), "skipping pod: {text}");
+                    fx.push(Effect::Count(Count::Skip("bad_annotation")));
+                    fx.push(Effect::Publish {
+                        warning: true,
+                        reason: e.reason(),
+                        action: "Skip",
+                        note: format!("valet ignores this pod: {text}"),
+                    });
+                    self.spec_error = Some(text);
+                }
+                self.plan = None;
+            }
+        }
+        if self.plan.is_none() {
+            // Nothing valet started for this pod may outlive its opt-in.
+            fx.extend(self.stand_down("invalid_spec"));
+            return fx;
+        }
+        fx.extend(self.step(now));
+        fx
+    }
+
+    /// The pod is gone from valet's view (deleted, label removed, moved off the node).
+    pub fn removed(&mut self) -> Vec<Effect> {
+        self.settled = false;
+        let mut fx = self.release_all("pod_gone");
+        fx.extend(self.release_resources());
+        fx
+    }
+
+    /// The agent stops: let every held process run. Processes the kernel stopped whose events
+    /// are still on their way are found in the pod's cgroup.
+    pub fn shutdown(&mut self) -> Vec<Effect> {
+        self.settled = false;
+        self.shutting_down = true;
+        let mut fx = self.release_all("shutdown");
+        if self.watching == Some(true)
+            && let Some((rel, _)) = &self.pod_cgroup
+        {
+            fx.push(Effect::FindLeftHeld { pod_rel: rel.clone() });
+        }
+        fx
+    }
+
+    /// The result of an effect.
+    pub fn feedback(&mut self, fb: Feedback, rules: &Rules, now: Nanos) -> Vec<Effect> {
+        self.settled = false;
+        let mut fx = Vec::new();
+        match fb {
+            Feedback::PodCgroup { rel, id } => {
+                if self.pod_cgroup.as_ref().map(|(_, i)| *i) != Some(id) {
+                    debug!(pod = %self.name(), cgroup = %rel, "found pod cgroup");
+                    self.pod_cgroup = Some((rel, id));
+                    self.watching = None;
+                    self.network_open = false;
+                }
+            }
+            Feedback::Containers(seen) => self.merge_containers(seen),
+            Feedback::LeftHeld(found) => fx.extend(self.adopt(found)),
+            Feedback::Network { ok, detail } => {
+                if !ok {
+                    debug!(pod = %self.name(), "pod network namespace not open yet: {detail}");
+                }
+                self.network_open = ok;
+                return fx;
+            }
+            Feedback::Probed { ready, detail } => {
+                if self.finished && !ready {
+                    // The proxy going away after the work is done says nothing about the pod.
+                    return fx;
+                }
+                if self.ready != Some(ready) {
+                    debug!(pod = %self.name(), %detail, ready, "proxy readiness changed");
+                }
+                self.ready = Some(ready);
+                if ready {
+                    fx.extend(self.release_all("ready"));
+                }
+            }
+            Feedback::QuitDone { sidecar, outcome } => fx.extend(self.quit_done(&sidecar, outcome, rules, now)),
+            Feedback::Signalled { sidecar, signal, signalled } => {
+                let kind = self.sidecar_kind(&sidecar);
+                let is_quit = self
+                    .plan
+                    .as_ref()
+                    .and_then(|p| p.sidecars.iter().find(|s| s.name == sidecar))
+                    .is_some_and(|s| s.quit.is_none());
+                if is_quit {
+                    info!(pod = %self.name(), %sidecar, signal, signalled, "signalled sidecar to quit");
+                    fx.push(Effect::Count(Count::Quit { kind, result: if signalled > 0 { "ok" } else { "gone" } }));
+                } else if signalled > 0 {
+                    warn!(pod = %self.name(), %sidecar, signalled, "sidecar still running: sent SIGTERM");
+                    fx.push(Effect::Count(Count::Escalation { kind }));
+                    fx.push(Effect::Publish {
+                        warning: true,
+                        reason: "SidecarTerminated",
+                        action: "Escalate",
+                        note: format!("{sidecar} did not exit after the quit: sent SIGTERM to {signalled} process(es)"),
+                    });
+                }
+                return fx;
+            }
+            Feedback::ConditionWritten { want, error } => {
+                self.writing = false;
+                fx.push(Effect::Count(Count::ConditionPatch { ok: error.is_none() }));
+                if let Some(e) = error {
+                    warn!(pod = %self.name(), "write {} condition: {e}", condition::CONDITION_TYPE);
+                    // Retried after a backoff (never a loop against the API).
+                    if self.written.as_ref() == Some(&want) {
+                        self.written = None;
+                    }
+                    self.write_failures = self.write_failures.saturating_add(1);
+                    let backoff = condition::retry_after(self.write_failures).as_nanos() as u64;
+                    self.write_retry_at = Some(now.saturating_add(backoff));
+                    return fx;
+                }
+                self.write_failures = 0;
+            }
+        }
+        fx.extend(self.step(now));
+        fx
+    }
+
+    /// Periodic work: retry what could not be done yet, and act on deadlines.
+    pub fn tick(&mut self, now: Nanos) -> Vec<Effect> {
+        let mut fx = Vec::new();
+        let deadlines = !self.held.is_empty()
+            || self.write_retry_at.is_some()
+            || self.quits.values().any(|q| {
+                matches!(
+                    q.state,
+                    QuitState::Failed { retry_at: Some(_) } | QuitState::Accepted { escalate_at: Some(_) }
+                )
+            });
+        if self.settled && !deadlines {
+            return fx;
+        }
+        let Some(plan) = self.plan.clone() else { return fx };
+        // Hold timeouts, each from the moment the kernel stopped the process.
+        let timeout = plan.hold_timeout.min(MAX_HOLD).as_nanos() as u64;
+        let (expired, kept): (Vec<Held>, Vec<Held>) =
+            self.held.drain(..).partition(|h| now.saturating_sub(h.since) >= timeout);
+        self.held = kept;
+        if !expired.is_empty() {
+            let secs = plan.hold_timeout.min(MAX_HOLD).as_secs();
+            warn!(pod = %self.name(), waited_s = secs, "proxy not ready in time: releasing the app anyway");
+            if !self.failed_open {
+                fx.push(Effect::Count(Count::FailOpen));
+                fx.push(Effect::Publish {
+                    warning: true,
+                    reason: "HoldTimeout",
+                    action: "Release",
+                    note: format!("the sidecar proxy was not ready after {secs}s; released the app anyway"),
+                });
+            }
+            self.failed_open = true;
+            for h in expired {
+                fx.extend(self.release_counted(&h, "timeout"));
+            }
+        }
+        // Sidecars still running after they accepted a quit. (Quits to retry are re-issued by
+        // the decision below.)
+        let due: Vec<String> = self
+            .quits
+            .iter()
+            .filter(|(_, q)| matches!(q.state, QuitState::Accepted { escalate_at: Some(at) } if now >= at))
+            .map(|(n, _)| n.clone())
+            .collect();
+        for sidecar in due {
+            fx.extend(self.escalate(&sidecar));
+        }
+        fx.extend(self.step(now));
+        self.settled = fx.is_empty();
+        fx
+    }
+
+    // ---- the decision step ----
+
+    /// Brings the effects in line with what is known now. Idempotent: with nothing new, it asks
+    /// for nothing.
+    fn step(&mut self, now: Nanos) -> Vec<Effect> {
+        let mut fx = Vec::new();
+        let Some(plan) = self.plan.clone() else { return fx };
+        let terminal = self.pod.as_ref().is_some_and(status::terminal);
+        if terminal || plan.deleting {
+            // Every container has ended, or the kubelet is stopping them: nothing to quit.
+            fx.extend(self.release_all(if plan.deleting { "deleting" } else { "pod_done" }));
+            fx.extend(self.stop_probe());
+            fx.extend(self.release_resources());
+            fx.extend(self.count_ignore(&plan));
+            fx.extend(self.sync_condition(now));
+            return fx;
+        }
+        let hold = wants_hold(&plan) && !self.shutting_down;
+        if !self.released {
+            fx.extend(self.attach(&plan, hold));
+        }
+        // Held processes whose container turned out not to be an app.
+        let not_app: Vec<Held> = self
+            .held
+            .iter()
+            .filter(|h| match self.role(h.container_cgroup) {
+                Role::Sandbox => true,
+                Role::Named(n) => !plan.apps.contains(&n),
+                Role::Unnamed => !self.may_be_app(&plan),
+            })
+            .cloned()
+            .collect();
+        for h in not_app {
+            self.held.retain(|x| x.tgid != h.tgid);
+            fx.push(self.release(&h, "not_app"));
+        }
+        if !hold {
+            fx.extend(self.release_all("not_held"));
+        }
+        match decide(&plan, &self.observe(&plan)) {
+            Decision::Ignore(_) => fx.extend(self.count_ignore(&plan)),
+            Decision::Wait(_) => {}
+            Decision::Done => {
+                self.finish();
+                fx.extend(self.release_all("done"));
+                fx.extend(self.stop_probe());
+                // Kept until every sidecar has ended (or was signalled): an escalation still
+                // needs to see whether it did.
+                let ended = plan.sidecars.iter().all(|s| {
+                    self.current(&s.name).is_none_or(|i| self.instance_ended(&i))
+                        || self.quits.get(&s.name).is_some_and(|q| q.state == QuitState::Escalated)
+                });
+                if ended {
+                    fx.extend(self.release_resources());
+                }
+            }
+            Decision::Quit(sidecars) => {
+                self.finish();
+                fx.extend(self.release_all("done"));
+                fx.extend(self.stop_probe());
+                if self.done_ktime.is_none() {
+                    self.done_ktime = plan
+                        .apps
+                        .iter()
+                        .filter_map(|a| self.current(a))
+                        .filter_map(|i| self.kernel_end(&i.id))
+                        .map(|e| e.ktime)
+                        .max();
+                }
+                for name in sidecars {
+                    fx.extend(self.start_quit(&plan, &name, now));
+                }
+            }
+        }
+        fx.extend(self.manage_probe(&plan));
+        fx.extend(self.sync_condition(now));
+        fx
+    }
+}
+
+/// Where a probe reaches the pod: its cgroup (for the network namespace) and its IP.
+type ProbeTarget = (Option<String>, Option<String>);
+
+#[cfg(test)]
+mod tests;

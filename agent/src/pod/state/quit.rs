@@ -1,0 +1,217 @@
+//! The end of the work: containers' ends, the quits they call for (sent ahead or not), their
+//! outcomes and escalations.
+
+use super::*;
+
+impl PodState {
+    /// A container's main process ended. The caller logs it ([`PodState::log_end`]) once the
+    /// effects are applied, so that a quit is on its way before the log line's write.
+    pub fn exit(&mut self, exit: ExitSeen, now: Nanos) -> Vec<Effect> {
+        self.settled = false;
+        let Some(c) = self.containers.get_mut(&exit.container_cgroup) else {
+            debug!(pod = %self.name(), cgroup = exit.container_cgroup, "exit in an unknown container cgroup");
+            return Vec::new();
+        };
+        if c.end.is_some() {
+            return Vec::new();
+        }
+        c.end = Some(KernelEnd { end: exit.end, ktime: exit.ktime });
+        // A held process whose container ended is gone.
+        self.held.retain(|h| h.container_cgroup != exit.container_cgroup);
+        let mut fx = vec![Effect::Count(Count::ContainerEnd(exit.end))];
+        fx.extend(self.step(now));
+        fx
+    }
+
+    /// The quit this pod's state machine would send the moment one more container ends, when
+    /// that is already certain: [`PodState::exit`] on that container would decide to quit these
+    /// sidecars through their endpoints, and the pod's network is open. The kernel event reader
+    /// sends it from there as soon as the end is read, before the event reaches the loop (see
+    /// `act::ahead`); the loop's own transition then takes that request over. `None` whenever
+    /// anything else could happen on that end: more than one app left, a restart policy that
+    /// depends on how it ends and no quit either way, a sidecar quit by signal only, a pod done,
+    /// deleting, shutting down or released.
+    pub fn quit_ahead(&self) -> Option<QuitAhead> {
+        let plan = self.plan.as_ref()?;
+        if self.finished || self.released || self.shutting_down || !self.network_open || plan.deleting {
+            return None;
+        }
+        let (pod_rel, pod_cgroup) = self.pod_cgroup.as_ref()?;
+        if self.pod.as_ref().is_some_and(status::terminal) {
+            return None;
+        }
+        let observed = self.observe(plan);
+        if !matches!(decide(plan, &observed), Decision::Wait(_)) {
+            return None;
+        }
+        // Only an app still running can be the one whose end completes the work.
+        let mut running = observed.apps.iter().filter(|(_, s)| !matches!(s, AppState::Exited(_)));
+        let (Some((app, _)), None) = (running.next(), running.next()) else { return None };
+        let instance = self.current(app)?;
+        let (&container_cgroup, _) = self.containers.iter().find(|(_, c)| c.id == instance.id && c.end.is_none())?;
+        let quits = |ended: ExitOutcome| -> Vec<Endpoint> {
+            match decide(plan, &self.observe_assuming(plan, Some((&instance.id, ended)))) {
+                Decision::Quit(sidecars) => sidecars
+                    .iter()
+                    // A sidecar quit before (an earlier instance) goes through the loop.
+                    .filter(|name| !self.quits.contains_key(*name))
+                    .filter_map(|name| plan.sidecars.iter().find(|s| &s.name == name)?.quit.clone())
+                    .collect(),
+                _ => Vec::new(),
+            }
+        };
+        let (on_success, on_failure) = (quits(ExitOutcome::Code(0)), quits(ExitOutcome::Code(1)));
+        if on_success.is_empty() && on_failure.is_empty() {
+            return None;
+        }
+        Some(QuitAhead {
+            uid: self.uid.clone(),
+            pod_rel: pod_rel.clone(),
+            pod_cgroup: *pod_cgroup,
+            container_cgroup,
+            on_success,
+            on_failure,
+        })
+    }
+
+    /// Whether the container's end was seen already.
+    pub fn container_ended(&self, container_cgroup: u64) -> bool {
+        self.containers.get(&container_cgroup).is_some_and(|c| c.end.is_some())
+    }
+
+    /// Logs the end [`PodState::exit`] recorded for the container.
+    pub fn log_end(&self, container_cgroup: u64) {
+        let Some(c) = self.containers.get(&container_cgroup) else { return };
+        let Some(end) = &c.end else { return };
+        let container = self.name_of(&c.id);
+        info!(
+            pod = %self.name(),
+            container = container.as_deref().unwrap_or("<not named yet>"),
+            end = ?end.end,
+            "container exited"
+        );
+    }
+
+    pub(super) fn start_quit(&mut self, plan: &PodPlan, name: &str, now: Nanos) -> Vec<Effect> {
+        let instance = self.current(name).map(|i| i.id);
+        let mut failures = 0;
+        if let Some(q) = self.quits.get(name)
+            && (q.instance.is_none() || q.instance == instance)
+        {
+            // The same instance: only a failed quit whose retry is due goes again.
+            match q.state {
+                QuitState::Failed { retry_at: Some(at) } if now >= at => failures = q.failures,
+                _ => return Vec::new(),
+            }
+        }
+        let Some(sidecar) = plan.sidecars.iter().find(|s| s.name == name) else { return Vec::new() };
+        let Some((pod_rel, _)) = self.pod_cgroup.clone() else {
+            debug!(pod = %self.name(), "work done but the pod cgroup is not found yet");
+            return Vec::new();
+        };
+        let (state, effect) = match (&sidecar.quit, sidecar.quit_signal) {
+            (Some(endpoint), _) => (
+                QuitState::InFlight,
+                Some(Effect::Quit {
+                    sidecar: name.to_owned(),
+                    instance: instance.clone(),
+                    endpoint: endpoint.clone(),
+                    pod_rel,
+                }),
+            ),
+            // A helper without a quit endpoint: its signal is the quit.
+            (None, signal) => (
+                QuitState::Escalated,
+                self.container_rel(name).map(|container_rel| Effect::Signal {
+                    sidecar: name.to_owned(),
+                    container_rel,
+                    signal,
+                }),
+            ),
+        };
+        self.quits.insert(name.to_owned(), Quit { instance, state, failures });
+        effect.into_iter().collect()
+    }
+
+    pub(super) fn quit_done(&mut self, sidecar: &str, outcome: QuitOutcome, rules: &Rules, now: Nanos) -> Vec<Effect> {
+        let kind = self.sidecar_kind(sidecar);
+        let mut fx = vec![Effect::Count(Count::Quit { kind, result: outcome.label() })];
+        let name = self.name();
+        let done_ktime = self.done_ktime;
+        let Some(q) = self.quits.get_mut(sidecar) else { return fx };
+        match &outcome {
+            QuitOutcome::Accepted { status, attempts } => {
+                q.state = QuitState::Accepted {
+                    escalate_at: rules.escalate_after.map(|d| now.saturating_add(d.as_nanos() as u64)),
+                };
+                let after = done_ktime.map(|k| now.saturating_sub(k));
+                if let Some(ns) = after {
+                    fx.push(Effect::Count(Count::QuitLatency(ns as f64 / 1e9)));
+                }
+                let after_text = after.map(|ns| format!(" {}µs after the app finished", ns / 1000)).unwrap_or_default();
+                info!(pod = %name, %sidecar, status, attempts, quit_after_us = after.map(|n| n / 1000), "sidecar accepted quit");
+                fx.push(Effect::Publish {
+                    warning: false,
+                    reason: "SidecarQuit",
+                    action: "Quit",
+                    note: format!("asked {sidecar} to quit: HTTP {status}{after_text}"),
+                });
+            }
+            QuitOutcome::Rejected { status, body } => {
+                let note = format!("{sidecar} refused to quit: HTTP {status} {body}");
+                fx.extend(failed_quit(q, &name, note, rules, now));
+                if q.state == QuitState::Escalated {
+                    fx.extend(self.escalate_now(sidecar));
+                }
+            }
+            QuitOutcome::Failed { last, attempts, .. } => {
+                let note = format!("could not quit {sidecar} after {attempts} attempts: {last}");
+                fx.extend(failed_quit(q, &name, note, rules, now));
+                if q.state == QuitState::Escalated {
+                    fx.extend(self.escalate_now(sidecar));
+                }
+            }
+        }
+        fx
+    }
+
+    /// The escalation deadline of an accepted quit passed.
+    pub(super) fn escalate(&mut self, sidecar: &str) -> Vec<Effect> {
+        if let Some(q) = self.quits.get_mut(sidecar) {
+            q.state = QuitState::Escalated;
+        }
+        // Already gone: nothing to signal.
+        if self.current(sidecar).is_some_and(|i| self.instance_ended(&i)) {
+            return Vec::new();
+        }
+        self.escalate_now(sidecar)
+    }
+
+    pub(super) fn escalate_now(&mut self, sidecar: &str) -> Vec<Effect> {
+        match self.container_rel(sidecar) {
+            Some(container_rel) => {
+                vec![Effect::Signal { sidecar: sidecar.to_owned(), container_rel, signal: libc::SIGTERM }]
+            }
+            None => {
+                debug!(pod = %self.name(), %sidecar, "cannot signal a sidecar whose cgroup is not known");
+                Vec::new()
+            }
+        }
+    }
+}
+
+/// A quit that was refused or never answered: escalate when allowed, else retry with backoff a
+/// bounded number of times.
+pub(super) fn failed_quit(q: &mut Quit, pod: &str, note: String, rules: &Rules, now: Nanos) -> Vec<Effect> {
+    warn!(%pod, "could not quit sidecar: {note}");
+    q.failures += 1;
+    q.state = if rules.escalate_after.is_some() {
+        QuitState::Escalated
+    } else {
+        let backoff = QUIT_RETRY_FIRST.saturating_mul(1 << (q.failures - 1).min(6)).min(QUIT_RETRY_MAX);
+        QuitState::Failed {
+            retry_at: (q.failures <= QUIT_RETRIES).then(|| now.saturating_add(backoff.as_nanos() as u64)),
+        }
+    };
+    vec![Effect::Publish { warning: true, reason: "SidecarQuitFailed", action: "Quit", note }]
+}

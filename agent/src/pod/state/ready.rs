@@ -1,0 +1,94 @@
+//! Probing the proxies and the `valet.dev/ProxyReady` condition.
+
+use super::*;
+
+impl PodState {
+    pub(super) fn manage_probe(&mut self, plan: &PodPlan) -> Vec<Effect> {
+        let probed: Vec<_> = plan.sidecars.iter().filter(|s| s.ready.is_some()).cloned().collect();
+        if self.finished || self.released || probed.is_empty() {
+            return self.stop_probe();
+        }
+        let target = (self.pod_cgroup.as_ref().map(|(r, _)| r.clone()), plan.pod_ip.clone());
+        let pace = if !self.held.is_empty() {
+            Pace::Urgent
+        } else if self.ready == Some(true) {
+            Pace::Relaxed
+        } else {
+            Pace::Normal
+        };
+        match &mut self.probe {
+            Some((t, p)) if *t == target => {
+                if *p == pace {
+                    return Vec::new();
+                }
+                *p = pace;
+                vec![Effect::SetPace(pace)]
+            }
+            probe => {
+                *probe = Some((target.clone(), pace));
+                vec![Effect::StartProbe { sidecars: probed, pod_rel: target.0, pod_ip: target.1, pace }]
+            }
+        }
+    }
+
+    pub(super) fn stop_probe(&mut self) -> Vec<Effect> {
+        match self.probe.take() {
+            Some(_) => vec![Effect::StopProbe],
+            None => Vec::new(),
+        }
+    }
+
+    /// Writes the condition when what we want differs from what the pod shows and what we
+    /// wrote; one write at a time, so writes never overtake each other.
+    pub(super) fn sync_condition(&mut self, now: Nanos) -> Vec<Effect> {
+        let want = match (self.ready, self.failed_open) {
+            (Some(true), _) => {
+                ProxyReady { ready: true, reason: "ProxyReady", message: "the sidecar proxy reports ready".into() }
+            }
+            (_, true) => ProxyReady {
+                ready: false,
+                reason: "HoldTimeout",
+                message: "the proxy was not ready in time; the app was released anyway".into(),
+            },
+            (Some(false), false) => ProxyReady {
+                ready: false,
+                reason: "ProxyNotReady",
+                message: "the sidecar proxy is not ready yet".into(),
+            },
+            (None, false) => return Vec::new(),
+        };
+        if self.writing || self.write_retry_at.is_some_and(|at| now < at) {
+            return Vec::new();
+        }
+        self.write_retry_at = None;
+        let on_pod = self.pod.as_ref().is_some_and(|p| condition::already_set(p, &want));
+        if self.written.as_ref() == Some(&want) || on_pod {
+            self.written = Some(want);
+            return Vec::new();
+        }
+        self.written = Some(want.clone());
+        self.writing = true;
+        vec![Effect::WriteCondition(want)]
+    }
+
+    pub(super) fn count_ignore(&mut self, plan: &PodPlan) -> Vec<Effect> {
+        let Decision::Ignore(reason) = decide(plan, &Observed::default()) else { return Vec::new() };
+        let label = ignore_label(reason);
+        if self.ignored == Some(label) {
+            return Vec::new();
+        }
+        info!(pod = %self.name(), reason = ?reason, "no sidecar shutdown for this pod");
+        self.ignored = Some(label);
+        vec![Effect::Count(Count::Skip(label))]
+    }
+}
+
+pub(super) fn ignore_label(reason: IgnoreReason) -> &'static str {
+    match reason {
+        IgnoreReason::RestartAlways => "restart_always",
+        IgnoreReason::NativeSidecars => "native_sidecars",
+        IgnoreReason::NoSidecars => "no_sidecars",
+        IgnoreReason::NoApps => "no_apps",
+        IgnoreReason::Deleting => "deleting",
+    }
+}

@@ -1,0 +1,75 @@
+use super::*;
+
+#[test]
+fn a_found_pod_is_watched_named_opened_and_probed() {
+    let mut d = Drive::new(true);
+    let fx = d.found(pod("Never", &[], &[]));
+    assert!(
+        has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits: true, hold: false }),
+        "{fx:?}"
+    );
+    assert!(has(&fx, &Effect::ScanContainers { pod_rel: POD_REL.into(), adopt: true }));
+    assert!(has(&fx, &Effect::OpenNetwork { pod_rel: POD_REL.into() }));
+    assert!(fx.iter().any(|e| matches!(e, Effect::StartProbe { pace: Pace::Normal, .. })), "{fx:?}");
+    assert!(
+        !fx.iter().any(|e| matches!(e, Effect::ClassifyExec { .. } | Effect::FindLeftHeld { .. })),
+        "not held: {fx:?}"
+    );
+    // Nothing new: nothing asked.
+    let again = d.after(250);
+    assert!(again.is_empty(), "idempotent: {again:?}");
+}
+
+#[test]
+fn a_host_pid_pod_takes_its_ends_from_the_api_and_is_never_held() {
+    let mut d = Drive::new(true);
+    let mut p = pod("Never", &[], &[("valet.dev/hold-app", "true")]);
+    p.spec.as_mut().expect("spec").host_pid = Some(true);
+    let fx = d.found(p);
+    let watch = Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits: false, hold: false };
+    assert!(has(&fx, &watch), "{fx:?}");
+    assert!(has(&fx, &Effect::ScanContainers { pod_rel: POD_REL.into(), adopt: false }), "{fx:?}");
+    assert!(
+        !fx.iter().any(|e| matches!(e, Effect::ClassifyExec { .. } | Effect::FindLeftHeld { .. })),
+        "not held: {fx:?}"
+    );
+    // The API's word ends the app, and the proxy is quit on it.
+    let mut done = pod("Never", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &[]);
+    done.spec.as_mut().expect("spec").host_pid = Some(true);
+    let fx = d.pod(done);
+    assert!(fx.iter().any(|e| matches!(e, Effect::Quit { .. })), "{fx:?}");
+}
+
+#[test]
+fn a_held_pod_classifies_known_containers_before_they_exec() {
+    let mut d = Drive::new(true);
+    let fx = d.found(pod("Never", &[], &[("valet.dev/hold-app", "true")]));
+    assert!(
+        has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits: true, hold: true }),
+        "{fx:?}"
+    );
+    assert!(has(&fx, &Effect::FindLeftHeld { pod_rel: POD_REL.into() }));
+    for (cg, hold) in [(SANDBOX, false), (APP, true), (PROXY, false)] {
+        assert!(has(&fx, &Effect::ClassifyExec { container_cgroup: cg, hold }), "{cg} {hold}: {fx:?}");
+    }
+    // A container the runtime did not name is judged at exec (held by default).
+    let fx = d.feed(Feedback::Containers(vec![seen(APP2, None)]));
+    assert!(!fx.iter().any(|e| matches!(e, Effect::ClassifyExec { container_cgroup: APP2, .. })), "{fx:?}");
+}
+
+#[test]
+fn pods_valet_leaves_alone_are_counted_once() {
+    let with = |policy: &str, a: &[(&str, &str)]| pod(policy, &[], a);
+    let mut d = Drive::new(true);
+    let fx = d.pod(with("Always", &[]));
+    assert!(has(&fx, &Effect::Count(Count::Skip("restart_always"))), "{fx:?}");
+    assert!(!d.pod(with("Always", &[])).iter().any(|e| matches!(e, Effect::Count(_))));
+    let mut d = Drive::new(true);
+    let mut p = with("Never", &[]);
+    if let Some(s) = p.spec.as_mut() {
+        s.host_network = Some(true);
+    }
+    let fx = d.pod(p);
+    assert!(has(&fx, &Effect::Count(Count::Skip("host_network"))), "{fx:?}");
+    assert!(!fx.contains(&Effect::FindPodCgroup), "a hostNetwork pod's loopback is the node's");
+}

@@ -1,0 +1,284 @@
+use super::*;
+
+#[test]
+fn the_apps_end_quits_the_sidecar_once() {
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[], &[]));
+    let fx = d.exit(APP, 0);
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))]);
+    assert!(has(&fx, &Effect::StopProbe), "no probing once the work is done: {fx:?}");
+    assert!(has(&fx, &Effect::Count(Count::ContainerEnd(Some(ProcessEnd::Exited(0))))));
+    // The API catching up, a repeated exit, ticks: never a second quit.
+    let mut later = d.pod(pod("Never", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &[]));
+    later.extend(d.exit(APP, 0));
+    assert!(quits(&later).is_empty(), "{later:?}");
+    d.now += 3 * SEC / 1000;
+    let fx = d.feed(Feedback::QuitDone { sidecar: "istio-proxy".into(), outcome: accepted() });
+    assert!(has(&fx, &Effect::Count(Count::Quit { kind: "istio", result: "ok" })), "{fx:?}");
+    assert!(
+        fx.iter().any(|e| matches!(e, Effect::Count(Count::QuitLatency(s)) if (*s - 0.003).abs() < 1e-9)),
+        "{fx:?}"
+    );
+    assert!(fx.iter().any(|e| matches!(e, Effect::Publish { reason: "SidecarQuit", warning: false, .. })));
+    assert!(!has(&fx, &Effect::CloseNetwork), "kept until the sidecar has ended: {fx:?}");
+    assert!(quits(&d.after(250)).is_empty());
+    // The sidecar exits: the node's resources for the pod go (its object may stay for days).
+    let fx = d.exit(PROXY, 0);
+    assert!(has(&fx, &Effect::Unwatch { pod_cgroup: POD_CG }), "{fx:?}");
+    assert!(has(&fx, &Effect::CloseNetwork), "{fx:?}");
+    for cg in [SANDBOX, APP, PROXY] {
+        assert!(has(&fx, &Effect::ForgetContainer { container_cgroup: cg }), "{cg}: {fx:?}");
+    }
+    assert!(d.after(20_000).is_empty(), "the sidecar ended: no escalation");
+}
+
+fn quit_endpoints(fx: &[Effect]) -> Vec<Endpoint> {
+    fx.iter()
+        .filter_map(|e| match e {
+            Effect::Quit { endpoint, .. } => Some(endpoint.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// What is armed ahead is exactly what the end then decides: the same endpoints, for each
+/// way the app can end, under each restart policy; and nothing once the work is done.
+#[test]
+fn the_quit_armed_ahead_is_the_quit_the_end_then_decides() {
+    let ends = [
+        Some(ProcessEnd::Exited(0)),
+        Some(ProcessEnd::Exited(1)),
+        Some(ProcessEnd::Signaled { signal: 9, core_dumped: false }),
+        None,
+    ];
+    for policy in ["Never", "OnFailure"] {
+        for end in ends {
+            let mut d = Drive::new(true);
+            d.found(pod(policy, &[], &[]));
+            d.feed(Feedback::Network { ok: false, detail: "no process yet".into() });
+            assert_eq!(d.s.quit_ahead(), None, "not while the pod's network is not open");
+            d.feed(Feedback::Network { ok: true, detail: String::new() });
+            let arm = d.s.quit_ahead().expect("armed once the network is open");
+            assert_eq!((arm.uid.as_str(), arm.pod_cgroup, arm.container_cgroup), (fixtures::UID, POD_CG, APP));
+            assert_eq!(arm.pod_rel, POD_REL);
+            let istio = vec![Endpoint { port: 15020, path: "/quitquitquit".into() }];
+            assert_eq!(arm.on_success, istio, "{policy}");
+            let on_failure = if policy == "Never" { istio.clone() } else { Vec::new() };
+            assert_eq!(arm.on_failure, on_failure, "{policy}: the kubelet restarts a failed app");
+            let armed = if end == Some(ProcessEnd::Exited(0)) { &arm.on_success } else { &arm.on_failure };
+            let fx = d.s.exit(ExitSeen { container_cgroup: APP, tgid: 7, end, ktime: d.now }, d.now);
+            assert_eq!(&quit_endpoints(&fx), armed, "{policy} {end:?}: {fx:?}");
+            if !armed.is_empty() {
+                assert_eq!(d.s.quit_ahead(), None, "{policy} {end:?}: the work is done");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_quit_is_armed_ahead_only_when_one_end_can_complete_the_work() {
+    let network = || Feedback::Network { ok: true, detail: String::new() };
+    // Two apps: neither end alone completes the work; once one has ended, the other's does.
+    let two_apps = || {
+        let mut json = serde_json::to_value(pod("Never", &[], &[])).unwrap_or_default();
+        if let Some(containers) = json["spec"]["containers"].as_array_mut() {
+            containers.push(json!({"name": "upload", "image": "example/upload:1"}));
+        }
+        fixtures::from_json(json)
+    };
+    let mut d = Drive::new(true);
+    d.found(two_apps());
+    d.feed(Feedback::Containers(vec![seen(APP2, named("upload"))]));
+    d.feed(network());
+    assert_eq!(d.s.quit_ahead(), None, "two apps running");
+    assert!(quit_endpoints(&d.exit(APP2, 0)).is_empty());
+    assert_eq!(d.s.quit_ahead().map(|a| a.container_cgroup), Some(APP), "the last app running");
+
+    // Deleting, terminal, released, shutting down: nothing armed.
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[], &[]));
+    d.feed(network());
+    assert!(d.s.quit_ahead().is_some());
+    let mut json = serde_json::to_value(pod("Never", &[], &[])).unwrap_or_default();
+    json["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+    d.pod(fixtures::from_json(json));
+    assert_eq!(d.s.quit_ahead(), None, "deleting");
+
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[], &[]));
+    d.feed(network());
+    d.s.shutdown();
+    assert_eq!(d.s.quit_ahead(), None, "shutting down");
+
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[], &[]));
+    d.feed(network());
+    d.s.removed();
+    assert_eq!(d.s.quit_ahead(), None, "released");
+
+    // The API already reports the app's end: nothing left to arm.
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &[]));
+    d.feed(network());
+    assert_eq!(d.s.quit_ahead(), None, "already done");
+}
+
+#[test]
+fn on_failure_waits_for_success_and_follows_the_restarted_instance() {
+    let mut d = Drive::new(true);
+    d.found(pod("OnFailure", &[], &[]));
+    assert!(quits(&d.exit(APP, 1)).is_empty(), "the kubelet restarts it: the proxy is still needed");
+    // The API shows the failed instance; the kubelet restarts the container in a new cgroup
+    // the runtime names before the API does.
+    let api = pod("OnFailure", &[("report", APP, terminated(1)), ("istio-proxy", PROXY, running())], &[]);
+    assert!(quits(&d.pod(api)).is_empty());
+    let fx = d.feed(Feedback::Containers(vec![seen(APP2, named("report"))]));
+    assert!(quits(&fx).is_empty(), "the new instance runs: {fx:?}");
+    let fx = d.exit(APP2, 0);
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "the newest instance counts: {fx:?}");
+}
+
+#[test]
+fn the_api_has_the_last_word_on_an_instance_it_reports_terminated() {
+    let mut d = Drive::new(true);
+    d.found(pod("OnFailure", &[("report", APP, running()), ("istio-proxy", PROXY, running())], &[]));
+    // The kernel could not read the exit code (255, never success)...
+    let exit = ExitSeen { container_cgroup: APP, tgid: 7, end: None, ktime: d.now };
+    assert!(quits(&d.s.exit(exit, d.now)).is_empty());
+    // ...the API says it exited 0: the work is done.
+    let fx = d.pod(pod("OnFailure", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &[]));
+    assert_eq!(quits(&fx).len(), 1, "{fx:?}");
+    // And the other way round: the kernel saw 0 but the API says 3 (the API wins).
+    let mut d = Drive::new(true);
+    d.found(pod("OnFailure", &[("report", APP, terminated(3)), ("istio-proxy", PROXY, running())], &[]));
+    assert!(quits(&d.exit(APP, 0)).is_empty());
+}
+
+#[test]
+fn a_sidecar_restarted_after_its_quit_is_quit_again() {
+    let mut d = Drive::new(true);
+    d.found(pod("OnFailure", &[], &[]));
+    assert_eq!(quits(&d.exit(APP, 0)).len(), 1);
+    d.feed(Feedback::QuitDone { sidecar: "istio-proxy".into(), outcome: accepted() });
+    // SIGTERMed, it exited 143; the kubelet restarted it as a new instance.
+    d.exit(PROXY, 143);
+    let api = pod("OnFailure", &[("report", APP, terminated(0)), ("istio-proxy", PROXY2, running())], &[]);
+    let mut fx = d.pod(api);
+    fx.extend(d.feed(Feedback::Containers(vec![seen(PROXY2, named("istio-proxy"))])));
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY2)))], "{fx:?}");
+}
+
+#[test]
+fn a_failed_quit_is_escalated_or_retried_with_backoff_never_in_a_loop() {
+    let failed = || QuitOutcome::Failed { last: "connection refused".into(), label: "refused", attempts: 9 };
+    // Escalation on: SIGTERM at once.
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[], &[]));
+    d.exit(APP, 0);
+    let fx = d.feed(Feedback::QuitDone { sidecar: "istio-proxy".into(), outcome: failed() });
+    assert_eq!(signals(&fx), [("istio-proxy".to_owned(), libc::SIGTERM)], "{fx:?}");
+    assert!(fx.iter().any(|e| matches!(e, Effect::Publish { reason: "SidecarQuitFailed", warning: true, .. })));
+    assert!(quits(&d.after(120_000)).is_empty(), "escalated: not retried");
+    // Escalation off: retried after 1 s, 2 s, 4 s ... and at most QUIT_RETRIES times.
+    let mut d = Drive::new(false);
+    d.found(pod("Never", &[], &[]));
+    d.exit(APP, 0);
+    let mut sent = 1;
+    let mut waited = Vec::new();
+    for _ in 0..30 {
+        d.feed(Feedback::QuitDone { sidecar: "istio-proxy".into(), outcome: failed() });
+        let mut ms = 0;
+        loop {
+            ms += 250;
+            let fx = d.after(250);
+            if !quits(&fx).is_empty() {
+                sent += 1;
+                waited.push(ms);
+                break;
+            }
+            if ms > 120_000 {
+                break;
+            }
+        }
+    }
+    assert_eq!(sent, 1 + QUIT_RETRIES as usize, "bounded retries");
+    assert_eq!(&waited[..4], [1000, 2000, 4000, 8000], "backoff doubles: {waited:?}");
+    assert!(waited.iter().all(|ms| *ms <= 60_000), "{waited:?}");
+}
+
+#[test]
+fn an_accepted_quit_is_escalated_only_if_the_sidecar_is_still_there() {
+    for sidecar_exits in [false, true] {
+        let mut d = Drive::new(true);
+        d.found(pod("Never", &[], &[]));
+        d.exit(APP, 0);
+        d.feed(Feedback::QuitDone { sidecar: "istio-proxy".into(), outcome: accepted() });
+        assert!(signals(&d.after(14_000)).is_empty(), "before the deadline");
+        if sidecar_exits {
+            d.exit(PROXY, 0);
+        }
+        let fx = d.after(1_000);
+        let want: Vec<(String, i32)> = if sidecar_exits { vec![] } else { vec![("istio-proxy".into(), libc::SIGTERM)] };
+        assert_eq!(signals(&fx), want, "sidecar exits: {sidecar_exits}");
+        assert!(signals(&d.after(60_000)).is_empty(), "once");
+    }
+}
+
+#[test]
+fn a_signal_sidecar_is_ended_with_its_signal() {
+    let mut d = Drive::new(true);
+    let mut p = pod(
+        "Never",
+        &[],
+        &[
+            ("valet.dev/sidecars", "istio-proxy"),
+            ("valet.dev/sidecar-kind.istio-proxy", "signal"),
+            ("valet.dev/quit-signal.istio-proxy", "SIGINT"),
+        ],
+    );
+    if let Some(s) = p.spec.as_mut() {
+        s.containers[1].name = "istio-proxy".into();
+    }
+    let fx = d.found(p);
+    assert!(!fx.iter().any(|e| matches!(e, Effect::StartProbe { .. })), "no readiness endpoint: no probe");
+    let fx = d.exit(APP, 0);
+    assert!(quits(&fx).is_empty());
+    assert_eq!(signals(&fx), [("istio-proxy".to_owned(), libc::SIGINT)]);
+    let fx = d.feed(Feedback::Signalled { sidecar: "istio-proxy".into(), signal: libc::SIGINT, signalled: 1 });
+    assert!(has(&fx, &Effect::Count(Count::Quit { kind: "signal", result: "ok" })), "{fx:?}");
+    assert!(signals(&d.after(60_000)).is_empty(), "no escalation of a signal quit");
+}
+
+#[test]
+fn a_quit_waits_for_the_pod_cgroup_and_goes_out_once_it_is_found() {
+    let mut d = Drive::new(true);
+    d.pod(pod("Never", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &[]));
+    assert!(d.after(250).contains(&Effect::FindPodCgroup), "still looking");
+    let fx = d.feed(Feedback::PodCgroup { rel: POD_REL.into(), id: POD_CG });
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
+    let _ = Endpoint { port: 1, path: String::new() };
+}
+
+/// What the README promises for `restartPolicy: Always`: never a quit, but the pod is still
+/// watched, its proxy probed and the condition written, and with `hold-app` its app is held.
+#[test]
+fn a_restart_always_pod_is_held_and_probed_but_never_quit() {
+    let mut d = Drive::new(true);
+    let fx = d.found(pod("Always", &[], &[("valet.dev/hold-app", "true")]));
+    assert!(has(&fx, &Effect::Count(Count::Skip("restart_always"))), "{fx:?}");
+    assert!(
+        has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), hold: true, exits: true }),
+        "{fx:?}"
+    );
+    assert!(has(&fx, &Effect::ClassifyExec { container_cgroup: APP, hold: true }), "{fx:?}");
+    assert!(fx.iter().any(|e| matches!(e, Effect::StartProbe { .. })), "{fx:?}");
+    d.held(APP, 42, "report");
+    let fx = d.feed(Feedback::Probed { ready: true, detail: String::new() });
+    assert_eq!(releases(&fx), [(42, "ready")]);
+    assert_eq!(writes(&fx), [(true, "ProxyReady")]);
+    let mut fx = d.exit(APP, 0);
+    let hold = [("valet.dev/hold-app", "true")];
+    fx.extend(d.pod(pod("Always", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &hold)));
+    fx.extend(d.after(60_000));
+    assert!(quits(&fx).is_empty() && signals(&fx).is_empty(), "never quit: {fx:?}");
+}

@@ -1,0 +1,711 @@
+//! End to end, issue 26 ("prove it with a crash test, not by reading"): the real agent binary is
+//! killed with SIGKILL at random moments and restarted each time, as its DaemonSet would restart
+//! it, across a rolling population of Job pods on a simulated node (real cgroups, network
+//! namespaces, eBPF, processes; a fake API server and kubelet). Pods are held at their app's
+//! first exec in their own pid namespace and in the pod's shared one (shareProcessNamespace);
+//! the kills land right after an app's end (a quit in flight), right after a proxy turned ready
+//! (a release and a condition write in flight), at any moment, and during the agent's startup;
+//! while the agent is down, pods are deleted, relabelled, stripped of their hold annotation,
+//! their proxies turn ready and their apps end.
+//!
+//! After every restart, measured from the moment the new agent answers `/readyz` 200, it counts:
+//! apps left stopped or frozen 2 s later that should run; quits sent before an app's end;
+//! finished Jobs not quit within 1 s; `valet.dev/ProxyReady` conditions that say something false
+//! once the agent has settled. Each count is printed and must be 0. The waits are hang guards
+//! that record a violation at their deadline, never sleeps followed by a look.
+//!
+//! `VALET_CHAOS_KILLS` sets the number of kills (default 25 here; `cargo xtask chaos` runs 200),
+//! `VALET_CHAOS_SEED` replays a run's random choices (its seed is printed first; timings still
+//! differ from run to run).
+
+use std::os::unix::ffi::OsStrExt as _;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use valet_sim::node::SpawnOptions;
+use valet_sim::util::monotonic_ns;
+use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually};
+
+const HOLD: &str = "valet.dev/hold-app";
+const LABEL: &str = "valet.dev/enabled";
+const CONDITION: &str = "valet.dev/ProxyReady";
+
+/// The issue's pass criteria, counted per restart from the new agent's `/readyz` 200.
+const RUN_WITHIN: Duration = Duration::from_secs(2);
+const QUIT_WITHIN: Duration = Duration::from_secs(1);
+/// How long the agent may take to settle a condition before it counts as left false: a hang
+/// guard, far above the agent's 100 ms probe interval and its 10 s write bound.
+const SETTLE: Duration = Duration::from_secs(15);
+/// Hang guard for the things the test itself waits for (a late quit is still waited for, to
+/// print how late it was).
+const GUARD: Duration = Duration::from_secs(10);
+/// Pods alive at a time: enough to have every kind of pod in flight at each kill, few enough
+/// that the test does not starve the agent on a loaded 2-core machine.
+const POPULATION: (usize, usize) = (4, 8);
+/// A pod is retired after this many restarts whatever its state, so the population rolls.
+const MAX_AGE: usize = 10;
+
+/// A small seeded generator (SplitMix64): one seed replays a run's choices.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.next() % n }
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+    fn millis(&mut self, max: u64) -> Duration {
+        Duration::from_millis(self.below(max + 1))
+    }
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    let v = std::env::var(name).ok()?;
+    Some(v.trim().parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a number")))
+}
+
+/// The state letter of a process (`R`, `S`, `T`, `Z`, ...), None once it is gone.
+fn state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')').next()?.split_whitespace().next()?.chars().next()
+}
+
+/// Whether the process' cgroup is frozen (cgroup v2 `cgroup.events`).
+fn frozen(cgroup_root: &Path, pid: u32) -> bool {
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else { return false };
+    let Some(rel) = text.lines().find_map(|l| l.strip_prefix("0::")) else { return false };
+    let events = cgroup_root.join(rel.trim_start_matches('/')).join("cgroup.events");
+    std::fs::read_to_string(events).is_ok_and(|e| e.lines().any(|l| l == "frozen 1"))
+}
+
+/// Stopped or frozen: not running though alive. A process that is gone is not held.
+fn stuck(cgroup_root: &Path, pid: u32) -> bool {
+    match state(pid) {
+        None | Some('Z') => false,
+        Some('T' | 't') => true,
+        Some(_) => frozen(cgroup_root, pid),
+    }
+}
+
+/// The agent's `valet.dev/ProxyReady` condition status on the pod.
+fn condition(node: &Node, job: &JobPod) -> Option<String> {
+    let pod = node.pod(job)?;
+    pod["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == CONDITION)
+        .map(|c| c["status"].as_str().unwrap_or_default().to_owned())
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pidns {
+    /// The app is pid 1 of its container's own pid namespace.
+    Own,
+    /// shareProcessNamespace: the app joins the sandbox's namespace (pid N, the pause is pid 1).
+    Shared,
+}
+
+/// What happens to a pod while the agent is down; one kind per kill in turn, so a short run
+/// covers every kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Disruption {
+    Deleted,
+    Unlabelled,
+    Unannotated,
+    ProxyReady,
+    AppEnded,
+}
+
+const DISRUPTIONS: [Disruption; 5] = [
+    Disruption::Deleted,
+    Disruption::Unlabelled,
+    Disruption::Unannotated,
+    Disruption::ProxyReady,
+    Disruption::AppEnded,
+];
+
+/// One Job pod of the population and what the test did to it.
+struct Pod {
+    job: JobPod,
+    pidns: Pidns,
+    ready_file: PathBuf,
+    /// Written by the app the moment it runs.
+    ran: PathBuf,
+    /// A FIFO the app reads before it exits: the test decides when the app ends.
+    end: PathBuf,
+    /// The app's first process (the one the kernel holds at exec).
+    app: Option<u32>,
+    ready: bool,
+    /// CLOCK_MONOTONIC just before the test let the app end: the end came after it.
+    ended_ns: Option<u64>,
+    labelled: bool,
+    hold: bool,
+    deleted: bool,
+    /// Restarts survived.
+    age: usize,
+    /// A violation was counted for it: it is retired, and not counted twice.
+    failed: bool,
+}
+
+impl Pod {
+    fn name(&self) -> &str {
+        &self.job.name
+    }
+    /// The app runs, or may: its proxy is ready, or the pod is no longer held, labelled or there.
+    fn must_run(&self) -> Option<&'static str> {
+        self.app?;
+        if self.deleted {
+            Some("pod deleted")
+        } else if !self.labelled {
+            Some("label removed")
+        } else if !self.hold {
+            Some("hold annotation removed")
+        } else if self.ready {
+            Some("proxy ready")
+        } else {
+            None
+        }
+    }
+    /// Whether `kind` can still happen to it (a pod the agent no longer sees is left alone).
+    fn can(&self, kind: Disruption) -> bool {
+        !self.deleted
+            && self.labelled
+            && match kind {
+                Disruption::ProxyReady => !self.ready,
+                Disruption::AppEnded => self.ended_ns.is_none() && self.app_ran(),
+                Disruption::Unannotated => self.hold,
+                Disruption::Deleted | Disruption::Unlabelled => true,
+            }
+    }
+    fn app_ran(&self) -> bool {
+        self.ran.exists()
+    }
+    fn proxy_alive(&self) -> bool {
+        self.job.proxy.try_wait().is_ok_and(|s| s.is_none())
+    }
+    /// Whether valet owes this pod a quit: its Job finished and the pod is still valet's.
+    fn owed_quit(&self) -> bool {
+        self.ended_ns.is_some() && self.labelled && !self.deleted
+    }
+    fn make_ready(&mut self) {
+        std::fs::write(&self.ready_file, "").expect("ready file");
+        self.ready = true;
+    }
+    /// Lets a running app end (it reads one line from its FIFO, then exits 0); false when it
+    /// never opened the FIFO within the guard.
+    fn end_app(&mut self) -> bool {
+        let path = std::ffi::CString::new(self.end.as_os_str().as_bytes()).expect("path");
+        let deadline = Instant::now() + GUARD;
+        loop {
+            let before = monotonic_ns();
+            // SAFETY: a valid C string; the fd is closed below. Non-blocking: ENXIO while the
+            // app has not opened its end of the FIFO yet.
+            let fd = unsafe { libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_NONBLOCK | libc::O_CLOEXEC) };
+            if fd >= 0 {
+                // SAFETY: a valid fd and buffer.
+                unsafe {
+                    libc::write(fd, b"end\n".as_ptr().cast(), 4);
+                    libc::close(fd);
+                }
+                self.ended_ns = Some(before);
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+/// Violations and what the run covered.
+#[derive(Default)]
+struct Tally {
+    kills: usize,
+    startup_kills: usize,
+    restarts: usize,
+    pods: usize,
+    startups: Vec<Duration>,
+    held_at_kill: [usize; 2],
+    /// Disruptions made while the agent was down, by kind (see [`DISRUPTIONS`]).
+    disrupted: [usize; 5],
+    quits_in_flight: usize,
+    conditions_in_flight: usize,
+    disrupted_held: Vec<(Disruption, Pidns)>,
+    should_run: usize,
+    left_stopped: usize,
+    quits: usize,
+    early_quits: usize,
+    owed_quits: usize,
+    late_quits: usize,
+    conditions_checked: usize,
+    false_conditions: usize,
+}
+
+struct Chaos<'a> {
+    node: &'a Node,
+    rng: Rng,
+    pods: Vec<Pod>,
+    tally: Tally,
+    cgroup_root: PathBuf,
+    serial: usize,
+    /// Kills the run makes in all.
+    kills: usize,
+}
+
+impl Chaos<'_> {
+    fn new_pod(&mut self) {
+        self.serial += 1;
+        // Alternating, so every kill finds both kinds in the population.
+        let pidns = if self.serial.is_multiple_of(2) { Pidns::Own } else { Pidns::Shared };
+        let tag = format!("{}{}", if pidns == Pidns::Own { "own" } else { "shared" }, self.serial);
+        let ready_file = self.node.scratch.path(&format!("{tag}.ready"));
+        let ran = self.node.scratch.path(&format!("{tag}.ran"));
+        let end = self.node.scratch.path(&format!("{tag}.end"));
+        let fifo = std::ffi::CString::new(end.as_os_str().as_bytes()).expect("path");
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0, "mkfifo {}", end.display());
+        let mut spec = JobSpec::new(&format!("chaos-{tag}")).annotation(HOLD, "true");
+        spec.ready_file = Some(ready_file.clone());
+        let job = self.node.job_pod(spec).expect("pod");
+        self.tally.pods += 1;
+        self.pods.push(Pod {
+            job,
+            pidns,
+            ready_file,
+            ran,
+            end,
+            app: None,
+            ready: false,
+            ended_ns: None,
+            labelled: true,
+            hold: true,
+            deleted: false,
+            age: 0,
+            failed: false,
+        });
+    }
+
+    fn start_app(&mut self, i: usize) {
+        let pod = &mut self.pods[i];
+        let script = format!("echo ran > {}; read line < {}; exit 0", pod.ran.display(), pod.end.display());
+        let pid = match pod.pidns {
+            Pidns::Own => {
+                pod.job.run_app("app", &script).expect("start the app");
+                pod.job.apps[0].host_pid()
+            }
+            Pidns::Shared => {
+                // As runc starts a container of a shareProcessNamespace pod: in its own cgroup,
+                // in the sandbox's pid namespace, where the pause is pid 1.
+                let opts = SpawnOptions {
+                    join_pid_namespace: Some(format!("/proc/{}/ns/pid", pod.job.pause.host_pid()).into()),
+                    ..Default::default()
+                };
+                let app = pod.job.start_app("app", &["/bin/sh", "-c", &script], &opts).expect("start the app");
+                app.host_pid()
+            }
+        };
+        pod.app = Some(pid);
+    }
+
+    /// The agent's log lines about a pod, for a violation's report.
+    fn log_about(agent: &Agent, pod: &Pod) -> String {
+        let text = agent.log_text();
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains(pod.name())).collect();
+        if lines.is_empty() {
+            return "(it names the pod nowhere)".into();
+        }
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    /// One turn while the agent runs: pods advance a step each, at random (the kill lands right
+    /// after the turn, or later). Whether an app was let end.
+    fn advance(&mut self) -> bool {
+        let mut ends = Vec::new();
+        for i in 0..self.pods.len() {
+            let pod = &self.pods[i];
+            if pod.deleted || !pod.labelled || pod.failed || !self.rng.chance(65) {
+                continue;
+            }
+            if pod.app.is_none() {
+                // The agent has placed the pod (probed its proxy and written the condition):
+                // the kernel holds the app's first exec.
+                if condition(self.node, &pod.job).is_some() {
+                    self.start_app(i);
+                }
+            } else if !pod.ready && pod.hold {
+                self.pods[i].make_ready();
+            } else if pod.ended_ns.is_none() && pod.app_ran() {
+                ends.push(i);
+            }
+        }
+        // Ends last, so that a kill right after the turn finds their quits in flight.
+        for &i in &ends {
+            self.pods[i].end_app();
+        }
+        !ends.is_empty()
+    }
+
+    /// Counts what the agent had in hand when it was killed (at `killed_ns`): held apps by kind,
+    /// quits owed and not received, ready proxies whose condition did not say so yet.
+    fn count_in_flight(&mut self, killed_ns: u64) {
+        for pod in &self.pods {
+            if let Some(pid) = pod.app
+                && state(pid) == Some('T')
+            {
+                self.tally.held_at_kill[pod.pidns as usize] += 1;
+            }
+            if pod.owed_quit() && !pod.job.loopback_quits().iter().any(|q| q.mono_ns < killed_ns) {
+                self.tally.quits_in_flight += 1;
+            }
+            if pod.ready && pod.labelled && !pod.deleted && condition(self.node, &pod.job).as_deref() != Some("True") {
+                self.tally.conditions_in_flight += 1;
+            }
+        }
+    }
+
+    /// While the agent is down: `kind` happens to one pod (one with a held app when there is
+    /// one), and now and then something else to others.
+    fn disrupt(&mut self, kind: Disruption) {
+        let fits = |p: &Pod| !p.failed && p.can(kind);
+        let held = |p: &Pod| p.app.is_some_and(|pid| state(pid) == Some('T'));
+        let candidates: Vec<usize> = (0..self.pods.len()).filter(|&i| fits(&self.pods[i])).collect();
+        let held_ones: Vec<usize> = candidates.iter().copied().filter(|&i| held(&self.pods[i])).collect();
+        let pool = if held_ones.is_empty() { &candidates } else { &held_ones };
+        if pool.is_empty() {
+            return;
+        }
+        let i = pool[self.rng.below(pool.len() as u64) as usize];
+        if held(&self.pods[i]) {
+            self.tally.disrupted_held.push((kind, self.pods[i].pidns));
+        }
+        self.apply(i, kind);
+        for j in 0..self.pods.len() {
+            if j != i && !self.pods[j].failed && self.rng.chance(10) {
+                let other = DISRUPTIONS[self.rng.below(DISRUPTIONS.len() as u64) as usize];
+                self.apply(j, other);
+            }
+        }
+    }
+
+    fn apply(&mut self, i: usize, kind: Disruption) {
+        let node = self.node;
+        let pod = &mut self.pods[i];
+        if !pod.can(kind) {
+            return;
+        }
+        self.tally.disrupted[kind as usize] += 1;
+        match kind {
+            // Gone from the API at once (a forced delete); its processes live on until the
+            // pod is retired, as the kubelet takes its time to kill them.
+            Disruption::Deleted => {
+                node.api.delete_pod("jobs", pod.name()).expect("delete");
+                pod.deleted = true;
+            }
+            Disruption::Unlabelled => {
+                node.api
+                    .modify_pod("jobs", pod.name(), |p| {
+                        if let Some(l) = p["metadata"]["labels"].as_object_mut() {
+                            l.remove(LABEL);
+                        }
+                    })
+                    .expect("relabel");
+                pod.labelled = false;
+            }
+            Disruption::Unannotated => {
+                node.api
+                    .modify_pod("jobs", pod.name(), |p| {
+                        if let Some(a) = p["metadata"]["annotations"].as_object_mut() {
+                            a.remove(HOLD);
+                        }
+                    })
+                    .expect("annotate");
+                pod.hold = false;
+            }
+            Disruption::ProxyReady => pod.make_ready(),
+            Disruption::AppEnded => {
+                pod.end_app();
+            }
+        }
+    }
+
+    /// Starts the agent as its DaemonSet would after a crash; sometimes kills it again before it
+    /// is ready (a crash during recovery). Returns the ready agent and when it answered ready.
+    fn restart(&mut self) -> (Agent, Instant, u64) {
+        loop {
+            let spawned = Instant::now();
+            let mut agent = self.node.spawn_agent(&[]).expect("start the agent");
+            if self.tally.kills < self.kills && self.rng.chance(15) {
+                let typical = self.tally.startups.last().copied().unwrap_or(Duration::from_millis(300));
+                std::thread::sleep(self.rng.millis(typical.as_millis() as u64));
+                agent.stop(libc::SIGKILL, GUARD).expect("kill the starting agent");
+                self.tally.kills += 1;
+                self.tally.startup_kills += 1;
+                continue;
+            }
+            // Polled every 5 ms: the criteria count from this moment.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let ok = valet_sim::client::get(agent.metrics, "/readyz", Duration::from_secs(2))
+                    .is_ok_and(|r| r.status == 200);
+                if ok {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "the agent was not ready in 60 s:\n{}", agent.log_text());
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let (ready_at, ready_ns) = (Instant::now(), monotonic_ns());
+            self.tally.startups.push(ready_at - spawned);
+            self.tally.restarts += 1;
+            return (agent, ready_at, ready_ns);
+        }
+    }
+
+    /// The issue's counts after a restart.
+    fn check(&mut self, agent: &Agent, ready_at: Instant, ready_ns: u64) {
+        let root = self.cgroup_root.clone();
+        // Apps that should run and are still stopped or frozen 2 s after the agent is back.
+        for pod in &mut self.pods {
+            let (Some(why), Some(pid)) = (pod.must_run(), pod.app) else { continue };
+            if pod.failed {
+                continue;
+            }
+            self.tally.should_run += 1;
+            let deadline = ready_at + RUN_WITHIN;
+            let ran = loop {
+                if !stuck(&root, pid) {
+                    break true;
+                }
+                if Instant::now() > deadline {
+                    break false;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            };
+            if !ran {
+                self.tally.left_stopped += 1;
+                pod.failed = true;
+                println!(
+                    "VIOLATION stopped: {} ({:?} pid namespace, {why}): app {pid} in state {:?} (frozen: {}) \
+                     {RUN_WITHIN:?} after the agent was back; agent log:\n{}",
+                    pod.name(),
+                    pod.pidns,
+                    state(pid),
+                    frozen(&root, pid),
+                    Chaos::log_about(agent, pod)
+                );
+            }
+        }
+        // Finished Jobs not quit by then: the quit must come within 1 s of the restart.
+        for pod in &mut self.pods {
+            if !pod.owed_quit() || pod.failed {
+                continue;
+            }
+            let quit_before = pod.job.loopback_quits().iter().any(|q| q.mono_ns < ready_ns);
+            if quit_before {
+                continue;
+            }
+            self.tally.owed_quits += 1;
+            let mut first = None;
+            eventually((ready_at + GUARD).saturating_duration_since(Instant::now()), || {
+                first = pod.job.loopback_quits().iter().map(|q| q.mono_ns).min();
+                first.is_some()
+            });
+            let late = first.is_none_or(|t| t > ready_ns + QUIT_WITHIN.as_nanos() as u64);
+            if late {
+                self.tally.late_quits += 1;
+                pod.failed = true;
+                let after = first.map(|t| Duration::from_nanos(t.saturating_sub(ready_ns)));
+                println!(
+                    "VIOLATION quit: {} ({:?} pid namespace, ended {:?} before the restart): quit {} after the \
+                     agent was back; agent log:\n{}",
+                    pod.name(),
+                    pod.pidns,
+                    Duration::from_nanos(ready_ns.saturating_sub(pod.ended_ns.unwrap_or(ready_ns))),
+                    after.map_or("never (10 s guard)".to_owned(), |d| format!("{d:?}")),
+                    Chaos::log_about(agent, pod)
+                );
+            }
+        }
+        // Conditions of the pods still valet's, whose proxy runs: True exactly when it is ready.
+        for pod in &mut self.pods {
+            if pod.deleted || !pod.labelled || pod.failed || !pod.proxy_alive() || !pod.job.quits().is_empty() {
+                continue;
+            }
+            self.tally.conditions_checked += 1;
+            let want = if pod.ready { "True" } else { "False" };
+            let mut have = None;
+            let settled = eventually((ready_at + SETTLE).saturating_duration_since(Instant::now()), || {
+                have = condition(self.node, &pod.job);
+                // A True while the proxy is not ready is false at once, not a matter of settling.
+                have.as_deref() == Some(want) || (!pod.ready && have.as_deref() == Some("True"))
+            });
+            // The proxy may have been quit meanwhile (its app ended just before the kill).
+            let quit_meanwhile = !pod.proxy_alive() || !pod.job.quits().is_empty();
+            if (!settled || have.as_deref() != Some(want)) && !quit_meanwhile {
+                self.tally.false_conditions += 1;
+                pod.failed = true;
+                println!(
+                    "VIOLATION condition: {} ({:?} pid namespace): {CONDITION} {have:?} while the proxy is {}; \
+                     agent log:\n{}",
+                    pod.name(),
+                    pod.pidns,
+                    if pod.ready { "ready" } else { "not ready" },
+                    Chaos::log_about(agent, pod)
+                );
+            }
+        }
+    }
+
+    /// Quits that reached a pod's proxy before its app ended (or with no end at all).
+    fn count_early_quits(&mut self, i: usize) {
+        let pod = &self.pods[i];
+        let quits = pod.job.loopback_quits();
+        self.tally.quits += quits.len();
+        let early: Vec<u64> = quits.iter().map(|q| q.mono_ns).filter(|&t| pod.ended_ns.is_none_or(|e| t < e)).collect();
+        if !early.is_empty() {
+            self.tally.early_quits += early.len();
+            println!(
+                "VIOLATION early quit: {} ({:?} pid namespace): {} quit(s) before the app's end (app ended: {})",
+                pod.name(),
+                pod.pidns,
+                early.len(),
+                pod.ended_ns.is_some()
+            );
+        }
+    }
+
+    /// Retires pods that are done with, or old: their processes are killed and their objects
+    /// deleted, as the kubelet and the Job controller would.
+    fn retire(&mut self, all: bool) {
+        let mut i = 0;
+        while i < self.pods.len() {
+            let pod = &self.pods[i];
+            let done = all
+                || pod.deleted
+                || !pod.labelled
+                || pod.failed
+                || pod.age >= MAX_AGE
+                || (pod.ended_ns.is_some() && !pod.proxy_alive());
+            if !done {
+                i += 1;
+                continue;
+            }
+            self.count_early_quits(i);
+            let pod = self.pods.swap_remove(i);
+            let (name, deleted) = (pod.name().to_owned(), pod.deleted);
+            drop(pod);
+            if !deleted {
+                let _ = self.node.api.delete_pod("jobs", &name);
+            }
+        }
+    }
+}
+
+#[test]
+fn agent_killed_at_random_moments_leaves_no_app_stopped_no_quit_early_or_late_and_no_false_condition() {
+    let kills = env_u64("VALET_CHAOS_KILLS").unwrap_or(25) as usize;
+    let seed = env_u64("VALET_CHAOS_SEED").unwrap_or_else(|| {
+        let mut b = [0u8; 8];
+        valet_sim::util::random_bytes(&mut b);
+        u64::from_le_bytes(b)
+    });
+    println!("chaos: seed {seed} (VALET_CHAOS_SEED={seed} replays its choices), {kills} kills");
+    let node = Node::new().expect("node");
+    let cgroup_root = valet_agent::cgroup::root::find_cgroup2_root(None, Path::new("/proc")).expect("the cgroup2 root");
+    let mut chaos =
+        Chaos { node: &node, rng: Rng(seed), pods: Vec::new(), tally: Tally::default(), cgroup_root, serial: 0, kills };
+    let started = Instant::now();
+    let mut agent = chaos.restart().0;
+    let mut progress = 0;
+    while chaos.tally.kills < kills {
+        chaos.retire(false);
+        let want = POPULATION.0 + chaos.rng.below((POPULATION.1 - POPULATION.0 + 1) as u64) as usize;
+        while chaos.pods.len() < want {
+            chaos.new_pod();
+        }
+        let ended = chaos.advance();
+        // Right after the turn (a quit, a release or a condition write in flight), or later.
+        let delay = match chaos.rng.below(3) {
+            0 if ended => Duration::ZERO,
+            0 | 1 => chaos.rng.millis(20),
+            _ => chaos.rng.millis(400),
+        };
+        std::thread::sleep(delay);
+        let killed_ns = monotonic_ns();
+        agent.stop(libc::SIGKILL, GUARD).expect("kill the agent");
+        chaos.count_in_flight(killed_ns);
+        chaos.tally.kills += 1;
+        let kind = DISRUPTIONS[chaos.tally.kills % DISRUPTIONS.len()];
+        chaos.disrupt(kind);
+        std::thread::sleep(chaos.rng.millis(200));
+        let (restarted, ready_at, ready_ns) = chaos.restart();
+        agent = restarted;
+        for pod in &mut chaos.pods {
+            pod.age += 1;
+        }
+        chaos.check(&agent, ready_at, ready_ns);
+        // A kill during startup makes two in one turn: a line per 25 crossed.
+        if chaos.tally.kills / 25 > progress {
+            progress = chaos.tally.kills / 25;
+            println!("chaos: {} kills, {:?}", chaos.tally.kills, started.elapsed());
+        }
+    }
+    chaos.retire(true);
+    drop(agent);
+
+    let t = &chaos.tally;
+    let mut startups = t.startups.clone();
+    startups.sort_unstable();
+    let held_kinds = |k: Pidns| {
+        DISRUPTIONS
+            .iter()
+            .map(|d| format!("{d:?} {}", t.disrupted_held.iter().filter(|(x, p)| x == d && *p == k).count()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "chaos: seed {seed}: {} kills ({} during startup), {} restarts, {} pods, {:?}; agent ready {:?} after its \
+         start (median), {:?} (slowest)",
+        t.kills,
+        t.startup_kills,
+        t.restarts,
+        t.pods,
+        started.elapsed(),
+        startups.get(startups.len() / 2).copied().unwrap_or_default(),
+        startups.last().copied().unwrap_or_default(),
+    );
+    println!(
+        "chaos: at the kills: apps held {} in their own pid namespace, {} in a shared one; {} quits and {} \
+         ProxyReady True writes owed; while the agent was down: {}; of them to pods of held apps, in their own \
+         pid namespace: {}; in a shared one: {}",
+        t.held_at_kill[0],
+        t.held_at_kill[1],
+        t.quits_in_flight,
+        t.conditions_in_flight,
+        DISRUPTIONS.iter().map(|d| format!("{d:?} {}", t.disrupted[*d as usize])).collect::<Vec<_>>().join(", "),
+        held_kinds(Pidns::Own),
+        held_kinds(Pidns::Shared)
+    );
+    println!(
+        "apps left stopped or frozen 2 s after the agent was back: {} (of {} that should run)",
+        t.left_stopped, t.should_run
+    );
+    println!("quits sent before an app's end: {} (of {} quits)", t.early_quits, t.quits);
+    println!("finished Jobs not quit within 1 s of the agent's restart: {} (of {} owed)", t.late_quits, t.owed_quits);
+    println!("conditions left saying something false: {} (of {} checked)", t.false_conditions, t.conditions_checked);
+    assert_eq!(
+        (t.left_stopped, t.early_quits, t.late_quits, t.false_conditions),
+        (0, 0, 0, 0),
+        "seed {seed}: every count must be 0 (stopped, early quits, late quits, false conditions)"
+    );
+    // The run covered what it claims to: held apps of both kinds at the kills.
+    assert!(t.held_at_kill[0] > 0 && t.held_at_kill[1] > 0, "seed {seed}: held apps of both kinds were killed over");
+}

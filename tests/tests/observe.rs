@@ -1,0 +1,143 @@
+//! End to end, issue 30 "observe mode": the real agent binary, on the simulated node, counts what
+//! unlabelled pods' sidecars cost and never touches them: an unlabelled Istio Job whose app ended
+//! is counted waiting, is never quit, and is counted in the sidecar tax once its proxy stops; an
+//! app started while its proxy is not ready is counted; with `--act=false` a labelled pod is only
+//! observed.
+//!
+//! "Never quit" is checked against something that would have happened: a labelled pod of the same
+//! agent is quit within milliseconds of its app's end, and the unlabelled pod's wait is counted
+//! only after the kubelet reported its app ended (about a second later, as a real kubelet does).
+
+use std::time::Duration;
+
+use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually};
+
+const CONDITION: &str = "valet.dev/ProxyReady";
+
+/// The value of the sample `name` whose labels include every one of `labels`, 0 when absent.
+fn sample(agent: &Agent, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let text = agent.metrics_text().unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .find(|l| labels.iter().all(|(k, v)| l.contains(&format!("{k}=\"{v}\""))))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+const JOB: &[(&str, &str)] = &[("namespace", "jobs"), ("owner_kind", "Job")];
+
+fn waiting(agent: &Agent) -> f64 {
+    sample(agent, "valet_pods_waiting_on_sidecars", JOB)
+}
+
+fn taxed(agent: &Agent, acted: &str) -> f64 {
+    let labels = [JOB[0], JOB[1], ("acted", acted)];
+    sample(agent, "valet_sidecar_tax_seconds_count", &labels)
+}
+
+fn races(agent: &Agent) -> f64 {
+    sample(agent, "valet_app_started_before_proxy_ready_total", JOB)
+}
+
+fn unlabelled(name: &str) -> JobSpec {
+    JobSpec { labelled: false, ..JobSpec::new(name) }
+}
+
+/// Nothing of valet's on the pod: no quit reached its proxy, no Event, no condition.
+fn untouched(node: &Node, job: &JobPod, agent: &Agent) {
+    assert_eq!(job.quits().len(), 0, "no quit request reached the proxy: {:?}\n{}", job.requests(), agent.log_text());
+    assert_eq!(node.events_for(job), Vec::<(String, String)>::new(), "no Event about the pod");
+    let pod = node.pod(job).expect("pod");
+    let conditions = pod["status"]["conditions"].as_array().cloned().unwrap_or_default();
+    assert!(!conditions.iter().any(|c| c["type"] == CONDITION), "no valet condition: {conditions:?}");
+}
+
+/// Stops the proxy the way a deletion or a person would (SIGTERM); waits for its end in the API.
+fn stop_proxy(job: &mut JobPod) {
+    job.proxy.signal(libc::SIGTERM).expect("signal the proxy");
+    assert!(job.wait_proxy_exit(Duration::from_secs(10)).expect("wait").is_some(), "the proxy ended");
+    assert!(job.wait_api_terminated("istio-proxy", Duration::from_secs(10)).is_some(), "the API shows it ended");
+}
+
+#[test]
+fn an_unlabelled_job_is_counted_waiting_never_quit_and_taxed_once_its_proxy_stops() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut watched = node.job_pod(unlabelled("watched")).expect("unlabelled pod");
+    let mut control = node.job_pod(JobSpec::new("control")).expect("labelled pod");
+    agent.wait_tracked(1, Duration::from_secs(10)).expect("the labelled pod is tracked");
+    assert!(
+        eventually(Duration::from_secs(10), || agent.metric("valet_pods_observed ") == 2.0),
+        "both pods observed\n{}",
+        agent.log_text()
+    );
+
+    // The labelled pod: quit as soon as its app ends, counted in the tax as acted.
+    control.run_app("app", "exit 0").expect("control app");
+    assert_eq!(control.wait_proxy_exit(Duration::from_secs(10)).expect("wait"), Some(0), "valet quit it");
+    // The unlabelled one: its app ends and its proxy keeps running.
+    watched.run_app("app", "exit 0").expect("app");
+    assert!(watched.wait_api_terminated("app", Duration::from_secs(10)).is_some(), "the API shows the app ended");
+    assert!(
+        eventually(Duration::from_secs(10), || waiting(&agent) == 1.0),
+        "counted waiting on its sidecar\n{}",
+        agent.metrics_text().unwrap_or_default()
+    );
+    assert!(eventually(Duration::from_secs(10), || taxed(&agent, "true") == 1.0), "the quit pod's tax, acted");
+    assert_eq!(watched.proxy.try_wait().expect("proxy"), None, "the unlabelled pod's proxy still runs");
+    untouched(&node, &watched, &agent);
+    assert_eq!(taxed(&agent, "false"), 0.0, "no tax while the proxy runs");
+
+    stop_proxy(&mut watched);
+    assert!(
+        eventually(Duration::from_secs(10), || taxed(&agent, "false") == 1.0),
+        "counted in the tax once its proxy stopped\n{}",
+        agent.metrics_text().unwrap_or_default()
+    );
+    assert_eq!(waiting(&agent), 0.0, "no longer waiting");
+    assert_eq!(taxed(&agent, "true"), 1.0, "the labelled pod's tax once");
+    untouched(&node, &watched, &agent);
+    // Both apps started after their proxy was ready: no startup race.
+    assert_eq!(races(&agent), 0.0);
+}
+
+#[test]
+fn an_app_started_before_its_unlabelled_pods_proxy_is_ready_is_counted() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let ready = node.scratch.path("race.ready");
+    let mut spec = unlabelled("race");
+    spec.ready_file = Some(ready.clone());
+    let mut job = node.job_pod(spec).expect("pod");
+    // The observer knows the pod before its app starts (an app seen started at first sight is
+    // not judged: its order with the proxy is unknown).
+    assert!(eventually(Duration::from_secs(10), || agent.metric("valet_pods_observed ") == 1.0), "observed");
+    job.run_app("app", "sleep 30").expect("app");
+    assert!(
+        eventually(Duration::from_secs(15), || races(&agent) == 1.0),
+        "the app started while the proxy was not ready\n{}\n{}",
+        agent.metrics_text().unwrap_or_default(),
+        agent.log_text()
+    );
+    // Asked, never told to quit.
+    assert!(job.requests().iter().any(|r| r.method == "GET"), "the proxy was asked once: {:?}", job.requests());
+    untouched(&node, &job, &agent);
+    std::fs::write(&ready, "").expect("ready");
+}
+
+#[test]
+fn a_look_only_agent_quits_no_labelled_pod_and_counts_its_tax_as_not_acted() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&["--act=false"]).expect("agent");
+    let mut job = node.job_pod(JobSpec::new("look-only")).expect("labelled pod");
+    assert!(eventually(Duration::from_secs(10), || agent.metric("valet_pods_observed ") == 1.0), "observed");
+    assert_eq!(agent.metric("valet_pods_tracked "), 0.0, "the controller tracks nothing");
+    job.run_app("app", "exit 0").expect("app");
+    assert!(job.wait_api_terminated("app", Duration::from_secs(10)).is_some(), "the API shows the app ended");
+    assert!(eventually(Duration::from_secs(10), || waiting(&agent) == 1.0), "counted waiting");
+    assert_eq!(job.proxy.try_wait().expect("proxy"), None, "the proxy still runs");
+    untouched(&node, &job, &agent);
+    stop_proxy(&mut job);
+    assert!(eventually(Duration::from_secs(10), || taxed(&agent, "false") == 1.0), "taxed, not acted");
+    assert_eq!(taxed(&agent, "true"), 0.0);
+}

@@ -1,0 +1,34 @@
+//! `cargo xtask chaos`: the crash test at full length (issue 26). The agent is killed with
+//! SIGKILL at random moments, `--kills` times (200 by default), and restarted each time; the
+//! test prints its counts (apps left stopped, early quits, late quits, false conditions) and
+//! fails unless each is 0. `cargo xtask test` runs the same test shortened.
+use std::path::Path;
+
+use anyhow::{Result, bail};
+
+use crate::cmd::{build_release_bins, cargo, is_root, run};
+use crate::setup;
+
+pub const DEFAULT_KILLS: u32 = 200;
+
+pub fn chaos(root: &Path, kills: u32, seed: Option<u64>) -> Result<()> {
+    if !is_root() {
+        bail!("the crash test loads eBPF programs and makes cgroups and namespaces: run it as root");
+    }
+    // As the demo's and the bench's: the build tools; the test suite's extras (qemu, pytest) are
+    // not needed here.
+    setup::setup(root, false)?;
+    let release = build_release_bins(root)?;
+    let mut cmd = cargo();
+    cmd.current_dir(root)
+        .args(["test", "-p", "valet-tests", "--test", "chaos", "--", "--nocapture"])
+        .env("VALET_CHAOS_KILLS", kills.to_string())
+        .env("VALET_AGENT_BIN", release.join("valet-agent"))
+        .env("VALET_STANDIN_PROXY", release.join("valet-standin-proxy"))
+        // The one just built: `-p valet-tests` alone does not rebuild the debug one.
+        .env("VALET_SIM_EXEC", release.join("valet-sim-exec"));
+    if let Some(seed) = seed {
+        cmd.env("VALET_CHAOS_SEED", seed.to_string());
+    }
+    run(&mut cmd)
+}
