@@ -304,12 +304,15 @@ class PodRun:
         cid = self.cri.runtime(
             "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": config, "sandbox_config": sandbox_config}
         ).container_id
+        # Its process cannot run before this; containerd's startedAt is stamped after the start
+        # returned, later than the process may already serve.
+        start_asked_ns = time.monotonic_ns()
         self.cri.runtime("StartContainer", {"container_id": cid})
         self.log(f"kubelet: container {c['name']} {cid[:12]} (attempt {attempt}) created and started in "
                  f"{time.monotonic() - t:.3f}s")
         self.containers[c["name"]] = {"id": cid, "ready": False, "next_probe": 0.0, "spec": c, "status": None,
                                       "attempt": attempt, "last": last, "restart_at": None, "ids": [],
-                                      "native": native, "stopped": False}
+                                      "native": native, "stopped": False, "start_asked_ns": start_asked_ns}
         if last is not None:
             self.containers[c["name"]]["ids"] = last["ids"] + [last["id"]]
 
