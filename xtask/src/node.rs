@@ -36,15 +36,16 @@ const SUITES: [(&str, &str, &[&str]); 3] = [
 ];
 /// containerd's layouts: kubeadm's paths, and k3s's (also RKE2's).
 const LAYOUTS: [&str; 2] = ["kubeadm", "k3s"];
-/// What plain `cargo xtask test` runs: today's default node with both cgroup drivers, and the
-/// newest cell with the systemd driver only (its cgroupfs half would take CI from a fresh machine
-/// past 45 minutes; `--cell sid/crun/k3s` and `--matrix` run it).
+/// What plain `cargo xtask test` (CI) runs: the oldest node under the cgroupfs driver and the
+/// newest (crun one level below its scope, k3s's paths) under systemd's, so CI sees both drivers
+/// and both runtimes. Both drivers in both cells would take CI from a fresh machine past 45 minutes
+/// (docs/testing.md); `cargo xtask node`, `--cell` and `--matrix` run both.
 pub const CI_CELLS: [Cell; 2] = [
-    Cell { suite: "bookworm", runtime: "runc", layout: "kubeadm", cgroupfs: true },
-    Cell { suite: "sid", runtime: "crun", layout: "k3s", cgroupfs: false },
+    Cell { suite: "bookworm", runtime: "runc", layout: "kubeadm", drivers: Drivers::Cgroupfs },
+    Cell { suite: "sid", runtime: "crun", layout: "k3s", drivers: Drivers::Systemd },
 ];
 /// `cargo xtask node` without `--matrix` or `--cell`.
-pub const DEFAULT_CELL: Cell = CI_CELLS[0];
+pub const DEFAULT_CELL: Cell = Cell { drivers: Drivers::Both, ..CI_CELLS[0] };
 /// Size of the (sparse) root disk.
 const DISK: &str = "3G";
 /// Per cell: every scenario under both cgroup drivers took 20 minutes under TCG on a 2-core
@@ -59,8 +60,29 @@ pub struct Cell {
     pub suite: &'static str,
     pub runtime: &'static str,
     pub layout: &'static str,
-    /// Every scenario again under the kubelet's cgroupfs driver.
-    pub cgroupfs: bool,
+    /// The kubelet's cgroup drivers the scenarios run under.
+    pub drivers: Drivers,
+}
+
+/// The kubelet's cgroup drivers a cell runs its scenarios under (tests/node/scenarios.py reads
+/// them from `VALET_NODE_DRIVERS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Drivers {
+    /// Every scenario, then every scenario again under cgroupfs (`<scenario>_cgroupfs`).
+    Both,
+    Systemd,
+    /// Only the `<scenario>_cgroupfs` twins.
+    Cgroupfs,
+}
+
+impl Drivers {
+    fn name(self) -> &'static str {
+        match self {
+            Drivers::Both => "both",
+            Drivers::Systemd => "systemd",
+            Drivers::Cgroupfs => "cgroupfs",
+        }
+    }
 }
 
 impl Cell {
@@ -94,7 +116,7 @@ pub fn matrix() -> Vec<Cell> {
     for (suite, _, runtimes) in SUITES {
         for runtime in runtimes {
             for layout in LAYOUTS {
-                cells.push(Cell { suite, runtime, layout, cgroupfs: true });
+                cells.push(Cell { suite, runtime, layout, drivers: Drivers::Both });
             }
         }
     }
@@ -139,7 +161,11 @@ pub fn run(root: &Path, cells: &[Cell], only: &[String]) -> Result<(u64, u64)> {
         let line = format!(
             "node {}{}: {} passed, {} failed ({}) [{:.0?}]",
             cell.name(),
-            if cell.cgroupfs { "" } else { " (systemd driver only)" },
+            match cell.drivers {
+                Drivers::Both => "",
+                Drivers::Systemd => " (systemd driver only)",
+                Drivers::Cgroupfs => " (cgroupfs driver only)",
+            },
             outcome.passed,
             outcome.failed,
             outcome.versions,
@@ -213,7 +239,7 @@ fn run_cell(
              mkdir -p {OUT} && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out {OUT} || exit 1\n\
              python3 {scenarios} {release} {images} {OUT} {only}\n",
             runtime = cell.runtime,
-            drivers = if cell.cgroupfs { "both" } else { "systemd" },
+            drivers = cell.drivers.name(),
             scenarios = host(&root.join("tests/node/scenarios.py")).display(),
             release = host(release).display(),
             images = host(images).display(),
@@ -374,7 +400,7 @@ mod tests {
     fn matrix_cells_and_names() {
         let cells = matrix();
         assert_eq!(cells.len(), 10, "bookworm runc × 2 layouts, trixie and sid 2 runtimes × 2 layouts");
-        assert_eq!(Cell::parse("sid/crun/k3s").ok(), Some(Cell { cgroupfs: true, ..CI_CELLS[1] }));
+        assert_eq!(Cell::parse("sid/crun/k3s").ok(), Some(Cell { drivers: Drivers::Both, ..CI_CELLS[1] }));
         assert!(Cell::parse("bookworm/crun/kubeadm").is_err(), "bookworm has runc only");
         assert!(Cell::parse("sid/crun").is_err());
         assert_eq!(CI_CELLS[1].containerd(), ("/run/k3s/containerd/containerd.sock", "/run/k3s/containerd"));
