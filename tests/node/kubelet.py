@@ -7,10 +7,17 @@ the kubelet does, and mirrors the CRI state into the (fake) API server with the 
   systemd, a slice (`kubepods-besteffort-pod<uid_>.slice`, systemd makes it); or cgroupfs, a path
   (`/kubepods/besteffort/pod<uid>`) that the stand-in makes first, as the kubelet does, with the
   controllers enabled on every level above it;
-- CreateContainer/StartContainer per container, in spec order;
-- a status sync every second (the PLEG relist period): ContainerStatus for every container, the
-  container id in `status.containerStatuses` once it runs, `ready` only after the container's
-  readinessProbe passed (httpGet on the pod IP, every `periodSeconds`), `terminated` once exited;
+- the pod's pid namespace as its spec says: the container's own, the pod's (`shareProcessNamespace`,
+  the sandbox's pause is pid 1) or the node's (`hostPID`); `privileged` containers (and then a
+  privileged sandbox, as containerd requires);
+- native sidecars (init containers with `restartPolicy: Always`) first, each started before the
+  next container, then CreateContainer/StartContainer per container, in spec order; once every
+  regular container of a pod that does not restart them has exited, the native sidecars are
+  stopped (StopContainer, in reverse order), as the kubelet does;
+- a status sync every second (the PLEG relist period), the first one a relist after the pod's
+  containers started, never right away: ContainerStatus for every container, the container id in
+  `status.containerStatuses` (`initContainerStatuses` for native sidecars) once it runs, `ready`
+  only after the container's readinessProbe passed (httpGet on the pod IP, every `periodSeconds`), `terminated` once exited;
 - a container that exited is restarted as the pod's `restartPolicy` says (`Always`, or `OnFailure`
   after a non-zero exit): a new container through the CRI (`attempt` + 1) after a back-off
   (the kubelet's first one is 10 s; RESTART_BACKOFF here), its `restartCount` and `lastState` kept;
@@ -35,7 +42,8 @@ import grpc
 from google.protobuf import json_format
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONTAINERD = "unix:///run/containerd/containerd.sock"
+# `ctr` reads the same variable: the node VM's k3s layout moves the socket.
+CONTAINERD = "unix://" + os.environ.get("CONTAINERD_ADDRESS", "/run/containerd/containerd.sock")
 RELIST = 1.0
 RESTART_BACKOFF = 2.0
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -191,6 +199,23 @@ class PodRun:
         self.sandbox_id = None
         self.sandbox_cfg = None
         self.pod_ip = None
+        self.next_relist = None
+        self.exited_at = {}  # name -> monotonic time the status sync first reported it terminated
+        spec = pod["spec"]
+        self.native = [c for c in spec.get("initContainers", []) if c.get("restartPolicy") == "Always"]
+        if len(self.native) != len(spec.get("initContainers", [])):
+            raise ValueError("init containers: only native sidecars (restartPolicy: Always) are run")
+
+    def namespace_options(self):
+        """As the kubelet's namespacesForPod: the node's pid namespace for hostPID, the pod's for
+        shareProcessNamespace, else each container its own."""
+        spec = self.pod["spec"]
+        pid = "NODE" if spec.get("hostPID") else "POD" if spec.get("shareProcessNamespace") else "CONTAINER"
+        return {"network": "POD", "pid": pid, "ipc": "POD"}
+
+    def privileged(self, c=None):
+        specs = [c] if c is not None else self.native + self.pod["spec"]["containers"]
+        return any(x.get("securityContext", {}).get("privileged") for x in specs)
 
     def sandbox_config(self):
         m = self.meta
@@ -209,7 +234,8 @@ class PodRun:
             "annotations": m.get("annotations", {}),
             "linux": {
                 "cgroup_parent": cgroup_parent(self.pod, self.driver),
-                "security_context": {"namespace_options": {"network": "POD", "pid": "CONTAINER", "ipc": "POD"}},
+                # containerd refuses a privileged container in an unprivileged sandbox.
+                "security_context": {"namespace_options": self.namespace_options(), "privileged": self.privileged()},
             },
         }
 
@@ -228,13 +254,31 @@ class PodRun:
         self.pod_ip = status.network.ip
         self.log(f"kubelet: RunPodSandbox {self.sandbox_id[:12]} in {time.monotonic() - t:.3f}s, pod IP {self.pod_ip}")
         self.api.patch_status(self.pod, {"phase": "Pending", "podIP": self.pod_ip, "hostIP": "10.88.0.1"})
+        for c in self.native:
+            self.start_container(c, config, native=True)
+            # The kubelet starts the next container only once a native sidecar has started.
+            cid = self.containers[c["name"]]["id"]
+            end = time.monotonic() + 60
+            while self.cri.runtime("ContainerStatus", {"container_id": cid}).status.state != pb.CONTAINER_RUNNING:
+                if time.monotonic() > end:
+                    raise RuntimeError(f"native sidecar {c['name']} not running after 60 s")
+                time.sleep(0.05)
         for c in self.pod["spec"]["containers"]:
             self.start_container(c, config)
+        # The kubelet learns of its containers on its next relist, not as it starts them.
+        self.next_relist = time.monotonic() + RELIST
 
-    def start_container(self, c, sandbox_config, attempt=0, last=None):
+    def start_container(self, c, sandbox_config, attempt=0, last=None, native=False):
         m = self.meta
         ns = m.get("namespace", "default")
-        linux = {"security_context": {"namespace_options": {"network": "POD", "pid": "CONTAINER", "ipc": "POD"}}}
+        linux = {"security_context": {"namespace_options": self.namespace_options(), "privileged": self.privileged(c)}}
+        # securityContext.appArmorProfile, as the kubelet hands it to the runtime (the default:
+        # the runtime's own profile).
+        apparmor = c.get("securityContext", {}).get("appArmorProfile", {}).get("type")
+        if apparmor == "Unconfined":
+            linux["security_context"]["apparmor"] = {"profile_type": "Unconfined"}
+        elif apparmor not in (None, "RuntimeDefault"):
+            raise ValueError(f"appArmorProfile type {apparmor}: only Unconfined and RuntimeDefault are run")
         linux["resources"] = {"unified": {"memory.oom.group": "1"}}
         limit = memory_limit(c.get("resources", {}))
         if limit:
@@ -260,16 +304,23 @@ class PodRun:
         cid = self.cri.runtime(
             "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": config, "sandbox_config": sandbox_config}
         ).container_id
+        # Its process cannot run before this; containerd's startedAt is stamped after the start
+        # returned, later than the process may already serve.
+        start_asked_ns = time.monotonic_ns()
         self.cri.runtime("StartContainer", {"container_id": cid})
         self.log(f"kubelet: container {c['name']} {cid[:12]} (attempt {attempt}) created and started in "
                  f"{time.monotonic() - t:.3f}s")
         self.containers[c["name"]] = {"id": cid, "ready": False, "next_probe": 0.0, "spec": c, "status": None,
-                                      "attempt": attempt, "last": last, "restart_at": None, "ids": []}
+                                      "attempt": attempt, "last": last, "restart_at": None, "ids": [],
+                                      "native": native, "stopped": False, "start_asked_ns": start_asked_ns}
         if last is not None:
             self.containers[c["name"]]["ids"] = last["ids"] + [last["id"]]
 
     def restart_due(self, entry, st):
-        """Whether an exited container is to be restarted, per the pod's restartPolicy."""
+        """Whether an exited container is to be restarted, per the pod's restartPolicy (a native
+        sidecar: until the kubelet stopped it)."""
+        if entry["native"]:
+            return not entry["stopped"]
         policy = self.pod["spec"].get("restartPolicy", "Always")
         return policy == "Always" or (policy == "OnFailure" and st.exit_code != 0)
 
@@ -300,9 +351,13 @@ class PodRun:
             return False
 
     def sync(self):
-        """One relist + status sync; returns True once every container has exited."""
-        statuses, all_exited = [], True
-        for name, entry in self.containers.items():
+        """One relist + status sync, at the relist period (it waits for the next one); returns True
+        once every container has exited."""
+        if self.next_relist is not None:
+            time.sleep(max(0.0, self.next_relist - time.monotonic()))
+        self.next_relist = time.monotonic() + RELIST
+        statuses, natives, all_exited = [], [], True
+        for name, entry in list(self.containers.items()):
             st = self.cri.runtime("ContainerStatus", {"container_id": entry["id"]}).status
             entry["status"] = st
             cs = {"name": name, "image": entry["spec"]["image"], "imageID": st.image_ref,
@@ -328,16 +383,32 @@ class PodRun:
                         cs["lastState"] = {"terminated": terminated}
                     elif now >= entry["restart_at"]:
                         last = dict(entry, terminated=terminated)
-                        self.start_container(entry["spec"], self.sandbox_cfg, entry["attempt"] + 1, last)
+                        self.start_container(entry["spec"], self.sandbox_cfg, entry["attempt"] + 1, last,
+                                             native=entry["native"])
             else:
                 all_exited = False
                 cs.update(started=False, ready=False, state={"waiting": {"reason": "ContainerCreating"}})
-            statuses.append(cs)
+            if "terminated" in cs["state"]:
+                self.exited_at.setdefault(name, time.monotonic())
+            (natives if entry["native"] else statuses).append(cs)
+        mains = [e for e in self.containers.values() if not e["native"]]
+        mains_done = all(e["status"] is not None and e["status"].state == pb.CONTAINER_EXITED
+                         and not self.restart_due(e, e["status"])
+                         for e in mains)
+        if mains_done:
+            # The kubelet ends native sidecars once the regular containers are done, last first.
+            for entry in reversed([e for e in self.containers.values() if e["native"] and not e["stopped"]]):
+                entry["stopped"] = True
+                self.cri.runtime("StopContainer", {"container_id": entry["id"], "timeout": 5})
+                all_exited = False
         phase = "Running"
         if all_exited:
-            codes = [e["status"].exit_code for e in self.containers.values()]
+            codes = [e["status"].exit_code for e in mains]
             phase = "Succeeded" if all(c == 0 for c in codes) else "Failed"
-        self.api.patch_status(self.pod, {"phase": phase, "podIP": self.pod_ip, "containerStatuses": statuses})
+        status = {"phase": phase, "podIP": self.pod_ip, "containerStatuses": statuses}
+        if self.native:
+            status["initContainerStatuses"] = natives
+        self.api.patch_status(self.pod, status)
         return all_exited
 
     def run_until_done(self, deadline_s):
@@ -345,7 +416,6 @@ class PodRun:
         while time.monotonic() < end:
             if self.sync():
                 return True
-            time.sleep(RELIST)
         return False
 
     def teardown(self):

@@ -40,13 +40,13 @@ enum Task {
     Test {
         /// Only run tests whose name contains this filter (Rust tests only).
         filter: Option<String>,
-        /// Skip the qemu suites (bookworm's 6.1 kernel and the real-node scenarios), which run by
-        /// default; for quick local runs only, CI runs them.
+        /// Skip the qemu suites (Debian's 5.10, 6.1 and 6.12 kernels and CI's two node cells),
+        /// which run by default; for quick local runs only, CI runs them.
         #[arg(long)]
         no_vm: bool,
-        /// Boot every kernel of the matrix (5.10, 6.1, 6.12), not only 6.1.
-        #[arg(long)]
-        kernels: bool,
+        /// Boot only this kernel of the three (a suite or a version: `6.1`); repeatable.
+        #[arg(long = "kernel", value_name = "K")]
+        kernels: Vec<String>,
         /// Run N busy loops beside the tests, from the build's end to the run's end, to show no
         /// test depends on the machine's pace (`--cpu-hog 2` on a 2-core machine).
         #[arg(long, value_name = "N", default_value_t = 0)]
@@ -61,6 +61,14 @@ enum Task {
     Image,
     /// Run valet on a real node: a Debian VM with containerd driven through the CRI.
     Node {
+        /// Every cell of the runtime matrix: Debian suite (containerd 1.6, 1.7, 2.1) × OCI
+        /// runtime (runc, crun) × containerd layout (kubeadm, k3s), one VM after the other.
+        #[arg(long)]
+        matrix: bool,
+        /// Only this cell, `suite/runtime/layout` (e.g. `sid/crun/k3s`); repeatable. Default:
+        /// bookworm/runc/kubeadm.
+        #[arg(long = "cell")]
+        cells: Vec<String>,
         /// Only these scenarios (tests/node/scenarios.py), e.g. `job hold_app`.
         only: Vec<String>,
     },
@@ -102,11 +110,11 @@ fn main() -> Result<()> {
         Task::Setup => setup::setup(&root, true),
         Task::Lint => lint::lint(&root),
         Task::Test { filter, no_vm, kernels, cpu_hog } => {
-            test::test(&root, filter.as_deref(), !no_vm || kernels, kernels, cpu_hog)
+            test::test(&root, filter.as_deref(), !no_vm || !kernels.is_empty(), &kernels, cpu_hog)
         }
         Task::Image => image::build(&root).map(|_| ()),
         Task::Kernels { only } => test::kernels(&root, &only),
-        Task::Node { only } => test::node(&root, &only),
+        Task::Node { matrix, cells, only } => test::node(&root, matrix, &cells, &only),
         Task::Fuzz { target, seconds } => fuzz::run(&root, target.as_deref(), seconds),
         Task::Demo { args } => sim::demo(&root, &args),
         Task::Bench { args } => sim::bench(&root, &args),

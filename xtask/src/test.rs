@@ -11,7 +11,7 @@ use crate::setup;
 /// `cpu_hog`: that many busy loops run beside the tests, from the build's end to the run's end
 /// (failed or not), to show that no test depends on the machine's pace (`--cpu-hog 2` keeps a
 /// 2-core machine's cores busy, as a CI neighbour would).
-pub fn test(root: &Path, filter: Option<&str>, vm: bool, all_kernels: bool, cpu_hog: usize) -> Result<()> {
+pub fn test(root: &Path, filter: Option<&str>, vm: bool, kernels: &[String], cpu_hog: usize) -> Result<()> {
     if !is_root() {
         bail!("the test suite has privileged tests (eBPF, cgroups, namespaces): run it as root");
     }
@@ -25,7 +25,8 @@ pub fn test(root: &Path, filter: Option<&str>, vm: bool, all_kernels: bool, cpu_
     cmd.current_dir(root)
         .args(["test", "--workspace", "--exclude", "valet-agent-ebpf", "--no-fail-fast"])
         .env("VALET_AGENT_BIN", release.join("valet-agent"))
-        .env("VALET_STANDIN_PROXY", release.join("valet-standin-proxy"));
+        .env("VALET_STANDIN_PROXY", release.join("valet-standin-proxy"))
+        .env("VALET_ENVOY", setup::envoy(root)?);
     if let Some(f) = filter {
         cmd.args(["--", f]);
     }
@@ -37,15 +38,18 @@ pub fn test(root: &Path, filter: Option<&str>, vm: bool, all_kernels: bool, cpu_
         )?;
         ok &= run_counted(&mut crate::fuzz::command()?, &mut tally)?;
     }
-    // The qemu suites: bookworm's kernel (6.1) and the real node (containerd, runc, the agent
-    // from its image under the DaemonSet's privileges); `--kernels` adds 5.10 and 6.12.
+    // The qemu suites (issue 27's CI): Debian's 5.10, 6.1 and 6.12 kernels, and the node cells
+    // bookworm/runc/kubeadm and sid/crun/k3s (containerd, the agent also from its image under the
+    // DaemonSet's privileges); `cargo xtask node --matrix` runs the other cells.
     if filter.is_none() && vm {
-        let suites: &[&str] = if all_kernels { &["bullseye", "bookworm", "trixie"] } else { &["bookworm"] };
-        println!("\nkernel matrix in qemu: {} (all three: cargo xtask test --kernels)", suites.join(", "));
-        let (passed, failed) = crate::kernels::run(root, suites)?;
+        let suites = crate::kernels::suites(kernels)?;
+        println!("\nkernel matrix in qemu: {}", suites.join(", "));
+        let (passed, failed) = crate::kernels::run(root, &suites)?;
         (tally.passed, tally.failed) = (tally.passed + passed, tally.failed + failed);
-        println!("\nreal node in qemu: containerd through the CRI, the node scenarios");
-        let (passed, failed) = crate::node::run(root, &[])?;
+        println!(
+            "\nreal node in qemu: containerd through the CRI, the node scenarios (every cell: cargo xtask node --matrix)"
+        );
+        let (passed, failed) = crate::node::run(root, &crate::node::CI_CELLS, &[])?;
         (tally.passed, tally.failed) = (tally.passed + passed, tally.failed + failed);
     }
     println!("\ntotal: {} passed, {} failed", tally.passed, tally.failed);
@@ -72,13 +76,21 @@ pub fn kernels(root: &Path, only: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// `cargo xtask node`: valet on a real node (a Debian VM with containerd driven through the CRI).
-pub fn node(root: &Path, only: &[String]) -> Result<()> {
+/// `cargo xtask node`: valet on a real node (a Debian VM with containerd driven through the CRI),
+/// in the default cell, the named cells, or every cell of the matrix.
+pub fn node(root: &Path, matrix: bool, cells: &[String], only: &[String]) -> Result<()> {
     if !is_root() {
         bail!("the node VM needs root (mmdebstrap, qemu): run it as root");
     }
+    let cells = if matrix {
+        crate::node::matrix()
+    } else if cells.is_empty() {
+        vec![crate::node::DEFAULT_CELL]
+    } else {
+        cells.iter().map(|c| crate::node::Cell::parse(c)).collect::<Result<Vec<_>>>()?
+    };
     setup::setup(root, true)?;
-    let (_, failed) = crate::node::run(root, only)?;
+    let (_, failed) = crate::node::run(root, &cells, only)?;
     if failed > 0 {
         bail!("{failed} failed on the real node");
     }
