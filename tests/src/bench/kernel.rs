@@ -78,11 +78,7 @@ pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
     let mut programs = Programs::load(Path::new("/"), Attach::default())?;
     let ours: std::collections::HashSet<u32> = valet_program_ids().difference(&others).copied().collect();
     let exit_program_stats = || program_stats(&ours, "valet_exit");
-    println!(
-        "  {} programs of the bench's own; {} other valet programs loaded on this host",
-        ours.len(),
-        others.len()
-    );
+    println!("  {} programs of the bench's own; {} other valet programs loaded on this host", ours.len(), others.len());
     for id in 0..110u64 {
         programs.watch(u64::MAX - id, watch_flags::EXITS | watch_flags::HOLD)?;
     }
