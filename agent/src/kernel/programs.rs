@@ -13,8 +13,8 @@ use tracing::{debug, info, warn};
 use valet_common::{
     ContainerMain, Counter, EXEC_CLASS_HOLD, EXEC_CLASS_PASS, GLOBAL_LAYOUT, KernelLayout, MAP_CALIBRATION,
     MAP_CONTAINERS, MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_HELD, MAP_WATCHED,
-    MAX_HOST_PIDNS_LEVEL, PIN_HELD, PROG_CALIBRATE, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT, PROG_EXIT_WALK, PROG_LISTEN,
-    PROG_LISTEN_WALK, container_flags,
+    MAX_HOST_PIDNS_LEVEL, PIN_HELD, PROG_CALIBRATE, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT, PROG_EXIT_WALK,
+    container_flags,
 };
 
 use super::btf::Btf;
@@ -25,42 +25,11 @@ use super::loader::loader_without_kernel_btf;
 use super::memory;
 use crate::error::{Error, Result};
 
-/// A thread that closes the links sent to it, one after the other, for as long as the sender
-/// lives.
-fn link_closer() -> Option<std::sync::mpsc::Sender<TracePointLink>> {
-    let (tx, rx) = std::sync::mpsc::channel::<TracePointLink>();
-    let spawned = std::thread::Builder::new().name("valet-unlink".into()).spawn(move || {
-        for link in rx {
-            drop(link);
-        }
-    });
-    match spawned {
-        Ok(_) => Some(tx),
-        Err(e) => {
-            warn!("no thread to close detached links (closed in place: the controller waits): {e}");
-            None
-        }
-    }
-}
-
-/// Loads the listen program of the ancestor `mode`; returns its name.
-fn load_listen(
-    ebpf: &mut Ebpf,
-    layout: &KernelLayout,
-    mode: AncestorMode,
-) -> std::result::Result<&'static str, String> {
-    if layout.tp_sock_newstate == valet_common::OFFSET_UNKNOWN || layout.tp_sock_sport == valet_common::OFFSET_UNKNOWN {
-        return Err("no sock/inet_sock_set_state tracepoint format (kernel before 4.16?)".into());
-    }
-    let prog = if mode == AncestorMode::Walk { PROG_LISTEN_WALK } else { PROG_LISTEN };
-    let program: &mut TracePoint = ebpf
-        .program_mut(prog)
-        .ok_or_else(|| format!("program {prog} missing from object"))?
-        .try_into()
-        .map_err(|e| format!("program {prog}: {e}"))?;
-    program.load().map_err(|e| format!("load {prog}: {e}"))?;
-    Ok(prog)
-}
+mod listen;
+mod memlock;
+use listen::load_listen;
+pub use memlock::BpfMemlock;
+use memlock::{memlock_hint, raise_memlock_limit};
 
 /// The BPF object built from `agent-ebpf`, aligned for the loader.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/valet-agent-ebpf"));
@@ -555,65 +524,6 @@ impl Programs {
         self.links.iter().map(|(p, _)| *p).chain(listening).collect()
     }
 
-    /// The listen program, if the kernel took it (attached or not).
-    pub fn listen_program(&self) -> Option<&'static str> {
-        self.listen
-    }
-
-    /// Attaches the listen program while some pod holds an app (`on`), and detaches it once none
-    /// has for [`Programs::set_listen_linger`] (10 s): it runs on every TCP state change of the
-    /// node (a loopback connect/accept/close loop ran about 5 % slower with it), a cost only worth
-    /// paying while apps wait for their proxies. Detaching waits for an RCU grace period (50–80
-    /// ms here): the link is closed on a thread of its own, never the caller's. Until that close
-    /// is done the kernel refuses to attach the program again (the linger makes that rare); a
-    /// refused attach is tried again at the next call, and meanwhile the probes' poll does.
-    pub fn set_listen(&mut self, on: bool) {
-        let Some(prog) = self.listen else { return };
-        if on {
-            self.listen_idle_since = None;
-            if self.listen_link.is_some() {
-                return;
-            }
-            let Some(Ok(program)) = self.ebpf.program_mut(prog).map(<&mut TracePoint>::try_from) else { return };
-            match program.attach("sock", "inet_sock_set_state") {
-                Ok(link) => self.listen_link = Some(link),
-                Err(e) => debug!("attach {prog} (tried again at the next hold; the 10 ms probe meanwhile): {e}"),
-            }
-            return;
-        }
-        if self.listen_link.is_none() {
-            return;
-        }
-        let since = *self.listen_idle_since.get_or_insert_with(std::time::Instant::now);
-        if since.elapsed() >= self.listen_linger {
-            self.unlink_listen();
-        }
-    }
-
-    /// How long the listen program stays attached after the last hold (tests: zero).
-    pub fn set_listen_linger(&mut self, linger: std::time::Duration) {
-        self.listen_linger = linger;
-    }
-
-    /// Detaches the listen program now, closing its link on the closer thread.
-    fn unlink_listen(&mut self) {
-        self.listen_idle_since = None;
-        let (Some(prog), Some(link)) = (self.listen, self.listen_link.take()) else { return };
-        let Some(Ok(program)) = self.ebpf.program_mut(prog).map(<&mut TracePoint>::try_from) else { return };
-        match program.take_link(link) {
-            Ok(owned) => {
-                if self.closer.is_none() {
-                    self.closer = link_closer();
-                }
-                // Without the closer thread, closed here (the wait included).
-                if let Some(Err(std::sync::mpsc::SendError(owned))) = self.closer.as_ref().map(|c| c.send(owned)) {
-                    drop(owned);
-                }
-            }
-            Err(e) => warn!("detach {prog}: {e}"),
-        }
-    }
-
     /// Detaches every program now (also done on drop).
     pub fn detach(&mut self) {
         self.unlink_listen();
@@ -670,86 +580,6 @@ fn mount_tracefs(host_root: &std::path::Path) -> Option<std::path::PathBuf> {
             warn!(path = %target.display(), "tracefs is not mounted and mounting it failed: {e}");
             None
         }
-    }
-}
-
-/// BPF maps and programs are charged to the memlock rlimit on kernels before 5.11; lift it
-/// (needs CAP_SYS_RESOURCE to go above the hard limit). Returns the soft limit in effect after,
-/// `None` for unlimited.
-fn raise_memlock_limit() -> Option<u64> {
-    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
-    // SAFETY: plain syscalls with valid pointers.
-    unsafe {
-        if libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) != 0 {
-            debug!("setrlimit(RLIMIT_MEMLOCK, unlimited) failed: {}", std::io::Error::last_os_error());
-            // Up to the hard limit needs no capability.
-            let mut have = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-            if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut have) == 0 && have.rlim_cur < have.rlim_max {
-                have.rlim_cur = have.rlim_max;
-                let _ = libc::setrlimit(libc::RLIMIT_MEMLOCK, &have);
-            }
-        }
-        let mut now = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut now) != 0 || now.rlim_cur == libc::RLIM_INFINITY {
-            return None;
-        }
-        Some(now.rlim_cur)
-    }
-}
-
-/// Said with a failed load when RLIMIT_MEMLOCK is finite on a kernel before 5.11: there a map
-/// the limit cannot hold fails with EPERM, which reads like a missing capability.
-fn memlock_hint(limit: Option<u64>) -> String {
-    match limit {
-        Some(bytes) if kernel_charges_memlock() => format!(
-            " (RLIMIT_MEMLOCK is {} KiB and could not be raised: kernels before 5.11 charge BPF maps to it; \
-             CAP_SYS_RESOURCE lets the agent lift it)",
-            bytes / 1024
-        ),
-        _ => String::new(),
-    }
-}
-
-/// Whether the running kernel charges BPF objects to RLIMIT_MEMLOCK (before 5.11).
-fn kernel_charges_memlock() -> bool {
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let mut parts = release.trim().split(['.', '-']).map(|p| p.parse::<u32>().ok());
-    match (parts.next().flatten(), parts.next().flatten()) {
-        (Some(major), Some(minor)) => (major, minor) < (5, 11),
-        // Unknown: say it, the hint costs nothing.
-        _ => true,
-    }
-}
-
-/// The memory the kernel reports charged for this process's BPF objects: the `memlock:` line
-/// of every map and program fd in `/proc/self/fdinfo`. Kernels before 5.11 charge exactly this
-/// to RLIMIT_MEMLOCK (per user: every process of the agent's uid adds to the same sum); later
-/// kernels charge the memory cgroup instead and show their own estimate here.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct BpfMemlock {
-    pub maps: u32,
-    pub map_bytes: u64,
-    pub programs: u32,
-    pub program_bytes: u64,
-}
-
-impl BpfMemlock {
-    pub fn of_this_process() -> BpfMemlock {
-        let mut sum = BpfMemlock::default();
-        let Ok(dir) = std::fs::read_dir("/proc/self/fdinfo") else { return sum };
-        for entry in dir.flatten() {
-            let Ok(text) = std::fs::read_to_string(entry.path()) else { continue };
-            let field = |name: &str| text.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
-            let Some(bytes) = field("memlock:").and_then(|v| v.parse::<u64>().ok()) else { continue };
-            if field("map_type:").is_some() {
-                sum.maps += 1;
-                sum.map_bytes += bytes;
-            } else if field("prog_type:").is_some() {
-                sum.programs += 1;
-                sum.program_bytes += bytes;
-            }
-        }
-        sum
     }
 }
 
