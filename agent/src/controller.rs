@@ -287,8 +287,6 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
     fn on_tick(&mut self) {
         let now = monotonic_ns();
         self.act.prune_pinned();
-        // The listen program lingers after the last hold: detached once it has long enough.
-        self.act.pace_listen();
         self.ticks_since_sweep += 1;
         if self.ticks_since_sweep >= SWEEP_TICKS && self.act.any_held_record() {
             self.release_orphans();

@@ -714,14 +714,14 @@ async fn a_listening_socket_in_a_held_pod_is_reported(mode: AncestorMode) {
     let (mut programs, mut stream) = load(mode);
     let held = Pod::new(true, 31);
     let plain = Pod::new(false, 32);
+    // Attached from the load on, but the pod is not watched for holds yet: nothing is reported
+    // (the counter is exact: the port is printed after listen()).
+    let (mut before, _) = start_listener(&held, &held.container_rel);
+    assert_eq!(programs.counter(Counter::Listens), 0, "reported before the pod held");
     programs.watch(held.pod_id(), watch_flags::EXITS | watch_flags::HOLD).expect("watch");
     programs.watch(plain.pod_id(), watch_flags::EXITS).expect("watch");
     // The listeners are sidecars, never held; they exec in the host's namespace anyway.
     programs.classify_exec(held.container(), false).expect("classify");
-    // Detached, nothing is reported (the counter is exact: the port is printed after listen()).
-    let (mut before, _) = start_listener(&held, &held.container_rel);
-    assert_eq!(programs.counter(Counter::Listens), 0, "reported while detached");
-    programs.set_listen(true);
     // A pod watched without holds, then a process of no pod: neither is reported. Each listens
     // before the held pod's does, so its event would come first.
     let (mut quiet, _) = start_listener(&plain, &plain.container_rel);
@@ -996,22 +996,24 @@ async fn auto_uses_the_helper_where_the_kernel_allows_it() {
     let programs = Programs::load(Path::new("/"), Attach::default()).expect("load programs");
     if kernel_allows_the_helper() {
         assert_eq!(programs.ancestor_mode(), AncestorMode::Helper);
-        assert_eq!(programs.attached(), vec![valet_common::PROG_EXIT, valet_common::PROG_EXEC]);
-        assert_eq!(programs.listen_program(), Some(valet_common::PROG_LISTEN), "loaded, attached while holding");
+        assert_eq!(
+            programs.attached(),
+            vec![valet_common::PROG_EXIT, valet_common::PROG_EXEC, valet_common::PROG_LISTEN]
+        );
+        assert_eq!(programs.listen_program(), Some(valet_common::PROG_LISTEN));
     } else {
         assert_eq!(programs.ancestor_mode(), AncestorMode::Walk);
-        assert_eq!(programs.attached(), vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK]);
+        assert_eq!(
+            programs.attached(),
+            vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK, valet_common::PROG_LISTEN_WALK]
+        );
         assert_eq!(programs.listen_program(), Some(valet_common::PROG_LISTEN_WALK));
     }
-    let mut walk = Programs::load(Path::new("/"), Attach { ancestors: AncestorMode::Walk, ..Attach::default() })
+    // The listen program is attached at load, with the others, for the agent's life.
+    let walk = Programs::load(Path::new("/"), Attach { ancestors: AncestorMode::Walk, ..Attach::default() })
         .expect("load walk programs");
-    assert_eq!(walk.attached(), vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK]);
-    walk.set_listen_linger(Duration::ZERO);
-    walk.set_listen(true);
     assert_eq!(
         walk.attached(),
         vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK, valet_common::PROG_LISTEN_WALK]
     );
-    walk.set_listen(false);
-    assert_eq!(walk.attached(), vec![valet_common::PROG_EXIT_WALK, valet_common::PROG_EXEC_WALK]);
 }

@@ -196,16 +196,9 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         }
     }
 
-    /// Listening sockets are reported while any pod holds an app (and a while after).
-    pub fn pace_listen(&mut self) {
-        let held = self.probes.values().any(|p| p.pace() == Pace::Urgent);
-        self.kernel.set_listen(held);
-    }
-
     /// Spreads the held pods' probes over the budget: their interval follows how many are held.
     fn pace_held_probes(&mut self) {
         let held = self.probes.values().filter(|p| p.pace() == Pace::Urgent).count();
-        self.kernel.set_listen(held > 0);
         let interval = self.probe_reports.set_held(held, self.settings.held_probe_budget);
         if let Some(p) = &self.held_prober {
             p.set_interval(interval);

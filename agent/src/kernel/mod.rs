@@ -34,8 +34,6 @@ pub trait KernelControl: Send {
     /// when its pod was watched (so its exit is reported as the container's end).
     fn record_container_main(&mut self, container_cgroup_id: u64, main: &MainProcess) -> Result<RecordOutcome>;
     fn counter(&self, counter: Counter) -> u64;
-    /// Whether listening sockets of held pods are reported: only while some pod holds an app.
-    fn set_listen(&mut self, _on: bool) {}
     fn detach(&mut self);
     /// The record of processes the kernel stopped at exec, where there is one (not in tests
     /// that run the loop without a kernel).
@@ -77,10 +75,6 @@ impl KernelControl for Programs {
 
     fn counter(&self, counter: Counter) -> u64 {
         Programs::counter(self, counter)
-    }
-
-    fn set_listen(&mut self, on: bool) {
-        Programs::set_listen(self, on);
     }
 
     fn detach(&mut self) {

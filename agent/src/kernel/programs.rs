@@ -4,10 +4,7 @@
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
-    programs::{
-        TracePoint,
-        trace_point::{TracePointLink, TracePointLinkId},
-    },
+    programs::{TracePoint, trace_point::TracePointLinkId},
 };
 use tracing::{debug, info, warn};
 use valet_common::{
@@ -27,7 +24,7 @@ use crate::error::{Error, Result};
 
 mod listen;
 mod memlock;
-use listen::load_listen;
+use listen::attach_listen;
 pub use memlock::BpfMemlock;
 use memlock::{memlock_hint, raise_memlock_limit};
 
@@ -172,15 +169,8 @@ pub struct Programs {
     layout: KernelLayout,
     ancestors: AncestorMode,
     links: Vec<(&'static str, TracePointLinkId)>,
-    /// The listen program, loaded; attached (its link) while a pod holds an app.
+    /// The listen program, loaded and attached (its link is in `links`).
     listen: Option<&'static str>,
-    listen_link: Option<TracePointLinkId>,
-    /// Where detached listen links are closed: closing one waits for an RCU grace period
-    /// (50–80 ms here), which the controller's thread must not wait for.
-    closer: Option<std::sync::mpsc::Sender<TracePointLink>>,
-    /// Since when no pod holds an app, while the listen program is still attached.
-    listen_idle_since: Option<std::time::Instant>,
-    listen_linger: std::time::Duration,
 }
 
 fn map_err(what: &str) -> impl FnOnce(aya::maps::MapError) -> Error + '_ {
@@ -340,13 +330,20 @@ impl Programs {
                 .map_err(|e| Error::ebpf_program(format!("attach {prog} to sched/{name}"), e))?;
             links.push((prog, link));
         }
-        // Listening sockets of held pods: loaded now (the verifier's word comes at start), attached
-        // only while a pod holds an app ([`Programs::set_listen`]). An addition to the probes'
-        // poll, so a kernel that refuses it costs only that (logged).
+        // Listening sockets of held pods: attached for the agent's life (listen.rs says why not
+        // only while a pod holds). An addition to the probes' poll, so a kernel that refuses it
+        // costs only that (logged).
         let listen = if attach.execs {
-            load_listen(&mut ebpf, &layout, ancestors)
-                .map_err(|e| warn!("no listen events (held apps are released by the 10 ms probe alone): {e}"))
-                .ok()
+            match attach_listen(&mut ebpf, &layout, ancestors) {
+                Ok((prog, link)) => {
+                    links.push((prog, link));
+                    Some(prog)
+                }
+                Err(e) => {
+                    warn!("no listen events (held apps are released by the 10 ms probe alone): {e}");
+                    None
+                }
+            }
         } else {
             None
         };
@@ -396,10 +393,6 @@ impl Programs {
             ancestors,
             links,
             listen,
-            listen_link: None,
-            closer: None,
-            listen_idle_since: None,
-            listen_linger: std::time::Duration::from_secs(10),
         })
     }
 
@@ -520,13 +513,11 @@ impl Programs {
 
     /// Names of attached programs.
     pub fn attached(&self) -> Vec<&'static str> {
-        let listening = self.listen.filter(|_| self.listen_link.is_some());
-        self.links.iter().map(|(p, _)| *p).chain(listening).collect()
+        self.links.iter().map(|(p, _)| *p).collect()
     }
 
     /// Detaches every program now (also done on drop).
     pub fn detach(&mut self) {
-        self.unlink_listen();
         for (prog, link) in self.links.drain(..) {
             if let Some(Ok(p)) = self.ebpf.program_mut(prog).map(<&mut TracePoint>::try_from)
                 && let Err(e) = p.detach(link)
