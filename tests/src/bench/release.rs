@@ -129,7 +129,9 @@ fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: us
     let stamp = node.scratch.path(&format!("ran-{tag}-{i}"));
     let stamp_s = stamp.to_str().context("path")?.to_owned();
     let app_s = app.to_str().context("path")?;
-    let pid = job.start_app("app", &[app_s, &stamp_s, "0"], &SpawnOptions::default())?.host_pid();
+    // The app lives 100 ms after its stamp: its end quits the proxy, and the ready poller below
+    // must see a 200 before that (a loaded machine once starved it past a window of a few ms).
+    let pid = job.start_app("app", &[app_s, &stamp_s, "0", "0", "100"], &SpawnOptions::default())?.host_pid();
     // Held: stopped by the kernel before its first instruction (it cannot have run).
     if !eventually(Duration::from_secs(10), || stopped(pid)) || stamp.exists() {
         bail!("run {i}: the app was not held\n{}", agent.log_text());
