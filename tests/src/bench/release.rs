@@ -157,6 +157,11 @@ fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: us
             seen.sent
         }
     };
+    // The app's end (100 ms after its stamp) quits the proxy; deleted before it, the pod's proxy
+    // would be left to the deletion and each sample would wait out `wait_proxy_exit`.
+    if let Some(app) = job.apps.last_mut() {
+        let _ = app.wait_timeout(Duration::from_secs(5));
+    }
     node.api.delete_pod("jobs", &job.name).ok();
     let _ = job.wait_proxy_exit(Duration::from_secs(5));
     drop(job);
