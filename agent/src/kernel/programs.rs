@@ -169,8 +169,6 @@ pub struct Programs {
     layout: KernelLayout,
     ancestors: AncestorMode,
     links: Vec<(&'static str, TracePointLinkId)>,
-    /// The listen program, loaded and attached (its link is in `links`).
-    listen: Option<&'static str>,
 }
 
 fn map_err(what: &str) -> impl FnOnce(aya::maps::MapError) -> Error + '_ {
@@ -333,20 +331,12 @@ impl Programs {
         // Listening sockets of held pods: attached for the agent's life (listen.rs says why not
         // only while a pod holds). An addition to the probes' poll, so a kernel that refuses it
         // costs only that (logged).
-        let listen = if attach.execs {
+        if attach.execs {
             match attach_listen(&mut ebpf, &layout, ancestors) {
-                Ok((prog, link)) => {
-                    links.push((prog, link));
-                    Some(prog)
-                }
-                Err(e) => {
-                    warn!("no listen events (held apps are released by the 10 ms probe alone): {e}");
-                    None
-                }
+                Ok(link) => links.push(link),
+                Err(e) => warn!("no listen events (held apps are released by the 10 ms probe alone): {e}"),
             }
-        } else {
-            None
-        };
+        }
 
         memory::note("programs attached");
         let take = |ebpf: &mut Ebpf, name: &str| {
@@ -392,7 +382,6 @@ impl Programs {
             layout,
             ancestors,
             links,
-            listen,
         })
     }
 

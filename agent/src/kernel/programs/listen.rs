@@ -37,6 +37,6 @@ pub(super) fn attach_listen(
 impl Programs {
     /// The listen program, if the kernel took it (then it is attached).
     pub fn listen_program(&self) -> Option<&'static str> {
-        self.listen
+        self.attached().into_iter().find(|p| [PROG_LISTEN, PROG_LISTEN_WALK].contains(p))
     }
 }
