@@ -354,8 +354,9 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
         }
     }
     entry.write(event);
-    entry.submit(0);
+    // Counted before it is submitted: a reader that has the event sees the count too.
     count(Counter::ExitsReported);
+    entry.submit(0);
     0
 }
 
@@ -459,8 +460,9 @@ fn exec_impl<const WALK: bool>() -> u32 {
         event.flags |= event_flags::NS_INIT;
     }
     entry.write(event);
-    entry.submit(0);
+    // Counted before it is submitted: a reader that has the event sees the count too.
     count(Counter::Held);
+    entry.submit(0);
     0
 }
 
@@ -507,8 +509,9 @@ fn listen_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
     fill_common(&mut event, event_kind::LISTEN, container, watched);
     event.exit_status = u32::from(port);
     entry.write(event);
-    entry.submit(0);
+    // Counted before it is submitted: a reader that has the event sees the count too.
     count(Counter::Listens);
+    entry.submit(0);
     0
 }
 
