@@ -734,7 +734,8 @@ fn a_proxy_that_starts_listening_after_the_hold_is_probed_when_it_listens() {
         })
         .expect("pod");
     assert!(wait_file(&marker, HANG_GUARD).is_some(), "the app never ran\n{}", agent.log_text());
-    assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 1.0, "{}", agent.log_text());
+    // Counted once the signal is out, which may be after the app ran.
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 1.0), "{}", agent.log_text());
     assert!(
         agent.metric("valet_proxy_listens_total ") >= 1.0,
         "the proxy's listening socket was seen in the held pod\n{}",
