@@ -46,7 +46,7 @@ use aya_ebpf::{
         },
     },
     macros::{map, tracepoint},
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf, ring_buf::RingBufEntry},
     programs::TracePointContext,
 };
 use valet_common::{
@@ -110,6 +110,15 @@ fn count(counter: Counter) {
         // SAFETY: per-CPU slot, no concurrent writer on this CPU.
         unsafe { *slot += 1 };
     }
+}
+
+/// Writes `event` into its reserved slot and submits it, counted first: a reader that has the
+/// event sees its count too.
+#[inline(always)]
+fn submit_counted(mut entry: RingBufEntry<KernelEvent>, event: KernelEvent, counter: Counter) {
+    entry.write(event);
+    count(counter);
+    entry.submit(0);
 }
 
 #[inline(always)]
@@ -329,7 +338,7 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
         return 0;
     }
 
-    let Some(mut entry) = EVENTS.reserve::<KernelEvent>(0) else {
+    let Some(entry) = EVENTS.reserve::<KernelEvent>(0) else {
         count(Counter::EventsLost);
         return 0;
     };
@@ -353,10 +362,7 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
             event.flags |= event_flags::NS_INIT;
         }
     }
-    entry.write(event);
-    // Counted before it is submitted: a reader that has the event sees the count too.
-    count(Counter::ExitsReported);
-    entry.submit(0);
+    submit_counted(entry, event, Counter::ExitsReported);
     0
 }
 
@@ -423,7 +429,7 @@ fn exec_impl<const WALK: bool>() -> u32 {
     {
         return 0;
     }
-    let Some(mut entry) = EVENTS.reserve::<KernelEvent>(0) else {
+    let Some(entry) = EVENTS.reserve::<KernelEvent>(0) else {
         // No one would learn of the hold, so no one would release it: do not hold.
         count(Counter::EventsLost);
         return 0;
@@ -459,10 +465,7 @@ fn exec_impl<const WALK: bool>() -> u32 {
     if info.nr == 1 {
         event.flags |= event_flags::NS_INIT;
     }
-    entry.write(event);
-    // Counted before it is submitted: a reader that has the event sees the count too.
-    count(Counter::Held);
-    entry.submit(0);
+    submit_counted(entry, event, Counter::Held);
     0
 }
 
@@ -501,17 +504,14 @@ fn listen_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
     let Ok(port) = (unsafe { ctx.read_at::<u16>(l.tp_sock_sport as usize) }) else {
         return 0;
     };
-    let Some(mut entry) = EVENTS.reserve::<KernelEvent>(0) else {
+    let Some(entry) = EVENTS.reserve::<KernelEvent>(0) else {
         count(Counter::ListensSkipped);
         return 0;
     };
     let mut event = KernelEvent::zeroed();
     fill_common(&mut event, event_kind::LISTEN, container, watched);
     event.exit_status = u32::from(port);
-    entry.write(event);
-    // Counted before it is submitted: a reader that has the event sees the count too.
-    count(Counter::Listens);
-    entry.submit(0);
+    submit_counted(entry, event, Counter::Listens);
     0
 }
 
