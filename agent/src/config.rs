@@ -81,6 +81,11 @@ pub struct Config {
     #[arg(long, env = "VALET_PIN_DIR", default_value = "/sys/fs/bpf/valet")]
     pub pin_dir: PathBuf,
 
+    /// Pin directories an earlier version used (an upgrade that changes `--pin-dir`): the
+    /// records of holds found there are released at their deadline, and moved into `--pin-dir`.
+    #[arg(long = "old-pin-dir", env = "VALET_OLD_PIN_DIRS", value_delimiter = ',')]
+    pub old_pin_dirs: Vec<PathBuf>,
+
     /// Container names treated as sidecars unless a pod's valet.dev/sidecars annotation says otherwise.
     #[arg(
         long,

@@ -98,6 +98,9 @@ pub enum Effect {
         pod_rel: String,
         exits: bool,
         hold: bool,
+        /// The pod's hold timeout: the kernel's record of each process it holds carries the
+        /// deadline it makes (released then even with no agent, or no API).
+        hold_timeout: std::time::Duration,
     },
     Unwatch {
         pod_cgroup: u64,

@@ -195,6 +195,23 @@ impl Node {
         Ok(Agent { child: Some(child), metrics, log })
     }
 
+    /// Starts `valet-agent deadlines` for this node's pin directory, as the DaemonSet's second
+    /// container runs it beside the agent.
+    pub fn start_deadline_keeper(&self) -> Result<DeadlineKeeper> {
+        let log = self.scratch.path(&format!("deadlines-{}.log", free_port()?));
+        let file = std::fs::File::create(&log)?;
+        let child = Command::new(agent_binary()?)
+            .arg("deadlines")
+            .arg("--pin-dir")
+            .arg(&self.pin_dir)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::from(file.try_clone()?))
+            .stderr(Stdio::from(file))
+            .spawn()
+            .context("start valet-agent deadlines")?;
+        Ok(DeadlineKeeper { child: Some(child), log })
+    }
+
     /// Builds an Istio-injected Job pod on this node and hands it to the kubelet: real cgroups, a
     /// netns with a pod IP, the sandbox's pause process, the app containers that have a command
     /// in the spec and the stand-in pilot-agent (`istio-proxy`, last as Istio's injector puts it),
@@ -689,6 +706,46 @@ impl Agent {
                 bail!("agent did not stop within {timeout:?}");
             }
             std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// `valet-agent deadlines` for a node ([`Node::start_deadline_keeper`]); killed when dropped.
+pub struct DeadlineKeeper {
+    child: Option<std::process::Child>,
+    pub log: PathBuf,
+}
+
+impl DeadlineKeeper {
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM (its pod deleted), then its exit status.
+    pub fn stop(&mut self) -> Result<Option<std::process::ExitStatus>> {
+        let Some(mut child) = self.child.take() else { return Ok(None) };
+        // SAFETY: plain syscall on our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + HANG_GUARD;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Ok(Some(status));
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("valet-agent deadlines did not stop within {HANG_GUARD:?}");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for DeadlineKeeper {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
 }

@@ -104,6 +104,10 @@ pub struct Metrics {
     pub holds: Counter,
     pub releases: Family<ReasonLabels, Counter>,
     pub fail_opens: Counter,
+    /// SIGCONTs to held apps that failed (retried with backoff; the record is kept).
+    pub release_failures: Counter,
+    /// Pods whose apps were not held because the record of holds is not pinned.
+    pub holds_refused: Counter,
     pub hold_duration: Histogram,
     pub condition_patches: Family<ResultLabels, Counter>,
     pub events_lost: Counter,
@@ -155,6 +159,8 @@ impl Metrics {
             holds: Counter::default(),
             releases: Family::default(),
             fail_opens: Counter::default(),
+            release_failures: Counter::default(),
+            holds_refused: Counter::default(),
             hold_duration: Histogram::new(latency_buckets()),
             condition_patches: Family::default(),
             events_lost: Counter::default(),
@@ -202,6 +208,16 @@ impl Metrics {
             "app_hold_fail_opens",
             "Held apps released because the proxy was not ready in time",
             m.fail_opens.clone(),
+        );
+        registry.register(
+            "release_failures",
+            "SIGCONTs to held apps that failed; each is retried with backoff and its record kept",
+            m.release_failures.clone(),
+        );
+        registry.register(
+            "app_holds_refused",
+            "Pods whose apps ran without a hold: the record of holds could not be pinned (no bpffs)",
+            m.holds_refused.clone(),
         );
         registry.register("app_hold_duration_seconds", "How long app processes were held", m.hold_duration.clone());
         registry.register(
@@ -496,6 +512,8 @@ mod tests {
                 "valet_app_holds_total",
                 "valet_app_releases_total",
                 "valet_app_hold_fail_opens_total",
+                "valet_release_failures_total",
+                "valet_app_holds_refused_total",
                 "valet_app_hold_duration_seconds",
                 "valet_condition_patches_total",
                 "valet_kernel_events_lost_total",

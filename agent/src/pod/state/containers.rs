@@ -15,7 +15,13 @@ impl PodState {
             // (not a hostPID pod's: the kernel reports none of its ends).
             let exits = !plan.host_pid;
             fx.push(Effect::ScanContainers { pod_rel: rel.clone(), adopt: exits });
-            fx.push(Effect::Watch { pod_cgroup: id, pod_rel: rel.clone(), exits, hold });
+            fx.push(Effect::Watch {
+                pod_cgroup: id,
+                pod_rel: rel.clone(),
+                exits,
+                hold,
+                hold_timeout: plan.hold_timeout.min(MAX_HOLD),
+            });
             self.watching = Some(hold);
         }
         if hold && !self.left_held_searched {

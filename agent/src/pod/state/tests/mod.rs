@@ -6,7 +6,7 @@ use serde_json::{Value, json};
 
 use super::*;
 pub(super) use crate::pod::fixtures;
-pub(super) use crate::pod::spec::Endpoint;
+pub(super) use crate::pod::spec::{DEFAULT_HOLD_TIMEOUT, Endpoint};
 
 pub(super) const POD_REL: &str = "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod6b1f.slice";
 pub(super) const POD_CG: u64 = 100;
