@@ -33,10 +33,10 @@ use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use valet_sim::node::SpawnOptions;
-use valet_sim::util::monotonic_ns;
 use valet_common::{HeldRecord, PIN_HELD};
 use valet_sim::apiserver::Fault;
+use valet_sim::node::SpawnOptions;
+use valet_sim::util::monotonic_ns;
 use valet_tests::harness::{Agent, DeadlineKeeper, JobPod, JobSpec, Node, eventually};
 
 const HOLD: &str = "valet.dev/hold-app";
@@ -989,7 +989,15 @@ fn agent_killed_at_random_moments_leaves_no_app_stopped_no_quit_early_or_late_an
         t.left_by_uninstall, t.held_at_uninstall, t.uninstalls, t.outages, t.crash_loops
     );
     assert_eq!(
-        (t.left_stopped, t.early_quits, t.late_quits, t.false_conditions, t.past_deadline, t.early_releases, t.left_by_uninstall),
+        (
+            t.left_stopped,
+            t.early_quits,
+            t.late_quits,
+            t.false_conditions,
+            t.past_deadline,
+            t.early_releases,
+            t.left_by_uninstall
+        ),
         (0, 0, 0, 0, 0, 0, 0),
         "seed {seed}: every count must be 0 (stopped, early quits, late quits, false conditions, past deadline, early \
          releases, left by an uninstall)"

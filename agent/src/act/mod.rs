@@ -23,9 +23,9 @@ use valet_common::watch_flags;
 
 use crate::api::condition;
 use crate::api::events::{EventSink, pod_reference};
-use crate::cgroup::{CgroupFs, Search};
 use crate::cgroup::created::Creations;
 use crate::cgroup::signal::{Pinned, Placed, pin_in_cgroup, pin_in_cgroup_id, pin_pid, signal_cgroup};
+use crate::cgroup::{CgroupFs, Search};
 use crate::effect::{ContainerSeen, Count, Effect, Feedback, LeftHeld, Nanos, Pace, RuntimeName};
 use crate::kernel::container_main::main_among;
 use crate::kernel::held::HeldLedger;

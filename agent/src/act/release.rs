@@ -336,7 +336,9 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         match self.ledger.as_ref().and_then(|l| l.get(tgid)) {
             Some(record) => match pin_in_cgroup_id(&self.cgroups, proc, tgid, record.cgroup_id, CGROUP_SEARCH_BUDGET) {
                 Placed::In(pinned) => Ok(pinned),
-                Placed::Elsewhere => Err(format!("pid {tgid} is no longer in the cgroup it was held in: not signalled")),
+                Placed::Elsewhere => {
+                    Err(format!("pid {tgid} is no longer in the cgroup it was held in: not signalled"))
+                }
                 Placed::Unsure(why) => Err(why),
             },
             None => {

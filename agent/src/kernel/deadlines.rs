@@ -254,13 +254,8 @@ impl Keeper {
     pub fn release_all(&mut self) -> Pass {
         self.open_pins();
         let default_ns = u64::try_from(self.settings.default_timeout.as_nanos()).unwrap_or(u64::MAX);
-        let latest = self
-            .pins
-            .values()
-            .flat_map(|p| p.records(default_ns))
-            .map(|(_, _, deadline)| deadline)
-            .max()
-            .unwrap_or(0);
+        let latest =
+            self.pins.values().flat_map(|p| p.records(default_ns)).map(|(_, _, deadline)| deadline).max().unwrap_or(0);
         let kept = std::mem::replace(&mut self.defer, Box::new(|| Duration::ZERO));
         self.retry.clear();
         let pass = self.pass(latest.max(monotonic_ns()));
