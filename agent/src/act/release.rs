@@ -27,7 +27,9 @@ pub(super) struct Retry {
 /// ones that failed come back, to be tried again after a backoff: their records stay (a
 /// successor, or the deadline keeper, finds them), and nothing takes them for released.
 pub(super) fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<PinnedRelease>) -> Vec<Retry> {
-    let sent: Vec<(Release, Result<(), (String, Option<Pinned>)>)> = batch
+    // A failure says why, and keeps the pidfd when the process is still there (to retry).
+    type Sent = Result<(), (String, Option<Pinned>)>;
+    let sent: Vec<(Release, Sent)> = batch
         .into_iter()
         .map(|(r, pin)| {
             let sent = match pin {
