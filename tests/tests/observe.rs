@@ -31,7 +31,7 @@ fn waiting(agent: &Agent) -> f64 {
 }
 
 fn taxed(agent: &Agent, acted: &str) -> f64 {
-    let labels = [JOB[0], JOB[1], ("acted", acted)];
+    let labels = [JOB[0], JOB[1], ("acted", acted), ("sidecar_mode", "classic")];
     sample(agent, "valet_sidecar_tax_seconds_count", &labels)
 }
 
@@ -112,17 +112,64 @@ fn an_app_started_before_its_unlabelled_pods_proxy_is_ready_is_counted() {
     // The observer knows the pod before its app starts (an app seen started at first sight is
     // not judged: its order with the proxy is unknown).
     assert!(eventually(Duration::from_secs(10), || agent.metric("valet_pods_observed ") == 1.0), "observed");
-    job.run_app("app", "sleep 30").expect("app");
+    job.run_app("app", "sleep 60").expect("app");
+    // Asked once (not ready: no ready file), never told to quit.
     assert!(
-        eventually(Duration::from_secs(15), || races(&agent) == 1.0),
+        eventually(Duration::from_secs(15), || job.requests().iter().any(|r| r.method == "GET")),
+        "the proxy was asked: {:?}\n{}",
+        job.requests(),
+        agent.log_text()
+    );
+    assert_eq!(races(&agent), 0.0, "not counted before the proxy is seen ready (it may be stopping)");
+    // The proxy gets ready; the kubelet's next probe (every 15 s) reports it: it was starting.
+    std::fs::write(&ready, "").expect("ready");
+    assert!(
+        eventually(Duration::from_secs(30), || races(&agent) == 1.0),
         "the app started while the proxy was not ready\n{}\n{}",
         agent.metrics_text().unwrap_or_default(),
         agent.log_text()
     );
-    // Asked, never told to quit.
-    assert!(job.requests().iter().any(|r| r.method == "GET"), "the proxy was asked once: {:?}", job.requests());
     untouched(&node, &job, &agent);
-    std::fs::write(&ready, "").expect("ready");
+}
+
+#[test]
+fn an_unlabelled_app_that_quits_its_own_proxy_is_not_counted_as_a_race() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let go = node.scratch.path("self-quit.go");
+    let mut spec = unlabelled("self-quit");
+    // Never ready: the kubelet never reports it ready, the observer's question finds it not ready.
+    spec.ready_file = Some(node.scratch.path("self-quit.never"));
+    let mut job = node.job_pod(spec).expect("pod");
+    assert!(eventually(Duration::from_secs(10), || agent.metric("valet_pods_observed ") == 1.0), "observed");
+    // The workaround users run without valet: the app tells pilot-agent to quit, then ends.
+    let script = format!(
+        "while [ ! -e {go} ]; do sleep 0.05; done; \
+         bash -c 'exec 3<>/dev/tcp/127.0.0.1/15020 && printf \"POST /quitquitquit HTTP/1.0\\r\\n\\r\\n\" >&3 && cat <&3 >/dev/null'; \
+         exit 0",
+        go = go.display()
+    );
+    job.run_app("app", &script).expect("app");
+    assert!(
+        eventually(Duration::from_secs(15), || job.requests().iter().any(|r| r.method == "GET")),
+        "the observer asked the proxy while the app ran: {:?}\n{}",
+        job.requests(),
+        agent.log_text()
+    );
+    std::fs::write(&go, "").expect("go");
+    assert_eq!(job.wait_proxy_exit(Duration::from_secs(15)).expect("wait"), Some(0), "the app's quit ended it");
+    assert!(job.wait_api_terminated("istio-proxy", Duration::from_secs(15)).is_some(), "the API shows it ended");
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            agent.metric("valet_observe_uncounted_total{reason=\"race_unconfirmed\"} ") == 1.0
+        }),
+        "the app's start is left uncounted, with its reason\n{}",
+        agent.metrics_text().unwrap_or_default()
+    );
+    assert_eq!(races(&agent), 0.0, "not a race\n{}", agent.metrics_text().unwrap_or_default());
+    // The only quit the proxy got came from the app (over loopback), none from valet.
+    assert_eq!(job.quits().len(), 1, "{:?}", job.requests());
+    assert_eq!(node.events_for(&job), Vec::<(String, String)>::new(), "no Event about the pod");
 }
 
 #[test]

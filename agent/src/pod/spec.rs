@@ -484,7 +484,7 @@ fn hold_timeout(text: &str) -> Result<Duration, SpecError> {
 }
 
 /// The kind the well-known injected container names stand for.
-fn kind_from_name(name: &str) -> Option<SidecarKind> {
+pub(crate) fn kind_from_name(name: &str) -> Option<SidecarKind> {
     match name {
         "istio-proxy" => Some(SidecarKind::Istio),
         "linkerd-proxy" => Some(SidecarKind::Linkerd),
