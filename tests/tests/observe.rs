@@ -39,6 +39,12 @@ fn races(agent: &Agent) -> f64 {
     sample(agent, "valet_app_started_before_proxy_ready_total", JOB)
 }
 
+/// The agent asked the proxy whether it is ready: a GET from the pod's own loopback (the
+/// kubelet's probes come from outside, to the pod IP).
+fn asked(job: &JobPod) -> bool {
+    job.requests().iter().any(|r| r.method == "GET" && r.peer.ip().is_loopback())
+}
+
 fn unlabelled(name: &str) -> JobSpec {
     JobSpec { labelled: false, ..JobSpec::new(name) }
 }
@@ -115,7 +121,7 @@ fn an_app_started_before_its_unlabelled_pods_proxy_is_ready_is_counted() {
     job.run_app("app", "sleep 60").expect("app");
     // Asked once (not ready: no ready file), never told to quit.
     assert!(
-        eventually(Duration::from_secs(15), || job.requests().iter().any(|r| r.method == "GET")),
+        eventually(Duration::from_secs(15), || asked(&job)),
         "the proxy was asked: {:?}\n{}",
         job.requests(),
         agent.log_text()
@@ -151,7 +157,7 @@ fn an_unlabelled_app_that_quits_its_own_proxy_is_not_counted_as_a_race() {
     );
     job.run_app("app", &script).expect("app");
     assert!(
-        eventually(Duration::from_secs(15), || job.requests().iter().any(|r| r.method == "GET")),
+        eventually(Duration::from_secs(15), || asked(&job)),
         "the observer asked the proxy while the app ran: {:?}\n{}",
         job.requests(),
         agent.log_text()
@@ -187,4 +193,66 @@ fn a_look_only_agent_quits_no_labelled_pod_and_counts_its_tax_as_not_acted() {
     stop_proxy(&mut job);
     assert!(eventually(Duration::from_secs(10), || taxed(&agent, "false") == 1.0), "taxed, not acted");
     assert_eq!(taxed(&agent, "true"), 0.0);
+}
+
+/// The native-sidecar tax's samples (`sum`, `count`), for pods valet did (`acted`) or did not act on.
+fn native_tax(agent: &Agent, acted: &str) -> (f64, f64) {
+    let labels = [JOB[0], JOB[1], ("acted", acted), ("sidecar_mode", "native")];
+    (
+        sample(agent, "valet_sidecar_tax_seconds_sum", &labels),
+        sample(agent, "valet_sidecar_tax_seconds_count", &labels),
+    )
+}
+
+#[test]
+fn an_unlabelled_native_sidecar_pod_shows_its_shutdown_tax() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut job = node.job_pod(unlabelled("native-tax").native_sidecar()).expect("native pod");
+    assert!(eventually(Duration::from_secs(10), || agent.metric("valet_pods_observed ") == 1.0), "observed");
+    job.run_app("app", "exit 0").expect("app");
+    // The kubelet sees the app's end, sends the native proxy SIGTERM, and the stand-in's
+    // pilot-agent drains 5 s before it exits: the pod waits on it meanwhile.
+    assert!(
+        eventually(Duration::from_secs(30), || native_tax(&agent, "false").1 == 1.0),
+        "taxed once its native proxy ended\n{}\n{}",
+        agent.metrics_text().unwrap_or_default(),
+        agent.log_text()
+    );
+    let (seconds, _) = native_tax(&agent, "false");
+    assert!(seconds >= 5.0, "at least the proxy's 5 s drain: {seconds} s");
+    assert_eq!(taxed(&agent, "false"), 0.0, "not counted as classic");
+    untouched(&node, &job, &agent);
+}
+
+#[test]
+fn the_startup_tax_of_a_native_proxy_is_shown() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let ready = node.scratch.path("startup.ready");
+    let mut spec = unlabelled("native-startup").native_sidecar();
+    spec.ready_file = Some(ready.clone());
+    // The kubelet starts the app itself, once the proxy's startupProbe (every second) passes.
+    spec.app_commands = vec![("app".into(), "sleep 60".into())];
+    let job = node.job_pod(spec).expect("native pod");
+    // Seen before its proxy is ready: the observer asks the proxy until it is.
+    assert!(eventually(Duration::from_secs(10), || agent.metric("valet_pods_observed ") == 1.0), "observed");
+    assert!(
+        eventually(Duration::from_secs(10), || asked(&job)),
+        "the observer asks the native proxy: {:?}\n{}",
+        job.requests(),
+        agent.log_text()
+    );
+    std::fs::write(&ready, "").expect("ready");
+    let count = |agent: &Agent| sample(agent, "valet_sidecar_startup_tax_seconds_count", JOB);
+    assert!(
+        eventually(Duration::from_secs(30), || count(&agent) == 1.0),
+        "the app's start after the proxy's readiness is measured\n{}\n{}",
+        agent.metrics_text().unwrap_or_default(),
+        agent.log_text()
+    );
+    let seconds = sample(&agent, "valet_sidecar_startup_tax_seconds_sum", JOB);
+    assert!(seconds >= 0.0, "{seconds}");
+    assert!(job.api_status("app").is_some_and(|s| s["state"]["running"].is_object()), "the kubelet started the app");
+    untouched(&node, &job, &agent);
 }
