@@ -208,7 +208,7 @@ fn drive_quit(node: &Node, agent: &Agent, tracked_after: usize) -> JobPod {
 
 /// Observed pods the agent quit, counted in the sidecar tax.
 fn taxed(agent: &Agent) -> f64 {
-    agent.metric("valet_sidecar_tax_seconds_count{namespace=\"jobs\",owner_kind=\"Job\",acted=\"true\"} ")
+    agent.metric("valet_sidecar_tax_seconds_count{namespace=\"jobs\",owner_kind=\"Job\",acted=\"true\",sidecar_mode=\"classic\"} ")
 }
 
 fn quits_ok(agent: &Agent) -> f64 {

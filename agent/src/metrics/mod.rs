@@ -42,9 +42,10 @@ pub struct KindLabels {
     pub kind: &'static str,
 }
 
-/// Why the observer skipped a pod, as `valet_pod_skips_total{reason}` spells it (the controller's
-/// reasons, `host_network`, `restart_always`, `native_sidecars`, `no_sidecars` and the same
-/// `bad_annotation`, are written by the pod's state machine).
+/// Why the observer skipped a pod, as `valet_pod_skips_total{reason}` spells it. The controller's
+/// reasons (`host_network`, `restart_always`, `native_sidecars`, `no_sidecars`, `no_apps`,
+/// `deleting` and the same `bad_annotation`) are written by the pod's state machine; every
+/// reason is explained in docs/monitoring.md.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum SkipReason {
     /// The pod's valet annotations could not be read (its Events say why when valet acts on it).
