@@ -198,10 +198,7 @@ fn a_look_only_agent_quits_no_labelled_pod_and_counts_its_tax_as_not_acted() {
 /// The native-sidecar tax's samples (`sum`, `count`), for pods valet did (`acted`) or did not act on.
 fn native_tax(agent: &Agent, acted: &str) -> (f64, f64) {
     let labels = [JOB[0], JOB[1], ("acted", acted), ("sidecar_mode", "native")];
-    (
-        sample(agent, "valet_sidecar_tax_seconds_sum", &labels),
-        sample(agent, "valet_sidecar_tax_seconds_count", &labels),
-    )
+    (sample(agent, "valet_sidecar_tax_seconds_sum", &labels), sample(agent, "valet_sidecar_tax_seconds_count", &labels))
 }
 
 #[test]
