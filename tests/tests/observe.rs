@@ -1,8 +1,10 @@
 //! End to end, issue 30 "observe mode": the real agent binary, on the simulated node, counts what
 //! unlabelled pods' sidecars cost and never touches them: an unlabelled Istio Job whose app ended
 //! is counted waiting, is never quit, and is counted in the sidecar tax once its proxy stops; an
-//! app started while its proxy is not ready is counted; with `--act=false` a labelled pod is only
-//! observed.
+//! app started before its proxy is ready is counted, one that quits its own proxy is not; with
+//! `--act=false` a labelled pod is only observed. Issue 35: a native-sidecar pod's shutdown tax
+//! is at least the proxy's 5 s drain when unlabelled and about 0 when valet quits it, and a native
+//! proxy's startup tax is measured.
 //!
 //! "Never quit" is checked against something that would have happened: a labelled pod of the same
 //! agent is quit within milliseconds of its app's end, and the unlabelled pod's wait is counted
@@ -252,4 +254,29 @@ fn the_startup_tax_of_a_native_proxy_is_shown() {
     assert!(seconds >= 0.0, "{seconds}");
     assert!(job.api_status("app").is_some_and(|s| s["state"]["running"].is_object()), "the kubelet started the app");
     untouched(&node, &job, &agent);
+}
+
+#[test]
+fn a_labelled_native_sidecar_pod_shows_about_no_tax() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut job = node.job_pod(JobSpec::new("native-quit").native_sidecar()).expect("native pod");
+    agent.wait_tracked(1, Duration::from_secs(10)).expect("the labelled pod is tracked");
+    assert!(eventually(Duration::from_secs(10), || agent.metric("valet_pods_observed ") == 1.0), "observed");
+    job.run_app("app", "exit 0").expect("app");
+    // valet quits the native proxy at the app's end: it exits 0 without the kubelet's SIGTERM
+    // and its 5 s drain.
+    assert_eq!(job.wait_proxy_exit(Duration::from_secs(10)).expect("wait"), Some(0), "valet quit it");
+    assert!(
+        eventually(Duration::from_secs(15), || native_tax(&agent, "true").1 == 1.0),
+        "taxed as acted\n{}\n{}",
+        agent.metrics_text().unwrap_or_default(),
+        agent.log_text()
+    );
+    // The API's times are whole seconds: the app's end and the proxy's fall in the same second
+    // or the next (a second more for a loaded machine), never the drain's 5 s.
+    let (seconds, _) = native_tax(&agent, "true");
+    assert!(seconds <= 2.0, "about 0: {seconds} s");
+    assert_eq!(native_tax(&agent, "false").1, 0.0);
+    assert_eq!(job.quits().len(), 1, "one quit, valet's: {:?}", job.requests());
 }
