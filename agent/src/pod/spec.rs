@@ -584,6 +584,17 @@ mod tests {
         }
     }
 
+    /// The `istio-proxy` sidecar with Istio's defaults: quit through pilot-agent, ready on 15021.
+    fn istio_proxy() -> Sidecar {
+        Sidecar {
+            name: "istio-proxy".into(),
+            kind: SidecarKind::Istio,
+            quit: endpoint(15020, "/quitquitquit"),
+            ready: endpoint(15021, "/healthz/ready"),
+            quit_signal: libc::SIGTERM,
+        }
+    }
+
     fn endpoint(port: u16, path: &str) -> Option<Endpoint> {
         Some(Endpoint::new(port, path))
     }
@@ -595,16 +606,7 @@ mod tests {
         assert_eq!((p.namespace.as_str(), p.name.as_str()), ("batch", "report-28712345-x7k2p"));
         assert_eq!(p.restart_policy, RestartPolicy::Never);
         assert_eq!(p.apps, ["report"]);
-        assert_eq!(
-            p.sidecars,
-            [Sidecar {
-                name: "istio-proxy".into(),
-                kind: SidecarKind::Istio,
-                quit: endpoint(15020, "/quitquitquit"),
-                ready: endpoint(15021, "/healthz/ready"),
-                quit_signal: libc::SIGTERM,
-            }]
-        );
+        assert_eq!(p.sidecars, [istio_proxy()]);
         assert_eq!(p.init_containers, ["istio-init"]);
         assert!(p.native_sidecars.is_empty());
         assert!(!p.hold_app);
@@ -737,16 +739,7 @@ mod tests {
         // Neither the regular init container nor the native sidecar is an app.
         assert_eq!(p.apps, ["train"]);
         // The native istio-proxy is quit like a regular one, through pilot-agent.
-        assert_eq!(
-            p.sidecars,
-            [Sidecar {
-                name: "istio-proxy".into(),
-                kind: SidecarKind::Istio,
-                quit: endpoint(15020, "/quitquitquit"),
-                ready: endpoint(15021, "/healthz/ready"),
-                quit_signal: libc::SIGTERM,
-            }]
-        );
+        assert_eq!(p.sidecars, [istio_proxy()]);
         // Istio 1.27 as a native sidecar still gets its postStart hook when it holds the app.
         assert!(p.istio_holds_app);
     }
