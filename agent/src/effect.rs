@@ -204,5 +204,6 @@ pub enum Feedback {
     Probed { ready: bool, detail: String },
     QuitDone { sidecar: String, outcome: QuitOutcome },
     Signalled { sidecar: String, signal: i32, signalled: usize },
-    ConditionWritten { want: ProxyReady, error: Option<String> },
+    /// `version` is the pod's resourceVersion that the write produced, when the server said it.
+    ConditionWritten { want: ProxyReady, error: Option<String>, version: Option<String> },
 }

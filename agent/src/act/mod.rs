@@ -355,9 +355,11 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                     (p.metadata.namespace.clone().unwrap_or_default(), p.metadata.name.clone().unwrap_or_default())
                 });
                 let write = async move {
-                    let error =
-                        condition::write(client, &namespace, &name, &want).await.err().map(|e| e.chain().to_string());
-                    let _ = reports.send((uid, Feedback::ConditionWritten { want, error }));
+                    let (error, version) = match condition::write(client, &namespace, &name, &want).await {
+                        Ok(version) => (None, version),
+                        Err(e) => (Some(e.chain().to_string()), None),
+                    };
+                    let _ = reports.send((uid, Feedback::ConditionWritten { want, error, version }));
                 };
                 spawn_after_releases(&mut self.releases, Box::pin(write));
                 None

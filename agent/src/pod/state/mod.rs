@@ -155,6 +155,10 @@ pub struct PodState {
     stood_down: bool,
     shutting_down: bool,
     written: Option<ProxyReady>,
+    /// The pod's resourceVersion our last successful write produced: a pod seen at or after it
+    /// that shows another condition was written over (a killed predecessor's late write), and
+    /// is written again.
+    written_version: Option<String>,
     writing: bool,
     /// Condition writes failed in a row, and when the next may be made.
     write_failures: u32,
@@ -188,6 +192,7 @@ impl PodState {
             stood_down: false,
             shutting_down: false,
             written: None,
+            written_version: None,
             writing: false,
             write_failures: 0,
             write_retry_at: None,
@@ -390,8 +395,9 @@ impl PodState {
                 }
                 return fx;
             }
-            Feedback::ConditionWritten { want, error } => {
+            Feedback::ConditionWritten { want, error, version } => {
                 self.writing = false;
+                self.written_version = version;
                 fx.push(Effect::Count(Count::ConditionPatch { ok: error.is_none() }));
                 if let Some(e) = error {
                     warn!(pod = %self.name(), "write {} condition: {e}", condition::CONDITION_TYPE);

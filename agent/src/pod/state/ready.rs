@@ -62,13 +62,25 @@ impl PodState {
         }
         self.write_retry_at = None;
         let on_pod = self.pod.as_ref().is_some_and(|p| condition::already_set(p, &want));
-        if self.written.as_ref() == Some(&want) || on_pod {
+        if on_pod {
             self.written = Some(want);
+            return Vec::new();
+        }
+        if self.written.as_ref() == Some(&want) && !self.written_over() {
             return Vec::new();
         }
         self.written = Some(want.clone());
         self.writing = true;
         vec![Effect::WriteCondition(want)]
+    }
+
+    /// Whether the pod, seen at or after our last write, shows something else: written over.
+    fn written_over(&self) -> bool {
+        let seen = self.pod.as_ref().and_then(|p| p.metadata.resource_version.as_deref());
+        match (seen, self.written_version.as_deref()) {
+            (Some(seen), Some(written)) => condition::at_or_after(seen, written),
+            _ => false,
+        }
     }
 
     pub(super) fn count_ignore(&mut self, plan: &PodPlan) -> Vec<Effect> {
