@@ -194,7 +194,8 @@ pub enum Count {
     },
 }
 
-/// Results of effects, fed back into the pod's state.
+/// Results of effects, fed back into the pod's state. `ConditionWritten::version` is the pod's
+/// resourceVersion the write produced, when the server said it.
 #[derive(Clone, Debug)]
 pub enum Feedback {
     PodCgroup { rel: String, id: u64 },
@@ -204,6 +205,5 @@ pub enum Feedback {
     Probed { ready: bool, detail: String },
     QuitDone { sidecar: String, outcome: QuitOutcome },
     Signalled { sidecar: String, signal: i32, signalled: usize },
-    /// `version` is the pod's resourceVersion that the write produced, when the server said it.
     ConditionWritten { want: ProxyReady, error: Option<String>, version: Option<String> },
 }

@@ -198,12 +198,18 @@ impl Node {
     /// Starts `valet-agent deadlines` for this node's pin directory, as the DaemonSet's second
     /// container runs it beside the agent.
     pub fn start_deadline_keeper(&self) -> Result<DeadlineKeeper> {
+        self.start_deadline_keeper_with(&[])
+    }
+
+    /// Like [`Node::start_deadline_keeper`], with `extra` flags.
+    pub fn start_deadline_keeper_with(&self, extra: &[&str]) -> Result<DeadlineKeeper> {
         let log = self.scratch.path(&format!("deadlines-{}.log", free_port()?));
         let file = std::fs::File::create(&log)?;
         let child = Command::new(agent_binary()?)
             .arg("deadlines")
             .arg("--pin-dir")
             .arg(&self.pin_dir)
+            .args(extra)
             .env("RUST_LOG", "info")
             .stdout(Stdio::from(file.try_clone()?))
             .stderr(Stdio::from(file))
@@ -738,6 +744,14 @@ pub struct DeadlineKeeper {
 impl DeadlineKeeper {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGKILL (a crash, or the node's OOM killer): it releases nothing.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 
     /// SIGTERM (its pod deleted), then its exit status.

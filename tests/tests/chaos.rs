@@ -23,7 +23,11 @@
 //! answered 503); a crash loop (the agent killed before ready 5 times, its restarts delayed
 //! 1, 2, 4, 4, 4 times `VALET_CHAOS_BACKOFF_MS`, 1000 here and 10000 in `cargo xtask chaos`, as
 //! the kubelet's 10, 20, 40 s backoff); an uninstall (SIGTERM to both containers, no successor:
-//! every app must run), followed by a fresh install.
+//! every app must run), followed by a fresh install; an upgrade across a change of record format
+//! and pin directory (both containers SIGKILLed, their `held_v2` records rewritten as `held_v1`
+//! in another directory, the new version started with `--old-pin-dir`); a full record map (filled
+//! with records of pids no process can have while the agent runs, then apps start: each must run
+//! unheld or be held with a record, never stopped without one).
 //!
 //! `VALET_CHAOS_KILLS` sets the number of kills (default 25 here; `cargo xtask chaos` runs 200),
 //! `VALET_CHAOS_SEED` replays a run's random choices (its seed is printed first; timings still
@@ -33,16 +37,20 @@ use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use valet_common::{HeldRecord, PIN_HELD};
+use valet_common::{HELD_CAPACITY, HeldRecord, HeldRecordV1, PIN_HELD, PIN_HELD_V1};
 use valet_sim::apiserver::Fault;
 use valet_sim::node::SpawnOptions;
 use valet_sim::util::monotonic_ns;
 use valet_tests::harness::{Agent, DeadlineKeeper, JobPod, JobSpec, Node, eventually};
+use valet_tests::pins;
 
 const HOLD: &str = "valet.dev/hold-app";
 const LABEL: &str = "valet.dev/enabled";
 const CONDITION: &str = "valet.dev/ProxyReady";
 
+/// Kinds of special disruption, one every `VALET_CHAOS_SPECIAL_EVERY` turns in turn: an
+/// outage, a crash loop, an uninstall, an upgrade, a full record map.
+const SPECIALS: usize = 5;
 /// The issue's pass criteria, counted per restart from the new agent's `/readyz` 200.
 const RUN_WITHIN: Duration = Duration::from_secs(2);
 const QUIT_WITHIN: Duration = Duration::from_secs(1);
@@ -329,6 +337,16 @@ struct Tally {
     /// Apps held at an uninstall, and those still stopped 2 s after it.
     held_at_uninstall: usize,
     left_by_uninstall: usize,
+    /// Upgrades across a change of record format and pin directory, and the records they
+    /// carried over.
+    upgrades: usize,
+    upgraded_records: usize,
+    /// Times the record map was filled, apps started into it, and those that ran unheld.
+    map_fills: usize,
+    started_into_full_map: usize,
+    ran_unheld: usize,
+    /// Apps stopped with no record to release them by (must be 0).
+    held_without_record: usize,
 }
 
 struct Chaos<'a> {
@@ -342,9 +360,92 @@ struct Chaos<'a> {
     kills: usize,
     /// CLOCK_REALTIME − CLOCK_MONOTONIC.
     offset: i128,
+    /// Flags every agent start gets (after an upgrade: the previous version's pin directory).
+    agent_args: Vec<String>,
 }
 
 impl Chaos<'_> {
+    fn spawn(&self) -> Agent {
+        let args: Vec<&str> = self.agent_args.iter().map(String::as_str).collect();
+        self.node.spawn_agent(&args).expect("start the agent")
+    }
+
+    /// An upgrade across a change of record format and pin directory. The previous version's
+    /// pod dies without releasing (both containers SIGKILLed: an OOM kill or a node crash
+    /// during the update), its records left as that version wrote them: `held_v1` (no
+    /// deadline) in its own pin directory. The new version's containers start with
+    /// `--old-pin-dir` naming it; every held app must still run by its deadline (the one the
+    /// kernel recorded before the upgrade), and none before it is allowed.
+    fn upgrade(&mut self, agent: &mut Agent, keeper: &mut DeadlineKeeper) -> DeadlineKeeper {
+        self.tally.upgrades += 1;
+        // Every held app's deadline is read from the record before it loses it.
+        self.observe(Some(agent));
+        let killed_ns = monotonic_ns();
+        agent.stop(libc::SIGKILL, GUARD).expect("kill the agent");
+        keeper.kill();
+        self.count_in_flight(killed_ns);
+        let pin_dir = self.node.pin_dir().to_path_buf();
+        let old_dir = pin_dir.with_extension(format!("previous{}", self.tally.upgrades));
+        std::fs::create_dir_all(&old_dir).expect("the previous version's pin directory");
+        let records = pins::held_records(&pin_dir);
+        let mut v1 = pins::pin_held_v1(&old_dir.join(PIN_HELD_V1));
+        for (pid, r) in &records {
+            v1.insert(pid, HeldRecordV1 { cgroup_id: r.cgroup_id, ktime_ns: r.ktime_ns }, 0).expect("a v1 record");
+        }
+        drop(v1);
+        if pin_dir.join(PIN_HELD).exists() {
+            std::fs::remove_file(pin_dir.join(PIN_HELD)).expect("unpin the new format's map");
+        }
+        self.tally.upgraded_records += records.len();
+        let old = old_dir.display().to_string();
+        self.agent_args = vec!["--old-pin-dir".into(), old.clone()];
+        self.node.start_deadline_keeper_with(&["--old-pin-dir", &old]).expect("the new version's deadline keeper")
+    }
+
+    /// A full record map, as a leak would leave it: with the agent running, the pinned map is
+    /// filled to capacity with records of pids no process can have (above the kernel's
+    /// `PID_MAX_LIMIT`), and the apps of the pods the agent has placed start at once. A hold the
+    /// kernel cannot record must not be made: each app runs at once, or (the agent's sweep
+    /// freed room first) is held with a record. An app stopped with no record is counted.
+    fn fill_record_map(&mut self) {
+        const PID_MAX_LIMIT: u32 = 4 * 1024 * 1024;
+        self.tally.map_fills += 1;
+        let pin = self.node.pin_dir().join(PIN_HELD);
+        let data = aya::maps::MapData::from_pin(&pin).expect("the pinned record");
+        let mut map: aya::maps::HashMap<aya::maps::MapData, u32, HeldRecord> =
+            aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data)).expect("the record map");
+        let now = monotonic_ns();
+        let filler = HeldRecord { cgroup_id: 0, ktime_ns: now, deadline_ns: now + 3_600_000_000_000 };
+        let mut key = PID_MAX_LIMIT + 1;
+        while map.insert(key, filler, 0).is_ok() {
+            key += 1;
+            assert!(key < PID_MAX_LIMIT + 2 * HELD_CAPACITY, "the record map took more than its capacity");
+        }
+        let placed: Vec<usize> = (0..self.pods.len())
+            .filter(|&i| {
+                let p = &self.pods[i];
+                !p.deleted && p.labelled && !p.failed && p.app.is_none() && condition(self.node, &p.job).is_some()
+            })
+            .collect();
+        for i in placed {
+            self.start_app(i);
+            self.tally.started_into_full_map += 1;
+            let (pid, ran) = (self.pods[i].app, self.pods[i].ran.clone());
+            eventually(GUARD, || pid.is_some_and(|p| state(p) == Some('T')) || ran.exists());
+            let stopped = pid.is_some_and(|p| state(p) == Some('T'));
+            if !stopped && ran.exists() {
+                // Ran unheld: allowed, the kernel could not record a hold.
+                self.tally.ran_unheld += 1;
+                let pod = &mut self.pods[i];
+                pod.allowed_ns = pod.started_ns;
+            } else if stopped && pid.is_some_and(|p| record(self.node.pin_dir(), p).is_none()) {
+                self.tally.held_without_record += 1;
+                self.pods[i].failed = true;
+                println!("VIOLATION held without a record: {} (app {pid:?})", self.pods[i].name());
+            }
+        }
+    }
+
     fn new_pod(&mut self) {
         self.serial += 1;
         // Alternating, so every kill finds both kinds in the population.
@@ -543,7 +644,7 @@ impl Chaos<'_> {
         self.tally.crash_loops += 1;
         for factor in [1, 2, 4, 4, 4] {
             self.wait_observing(backoff * factor, None);
-            let mut agent = self.node.spawn_agent(&[]).expect("start the agent");
+            let mut agent = self.spawn();
             let typical = self.tally.startups.last().copied().unwrap_or(Duration::from_millis(300));
             let before = self.rng.millis(typical.as_millis() as u64 / 2);
             self.wait_observing(before, Some(&agent));
@@ -559,7 +660,7 @@ impl Chaos<'_> {
         self.tally.outages += 1;
         self.node.api.set_fault(Fault::Status { code: 503, verbs: Vec::new(), until: Some(Instant::now() + OUTAGE) });
         let spawned = Instant::now();
-        let agent = self.node.spawn_agent(&[]).expect("start the agent");
+        let agent = self.spawn();
         self.wait_observing(OUTAGE, Some(&agent));
         self.node.api.clear_faults();
         let deadline = Instant::now() + Duration::from_secs(90);
@@ -616,7 +717,7 @@ impl Chaos<'_> {
     fn restart(&mut self) -> (Agent, Instant, u64) {
         loop {
             let spawned = Instant::now();
-            let mut agent = self.node.spawn_agent(&[]).expect("start the agent");
+            let mut agent = self.spawn();
             if self.tally.kills < self.kills && self.rng.chance(15) {
                 let typical = self.tally.startups.last().copied().unwrap_or(Duration::from_millis(300));
                 std::thread::sleep(self.rng.millis(typical.as_millis() as u64));
@@ -871,6 +972,7 @@ fn agent_killed_at_random_moments_leaves_no_app_stopped_no_quit_early_or_late_an
         serial: 0,
         kills,
         offset: realtime_offset_ns(),
+        agent_args: Vec::new(),
     };
     let started = Instant::now();
     // The DaemonSet pod's second container, beside every agent.
@@ -879,7 +981,7 @@ fn agent_killed_at_random_moments_leaves_no_app_stopped_no_quit_early_or_late_an
     let mut turn = 0usize;
     let mut progress = 0;
     // Every kind of special disruption comes at least once, however few the kills.
-    while chaos.tally.kills < kills || turn < 3 * special_every {
+    while chaos.tally.kills < kills || turn < SPECIALS * special_every {
         chaos.retire(false);
         let want = POPULATION.0 + chaos.rng.below((POPULATION.1 - POPULATION.0 + 1) as u64) as usize;
         while chaos.pods.len() < want {
@@ -895,10 +997,14 @@ fn agent_killed_at_random_moments_leaves_no_app_stopped_no_quit_early_or_late_an
         std::thread::sleep(delay);
         chaos.observe(Some(&agent));
         turn += 1;
-        // In turn: an outage, a crash loop, an uninstall, every `special_every` turns.
-        let special = if turn.is_multiple_of(special_every) { (turn / special_every - 1) % 3 } else { 3 };
+        // In turn: an outage, a crash loop, an uninstall, an upgrade, a full record map, every
+        // `special_every` turns.
+        let special = if turn.is_multiple_of(special_every) { (turn / special_every - 1) % SPECIALS } else { SPECIALS };
         if special == 2 {
             keeper = chaos.uninstall(&mut agent, &mut keeper);
+            chaos.tally.kills += 1;
+        } else if special == 3 {
+            keeper = chaos.upgrade(&mut agent, &mut keeper);
             chaos.tally.kills += 1;
         } else {
             let killed_ns = monotonic_ns();
@@ -920,6 +1026,9 @@ fn agent_killed_at_random_moments_leaves_no_app_stopped_no_quit_early_or_late_an
             pod.age += 1;
         }
         chaos.check(&agent, ready_at, ready_ns);
+        if special == 4 {
+            chaos.fill_record_map();
+        }
         chaos.observe(Some(&agent));
         // A kill during startup makes two in one turn: a line per 25 crossed.
         if chaos.tally.kills / 25 > progress {
@@ -988,6 +1097,11 @@ fn agent_killed_at_random_moments_leaves_no_app_stopped_no_quit_early_or_late_an
          outage, {} crash loops (backoff unit {backoff:?})",
         t.left_by_uninstall, t.held_at_uninstall, t.uninstalls, t.outages, t.crash_loops
     );
+    println!(
+        "upgrades across a record format and pin directory change: {} ({} records carried over); full record \
+         maps: {} ({} apps started into one, {} ran unheld); apps stopped with no record: {}",
+        t.upgrades, t.upgraded_records, t.map_fills, t.started_into_full_map, t.ran_unheld, t.held_without_record
+    );
     assert_eq!(
         (
             t.left_stopped,
@@ -996,12 +1110,14 @@ fn agent_killed_at_random_moments_leaves_no_app_stopped_no_quit_early_or_late_an
             t.false_conditions,
             t.past_deadline,
             t.early_releases,
-            t.left_by_uninstall
+            t.left_by_uninstall,
+            t.held_without_record
         ),
-        (0, 0, 0, 0, 0, 0, 0),
+        (0, 0, 0, 0, 0, 0, 0, 0),
         "seed {seed}: every count must be 0 (stopped, early quits, late quits, false conditions, past deadline, early \
-         releases, left by an uninstall)"
+         releases, left by an uninstall, held without a record)"
     );
+    assert!(t.upgrades > 0 && t.map_fills > 0, "every special disruption came at least once");
     // The run covered what it claims to: held apps of both kinds at the kills.
     assert!(t.held_at_kill[0] > 0 && t.held_at_kill[1] > 0, "seed {seed}: held apps of both kinds were killed over");
 }

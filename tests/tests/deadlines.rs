@@ -20,6 +20,7 @@ use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use valet_common::{HeldRecord, HeldRecordV1, PIN_HELD, PIN_HELD_V1};
 use valet_sim::apiserver::Fault;
 use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually};
+use valet_tests::pins;
 
 const HOLD: &str = "valet.dev/hold-app";
 const HOLD_TIMEOUT: &str = "valet.dev/hold-timeout";
@@ -157,47 +158,6 @@ fn deadline_keeper_releases_every_hold_at_sigterm() {
     assert_ne!(state(app_pid(&job)), Some('T'), "an uninstall left the app stopped\n{}", keeper.log_text());
 }
 
-/// Creates a pinned map of the previous version's layout at `path` (as valet before 36 made it).
-fn pin_v1(path: &Path) -> BpfHashMap<MapData, u32, HeldRecordV1> {
-    #[repr(C)]
-    struct MapCreate {
-        map_type: u32,
-        key_size: u32,
-        value_size: u32,
-        max_entries: u32,
-        rest: [u8; 112],
-    }
-    #[repr(C)]
-    struct ObjPin {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-        rest: [u8; 112],
-    }
-    const BPF_MAP_CREATE: libc::c_long = 0;
-    const BPF_OBJ_PIN: libc::c_long = 6;
-    const BPF_MAP_TYPE_HASH: u32 = 1;
-    let attr = MapCreate {
-        map_type: BPF_MAP_TYPE_HASH,
-        key_size: 4,
-        value_size: std::mem::size_of::<HeldRecordV1>() as u32,
-        max_entries: 4096,
-        rest: [0; 112],
-    };
-    // SAFETY: a valid bpf_attr for BPF_MAP_CREATE, zero-filled past its fields.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, &attr, std::mem::size_of::<MapCreate>()) };
-    assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
-    let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("path");
-    let pin = ObjPin { pathname: cpath.as_ptr() as u64, bpf_fd: fd as u32, file_flags: 0, rest: [0; 112] };
-    // SAFETY: a valid bpf_attr for BPF_OBJ_PIN; the path outlives the call.
-    let pinned = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, &pin, std::mem::size_of::<ObjPin>()) };
-    assert!(pinned == 0, "BPF_OBJ_PIN {}: {}", path.display(), std::io::Error::last_os_error());
-    // SAFETY: fd is ours; the pin keeps the map.
-    unsafe { libc::close(fd as i32) };
-    let data = MapData::from_pin(path).expect("open the v1 pin");
-    BpfHashMap::try_from(Map::HashMap(data)).expect("a v1 map")
-}
-
 #[test]
 fn deadline_of_a_record_in_the_previous_format_is_kept_across_an_upgrade() {
     let _serial = serial();
@@ -214,7 +174,7 @@ fn deadline_of_a_record_in_the_previous_format_is_kept_across_an_upgrade() {
     unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
     assert!(eventually(HANG_GUARD, || state(pid) == Some('T')), "the app stopped");
     let cgroup_id = valet_sim::node::cgroup_id(&job.apps[0].container().cgroup).expect("cgroup id");
-    let mut v1 = pin_v1(&node.pin_dir().join(PIN_HELD_V1));
+    let mut v1 = pins::pin_held_v1(&node.pin_dir().join(PIN_HELD_V1));
     let ktime_ns = monotonic_ns();
     v1.insert(pid, HeldRecordV1 { cgroup_id, ktime_ns }, 0).expect("v1 record");
     drop(v1);

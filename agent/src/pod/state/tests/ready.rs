@@ -42,7 +42,10 @@ fn the_condition_tells_the_truth_after_the_work_is_done() {
     assert!(writes(&d.feed(Feedback::Probed { ready: true, detail: String::new() })).is_empty(), "one write at a time");
     let want =
         ProxyReady { ready: false, reason: "ProxyNotReady", message: "the sidecar proxy is not ready yet".into() };
-    assert_eq!(writes(&d.feed(Feedback::ConditionWritten { want, error: None, version: None })), [(true, "ProxyReady")]);
+    assert_eq!(
+        writes(&d.feed(Feedback::ConditionWritten { want, error: None, version: None })),
+        [(true, "ProxyReady")]
+    );
     let ready = ProxyReady { ready: true, reason: "ProxyReady", message: "the sidecar proxy reports ready".into() };
     d.feed(Feedback::ConditionWritten { want: ready, error: None, version: None });
     // The proxy going away after its quit never flips it back.
@@ -54,7 +57,8 @@ fn shown(version: &str, status: &str, reason: &str) -> Pod {
     let mut p = pod("Never", &[], &[]);
     p.metadata.resource_version = Some(version.into());
     let condition = json!({"type": condition::CONDITION_TYPE, "status": status, "reason": reason});
-    p.status.get_or_insert_with(Default::default).conditions = Some(vec![serde_json::from_value(condition).expect("c")]);
+    p.status.get_or_insert_with(Default::default).conditions =
+        Some(vec![serde_json::from_value(condition).expect("c")]);
     p
 }
 
@@ -64,8 +68,9 @@ fn a_condition_written_over_after_our_write_is_written_again() {
     d.found(pod("Never", &[], &[]));
     assert_eq!(writes(&d.feed(Feedback::Probed { ready: true, detail: String::new() })), [(true, "ProxyReady")]);
     let ready = ProxyReady { ready: true, reason: "ProxyReady", message: "the sidecar proxy reports ready".into() };
-    assert!(writes(&d.feed(Feedback::ConditionWritten { want: ready, error: None, version: Some("10".into()) }))
-        .is_empty());
+    assert!(
+        writes(&d.feed(Feedback::ConditionWritten { want: ready, error: None, version: Some("10".into()) })).is_empty()
+    );
     // A pod version from before our write still shows the old condition: not ours to correct.
     assert!(writes(&d.pod(shown("9", "False", "ProxyNotReady"))).is_empty(), "older than our write");
     assert!(writes(&d.pod(shown("10", "True", "ProxyReady"))).is_empty(), "our write");
