@@ -362,6 +362,8 @@ struct Chaos<'a> {
     offset: i128,
     /// Flags every agent start gets (after an upgrade: the previous version's pin directory).
     agent_args: Vec<String>,
+    /// The previous versions' pin directories the upgrades made (removed at the end).
+    old_pin_dirs: Vec<PathBuf>,
 }
 
 impl Chaos<'_> {
@@ -385,7 +387,11 @@ impl Chaos<'_> {
         keeper.kill();
         self.count_in_flight(killed_ns);
         let pin_dir = self.node.pin_dir().to_path_buf();
-        let old_dir = pin_dir.with_extension(format!("previous{}", self.tally.upgrades));
+        // On bpffs, where a name may not hold a dot.
+        let mut old_dir = pin_dir.clone().into_os_string();
+        old_dir.push(format!("-previous{}", self.tally.upgrades));
+        let old_dir = PathBuf::from(old_dir);
+        self.old_pin_dirs.push(old_dir.clone());
         std::fs::create_dir_all(&old_dir).expect("the previous version's pin directory");
         let records = pins::held_records(&pin_dir);
         let mut v1 = pins::pin_held_v1(&old_dir.join(PIN_HELD_V1));
@@ -973,6 +979,7 @@ fn agent_killed_at_random_moments_leaves_no_app_stopped_no_quit_early_or_late_an
         kills,
         offset: realtime_offset_ns(),
         agent_args: Vec::new(),
+        old_pin_dirs: Vec::new(),
     };
     let started = Instant::now();
     // The DaemonSet pod's second container, beside every agent.
@@ -1043,6 +1050,10 @@ fn agent_killed_at_random_moments_leaves_no_app_stopped_no_quit_early_or_late_an
     chaos.retire(true);
     drop(agent);
     drop(keeper);
+    for dir in &chaos.old_pin_dirs {
+        let _ = std::fs::remove_file(dir.join(PIN_HELD_V1));
+        let _ = std::fs::remove_dir(dir);
+    }
 
     let t = &chaos.tally;
     let mut startups = t.startups.clone();
