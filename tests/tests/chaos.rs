@@ -347,6 +347,8 @@ struct Tally {
     ran_unheld: usize,
     /// Apps stopped with no record to release them by (must be 0).
     held_without_record: usize,
+    /// Full maps the agent did not clear of records of processes that do not exist (must be 0).
+    full_map_kept: usize,
 }
 
 struct Chaos<'a> {
@@ -449,6 +451,19 @@ impl Chaos<'_> {
                 self.pods[i].failed = true;
                 println!("VIOLATION held without a record: {} (app {pid:?})", self.pods[i].name());
             }
+        }
+        // The agent's sweep drops the records of processes that do not exist; until it has,
+        // apps run unheld, so the next turn starts none before (a map that stayed full would
+        // end every hold on the node: counted).
+        let pin_dir = self.node.pin_dir().to_path_buf();
+        let cleared = Instant::now() + GUARD;
+        while pins::held_records(&pin_dir).iter().any(|(pid, _)| *pid > PID_MAX_LIMIT) {
+            if Instant::now() > cleared {
+                self.tally.full_map_kept += 1;
+                println!("VIOLATION full map kept: the agent had not dropped the records of no process {GUARD:?} on");
+                break;
+            }
+            self.wait_observing(Duration::from_millis(50), None);
         }
     }
 
@@ -1110,8 +1125,14 @@ fn agent_killed_at_random_moments_leaves_no_app_stopped_no_quit_early_or_late_an
     );
     println!(
         "upgrades across a record format and pin directory change: {} ({} records carried over); full record \
-         maps: {} ({} apps started into one, {} ran unheld); apps stopped with no record: {}",
-        t.upgrades, t.upgraded_records, t.map_fills, t.started_into_full_map, t.ran_unheld, t.held_without_record
+         maps: {} ({} apps started into one, {} ran unheld; not cleared: {}); apps stopped with no record: {}",
+        t.upgrades,
+        t.upgraded_records,
+        t.map_fills,
+        t.started_into_full_map,
+        t.ran_unheld,
+        t.full_map_kept,
+        t.held_without_record
     );
     assert_eq!(
         (
@@ -1122,11 +1143,12 @@ fn agent_killed_at_random_moments_leaves_no_app_stopped_no_quit_early_or_late_an
             t.past_deadline,
             t.early_releases,
             t.left_by_uninstall,
-            t.held_without_record
+            t.held_without_record,
+            t.full_map_kept
         ),
-        (0, 0, 0, 0, 0, 0, 0, 0),
+        (0, 0, 0, 0, 0, 0, 0, 0, 0),
         "seed {seed}: every count must be 0 (stopped, early quits, late quits, false conditions, past deadline, early \
-         releases, left by an uninstall, held without a record)"
+         releases, left by an uninstall, held without a record, full map kept)"
     );
     assert!(t.upgrades > 0 && t.map_fills > 0, "every special disruption came at least once");
     // The run covered what it claims to: held apps of both kinds at the kills.
