@@ -34,6 +34,7 @@ ALERTS = {
     "ValetQuitsFailing",
     "ValetHoldsFailingOpen",
     "ValetPodsWaitingOnSidecars",
+    "ValetNodeDegraded",
 }
 # What the dashboard shows (issue 30): a panel title per topic, matched case-insensitively.
 TOPICS = [
