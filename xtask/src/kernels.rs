@@ -725,6 +725,7 @@ fn boot_locked_down(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Pat
             r#"export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root RUST_BACKTRACE=1
 export VALET_AGENT_BIN={agent} VALET_STANDIN_PROXY={standin}
 ip link set lo up
+mount -t securityfs securityfs /sys/kernel/security
 echo "VALET-VM-UNAME $(uname -r) $(cat /sys/kernel/security/lockdown)"
 cd {tests}
 echo "VALET-VM-BEGIN degraded"

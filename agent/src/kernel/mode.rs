@@ -25,9 +25,11 @@ pub struct NodeFacts {
 impl NodeFacts {
     /// Reads them below `host_root` (where the host's `/sys` is visible).
     pub fn read(host_root: &Path, btf: &Path) -> NodeFacts {
+        // securityfs says the level in force; without it mounted, the boot's command line.
         let lockdown = std::fs::read_to_string(host_root.join("sys/kernel/security/lockdown"))
             .ok()
-            .and_then(|text| lockdown_level(&text));
+            .and_then(|text| lockdown_level(&text))
+            .or_else(|| std::fs::read_to_string("/proc/cmdline").ok().and_then(|c| cmdline_lockdown(&c)));
         NodeFacts { btf_present: btf.is_file(), lockdown, tracefs: super::layout::find_tracefs(host_root).is_ok() }
     }
 }
@@ -37,6 +39,11 @@ pub fn lockdown_level(text: &str) -> Option<String> {
     let start = text.find('[')? + 1;
     let end = start + text[start..].find(']')?;
     Some(text[start..end].to_owned())
+}
+
+/// The `lockdown=` level of a kernel command line.
+pub fn cmdline_lockdown(cmdline: &str) -> Option<String> {
+    cmdline.split_whitespace().find_map(|w| w.strip_prefix("lockdown=")).map(str::to_owned)
 }
 
 /// Why the programs did not load, from the load's error (its whole chain) and the node's facts.
@@ -208,6 +215,11 @@ mod tests {
         assert_eq!(lockdown_level("[none] integrity confidentiality\n").as_deref(), Some("none"));
         assert_eq!(lockdown_level("garbage"), None);
         assert_eq!(lockdown_level("[unclosed"), None);
+        assert_eq!(
+            cmdline_lockdown("console=ttyS0 lockdown=confidentiality quiet").as_deref(),
+            Some("confidentiality")
+        );
+        assert_eq!(cmdline_lockdown("console=ttyS0 quiet"), None);
     }
 
     // The errors as the agent logged them on such nodes (issue 34) or as aya words them.
