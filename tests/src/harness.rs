@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::Value;
-use valet_sim::kubelet::{ContainerSpec, HttpProbe, KubeletOptions, KubeletPod, StatusTiming};
+use valet_sim::kubelet::{ContainerKind, ContainerSpec, HttpProbe, KubeletOptions, KubeletPod, StatusTiming};
 use valet_sim::node::{CgroupDriver, PodJsonOptions, QosClass, Runtime, SimPod, SimPodOptions, SpawnOptions};
 use valet_sim::standin::{ProxyKind, StandinOptions};
 use valet_sim::{ApiHandle, ContainerProcess, FakeApiServer, Kubelet, ServerOptions};
@@ -264,7 +264,17 @@ impl Node {
             proxy.command = Some(proxy_cmd.clone());
         }
         proxy.readiness = spec.proxy_probe.clone();
-        containers.push(proxy);
+        if spec.native {
+            // An init container with `restartPolicy: Always`, before the apps; the stand-in
+            // pilot-agent gets Istio's startupProbe, which holds the apps until it passes.
+            proxy = proxy.kind(ContainerKind::NativeSidecar);
+            if spec.sidecar.is_none() {
+                proxy = proxy.startup(HttpProbe::istio_startup());
+            }
+            containers.insert(0, proxy);
+        } else {
+            containers.push(proxy);
+        }
         let mut kpod = KubeletPod::new(json_opts, containers);
         kpod.status = spec.status;
         kpod.bundles = spec.bundles;
@@ -380,6 +390,9 @@ pub struct JobSpec {
     pub bundles: bool,
     /// The API shows the pod IP once the kubelet synced (default true; false: never).
     pub report_pod_ip: bool,
+    /// The proxy is a native sidecar (an init container with `restartPolicy: Always`, KEP-753)
+    /// that the kubelet starts before the apps and stops once they have ended.
+    pub native: bool,
 }
 
 impl JobSpec {
@@ -407,7 +420,13 @@ impl JobSpec {
             status: StatusTiming::Relist,
             bundles: true,
             report_pod_ip: true,
+            native: false,
         }
+    }
+    /// The proxy as a native sidecar (see [`JobSpec::native`]).
+    pub fn native_sidecar(mut self) -> Self {
+        self.native = true;
+        self
     }
     /// Cgroup driver, runtime and QoS class of the simulated pod.
     pub fn cgroup_layout(mut self, driver: CgroupDriver, runtime: Runtime, qos: QosClass) -> Self {

@@ -167,5 +167,6 @@ pub(super) fn accepted() -> QuitOutcome {
 mod api_path;
 mod containers;
 mod hold;
+mod native;
 mod quit;
 mod ready;
