@@ -110,5 +110,5 @@ fn a_node_that_cannot_run_the_kernel_programs_is_served_from_the_api() {
     assert!(agent.wait_metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ", 1.0));
     assert_eq!(agent.metric("valet_pods_api_path_total{reason=\"node_degraded\"} "), 1.0);
     assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "nothing held");
-    assert_eq!(agent.metric("valet_container_exits_total{outcome=\"success\"} "), 0.0, "no kernel ends");
+    assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Success\"} "), 0.0, "no kernel ends");
 }
