@@ -126,6 +126,9 @@ pub enum Effect {
         instance: Option<String>,
         endpoint: Endpoint,
         pod_rel: String,
+        /// Set for a sandboxed pod: its loopback is inside the sandbox, out of the node's reach,
+        /// so the quit goes to the pod IP instead.
+        pod_ip: Option<String>,
     },
     /// Signal a sidecar's processes: a helper whose quit is a signal, or a sidecar still running
     /// after its quit (answered with [`Feedback::Signalled`]).
@@ -192,6 +195,8 @@ pub enum Count {
     ConditionPatch {
         ok: bool,
     },
+    /// A pod the node's kernel cannot see, served from the API, with the reason's label.
+    ApiPath(&'static str),
 }
 
 /// Results of effects, fed back into the pod's state. `ConditionWritten::version` is the pod's

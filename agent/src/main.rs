@@ -10,7 +10,7 @@ use futures::StreamExt as _;
 use kube::runtime::watcher;
 use nix::sys::signal::{SigSet, Signal};
 use std::path::PathBuf;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 use tracing_subscriber::EnvFilter;
 use valet_agent::act::{Actuators, Settings};
 use valet_agent::api::events::EventSink;
@@ -23,6 +23,7 @@ use valet_agent::error::Chain;
 use valet_agent::kernel::deadlines::{DEFER, Keeper, KeeperSettings};
 use valet_agent::kernel::events::monotonic_ns;
 use valet_agent::kernel::held::pin_paths;
+use valet_agent::kernel::mode::{self, NoKernel, NodeEvents, NodeFacts, NodeKernel};
 use valet_agent::kernel::programs::AncestorMode;
 use valet_agent::kernel::{Attach, EventReader, Programs, memory};
 use valet_agent::metrics::Metrics;
@@ -32,6 +33,7 @@ use valet_agent::pod::state::Rules;
 use valet_agent::runtime::RuntimeBundles;
 use valet_agent::server::{self, Health};
 use valet_agent::sidecar::netns::PodNetwork;
+use valet_agent::vocab::NodeMode;
 
 fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
@@ -102,19 +104,41 @@ async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow:
     // cgroup (auto: the helper where the kernel allows it, else a walk up the cgroup tree).
     let attach = Attach { ancestors: AncestorMode::from_env()?, ..Attach::default() };
     memory::note("before loading the kernel programs");
-    let mut programs =
-        Programs::load_pinned(&cfg.host_root, attach, Some(&cfg.pin_dir)).context("load kernel programs")?;
-    if let Some(logger) = programs.take_logger() {
-        tokio::spawn(valet_agent::kernel::programs::drain_kernel_log(logger));
+    let btf = cfg.btf_path();
+    let (mut kernel, mode) = match Programs::load_with_btf(&cfg.host_root, attach, Some(&cfg.pin_dir), &btf) {
+        Ok(programs) => (NodeKernel::Loaded(Box::new(programs)), NodeMode::Kernel),
+        Err(e) => {
+            // A node valet cannot watch in the kernel is still served, from the API: a crash
+            // loop would help no pod on it.
+            let why = e.chain().to_string();
+            let reason = mode::classify(&why, &NodeFacts::read(&cfg.host_root, &btf));
+            warn!(
+                mode = "degraded",
+                reason = reason.as_str(),
+                "kernel programs not loaded: {}. Running degraded: containers' ends are taken from the API \
+                 (about a second after the kubelet sees them, not as they happen) and no app is held \
+                 (pods asking for a hold run unheld, with an Event). Cause: {why}",
+                reason.explain()
+            );
+            (NodeKernel::Degraded(NoKernel), NodeMode::Degraded(reason))
+        }
+    };
+    metrics.set_node_mode(mode);
+    let mut ring = None;
+    if let NodeKernel::Loaded(programs) = &mut kernel {
+        if let Some(logger) = programs.take_logger() {
+            tokio::spawn(valet_agent::kernel::programs::drain_kernel_log(logger));
+        }
+        // Version N reads version N−1's records: they move into this version's pin.
+        let own_pin = cfg.pin_dir.join(valet_common::PIN_HELD);
+        let old_pins: Vec<_> =
+            pin_paths(&cfg.pin_dir, &cfg.old_pin_dirs).into_iter().filter(|p| *p != own_pin).collect();
+        let moved = programs.held_ledger().migrate(&old_pins, cfg.hold_timeout);
+        if moved > 0 {
+            info!(moved, "records of holds taken over from an earlier version");
+        }
+        ring = Some(programs.take_events().context("kernel event ring buffer")?);
     }
-    // Version N reads version N−1's records: they move into this version's pin.
-    let own_pin = cfg.pin_dir.join(valet_common::PIN_HELD);
-    let old_pins: Vec<_> = pin_paths(&cfg.pin_dir, &cfg.old_pin_dirs).into_iter().filter(|p| *p != own_pin).collect();
-    let moved = programs.held_ledger().migrate(&old_pins, cfg.hold_timeout);
-    if moved > 0 {
-        info!(moved, "records of holds taken over from an earlier version");
-    }
-    let ring = programs.take_events().context("kernel event ring buffer")?;
     // Loading parsed the kernel's BTF (megabytes, freed since): give that memory back to the
     // node rather than keep it in the allocator's free lists for the agent's lifetime.
     // SAFETY: glibc's malloc_trim only releases free memory.
@@ -152,7 +176,7 @@ async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow:
         },
         cgroups.clone(),
         RuntimeBundles::new(cfg.runtime_dirs(), Some(cfg.host_proc.clone())),
-        programs,
+        kernel,
         Arc::new(PodNetwork::new(cfg.host_proc.clone(), cgroups)),
         writes.clone(),
         EventSink::new(writes, &cfg.node_name),
@@ -160,10 +184,15 @@ async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow:
         reports_tx,
     );
     // The ring buffer's reader thread sends the quits armed ahead the moment it reads an end.
-    let events = EventReader::spawn(ring, act.quits_ahead())?;
+    let events = match ring {
+        Some(ring) => NodeEvents::Reader(EventReader::spawn(ring, act.quits_ahead())?),
+        None => NodeEvents::None,
+    };
     let rules = Rules {
         defaults: SidecarDefaults { names: cfg.sidecar_names.clone(), hold_timeout: cfg.hold_timeout },
         escalate_after: (!cfg.no_escalation).then_some(cfg.escalate_after),
+        mode,
+        sandboxed_classes: cfg.sandboxed_runtime_classes.iter().map(|c| c.trim().to_owned()).collect(),
     };
     let controller = Controller::new(&cfg.node_name, rules, act, reports_rx, health);
     // Leave time within the usual 30 s grace period for in-flight quits to finish.

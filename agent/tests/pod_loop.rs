@@ -429,6 +429,8 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
     let rules = Rules {
         defaults: SidecarDefaults { hold_timeout, ..SidecarDefaults::default() },
         escalate_after: Some(Duration::from_secs(15)),
+        mode: valet_agent::vocab::NodeMode::Kernel,
+        sandboxed_classes: vec!["kata*".into(), "gvisor".into()],
     };
     let ahead = act.quits_ahead();
     let health = Arc::new(Health::new(STALL));

@@ -442,6 +442,8 @@ const FAMILIES: &[(&str, &str, &[&str])] = &[
     ("valet_watch_restarts_total", "counter", &[]),
     ("valet_pod_skips_total", "counter", &["reason"]),
     ("valet_build_info", "gauge", &["version"]),
+    ("valet_node_info", "gauge", &["mode", "reason"]),
+    ("valet_pods_api_path_total", "counter", &["reason"]),
     ("valet_pods_observed", "gauge", &[]),
     ("valet_pods_waiting_on_sidecars", "gauge", &["namespace", "owner_kind"]),
     ("valet_sidecar_tax_seconds", "histogram", &["namespace", "owner_kind", "acted", "sidecar_mode", "le"]),

@@ -273,10 +273,14 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 self.link.close(uid);
                 None
             }
-            Effect::Quit { sidecar, instance, endpoint, pod_rel } => {
+            Effect::Quit { sidecar, instance, endpoint, pod_rel, pod_ip } => {
                 // For observe mode's tax: this pod's sidecars end because valet acted.
                 self.metrics.quit_pods.record(uid);
-                let target = PodTarget { uid: uid.to_owned(), pod_rel: Some(pod_rel), pod_ip: None };
+                // A sandboxed pod's quit goes to its IP (no pod cgroup to enter: see `quit`).
+                let target = match pod_ip.as_deref().and_then(|ip| ip.parse::<IpAddr>().ok()) {
+                    Some(ip) => PodTarget { uid: uid.to_owned(), pod_rel: None, pod_ip: Some(ip) },
+                    None => PodTarget { uid: uid.to_owned(), pod_rel: Some(pod_rel), pod_ip: None },
+                };
                 let limits = Limits { total_timeout: self.settings.quit_timeout, ..Limits::default() };
                 let (link, reports, retry_for, uid) =
                     (self.link.clone(), self.reports.clone(), self.settings.quit_retry_for, uid.to_owned());
@@ -509,6 +513,9 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             }
             Count::ConditionPatch { ok } => {
                 m.condition_patches.get_or_create(&ResultLabels { result: if ok { "ok" } else { "error" } }).inc();
+            }
+            Count::ApiPath(reason) => {
+                m.api_path.get_or_create(&ReasonLabels { reason }).inc();
             }
         }
     }

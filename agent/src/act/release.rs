@@ -280,9 +280,10 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         n
     }
 
-    /// Whether the kernel's record of held processes is pinned (outlives this agent).
+    /// Whether the kernel's record of held processes is pinned (outlives this agent), or there is
+    /// no record to lose (no kernel programs: nothing is ever held).
     pub fn held_record_pinned(&self) -> bool {
-        self.ledger.as_ref().is_some_and(|l| l.pinned().is_some())
+        self.ledger.as_ref().is_none_or(|l| l.pinned().is_some())
     }
 
     /// Whether the kernel's record names any process.

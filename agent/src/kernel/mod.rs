@@ -8,6 +8,7 @@ pub mod held;
 pub mod layout;
 pub mod loader;
 pub mod memory;
+pub mod mode;
 pub mod programs;
 
 use std::future::Future;

@@ -15,7 +15,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::vocab::SidecarKind;
+use crate::vocab::{DegradedReason, NodeMode, SidecarKind};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 pub enum ExitOutcome {
@@ -94,6 +94,14 @@ pub struct NamespaceLabels {
     pub namespace: String,
 }
 
+/// How the node is served: `mode` kernel or degraded, and why (`none` in kernel mode; else a
+/// [`DegradedReason`] label).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeLabels {
+    pub mode: &'static str,
+    pub reason: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
     pub version: &'static str,
@@ -143,6 +151,8 @@ pub struct Metrics {
     pub watch_restarts: Counter,
     pub skips: Family<ReasonLabels, Counter>,
     pub build_info: Family<BuildLabels, Gauge>,
+    pub node_info: Family<NodeLabels, Gauge>,
+    pub api_path: Family<ReasonLabels, Counter>,
     pub pods_observed: Gauge,
     pub pods_waiting: Family<ObservedLabels, Gauge>,
     pub sidecar_tax: Family<TaxLabels, Histogram, fn() -> Histogram>,
@@ -212,6 +222,8 @@ impl Metrics {
             watch_restarts: Counter::default(),
             skips: Family::default(),
             build_info: Family::default(),
+            node_info: Family::default(),
+            api_path: Family::default(),
             pods_observed: Gauge::default(),
             pods_waiting: Family::default(),
             sidecar_tax: Family::new_with_constructor(tax_histogram),
@@ -291,6 +303,18 @@ impl Metrics {
         registry.register("pod_skips", "Pods or actions skipped, by reason", Declared(m.skips.clone()));
         registry.register("build_info", "Build information", Declared(m.build_info.clone()));
         registry.register(
+            "node_info",
+            "How valet serves this node: mode kernel (ends as they happen, holds) or degraded (the kernel \
+             programs could not run: ends from the API, no holds), and why (reason)",
+            Declared(m.node_info.clone()),
+        );
+        registry.register(
+            "pods_api_path",
+            "Opted-in pods the node's kernel cannot see, served from the API's container status without \
+             holds, by reason (host_pid, sandboxed, node_degraded)",
+            Declared(m.api_path.clone()),
+        );
+        registry.register(
             "pods_observed",
             "Pods on this node with a sidecar valet knows, labelled or not, that the observer keeps",
             m.pods_observed.clone(),
@@ -338,6 +362,9 @@ impl Metrics {
         for outcome in [ExitOutcome::Success, ExitOutcome::Failure, ExitOutcome::Signal] {
             let _ = m.exits.get_or_create(&ExitLabels { outcome });
         }
+        for reason in ["host_pid", "sandboxed", "node_degraded"] {
+            let _ = m.api_path.get_or_create(&ReasonLabels { reason });
+        }
         for result in ["sent", "unclaimed"] {
             let _ = m.quits_ahead.get_or_create(&ResultLabels { result });
         }
@@ -361,6 +388,16 @@ impl Metrics {
             Format::OpenMetrics => out,
             Format::Text => openmetrics_to_text(&out),
         })
+    }
+
+    /// Says how this node is served: one `valet_node_info` series at 1, the others at 0 (every
+    /// mode and reason is exposed, so an alert sees 0 rather than nothing).
+    pub fn set_node_mode(&self, mode: NodeMode) {
+        let all = std::iter::once(NodeMode::Kernel).chain(DegradedReason::ALL.map(NodeMode::Degraded));
+        for m in all {
+            let labels = NodeLabels { mode: m.label(), reason: m.reason_label() };
+            self.node_info.get_or_create(&labels).set(i64::from(m == mode));
+        }
     }
 
     pub fn skip(&self, reason: &'static str) {
@@ -589,6 +626,8 @@ mod tests {
                 "valet_watch_restarts_total",
                 "valet_pod_skips_total",
                 "valet_build_info",
+                "valet_node_info",
+                "valet_pods_api_path_total",
                 "valet_pods_observed",
                 "valet_pods_waiting_on_sidecars",
                 "valet_sidecar_tax_seconds",
