@@ -184,6 +184,14 @@ impl KernelControl for NodeKernel {
             NodeKernel::Degraded(n) => n.held_ledger(),
         }
     }
+
+    fn held_record_pinned(&self) -> bool {
+        match self {
+            NodeKernel::Loaded(p) => KernelControl::held_record_pinned(p.as_ref()),
+            // Nothing is held on a degraded node; nothing to pin.
+            NodeKernel::Degraded(_) => false,
+        }
+    }
 }
 
 /// The kernel events of a node in either mode: a degraded node's never come.
