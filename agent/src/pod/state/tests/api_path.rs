@@ -44,7 +44,16 @@ fn on_a_degraded_node_a_pod_asking_for_a_hold_runs_unheld_and_is_told_why() {
     let mut d = degraded();
     let fx = d.found(pod("Never", &[], &[HOLD]));
     assert!(
-        has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits: false, hold: false, hold_timeout: DEFAULT_HOLD_TIMEOUT }),
+        has(
+            &fx,
+            &Effect::Watch {
+                pod_cgroup: POD_CG,
+                pod_rel: POD_REL.into(),
+                exits: false,
+                hold: false,
+                hold_timeout: DEFAULT_HOLD_TIMEOUT
+            }
+        ),
         "{fx:?}"
     );
     assert!(has(&fx, &Effect::ScanContainers { pod_rel: POD_REL.into(), adopt: false }), "{fx:?}");
@@ -81,7 +90,16 @@ fn on_a_degraded_node_a_pod_without_a_hold_is_counted_without_an_event() {
     let fx = d.found(pod("Never", &[], &[]));
     assert_eq!(counted(&fx), ["node_degraded"], "{fx:?}");
     assert!(publishes(&fx).is_empty(), "one Event per pod on a degraded node would be noise: {fx:?}");
-    assert!(has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits: false, hold: false, hold_timeout: DEFAULT_HOLD_TIMEOUT }));
+    assert!(has(
+        &fx,
+        &Effect::Watch {
+            pod_cgroup: POD_CG,
+            pod_rel: POD_REL.into(),
+            exits: false,
+            hold: false,
+            hold_timeout: DEFAULT_HOLD_TIMEOUT
+        }
+    ));
     let fx = d.pod(pod("Never", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &[]));
     assert_eq!(quits(&fx).len(), 1, "{fx:?}");
 }
@@ -94,7 +112,16 @@ fn a_sandboxed_pod_takes_its_ends_from_the_api_and_says_so() {
         assert_eq!(counted(&fx), ["sandboxed"], "{class}: {fx:?}");
         assert_eq!(publishes(&fx), [(false, "EndsFromApi")], "{class}: {fx:?}");
         assert!(
-            has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits: false, hold: false, hold_timeout: DEFAULT_HOLD_TIMEOUT }),
+            has(
+                &fx,
+                &Effect::Watch {
+                    pod_cgroup: POD_CG,
+                    pod_rel: POD_REL.into(),
+                    exits: false,
+                    hold: false,
+                    hold_timeout: DEFAULT_HOLD_TIMEOUT
+                }
+            ),
             "{class}: {fx:?}"
         );
         let done =
@@ -116,7 +143,16 @@ fn other_runtime_classes_keep_the_kernel_path() {
         let fx = d.found(with_class(pod("Never", &[], &[HOLD]), class));
         assert!(counted(&fx).is_empty() && publishes(&fx).is_empty(), "{class:?}: {fx:?}");
         assert!(
-            has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits: true, hold: true, hold_timeout: DEFAULT_HOLD_TIMEOUT }),
+            has(
+                &fx,
+                &Effect::Watch {
+                    pod_cgroup: POD_CG,
+                    pod_rel: POD_REL.into(),
+                    exits: true,
+                    hold: true,
+                    hold_timeout: DEFAULT_HOLD_TIMEOUT
+                }
+            ),
             "{class:?}: {fx:?}"
         );
     }
