@@ -717,21 +717,32 @@ impl Agent {
 
     /// Sends a signal and waits for the process to end (up to `timeout`); its exit status.
     pub fn stop(&mut self, signal: i32, timeout: Duration) -> Result<Option<std::process::ExitStatus>> {
-        let Some(mut child) = self.child.take() else { return Ok(None) };
-        // SAFETY: plain syscall on our own child.
-        unsafe { libc::kill(child.id() as i32, signal) };
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = child.try_wait()? {
-                return Ok(Some(status));
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                bail!("agent did not stop within {timeout:?}");
-            }
-            std::thread::sleep(Duration::from_millis(10));
+        stop_child(&mut self.child, signal, timeout, "agent")
+    }
+}
+
+/// Sends `signal` to the child, if it still runs, and waits for it to end (up to `timeout`,
+/// then SIGKILL and an error); its exit status.
+fn stop_child(
+    child: &mut Option<std::process::Child>,
+    signal: i32,
+    timeout: Duration,
+    what: &str,
+) -> Result<Option<std::process::ExitStatus>> {
+    let Some(mut child) = child.take() else { return Ok(None) };
+    // SAFETY: plain syscall on our own child.
+    unsafe { libc::kill(child.id() as i32, signal) };
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(Some(status));
         }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("{what} did not stop within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
@@ -756,30 +767,13 @@ impl DeadlineKeeper {
 
     /// SIGTERM (its pod deleted), then its exit status.
     pub fn stop(&mut self) -> Result<Option<std::process::ExitStatus>> {
-        let Some(mut child) = self.child.take() else { return Ok(None) };
-        // SAFETY: plain syscall on our own child.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + HANG_GUARD;
-        loop {
-            if let Some(status) = child.try_wait()? {
-                return Ok(Some(status));
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                bail!("valet-agent deadlines did not stop within {HANG_GUARD:?}");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        stop_child(&mut self.child, libc::SIGTERM, HANG_GUARD, "valet-agent deadlines")
     }
 }
 
 impl Drop for DeadlineKeeper {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.kill();
     }
 }
 

@@ -81,12 +81,10 @@ pub fn run(root: &Path, suites: &[&str]) -> Result<(u64, u64)> {
     let bins = Binaries::build(root)?;
     let mut lines = Vec::new();
     let (mut passed, mut failed) = (0, 0);
-    for kernel in &kernels {
-        let t = Instant::now();
-        let outcome = boot(root, kernel, &bins, &busybox)?;
+    // One boot's line, printed now and again in the summary, and its counts.
+    let mut tally = |name: String, t: Instant, outcome: Outcome| {
         let line = format!(
-            "kernel {}: {} passed, {} failed{}",
-            kernel.release,
+            "kernel {name}: {} passed, {} failed{}",
             outcome.passed,
             outcome.failed,
             outcome.note.as_deref().map(|n| format!(" ({n})")).unwrap_or_default()
@@ -95,21 +93,14 @@ pub fn run(root: &Path, suites: &[&str]) -> Result<(u64, u64)> {
         lines.push(line);
         passed += outcome.passed;
         failed += outcome.failed;
+    };
+    for kernel in &kernels {
+        let t = Instant::now();
+        tally(kernel.release.clone(), t, boot(root, kernel, &bins, &busybox)?);
     }
     if let Some(kernel) = kernels.last() {
         let t = Instant::now();
-        let outcome = boot_locked_down(root, kernel, &bins, &busybox)?;
-        let line = format!(
-            "kernel {} {LOCKDOWN}: {} passed, {} failed{}",
-            kernel.release,
-            outcome.passed,
-            outcome.failed,
-            outcome.note.as_deref().map(|n| format!(" ({n})")).unwrap_or_default()
-        );
-        println!("{line}  [{:.0?} boot + tests under TCG]", t.elapsed());
-        lines.push(line);
-        passed += outcome.passed;
-        failed += outcome.failed;
+        tally(format!("{} {LOCKDOWN}", kernel.release), t, boot_locked_down(root, kernel, &bins, &busybox)?);
     }
     println!("\nkernel matrix ({:.0?}):", started.elapsed());
     for line in lines {
