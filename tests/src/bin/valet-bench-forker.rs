@@ -14,6 +14,8 @@ fn worker(until: Instant, exec: Option<&std::ffi::CStr>) -> u64 {
         // parent reaps it.
         let pid = unsafe { libc::fork() };
         match pid {
+            // SAFETY: in the child: execve with argv and envp built before the fork, null-terminated,
+            // and alive until the exec; _exit otherwise.
             0 => unsafe {
                 if let Some(argv) = &argv {
                     libc::execve(argv[0], argv.as_ptr(), envp.as_ptr());
