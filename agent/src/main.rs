@@ -13,7 +13,7 @@ use tracing_subscriber::EnvFilter;
 use valet_agent::act::{Actuators, Settings};
 use valet_agent::api::events::EventSink;
 use valet_agent::cgroup::CgroupFs;
-use valet_agent::cgroup::root::find_cgroup2_root;
+use valet_agent::cgroup::root::find_node_cgroups;
 use valet_agent::config::{Config, LogFormat};
 use valet_agent::controller::Controller;
 use valet_agent::error::Chain;
@@ -54,8 +54,14 @@ async fn shutdown_signal() {
 async fn run(cfg: Config) -> anyhow::Result<()> {
     cfg.validate()?;
     let cfg = Arc::new(cfg);
-    let cgroup_root = find_cgroup2_root(cfg.cgroup_root.as_deref(), &cfg.host_proc)?;
-    info!(node = %cfg.node_name, cgroup_root = %cgroup_root.display(), "starting valet-agent {}", env!("CARGO_PKG_VERSION"));
+    let node_cgroups = find_node_cgroups(cfg.cgroup_root.as_deref(), &cfg.cgroup_mount, &cfg.host_proc)?;
+    info!(
+        node = %cfg.node_name,
+        cgroup_root = %node_cgroups.root.display(),
+        hierarchy = ?node_cgroups.hierarchy,
+        "starting valet-agent {}",
+        env!("CARGO_PKG_VERSION")
+    );
 
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::default());
@@ -74,7 +80,8 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
 
     // VALET_CGROUP_ANCESTORS=auto|helper|walk: how the kernel programs find a process's pod
     // cgroup (auto: the helper where the kernel allows it, else a walk up the cgroup tree).
-    let attach = Attach { ancestors: AncestorMode::from_env()?, ..Attach::default() };
+    let attach =
+        Attach { ancestors: AncestorMode::from_env()?, hierarchy: node_cgroups.hierarchy, ..Attach::default() };
     memory::note("before loading the kernel programs");
     let mut programs =
         Programs::load_pinned(&cfg.host_root, attach, Some(&cfg.pin_dir)).context("load kernel programs")?;
@@ -89,7 +96,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let resident = memory::Resident::now();
     info!(rss_kib = resident.rss_kib, peak_kib = resident.peak_kib, "resident memory after loading");
 
-    let cgroups = CgroupFs::new(cgroup_root);
+    let cgroups = CgroupFs::new(node_cgroups.root);
     if cfg.observe {
         let settings = valet_agent::observe::Settings {
             node: cfg.node_name.clone(),
