@@ -10,7 +10,8 @@ from conftest import COMPONENTS, Render
 CAPABILITIES = {"SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE"}
 ENV = {
     "VALET_HOST_PROC": "/proc",
-    "VALET_CGROUP_ROOT": "/host/sys/fs/cgroup",
+    # The host's /sys/fs/cgroup, looked at (v2, v1 or hybrid), never a fixed hierarchy root.
+    "VALET_CGROUP_MOUNT": "/host/sys/fs/cgroup",
     "VALET_METRICS_ADDR": "0.0.0.0:9090",
     "VALET_LOG_FORMAT": "json",
     "RUST_LOG": "info",
