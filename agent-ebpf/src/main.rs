@@ -50,10 +50,9 @@ use aya_ebpf::{
     programs::TracePointContext,
 };
 use valet_common::{
-    CGROUP_V2, CONTAINERS_CAPACITY, COUNTER_SLOTS, ContainerMain, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY, EXEC_CLASS_PASS,
-    HELD_CAPACITY, HeldRecord, KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_CGROUP_SUBSYS, MAX_HOST_PIDNS_LEVEL,
-    OFFSET_UNKNOWN,
-    WATCHED_CAPACITY, container_flags, event_flags, event_kind, watch_flags,
+    CGROUP_V2, CONTAINERS_CAPACITY, COUNTER_SLOTS, ContainerMain, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY,
+    EXEC_CLASS_PASS, HELD_CAPACITY, HeldRecord, KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_CGROUP_SUBSYS,
+    MAX_HOST_PIDNS_LEVEL, OFFSET_UNKNOWN, WATCHED_CAPACITY, container_flags, event_flags, event_kind, watch_flags,
 };
 
 const SIGSTOP: u32 = 19;

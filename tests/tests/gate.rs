@@ -188,11 +188,7 @@ fn on_a_cgroup_v1_node_the_app_is_held_and_its_end_quits_the_proxy_from_the_kern
     let root = valet_tests::cgroups::v1_mount(Controller::Pids).expect("a v1 pids hierarchy");
     let root_arg = format!("--cgroup-root={}", root.display());
     let agent = node.start_agent(&[&root_arg]).expect("agent");
-    assert!(
-        agent.log_text().contains("hierarchy=V1(Pids)"),
-        "the agent reads the v1 hierarchy\n{}",
-        agent.log_text()
-    );
+    assert!(agent.log_text().contains("hierarchy=V1(Pids)"), "the agent reads the v1 hierarchy\n{}", agent.log_text());
     let ready = node.scratch.path("ready");
     let marker = node.scratch.path("marker");
     let mut job = node.job_pod(held_spec("held-v1", &ready).cgroup_root(&root)).expect("pod");

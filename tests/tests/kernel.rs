@@ -304,14 +304,7 @@ async fn only_child(pid: u32) -> u32 {
 
 /// Runs a container whose main process runs `main` (killed with `signal` from the host when
 /// given) and expects exactly one exit event: its main process's, with `expect`.
-async fn run_and_expect(
-    mode: Way,
-    systemd: bool,
-    n: u8,
-    main: &[&str],
-    signal: Option<i32>,
-    expect: ProcessEnd,
-) {
+async fn run_and_expect(mode: Way, systemd: bool, n: u8, main: &[&str], signal: Option<i32>, expect: ProcessEnd) {
     let (mut programs, mut stream) = load(mode);
     let pod = Pod::new(mode, systemd, n);
     let container = pod.container();

@@ -151,7 +151,10 @@ pub fn find_node_cgroups(configured: Option<&Path>, mount: &Path, host_proc: &Pa
                 })?;
                 Ok(NodeCgroups { root: path.to_path_buf(), hierarchy: Hierarchy::V1(controller) })
             }
-            _ => Err(Error::Cgroup(format!("{} is not a cgroup mount (neither cgroup2 nor a v1 controller)", path.display()))),
+            _ => Err(Error::Cgroup(format!(
+                "{} is not a cgroup mount (neither cgroup2 nor a v1 controller)",
+                path.display()
+            ))),
         };
     }
     if fs_magic(mount) == Some(CGROUP2_SUPER_MAGIC) {

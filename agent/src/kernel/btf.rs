@@ -355,11 +355,14 @@ mod tests {
         assert!(btf.struct_size("upid").expect("upid size") >= 8);
         // The v1 controllers' ids (cgroup v1 and hybrid nodes): distinct, and in /proc/cgroups's
         // order, which lists the controllers by id.
-        let ids: Vec<u32> =
-            ["memory", "pids"].iter().map(|c| btf.enum_value(&format!("{c}_cgrp_id")).expect("controller id")).collect();
+        let ids: Vec<u32> = ["memory", "pids"]
+            .iter()
+            .map(|c| btf.enum_value(&format!("{c}_cgrp_id")).expect("controller id"))
+            .collect();
         assert_ne!(ids[0], ids[1]);
         let listed = std::fs::read_to_string("/proc/cgroups").expect("/proc/cgroups");
-        let order: Vec<&str> = listed.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split('\t').next()).collect();
+        let order: Vec<&str> =
+            listed.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split('\t').next()).collect();
         for (c, id) in ["memory", "pids"].iter().zip(&ids) {
             assert_eq!(order.get(*id as usize), Some(c), "{c} is controller {id}");
         }

@@ -161,7 +161,13 @@ pub struct Attach {
 
 impl Default for Attach {
     fn default() -> Self {
-        Attach { exits: true, execs: true, ancestors: AncestorMode::Auto, host_pidns_of: None, hierarchy: Hierarchy::V2 }
+        Attach {
+            exits: true,
+            execs: true,
+            ancestors: AncestorMode::Auto,
+            host_pidns_of: None,
+            hierarchy: Hierarchy::V2,
+        }
     }
 }
 

@@ -51,10 +51,8 @@ pub fn open_pod_netns(host_proc: &Path, cgroups: &CgroupFs, pod_rel: &str) -> Re
     // is not (a pid 1 that is not dumpable).
     let ns_of = |who: &str| std::fs::metadata(host_proc.join(who).join("ns/net")).map(|m| m.ino()).ok();
     let node_ns = [ns_of("1"), ns_of("self")];
-    let mut members: Vec<(u64, u32)> = pod_members(cgroups, pod_rel)
-        .into_iter()
-        .filter_map(|pid| Some((start_time(host_proc, pid)?, pid)))
-        .collect();
+    let mut members: Vec<(u64, u32)> =
+        pod_members(cgroups, pod_rel).into_iter().filter_map(|pid| Some((start_time(host_proc, pid)?, pid))).collect();
     members.sort_unstable();
     for pid in members.iter().map(|(_, pid)| *pid) {
         let Ok(file) = File::open(host_proc.join(pid.to_string()).join("ns/net")) else { continue };
