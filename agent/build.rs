@@ -12,6 +12,12 @@
 //! 3. `stable` with `rust-src` and `RUSTC_BOOTSTRAP=1` (what `cargo xtask setup` installs here);
 //! 4. `valet-system`, Debian's rustc-web + rust-web-src linked into rustup by `cargo xtask setup`
 //!    when rustup cannot add `rust-src`, also with `RUSTC_BOOTSTRAP=1`.
+//!
+//! `VALET_EBPF_OBJECT=<file>` embeds an object already built instead. One object serves every
+//! architecture: the programs are tracepoints that read their records and the kernel's structs at
+//! offsets found at load time (format files, BTF), never `pt_regs` or syscall numbers, so the
+//! `bpf_target_arch` cfg changes nothing in them. `cargo xtask` builds the object once, with the
+//! host's agent, and hands it to the aarch64 build this way.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -78,6 +84,16 @@ fn main() {
 
 fn build() -> anyhow::Result<()> {
     println!("cargo:rerun-if-env-changed=VALET_EBPF_TOOLCHAIN");
+    println!("cargo:rerun-if-env-changed=VALET_EBPF_OBJECT");
+    let out_dir = PathBuf::from(env("OUT_DIR")?);
+    let embedded = out_dir.join(PACKAGE);
+    if let Ok(object) = std::env::var("VALET_EBPF_OBJECT")
+        && !object.is_empty()
+    {
+        println!("cargo:rerun-if-changed={object}");
+        std::fs::copy(&object, &embedded).with_context(|| format!("copy VALET_EBPF_OBJECT {object}"))?;
+        return Ok(());
+    }
     let manifest_dir = PathBuf::from(env("CARGO_MANIFEST_DIR")?);
     let workspace = manifest_dir.parent().context("agent/ has no parent directory")?;
     // The kernel crate is also a build-dependency, which covers its library and dependencies;
@@ -85,7 +101,6 @@ fn build() -> anyhow::Result<()> {
     for path in ["agent-ebpf", "common", "Cargo.toml"] {
         println!("cargo:rerun-if-changed={}", workspace.join(path).display());
     }
-    let out_dir = PathBuf::from(env("OUT_DIR")?);
 
     let toolchain = toolchain()?;
     let target = match env("CARGO_CFG_TARGET_ENDIAN")?.as_str() {
@@ -131,7 +146,6 @@ fn build() -> anyhow::Result<()> {
     }
 
     let object = target_dir.join(target).join("release").join(PACKAGE);
-    let embedded = out_dir.join(PACKAGE);
     std::fs::copy(&object, &embedded)
         .with_context(|| format!("copy {} to {}", object.display(), embedded.display()))?;
     Ok(())

@@ -179,6 +179,12 @@ pub struct Config {
     #[arg(long, env = "VALET_OBSERVE_NAMESPACE_LABEL", default_value_t = true, action = clap::ArgAction::Set)]
     pub observe_namespace_label: bool,
 
+    /// How many namespaces the observed pods' series name at a time; pods of namespaces beyond
+    /// it share `namespace="_other"`. A namespace with no observed pod for an hour gives its
+    /// place back and its series are dropped.
+    #[arg(long, env = "VALET_OBSERVE_MAX_NAMESPACES", default_value_t = 50)]
+    pub observe_max_namespaces: usize,
+
     /// Log format.
     #[arg(long, env = "VALET_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,

@@ -102,6 +102,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             node: cfg.node_name.clone(),
             defaults: SidecarDefaults { names: cfg.sidecar_names.clone(), hold_timeout: cfg.hold_timeout },
             namespace_label: cfg.observe_namespace_label,
+            max_namespaces: cfg.observe_max_namespaces,
             act: cfg.act,
         };
         let probe = NetnsProbe { host_proc: cfg.host_proc.clone(), cgroups: cgroups.clone() };

@@ -108,6 +108,29 @@ def test_scheduling(renders: dict[str, Render]) -> None:
     assert ds["metadata"]["labels"]["app.kubernetes.io/name"] == "valet"
 
 
+def image_architectures() -> list[str]:
+    """The architectures `cargo xtask image` puts in the image index (xtask/src/image.rs)."""
+    import re
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parents[2] / "xtask/src/image.rs").read_text()
+    found = re.search(r"pub const ARCHITECTURES: \[&str; \d+\] = \[([^\]]*)\];", source)
+    assert found, "xtask/src/image.rs names no ARCHITECTURES"
+    return re.findall(r'"([^"]+)"', found.group(1))
+
+
+@pytest.mark.parametrize("name", AGENT_RENDERS)
+def test_runs_only_where_the_image_runs(renders: dict[str, Render], name: str) -> None:
+    pod, _ = agent(renders[name])
+    assert pod.get("nodeSelector") == {"kubernetes.io/os": "linux"}
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    # Terms are ORed: every one of them must hold the architecture requirement.
+    assert terms
+    for term in terms:
+        arch = [e for e in term["matchExpressions"] if e["key"] == "kubernetes.io/arch"]
+        assert arch == [{"key": "kubernetes.io/arch", "operator": "In", "values": image_architectures()}]
+
+
 def test_env_ports_and_probes(renders: dict[str, Render]) -> None:
     _, c = agent(renders["base"])
     assert c["image"] == "ghcr.io/valet-dev/valet-agent:0.1.0"

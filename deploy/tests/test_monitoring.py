@@ -34,11 +34,18 @@ ALERTS = {
     "ValetQuitsFailing",
     "ValetHoldsFailingOpen",
     "ValetPodsWaitingOnSidecars",
+    "ValetNativeSidecarShutdownTax",
+    "ValetSlowSidecarStartup",
+    "ValetClassicSidecarsOnNativeNodes",
 }
 # What the dashboard shows (issue 30): a panel title per topic, matched case-insensitively.
 TOPICS = [
     "sidecar tax",
     "waiting on sidecars",
+    "shutdown tax by sidecar mode",
+    "startup tax of native proxies",
+    "longest wait on sidecars",
+    "classic sidecars on native nodes",
     "quits by kind and result",
     "hold time",
     "fail-opens",

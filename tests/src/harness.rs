@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::Value;
-use valet_sim::kubelet::{ContainerSpec, HttpProbe, KubeletOptions, KubeletPod, StatusTiming};
+use valet_sim::kubelet::{ContainerKind, ContainerSpec, HttpProbe, KubeletOptions, KubeletPod, StatusTiming};
 use valet_sim::node::{CgroupDriver, PodJsonOptions, QosClass, Runtime, SimPod, SimPodOptions, SpawnOptions};
 use valet_sim::standin::{ProxyKind, StandinOptions};
 use valet_sim::{ApiHandle, ContainerProcess, FakeApiServer, Kubelet, ServerOptions};
@@ -272,7 +272,17 @@ impl Node {
             proxy.command = Some(proxy_cmd.clone());
         }
         proxy.readiness = spec.proxy_probe.clone();
-        containers.push(proxy);
+        if spec.native {
+            // An init container with `restartPolicy: Always`, before the apps; the stand-in
+            // pilot-agent gets Istio's startupProbe, which holds the apps until it passes.
+            proxy = proxy.kind(ContainerKind::NativeSidecar);
+            if spec.sidecar.is_none() {
+                proxy = proxy.startup(HttpProbe::istio_startup());
+            }
+            containers.insert(0, proxy);
+        } else {
+            containers.push(proxy);
+        }
         let mut kpod = KubeletPod::new(json_opts, containers);
         kpod.status = spec.status;
         kpod.bundles = spec.bundles;
@@ -391,6 +401,9 @@ pub struct JobSpec {
     /// The hierarchy the pod's cgroups are made in: None, the cgroup v2 mount; a v1
     /// controller's mount for a cgroup v1 node (start the agent with `--cgroup-root` there).
     pub cgroup_root: Option<PathBuf>,
+    /// The proxy is a native sidecar (an init container with `restartPolicy: Always`, KEP-753)
+    /// that the kubelet starts before the apps and stops once they have ended.
+    pub native: bool,
 }
 
 impl JobSpec {
@@ -419,11 +432,17 @@ impl JobSpec {
             bundles: true,
             report_pod_ip: true,
             cgroup_root: None,
+            native: false,
         }
     }
     /// The pod's cgroups in this hierarchy's root (a cgroup v1 controller's mount).
     pub fn cgroup_root(mut self, root: impl Into<PathBuf>) -> Self {
         self.cgroup_root = Some(root.into());
+        self
+    }
+    /// The proxy as a native sidecar (see [`JobSpec::native`]).
+    pub fn native_sidecar(mut self) -> Self {
+        self.native = true;
         self
     }
     /// Cgroup driver, runtime and QoS class of the simulated pod.

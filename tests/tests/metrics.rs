@@ -5,6 +5,10 @@
 //!
 //! promtool and prometheus come from the Debian package `prometheus`, which `cargo xtask setup`
 //! installs; these tests fail (never skip) without them.
+//!
+//! The families' names, types and help texts, and the names the dashboard and the alerts use,
+//! are checked against the agent's registry without running an agent, so those two tests need
+//! no root; the others run a real agent (root).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read as _, Write as _};
@@ -204,7 +208,7 @@ fn drive_quit(node: &Node, agent: &Agent, tracked_after: usize) -> JobPod {
 
 /// Observed pods the agent quit, counted in the sidecar tax.
 fn taxed(agent: &Agent) -> f64 {
-    agent.metric("valet_sidecar_tax_seconds_count{namespace=\"jobs\",owner_kind=\"Job\",acted=\"true\"} ")
+    agent.metric("valet_sidecar_tax_seconds_count{namespace=\"jobs\",owner_kind=\"Job\",acted=\"true\",sidecar_mode=\"classic\"} ")
 }
 
 fn quits_ok(agent: &Agent) -> f64 {
@@ -438,14 +442,24 @@ const FAMILIES: &[(&str, &str, &[&str])] = &[
     ("valet_build_info", "gauge", &["version"]),
     ("valet_pods_observed", "gauge", &[]),
     ("valet_pods_waiting_on_sidecars", "gauge", &["namespace", "owner_kind"]),
-    ("valet_sidecar_tax_seconds", "histogram", &["namespace", "owner_kind", "acted", "le"]),
+    ("valet_sidecar_tax_seconds", "histogram", &["namespace", "owner_kind", "acted", "sidecar_mode", "le"]),
     ("valet_app_started_before_proxy_ready_total", "counter", &["namespace", "owner_kind"]),
+    ("valet_pods_waiting_longest_seconds", "gauge", &["namespace", "owner_kind"]),
+    ("valet_sidecar_startup_tax_seconds", "histogram", &["namespace", "owner_kind", "le"]),
+    ("valet_classic_sidecar_pods_on_native_node_total", "counter", &["namespace"]),
+    ("valet_observe_uncounted_total", "counter", &["reason"]),
 ];
 
-/// Observed pods' series carry their namespace on purpose (bounded by the cluster's namespaces;
+/// Observed pods' series carry their namespace on purpose (bounded by `--observe-max-namespaces`;
 /// `--observe-namespace-label=false` empties it).
-const NAMESPACE_LABELLED: &[&str] =
-    &["valet_pods_waiting_on_sidecars", "valet_sidecar_tax_seconds", "valet_app_started_before_proxy_ready_total"];
+const NAMESPACE_LABELLED: &[&str] = &[
+    "valet_pods_waiting_on_sidecars",
+    "valet_sidecar_tax_seconds",
+    "valet_app_started_before_proxy_ready_total",
+    "valet_pods_waiting_longest_seconds",
+    "valet_sidecar_startup_tax_seconds",
+    "valet_classic_sidecar_pods_on_native_node_total",
+];
 
 fn is_hex_id(v: &str) -> bool {
     v.len() >= 8 && v.bytes().all(|b| b.is_ascii_hexdigit())
@@ -545,9 +559,12 @@ fn every_family_is_exposed_with_low_cardinality_labels() {
 /// Every `valet_*` name in the dashboard's and the rules' PromQL (anywhere in the files: their
 /// descriptions name series too).
 fn names_used_in(path: &std::path::Path) -> BTreeSet<String> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    names_in(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+}
+
+fn names_in(text: &str) -> BTreeSet<String> {
     let mut names = BTreeSet::new();
-    let mut rest = text.as_str();
+    let mut rest = text;
     while let Some(at) = rest.find("valet_") {
         let before = rest[..at].chars().next_back();
         let tail = &rest[at..];
@@ -560,10 +577,29 @@ fn names_used_in(path: &std::path::Path) -> BTreeSet<String> {
     names
 }
 
+/// The exposition of a fresh agent's registry, without running an agent (no root): every family
+/// is exposed from the start (`# HELP`, `# TYPE`), series or not, so it names every family the
+/// agent exports. `every_family_is_exposed_with_low_cardinality_labels` checks a real agent's.
+fn registry_exposition() -> Exposition {
+    let text = valet_agent::metrics::Metrics::new().render(valet_agent::metrics::Format::Text).expect("render");
+    Exposition::parse(&text)
+}
+
+#[test]
+fn every_family_is_declared_with_its_type_and_help() {
+    let e = registry_exposition();
+    for (family, t, _) in FAMILIES {
+        assert_eq!(e.types.get(*family).map(String::as_str), Some(*t), "family {family} ({t})");
+        assert!(e.helps.get(*family).is_some_and(|h| h.len() > 10), "help for {family}");
+    }
+    let declared: BTreeSet<&str> = FAMILIES.iter().map(|(f, _, _)| *f).collect();
+    let exposed: BTreeSet<&str> = e.types.keys().map(String::as_str).collect();
+    assert_eq!(exposed, declared, "exposed families (add new ones to FAMILIES, with their labels)");
+}
+
 #[test]
 fn dashboard_and_rules_use_exported_metrics() {
-    let (_node, agent, _job) = agent_after_one_quit();
-    let e = Exposition::parse(&scrape(&agent, None, TEXT));
+    let e = registry_exposition();
     // A histogram's samples are named after its family; an empty one shows only its # TYPE.
     let exported: BTreeSet<String> = e
         .types
@@ -580,6 +616,9 @@ fn dashboard_and_rules_use_exported_metrics() {
         let unknown: Vec<&String> = used.iter().filter(|n| !exported.contains(*n)).collect();
         assert!(unknown.is_empty(), "{file} uses {unknown:?}, which the agent does not export:\n{exported:?}");
     }
+    // And the check can fail: a name the agent does not export is found.
+    let used = names_in("expr: rate(valet_sidecar_quits_totl[5m]) > valet_pods_tracked");
+    assert_eq!(used.iter().filter(|n| !exported.contains(*n)).collect::<Vec<_>>(), ["valet_sidecar_quits_totl"]);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -12,6 +12,10 @@ use anyhow::{Context as _, Result};
 /// The image's name, as deploy/base/daemonset.yaml refers to it.
 pub const NAME: &str = "ghcr.io/valet-dev/valet-agent:0.1.0";
 
+/// The architectures the image is built for (the host's: linux/amd64). The DaemonSet selects
+/// exactly these (deploy/tests/test_manifest.py reads this list); arm64 is not built yet.
+pub const ARCHITECTURES: [&str; 1] = ["amd64"];
+
 /// Where the image is written: (layout directory, tar archive).
 pub fn paths(root: &Path) -> Result<(PathBuf, PathBuf)> {
     let dir = crate::cmd::target_dir(root)?.join("oci");
@@ -54,6 +58,11 @@ pub fn from_binary(root: &Path, agent: &Path) -> Result<(PathBuf, PathBuf)> {
             .arg(&layout),
     )
     .context("build the agent's OCI image")?;
-    println!("image: {NAME}: layout {} and archive {}", layout.display(), tar.display());
+    println!(
+        "image: {NAME} (linux/{}): layout {} and archive {}",
+        ARCHITECTURES.join(", linux/"),
+        layout.display(),
+        tar.display()
+    );
     Ok((layout, tar))
 }

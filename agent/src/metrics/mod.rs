@@ -5,6 +5,7 @@ pub mod quit_pods;
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::MetricType;
@@ -41,6 +42,24 @@ pub struct KindLabels {
     pub kind: &'static str,
 }
 
+/// Why the observer skipped a pod, as `valet_pod_skips_total{reason}` spells it. The controller's
+/// reasons (`host_network`, `restart_always`, `native_sidecars`, `no_sidecars`, `no_apps`,
+/// `deleting` and the same `bad_annotation`) are written by the pod's state machine; every
+/// reason is explained in docs/monitoring.md.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum SkipReason {
+    /// The pod's valet annotations could not be read (its Events say why when valet acts on it).
+    BadAnnotation,
+}
+
+impl SkipReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SkipReason::BadAnnotation => "bad_annotation",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
     pub reason: &'static str,
@@ -65,6 +84,14 @@ pub struct TaxLabels {
     pub owner_kind: &'static str,
     /// "true": valet quit one of the pod's sidecars.
     pub acted: &'static str,
+    /// "native" (init containers with `restartPolicy: Always`) or "classic".
+    pub sidecar_mode: &'static str,
+}
+
+/// The observed pods of one namespace (its bounded label value).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NamespaceLabels {
+    pub namespace: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -116,6 +143,10 @@ pub struct Metrics {
     pub pods_waiting: Family<ObservedLabels, Gauge>,
     pub sidecar_tax: Family<TaxLabels, Histogram, fn() -> Histogram>,
     pub started_before_ready: Family<ObservedLabels, Counter>,
+    pub waiting_longest: Family<ObservedLabels, Gauge<f64, AtomicU64>>,
+    pub startup_tax: Family<ObservedLabels, Histogram, fn() -> Histogram>,
+    pub classic_on_native: Family<NamespaceLabels, Counter>,
+    pub uncounted: Family<ReasonLabels, Counter>,
     /// Not a metric: which pods valet quit, for `sidecar_tax`'s `acted` label.
     pub quit_pods: quit_pods::QuitPods,
 }
@@ -124,6 +155,18 @@ pub struct Metrics {
 /// proxy runs until someone deletes the pod.
 fn tax_histogram() -> Histogram {
     Histogram::new([1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 10800.0, 43200.0, 86400.0])
+}
+
+/// Startup tax buckets from half a second to 5 minutes: the kubelet's `startupProbe` period is
+/// 1 s in Istio's template and 10 s by default, and API times are whole seconds.
+fn startup_tax_histogram() -> Histogram {
+    Histogram::new([0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0])
+}
+
+/// Hold buckets from 50 µs to an hour: a released hold takes milliseconds, a hold that fails
+/// open takes its whole timeout (120 s by default, up to an hour with `valet.dev/hold-timeout`).
+fn hold_buckets() -> impl Iterator<Item = f64> {
+    latency_buckets().chain([60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0])
 }
 
 /// Latency buckets from 50 µs to 30 s: the fast path is sub-millisecond, fallbacks take seconds.
@@ -155,7 +198,7 @@ impl Metrics {
             holds: Counter::default(),
             releases: Family::default(),
             fail_opens: Counter::default(),
-            hold_duration: Histogram::new(latency_buckets()),
+            hold_duration: Histogram::new(hold_buckets()),
             condition_patches: Family::default(),
             events_lost: Counter::default(),
             map_full: Counter::default(),
@@ -167,6 +210,10 @@ impl Metrics {
             pods_waiting: Family::default(),
             sidecar_tax: Family::new_with_constructor(tax_histogram),
             started_before_ready: Family::default(),
+            waiting_longest: Family::default(),
+            startup_tax: Family::new_with_constructor(startup_tax_histogram),
+            classic_on_native: Family::default(),
+            uncounted: Family::default(),
             quit_pods: quit_pods::QuitPods::default(),
         };
         registry.register("pods_tracked", "Opted-in pods on this node that valet tracks", m.pods_tracked.clone());
@@ -240,7 +287,7 @@ impl Metrics {
         registry.register(
             "sidecar_tax_seconds",
             "From a pod's apps' end to its last sidecar's end, observed when the sidecars end \
-             (acted: valet quit one of them)",
+             (acted: valet quit one of them; sidecar_mode: native or classic sidecars)",
             Declared(m.sidecar_tax.clone()),
         );
         registry.register(
@@ -248,6 +295,26 @@ impl Metrics {
             "App containers that started while their pod's proxy was not ready (its proxy, asked \
              when the API first showed the app started, was not ready yet)",
             Declared(m.started_before_ready.clone()),
+        );
+        registry.register(
+            "pods_waiting_longest_seconds",
+            "How long the pod waiting longest on its sidecars has waited so far, from its apps' end",
+            Declared(m.waiting_longest.clone()),
+        );
+        registry.register(
+            "sidecar_startup_tax_seconds",
+            "From a native proxy's readiness (found by asking it) to its pod's first app start",
+            Declared(m.startup_tax.clone()),
+        );
+        registry.register(
+            "classic_sidecar_pods_on_native_node",
+            "New pods whose mesh proxy runs as a regular container on a node where native sidecars run",
+            Declared(m.classic_on_native.clone()),
+        );
+        registry.register(
+            "observe_uncounted",
+            "What the observer saw but could not count, by reason",
+            Declared(m.uncounted.clone()),
         );
         m.build_info.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION") }).set(1);
         // Series whose label values are known in advance start at 0, so rates and alerts on them
@@ -508,6 +575,10 @@ mod tests {
                 "valet_pods_waiting_on_sidecars",
                 "valet_sidecar_tax_seconds",
                 "valet_app_started_before_proxy_ready_total",
+                "valet_pods_waiting_longest_seconds",
+                "valet_sidecar_startup_tax_seconds",
+                "valet_classic_sidecar_pods_on_native_node_total",
+                "valet_observe_uncounted_total",
             ]
         );
         for zero in [
@@ -518,6 +589,18 @@ mod tests {
             assert!(text.contains(zero), "{zero} in\n{text}");
         }
         assert!(text.contains("# TYPE valet_app_releases_total counter\n# HELP valet_app_hold_fail_opens_total"));
+    }
+
+    #[test]
+    fn hold_durations_reach_an_hour() {
+        let m = Metrics::new();
+        // A hold that fails open after the default 120 s timeout lands in a bucket of its own.
+        m.hold_duration.observe(120.5);
+        let text = m.render(Format::Text).expect("render");
+        assert!(text.contains("valet_app_hold_duration_seconds_bucket{le=\"120.0\"} 0\n"), "{text}");
+        assert!(text.contains("valet_app_hold_duration_seconds_bucket{le=\"300.0\"} 1\n"), "{text}");
+        assert!(text.contains("valet_app_hold_duration_seconds_bucket{le=\"3600.0\"} 1\n"), "{text}");
+        assert!(text.contains("valet_app_hold_duration_seconds_bucket{le=\"0.00005\"} 0\n"), "{text}");
     }
 
     #[test]

@@ -12,6 +12,7 @@ use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 
 use crate::api::watch::ENABLED_LABEL;
 use crate::pod::spec::{self, Endpoint, RestartPolicy, SidecarDefaults, SpecError};
+use crate::vocab::{Sidecar, SidecarKind};
 
 /// What owns the pod, as the `owner_kind` label says it: bounded to three values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -23,6 +24,8 @@ pub enum OwnerKind {
 }
 
 impl OwnerKind {
+    pub const ALL: [OwnerKind; 3] = [OwnerKind::Job, OwnerKind::CronJob, OwnerKind::Other];
+
     pub fn as_str(self) -> &'static str {
         match self {
             OwnerKind::Job => "Job",
@@ -32,13 +35,22 @@ impl OwnerKind {
     }
 }
 
-/// Minutes since the Unix epoch that a CronJob's Job name may end with: 2000-01-01 to 2100-01-01.
-const CRON_MINUTES: std::ops::RangeInclusive<u64> = 15_778_080..=68_374_080;
+/// How long after its Job's scheduled time a CronJob's pod may be created: the CronJob
+/// controller makes the Job at the scheduled minute (or, after missed schedules, within its
+/// `startingDeadlineSeconds`), and the Job controller makes a pod at once and new ones after
+/// failures with a back-off capped at 6 minutes (`backoffLimit` 6 by default: under an hour). A
+/// day covers late schedules with room to spare while a date-like suffix (`migrate-20240115`,
+/// minutes since the epoch of 2008) stays years away.
+const CRON_POD_LAG: chrono::TimeDelta = chrono::TimeDelta::days(1);
+/// Clocks disagree: the scheduled minute may be slightly after the pod's creation as stamped.
+const CRON_CLOCK_SKEW: chrono::TimeDelta = chrono::TimeDelta::minutes(5);
 
 /// The owner kind from the pod's controller reference. A pod names only its Job; the CronJob
 /// controller names the Jobs it makes `<cronjob>-<scheduled time in minutes since the epoch>`,
 /// which tells a CronJob's Job without reading Job objects (which the agent's RBAC does not
-/// allow). A hand-made Job named like that is counted as a CronJob's.
+/// allow). The suffix must be a scheduled time the pod's own creation follows within
+/// [`CRON_POD_LAG`] (a pod without a creation time is a Job's): a hand-made Job named with the
+/// minute of its own pod's creation (or of the day before) is still counted as a CronJob's.
 pub fn owner_kind(pod: &Pod) -> OwnerKind {
     let owners = pod.metadata.owner_references.as_deref().unwrap_or_default();
     let Some(owner) = owners.iter().find(|o| o.controller == Some(true)).or(owners.first()) else {
@@ -47,10 +59,45 @@ pub fn owner_kind(pod: &Pod) -> OwnerKind {
     if owner.kind != "Job" || !owner.api_version.starts_with("batch/") {
         return OwnerKind::Other;
     }
-    let scheduled = owner.name.rsplit_once('-').and_then(|(_, tail)| tail.parse::<u64>().ok());
+    let Some(created) = pod.metadata.creation_timestamp.as_ref().and_then(|t| to_utc(&t.0)) else {
+        return OwnerKind::Job;
+    };
+    let scheduled = owner
+        .name
+        .rsplit_once('-')
+        .filter(|(_, tail)| tail.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|(_, tail)| tail.parse::<i64>().ok())
+        .and_then(|minutes| minutes.checked_mul(60))
+        .and_then(|seconds| DateTime::from_timestamp(seconds, 0));
     match scheduled {
-        Some(minutes) if CRON_MINUTES.contains(&minutes) => OwnerKind::CronJob,
+        Some(at) if at - CRON_CLOCK_SKEW <= created && created - at <= CRON_POD_LAG => OwnerKind::CronJob,
         _ => OwnerKind::Job,
+    }
+}
+
+fn to_utc(at: &k8s_openapi::jiff::Timestamp) -> Option<DateTime<Utc>> {
+    DateTime::from_timestamp(at.as_second(), at.subsec_nanosecond().try_into().ok()?)
+}
+
+/// How a pod's sidecars run, as the `sidecar_mode` label says it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SidecarMode {
+    /// Regular containers in `spec.containers`: nothing ends them but a quit, a signal or the
+    /// pod's deletion.
+    Classic,
+    /// Init containers with `restartPolicy: Always` (KEP-753): the kubelet ends them once every
+    /// regular container has ended.
+    Native,
+}
+
+impl SidecarMode {
+    pub const ALL: [SidecarMode; 2] = [SidecarMode::Classic, SidecarMode::Native];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SidecarMode::Classic => "classic",
+            SidecarMode::Native => "native",
+        }
     }
 }
 
@@ -60,22 +107,37 @@ pub struct Look {
     pub uid: String,
     pub namespace: String,
     pub owner_kind: OwnerKind,
+    /// Native when the pod has a native sidecar (the kubelet then ends them all after its apps).
+    pub mode: SidecarMode,
     /// Carries the opt-in label.
     pub labelled: bool,
     /// Every app container has ended for good (a Job's pod: `restartPolicy` Never, or OnFailure
     /// and exit code 0): the latest end. None while one runs or may run again, and always for
     /// `restartPolicy: Always`.
     pub apps_ended: Option<DateTime<Utc>>,
-    /// Every regular sidecar has ended: the latest end.
+    /// Every sidecar has ended (the regular containers valet knows as sidecars, and every native
+    /// sidecar): the latest end.
     pub sidecars_ended: Option<DateTime<Utc>>,
-    /// A regular sidecar runs now.
+    /// One of those sidecars runs now.
     pub sidecar_running: bool,
     /// App containers the API shows started at least once.
     pub apps_started: BTreeSet<String>,
-    /// The first sidecar with a readiness endpoint: its name and endpoint.
+    /// App containers the API shows running now.
+    pub apps_running: BTreeSet<String>,
+    /// The earliest start of an app container the API shows (`startedAt`, whole seconds).
+    pub apps_first_started: Option<DateTime<Utc>>,
+    /// The first sidecar with a readiness endpoint (a regular one first): its name and endpoint.
     pub proxy: Option<(String, Endpoint)>,
     /// The kubelet reports that proxy ready.
     pub proxy_ready: bool,
+    /// That proxy runs now.
+    pub proxy_running: bool,
+    /// A mesh's proxy (Istio's or Linkerd's) runs as a regular container: injected classic.
+    pub mesh_classic: bool,
+    /// A native sidecar runs now: this node's kubelet supports them.
+    pub native_running: bool,
+    /// `metadata.deletionTimestamp`: the pod is gone by then at the latest.
+    pub deleted_at: Option<DateTime<Utc>>,
     /// `valet.dev/hold-app: "true"` (the observer keeps it only where valet acts).
     pub hold_app: bool,
 }
@@ -87,26 +149,57 @@ impl Look {
     }
 }
 
+/// `metadata.deletionTimestamp`: the pod is gone by then at the latest.
+pub fn deleted_at(pod: &Pod) -> Option<DateTime<Utc>> {
+    pod.metadata.deletion_timestamp.as_ref().and_then(|t| to_utc(&t.0))
+}
+
 fn status<'a>(pod: &'a Pod, name: &str) -> Option<&'a ContainerStatus> {
     pod.status.as_ref()?.container_statuses.as_ref()?.iter().find(|s| s.name == name)
 }
 
+fn init_status<'a>(pod: &'a Pod, name: &str) -> Option<&'a ContainerStatus> {
+    pod.status.as_ref()?.init_container_statuses.as_ref()?.iter().find(|s| s.name == name)
+}
+
 /// When the container's current instance ended, if it did.
 fn finished(s: &ContainerStatus) -> Option<DateTime<Utc>> {
-    let at = s.state.as_ref()?.terminated.as_ref()?.finished_at.as_ref()?.0;
-    DateTime::from_timestamp(at.as_second(), at.subsec_nanosecond().try_into().ok()?)
+    to_utc(&s.state.as_ref()?.terminated.as_ref()?.finished_at.as_ref()?.0)
+}
+
+/// When the container's current instance (or, once it ended, its last one) started.
+fn started_at(s: &ContainerStatus) -> Option<DateTime<Utc>> {
+    let state = s.state.as_ref()?;
+    let at = state.running.as_ref().and_then(|r| r.started_at.as_ref());
+    to_utc(&at.or_else(|| state.terminated.as_ref().and_then(|t| t.started_at.as_ref()))?.0)
+}
+
+fn running(s: Option<&ContainerStatus>) -> bool {
+    s.and_then(|s| s.state.as_ref()).is_some_and(|st| st.running.is_some())
 }
 
 /// Reads a pod. `Ok(None)`: it has no sidecar valet knows (nothing to observe). `Err`: its
 /// valet annotations are wrong (the same error the controller reports for a labelled pod).
+///
+/// A native sidecar is known as a regular one is: by the agent's sidecar names, or listed in
+/// `valet.dev/sidecars`. Once a pod has one, every native sidecar of it counts: the kubelet ends
+/// them all after the apps, and the pod waits on each.
 pub fn look(pod: &Pod, defaults: &SidecarDefaults) -> Result<Option<Look>, SpecError> {
     let plan = spec::plan(pod, defaults)?;
-    if plan.sidecars.is_empty() {
+    let native: BTreeSet<&str> = plan.native_sidecars.iter().map(String::as_str).collect();
+    // Regular containers only (should the plan come to list native sidecars too).
+    let classic: Vec<&Sidecar> = plan.sidecars.iter().filter(|s| !native.contains(s.name.as_str())).collect();
+    // Known by the default names, or listed as the pod's sidecars (where the plan lists native
+    // ones among them).
+    let known_native = native.iter().any(|n| defaults.names.iter().any(|d| d == n))
+        || plan.sidecars.iter().any(|s| native.contains(s.name.as_str()));
+    if classic.is_empty() && !known_native {
         return Ok(None);
     }
+    let native: Vec<&str> = if known_native { native.into_iter().collect() } else { Vec::new() };
     let runs_to_completion = plan.restart_policy != RestartPolicy::Always;
     let mut apps_ended = (runs_to_completion && !plan.apps.is_empty()).then_some(DateTime::<Utc>::MIN_UTC);
-    let mut apps_started = BTreeSet::new();
+    let (mut apps_started, mut apps_running, mut apps_first_started) = (BTreeSet::new(), BTreeSet::new(), None);
     for app in &plan.apps {
         let s = status(pod, app);
         let state = s.and_then(|s| s.state.as_ref());
@@ -115,6 +208,12 @@ pub fn look(pod: &Pod, defaults: &SidecarDefaults) -> Result<Option<Look>, SpecE
         if started {
             apps_started.insert(app.clone());
         }
+        if running(s) {
+            apps_running.insert(app.clone());
+        }
+        if let Some(at) = s.and_then(started_at) {
+            apps_first_started = Some(apps_first_started.map_or(at, |first: DateTime<Utc>| first.min(at)));
+        }
         let code = state.and_then(|st| st.terminated.as_ref()).map(|t| t.exit_code);
         let for_good = plan.restart_policy == RestartPolicy::Never || code == Some(0);
         apps_ended = match (apps_ended, s.and_then(finished)) {
@@ -122,29 +221,54 @@ pub fn look(pod: &Pod, defaults: &SidecarDefaults) -> Result<Option<Look>, SpecE
             _ => None,
         };
     }
+    let sidecar_statuses = classic
+        .iter()
+        .map(|s| status(pod, &s.name))
+        .chain(native.iter().map(|n| init_status(pod, n)))
+        .collect::<Vec<_>>();
     let mut sidecars_ended = Some(DateTime::<Utc>::MIN_UTC);
     let mut sidecar_running = false;
-    for sidecar in &plan.sidecars {
-        let s = status(pod, &sidecar.name);
-        sidecar_running |= s.and_then(|s| s.state.as_ref()).is_some_and(|st| st.running.is_some());
+    for s in &sidecar_statuses {
+        sidecar_running |= running(*s);
         sidecars_ended = match (sidecars_ended, s.and_then(finished)) {
             (Some(latest), Some(end)) => Some(latest.max(end)),
             _ => None,
         };
     }
-    let proxy = plan.sidecars.iter().find_map(|s| s.ready.clone().map(|e| (s.name.clone(), e)));
-    let proxy_ready = proxy.as_ref().and_then(|(name, _)| status(pod, name)).is_some_and(|s| s.ready);
+    let native_proxy = native.iter().find_map(|n| {
+        let endpoint = spec::kind_from_name(n)?.ready_endpoint()?;
+        Some(((*n).to_owned(), endpoint, init_status(pod, n)))
+    });
+    let (proxy, proxy_status) = match classic.iter().find_map(|s| s.ready.clone().map(|e| (s.name.clone(), e))) {
+        Some((name, e)) => {
+            let s = status(pod, &name);
+            (Some((name, e)), s)
+        }
+        None => match native_proxy {
+            Some((name, e, s)) => (Some((name, e)), s),
+            None => (None, None),
+        },
+    };
+    let mesh_classic = classic.iter().any(|s| matches!(s.kind, SidecarKind::Istio | SidecarKind::Linkerd));
+    let native_running = plan.native_sidecars.iter().any(|n| running(init_status(pod, n)));
     Ok(Some(Look {
         uid: plan.uid,
         namespace: plan.namespace,
         owner_kind: owner_kind(pod),
+        mode: if native.is_empty() { SidecarMode::Classic } else { SidecarMode::Native },
         labelled: pod.metadata.labels.as_ref().and_then(|l| l.get(ENABLED_LABEL)).map(String::as_str) == Some("true"),
         apps_ended,
         sidecars_ended,
         sidecar_running,
         apps_started,
+        apps_running,
+        apps_first_started,
         proxy,
-        proxy_ready,
+        proxy_ready: proxy_status.is_some_and(|s| s.ready),
+        proxy_running: running(proxy_status),
+        mesh_classic,
+        native_running,
+        deleted_at: deleted_at(pod),
         hold_app: plan.hold_app,
     }))
 }
@@ -158,7 +282,7 @@ pub(crate) mod tests {
     pub fn pod(app: Value, proxy: Value, ready: bool) -> Pod {
         serde_json::from_value(json!({
             "metadata": {
-                "name": "p", "namespace": "jobs", "uid": "u1",
+                "name": "p", "namespace": "jobs", "uid": "u1", "creationTimestamp": "2026-01-01T00:00:00Z",
                 "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": "report", "uid": "j",
                                      "controller": true}]
             },
@@ -169,6 +293,28 @@ pub(crate) mod tests {
             ]}
         }))
         .expect("pod")
+    }
+
+    /// An Istio Job pod whose proxy is a native sidecar (Istio 1.27's injection on a 1.33 node).
+    pub fn native_pod(app: Value, proxy: Value, ready: bool) -> Pod {
+        let mut p = serde_json::to_value(pod(app.clone(), proxy.clone(), ready)).expect("json");
+        p["spec"]["containers"] = json!([{"name": "app"}]);
+        p["spec"]["initContainers"] = json!([
+            {"name": "istio-validation", "image": "istio/proxyv2"},
+            {"name": "istio-proxy", "image": "istio/proxyv2", "restartPolicy": "Always"}
+        ]);
+        p["status"]["containerStatuses"] =
+            json!([{"name": "app", "image": "i", "imageID": "", "ready": false, "restartCount": 0, "state": app}]);
+        p["status"]["initContainerStatuses"] = json!([
+            {"name": "istio-validation", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+             "state": {"terminated": {"exitCode": 0, "finishedAt": "2026-01-01T00:00:00Z"}}},
+            {"name": "istio-proxy", "image": "i", "imageID": "", "ready": ready, "restartCount": 0, "state": proxy}
+        ]);
+        serde_json::from_value(p).expect("pod")
+    }
+
+    pub fn started(at: &str) -> Value {
+        json!({"running": {"startedAt": at}})
     }
 
     pub fn ended(at: &str) -> Value {
@@ -241,7 +387,41 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_native_sidecar_pod_is_observed_and_waits_on_its_native_proxy() {
+        let d = SidecarDefaults::default();
+        let l = look(&native_pod(waiting(), running(), false), &d).expect("ok").expect("observed");
+        assert_eq!(l.mode, SidecarMode::Native);
+        assert!(l.native_running && !l.mesh_classic);
+        assert!(l.proxy_running && !l.proxy_ready);
+        assert_eq!(l.proxy.as_ref().map(|(n, e)| (n.as_str(), e.port)), Some(("istio-proxy", 15021)));
+        assert_eq!(l.apps_first_started, None);
+        // The validation init container ended long ago: not a sidecar, not a sidecar's end.
+        let l = look(&native_pod(ended("2026-01-01T00:01:00Z"), running(), true), &d).expect("ok").expect("observed");
+        assert!(l.waiting());
+        assert_eq!(l.sidecars_ended, None);
+        let l = look(&native_pod(ended("2026-01-01T00:01:00Z"), ended("2026-01-01T00:01:06Z"), false), &d)
+            .expect("ok")
+            .expect("observed");
+        assert!(!l.waiting());
+        assert_eq!(l.sidecars_ended, Some(at("2026-01-01T00:01:06Z")));
+        let l = look(&native_pod(started("2026-01-01T00:00:10Z"), running(), true), &d).expect("ok").expect("observed");
+        assert_eq!(l.apps_first_started, Some(at("2026-01-01T00:00:10Z")));
+        assert_eq!(l.apps_running.iter().collect::<Vec<_>>(), ["app"]);
+
+        // A classic Istio pod: a mesh proxy injected as a regular container.
+        let l = look(&pod(waiting(), running(), false), &d).expect("ok").expect("observed");
+        assert_eq!(l.mode, SidecarMode::Classic);
+        assert!(l.mesh_classic && !l.native_running);
+
+        // A native sidecar valet does not know, alone: nothing to observe.
+        let mut p = native_pod(waiting(), running(), false);
+        p.spec.as_mut().expect("spec").init_containers.as_mut().expect("init")[1].name = "log-shipper".into();
+        assert_eq!(look(&p, &d), Ok(None));
+    }
+
+    #[test]
     fn owner_kinds() {
+        // The fixture pod was created at 2026-01-01T00:00:00Z: minute 29,453,760 since the epoch.
         let with_owner = |api: &str, kind: &str, name: &str| {
             let mut p = pod(running(), running(), true);
             let o = &mut p.metadata.owner_references.as_mut().expect("owners")[0];
@@ -249,13 +429,26 @@ pub(crate) mod tests {
             owner_kind(&p)
         };
         assert_eq!(with_owner("batch/v1", "Job", "report"), OwnerKind::Job);
-        assert_eq!(with_owner("batch/v1", "Job", "report-29412345"), OwnerKind::CronJob);
-        assert_eq!(with_owner("batch/v1", "Job", "report-12"), OwnerKind::Job, "not a time in minutes");
-        assert_eq!(with_owner("batch/v1", "Job", "report-99999999999"), OwnerKind::Job, "beyond 2100");
+        assert_eq!(with_owner("batch/v1", "Job", "report-29453760"), OwnerKind::CronJob, "scheduled at its creation");
+        assert_eq!(with_owner("batch/v1", "Job", "report-29452320"), OwnerKind::CronJob, "a day late at most");
+        assert_eq!(with_owner("batch/v1", "Job", "report-29453763"), OwnerKind::CronJob, "clock skew");
+        assert_eq!(with_owner("batch/v1", "Job", "report-29452319"), OwnerKind::Job, "over a day before");
+        assert_eq!(with_owner("batch/v1", "Job", "report-29453770"), OwnerKind::Job, "after its pod");
+        // Date-like names are not scheduled times (20240115 minutes: 2008-06-26).
+        for dated in ["migrate-20240115", "backup-202401151200", "etl-2024", "v-20260101", "report-12"] {
+            assert_eq!(with_owner("batch/v1", "Job", dated), OwnerKind::Job, "{dated}");
+        }
+        assert_eq!(with_owner("batch/v1", "Job", "report-99999999999999999999"), OwnerKind::Job, "overflow");
+        assert_eq!(with_owner("batch/v1", "Job", "report-+29431440"), OwnerKind::Job, "digits only");
         assert_eq!(with_owner("apps/v1", "ReplicaSet", "web-5d8f9"), OwnerKind::Other);
         assert_eq!(with_owner("example.com/v1", "Job", "x"), OwnerKind::Other);
         let mut p = pod(running(), running(), true);
         p.metadata.owner_references = None;
         assert_eq!(owner_kind(&p), OwnerKind::Other);
+        // No creation time: nothing to compare the suffix with.
+        let mut p = pod(running(), running(), true);
+        p.metadata.owner_references.as_mut().expect("owners")[0].name = "report-29453760".into();
+        p.metadata.creation_timestamp = None;
+        assert_eq!(owner_kind(&p), OwnerKind::Job);
     }
 }

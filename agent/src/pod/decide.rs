@@ -60,8 +60,9 @@ pub enum IgnoreReason {
     Deleting,
     /// `restartPolicy: Always`: the containers never finish.
     RestartAlways,
-    /// The only sidecars are native (init containers with `restartPolicy: Always`): the kubelet
-    /// ends them.
+    /// The only sidecars are native ones (init containers with `restartPolicy: Always`) that
+    /// valet does not quit (neither a default name nor listed in `valet.dev/sidecars`): the
+    /// kubelet ends them once the apps have.
     NativeSidecars,
     /// No container is a sidecar.
     NoSidecars,
@@ -130,7 +131,7 @@ fn ignore_reason(plan: &PodPlan) -> Option<IgnoreReason> {
     } else if plan.restart_policy == RestartPolicy::Always {
         Some(IgnoreReason::RestartAlways)
     } else if plan.sidecars.is_empty() && !plan.native_sidecars.is_empty() {
-        // Native sidecars are ended by the kubelet; a regular sidecar beside them is still ours.
+        // Native sidecars valet does not quit are ended by the kubelet, seconds later.
         Some(IgnoreReason::NativeSidecars)
     } else if plan.sidecars.is_empty() {
         Some(IgnoreReason::NoSidecars)
@@ -382,8 +383,8 @@ mod tests {
                 IgnoreReason::NativeSidecars
             };
             assert_eq!(decide(&p, &all_done), Decision::Ignore(want), "{policy:?}");
-            // Native and regular sidecars together: the native one is the kubelet's business,
-            // the regular one is quit (otherwise the Job hangs on it).
+            // A native sidecar valet does not quit beside a regular one: the native one is the
+            // kubelet's business, the regular one is quit (otherwise the Job hangs on it).
             let mut p = plan(policy, &["app"], &["cloud-sql-proxy"]);
             p.native_sidecars = names(&["istio-proxy"]);
             let want_mixed = if policy == RestartPolicy::Always {
@@ -445,8 +446,18 @@ mod tests {
         let o = observed(&[("etl", AppState::Exited(ExitOutcome::Code(0)))], &[], &[]);
         assert_eq!(decide(&sql, &o), running(&["notify"]));
 
+        // The native istio-proxy is quit once the app has ended, however it ended (Never); the
+        // regular init container before it is no app.
         let native = plan_of(fixtures::native_sidecar_job());
-        assert_eq!(decide(&native, &Observed::default()), Decision::Ignore(IgnoreReason::NativeSidecars));
+        assert_eq!(decide(&native, &Observed::default()), running(&["train"]));
+        let o = observed(&[("train", AppState::Running)], &[("istio-proxy", SidecarState::Running)], &[]);
+        assert_eq!(decide(&native, &o), running(&["train"]));
+        for outcome in OUTCOMES {
+            let o = observed(&[("train", AppState::Exited(outcome))], &[("istio-proxy", SidecarState::Running)], &[]);
+            assert_eq!(decide(&native, &o), quit(&["istio-proxy"]), "{outcome:?}");
+            let o = observed(&[("train", AppState::Exited(outcome))], &[("istio-proxy", SidecarState::Exited)], &[]);
+            assert_eq!(decide(&native, &o), Decision::Done, "stopped by the kubelet first: {outcome:?}");
+        }
 
         let overridden = plan_of(fixtures::override_job());
         assert_eq!(decide(&overridden, &Observed::default()), Decision::Ignore(IgnoreReason::RestartAlways));

@@ -59,10 +59,15 @@ pub struct PodPlan {
     pub restart_policy: RestartPolicy,
     /// `spec.containers` in order, minus the sidecars.
     pub apps: Vec<String>,
-    /// In `spec.containers` order.
+    /// The sidecars valet quits: native ones (`spec.initContainers` with `restartPolicy:
+    /// Always`) in their order, then regular ones in `spec.containers` order. Both are found by
+    /// the same rules (`valet.dev/sidecars`, else the default names).
     pub sidecars: Vec<Sidecar>,
+    /// Every `spec.initContainers` name, native sidecars included: none is ever an app (a
+    /// regular one runs to completion before the apps start).
     pub init_containers: Vec<String>,
-    /// Init containers with `restartPolicy: Always` (KEP-753): the kubelet ends those itself.
+    /// Init containers with `restartPolicy: Always` (KEP-753), valet's sidecars or not: the
+    /// kubelet restarts them while an app runs and stops them once every app has ended.
     pub native_sidecars: Vec<String>,
     /// `valet.dev/hold-app: "true"`.
     pub hold_app: bool,
@@ -244,10 +249,11 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
     let sidecar_names = sidecar_names(&valet, &spec.containers, init, defaults)?;
     for (container, key, value) in valet.per_container() {
         if !sidecar_names.contains(container) {
-            let why = if spec.containers.iter().any(|c| c.name == container) {
+            let why = if spec.containers.iter().chain(init.iter().filter(|c| is_native(c))).any(|c| c.name == container)
+            {
                 "is not a sidecar of this pod (list it in valet.dev/sidecars)"
             } else {
-                "is not in spec.containers"
+                "is neither in spec.containers nor a native sidecar"
             };
             return Err(SpecError::UnknownSidecar {
                 key: key.to_owned(),
@@ -260,6 +266,13 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
 
     let mut apps = Vec::new();
     let mut sidecars = Vec::new();
+    // A native sidecar valet quits follows the same rules as a regular one; the kubelet ends the
+    // others once the apps have.
+    for container in init.iter().filter(|c| is_native(c)) {
+        if sidecar_names.contains(container.name.as_str()) {
+            sidecars.push(sidecar(container, &valet, annotations)?);
+        }
+    }
     for container in &spec.containers {
         if sidecar_names.contains(container.name.as_str()) {
             sidecars.push(sidecar(container, &valet, annotations)?);
@@ -291,11 +304,7 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
         apps,
         sidecars,
         init_containers: init.iter().map(|c| c.name.clone()).collect(),
-        native_sidecars: init
-            .iter()
-            .filter(|c| c.restart_policy.as_deref() == Some("Always"))
-            .map(|c| c.name.clone())
-            .collect(),
+        native_sidecars: init.iter().filter(|c| is_native(c)).map(|c| c.name.clone()).collect(),
         hold_app,
         hold_timeout,
         istio_holds_app,
@@ -305,24 +314,30 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
     })
 }
 
-/// The sidecar container names: the pod's own list, or else the agent's default names that the
-/// pod has, and a container named `envoy` that runs Envoy's own image beside other containers
-/// (name and image agree: Envoy beside an app is its proxy; alone, or under another name, it may
-/// be the work itself, and `valet.dev/sidecars` says otherwise).
+/// A native sidecar (KEP-753): an init container with `restartPolicy: Always`.
+fn is_native(c: &Container) -> bool {
+    c.restart_policy.as_deref() == Some("Always")
+}
+
+/// The sidecar container names, among `spec.containers` and the native sidecars: the pod's own
+/// list, or else the agent's default names that the pod has, and a container named `envoy` that
+/// runs Envoy's own image beside other containers (name and image agree: Envoy beside an app is
+/// its proxy; alone, or under another name, it may be the work itself, and `valet.dev/sidecars`
+/// says otherwise).
 fn sidecar_names<'a>(
     valet: &ValetAnnotations<'a>,
     containers: &'a [Container],
-    init: &[Container],
+    init: &'a [Container],
     defaults: &SidecarDefaults,
 ) -> Result<BTreeSet<&'a str>, SpecError> {
+    let candidates = || containers.iter().chain(init.iter().filter(|c| is_native(c)));
     let Some(list) = valet.sidecars else {
         let envoy_beside_others = |c: &Container| {
             c.name == "envoy"
-                && containers.len() > 1
+                && candidates().count() > 1
                 && c.image.as_deref().and_then(kind_from_image) == Some(SidecarKind::Envoy)
         };
-        return Ok(containers
-            .iter()
+        return Ok(candidates()
             .filter(|c| defaults.names.contains(&c.name) || envoy_beside_others(c))
             .map(|c| c.name.as_str())
             .collect());
@@ -332,11 +347,11 @@ fn sidecar_names<'a>(
         if entry.is_empty() {
             return Err(SpecError::malformed(SIDECARS, list, "empty entry (expected \"name1,name2\")"));
         }
-        let Some(container) = containers.iter().find(|c| c.name == entry) else {
+        let Some(container) = candidates().find(|c| c.name == entry) else {
             let why = if init.iter().any(|c| c.name == entry) {
-                "is an init container (native sidecars are left to the kubelet)"
+                "is an init container that runs to completion before the apps, not a sidecar"
             } else {
-                "is not in spec.containers"
+                "is neither in spec.containers nor a native sidecar"
             };
             return Err(SpecError::UnknownSidecar {
                 key: SIDECARS.to_owned(),
@@ -484,7 +499,7 @@ fn hold_timeout(text: &str) -> Result<Duration, SpecError> {
 }
 
 /// The kind the well-known injected container names stand for.
-fn kind_from_name(name: &str) -> Option<SidecarKind> {
+pub(crate) fn kind_from_name(name: &str) -> Option<SidecarKind> {
     match name {
         "istio-proxy" => Some(SidecarKind::Istio),
         "linkerd-proxy" => Some(SidecarKind::Linkerd),
@@ -569,6 +584,17 @@ mod tests {
         }
     }
 
+    /// The `istio-proxy` sidecar with Istio's defaults: quit through pilot-agent, ready on 15021.
+    fn istio_proxy() -> Sidecar {
+        Sidecar {
+            name: "istio-proxy".into(),
+            kind: SidecarKind::Istio,
+            quit: endpoint(15020, "/quitquitquit"),
+            ready: endpoint(15021, "/healthz/ready"),
+            quit_signal: libc::SIGTERM,
+        }
+    }
+
     fn endpoint(port: u16, path: &str) -> Option<Endpoint> {
         Some(Endpoint::new(port, path))
     }
@@ -580,16 +606,7 @@ mod tests {
         assert_eq!((p.namespace.as_str(), p.name.as_str()), ("batch", "report-28712345-x7k2p"));
         assert_eq!(p.restart_policy, RestartPolicy::Never);
         assert_eq!(p.apps, ["report"]);
-        assert_eq!(
-            p.sidecars,
-            [Sidecar {
-                name: "istio-proxy".into(),
-                kind: SidecarKind::Istio,
-                quit: endpoint(15020, "/quitquitquit"),
-                ready: endpoint(15021, "/healthz/ready"),
-                quit_signal: libc::SIGTERM,
-            }]
-        );
+        assert_eq!(p.sidecars, [istio_proxy()]);
         assert_eq!(p.init_containers, ["istio-init"]);
         assert!(p.native_sidecars.is_empty());
         assert!(!p.hold_app);
@@ -719,10 +736,74 @@ mod tests {
         let p = plan_of(&fixtures::native_sidecar_job());
         assert_eq!(p.init_containers, ["istio-validation", "istio-proxy"]);
         assert_eq!(p.native_sidecars, ["istio-proxy"]);
+        // Neither the regular init container nor the native sidecar is an app.
         assert_eq!(p.apps, ["train"]);
-        assert!(p.sidecars.is_empty());
+        // The native istio-proxy is quit like a regular one, through pilot-agent.
+        assert_eq!(p.sidecars, [istio_proxy()]);
         // Istio 1.27 as a native sidecar still gets its postStart hook when it holds the app.
         assert!(p.istio_holds_app);
+    }
+
+    // Native sidecars follow the same rules as regular ones: the default names, or the pod's
+    // list; a native helper that is not a proxy is ended by the signal the pod names; one that
+    // is not listed is left to the kubelet (and is not an app either); a regular init container
+    // is never a sidecar.
+    #[test]
+    fn native_sidecars_follow_the_regular_rules() {
+        let native_pod = |annotations: serde_json::Value| {
+            let mut pod = fixtures::pod(json!({
+                "restartPolicy": "OnFailure",
+                "initContainers": [
+                    {"name": "setup", "image": "busybox"},
+                    {"name": "cloud-sql-proxy", "image": "gcr.io/cloud-sql-connectors/cloud-sql-proxy:2.11",
+                     "restartPolicy": "Always"},
+                    {"name": "logs", "image": "fluent/fluent-bit:3.0", "restartPolicy": "Always"},
+                    {"name": "envoy", "image": "envoyproxy/envoy:v1.40.0", "restartPolicy": "Always"}
+                ],
+                "containers": [{"name": "etl", "image": "etl"}, {"name": "notify", "image": "notify"}]
+            }));
+            pod.metadata.annotations = serde_json::from_value(annotations).ok();
+            pod
+        };
+        let names = |p: &PodPlan| p.sidecars.iter().map(|s| (s.name.clone(), s.kind)).collect::<Vec<_>>();
+        // Defaults: the known name and Envoy by name and image beside the apps; not the logs.
+        let p = plan_of(&native_pod(json!({})));
+        assert_eq!(p.apps, ["etl", "notify"]);
+        assert_eq!(
+            names(&p),
+            [("cloud-sql-proxy".to_owned(), SidecarKind::CloudSql), ("envoy".to_owned(), SidecarKind::Envoy)]
+        );
+        assert_eq!(p.native_sidecars, ["cloud-sql-proxy", "logs", "envoy"]);
+        assert_eq!(p.init_containers, ["setup", "cloud-sql-proxy", "logs", "envoy"]);
+        // Listed, with a signal: the log shipper is ended like a regular helper.
+        let p = plan_of(&native_pod(json!({
+            "valet.dev/sidecars": "logs,cloud-sql-proxy",
+            "valet.dev/sidecar-kind.logs": "signal",
+            "valet.dev/quit-signal.logs": "SIGINT"
+        })));
+        assert_eq!(p.apps, ["etl", "notify"]);
+        assert_eq!(
+            names(&p),
+            [("cloud-sql-proxy".to_owned(), SidecarKind::CloudSql), ("logs".to_owned(), SidecarKind::Signal)]
+        );
+        assert_eq!(p.sidecars[1].quit_signal, libc::SIGINT);
+        assert_eq!(p.sidecars[1].quit, None);
+        // A regular init container is refused, saying why.
+        let e = err_of(&native_pod(json!({"valet.dev/sidecars": "setup"})));
+        assert_eq!(e.reason(), "UnknownSidecar");
+        assert!(e.to_string().contains("runs to completion"), "{e}");
+        // A per-container annotation for a native sidecar that is not listed.
+        let e = err_of(&native_pod(json!({"valet.dev/sidecars": "envoy", "valet.dev/sidecar-kind.logs": "signal"})));
+        assert!(e.to_string().contains("list it in valet.dev/sidecars"), "{e}");
+        // A logs-only native pod: nothing valet quits.
+        let pod = fixtures::pod(json!({
+            "restartPolicy": "Never",
+            "initContainers": [{"name": "logs", "image": "fluent/fluent-bit:3.0", "restartPolicy": "Always"}],
+            "containers": [{"name": "app", "image": "busybox"}]
+        }));
+        let p = plan_of(&pod);
+        assert_eq!((p.apps.as_slice(), p.sidecars.len()), (["app".to_owned()].as_slice(), 0));
+        assert_eq!(p.native_sidecars, ["logs"]);
     }
 
     #[test]

@@ -21,6 +21,16 @@
 //!   `restartCount` + 1, `lastState.terminated` holding the old instance. The back-off before a
 //!   restart is [`KubeletOptions::restart_backoff`] doubling per restart: **1 s by default, kinder
 //!   than the real kubelet's 10 s** (a test can set 10 s).
+//! - native sidecars (init containers with `restartPolicy: Always`, KEP-753) as
+//!   `computePodActions` runs them, deciding on what the last relist saw (the rules and their
+//!   sources: `docs/native-sidecars.md`): each starts in spec order and holds the next container
+//!   until a sync saw it running and its startupProbe passed; one seen exited while a regular
+//!   container runs (or is to be restarted) is restarted; once a sync sees every regular
+//!   container done (Never, or OnFailure after exit 0), the pod is killed: no sidecar is
+//!   restarted, whatever the relist saw of it, and the running ones are stopped last first, each
+//!   with its preStop hook, its turn, SIGTERM and SIGKILL at the end of the grace period. They
+//!   are reported in `initContainerStatuses`, with `started` false until their startupProbe
+//!   passed; their exit codes never fail the pod.
 //!
 //! Kinder behaviour is opt-in per pod: [`StatusTiming::AtOnce`] (status written the moment a
 //! container starts or exits), [`StatusTiming::Manual`] (the pod object is posted once and the
@@ -105,6 +115,12 @@ pub struct HttpProbe {
 }
 
 impl HttpProbe {
+    /// The startupProbe Istio's injector gives a native `istio-proxy` (Istio 1.27
+    /// `injection-template.yaml`): `GET :15021/healthz/ready`, periodSeconds 1, timeoutSeconds 3,
+    /// failureThreshold 600.
+    pub fn istio_startup() -> HttpProbe {
+        HttpProbe { period: Duration::from_secs(1), failure_threshold: 600, ..HttpProbe::istio() }
+    }
     /// The readinessProbe Istio's injector gives `istio-proxy`: `GET :15021/healthz/ready`,
     /// periodSeconds 15, timeoutSeconds 3, failureThreshold 4.
     pub fn istio() -> HttpProbe {
@@ -163,6 +179,12 @@ pub struct ContainerSpec {
     pub command: Option<Vec<String>>,
     pub spawn: SpawnOptions,
     pub readiness: Option<HttpProbe>,
+    /// A startupProbe (`httpGet` on the pod IP): a native sidecar holds the next container until
+    /// it passes (KEP-753); `started` is false in the status until then.
+    pub startup: Option<HttpProbe>,
+    /// A preStop `exec` hook, run in the container's pid and network namespaces when the kubelet
+    /// stops the container, before its SIGTERM.
+    pub pre_stop: Option<Vec<String>>,
 }
 
 impl ContainerSpec {
@@ -179,6 +201,14 @@ impl ContainerSpec {
     }
     pub fn kind(mut self, kind: ContainerKind) -> Self {
         self.kind = kind;
+        self
+    }
+    pub fn startup(mut self, probe: HttpProbe) -> Self {
+        self.startup = Some(probe);
+        self
+    }
+    pub fn pre_stop(mut self, cmd: &[&str]) -> Self {
+        self.pre_stop = Some(cmd.iter().map(|s| s.to_string()).collect());
         self
     }
 }
@@ -198,11 +228,22 @@ pub struct KubeletPod {
     /// Post the pod object when the kubelet takes the pod (default true; false: the test posts
     /// it, the kubelet's status writes go to it once it exists).
     pub post: bool,
+    /// `terminationGracePeriodSeconds` (default 30 s): how long the kubelet waits for a container
+    /// it stops (preStop hook, its turn, SIGTERM) before its SIGKILL.
+    pub grace_period: Duration,
 }
 
 impl KubeletPod {
     pub fn new(json: PodJsonOptions, containers: Vec<ContainerSpec>) -> KubeletPod {
-        KubeletPod { json, containers, status: StatusTiming::Relist, bundles: true, report_pod_ip: true, post: true }
+        KubeletPod {
+            json,
+            containers,
+            status: StatusTiming::Relist,
+            bundles: true,
+            report_pod_ip: true,
+            post: true,
+            grace_period: Duration::from_secs(30),
+        }
     }
 }
 
@@ -289,6 +330,8 @@ struct Instance {
     /// The kubelet has seen it running (a relist did): probes may start.
     seen: Arc<AtomicBool>,
     ready: Arc<AtomicBool>,
+    /// Its startupProbe passed (true from the start without one).
+    started_ok: Arc<AtomicBool>,
     /// Stops its probe thread.
     stop: Arc<AtomicBool>,
     cgroup_removed: bool,
@@ -318,6 +361,22 @@ struct KContainer {
     restart_count: u32,
     last_terminated: Option<Value>,
     restart_at: Option<Instant>,
+    /// The kubelet is stopping its current instance (native sidecars once the pod's regular
+    /// containers are done).
+    stopping: Option<Stopping>,
+}
+
+/// One container the kubelet stops, as `killContainer` does (`kuberuntime_container.go`): the
+/// preStop hook, then its turn (`terminationOrdering.waitForTurn`: a native sidecar waits for the
+/// regular containers and the sidecars after it), then `StopContainer` (SIGTERM, SIGKILL when the
+/// grace period is over), each step taking from one grace period.
+#[derive(Debug)]
+struct Stopping {
+    pre_stop: Option<SimProcess>,
+    /// The end of the grace period.
+    deadline: Instant,
+    sigterm_at: Option<Instant>,
+    kill_at: Option<Instant>,
 }
 
 /// What a relist saw of one container.
@@ -348,6 +407,9 @@ struct KPod {
     changed: bool,
     /// When the next init/main container may start (the kubelet acts on relists).
     next_step_at: Option<Instant>,
+    /// When a sync found every regular container done and killed the pod (`computePodActions`:
+    /// `KillPod`, no init container restarted): its native sidecars are being stopped.
+    killing: Option<Instant>,
 }
 
 struct Inner {
@@ -423,6 +485,7 @@ impl Kubelet {
                 restart_count: 0,
                 last_terminated: None,
                 restart_at: None,
+                stopping: None,
             })
             .collect();
         let n = spec.containers.len();
@@ -448,6 +511,7 @@ impl Kubelet {
             dirty: Arc::new(AtomicBool::new(false)),
             changed: true,
             next_step_at: Some(Instant::now()),
+            killing: None,
         };
         // The sandbox's process is named `pause`, like the real one (its comm is what a node
         // shows for it before any name is known).
@@ -577,6 +641,7 @@ impl Inner {
             exit: None,
             seen: Arc::new(AtomicBool::new(false)),
             ready: Arc::new(AtomicBool::new(false)),
+            started_ok: Arc::new(AtomicBool::new(spec.is_none_or(|s| s.startup.is_none()))),
             stop: Arc::new(AtomicBool::new(false)),
             cgroup_removed: false,
             bundle_remove_at: None,
@@ -589,8 +654,18 @@ impl Inner {
             let started = Instant::now();
             std::thread::Builder::new()
                 .name("sim-prober".into())
-                .spawn(move || probe_loop(probe, ip, started, seen, ready, stop, dirty))
+                .spawn(move || probe_loop(probe, ip, started, seen, ready, stop, dirty, false))
                 .context("probe thread")?;
+        }
+        if let Some(probe) = spec.and_then(|s| s.startup.clone()) {
+            let ip = kpod.sim.pod_ip();
+            let (seen, started_ok, stop, dirty) =
+                (inst.seen.clone(), inst.started_ok.clone(), inst.stop.clone(), kpod.dirty.clone());
+            let started = Instant::now();
+            std::thread::Builder::new()
+                .name("sim-startup".into())
+                .spawn(move || probe_loop(probe, ip, started, seen, started_ok, stop, dirty, true))
+                .context("startup probe thread")?;
         }
         Ok(inst)
     }
@@ -653,7 +728,8 @@ impl Inner {
                 continue;
             }
             let restart = match k.spec.kind {
-                ContainerKind::NativeSidecar => true,
+                // Decided by the sync that sees the exit (see `sync`): not if the pod is done.
+                ContainerKind::NativeSidecar => false,
                 _ => policy == "Always" || (policy == "OnFailure" && exit.code != 0),
             };
             if restart && k.spec.command.is_some() {
@@ -662,7 +738,16 @@ impl Inner {
                 k.restart_at = Some(self.next_tick_after(exit.at) + backoff);
             }
         }
+        let done = regular_done(kpod);
         for i in 0..kpod.containers.len() {
+            if kpod.containers[i].spec.kind == ContainerKind::NativeSidecar
+                && kpod.containers[i].restart_at.is_some()
+                && (done || kpod.killing.is_some())
+            {
+                // The sync at the end of the back-off sees every regular container done: it kills
+                // the pod instead (`computePodActions` drops `InitContainersToStart`).
+                kpod.containers[i].restart_at = None;
+            }
             if kpod.containers[i].restart_at.is_some_and(|t| now >= t) {
                 let cmd = kpod.containers[i].spec.command.clone().unwrap_or_default();
                 if let Err(e) = self.start_container_at(kpod, i, &cmd) {
@@ -672,6 +757,9 @@ impl Inner {
             }
         }
         // Start what comes next, in spec order: init steps one at a time, then every container.
+        if kpod.next_step_at.is_some_and(|t| now >= t) && kpod.killing.is_some() {
+            kpod.next_step_at = None;
+        }
         if kpod.next_step_at.is_some_and(|t| now >= t) {
             kpod.next_step_at = None;
             let mut blocked = false;
@@ -693,7 +781,10 @@ impl Inner {
                         blocked = true
                     }
                     (ContainerKind::Init, Some(_)) => {}
-                    (ContainerKind::NativeSidecar, Some(_)) => {}
+                    // A native sidecar lets the next container start once a sync saw it running
+                    // and its startupProbe (if any) passed.
+                    (ContainerKind::NativeSidecar, Some(inst))
+                        if inst.seen.load(Ordering::SeqCst) && inst.started_ok.load(Ordering::SeqCst) => {}
                     _ if is_init => blocked = true,
                     _ => {}
                 }
@@ -708,6 +799,7 @@ impl Inner {
         {
             kpod.next_step_at = Some(self.next_tick_after(now) + uniform(self.opts.status_sync_delay));
         }
+        self.stop_sidecars(kpod, now);
         // The runtime cleans up after exited containers.
         let cg_delay = self.opts.cgroup_removal_delay;
         let bundle_delay = self.opts.bundle_removal_delay;
@@ -728,6 +820,108 @@ impl Inner {
                 }
             }
             k.old.retain(|i| !i.done());
+        }
+    }
+
+    /// What a sync does with what the last relist saw, for native sidecars
+    /// (`computePodActions`, `computeInitContainerActions`): while a regular container still
+    /// runs (or is to be restarted), a native sidecar seen exited is restarted after the back-off;
+    /// once every regular container is seen done, the pod is killed: no sidecar is restarted and
+    /// the running ones are stopped (see [`Inner::stop_sidecars`]). The containers not started
+    /// yet are started once what holds them (a sidecar's startup) is seen.
+    fn sync(&self, kpod: &mut KPod, now: Instant) {
+        let has_native = kpod.containers.iter().any(|k| k.spec.kind == ContainerKind::NativeSidecar);
+        if kpod.killing.is_none() && has_native && regular_done(kpod) {
+            kpod.killing = Some(now);
+            let grace = kpod.spec.grace_period;
+            let sim = kpod.sim.clone();
+            for k in kpod.containers.iter_mut().filter(|k| k.spec.kind == ContainerKind::NativeSidecar) {
+                k.restart_at = None;
+                let Some(inst) = k.current.as_ref().filter(|i| i.exit.is_none()) else { continue };
+                // The preStop hooks of every container start at once (each `killContainer` runs
+                // in a goroutine of its own); each one's turn comes after.
+                let pre_stop = k.spec.pre_stop.as_ref().and_then(|cmd| {
+                    let args: Vec<&str> = cmd.iter().map(String::as_str).collect();
+                    let ns = PathBuf::from(format!("/proc/{}/ns/pid", inst.proc_.host_pid()));
+                    let spawn = SpawnOptions { join_pid_namespace: Some(ns), ..Default::default() };
+                    sim.spawn(&k.spec.name, &args, &spawn)
+                        .map_err(|e| tracing::warn!("sim kubelet: preStop of {} failed: {e:#}", k.spec.name))
+                        .ok()
+                });
+                k.stopping = Some(Stopping { pre_stop, deadline: now + grace, sigterm_at: None, kill_at: None });
+            }
+            kpod.changed = true;
+            return;
+        }
+        if kpod.killing.is_some() {
+            return;
+        }
+        for (k, seen) in kpod.containers.iter_mut().zip(kpod.seen.iter()) {
+            if k.spec.kind != ContainerKind::NativeSidecar || k.restart_at.is_some() || k.spec.command.is_none() {
+                continue;
+            }
+            let seen_exited =
+                seen.exit.is_some() && k.current.as_ref().is_some_and(|c| Some(&c.c.id) == seen.id.as_ref());
+            if seen_exited {
+                let shift = k.restart_count.min(16);
+                let backoff = self.opts.restart_backoff.saturating_mul(1 << shift).min(self.opts.max_restart_backoff);
+                k.restart_at = Some(now + backoff);
+            }
+        }
+        let waiting = kpod.containers.iter().any(|k| k.current.is_none() && k.spec.command.is_some());
+        if waiting && kpod.next_step_at.is_none() {
+            kpod.next_step_at = Some(now + uniform(self.opts.status_sync_delay));
+        }
+    }
+
+    /// Stops a killed pod's native sidecars, last first (see [`Stopping`]).
+    fn stop_sidecars(&self, kpod: &mut KPod, now: Instant) {
+        if kpod.killing.is_none() {
+            return;
+        }
+        let regular_ended = kpod
+            .containers
+            .iter()
+            .filter(|k| k.spec.kind != ContainerKind::NativeSidecar)
+            .all(|k| k.current.as_ref().is_none_or(|c| c.exit.is_some()));
+        // Whether every sidecar after index i has exited.
+        let n = kpod.containers.len();
+        let mut later_ended = vec![true; n + 1];
+        for i in (0..n).rev() {
+            let k = &kpod.containers[i];
+            let ended =
+                k.spec.kind != ContainerKind::NativeSidecar || k.current.as_ref().is_none_or(|c| c.exit.is_some());
+            later_ended[i] = later_ended[i + 1] && ended;
+        }
+        for i in (0..n).rev() {
+            let k = &mut kpod.containers[i];
+            let Some(st) = k.stopping.as_mut() else { continue };
+            let Some(inst) = k.current.as_ref().filter(|c| c.exit.is_none()) else {
+                if let Some(p) = st.pre_stop.as_mut() {
+                    let _ = p.kill();
+                }
+                k.stopping = None;
+                continue;
+            };
+            if st.sigterm_at.is_none() {
+                let hook_running = st.pre_stop.as_mut().is_some_and(|p| matches!(p.try_wait(), Ok(None)));
+                let my_turn = regular_ended && later_ended[i + 1];
+                if (hook_running || !my_turn) && now < st.deadline {
+                    continue;
+                }
+                if let Some(p) = st.pre_stop.as_mut() {
+                    let _ = p.kill();
+                }
+                // What is left of the grace period, at least the kubelet's minimum of 2 s.
+                st.sigterm_at = Some(now);
+                st.kill_at = Some(st.deadline.max(now + Duration::from_secs(2)));
+                if let Err(e) = inst.proc_.signal(libc::SIGTERM) {
+                    tracing::warn!("sim kubelet: SIGTERM to {} failed: {e:#}", k.spec.name);
+                }
+            } else if st.kill_at.is_some_and(|t| now >= t) {
+                st.kill_at = None;
+                let _ = inst.proc_.signal(libc::SIGKILL);
+            }
         }
     }
 
@@ -805,24 +999,45 @@ impl Inner {
                     (false, false, Some(exit.code), false)
                 }
             };
+            // `started`: running and past its startupProbe (the kubelet's startup manager).
+            let started = running
+                && k.current
+                    .as_ref()
+                    .is_some_and(|c| Some(&c.c.id) == seen.id.as_ref() && c.started_ok.load(Ordering::SeqCst));
             v["ready"] = json!(ready);
-            v["started"] = json!(running);
+            v["started"] = json!(started);
+            // For native sidecars, `waiting` is "pending" in the kubelet's `getPhase`: not seen yet
+            // (and never terminated), or running but not started.
+            let waiting = match k.spec.kind {
+                ContainerKind::NativeSidecar => waiting || (running && !started),
+                _ => waiting,
+            };
             statuses.push((k.spec.kind, v, running, ready, code, waiting));
         }
-        let init_done = statuses.iter().all(|(kind, _, running, _, code, _)| match kind {
+        let any_regular_seen = kpod
+            .seen
+            .iter()
+            .zip(kpod.containers.iter())
+            .any(|(s, k)| k.spec.kind == ContainerKind::Main && s.id.is_some());
+        // `GeneratePodInitializedCondition`: regular init containers succeeded, and the native
+        // sidecars started (or a regular container has started already).
+        let init_done = statuses.iter().all(|(kind, v, _, _, code, _)| match kind {
             ContainerKind::Init => *code == Some(0),
-            ContainerKind::NativeSidecar => *running,
+            ContainerKind::NativeSidecar => any_regular_seen || v["started"] == true,
             ContainerKind::Main => true,
         });
         let policy = kpod.spec.json.restart_policy.as_str();
         let main: Vec<_> = statuses.iter().filter(|s| s.0 == ContainerKind::Main).collect();
         let waiting = main.iter().filter(|s| s.5).count();
-        let running = main.iter().filter(|s| s.2).count();
+        // `getPhase`: a running native sidecar keeps the pod Running; a pending one keeps it
+        // Pending; a terminated one does not count (its exit code never fails the pod).
+        let native_pending = statuses.iter().filter(|s| s.0 == ContainerKind::NativeSidecar && s.5).count();
+        let running = statuses.iter().filter(|s| s.0 != ContainerKind::Init && s.2).count();
         let init_failed =
             statuses.iter().any(|s| s.0 == ContainerKind::Init && s.4.is_some_and(|c| c != 0) && policy == "Never");
         let phase = if init_failed {
             "Failed"
-        } else if !init_done || waiting > 0 {
+        } else if !init_done || waiting > 0 || native_pending > 0 {
             "Pending"
         } else if running > 0 {
             "Running"
@@ -936,6 +1151,7 @@ impl Inner {
                 StatusTiming::Relist => {
                     if relist {
                         self.relist(kpod);
+                        self.sync(kpod, now);
                         kpod.pending_write = Some(now + uniform(self.opts.status_sync_delay));
                     } else if probe_changed && kpod.pending_write.is_none() {
                         kpod.pending_write = Some(now + uniform(self.opts.status_sync_delay));
@@ -944,6 +1160,7 @@ impl Inner {
                 StatusTiming::AtOnce => {
                     if relist || kpod.changed {
                         self.relist(kpod);
+                        self.sync(kpod, now);
                         kpod.pending_write = Some(now);
                     } else if probe_changed {
                         kpod.pending_write = Some(now);
@@ -953,8 +1170,13 @@ impl Inner {
                     if relist {
                         // The kubelet still sees its containers (probes start); it writes nothing.
                         self.relist(kpod);
+                        self.sync(kpod, now);
                     }
                 }
+            }
+            if probe_changed {
+                // A startup probe's result syncs the pod at once (the prober's update channel).
+                self.sync(kpod, now);
             }
             kpod.changed = false;
             if !held && kpod.pending_write.is_some_and(|t| now >= t) {
@@ -1007,6 +1229,20 @@ impl Drop for Inner {
     }
 }
 
+/// Whether the last relist saw every regular container done for good: exited, and not to be
+/// restarted (restartPolicy Never, or OnFailure after exit 0; never with Always). The kubelet
+/// then kills the pod (`computePodActions`: no container to keep or start).
+fn regular_done(kpod: &KPod) -> bool {
+    let policy = kpod.spec.json.restart_policy.as_str();
+    let mut regular = kpod.containers.iter().zip(kpod.seen.iter()).filter(|(k, _)| k.spec.kind == ContainerKind::Main);
+    policy != "Always"
+        && kpod.containers.iter().any(|k| k.spec.kind == ContainerKind::Main)
+        && regular.all(|(k, seen)| {
+            seen.exit.as_ref().is_some_and(|e| policy == "Never" || e.code == 0)
+                && k.current.as_ref().is_some_and(|c| Some(&c.c.id) == seen.id.as_ref())
+        })
+}
+
 fn reason(exit: &Exit) -> &'static str {
     match (exit.code, exit.signal) {
         (0, _) => "Completed",
@@ -1026,7 +1262,10 @@ fn terminated_json(inst: &Instance, exit: &Exit, scheme: &str) -> Value {
 
 /// The kubelet's prober: waits until the kubelet saw the container running, honours the initial
 /// delay, then probes every period; ready after one success, not ready after
-/// `failure_threshold` failures in a row.
+/// `failure_threshold` failures in a row. A startup probe (`once`) stops at its first success.
+/// (A startup probe's `failure_threshold` failures, which make the kubelet restart the
+/// container, are not modelled: it keeps probing.)
+#[allow(clippy::too_many_arguments)]
 fn probe_loop(
     probe: HttpProbe,
     ip: Option<Ipv4Addr>,
@@ -1035,6 +1274,7 @@ fn probe_loop(
     ready: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
     dirty: Arc<AtomicBool>,
+    once: bool,
 ) {
     let sleep_until = |t: Instant| {
         while Instant::now() < t {
@@ -1065,7 +1305,10 @@ fn probe_loop(
             if !ready.swap(true, Ordering::SeqCst) {
                 dirty.store(true, Ordering::SeqCst);
             }
-        } else {
+            if once {
+                return;
+            }
+        } else if !once {
             failures += 1;
             if failures >= probe.failure_threshold && ready.swap(false, Ordering::SeqCst) {
                 dirty.store(true, Ordering::SeqCst);
@@ -1123,11 +1366,19 @@ fn initial_pod(sim: &SimPod, spec: &KubeletPod) -> Value {
     for list in ["containers", "initContainers"] {
         for c in pod["spec"][list].as_array_mut().into_iter().flatten() {
             let name = c["name"].as_str().unwrap_or_default().to_string();
-            if let Some(probe) = spec.containers.iter().find(|s| s.name == name).and_then(|s| s.readiness.as_ref()) {
+            let Some(cs) = spec.containers.iter().find(|s| s.name == name) else { continue };
+            if let Some(probe) = &cs.readiness {
                 c["readinessProbe"] = probe.json();
+            }
+            if let Some(probe) = &cs.startup {
+                c["startupProbe"] = probe.json();
+            }
+            if let Some(cmd) = &cs.pre_stop {
+                c["lifecycle"] = json!({"preStop": {"exec": {"command": cmd}}});
             }
         }
     }
+    pod["spec"]["terminationGracePeriodSeconds"] = json!(spec.grace_period.as_secs());
     let waiting = |c: &Value| {
         json!({"name": c["name"], "image": c["image"], "imageID": "", "ready": false, "started": false,
                "restartCount": 0, "state": {"waiting": {"reason": "ContainerCreating"}}, "lastState": {}})

@@ -178,6 +178,42 @@ fn istio_sigterm_drains_then_exits_zero() {
 }
 
 #[test]
+fn istio_quit_during_the_drain_exits_zero_at_once() {
+    // pilot-agent keeps its status server up while it drains: a quit then ends the drain. The
+    // drain (60 s) is longer than the wait: only the quit can end the process in time.
+    let status = free_port();
+    let mut proxy = start(
+        &[
+            "--kind",
+            "istio",
+            "--status-port",
+            &status.to_string(),
+            "--health-port",
+            &free_port().to_string(),
+            "--admin-port",
+            &free_port().to_string(),
+            "--drain-ms",
+            "60000",
+        ],
+        status,
+    );
+    // SAFETY: plain syscall on our own child.
+    unsafe { libc::kill(proxy.child.id() as i32, libc::SIGTERM) };
+    assert!(proxy.child.try_wait().expect("poll").is_none(), "draining");
+    let r = client::post(lo(status), "/quitquitquit", T).expect("quit");
+    assert_eq!(r.status, 200);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let code = loop {
+        if let Some(st) = proxy.child.try_wait().expect("poll") {
+            break st.code();
+        }
+        assert!(Instant::now() < deadline, "still draining 30 s after the quit");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(code, Some(0));
+}
+
+#[test]
 fn usage_errors() {
     let out = Command::new(env!("CARGO_BIN_EXE_valet-standin-proxy")).args(["--kind", "nginx"]).output().expect("run");
     assert_eq!(out.status.code(), Some(2));

@@ -158,5 +158,6 @@ pub(super) fn accepted() -> QuitOutcome {
 
 mod containers;
 mod hold;
+mod native;
 mod quit;
 mod ready;

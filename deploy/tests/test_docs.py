@@ -1,0 +1,40 @@
+"""The README and docs/ as an operator reads them: lines that fit a screen, links that lead somewhere."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", ROOT / "SECURITY.md", ROOT / "deploy/README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def prose(path: Path) -> list[tuple[int, str]]:
+    """(line number, line) of every line outside fenced code blocks."""
+    lines, fenced = [], False
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append((n, line))
+    return lines
+
+
+def test_readme_lines_fit_120_columns() -> None:
+    wide = [f"README.md:{n}: {len(line)} characters" for n, line in prose(ROOT / "README.md") if len(line) > 120]
+    assert not wide, "\n".join(wide)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_lead_to_files(page: Path) -> None:
+    broken = []
+    for n, line in prose(page):
+        for target in LINK.findall(line):
+            if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = target.split("#", 1)[0]
+            if not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}:{n}: {target}")
+    assert not broken, "\n".join(broken)
