@@ -53,6 +53,7 @@ use valet_common::{
     CGROUP_V2, CONTAINERS_CAPACITY, COUNTER_SLOTS, ContainerMain, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY,
     EXEC_CLASS_PASS, HELD_CAPACITY, HeldRecord, KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_CGROUP_SUBSYS,
     MAX_HOST_PIDNS_LEVEL, OFFSET_UNKNOWN, WATCHED_CAPACITY, container_flags, event_flags, event_kind, watch_flags,
+    watched_hold_timeout_ns,
 };
 
 const SIGSTOP: u32 = 19;
@@ -471,7 +472,10 @@ fn exec_impl<const WALK: bool>() -> u32 {
     };
     // Recorded before the stop: an agent that dies from here on leaves a record its successor
     // releases by. A pid held before (it exited while no agent ran) is overwritten.
-    let record = HeldRecord { cgroup_id: container, ktime_ns: now };
+    // The deadline travels with the record: whatever becomes of the agent, any valet process
+    // that reads the pinned map releases the process by then.
+    let deadline_ns = now.saturating_add(watched_hold_timeout_ns(flags));
+    let record = HeldRecord { cgroup_id: container, ktime_ns: now, deadline_ns };
     match HELD.insert(info.host_nr, record, 0) {
         Ok(()) => {}
         Err(e) => {

@@ -81,12 +81,35 @@ pub struct Config {
     #[arg(long, env = "VALET_HOST_ROOT", default_value = "/")]
     pub host_root: PathBuf,
 
+    /// The kernel's BTF, where the kernel programs' struct offsets are read (default: the host's
+    /// /sys/kernel/btf/vmlinux). For a kernel without BTF of its own, a BTF file made for it
+    /// (e.g. from BTFHub). Where the programs cannot load (no BTF, lockdown, BPF denied...), the
+    /// agent runs degraded rather than exit: ends from the API, no holds (see valet_node_info).
+    #[arg(long, env = "VALET_KERNEL_BTF")]
+    pub kernel_btf: Option<PathBuf>,
+
+    /// runtimeClassNames whose pods run out of the node's kernel's sight (VM or user-space
+    /// kernel sandboxes: Kata, gVisor, GKE Sandbox). Their ends are taken from the API and their
+    /// apps are never held. A trailing `*` matches any suffix.
+    #[arg(
+        long,
+        env = "VALET_SANDBOXED_RUNTIME_CLASSES",
+        value_delimiter = ',',
+        default_value = "kata,kata-*,gvisor,gvisor-*,runsc,runsc-*"
+    )]
+    pub sandboxed_runtime_classes: Vec<String>,
+
     /// A directory on bpffs (the host's, shared with the agent's successors) where the record of
     /// the processes the kernel stopped at exec is pinned: an agent that dies while holding
     /// apps leaves its successor every one of them to release. `/sys/fs/bpf` is mounted as
     /// bpffs first if it is not yet.
     #[arg(long, env = "VALET_PIN_DIR", default_value = "/sys/fs/bpf/valet")]
     pub pin_dir: PathBuf,
+
+    /// Pin directories an earlier version used (an upgrade that changes `--pin-dir`): the
+    /// records of holds found there are released at their deadline, and moved into `--pin-dir`.
+    #[arg(long = "old-pin-dir", env = "VALET_OLD_PIN_DIRS", value_delimiter = ',')]
+    pub old_pin_dirs: Vec<PathBuf>,
 
     /// Container names treated as sidecars unless a pod's valet.dev/sidecars annotation says otherwise.
     #[arg(
@@ -200,6 +223,11 @@ impl Config {
         crate::runtime::WELL_KNOWN_STATE_DIRS.iter().map(|d| self.host_root.join(d)).collect()
     }
 
+    /// Where the kernel programs' BTF is read from.
+    pub fn btf_path(&self) -> PathBuf {
+        self.kernel_btf.clone().unwrap_or_else(|| self.host_root.join(crate::kernel::programs::KERNEL_BTF))
+    }
+
     /// Checks what clap cannot.
     pub fn validate(&self) -> Result<()> {
         if self.node_name.trim().is_empty() {
@@ -218,6 +246,12 @@ impl Config {
         }
         if self.held_probe_budget == 0 {
             return Err(Error::Config("--held-probe-budget must be greater than zero".into()));
+        }
+        if self.sandboxed_runtime_classes.iter().any(|n| n.trim().is_empty() || n.trim() == "*") {
+            return Err(Error::Config(
+                "--sandboxed-runtime-classes has an empty entry or a bare * (every pod would be taken as sandboxed)"
+                    .into(),
+            ));
         }
         if self.sidecar_names.iter().any(|n| n.trim().is_empty()) {
             return Err(Error::Config("--sidecar-names has an empty entry".into()));
@@ -277,6 +311,23 @@ mod tests {
         assert!(bad.validate().is_err());
         assert!(Config::try_parse_from(["valet-agent", "--node-name", "n1", "--held-probe-budget", "-1"]).is_err());
         assert_eq!(cfg.watch_timeout, Duration::from_secs(290));
+        assert_eq!(cfg.sandboxed_runtime_classes, ["kata", "kata-*", "gvisor", "gvisor-*", "runsc", "runsc-*"]);
+        assert_eq!(cfg.btf_path(), PathBuf::from("/sys/kernel/btf/vmlinux"));
+        let custom = Config::try_parse_from([
+            "valet-agent",
+            "--node-name",
+            "n1",
+            "--kernel-btf",
+            "/b",
+            "--sandboxed-runtime-classes",
+            "x,y*",
+        ])
+        .expect("parse");
+        assert_eq!(custom.btf_path(), PathBuf::from("/b"));
+        assert_eq!(custom.sandboxed_runtime_classes, ["x", "y*"]);
+        let mut bad = cfg.clone();
+        bad.sandboxed_runtime_classes = vec!["*".into()];
+        assert!(bad.validate().is_err());
         let mut bad = cfg.clone();
         bad.watch_timeout = Duration::from_millis(500);
         assert!(bad.validate().is_err());

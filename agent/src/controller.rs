@@ -95,9 +95,9 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         self.health.programs_attached.store(true, Ordering::Relaxed);
-        if !self.act.held_record_pinned() {
+        if !self.act.held_record_pinned() && matches!(self.rules.mode, crate::vocab::NodeMode::Kernel) {
             warn!(
-                "the record of held apps is not pinned: apps held when this agent dies stay stopped until they time out in its successor or their pod ends"
+                "the record of held apps is not pinned: no app is held on this node (a hold no successor could find might outlive its deadline); each pod that asks gets a HoldUnavailable Event"
             );
         }
         loop {

@@ -98,6 +98,9 @@ pub enum Effect {
         pod_rel: String,
         exits: bool,
         hold: bool,
+        /// The pod's hold timeout: the kernel's record of each process it holds carries the
+        /// deadline it makes (released then even with no agent, or no API).
+        hold_timeout: std::time::Duration,
     },
     Unwatch {
         pod_cgroup: u64,
@@ -123,6 +126,9 @@ pub enum Effect {
         instance: Option<String>,
         endpoint: Endpoint,
         pod_rel: String,
+        /// Set for a sandboxed pod: its loopback is inside the sandbox, out of the node's reach,
+        /// so the quit goes to the pod IP instead.
+        pod_ip: Option<String>,
     },
     /// Signal a sidecar's processes: a helper whose quit is a signal, or a sidecar still running
     /// after its quit (answered with [`Feedback::Signalled`]).
@@ -189,9 +195,12 @@ pub enum Count {
     ConditionPatch {
         ok: bool,
     },
+    /// A pod the node's kernel cannot see, served from the API, with the reason's label.
+    ApiPath(&'static str),
 }
 
-/// Results of effects, fed back into the pod's state.
+/// Results of effects, fed back into the pod's state. `ConditionWritten::version` is the pod's
+/// resourceVersion the write produced, when the server said it.
 #[derive(Clone, Debug)]
 pub enum Feedback {
     PodCgroup { rel: String, id: u64 },
@@ -201,5 +210,5 @@ pub enum Feedback {
     Probed { ready: bool, detail: String },
     QuitDone { sidecar: String, outcome: QuitOutcome },
     Signalled { sidecar: String, signal: i32, signalled: usize },
-    ConditionWritten { want: ProxyReady, error: Option<String> },
+    ConditionWritten { want: ProxyReady, error: Option<String>, version: Option<String> },
 }

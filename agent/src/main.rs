@@ -8,15 +8,22 @@ use anyhow::Context as _;
 use clap::Parser as _;
 use futures::StreamExt as _;
 use kube::runtime::watcher;
-use tracing::{error, info};
+use nix::sys::signal::{SigSet, Signal};
+use std::path::PathBuf;
+use tracing::{error, info, warn};
 use tracing_subscriber::EnvFilter;
 use valet_agent::act::{Actuators, Settings};
 use valet_agent::api::events::EventSink;
 use valet_agent::cgroup::CgroupFs;
 use valet_agent::cgroup::root::find_node_cgroups;
+use valet_agent::config::parse_duration;
 use valet_agent::config::{Config, LogFormat};
 use valet_agent::controller::Controller;
 use valet_agent::error::Chain;
+use valet_agent::kernel::deadlines::{DEFER, Keeper, KeeperSettings};
+use valet_agent::kernel::events::monotonic_ns;
+use valet_agent::kernel::held::pin_paths;
+use valet_agent::kernel::mode::{self, NoKernel, NodeEvents, NodeFacts, NodeKernel};
 use valet_agent::kernel::programs::AncestorMode;
 use valet_agent::kernel::{Attach, EventReader, Programs, memory};
 use valet_agent::metrics::Metrics;
@@ -26,6 +33,7 @@ use valet_agent::pod::state::Rules;
 use valet_agent::runtime::RuntimeBundles;
 use valet_agent::server::{self, Health};
 use valet_agent::sidecar::netns::PodNetwork;
+use valet_agent::vocab::NodeMode;
 
 fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
@@ -51,7 +59,30 @@ async fn shutdown_signal() {
     }
 }
 
-async fn run(cfg: Config) -> anyhow::Result<()> {
+/// Releases the held apps past their deadline in the pinned record of holds, first thing (before
+/// anything that can fail or wait for the API), then keeps doing so on a thread of its own for
+/// the agent's life: a crash loop or an API outage leaves no app stopped past its deadline.
+fn keep_deadlines(cfg: &Config, metrics: &Arc<Metrics>, health: &Arc<Health>) {
+    match find_node_cgroups(cfg.cgroup_root.as_deref(), &cfg.cgroup_mount, &cfg.host_proc) {
+        Ok(found) => {
+            let root = found.root;
+            let settings = KeeperSettings {
+                pins: pin_paths(&cfg.pin_dir, &cfg.old_pin_dirs),
+                host_proc: cfg.host_proc.clone(),
+                default_timeout: cfg.hold_timeout,
+            };
+            // Until the pods are listed no pod loop can release; from then on they release first.
+            let health = health.clone();
+            let defer = move || {
+                if health.pods_listed.load(std::sync::atomic::Ordering::Relaxed) { DEFER } else { Duration::ZERO }
+            };
+            Keeper::new(settings, CgroupFs::new(root), Some(metrics.clone()), defer).start();
+        }
+        Err(e) => error!("no cgroup hierarchy, so no release of held apps at their deadline: {}", e.chain()),
+    }
+}
+
+async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow::Result<()> {
     cfg.validate()?;
     let cfg = Arc::new(cfg);
     let node_cgroups = find_node_cgroups(cfg.cgroup_root.as_deref(), &cfg.cgroup_mount, &cfg.host_proc)?;
@@ -63,8 +94,6 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         env!("CARGO_PKG_VERSION")
     );
 
-    let metrics = Arc::new(Metrics::new());
-    let health = Arc::new(Health::default());
     // Bind first: a bad or busy address is a configuration error, reported before anything else.
     let listener = server::bind(cfg.metrics_addr).await?;
     tokio::spawn(server::serve(listener, metrics.clone(), health.clone()));
@@ -83,12 +112,41 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let attach =
         Attach { ancestors: AncestorMode::from_env()?, hierarchy: node_cgroups.hierarchy, ..Attach::default() };
     memory::note("before loading the kernel programs");
-    let mut programs =
-        Programs::load_pinned(&cfg.host_root, attach, Some(&cfg.pin_dir)).context("load kernel programs")?;
-    if let Some(logger) = programs.take_logger() {
-        tokio::spawn(valet_agent::kernel::programs::drain_kernel_log(logger));
+    let btf = cfg.btf_path();
+    let (mut kernel, mode) = match Programs::load_with_btf(&cfg.host_root, attach, Some(&cfg.pin_dir), &btf) {
+        Ok(programs) => (NodeKernel::Loaded(Box::new(programs)), NodeMode::Kernel),
+        Err(e) => {
+            // A node valet cannot watch in the kernel is still served, from the API: a crash
+            // loop would help no pod on it.
+            let why = e.chain().to_string();
+            let reason = mode::classify(&why, &NodeFacts::read(&cfg.host_root, &btf));
+            warn!(
+                mode = "degraded",
+                reason = reason.as_str(),
+                "kernel programs not loaded: {}. Running degraded: containers' ends are taken from the API \
+                 (about a second after the kubelet sees them, not as they happen) and no app is held \
+                 (pods asking for a hold run unheld, with an Event). Cause: {why}",
+                reason.explain()
+            );
+            (NodeKernel::Degraded(NoKernel), NodeMode::Degraded(reason))
+        }
+    };
+    metrics.set_node_mode(mode);
+    let mut ring = None;
+    if let NodeKernel::Loaded(programs) = &mut kernel {
+        if let Some(logger) = programs.take_logger() {
+            tokio::spawn(valet_agent::kernel::programs::drain_kernel_log(logger));
+        }
+        // Version N reads version N−1's records: they move into this version's pin.
+        let own_pin = cfg.pin_dir.join(valet_common::PIN_HELD);
+        let old_pins: Vec<_> =
+            pin_paths(&cfg.pin_dir, &cfg.old_pin_dirs).into_iter().filter(|p| *p != own_pin).collect();
+        let moved = programs.held_ledger().migrate(&old_pins, cfg.hold_timeout);
+        if moved > 0 {
+            info!(moved, "records of holds taken over from an earlier version");
+        }
+        ring = Some(programs.take_events().context("kernel event ring buffer")?);
     }
-    let ring = programs.take_events().context("kernel event ring buffer")?;
     // Loading parsed the kernel's BTF (megabytes, freed since): give that memory back to the
     // node rather than keep it in the allocator's free lists for the agent's lifetime.
     // SAFETY: glibc's malloc_trim only releases free memory.
@@ -126,7 +184,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         },
         cgroups.clone(),
         RuntimeBundles::new(cfg.runtime_dirs(), Some(cfg.host_proc.clone())),
-        programs,
+        kernel,
         Arc::new(PodNetwork::new(cfg.host_proc.clone(), cgroups)),
         writes.clone(),
         EventSink::new(writes, &cfg.node_name),
@@ -134,10 +192,15 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         reports_tx,
     );
     // The ring buffer's reader thread sends the quits armed ahead the moment it reads an end.
-    let events = EventReader::spawn(ring, act.quits_ahead())?;
+    let events = match ring {
+        Some(ring) => NodeEvents::Reader(EventReader::spawn(ring, act.quits_ahead())?),
+        None => NodeEvents::None,
+    };
     let rules = Rules {
         defaults: SidecarDefaults { names: cfg.sidecar_names.clone(), hold_timeout: cfg.hold_timeout },
         escalate_after: (!cfg.no_escalation).then_some(cfg.escalate_after),
+        mode,
+        sandboxed_classes: cfg.sandboxed_runtime_classes.iter().map(|c| c.trim().to_owned()).collect(),
     };
     let controller = Controller::new(&cfg.node_name, rules, act, reports_rx, health);
     // Leave time within the usual 30 s grace period for in-flight quits to finish.
@@ -156,9 +219,79 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `valet-agent deadlines`: the DaemonSet pod's second container. It releases every held app
+/// whose deadline has passed, reading nothing but the pinned record of holds, `/proc` and the
+/// cgroup tree: no API, no kernel programs. It outlives the agent's crashes (the kubelet restarts
+/// a crashed container with a backoff of up to 5 minutes and leaves the pod's other containers
+/// running), so a held app runs again at its deadline even while no agent does. At SIGTERM (the
+/// pod deleted: an uninstall, a drain, a rolling update) it releases every app still held.
+/// Releases held apps at their deadline (see the agent's flags of the same names).
+#[derive(clap::Parser, Debug)]
+#[command(name = "valet-agent deadlines", version)]
+struct DeadlineArgs {
+    #[arg(long, env = "VALET_PIN_DIR", default_value = "/sys/fs/bpf/valet")]
+    pin_dir: PathBuf,
+    #[arg(long = "old-pin-dir", env = "VALET_OLD_PIN_DIRS", value_delimiter = ',')]
+    old_pin_dirs: Vec<PathBuf>,
+    #[arg(long, env = "VALET_HOST_PROC", default_value = "/proc")]
+    host_proc: PathBuf,
+    #[arg(long, env = "VALET_CGROUP_ROOT")]
+    cgroup_root: Option<PathBuf>,
+    #[arg(long, env = "VALET_CGROUP_MOUNT", default_value = "/sys/fs/cgroup")]
+    cgroup_mount: PathBuf,
+    /// Hold timeout of records that carry no deadline (an older version's).
+    #[arg(long, env = "VALET_HOLD_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
+    hold_timeout: Duration,
+}
+
+fn deadlines_main() -> std::process::ExitCode {
+    let args = DeadlineArgs::parse_from(std::env::args().skip(1));
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(false).init();
+    // Blocked before any thread starts (threads inherit the mask): this thread waits for them.
+    let mut stop = SigSet::empty();
+    stop.add(Signal::SIGTERM);
+    stop.add(Signal::SIGINT);
+    if let Err(e) = stop.thread_block() {
+        error!("cannot block SIGTERM: {e}");
+        return std::process::ExitCode::FAILURE;
+    }
+    let root = match find_node_cgroups(args.cgroup_root.as_deref(), &args.cgroup_mount, &args.host_proc) {
+        Ok(found) => found.root,
+        Err(e) => {
+            error!("{}", e.chain());
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let settings = KeeperSettings {
+        pins: pin_paths(&args.pin_dir, &args.old_pin_dirs),
+        host_proc: args.host_proc,
+        default_timeout: args.hold_timeout,
+    };
+    info!(pins = ?settings.pins, "releasing held apps at their deadline");
+    let cgroups = CgroupFs::new(root);
+    // Beside a running agent: its pod loops release first (the agent's own thread does the
+    // same once the pods are listed).
+    Keeper::new(settings.clone(), cgroups.clone(), None, || DEFER).start();
+    match stop.wait() {
+        Ok(signal) => info!("{signal:?} received"),
+        Err(e) => error!("waiting for SIGTERM: {e}"),
+    }
+    // The pod is going: nothing stays stopped behind it.
+    let last = Keeper::new(settings, cgroups, None, || Duration::ZERO).release_all();
+    info!(released = last.released, records = last.records, now_ns = monotonic_ns(), "stopped");
+    std::process::ExitCode::SUCCESS
+}
+
 fn main() -> std::process::ExitCode {
+    if std::env::args().nth(1).as_deref() == Some("deadlines") {
+        return deadlines_main();
+    }
     let cfg = Config::parse();
     init_logging(cfg.log_format);
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::default());
+    keep_deadlines(&cfg, &metrics, &health);
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -166,8 +299,24 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cfg)) {
-        Ok(()) => std::process::ExitCode::SUCCESS,
+    let settings = KeeperSettings {
+        pins: pin_paths(&cfg.pin_dir, &cfg.old_pin_dirs),
+        host_proc: cfg.host_proc.clone(),
+        default_timeout: cfg.hold_timeout,
+    };
+    let (cgroup_root, cgroup_mount) = (cfg.cgroup_root.clone(), cfg.cgroup_mount.clone());
+    match runtime.block_on(run(cfg, metrics, health)) {
+        Ok(()) => {
+            // Stopped by SIGTERM (an uninstall, or a rolling update): no app stays stopped behind
+            // this agent, not even one whose pod it never got to list.
+            if let Ok(found) = find_node_cgroups(cgroup_root.as_deref(), &cgroup_mount, &settings.host_proc) {
+                let left = Keeper::new(settings, CgroupFs::new(found.root), None, || Duration::ZERO).release_all();
+                if left.released > 0 {
+                    info!(released = left.released, "released the held apps no pod had released at shutdown");
+                }
+            }
+            std::process::ExitCode::SUCCESS
+        }
         Err(e) => {
             error!("{}", Chain(e.as_ref()));
             std::process::ExitCode::FAILURE

@@ -176,3 +176,137 @@ impl ProcessEnd {
         }
     }
 }
+
+/// Why the kernel programs could not run on this node. The agent then runs degraded: every
+/// pod's ends come from the API's container status, and no app is held. Bounded: these are the
+/// `reason` label values of `valet_node_info`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DegradedReason {
+    /// No kernel BTF (`/sys/kernel/btf/vmlinux` missing, or `--kernel-btf` names no file):
+    /// the programs' struct offsets cannot be read.
+    NoBtf,
+    /// The kernel is locked down (`lockdown=confidentiality`): `bpf_probe_read_kernel` and
+    /// tracefs are taken away.
+    Lockdown,
+    /// The kernel refused BPF itself (EPERM/EACCES: a missing capability, a seccomp profile,
+    /// an LSM policy, `kernel.unprivileged_bpf_disabled`).
+    BpfDenied,
+    /// The locked-memory limit is too low for the maps (kernels before 5.11).
+    Memlock,
+    /// No tracefs mounted, and it could not be mounted: the tracepoints cannot be attached.
+    NoTracefs,
+    /// The verifier rejected the programs: a kernel too old, or built without what they use.
+    KernelUnsupported,
+    /// Anything else; the log says what.
+    LoadFailed,
+}
+
+impl DegradedReason {
+    pub const ALL: [DegradedReason; 7] = [
+        DegradedReason::NoBtf,
+        DegradedReason::Lockdown,
+        DegradedReason::BpfDenied,
+        DegradedReason::Memlock,
+        DegradedReason::NoTracefs,
+        DegradedReason::KernelUnsupported,
+        DegradedReason::LoadFailed,
+    ];
+
+    /// The metric label and log word.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DegradedReason::NoBtf => "no_btf",
+            DegradedReason::Lockdown => "lockdown",
+            DegradedReason::BpfDenied => "bpf_denied",
+            DegradedReason::Memlock => "memlock",
+            DegradedReason::NoTracefs => "no_tracefs",
+            DegradedReason::KernelUnsupported => "kernel_unsupported",
+            DegradedReason::LoadFailed => "load_failed",
+        }
+    }
+
+    /// What an operator reads in Events and the log.
+    pub fn explain(&self) -> &'static str {
+        match self {
+            DegradedReason::NoBtf => "the node's kernel has no BTF (/sys/kernel/btf/vmlinux)",
+            DegradedReason::Lockdown => "the node's kernel is locked down (lockdown=confidentiality)",
+            DegradedReason::BpfDenied => "the node denies BPF to the agent (capabilities, seccomp or LSM policy)",
+            DegradedReason::Memlock => "the locked-memory limit is too low for the kernel programs",
+            DegradedReason::NoTracefs => "tracefs is not mounted and could not be mounted",
+            DegradedReason::KernelUnsupported => "the node's kernel rejects valet's kernel programs",
+            DegradedReason::LoadFailed => "valet's kernel programs could not be loaded",
+        }
+    }
+}
+
+impl fmt::Display for DegradedReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How the agent sees this node's containers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NodeMode {
+    /// The kernel programs run: ends as they happen, holds.
+    Kernel,
+    /// The kernel programs could not run: ends from the API, no holds.
+    Degraded(DegradedReason),
+}
+
+impl NodeMode {
+    /// The `mode` label of `valet_node_info`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            NodeMode::Kernel => "kernel",
+            NodeMode::Degraded(_) => "degraded",
+        }
+    }
+
+    /// The `reason` label of `valet_node_info` (`none` in kernel mode).
+    pub fn reason_label(&self) -> &'static str {
+        match self {
+            NodeMode::Kernel => "none",
+            NodeMode::Degraded(r) => r.as_str(),
+        }
+    }
+}
+
+/// Why the node's kernel cannot see a pod's app, so that its ends come from the API's container
+/// status (about a second after the kubelet notices them) and it is never held.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ApiPath {
+    /// `spec.hostPID`: nothing tells its containers' main processes from the node's.
+    HostPid,
+    /// A sandboxed `runtimeClassName` (Kata, gVisor, GKE Sandbox): its app runs in a VM or a
+    /// user-space kernel the node's kernel does not see.
+    Sandboxed { runtime_class: String },
+    /// The whole node runs degraded.
+    NodeDegraded(DegradedReason),
+}
+
+impl ApiPath {
+    /// The `reason` label of `valet_pods_api_path_total`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            ApiPath::HostPid => "host_pid",
+            ApiPath::Sandboxed { .. } => "sandboxed",
+            ApiPath::NodeDegraded(_) => "node_degraded",
+        }
+    }
+
+    /// Why, in a sentence for Events and logs.
+    pub fn explain(&self) -> String {
+        match self {
+            ApiPath::HostPid => "the pod runs in the node's pid namespace (hostPID), where the node's kernel cannot \
+                                 tell its containers' processes from the node's"
+                .into(),
+            ApiPath::Sandboxed { runtime_class } => {
+                format!("the pod runs sandboxed (runtimeClassName {runtime_class}), out of the node's kernel's sight")
+            }
+            ApiPath::NodeDegraded(reason) => {
+                format!("valet runs degraded on this node: {} ({reason})", reason.explain())
+            }
+        }
+    }
+}

@@ -54,6 +54,8 @@ struct KernelState {
     /// Container cgroups the agent asked about (it does so as it reads a container's cgroup).
     exec_asked: Vec<u64>,
     detached: bool,
+    /// The record of holds is not pinned (no bpffs).
+    unpinned: bool,
 }
 
 #[derive(Clone, Default)]
@@ -106,6 +108,9 @@ impl KernelControl for FakeKernel {
     }
     fn detach(&mut self) {
         lock(&self.0).detached = true;
+    }
+    fn held_record_pinned(&self) -> bool {
+        !lock(&self.0).unpinned
     }
 }
 
@@ -424,6 +429,8 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
     let rules = Rules {
         defaults: SidecarDefaults { hold_timeout, ..SidecarDefaults::default() },
         escalate_after: Some(Duration::from_secs(15)),
+        mode: valet_agent::vocab::NodeMode::Kernel,
+        sandboxed_classes: vec!["kata*".into(), "gvisor".into()],
     };
     let ahead = act.quits_ahead();
     let health = Arc::new(Health::new(STALL));
@@ -696,10 +703,15 @@ async fn a_held_app_fails_open_at_the_hold_timeout() {
     lp.apply(job_pod(json!({"valet.dev/hold-app": "true"})));
     let pod_cg = node.pod_id();
     lp.until("the pod watched with hold", |l| {
-        lock(&l.kernel.0).watched.get(&pod_cg) == Some(&(watch_flags::EXITS | watch_flags::HOLD))
+        lock(&l.kernel.0).watched.get(&pod_cg).map(|f| f & 0xff) == Some(watch_flags::EXITS | watch_flags::HOLD)
     })
     .await;
     assert_eq!(lock(&lp.kernel.0).classified.get(&app), Some(&true), "the app is classified before it execs");
+    assert_eq!(
+        lock(&lp.kernel.0).watched.get(&pod_cg).map(|f| f >> watch_flags::HOLD_TIMEOUT_SHIFT),
+        Some(1000),
+        "the kernel is told the 1 s hold timeout (ms), for the deadline in its record"
+    );
     let child = stopped_child().await;
     node.add_process(2, child.id());
     // The hold counts from the kernel's stop, which the event says is now: before this instant.
@@ -714,6 +726,22 @@ async fn a_held_app_fails_open_at_the_hold_timeout() {
         .await;
     lp.stop().await;
     kill(child);
+}
+
+#[tokio::test]
+async fn without_a_pinned_record_of_holds_the_app_is_not_held() {
+    let node = TempNode::new("unpinned");
+    node.container(1, "POD");
+    node.container(2, "app");
+    node.container(3, "istio-proxy");
+    let lp = start(&node, Duration::from_secs(1));
+    lock(&lp.kernel.0).unpinned = true;
+    lp.apply(job_pod(json!({"valet.dev/hold-app": "true"})));
+    let pod_cg = node.pod_id();
+    lp.until("the pod watched", |l| lock(&l.kernel.0).watched.contains_key(&pod_cg)).await;
+    assert_eq!(lock(&lp.kernel.0).watched.get(&pod_cg), Some(&watch_flags::EXITS), "watched without the hold bit");
+    lp.until("the refusal counted", |l| metric(&l.metrics, "valet_app_holds_refused_total") == 1.0).await;
+    lp.stop().await;
 }
 
 #[tokio::test]
@@ -756,7 +784,7 @@ async fn containers_made_after_a_held_pod_is_watched_are_classified_before_they_
     lp.apply(job_pod(json!({"valet.dev/hold-app": "true"})));
     let pod_cg = node.pod_id();
     lp.until("the pod watched with hold", |l| {
-        lock(&l.kernel.0).watched.get(&pod_cg) == Some(&(watch_flags::EXITS | watch_flags::HOLD))
+        lock(&l.kernel.0).watched.get(&pod_cg).map(|f| f & 0xff) == Some(watch_flags::EXITS | watch_flags::HOLD)
     })
     .await;
     // The runtime creates the containers; nothing has exec'd, the kernel has said nothing. The

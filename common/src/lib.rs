@@ -32,7 +32,11 @@ pub const MAP_CONTAINERS: &str = "CONTAINERS";
 pub const MAP_HELD: &str = "HELD";
 /// File name of the pinned [`MAP_HELD`]; the suffix changes with [`HeldRecord`]'s layout (a pin
 /// of another layout is never reused: the kernel would take the old map as it is).
-pub const PIN_HELD: &str = "held_v1";
+pub const PIN_HELD: &str = "held_v2";
+/// File name of the previous version's pinned record ([`HeldRecordV1`]). Version N reads version
+/// N−1's records: an agent finds them at start, releases those past their deadline and moves the
+/// rest into [`PIN_HELD`], then removes this pin (docs/deadlines.md, "Upgrades").
+pub const PIN_HELD_V1: &str = "held_v1";
 
 /// Name of the exit tracepoint program (`sched/sched_process_exit`) that finds a cgroup's
 /// ancestors with `bpf_get_current_ancestor_cgroup_id` (not allowed in tracepoints on 5.10).
@@ -79,6 +83,12 @@ pub mod watch_flags {
     /// Stop (SIGSTOP) the exec that records a container's main process (the first exec deeper
     /// than the host's pid namespace) in each child cgroup of this cgroup.
     pub const HOLD: u32 = 2;
+    /// With [`HOLD`]: bits from here up hold the pod's hold timeout in milliseconds (at most
+    /// [`HOLD_TIMEOUT_MAX_MS`]), which the exec program turns into the [`super::HeldRecord`]'s
+    /// deadline. 0: [`super::HELD_DEFAULT_TIMEOUT_MS`].
+    pub const HOLD_TIMEOUT_SHIFT: u32 = 8;
+    /// Largest hold timeout the watched value carries (24 bits of milliseconds, 4.6 hours).
+    pub const HOLD_TIMEOUT_MAX_MS: u32 = (1 << 24) - 1;
     // Neither bit: the cgroup is known (an exit or exec there is routed no further) but nothing
     // is recorded, reported or held: a hostPID pod, whose ends come from the API.
 }
@@ -150,7 +160,7 @@ pub struct ContainerMain {
     pub ktime_ns: u64,
 }
 
-/// A [`MAP_HELD`] value: where and when a process was stopped at exec.
+/// A [`MAP_HELD`] value: where and when a process was stopped at exec, and until when.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HeldRecord {
@@ -159,6 +169,38 @@ pub struct HeldRecord {
     pub cgroup_id: u64,
     /// `bpf_ktime_get_ns()` when it was stopped (`CLOCK_MONOTONIC`).
     pub ktime_ns: u64,
+    /// `CLOCK_MONOTONIC` time by which it runs again whatever else happens: `ktime_ns` plus the
+    /// pod's hold timeout as known when the pod was watched for holding. Any valet process that
+    /// can read the pinned map releases it then, with or without the API.
+    pub deadline_ns: u64,
+}
+
+/// The record of [`PIN_HELD_V1`] (valet before deadlines were kept in the kernel).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldRecordV1 {
+    pub cgroup_id: u64,
+    pub ktime_ns: u64,
+}
+
+/// Hold timeout of a record whose watched value carried none (a [`watch_flags::HOLD`] written
+/// without one) or that came from [`PIN_HELD_V1`]: the agent's default `--hold-timeout`.
+pub const HELD_DEFAULT_TIMEOUT_MS: u32 = 120_000;
+
+/// The [`MAP_WATCHED`] value for `flags` with a hold timeout of `timeout_ms` (clamped to
+/// [`watch_flags::HOLD_TIMEOUT_MAX_MS`]).
+#[must_use]
+pub const fn watched_value(flags: u32, timeout_ms: u32) -> u32 {
+    let ms = if timeout_ms > watch_flags::HOLD_TIMEOUT_MAX_MS { watch_flags::HOLD_TIMEOUT_MAX_MS } else { timeout_ms };
+    (flags & ((1 << watch_flags::HOLD_TIMEOUT_SHIFT) - 1)) | (ms << watch_flags::HOLD_TIMEOUT_SHIFT)
+}
+
+/// The hold timeout in nanoseconds a [`MAP_WATCHED`] value carries.
+#[must_use]
+pub const fn watched_hold_timeout_ns(value: u32) -> u64 {
+    let ms = value >> watch_flags::HOLD_TIMEOUT_SHIFT;
+    let ms = if ms == 0 { HELD_DEFAULT_TIMEOUT_MS } else { ms };
+    ms as u64 * 1_000_000
 }
 
 /// One event from the kernel programs.
@@ -359,4 +401,6 @@ mod user {
     unsafe impl aya::Pod for super::ContainerMain {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::HeldRecord {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::HeldRecordV1 {}
 }

@@ -29,6 +29,8 @@ ACCEPTED: dict[tuple[str, str, str], set[str]] = {
         "CKV_K8S_39",  # CAP_SYS_ADMIN
         "CKV_K8S_40",  # uid below 10000 (0)
         "CKV_K8S_43",  # tag, not digest
+        "CKV_K8S_8",  # no liveness probe on the deadline keeper
+        "CKV_K8S_9",  # no readiness probe on the deadline keeper
     },
     # checkov's graph check names the DaemonSet's pod template "Pod.<ns>.<name>.<labels>".
     ("Pod", "valet-system", "valet-agent"): {"CKV2_K8S_6"},  # no NetworkPolicy

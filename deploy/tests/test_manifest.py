@@ -42,8 +42,34 @@ AGENT_RENDERS = ["base", "before-1.30", "base+components"] + [f"base+{c.name}" f
 def agent(render: Render) -> tuple[dict, dict]:
     ds = render.one("DaemonSet", "valet-agent")
     pod = ds["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    return pod, container
+    assert [c["name"] for c in pod["containers"]] == ["valet-agent", "valet-deadlines"]
+    return pod, pod["containers"][0]
+
+
+def deadlines(render: Render) -> dict:
+    return render.one("DaemonSet", "valet-agent")["spec"]["template"]["spec"]["containers"][1]
+
+
+@pytest.mark.parametrize("name", AGENT_RENDERS)
+def test_the_deadline_keeper_has_less_than_the_agent(renders: dict[str, Render], name: str) -> None:
+    pod, a = agent(renders[name])
+    k = deadlines(renders[name])
+    assert k["image"] == a["image"]
+    assert k["command"] == [a["command"][0], "deadlines"]
+    sc = k["securityContext"]
+    assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert set(sc["capabilities"]["add"]) == {"BPF", "KILL"}
+    env = {e["name"]: e["value"] for e in k["env"]}
+    agent_env = {e["name"]: e.get("value") for e in a["env"]}
+    for key in ("VALET_HOST_PROC", "VALET_CGROUP_MOUNT", "VALET_PIN_DIR"):
+        assert env[key] == agent_env[key], key
+    host_volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    for m in k["volumeMounts"]:
+        if host_volumes[m["name"]] not in WRITABLE_HOST_PATHS:
+            assert m.get("readOnly") is True, m
+    assert {host_volumes[m["name"]] for m in k["volumeMounts"]} == {"/sys/fs/cgroup", "/sys/fs/bpf/valet"}
 
 
 @pytest.mark.parametrize("name", AGENT_RENDERS)
@@ -81,7 +107,7 @@ def test_apparmor_annotation_names_the_container(renders: dict[str, Render]) -> 
     _, c = agent(renders["base"])
     prefix = "container.apparmor.security.beta.kubernetes.io/"
     apparmor = {k[len(prefix):]: v for k, v in annotations.items() if k.startswith(prefix)}
-    assert apparmor == {c["name"]: "unconfined"}
+    assert apparmor == {c["name"]: "unconfined", "valet-deadlines": "unconfined"}
     assert "appArmorProfile" not in c["securityContext"]  # not in the 1.29 API
 
 

@@ -37,6 +37,7 @@ ALERTS = {
     "ValetNativeSidecarShutdownTax",
     "ValetSlowSidecarStartup",
     "ValetClassicSidecarsOnNativeNodes",
+    "ValetNodeDegraded",
 }
 # What the dashboard shows (issue 30): a panel title per topic, matched case-insensitively.
 TOPICS = [

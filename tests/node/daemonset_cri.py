@@ -4,7 +4,7 @@ would make for its pod, as JSON for the node VM (which has no YAML parser):
 
 - the pod: hostPID -> `namespace_options.pid = NODE`, the pod's seccompProfile, network `POD`
   unless hostNetwork, the AppArmor annotation;
-- the container: its image and command, its env (`fieldRef: spec.nodeName` resolved to the node's
+- each container (the agent first, then the deadline keeper): its image and command, its env (`fieldRef: spec.nodeName` resolved to the node's
   name), its volumeMounts resolved against the hostPath volumes (read-only where the DaemonSet
   says so), its securityContext (capabilities `drop`/`add` as the kubelet passes them: the names
   without `CAP_`, which containerd adds; `CAP_SYS_ADMIN` would become `CAP_CAP_SYS_ADMIN`, which
@@ -50,12 +50,7 @@ def seccomp(profile):
     raise ValueError(f"seccompProfile type {kind} is not translated")
 
 
-def translate(ds, node, image):
-    tmpl = ds["spec"]["template"]
-    spec, meta = tmpl["spec"], tmpl["metadata"]
-    if len(spec["containers"]) != 1 or spec.get("initContainers"):
-        raise ValueError("one container, no init containers expected")
-    c = spec["containers"][0]
+def translate_container(c, spec, meta, node, image, ns_opts):
     unknown = set(c) - KNOWN_CONTAINER_KEYS
     if unknown:
         raise ValueError(f"container fields not translated: {sorted(unknown)}")
@@ -65,9 +60,6 @@ def translate(ds, node, image):
         raise ValueError(f"securityContext fields not translated: {sorted(unknown)}")
     if sc.get("privileged"):
         raise ValueError("privileged is not translated")
-    ns_opts = {"network": "NODE" if spec.get("hostNetwork") else "POD",
-               "pid": "NODE" if spec.get("hostPID") else "CONTAINER",
-               "ipc": "NODE" if spec.get("hostIPC") else "POD"}
     pod_sc = spec.get("securityContext", {})
     apparmor = meta.get("annotations", {}).get(f"container.apparmor.security.beta.kubernetes.io/{c['name']}")
     env = []
@@ -115,16 +107,42 @@ def translate(ds, node, image):
         container_sc["run_as_group"] = {"value": sc["runAsGroup"]}
     if apparmor == "unconfined":
         container_sc["apparmor"] = {"profile_type": "Unconfined"}
+    translated = {"name": c["name"], "image": image, "command": c.get("command", []), "args": c.get("args", []),
+                  "envs": env, "mounts": mounts, "security_context": container_sc, "resources": resources}
+    return translated, host_dirs, requests == limits and bool(limits)
+
+
+def translate(ds, node, image):
+    """The pod, its first container (the agent, whose metrics port the scenarios scrape) as
+    `container`, the others (the deadline keeper) as `more_containers`, in the DaemonSet's order."""
+    tmpl = ds["spec"]["template"]
+    spec, meta = tmpl["spec"], tmpl["metadata"]
+    if spec.get("initContainers"):
+        raise ValueError("init containers are not translated")
+    ns_opts = {"network": "NODE" if spec.get("hostNetwork") else "POD",
+               "pid": "NODE" if spec.get("hostPID") else "CONTAINER",
+               "ipc": "NODE" if spec.get("hostIPC") else "POD"}
+    pod_sc = spec.get("securityContext", {})
+    containers, host_dirs, guaranteed = [], [], True
+    for c in spec["containers"]:
+        t, dirs, g = translate_container(c, spec, meta, node, image, ns_opts)
+        containers.append(t)
+        host_dirs += [d for d in dirs if d not in host_dirs]
+        guaranteed = guaranteed and g
+    # The pod's QoS class, from every container (guaranteed only if each one's requests equal its limits).
+    qos = "guaranteed" if guaranteed else "burstable"
+    for t in containers:
+        t["qos"] = qos
+    first = spec["containers"][0]
     return {
         "pod": {"name": "valet-agent-x1", "namespace": ds["metadata"]["namespace"], "uid": "d5e7a9e2-0000-4000-8000-0000000000a1",
                 "labels": dict(meta.get("labels", {})), "annotations": dict(meta.get("annotations", {})),
                 "namespace_options": ns_opts,
                 "seccomp": seccomp(pod_sc.get("seccompProfile"))},
-        "container": {"name": c["name"], "image": image, "command": c.get("command", []), "args": c.get("args", []),
-                      "envs": env, "mounts": mounts, "security_context": container_sc, "resources": resources,
-                      "qos": "burstable" if requests != limits else "guaranteed"},
+        "container": containers[0],
+        "more_containers": containers[1:],
         "host_dirs": host_dirs,
-        "metrics_port": next(p["containerPort"] for p in c.get("ports", []) if p.get("name") == "metrics"),
+        "metrics_port": next(p["containerPort"] for p in first.get("ports", []) if p.get("name") == "metrics"),
     }
 
 

@@ -239,6 +239,7 @@ class ContainerAgent:
         self.driver = driver
         self.cri = kubelet.Cri()
         self.sandbox_id = self.container_id = self.pod_ip = None
+        self.more_ids = []
         self.api_url = api_url
         self.metrics = None
         self.log_path = None
@@ -308,6 +309,26 @@ class ContainerAgent:
             "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": config, "sandbox_config": sandbox}
         ).container_id
         self.cri.runtime("StartContainer", {"container_id": self.container_id})
+        # The pod's other containers (the deadline keeper), as the kubelet starts them: in order,
+        # each once the one before has started.
+        self.more_ids = []
+        for m in self.spec.get("more_containers", []):
+            more = {
+                "metadata": {"name": m["name"], "attempt": 0},
+                "image": {"image": m["image"]},
+                "command": m["command"], "args": m["args"],
+                "envs": kubelet.env_values(m["envs"]),
+                "mounts": m["mounts"],
+                "labels": {"io.kubernetes.container.name": m["name"], "io.kubernetes.pod.name": pod["name"],
+                           "io.kubernetes.pod.namespace": pod["namespace"], "io.kubernetes.pod.uid": uid},
+                "log_path": f"{m['name']}/0.log",
+                "linux": {"resources": m["resources"], "security_context": m["security_context"]},
+            }
+            cid = self.cri.runtime(
+                "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": more, "sandbox_config": sandbox}
+            ).container_id
+            self.cri.runtime("StartContainer", {"container_id": cid})
+            self.more_ids.append(cid)
         self.log_path = f"{log_dir}/{c['name']}/0.log"
         self.metrics = f"{self.pod_ip}:{self.spec['metrics_port']}"
         log(f"agent container {self.container_id[:12]} started, pod IP {self.pod_ip}")
@@ -319,9 +340,11 @@ class ContainerAgent:
         if self.sandbox_id is None:
             return
         try:
-            if self.container_id is not None:
-                self.cri.runtime("StopContainer", {"container_id": self.container_id,
-                                                   "timeout": 0 if sig == signal.SIGKILL else 30}, timeout=60)
+            # The kubelet stops a deleted pod's containers at once, each with its grace period.
+            for cid in [self.container_id] + self.more_ids:
+                if cid is not None:
+                    self.cri.runtime("StopContainer", {"container_id": cid,
+                                                       "timeout": 0 if sig == signal.SIGKILL else 30}, timeout=60)
             self.cri.runtime("StopPodSandbox", {"pod_sandbox_id": self.sandbox_id})
             self.cri.runtime("RemovePodSandbox", {"pod_sandbox_id": self.sandbox_id})
         finally:

@@ -200,6 +200,32 @@ impl Node {
         Ok(Agent { child: Some(child), metrics, log })
     }
 
+    /// Starts `valet-agent deadlines` for this node's pin directory, as the DaemonSet's second
+    /// container runs it beside the agent.
+    pub fn start_deadline_keeper(&self) -> Result<DeadlineKeeper> {
+        self.start_deadline_keeper_with(&[])
+    }
+
+    /// Like [`Node::start_deadline_keeper`], with `extra` flags.
+    pub fn start_deadline_keeper_with(&self, extra: &[&str]) -> Result<DeadlineKeeper> {
+        let log = self.scratch.path(&format!("deadlines-{}.log", free_port()?));
+        let file = std::fs::File::create(&log)?;
+        let child = Command::new(agent_binary()?)
+            .arg("deadlines")
+            .arg("--pin-dir")
+            .arg(&self.pin_dir)
+            // The hierarchy the simulated kubelet makes its pods in, as for the agent.
+            .arg("--cgroup-root")
+            .arg(valet_sim::node::CgroupRoot::detect()?)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::from(file.try_clone()?))
+            .stderr(Stdio::from(file))
+            .spawn()
+            .context("start valet-agent deadlines")?;
+        Ok(DeadlineKeeper { child: Some(child), log })
+    }
+
     /// Builds an Istio-injected Job pod on this node and hands it to the kubelet: real cgroups, a
     /// netns with a pod IP, the sandbox's pause process, the app containers that have a command
     /// in the spec and the stand-in pilot-agent (`istio-proxy`, last as Istio's injector puts it),
@@ -711,21 +737,63 @@ impl Agent {
 
     /// Sends a signal and waits for the process to end (up to `timeout`); its exit status.
     pub fn stop(&mut self, signal: i32, timeout: Duration) -> Result<Option<std::process::ExitStatus>> {
-        let Some(mut child) = self.child.take() else { return Ok(None) };
-        // SAFETY: plain syscall on our own child.
-        unsafe { libc::kill(child.id() as i32, signal) };
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = child.try_wait()? {
-                return Ok(Some(status));
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                bail!("agent did not stop within {timeout:?}");
-            }
-            std::thread::sleep(Duration::from_millis(10));
+        stop_child(&mut self.child, signal, timeout, "agent")
+    }
+}
+
+/// Sends `signal` to the child, if it still runs, and waits for it to end (up to `timeout`,
+/// then SIGKILL and an error); its exit status.
+fn stop_child(
+    child: &mut Option<std::process::Child>,
+    signal: i32,
+    timeout: Duration,
+    what: &str,
+) -> Result<Option<std::process::ExitStatus>> {
+    let Some(mut child) = child.take() else { return Ok(None) };
+    // SAFETY: plain syscall on our own child.
+    unsafe { libc::kill(child.id() as i32, signal) };
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(Some(status));
         }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("{what} did not stop within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// `valet-agent deadlines` for a node ([`Node::start_deadline_keeper`]); killed when dropped.
+pub struct DeadlineKeeper {
+    child: Option<std::process::Child>,
+    pub log: PathBuf,
+}
+
+impl DeadlineKeeper {
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGKILL (a crash, or the node's OOM killer): it releases nothing.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM (its pod deleted), then its exit status.
+    pub fn stop(&mut self) -> Result<Option<std::process::ExitStatus>> {
+        stop_child(&mut self.child, libc::SIGTERM, HANG_GUARD, "valet-agent deadlines")
+    }
+}
+
+impl Drop for DeadlineKeeper {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
 

@@ -4,3 +4,4 @@
 pub mod cgroups;
 pub mod envoy;
 pub mod harness;
+pub mod pins;

@@ -1,7 +1,9 @@
-//! `cargo xtask chaos`: the crash test at full length (issue 26). The agent is killed with
-//! SIGKILL at random moments, `--kills` times (200 by default), and restarted each time; the
-//! test prints its counts (apps left stopped, early quits, late quits, false conditions) and
-//! fails unless each is 0. `cargo xtask test` runs the same test shortened.
+//! `cargo xtask chaos`: the crash test at full length (issues 26 and 36). The agent is killed
+//! with SIGKILL at random moments, `--kills` times (200 by default), and restarted each time,
+//! with API outages, crash loops at the kubelet's backoff and uninstalls in between; the test
+//! prints its counts (apps left stopped, early quits, late quits, false conditions, apps past
+//! their deadline, early releases, apps left by an uninstall) and fails unless each is 0.
+//! `cargo xtask test` runs the same test shortened.
 use std::path::Path;
 
 use anyhow::{Result, bail};
@@ -23,6 +25,10 @@ pub fn chaos(root: &Path, kills: u32, seed: Option<u64>) -> Result<()> {
     cmd.current_dir(root)
         .args(["test", "-p", "valet-tests", "--test", "chaos", "--", "--nocapture"])
         .env("VALET_CHAOS_KILLS", kills.to_string())
+        // The kubelet's own crash-loop backoff (10, 20, 40 s), and an outage, a crash loop and
+        // an uninstall in turn every 25 turns.
+        .env("VALET_CHAOS_BACKOFF_MS", "10000")
+        .env("VALET_CHAOS_SPECIAL_EVERY", "25")
         .env("VALET_AGENT_BIN", release.join("valet-agent"))
         .env("VALET_STANDIN_PROXY", release.join("valet-standin-proxy"))
         // The one just built: `-p valet-tests` alone does not rebuild the debug one.

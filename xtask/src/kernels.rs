@@ -37,7 +37,11 @@ const SCENARIO: &str = "labelled_job_pod_proxy_quits_when_the_app_exits";
 /// The test binaries the guests run: the kernel tests, the scenario, and the agent under the
 /// DaemonSet's capabilities (what each is needed for, SYS_RESOURCE's memlock limit above all,
 /// depends on the kernel).
-const TEST_BINARIES: [&str; 3] = ["kernel", "shutdown", "privileges"];
+const TEST_BINARIES: [&str; 4] = ["kernel", "shutdown", "privileges", "degraded"];
+/// Issue 34's degraded nodes: every guest also runs the degraded test with an empty tmpfs over
+/// `/sys/kernel/btf` (a kernel without BTF), and the newest kernel boots once more with
+/// `lockdown=confidentiality` to run it alone ([`boot_locked_down`]).
+const LOCKDOWN: &str = "lockdown=confidentiality";
 /// A guest that has not powered off by then is killed and its kernel counted as failed.
 const DEADLINE: Duration = Duration::from_secs(15 * 60);
 /// Lists older than this are refreshed before a kernel version is chosen.
@@ -77,12 +81,10 @@ pub fn run(root: &Path, suites: &[&str]) -> Result<(u64, u64)> {
     let bins = Binaries::build(root)?;
     let mut lines = Vec::new();
     let (mut passed, mut failed) = (0, 0);
-    for kernel in &kernels {
-        let t = Instant::now();
-        let outcome = boot(root, kernel, &bins, &busybox)?;
+    // One boot's line, printed now and again in the summary, and its counts.
+    let mut tally = |name: String, t: Instant, outcome: Outcome| {
         let line = format!(
-            "kernel {}: {} passed, {} failed{}",
-            kernel.release,
+            "kernel {name}: {} passed, {} failed{}",
             outcome.passed,
             outcome.failed,
             outcome.note.as_deref().map(|n| format!(" ({n})")).unwrap_or_default()
@@ -91,6 +93,14 @@ pub fn run(root: &Path, suites: &[&str]) -> Result<(u64, u64)> {
         lines.push(line);
         passed += outcome.passed;
         failed += outcome.failed;
+    };
+    for kernel in &kernels {
+        let t = Instant::now();
+        tally(kernel.release.clone(), t, boot(root, kernel, &bins, &busybox)?);
+    }
+    if let Some(kernel) = kernels.last() {
+        let t = Instant::now();
+        tally(format!("{} {LOCKDOWN}", kernel.release), t, boot_locked_down(root, kernel, &bins, &busybox)?);
     }
     println!("\nkernel matrix ({:.0?}):", started.elapsed());
     for line in lines {
@@ -104,6 +114,7 @@ struct Binaries {
     kernel_test: PathBuf,
     shutdown_test: PathBuf,
     privileges_test: PathBuf,
+    degraded_test: PathBuf,
     agent: PathBuf,
     standin: PathBuf,
     /// Cargo's target directory.
@@ -142,6 +153,7 @@ impl Binaries {
             kernel_test: take("kernel")?,
             shutdown_test: take("shutdown")?,
             privileges_test: take("privileges")?,
+            degraded_test: take("degraded")?,
             agent: release.join("valet-agent"),
             standin: release.join("valet-standin-proxy"),
         })
@@ -651,6 +663,11 @@ echo "VALET-VM-END shutdown $?"
 echo "VALET-VM-BEGIN privileges"
 {privileges} --test-threads=1 --nocapture --color=never 2>&1
 echo "VALET-VM-END privileges $?"
+echo "VALET-VM-BEGIN degraded"
+mount -t tmpfs -o size=64k,mode=755 nobtf /sys/kernel/btf && VALET_DEGRADED_NODE=no_btf {degraded} --test-threads=1 --nocapture --color=never 2>&1
+code=$?
+umount /sys/kernel/btf
+echo "VALET-VM-END degraded $code"
 sync
 echo "VALET-VM-DONE"
 {busybox} poweroff -f
@@ -661,6 +678,7 @@ echo "VALET-VM-DONE"
         kernel = bins.kernel_test.display(),
         shutdown = bins.shutdown_test.display(),
         privileges = bins.privileges_test.display(),
+        degraded = bins.degraded_test.display(),
         scenario = SCENARIO,
         filter = filter.split_whitespace().collect::<Vec<_>>().join(" "),
         busybox = busybox.display(),
@@ -673,6 +691,49 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result
     let script = dir.join("run.sh");
     std::fs::write(&script, guest_script(root, bins, busybox))?;
     let mut append = format!("valet.run={} valet.shell={}", script.display(), busybox.display());
+    let keep = kept_paths(&[root, &bins.target])?;
+    if !keep.is_empty() {
+        append.push_str(&format!(" valet.keep={}", keep.join(",")));
+    }
+    let (lines, timed_out) = qemu(kernel, &append, &[], &dir.join("console.log"), DEADLINE)?;
+    let mut outcome = judge(&lines);
+    if timed_out {
+        outcome.failed += 1;
+        outcome.note = Some(format!("killed after {DEADLINE:?}; console: {}", dir.join("console.log").display()));
+    }
+    Ok(outcome)
+}
+
+/// Boots `kernel` locked down (`lockdown=confidentiality`: no `bpf_probe_read_kernel`, no
+/// tracefs reads) and runs the degraded test alone: valet's programs cannot run there.
+fn boot_locked_down(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result<Outcome> {
+    let dir = Path::new(CACHE).join("run").join(format!("{}-lockdown", kernel.release));
+    std::fs::create_dir_all(&dir)?;
+    let script = dir.join("run.sh");
+    std::fs::write(
+        &script,
+        format!(
+            r#"export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root RUST_BACKTRACE=1
+export VALET_AGENT_BIN={agent} VALET_STANDIN_PROXY={standin}
+ip link set lo up
+mount -t securityfs securityfs /sys/kernel/security
+echo "VALET-VM-UNAME $(uname -r) $(cat /sys/kernel/security/lockdown)"
+cd {tests}
+echo "VALET-VM-BEGIN degraded"
+VALET_DEGRADED_NODE=lockdown {degraded} --test-threads=1 --nocapture --color=never 2>&1
+echo "VALET-VM-END degraded $?"
+sync
+echo "VALET-VM-DONE"
+{busybox} poweroff -f
+"#,
+            agent = bins.agent.display(),
+            standin = bins.standin.display(),
+            tests = root.join("tests").display(),
+            degraded = bins.degraded_test.display(),
+            busybox = busybox.display(),
+        ),
+    )?;
+    let mut append = format!("{LOCKDOWN} valet.run={} valet.shell={}", script.display(), busybox.display());
     let keep = kept_paths(&[root, &bins.target])?;
     if !keep.is_empty() {
         append.push_str(&format!(" valet.keep={}", keep.join(",")));
@@ -785,8 +846,9 @@ pub(crate) fn qemu(
 /// Console lines worth echoing: test names and results, panics (cut to 400 characters: a
 /// verifier log is long; the whole of it is in the console log), the guest's own markers.
 fn echoed(line: &str) -> bool {
-    const PREFIXES: [&str; 10] = [
+    const PREFIXES: [&str; 11] = [
         "test ",
+        "degraded (",
         "running ",
         "VALET-",
         "thread '",

@@ -13,7 +13,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
@@ -23,9 +23,9 @@ use valet_common::watch_flags;
 
 use crate::api::condition;
 use crate::api::events::{EventSink, pod_reference};
-use crate::cgroup::CgroupFs;
 use crate::cgroup::created::Creations;
-use crate::cgroup::signal::{Pinned, pin_in_cgroup, signal_cgroup};
+use crate::cgroup::signal::{Pinned, Placed, pin_in_cgroup, pin_in_cgroup_id, pin_pid, signal_cgroup};
+use crate::cgroup::{CgroupFs, Search};
 use crate::effect::{ContainerSeen, Count, Effect, Feedback, LeftHeld, Nanos, Pace, RuntimeName};
 use crate::kernel::container_main::main_among;
 use crate::kernel::held::HeldLedger;
@@ -104,7 +104,7 @@ struct Release {
     held_ns: u64,
 }
 
-type PinnedRelease = (Release, Result<Option<Pinned>, String>);
+type PinnedRelease = (Release, Result<Pinned, String>);
 
 /// What a batch of reports decided: its releases, and the tasks of the same decisions (API
 /// writes of the pods' condition), held back until the releases are out so that they do not
@@ -227,8 +227,13 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             }
             Effect::ScanContainers { pod_rel, adopt } => Some(Feedback::Containers(self.scan(uid, &pod_rel, adopt))),
             Effect::FindLeftHeld { pod_rel } => Some(Feedback::LeftHeld(self.left_held(&pod_rel, now))),
-            Effect::Watch { pod_cgroup, pod_rel, exits, hold } => {
+            Effect::Watch { pod_cgroup, pod_rel, exits, hold, hold_timeout } => {
+                // No hold that could outlive this agent unrecorded: without a pinned record a
+                // crash would leave the app stopped with no deadline anyone keeps.
+                let hold = hold && self.holds_allowed(uid, pod);
                 let flags = if exits { watch_flags::EXITS } else { 0 } | if hold { watch_flags::HOLD } else { 0 };
+                let ms = u32::try_from(hold_timeout.as_millis()).unwrap_or(u32::MAX);
+                let flags = if hold { valet_common::watched_value(flags, ms) } else { flags };
                 if let Err(e) = self.kernel.watch(pod_cgroup, flags) {
                     warn!(%uid, "register pod cgroup with the kernel: {}", e.chain());
                 }
@@ -268,10 +273,14 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 self.link.close(uid);
                 None
             }
-            Effect::Quit { sidecar, instance, endpoint, pod_rel } => {
+            Effect::Quit { sidecar, instance, endpoint, pod_rel, pod_ip } => {
                 // For observe mode's tax: this pod's sidecars end because valet acted.
                 self.metrics.quit_pods.record(uid);
-                let target = PodTarget { uid: uid.to_owned(), pod_rel: Some(pod_rel), pod_ip: None };
+                // A sandboxed pod's quit goes to its IP (no pod cgroup to enter: see `quit`).
+                let target = match pod_ip.as_deref().and_then(|ip| ip.parse::<IpAddr>().ok()) {
+                    Some(ip) => PodTarget { uid: uid.to_owned(), pod_rel: None, pod_ip: Some(ip) },
+                    None => PodTarget { uid: uid.to_owned(), pod_rel: Some(pod_rel), pod_ip: None },
+                };
                 let limits = Limits { total_timeout: self.settings.quit_timeout, ..Limits::default() };
                 let (link, reports, retry_for, uid) =
                     (self.link.clone(), self.reports.clone(), self.settings.quit_retry_for, uid.to_owned());
@@ -350,9 +359,11 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                     (p.metadata.namespace.clone().unwrap_or_default(), p.metadata.name.clone().unwrap_or_default())
                 });
                 let write = async move {
-                    let error =
-                        condition::write(client, &namespace, &name, &want).await.err().map(|e| e.chain().to_string());
-                    let _ = reports.send((uid, Feedback::ConditionWritten { want, error }));
+                    let (error, version) = match condition::write(client, &namespace, &name, &want).await {
+                        Ok(version) => (None, version),
+                        Err(e) => (Some(e.chain().to_string()), None),
+                    };
+                    let _ = reports.send((uid, Feedback::ConditionWritten { want, error, version }));
                 };
                 spawn_after_releases(&mut self.releases, Box::pin(write));
                 None
@@ -368,6 +379,29 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 None
             }
         }
+    }
+
+    /// Whether apps may be held: only with the kernel's record of holds pinned (it outlives this
+    /// agent, with each hold's deadline). Otherwise the pod's apps run at once, and an Event on
+    /// the pod says why.
+    fn holds_allowed(&mut self, uid: &str, pod: Option<&Pod>) -> bool {
+        if self.kernel.held_record_pinned() {
+            return true;
+        }
+        warn!(%uid, "the record of held apps is not pinned (no bpffs): this pod's apps are not held");
+        self.metrics.holds_refused.inc();
+        if let Some(pod) = pod {
+            self.events.publish(
+                pod_reference(pod),
+                true,
+                "HoldUnavailable",
+                "Run",
+                "valet cannot pin its record of held apps on this node (no bpffs): the app starts without waiting \
+                 for its proxy, so that no agent crash can leave it stopped"
+                    .to_owned(),
+            );
+        }
+        false
     }
 
     /// The pod's container cgroups, named from the runtime's bundles where they exist.
@@ -480,6 +514,9 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             Count::ConditionPatch { ok } => {
                 m.condition_patches.get_or_create(&ResultLabels { result: if ok { "ok" } else { "error" } }).inc();
             }
+            Count::ApiPath(reason) => {
+                m.api_path.get_or_create(&ReasonLabels { reason }).inc();
+            }
         }
     }
 }
@@ -580,7 +617,7 @@ mod tests {
         let batch: Vec<PinnedRelease> = [a.id(), b.id(), stranger.id()]
             .into_iter()
             .map(|pid| {
-                let pin = pin_in_cgroup(&cgroups, pid, rel).map(Some).map_err(|e| e.chain().to_string());
+                let pin = pin_in_cgroup(&cgroups, pid, rel).map_err(|e| e.chain().to_string());
                 (release(pid), pin)
             })
             .collect();

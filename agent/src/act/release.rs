@@ -11,22 +11,41 @@ pub(super) const ORPHAN_RECORD_GRACE_NS: u64 = 2_000_000_000;
 /// whole tree is a few thousand at most).
 pub(super) const CGROUP_SEARCH_BUDGET: usize = 50_000;
 
-/// Sends the SIGCONTs of a batch of releases, back to back, then counts and logs them.
-pub(super) fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<PinnedRelease>) {
-    let sent: Vec<(Release, Result<(), String>)> = batch
+/// How often, and after how long at first, a failed SIGCONT is tried again (the wait doubles).
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// A SIGCONT that failed, to try again at `at`.
+pub(super) struct Retry {
+    release: Release,
+    pinned: Pinned,
+    tries: u32,
+    at: Instant,
+}
+
+/// Sends the SIGCONTs of a batch of releases, back to back, then counts and logs them. The
+/// ones that failed come back, to be tried again after a backoff: their records stay (a
+/// successor, or the deadline keeper, finds them), and nothing takes them for released.
+pub(super) fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<PinnedRelease>) -> Vec<Retry> {
+    // A failure says why, and keeps the pidfd when the process is still there (to retry).
+    type Sent = Result<(), (String, Option<Pinned>)>;
+    let sent: Vec<(Release, Sent)> = batch
         .into_iter()
         .map(|(r, pin)| {
             let sent = match pin {
-                Ok(Some(pinned)) => pinned.signal(libc::SIGCONT).map_err(|e| e.chain().to_string()),
-                // SAFETY: plain syscall; SIGCONT to a process that is not stopped does nothing.
-                Ok(None) if unsafe { libc::kill(r.tgid as i32, libc::SIGCONT) } == 0 => Ok(()),
-                Ok(None) => Err(std::io::Error::last_os_error().to_string()),
-                Err(e) => Err(e),
+                Ok(pinned) => match pinned.signal(libc::SIGCONT) {
+                    Ok(()) => Ok(()),
+                    Err(e) if pinned.exited() => Err((format!("{}: the process exited", e.chain()), None)),
+                    Err(e) => Err((e.chain().to_string(), Some(pinned))),
+                },
+                Err(e) => Err((e, None)),
             };
             (r, sent)
         })
         .collect();
-    for (Release { tgid, reason, held_ns, .. }, sent) in sent {
+    let mut retries = Vec::new();
+    for (release, sent) in sent {
+        let Release { tgid, reason, held_ns, .. } = release;
         match sent {
             Ok(()) => {
                 // Only once the signal is out: an agent that dies before leaves the record to
@@ -42,15 +61,55 @@ pub(super) fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batc
                 metrics.releases.get_or_create(&ReasonLabels { reason }).inc();
                 info!(pid = tgid, reason, held_ms = held_for * 1e3, "released app");
             }
-            Err(e) => debug!(pid = tgid, "release: {e}"),
+            Err((e, Some(pinned))) => {
+                metrics.release_failures.inc();
+                warn!(pid = tgid, reason, "SIGCONT failed (tried again after a backoff; its record is kept): {e}");
+                retries.push(Retry { release, pinned, tries: 1, at: Instant::now() + RETRY_FIRST });
+            }
+            Err((e, None)) => {
+                // Not signalled and nothing to retry through: the process is gone, or it is not
+                // (or no longer) where it was held. Its record stays for the sweep and the
+                // deadline keeper, which drop it once they can tell it names no one.
+                metrics.release_failures.inc();
+                warn!(pid = tgid, reason, "release: {e}");
+            }
         }
     }
+    retries
+}
+
+/// Tries the due retries again; returns those still failing.
+fn retry_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, retries: Vec<Retry>) -> Vec<Retry> {
+    let now = Instant::now();
+    let (due, mut waiting): (Vec<Retry>, Vec<Retry>) = retries.into_iter().partition(|r| r.at <= now);
+    for mut r in due {
+        match r.pinned.signal(libc::SIGCONT) {
+            Ok(()) => {
+                if let Some(ledger) = ledger {
+                    ledger.forget(r.release.tgid);
+                }
+                metrics.releases.get_or_create(&ReasonLabels { reason: r.release.reason }).inc();
+                info!(pid = r.release.tgid, reason = r.release.reason, tries = r.tries + 1, "released app");
+            }
+            Err(_) if r.pinned.exited() => debug!(pid = r.release.tgid, "exited before its release went through"),
+            Err(e) => {
+                metrics.release_failures.inc();
+                r.tries += 1;
+                let wait = RETRY_FIRST.saturating_mul(1 << r.tries.min(8)).min(RETRY_MAX);
+                warn!(pid = r.release.tgid, tries = r.tries, "SIGCONT failed again: {}", e.chain());
+                r.at = now + wait;
+                waiting.push(r);
+            }
+        }
+    }
+    waiting
 }
 
 /// A thread of its own for the signals of a batch of releases. It wakes for the batch, with
 /// its scheduler slice ahead of it, so the apps it signals do not take its CPU before the last
 /// signal (a runtime thread busy with the slot's probes and decisions was preempted by the
-/// first apps it released, and the rest of the batch waited milliseconds for its CPU).
+/// first apps it released, and the rest of the batch waited milliseconds for its CPU). It also
+/// tries failed SIGCONTs again, with backoff.
 pub(super) struct Releaser {
     tx: std::sync::mpsc::Sender<Vec<PinnedRelease>>,
     thread: std::thread::JoinHandle<()>,
@@ -62,8 +121,27 @@ impl Releaser {
         let thread = std::thread::Builder::new()
             .name("valet-release".into())
             .spawn(move || {
-                for batch in rx {
-                    send_releases(&metrics, ledger.as_deref(), batch);
+                let mut retries: Vec<Retry> = Vec::new();
+                loop {
+                    let batch = match retries.iter().map(|r| r.at).min() {
+                        None => match rx.recv() {
+                            Ok(batch) => Some(batch),
+                            Err(_) => break,
+                        },
+                        Some(at) => match rx.recv_timeout(at.saturating_duration_since(Instant::now())) {
+                            Ok(batch) => Some(batch),
+                            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+                            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+                        },
+                    };
+                    if let Some(batch) = batch {
+                        retries.extend(send_releases(&metrics, ledger.as_deref(), batch));
+                    }
+                    retries = retry_releases(&metrics, ledger.as_deref(), retries);
+                }
+                // The agent stops: one last try each; a record left is its successor's.
+                for r in retries {
+                    let _ = r.pinned.signal(libc::SIGCONT);
                 }
             })
             .map_err(|e| warn!("no release thread, releases go out from the runtime: {e}"))
@@ -176,17 +254,20 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 continue;
             }
             // The signal goes only to the process in the cgroup it was stopped in (no reused pid).
-            match self.cgroups.find_by_id(record.cgroup_id, "/", CGROUP_SEARCH_BUDGET) {
-                Some(rel) => orphans.push(Release {
+            match self.cgroups.search_by_id(record.cgroup_id, "/", CGROUP_SEARCH_BUDGET) {
+                Search::Found(rel) => orphans.push(Release {
                     tgid,
                     container_rel: rel,
                     reason: "orphaned",
                     held_ns: now.saturating_sub(record.ktime_ns),
                 }),
-                None => {
+                Search::Gone => {
                     debug!(pid = tgid, "held record of a cgroup that is gone: another process by now");
                     ledger.forget(tgid);
                 }
+                // The cgroup may still be there: the record stays, the next sweep looks again
+                // (and the deadline keeper releases it at its deadline).
+                Search::Unsure => warn!(pid = tgid, "cannot find the cgroup a held process was stopped in: kept"),
             }
         }
         let n = orphans.len();
@@ -199,9 +280,10 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         n
     }
 
-    /// Whether the kernel's record of held processes is pinned (outlives this agent).
+    /// Whether the kernel's record of held processes is pinned (outlives this agent), or there is
+    /// no record to lose (no kernel programs: nothing is ever held).
     pub fn held_record_pinned(&self) -> bool {
-        self.ledger.as_ref().is_some_and(|l| l.pinned().is_some())
+        self.ledger.as_ref().is_none_or(|l| l.pinned().is_some())
     }
 
     /// Whether the kernel's record names any process.
@@ -223,12 +305,15 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 // Pinned when held, and still there (else pinned now: a new process may have the
                 // pid of one that exited while held).
                 if let Some(pinned) = self.pinned.remove(&r.tgid).filter(|p| !p.exited()) {
-                    return (r, Ok(Some(pinned)));
+                    return (r, Ok(pinned));
                 }
-                // Held in a container valet cannot place (empty): never leave it stopped.
-                let pin = (!r.container_rel.is_empty())
-                    .then(|| pin_in_cgroup(&self.cgroups, r.tgid, &r.container_rel).map_err(|e| e.chain().to_string()))
-                    .transpose();
+                let pin = if r.container_rel.is_empty() {
+                    // Held in a container the pod does not name (untracked): checked against the
+                    // cgroup the kernel's record says it was stopped in.
+                    self.pin_recorded(r.tgid)
+                } else {
+                    pin_in_cgroup(&self.cgroups, r.tgid, &r.container_rel).map_err(|e| e.chain().to_string())
+                };
                 (r, pin)
             })
             .collect();
@@ -242,7 +327,32 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             },
             _ => pinned,
         };
-        send_releases(&self.metrics, self.ledger.as_deref(), pinned);
+        // From the runtime (no release thread): the failures are tried again by the sweep and
+        // the deadline keeper, which find their records.
+        let _ = send_releases(&self.metrics, self.ledger.as_deref(), pinned);
+    }
+
+    /// Pins `tgid` if it lives in the cgroup its held record names; without a record, if it is
+    /// still a process stopped at exec (pinned first, so the check is of the process signalled).
+    fn pin_recorded(&self, tgid: u32) -> Result<Pinned, String> {
+        let proc = &self.settings.host_proc;
+        match self.ledger.as_ref().and_then(|l| l.get(tgid)) {
+            Some(record) => match pin_in_cgroup_id(&self.cgroups, proc, tgid, record.cgroup_id, CGROUP_SEARCH_BUDGET) {
+                Placed::In(pinned) => Ok(pinned),
+                Placed::Elsewhere => {
+                    Err(format!("pid {tgid} is no longer in the cgroup it was held in: not signalled"))
+                }
+                Placed::Unsure(why) => Err(why),
+            },
+            None => {
+                let pinned = pin_pid(tgid).map_err(|e| e.chain().to_string())?;
+                if held_at_exec(proc, tgid) || process_stopped(proc, tgid) {
+                    Ok(pinned)
+                } else {
+                    Err(format!("pid {tgid} is not stopped: not signalled"))
+                }
+            }
+        }
     }
 }
 

@@ -48,12 +48,22 @@ pub fn patch_body(want: &ProxyReady, now: &str) -> serde_json::Value {
     })
 }
 
-/// Writes the condition.
-pub async fn write(client: Client, namespace: &str, name: &str, want: &ProxyReady) -> Result<()> {
+/// Writes the condition; returns the pod's resourceVersion after the write, if the server said.
+pub async fn write(client: Client, namespace: &str, name: &str, want: &ProxyReady) -> Result<Option<String>> {
     let api: Api<Pod> = Api::namespaced(client, namespace);
     let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
-    api.patch_status(name, &PatchParams::default(), &Patch::Strategic(patch_body(want, &now))).await?;
-    Ok(())
+    let pod = api.patch_status(name, &PatchParams::default(), &Patch::Strategic(patch_body(want, &now))).await?;
+    Ok(pod.metadata.resource_version)
+}
+
+/// Whether the pod version `seen` is the version `written` or a later one. resourceVersions are
+/// opaque to clients, but every server in use (etcd's revision, the fake API server) writes them
+/// as increasing integers; anything else is taken as later only when equal.
+pub fn at_or_after(seen: &str, written: &str) -> bool {
+    match (seen.parse::<u64>(), written.parse::<u64>()) {
+        (Ok(s), Ok(w)) => s >= w,
+        _ => seen == written,
+    }
 }
 
 #[cfg(test)]

@@ -6,4 +6,4 @@ pub mod root;
 pub mod signal;
 pub mod tree;
 
-pub use tree::{CgroupFs, ContainerDir, PodDir, cgroup_of_pid};
+pub use tree::{CgroupFs, ContainerDir, PodDir, Search, cgroup_of_pid};

@@ -1,9 +1,10 @@
 //! Signals to processes identified through cgroups, safe against pid reuse: the pid is pinned
 //! with a pidfd first, then its cgroup is checked, then the signal goes through the pidfd.
 
-use super::tree::CgroupFs;
+use super::tree::{CgroupFs, Search, cgroup_of_pid};
 use crate::error::{Error, Result};
 use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+use std::path::Path;
 
 fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
     // SAFETY: plain syscall; a non-negative return is a new fd we own.
@@ -54,6 +55,12 @@ impl Pinned {
     }
 }
 
+/// Pins `pid`, wherever it lives (the caller checks what it must of the process pinned).
+pub fn pin_pid(pid: u32) -> Result<Pinned> {
+    let fd = pidfd_open(pid).map_err(|e| Error::io(format!("pidfd_open({pid})"), e))?;
+    Ok(Pinned { pid, fd })
+}
+
 /// Pins `pid` if it lives in cgroup `rel` or below (the check of [`signal_in_cgroup`], apart
 /// from the signal: a batch of releases checks them all, then signals them back to back).
 pub fn pin_in_cgroup(cgroups: &CgroupFs, pid: u32, rel: &str) -> Result<Pinned> {
@@ -64,6 +71,60 @@ pub fn pin_in_cgroup(cgroups: &CgroupFs, pid: u32, rel: &str) -> Result<Pinned> 
         return Err(Error::Cgroup(format!("pid {pid} is not in {rel}: not signalled")));
     }
     Ok(Pinned { pid, fd })
+}
+
+/// Where [`pin_in_cgroup_id`] found a process.
+pub enum Placed {
+    /// Pinned, and it lives in the cgroup with the recorded id (or below it).
+    In(Pinned),
+    /// It is gone, or another process has its pid (it lives outside that cgroup, or the cgroup
+    /// is gone): its record names no one any more.
+    Elsewhere,
+    /// Cannot tell now (the cgroup search ran out of budget or hit a read error): ask again
+    /// later, and keep its record.
+    Unsure(String),
+}
+
+/// Pins `pid` first, then checks that it lives in the cgroup whose id is `cgroup_id` (the one a
+/// [`valet_common::HeldRecord`] names) or below it: a signal through the result reaches the
+/// process that was held, or none. The process's own `/proc/<pid>/cgroup` path is tried first
+/// (a lookup, no search); where that path is not under this agent's cgroup root (another cgroup
+/// namespace) the tree is searched, within `budget` directories.
+pub fn pin_in_cgroup_id(cgroups: &CgroupFs, host_proc: &Path, pid: u32, cgroup_id: u64, budget: usize) -> Placed {
+    let fd = match pidfd_open(pid) {
+        Ok(fd) => fd,
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Placed::Elsewhere,
+        Err(e) => return Placed::Unsure(format!("pidfd_open({pid}): {e}")),
+    };
+    let pinned = Pinned { pid, fd };
+    if let Some(path) = cgroup_of_pid(host_proc, pid).filter(|p| p.starts_with('/') && !p.starts_with("/..")) {
+        // The process's cgroup and its ancestors, deepest first. No match proves nothing (the
+        // path may be relative to another root than ours): the search below decides then.
+        let mut rel = path.as_str();
+        loop {
+            match cgroups.id_of(rel) {
+                Ok(id) if id == cgroup_id => return Placed::In(pinned),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+            match rel.rfind('/') {
+                Some(0) if rel.len() > 1 => rel = "/",
+                Some(i) if i > 0 => rel = &rel[..i],
+                _ => break,
+            }
+        }
+    }
+    match cgroups.search_by_id(cgroup_id, "/", budget) {
+        Search::Found(rel) => {
+            if cgroups.procs(&rel).contains(&pid) || cgroups.procs_recursive(&rel).contains(&pid) {
+                Placed::In(pinned)
+            } else {
+                Placed::Elsewhere
+            }
+        }
+        Search::Gone => Placed::Elsewhere,
+        Search::Unsure => Placed::Unsure(format!("the search for cgroup {cgroup_id} could not finish")),
+    }
 }
 
 /// Sends `signal` to every process in cgroup `rel` and below; returns how many were signalled.

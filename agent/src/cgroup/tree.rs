@@ -21,6 +21,16 @@ pub struct ContainerDir {
     pub container: ContainerCgroup,
 }
 
+/// What [`CgroupFs::search_by_id`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Search {
+    Found(String),
+    /// Every directory was looked at: no cgroup has this id.
+    Gone,
+    /// The search could not finish (budget, read errors): the cgroup may still be there.
+    Unsure,
+}
+
 /// A pod cgroup found on disk.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodDir {
@@ -138,6 +148,45 @@ impl CgroupFs {
             stack.extend(self.child_dirs(rel.trim_end_matches('/')));
         }
         None
+    }
+
+    /// [`CgroupFs::find_by_id`] that tells a search that looked everywhere (`Gone`) from one that
+    /// could not (`Unsure`: out of budget, or a directory it could not read). A held process's
+    /// record is dropped only on `Gone`.
+    pub fn search_by_id(&self, id: u64, within: &str, budget: usize) -> Search {
+        let mut stack = vec![within.trim_end_matches('/').to_owned()];
+        let mut left = budget;
+        let mut unsure = false;
+        while let Some(rel) = stack.pop() {
+            let rel = if rel.is_empty() { "/".to_owned() } else { rel };
+            match std::fs::metadata(self.abs(&rel)) {
+                Ok(m) if m.ino() == id => return Search::Found(rel),
+                Ok(_) => {}
+                // Removed meanwhile: that directory is no longer anyone's cgroup.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(_) => unsure = true,
+            }
+            let Some(l) = left.checked_sub(1) else { return Search::Unsure };
+            left = l;
+            match std::fs::read_dir(self.abs(&rel)) {
+                Ok(entries) => {
+                    for e in entries {
+                        match e {
+                            Ok(e) if e.file_type().map(|t| t.is_dir()).unwrap_or(false) => {
+                                if let Ok(name) = e.file_name().into_string() {
+                                    stack.push(format!("{}/{}", rel.trim_end_matches('/'), name));
+                                }
+                            }
+                            Ok(_) => {}
+                            Err(_) => unsure = true,
+                        }
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(_) => unsure = true,
+            }
+        }
+        if unsure { Search::Unsure } else { Search::Gone }
     }
 
     /// Processes directly in a cgroup (`cgroup.procs`).
@@ -277,5 +326,19 @@ mod tests {
         assert_eq!(found.1.as_deref(), Some(child.as_str()));
         assert_eq!(found.2, None, "the budget bounds the walk");
         assert_eq!(missing, None);
+    }
+
+    #[test]
+    fn a_search_tells_a_cgroup_gone_from_one_it_could_not_finish() {
+        let tree = TempTree::new("search");
+        let fs = CgroupFs::new(&tree.0);
+        tree.mkdir("/kubepods/pod1/c1");
+        tree.mkdir("/kubepods/pod2/c2");
+        let id = fs.id_of("/kubepods/pod2/c2").expect("id");
+        assert_eq!(fs.search_by_id(id, "/", 100), Search::Found("/kubepods/pod2/c2".into()));
+        assert_eq!(fs.search_by_id(u64::MAX, "/", 100), Search::Gone, "every directory looked at");
+        assert_eq!(fs.search_by_id(u64::MAX, "/", 2), Search::Unsure, "out of budget is not gone");
+        // A directory that is not there (removed meanwhile) is no one's cgroup.
+        assert_eq!(fs.search_by_id(u64::MAX, "/kubepods/pod9", 100), Search::Gone);
     }
 }

@@ -7,11 +7,12 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::time::Duration;
 
-use aya::maps::{HashMap, MapData};
+use aya::maps::{HashMap, Map, MapData};
 use nix::sys::statfs::FsType;
 use tracing::{info, warn};
-use valet_common::HeldRecord;
+use valet_common::{HeldRecord, HeldRecordV1, PIN_HELD, PIN_HELD_V1};
 
 /// `statfs(2)`'s `f_type` of bpffs.
 const BPF_FS_MAGIC: FsType = FsType(0xcafe_4a11);
@@ -43,12 +44,85 @@ impl HeldLedger {
         self.map.lock().ok()?.get(&tgid, 0).ok()
     }
 
+    /// Moves the records of older pins into this one: version N reads version N−1's records
+    /// (the [`PIN_HELD_V1`] layout, whose records get the record's time plus
+    /// `default_timeout` for a deadline) and those left in an old pin directory. Each old pin is
+    /// removed once its records are here. Returns how many records moved.
+    pub fn migrate(&self, old_pins: &[PathBuf], default_timeout: Duration) -> usize {
+        let Some(own) = self.pinned.as_deref() else { return 0 };
+        let default_ns = u64::try_from(default_timeout.as_nanos()).unwrap_or(u64::MAX);
+        let Ok(mut map) = self.map.lock() else { return 0 };
+        let mut moved = 0;
+        for path in old_pins {
+            if path == own || !path.exists() {
+                continue;
+            }
+            let v1 = path.file_name().is_some_and(|n| n == PIN_HELD_V1);
+            let records: Vec<(u32, HeldRecord)> = match MapData::from_pin(path) {
+                Ok(data) if v1 => match HashMap::<MapData, u32, HeldRecordV1>::try_from(Map::HashMap(data)) {
+                    Ok(old) => old
+                        .iter()
+                        .filter_map(Result::ok)
+                        .map(|(t, r)| {
+                            let deadline_ns = r.ktime_ns.saturating_add(default_ns);
+                            (t, HeldRecord { cgroup_id: r.cgroup_id, ktime_ns: r.ktime_ns, deadline_ns })
+                        })
+                        .collect(),
+                    Err(e) => {
+                        warn!(path = %path.display(), "an old record of held apps of another layout: {e}");
+                        continue;
+                    }
+                },
+                Ok(data) => match HashMap::<MapData, u32, HeldRecord>::try_from(Map::HashMap(data)) {
+                    Ok(old) => old.iter().filter_map(Result::ok).collect(),
+                    Err(e) => {
+                        warn!(path = %path.display(), "an old record of held apps of another layout: {e}");
+                        continue;
+                    }
+                },
+                Err(e) => {
+                    warn!(path = %path.display(), "cannot open an old record of held apps (kept): {e}");
+                    continue;
+                }
+            };
+            let mut complete = true;
+            for (tgid, record) in records {
+                // A record of this pin is newer (the pid held again since): it stays.
+                const BPF_NOEXIST: u64 = 1;
+                match map.insert(tgid, record, BPF_NOEXIST) {
+                    Ok(()) => moved += 1,
+                    Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+                    Err(e) => {
+                        warn!(pid = tgid, path = %path.display(), "cannot move a held record (the old pin is kept): {e}");
+                        complete = false;
+                    }
+                }
+            }
+            if complete {
+                match std::fs::remove_file(path) {
+                    Ok(()) => info!(path = %path.display(), "moved an older record of held apps into this one"),
+                    Err(e) => warn!(path = %path.display(), "cannot remove the old record of held apps: {e}"),
+                }
+            }
+        }
+        moved
+    }
+
     /// Drops `tgid`'s record (released, gone, or another process by now).
     pub fn forget(&self, tgid: u32) {
         if let Ok(mut map) = self.map.lock() {
             let _ = map.remove(&tgid);
         }
     }
+}
+
+/// Every pin a record of holds may be in, this version's first: [`PIN_HELD`] and
+/// [`PIN_HELD_V1`] in `pin_dir` and in each of `old_dirs`.
+pub fn pin_paths(pin_dir: &Path, old_dirs: &[PathBuf]) -> Vec<PathBuf> {
+    std::iter::once(pin_dir)
+        .chain(old_dirs.iter().map(PathBuf::as_path))
+        .flat_map(|d| [d.join(PIN_HELD), d.join(PIN_HELD_V1)])
+        .collect()
 }
 
 fn fs_type(path: &Path) -> Option<FsType> {

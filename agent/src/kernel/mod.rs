@@ -2,11 +2,13 @@
 //! and the two traits the controller works through, so its loop can run against a stand-in.
 pub mod btf;
 pub mod container_main;
+pub mod deadlines;
 pub mod events;
 pub mod held;
 pub mod layout;
 pub mod loader;
 pub mod memory;
+pub mod mode;
 pub mod programs;
 
 use std::future::Future;
@@ -39,6 +41,11 @@ pub trait KernelControl: Send {
     /// that run the loop without a kernel).
     fn held_ledger(&self) -> Option<std::sync::Arc<held::HeldLedger>> {
         None
+    }
+    /// Whether the record of held processes outlives this agent (pinned on bpffs): apps are held
+    /// only then. Fakes that stand in for a kernel say yes unless a test says otherwise.
+    fn held_record_pinned(&self) -> bool {
+        true
     }
 }
 
@@ -83,6 +90,10 @@ impl KernelControl for Programs {
 
     fn held_ledger(&self) -> Option<std::sync::Arc<held::HeldLedger>> {
         Some(Programs::held_ledger(self))
+    }
+
+    fn held_record_pinned(&self) -> bool {
+        Programs::held_ledger(self).pinned().is_some()
     }
 }
 

@@ -144,6 +144,9 @@ impl AncestorMode {
     }
 }
 
+/// Where the kernel's own BTF is, below the host root.
+pub const KERNEL_BTF: &str = "sys/kernel/btf/vmlinux";
+
 /// Which programs to attach, and how they find pod cgroups.
 #[derive(Clone, Copy, Debug)]
 pub struct Attach {
@@ -218,14 +221,24 @@ impl Programs {
         attach: Attach,
         pin_dir: Option<&std::path::Path>,
     ) -> Result<Programs> {
+        Programs::load_with_btf(host_root, attach, pin_dir, &host_root.join(KERNEL_BTF))
+    }
+
+    /// [`Programs::load_pinned`] with the kernel's struct offsets read from `btf_path` (a BTF
+    /// file for this kernel where the kernel has none of its own, e.g. from BTFHub).
+    pub fn load_with_btf(
+        host_root: &std::path::Path,
+        attach: Attach,
+        pin_dir: Option<&std::path::Path>,
+        btf_path: &std::path::Path,
+    ) -> Result<Programs> {
         let memlock_limit = raise_memlock_limit();
         let tracefs = match find_tracefs(host_root) {
             Ok(path) => path,
             Err(e) => mount_tracefs(host_root).ok_or(e)?,
         };
-        let btf_path = host_root.join("sys/kernel/btf/vmlinux");
         memory::note("before reading the kernel's BTF");
-        let btf = Btf::from_file(&btf_path)?;
+        let btf = Btf::from_file(btf_path)?;
         memory::note("kernel BTF read");
         let mut layout = read_layout(&btf, &tracefs)?;
         if let Hierarchy::V1(controller) = attach.hierarchy {

@@ -15,7 +15,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::vocab::SidecarKind;
+use crate::vocab::{DegradedReason, NodeMode, SidecarKind};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 pub enum ExitOutcome {
@@ -94,6 +94,14 @@ pub struct NamespaceLabels {
     pub namespace: String,
 }
 
+/// How the node is served: `mode` kernel or degraded, and why (`none` in kernel mode; else a
+/// [`DegradedReason`] label).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeLabels {
+    pub mode: &'static str,
+    pub reason: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
     pub version: &'static str,
@@ -131,6 +139,10 @@ pub struct Metrics {
     pub holds: Counter,
     pub releases: Family<ReasonLabels, Counter>,
     pub fail_opens: Counter,
+    /// SIGCONTs to held apps that failed (retried with backoff; the record is kept).
+    pub release_failures: Counter,
+    /// Pods whose apps were not held because the record of holds is not pinned.
+    pub holds_refused: Counter,
     pub hold_duration: Histogram,
     pub condition_patches: Family<ResultLabels, Counter>,
     pub events_lost: Counter,
@@ -139,6 +151,8 @@ pub struct Metrics {
     pub watch_restarts: Counter,
     pub skips: Family<ReasonLabels, Counter>,
     pub build_info: Family<BuildLabels, Gauge>,
+    pub node_info: Family<NodeLabels, Gauge>,
+    pub api_path: Family<ReasonLabels, Counter>,
     pub pods_observed: Gauge,
     pub pods_waiting: Family<ObservedLabels, Gauge>,
     pub sidecar_tax: Family<TaxLabels, Histogram, fn() -> Histogram>,
@@ -198,6 +212,8 @@ impl Metrics {
             holds: Counter::default(),
             releases: Family::default(),
             fail_opens: Counter::default(),
+            release_failures: Counter::default(),
+            holds_refused: Counter::default(),
             hold_duration: Histogram::new(hold_buckets()),
             condition_patches: Family::default(),
             events_lost: Counter::default(),
@@ -206,6 +222,8 @@ impl Metrics {
             watch_restarts: Counter::default(),
             skips: Family::default(),
             build_info: Family::default(),
+            node_info: Family::default(),
+            api_path: Family::default(),
             pods_observed: Gauge::default(),
             pods_waiting: Family::default(),
             sidecar_tax: Family::new_with_constructor(tax_histogram),
@@ -250,6 +268,16 @@ impl Metrics {
             "Held apps released because the proxy was not ready in time",
             m.fail_opens.clone(),
         );
+        registry.register(
+            "release_failures",
+            "SIGCONTs to held apps that failed; each is retried with backoff and its record kept",
+            m.release_failures.clone(),
+        );
+        registry.register(
+            "app_holds_refused",
+            "Pods whose apps ran without a hold: the record of holds could not be pinned (no bpffs)",
+            m.holds_refused.clone(),
+        );
         registry.register("app_hold_duration_seconds", "How long app processes were held", m.hold_duration.clone());
         registry.register(
             "condition_patches",
@@ -274,6 +302,18 @@ impl Metrics {
         registry.register("watch_restarts", "Restarts of the pod watch (errors, re-lists)", m.watch_restarts.clone());
         registry.register("pod_skips", "Pods or actions skipped, by reason", Declared(m.skips.clone()));
         registry.register("build_info", "Build information", Declared(m.build_info.clone()));
+        registry.register(
+            "node_info",
+            "How valet serves this node: mode kernel (ends as they happen, holds) or degraded (the kernel \
+             programs could not run: ends from the API, no holds), and why (reason)",
+            Declared(m.node_info.clone()),
+        );
+        registry.register(
+            "pods_api_path",
+            "Opted-in pods the node's kernel cannot see, served from the API's container status without \
+             holds, by reason (host_pid, sandboxed, node_degraded)",
+            Declared(m.api_path.clone()),
+        );
         registry.register(
             "pods_observed",
             "Pods on this node with a sidecar valet knows, labelled or not, that the observer keeps",
@@ -322,6 +362,9 @@ impl Metrics {
         for outcome in [ExitOutcome::Success, ExitOutcome::Failure, ExitOutcome::Signal] {
             let _ = m.exits.get_or_create(&ExitLabels { outcome });
         }
+        for reason in ["host_pid", "sandboxed", "node_degraded"] {
+            let _ = m.api_path.get_or_create(&ReasonLabels { reason });
+        }
         for result in ["sent", "unclaimed"] {
             let _ = m.quits_ahead.get_or_create(&ResultLabels { result });
         }
@@ -345,6 +388,16 @@ impl Metrics {
             Format::OpenMetrics => out,
             Format::Text => openmetrics_to_text(&out),
         })
+    }
+
+    /// Says how this node is served: one `valet_node_info` series at 1, the others at 0 (every
+    /// mode and reason is exposed, so an alert sees 0 rather than nothing).
+    pub fn set_node_mode(&self, mode: NodeMode) {
+        let all = std::iter::once(NodeMode::Kernel).chain(DegradedReason::ALL.map(NodeMode::Degraded));
+        for m in all {
+            let labels = NodeLabels { mode: m.label(), reason: m.reason_label() };
+            self.node_info.get_or_create(&labels).set(i64::from(m == mode));
+        }
     }
 
     pub fn skip(&self, reason: &'static str) {
@@ -563,6 +616,8 @@ mod tests {
                 "valet_app_holds_total",
                 "valet_app_releases_total",
                 "valet_app_hold_fail_opens_total",
+                "valet_release_failures_total",
+                "valet_app_holds_refused_total",
                 "valet_app_hold_duration_seconds",
                 "valet_condition_patches_total",
                 "valet_kernel_events_lost_total",
@@ -571,6 +626,8 @@ mod tests {
                 "valet_watch_restarts_total",
                 "valet_pod_skips_total",
                 "valet_build_info",
+                "valet_node_info",
+                "valet_pods_api_path_total",
                 "valet_pods_observed",
                 "valet_pods_waiting_on_sidecars",
                 "valet_sidecar_tax_seconds",

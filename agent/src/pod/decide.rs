@@ -185,6 +185,7 @@ mod tests {
             hold_timeout: DEFAULT_HOLD_TIMEOUT,
             istio_holds_app: false,
             host_pid: false,
+            runtime_class: None,
             pod_ip: None,
             deleting: false,
         }

@@ -17,9 +17,11 @@ pub fn first_attempt(link: &dyn SidecarLink, target: &PodTarget, endpoint: &Endp
     attempt(link, target, endpoint, limits, false)
 }
 
-/// One quit request; `fresh`: in a namespace entered anew, on a new connection.
+/// One quit request; `fresh`: in a namespace entered anew, on a new connection. A target without
+/// a pod cgroup (a sandboxed pod, whose loopback the node cannot reach) is sent to its pod IP.
 fn attempt(link: &dyn SidecarLink, target: &PodTarget, endpoint: &Endpoint, limits: Limits, fresh: bool) -> Attempt {
-    link.request(target.clone(), endpoint.port, "POST", endpoint.path.clone(), limits, fresh, false)
+    let to_pod_ip = target.pod_rel.is_none() && target.pod_ip.is_some();
+    link.request(target.clone(), endpoint.port, "POST", endpoint.path.clone(), limits, fresh, to_pod_ip)
 }
 
 /// How soon a quit is tried again when nothing listens on the endpoint yet: the app ended while

@@ -12,17 +12,24 @@ impl PodState {
         };
         if self.watching != Some(hold) {
             // Containers already running are recorded with the kernel before it watches the pod
-            // (not a hostPID pod's: the kernel reports none of its ends).
-            let exits = !plan.host_pid;
+            // (not a pod the node's kernel cannot see: it reports none of its ends).
+            let exits = self.api_path.is_none();
             fx.push(Effect::ScanContainers { pod_rel: rel.clone(), adopt: exits });
-            fx.push(Effect::Watch { pod_cgroup: id, pod_rel: rel.clone(), exits, hold });
+            fx.push(Effect::Watch {
+                pod_cgroup: id,
+                pod_rel: rel.clone(),
+                exits,
+                hold,
+                hold_timeout: plan.hold_timeout.min(MAX_HOLD),
+            });
             self.watching = Some(hold);
         }
         if hold && !self.left_held_searched {
             self.left_held_searched = true;
             fx.push(Effect::FindLeftHeld { pod_rel: rel.clone() });
         }
-        if !self.network_open && !self.finished {
+        // A sandboxed pod's loopback is inside its sandbox: its sidecars are reached at its IP.
+        if !self.network_open && !self.finished && !self.sandboxed() {
             // Opened ahead of time, so the quit needs no search; retried on ticks until the pod
             // has a live process.
             self.network_open = true;

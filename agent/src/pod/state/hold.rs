@@ -18,7 +18,7 @@ impl PodState {
         };
         let release =
             |reason| Effect::Release { tgid: held.tgid, container_rel: rel.clone(), reason, since: held.ktime };
-        let Some(plan) = self.plan.as_ref().filter(|p| wants_hold(p)) else {
+        let Some(plan) = self.plan.as_ref().filter(|p| self.can_hold(p)) else {
             return vec![release("not_app")];
         };
         if self.finished || self.shutting_down {
@@ -106,6 +106,65 @@ impl PodState {
         fx
     }
 
+    /// Whether this pod's apps are held: it asks, and the node's kernel sees them.
+    pub(super) fn can_hold(&self, plan: &PodPlan) -> bool {
+        wants_hold(plan) && self.api_path.is_none()
+    }
+
+    /// Whether the pod runs in a sandbox (its loopback and processes out of the node's reach).
+    pub(super) fn sandboxed(&self) -> bool {
+        matches!(self.api_path, Some(ApiPath::Sandboxed { .. }))
+    }
+
+    /// Whether the pod asks for a hold that the node's kernel cannot give it.
+    pub(super) fn hold_refused(&self) -> bool {
+        self.api_path.is_some() && self.plan.as_ref().is_some_and(asks_hold)
+    }
+
+    /// Says once, when a pod is first planned, that its ends come from the API (counted, logged,
+    /// and an Event when it is the pod's own doing or it asked for a hold).
+    pub(super) fn announce_api_path(&mut self) -> Vec<Effect> {
+        let Some(path) = self.api_path.clone() else { return Vec::new() };
+        if self.api_path_told {
+            return Vec::new();
+        }
+        self.api_path_told = true;
+        let mut why = path.explain();
+        if self.sandboxed() {
+            why.push_str(
+                "; its sidecars are asked to quit at the pod IP (the sandbox's loopback is out of the node's reach), \
+                 so their quit endpoint must listen there, and they are never signalled",
+            );
+        }
+        let mut fx = vec![Effect::Count(Count::ApiPath(path.label()))];
+        if self.hold_refused() {
+            warn!(pod = %self.name(), reason = path.label(), "hold asked for but unavailable: the app runs unheld; {why}");
+            fx.push(Effect::Publish {
+                warning: true,
+                reason: "HoldUnavailable",
+                action: "Run",
+                note: format!(
+                    "valet cannot hold the app until the proxy is ready: {why}. The app runs unheld; its \
+                     end is taken from the pod's status (about a second after the kubelet sees it)"
+                ),
+            });
+        } else if !matches!(path, ApiPath::NodeDegraded(_)) {
+            info!(pod = %self.name(), reason = path.label(), "ends taken from the API: {why}");
+            fx.push(Effect::Publish {
+                warning: false,
+                reason: "EndsFromApi",
+                action: "Watch",
+                note: format!(
+                    "{why}: valet takes its containers' ends from the pod's status (about a second after the \
+                     kubelet sees them) and holds nothing"
+                ),
+            });
+        } else {
+            debug!(pod = %self.name(), "ends taken from the API: {why}");
+        }
+        fx
+    }
+
     pub(super) fn release(&self, h: &Held, reason: &'static str) -> Effect {
         let container_rel = self.containers.get(&h.container_cgroup).map(|c| c.rel.clone()).unwrap_or_default();
         Effect::Release { tgid: h.tgid, container_rel, reason, since: h.since }
@@ -137,10 +196,16 @@ impl PodState {
     }
 }
 
-/// Whether the kernel should hold this pod's app containers at their first exec.
+/// Whether the kernel should hold this pod's app containers at their first exec (a hostPID pod's
+/// cannot be; [`asks_hold`] says whether the pod asks).
 pub fn wants_hold(plan: &PodPlan) -> bool {
+    asks_hold(plan) && !plan.host_pid
+}
+
+/// Whether the pod asks valet to hold its apps until the proxy is ready, and the hold would mean
+/// something (a proxy with a readiness endpoint, apps, no other hold).
+pub fn asks_hold(plan: &PodPlan) -> bool {
     plan.hold_app
-        && !plan.host_pid
         && !plan.istio_holds_app
         && plan.native_sidecars.is_empty()
         && plan.sidecars.iter().any(|s| s.ready.is_some())

@@ -20,7 +20,7 @@ use super::spec::{Endpoint, PodPlan, SidecarDefaults, plan};
 use super::status::{self, hex_id, pod_name};
 use crate::api::condition;
 use crate::effect::{ContainerSeen, Count, Effect, ExitSeen, Feedback, HeldSeen, LeftHeld, Nanos, Pace, RuntimeName};
-use crate::vocab::{ProcessEnd, ProxyReady, QuitOutcome};
+use crate::vocab::{ApiPath, NodeMode, ProcessEnd, ProxyReady, QuitOutcome};
 
 mod containers;
 mod hold;
@@ -28,7 +28,7 @@ mod quit;
 mod ready;
 
 use containers::Role;
-pub use hold::wants_hold;
+pub use hold::{asks_hold, wants_hold};
 
 /// The longest any app is held, whatever the annotation says.
 const MAX_HOLD: Duration = Duration::from_secs(3600);
@@ -44,6 +44,34 @@ pub struct Rules {
     pub defaults: SidecarDefaults,
     /// SIGTERM a sidecar still running this long after it accepted a quit; `None`: never signal.
     pub escalate_after: Option<Duration>,
+    /// Whether the node's kernel programs run (else every pod's ends come from the API).
+    pub mode: NodeMode,
+    /// `runtimeClassName`s whose pods run out of the node's kernel's sight (`--sandboxed-runtime-classes`).
+    pub sandboxed_classes: Vec<String>,
+}
+
+impl Rules {
+    /// Why a pod's ends must come from the API, if they must: the pod's own reason first.
+    pub fn api_path(&self, plan: &PodPlan) -> Option<ApiPath> {
+        if plan.host_pid {
+            return Some(ApiPath::HostPid);
+        }
+        if let Some(class) = plan.runtime_class.as_deref().filter(|c| sandboxed(&self.sandboxed_classes, c)) {
+            return Some(ApiPath::Sandboxed { runtime_class: class.to_owned() });
+        }
+        match self.mode {
+            NodeMode::Kernel => None,
+            NodeMode::Degraded(reason) => Some(ApiPath::NodeDegraded(reason)),
+        }
+    }
+}
+
+/// Whether `class` is one of `patterns` (exact names; a trailing `*` matches any suffix).
+pub fn sandboxed(patterns: &[String], class: &str) -> bool {
+    patterns.iter().any(|p| match p.strip_suffix('*') {
+        Some(prefix) => class.starts_with(prefix),
+        None => p == class,
+    })
 }
 
 /// A quit to send the moment a container's end is read from the kernel ([`PodState::quit_ahead`]).
@@ -129,6 +157,10 @@ pub struct PodState {
     plan: Option<PodPlan>,
     /// The last spec error reported (reported again only when it changes).
     spec_error: Option<String>,
+    /// Why the node's kernel cannot see this pod (its ends then come from the API).
+    api_path: Option<ApiPath>,
+    /// That was counted (and published).
+    api_path_told: bool,
     /// Why the pod is ignored, once counted.
     ignored: Option<&'static str>,
     pod_cgroup: Option<(String, u64)>,
@@ -155,6 +187,10 @@ pub struct PodState {
     stood_down: bool,
     shutting_down: bool,
     written: Option<ProxyReady>,
+    /// The pod's resourceVersion our last successful write produced: a pod seen at or after it
+    /// that shows another condition was written over (a killed predecessor's late write), and
+    /// is written again.
+    written_version: Option<String>,
     writing: bool,
     /// Condition writes failed in a row, and when the next may be made.
     write_failures: u32,
@@ -171,6 +207,8 @@ impl PodState {
             pod: None,
             plan: None,
             spec_error: None,
+            api_path: None,
+            api_path_told: false,
             ignored: None,
             pod_cgroup: None,
             watching: None,
@@ -188,6 +226,7 @@ impl PodState {
             stood_down: false,
             shutting_down: false,
             written: None,
+            written_version: None,
             writing: false,
             write_failures: 0,
             write_retry_at: None,
@@ -233,7 +272,7 @@ impl PodState {
     /// Whether this pod holds its apps until its proxy is ready, and so looks after what the
     /// kernel stopped in its cgroups (an earlier agent's holds included, found at attach).
     pub fn holding(&self) -> bool {
-        self.plan.as_ref().is_some_and(wants_hold)
+        self.plan.as_ref().is_some_and(|p| self.can_hold(p))
             && !self.shutting_down
             && !self.released
             && !self.finished
@@ -271,6 +310,11 @@ impl PodState {
             }
             Ok(p) => {
                 self.spec_error = None;
+                let path = rules.api_path(&p);
+                if path != self.api_path {
+                    self.api_path_told = false;
+                }
+                self.api_path = path;
                 self.plan = Some(p);
                 if std::mem::take(&mut self.stood_down) {
                     // Watched again, from scratch.
@@ -390,8 +434,9 @@ impl PodState {
                 }
                 return fx;
             }
-            Feedback::ConditionWritten { want, error } => {
+            Feedback::ConditionWritten { want, error, version } => {
                 self.writing = false;
+                self.written_version = version;
                 fx.push(Effect::Count(Count::ConditionPatch { ok: error.is_none() }));
                 if let Some(e) = error {
                     warn!(pod = %self.name(), "write {} condition: {e}", condition::CONDITION_TYPE);
@@ -481,7 +526,8 @@ impl PodState {
             fx.extend(self.sync_condition(now));
             return fx;
         }
-        let hold = wants_hold(&plan) && !self.shutting_down;
+        let hold = self.can_hold(&plan) && !self.shutting_down;
+        fx.extend(self.announce_api_path());
         if !self.released {
             fx.extend(self.attach(&plan, hold));
         }

@@ -109,6 +109,7 @@ impl PodState {
             debug!(pod = %self.name(), "work done but the pod cgroup is not found yet");
             return Vec::new();
         };
+        let sandboxed = self.sandboxed();
         let (state, effect) = match (&sidecar.quit, sidecar.quit_signal) {
             (Some(endpoint), _) => (
                 QuitState::InFlight,
@@ -117,8 +118,23 @@ impl PodState {
                     instance: instance.clone(),
                     endpoint: endpoint.clone(),
                     pod_rel,
+                    pod_ip: if sandboxed { plan.pod_ip.clone() } else { None },
                 }),
             ),
+            // The node's processes in a sandboxed pod's cgroups are the sandbox's (its VM, its
+            // user-space kernel), never the sidecar: a signal there would end the whole pod.
+            (None, _) if sandboxed => {
+                warn!(pod = %self.name(), sidecar = name, "a sandboxed pod's sidecar without a quit endpoint cannot be ended");
+                self.quits.insert(name.to_owned(), Quit { instance, state: QuitState::Escalated, failures });
+                return vec![Effect::Publish {
+                    warning: true,
+                    reason: "SidecarQuitFailed",
+                    action: "Quit",
+                    note: format!(
+                        "{name} has no quit endpoint, and a sandboxed pod's processes cannot be signalled from the node"
+                    ),
+                }];
+            }
             // A helper without a quit endpoint: its signal is the quit.
             (None, signal) => (
                 QuitState::Escalated,
@@ -188,6 +204,11 @@ impl PodState {
     }
 
     pub(super) fn escalate_now(&mut self, sidecar: &str) -> Vec<Effect> {
+        if self.sandboxed() {
+            // See `start_quit`: the node would signal the sandbox, not the sidecar.
+            warn!(pod = %self.name(), %sidecar, "not signalling a sandboxed pod's sidecar: the node sees only the sandbox");
+            return Vec::new();
+        }
         match self.container_rel(sidecar) {
             Some(container_rel) => {
                 vec![Effect::Signal { sidecar: sidecar.to_owned(), container_rel, signal: libc::SIGTERM }]

@@ -8,7 +8,9 @@ impl PodState {
         if self.finished || self.released || probed.is_empty() {
             return self.stop_probe();
         }
-        let target = (self.pod_cgroup.as_ref().map(|(r, _)| r.clone()), plan.pod_ip.clone());
+        // A sandboxed pod is probed at its IP (no cgroup given: no namespace to enter).
+        let pod_rel = if self.sandboxed() { None } else { self.pod_cgroup.as_ref().map(|(r, _)| r.clone()) };
+        let target = (pod_rel, plan.pod_ip.clone());
         let pace = if !self.held.is_empty() {
             Pace::Urgent
         } else if self.ready == Some(true) {
@@ -42,6 +44,16 @@ impl PodState {
     /// wrote; one write at a time, so writes never overtake each other.
     pub(super) fn sync_condition(&mut self, now: Nanos) -> Vec<Effect> {
         let want = match (self.ready, self.failed_open) {
+            // Said whatever the proxy's state: the pod asked for a hold it did not get.
+            (ready, _) if self.hold_refused() => {
+                let why = self.api_path.as_ref().map(ApiPath::explain).unwrap_or_default();
+                let proxy = if ready == Some(true) { "ready" } else { "not ready yet" };
+                ProxyReady {
+                    ready: ready == Some(true),
+                    reason: "HoldUnavailable",
+                    message: format!("the app was not held: {why}; the sidecar proxy is {proxy}"),
+                }
+            }
             (Some(true), _) => {
                 ProxyReady { ready: true, reason: "ProxyReady", message: "the sidecar proxy reports ready".into() }
             }
@@ -62,13 +74,25 @@ impl PodState {
         }
         self.write_retry_at = None;
         let on_pod = self.pod.as_ref().is_some_and(|p| condition::already_set(p, &want));
-        if self.written.as_ref() == Some(&want) || on_pod {
+        if on_pod {
             self.written = Some(want);
+            return Vec::new();
+        }
+        if self.written.as_ref() == Some(&want) && !self.written_over() {
             return Vec::new();
         }
         self.written = Some(want.clone());
         self.writing = true;
         vec![Effect::WriteCondition(want)]
+    }
+
+    /// Whether the pod, seen at or after our last write, shows something else: written over.
+    fn written_over(&self) -> bool {
+        let seen = self.pod.as_ref().and_then(|p| p.metadata.resource_version.as_deref());
+        match (seen, self.written_version.as_deref()) {
+            (Some(seen), Some(written)) => condition::at_or_after(seen, written),
+            _ => false,
+        }
     }
 
     pub(super) fn count_ignore(&mut self, plan: &PodPlan) -> Vec<Effect> {

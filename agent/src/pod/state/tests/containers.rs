@@ -5,7 +5,16 @@ fn a_found_pod_is_watched_named_opened_and_probed() {
     let mut d = Drive::new(true);
     let fx = d.found(pod("Never", &[], &[]));
     assert!(
-        has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits: true, hold: false }),
+        has(
+            &fx,
+            &Effect::Watch {
+                pod_cgroup: POD_CG,
+                pod_rel: POD_REL.into(),
+                exits: true,
+                hold: false,
+                hold_timeout: DEFAULT_HOLD_TIMEOUT
+            }
+        ),
         "{fx:?}"
     );
     assert!(has(&fx, &Effect::ScanContainers { pod_rel: POD_REL.into(), adopt: true }));
@@ -26,7 +35,13 @@ fn a_host_pid_pod_takes_its_ends_from_the_api_and_is_never_held() {
     let mut p = pod("Never", &[], &[("valet.dev/hold-app", "true")]);
     p.spec.as_mut().expect("spec").host_pid = Some(true);
     let fx = d.found(p);
-    let watch = Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits: false, hold: false };
+    let watch = Effect::Watch {
+        pod_cgroup: POD_CG,
+        pod_rel: POD_REL.into(),
+        exits: false,
+        hold: false,
+        hold_timeout: DEFAULT_HOLD_TIMEOUT,
+    };
     assert!(has(&fx, &watch), "{fx:?}");
     assert!(has(&fx, &Effect::ScanContainers { pod_rel: POD_REL.into(), adopt: false }), "{fx:?}");
     assert!(
@@ -45,7 +60,16 @@ fn a_held_pod_classifies_known_containers_before_they_exec() {
     let mut d = Drive::new(true);
     let fx = d.found(pod("Never", &[], &[("valet.dev/hold-app", "true")]));
     assert!(
-        has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits: true, hold: true }),
+        has(
+            &fx,
+            &Effect::Watch {
+                pod_cgroup: POD_CG,
+                pod_rel: POD_REL.into(),
+                exits: true,
+                hold: true,
+                hold_timeout: DEFAULT_HOLD_TIMEOUT
+            }
+        ),
         "{fx:?}"
     );
     assert!(has(&fx, &Effect::FindLeftHeld { pod_rel: POD_REL.into() }));

@@ -29,6 +29,7 @@ fn held_apps_run_when_the_proxy_is_ready_and_the_condition_says_so() {
             message: "the sidecar proxy is not ready yet".into(),
         },
         error: None,
+        version: None,
     });
     let fx = d.feed(Feedback::Probed { ready: true, detail: String::new() });
     assert_eq!(releases(&fx), [(42, "ready")]);

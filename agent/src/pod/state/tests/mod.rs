@@ -6,7 +6,7 @@ use serde_json::{Value, json};
 
 use super::*;
 pub(super) use crate::pod::fixtures;
-pub(super) use crate::pod::spec::Endpoint;
+pub(super) use crate::pod::spec::{DEFAULT_HOLD_TIMEOUT, Endpoint};
 
 pub(super) const POD_REL: &str = "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod6b1f.slice";
 pub(super) const POD_CG: u64 = 100;
@@ -22,7 +22,12 @@ pub(super) fn id(cg: u64) -> String {
 }
 
 pub(super) fn rules(escalate: bool) -> Rules {
-    Rules { defaults: SidecarDefaults::default(), escalate_after: escalate.then_some(Duration::from_secs(15)) }
+    Rules {
+        defaults: SidecarDefaults::default(),
+        escalate_after: escalate.then_some(Duration::from_secs(15)),
+        mode: NodeMode::Kernel,
+        sandboxed_classes: vec!["kata".into(), "kata-*".into(), "gvisor".into(), "runsc".into()],
+    }
 }
 
 /// A Job pod with an app `report` and `istio-proxy`; `statuses` as (name, cgroup of its
@@ -78,7 +83,10 @@ pub(super) struct Drive {
 
 impl Drive {
     pub(super) fn new(escalate: bool) -> Drive {
-        Drive { s: PodState::new(fixtures::UID), rules: rules(escalate), now: 1000 * SEC }
+        Drive::with_rules(rules(escalate))
+    }
+    pub(super) fn with_rules(rules: Rules) -> Drive {
+        Drive { s: PodState::new(fixtures::UID), rules, now: 1000 * SEC }
     }
     pub(super) fn pod(&mut self, pod: Pod) -> Vec<Effect> {
         self.s.observe_pod(pod, &self.rules, self.now)
@@ -156,6 +164,7 @@ pub(super) fn accepted() -> QuitOutcome {
     QuitOutcome::Accepted { status: 200, attempts: 1 }
 }
 
+mod api_path;
 mod containers;
 mod hold;
 mod native;

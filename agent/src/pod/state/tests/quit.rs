@@ -271,7 +271,16 @@ fn a_restart_always_pod_is_held_and_probed_but_never_quit() {
     let fx = d.found(pod("Always", &[], &[("valet.dev/hold-app", "true")]));
     assert!(has(&fx, &Effect::Count(Count::Skip("restart_always"))), "{fx:?}");
     assert!(
-        has(&fx, &Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), hold: true, exits: true }),
+        has(
+            &fx,
+            &Effect::Watch {
+                pod_cgroup: POD_CG,
+                pod_rel: POD_REL.into(),
+                hold: true,
+                exits: true,
+                hold_timeout: DEFAULT_HOLD_TIMEOUT
+            }
+        ),
         "{fx:?}"
     );
     assert!(has(&fx, &Effect::ClassifyExec { container_cgroup: APP, hold: true }), "{fx:?}");
