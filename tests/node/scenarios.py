@@ -228,6 +228,15 @@ CAPS = {0: "CHOWN", 1: "DAC_OVERRIDE", 2: "DAC_READ_SEARCH", 3: "FOWNER", 4: "FS
         36: "BLOCK_SUSPEND", 37: "AUDIT_READ", 38: "PERFMON", 39: "BPF", 40: "CHECKPOINT_RESTORE"}
 
 
+def node_resources(resources):
+    """A container's CRI resources as the kubelet gives them on this node: `memory.oom.group` (the
+    `unified` map) on cgroup v2 only, as the kubelet does (runc refuses `unified` on v1 and hybrid
+    nodes)."""
+    if kubelet.CGROUP_MODE == "v2":
+        return resources
+    return {k: v for k, v in resources.items() if k != "unified"}
+
+
 class ContainerAgent:
     """valet-agent as the kubelet would run it from its DaemonSet: a pod through the CRI, from the
     image `cargo xtask image` builds, with the security context, mounts and env that
@@ -303,7 +312,7 @@ class ContainerAgent:
             "labels": {"io.kubernetes.container.name": c["name"], "io.kubernetes.pod.name": pod["name"],
                        "io.kubernetes.pod.namespace": pod["namespace"], "io.kubernetes.pod.uid": uid},
             "log_path": f"{c['name']}/0.log",
-            "linux": {"resources": c["resources"], "security_context": c["security_context"]},
+            "linux": {"resources": node_resources(c["resources"]), "security_context": c["security_context"]},
         }
         self.container_id = self.cri.runtime(
             "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": config, "sandbox_config": sandbox}
@@ -322,7 +331,7 @@ class ContainerAgent:
                 "labels": {"io.kubernetes.container.name": m["name"], "io.kubernetes.pod.name": pod["name"],
                            "io.kubernetes.pod.namespace": pod["namespace"], "io.kubernetes.pod.uid": uid},
                 "log_path": f"{m['name']}/0.log",
-                "linux": {"resources": m["resources"], "security_context": m["security_context"]},
+                "linux": {"resources": node_resources(m["resources"]), "security_context": m["security_context"]},
             }
             cid = self.cri.runtime(
                 "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": more, "sandbox_config": sandbox}
@@ -880,7 +889,8 @@ def native_sidecar(api, agent, tag="", driver="systemd"):
         exited_ms = (real_to_mono_ns(st.finished_at) - exit_ns) / 1e6
         if exited_ms > QUIT_BOUND_MS:
             raise Failed(f"the native istio-proxy exited {exited_ms:.0f} ms after the app's exit, over the "
-                         f"{QUIT_BOUND_MS} ms bound (containerd's finishedAt)")
+                         f"{QUIT_BOUND_MS} ms bound (containerd's finishedAt; valet's quit came {delay:.0f} ms after "
+                         "the app's exit)")
         if not os.path.exists(sc.path("native-term")):
             raise Failed("the other native sidecar never got the kubelet's SIGTERM")
         term_ns = uptime_ns(sc.path("native-term"))
