@@ -50,9 +50,10 @@ use aya_ebpf::{
     programs::TracePointContext,
 };
 use valet_common::{
-    CONTAINERS_CAPACITY, COUNTER_SLOTS, ContainerMain, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY, EXEC_CLASS_PASS,
-    HELD_CAPACITY, HeldRecord, KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_HOST_PIDNS_LEVEL, OFFSET_UNKNOWN,
-    WATCHED_CAPACITY, container_flags, event_flags, event_kind, watch_flags, watched_hold_timeout_ns,
+    CGROUP_V2, CONTAINERS_CAPACITY, COUNTER_SLOTS, ContainerMain, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY,
+    EXEC_CLASS_PASS, HELD_CAPACITY, HeldRecord, KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_CGROUP_SUBSYS,
+    MAX_HOST_PIDNS_LEVEL, OFFSET_UNKNOWN, WATCHED_CAPACITY, container_flags, event_flags, event_kind, watch_flags,
+    watched_hold_timeout_ns,
 };
 
 const SIGSTOP: u32 = 19;
@@ -148,6 +149,11 @@ fn read_u64(base: u64, off: u32) -> Option<u64> {
 /// grow the maps. 0 when the task is in the watched cgroup itself.
 #[inline(always)]
 fn watched_match<const WALK: bool>(l: &KernelLayout, task: u64) -> Option<(u64, u64, u32)> {
+    // A v1 node (LAYOUT is read-only: the verifier drops the branch not taken). Only the walk
+    // reads a v1 hierarchy: user space loads nothing else there.
+    if WALK && l.cgroup_v1_subsys != CGROUP_V2 {
+        return watched_match_v1(l, task);
+    }
     // SAFETY: helper without pointer arguments (4.18+, allowed in tracepoints).
     let own = unsafe { bpf_get_current_cgroup_id() };
     // SAFETY: map lookup by value; the reference is copied out at once.
@@ -155,26 +161,11 @@ fn watched_match<const WALK: bool>(l: &KernelLayout, task: u64) -> Option<(u64, 
         return Some((0, own, *flags));
     }
     if WALK {
-        // task->cgroups->dfl_cgrp->kn, then up kn->parent: a cgroup's id is its kernfs node's.
+        // task->cgroups->dfl_cgrp->kn, then up kn->parent.
         let cset = read_u64(task, l.task_cgroups)?;
         let cgrp = read_u64(cset, l.css_set_dfl_cgrp)?;
-        let mut kn = read_u64(cgrp, l.cgroup_kn)?;
-        let mut child = own;
-        let mut depth = 0u32;
-        while depth < MAX_CGROUP_DEPTH {
-            kn = read_u64(kn, l.kernfs_node_parent)?;
-            if kn == 0 {
-                break;
-            }
-            let id = read_u64(kn, l.kernfs_node_id)?;
-            // SAFETY: as above.
-            if let Some(flags) = unsafe { WATCHED.get(id) } {
-                return Some((child, id, *flags));
-            }
-            child = id;
-            depth += 1;
-        }
-        return None;
+        let kn = read_u64(cgrp, l.cgroup_kn)?;
+        return walk_up(l, kn, own);
     }
     let mut level = 0u32;
     while level < MAX_CGROUP_DEPTH {
@@ -191,6 +182,51 @@ fn watched_match<const WALK: bool>(l: &KernelLayout, task: u64) -> Option<(u64, 
             return Some((if child == 0 { own } else { child }, ancestor, *flags));
         }
         level += 1;
+    }
+    None
+}
+
+/// [`watched_match`] on a cgroup v1 or hybrid node, where the kubelet's cgroups live in the v1
+/// hierarchies and `bpf_get_current_cgroup_id()` names the task's v2 cgroup (an id of another
+/// hierarchy, which could even equal a watched v1 id): the task's cgroup in the hierarchy of
+/// controller `cgroup_v1_subsys` is `task->cgroups->subsys[id]->cgroup`, and the walk goes up its
+/// `kn->parent` as on v2. Ids are kernfs node ids of that hierarchy, the inode numbers user
+/// space reads from its directories.
+#[inline(always)]
+fn watched_match_v1(l: &KernelLayout, task: u64) -> Option<(u64, u64, u32)> {
+    if l.cgroup_v1_subsys > MAX_CGROUP_SUBSYS || l.css_set_subsys == OFFSET_UNKNOWN {
+        return None;
+    }
+    let cset = read_u64(task, l.task_cgroups)?;
+    let css = read_u64(cset, l.css_set_subsys.wrapping_add(l.cgroup_v1_subsys * 8))?;
+    let cgrp = read_u64(css, l.css_cgroup)?;
+    let kn = read_u64(cgrp, l.cgroup_kn)?;
+    let own = read_u64(kn, l.kernfs_node_id)?;
+    // SAFETY: map lookup by value; the reference is copied out at once.
+    if let Some(flags) = unsafe { WATCHED.get(own) } {
+        return Some((0, own, *flags));
+    }
+    walk_up(l, kn, own)
+}
+
+/// Walks up from the kernfs node `kn` of a task's cgroup `own` (not watched itself) through
+/// `kn->parent`: a cgroup's id is its kernfs node's. Returns what [`watched_match`] does.
+#[inline(always)]
+fn walk_up(l: &KernelLayout, mut kn: u64, own: u64) -> Option<(u64, u64, u32)> {
+    let mut child = own;
+    let mut depth = 0u32;
+    while depth < MAX_CGROUP_DEPTH {
+        kn = read_u64(kn, l.kernfs_node_parent)?;
+        if kn == 0 {
+            break;
+        }
+        let id = read_u64(kn, l.kernfs_node_id)?;
+        // SAFETY: map lookup by value; the reference is copied out at once.
+        if let Some(flags) = unsafe { WATCHED.get(id) } {
+            return Some((child, id, *flags));
+        }
+        child = id;
+        depth += 1;
     }
     None
 }

@@ -66,9 +66,16 @@ pub struct Config {
     #[arg(long, env = "VALET_HOST_PROC", default_value = "/proc")]
     pub host_proc: PathBuf,
 
-    /// The host's cgroup v2 mount; found in the mount table when not given.
+    /// The root of the cgroup hierarchy the kubelet's cgroups are read from: the cgroup2 mount,
+    /// or a v1 controller's mount (`/sys/fs/cgroup/memory`). When not given, found by looking
+    /// at `--cgroup-mount`.
     #[arg(long, env = "VALET_CGROUP_ROOT")]
     pub cgroup_root: Option<PathBuf>,
+
+    /// Where the host's `/sys/fs/cgroup` is visible: the cgroup2 mount on a v2 node; on a v1 or
+    /// hybrid node, the directory of the v1 controllers' mounts (and of `unified`).
+    #[arg(long, env = "VALET_CGROUP_MOUNT", default_value = "/sys/fs/cgroup")]
+    pub cgroup_mount: PathBuf,
 
     /// Where the host's /sys is visible under (tracefs and BTF are looked up below it).
     #[arg(long, env = "VALET_HOST_ROOT", default_value = "/")]

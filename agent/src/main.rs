@@ -15,7 +15,7 @@ use tracing_subscriber::EnvFilter;
 use valet_agent::act::{Actuators, Settings};
 use valet_agent::api::events::EventSink;
 use valet_agent::cgroup::CgroupFs;
-use valet_agent::cgroup::root::find_cgroup2_root;
+use valet_agent::cgroup::root::find_node_cgroups;
 use valet_agent::config::parse_duration;
 use valet_agent::config::{Config, LogFormat};
 use valet_agent::controller::Controller;
@@ -63,8 +63,9 @@ async fn shutdown_signal() {
 /// anything that can fail or wait for the API), then keeps doing so on a thread of its own for
 /// the agent's life: a crash loop or an API outage leaves no app stopped past its deadline.
 fn keep_deadlines(cfg: &Config, metrics: &Arc<Metrics>, health: &Arc<Health>) {
-    match find_cgroup2_root(cfg.cgroup_root.as_deref(), &cfg.host_proc) {
-        Ok(root) => {
+    match find_node_cgroups(cfg.cgroup_root.as_deref(), &cfg.cgroup_mount, &cfg.host_proc) {
+        Ok(found) => {
+            let root = found.root;
             let settings = KeeperSettings {
                 pins: pin_paths(&cfg.pin_dir, &cfg.old_pin_dirs),
                 host_proc: cfg.host_proc.clone(),
@@ -77,15 +78,21 @@ fn keep_deadlines(cfg: &Config, metrics: &Arc<Metrics>, health: &Arc<Health>) {
             };
             Keeper::new(settings, CgroupFs::new(root), Some(metrics.clone()), defer).start();
         }
-        Err(e) => error!("no cgroup2 root, so no release of held apps at their deadline: {}", e.chain()),
+        Err(e) => error!("no cgroup hierarchy, so no release of held apps at their deadline: {}", e.chain()),
     }
 }
 
 async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow::Result<()> {
     cfg.validate()?;
     let cfg = Arc::new(cfg);
-    let cgroup_root = find_cgroup2_root(cfg.cgroup_root.as_deref(), &cfg.host_proc)?;
-    info!(node = %cfg.node_name, cgroup_root = %cgroup_root.display(), "starting valet-agent {}", env!("CARGO_PKG_VERSION"));
+    let node_cgroups = find_node_cgroups(cfg.cgroup_root.as_deref(), &cfg.cgroup_mount, &cfg.host_proc)?;
+    info!(
+        node = %cfg.node_name,
+        cgroup_root = %node_cgroups.root.display(),
+        hierarchy = ?node_cgroups.hierarchy,
+        "starting valet-agent {}",
+        env!("CARGO_PKG_VERSION")
+    );
 
     // Bind first: a bad or busy address is a configuration error, reported before anything else.
     let listener = server::bind(cfg.metrics_addr).await?;
@@ -102,7 +109,8 @@ async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow:
 
     // VALET_CGROUP_ANCESTORS=auto|helper|walk: how the kernel programs find a process's pod
     // cgroup (auto: the helper where the kernel allows it, else a walk up the cgroup tree).
-    let attach = Attach { ancestors: AncestorMode::from_env()?, ..Attach::default() };
+    let attach =
+        Attach { ancestors: AncestorMode::from_env()?, hierarchy: node_cgroups.hierarchy, ..Attach::default() };
     memory::note("before loading the kernel programs");
     let btf = cfg.btf_path();
     let (mut kernel, mode) = match Programs::load_with_btf(&cfg.host_root, attach, Some(&cfg.pin_dir), &btf) {
@@ -146,7 +154,7 @@ async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow:
     let resident = memory::Resident::now();
     info!(rss_kib = resident.rss_kib, peak_kib = resident.peak_kib, "resident memory after loading");
 
-    let cgroups = CgroupFs::new(cgroup_root);
+    let cgroups = CgroupFs::new(node_cgroups.root);
     if cfg.observe {
         let settings = valet_agent::observe::Settings {
             node: cfg.node_name.clone(),
@@ -229,6 +237,8 @@ struct DeadlineArgs {
     host_proc: PathBuf,
     #[arg(long, env = "VALET_CGROUP_ROOT")]
     cgroup_root: Option<PathBuf>,
+    #[arg(long, env = "VALET_CGROUP_MOUNT", default_value = "/sys/fs/cgroup")]
+    cgroup_mount: PathBuf,
     /// Hold timeout of records that carry no deadline (an older version's).
     #[arg(long, env = "VALET_HOLD_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     hold_timeout: Duration,
@@ -246,8 +256,8 @@ fn deadlines_main() -> std::process::ExitCode {
         error!("cannot block SIGTERM: {e}");
         return std::process::ExitCode::FAILURE;
     }
-    let root = match find_cgroup2_root(args.cgroup_root.as_deref(), &args.host_proc) {
-        Ok(root) => root,
+    let root = match find_node_cgroups(args.cgroup_root.as_deref(), &args.cgroup_mount, &args.host_proc) {
+        Ok(found) => found.root,
         Err(e) => {
             error!("{}", e.chain());
             return std::process::ExitCode::FAILURE;
@@ -294,13 +304,13 @@ fn main() -> std::process::ExitCode {
         host_proc: cfg.host_proc.clone(),
         default_timeout: cfg.hold_timeout,
     };
-    let cgroup_root = cfg.cgroup_root.clone();
+    let (cgroup_root, cgroup_mount) = (cfg.cgroup_root.clone(), cfg.cgroup_mount.clone());
     match runtime.block_on(run(cfg, metrics, health)) {
         Ok(()) => {
             // Stopped by SIGTERM (an uninstall, or a rolling update): no app stays stopped behind
             // this agent, not even one whose pod it never got to list.
-            if let Ok(root) = find_cgroup2_root(cgroup_root.as_deref(), &settings.host_proc) {
-                let left = Keeper::new(settings, CgroupFs::new(root), None, || Duration::ZERO).release_all();
+            if let Ok(found) = find_node_cgroups(cgroup_root.as_deref(), &cgroup_mount, &settings.host_proc) {
+                let left = Keeper::new(settings, CgroupFs::new(found.root), None, || Duration::ZERO).release_all();
                 if left.released > 0 {
                     info!(released = left.released, "released the held apps no pod had released at shutdown");
                 }

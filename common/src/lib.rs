@@ -334,7 +334,23 @@ pub struct KernelLayout {
     pub tp_sock_newstate: u32,
     pub tp_sock_sport: u32,
     pub tp_sock_protocol: u32,
+    /// `css_set.subsys` (an array of `struct cgroup_subsys_state *`, one per controller id).
+    pub css_set_subsys: u32,
+    /// `cgroup_subsys_state.cgroup` (the `struct cgroup *` of a controller's hierarchy).
+    pub css_cgroup: u32,
+    /// Not an offset: on a cgroup v1 or hybrid node, the id (`enum cgroup_subsys_id`) of the v1
+    /// controller whose hierarchy holds the kubelet's pods and containers. The programs then
+    /// find a task's cgroup as `task->cgroups->subsys[id]->cgroup` and walk that hierarchy, and
+    /// every cgroup id they report or look up is that hierarchy's. [`CGROUP_V2`] (the default):
+    /// the v2 hierarchy.
+    pub cgroup_v1_subsys: u32,
 }
+
+/// [`KernelLayout::cgroup_v1_subsys`] on a cgroup v2 node: pods are found in the v2 hierarchy.
+pub const CGROUP_V2: u32 = u32::MAX;
+/// Highest controller id accepted in [`KernelLayout::cgroup_v1_subsys`] (the kernel has about
+/// fifteen; a bound keeps the computed offset small).
+pub const MAX_CGROUP_SUBSYS: u32 = 63;
 
 /// Marks an offset the running kernel does not provide.
 pub const OFFSET_UNKNOWN: u32 = u32::MAX;
@@ -365,6 +381,9 @@ impl KernelLayout {
             kernfs_node_id: OFFSET_UNKNOWN,
             host_pidns_inum: 0,
             host_pidns_level: 0,
+            css_set_subsys: OFFSET_UNKNOWN,
+            css_cgroup: OFFSET_UNKNOWN,
+            cgroup_v1_subsys: CGROUP_V2,
         }
     }
 }

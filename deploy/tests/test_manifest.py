@@ -10,7 +10,8 @@ from conftest import COMPONENTS, Render
 CAPABILITIES = {"SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE"}
 ENV = {
     "VALET_HOST_PROC": "/proc",
-    "VALET_CGROUP_ROOT": "/host/sys/fs/cgroup",
+    # The host's /sys/fs/cgroup, looked at (v2, v1 or hybrid), never a fixed hierarchy root.
+    "VALET_CGROUP_MOUNT": "/host/sys/fs/cgroup",
     "VALET_METRICS_ADDR": "0.0.0.0:9090",
     "VALET_LOG_FORMAT": "json",
     "RUST_LOG": "info",
@@ -62,7 +63,7 @@ def test_the_deadline_keeper_has_less_than_the_agent(renders: dict[str, Render],
     assert set(sc["capabilities"]["add"]) == {"BPF", "KILL"}
     env = {e["name"]: e["value"] for e in k["env"]}
     agent_env = {e["name"]: e.get("value") for e in a["env"]}
-    for key in ("VALET_HOST_PROC", "VALET_CGROUP_ROOT", "VALET_PIN_DIR"):
+    for key in ("VALET_HOST_PROC", "VALET_CGROUP_MOUNT", "VALET_PIN_DIR"):
         assert env[key] == agent_env[key], key
     host_volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     for m in k["volumeMounts"]:

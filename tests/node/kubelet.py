@@ -22,7 +22,8 @@ the kubelet does, and mirrors the CRI state into the (fake) API server with the 
   after a non-zero exit): a new container through the CRI (`attempt` + 1) after a back-off
   (the kubelet's first one is 10 s; RESTART_BACKOFF here), its `restartCount` and `lastState` kept;
 - every container gets `memory.oom.group=1` (the kubelet does so on cgroup v2 since 1.28), so an
-  OOM kill ends the whole container;
+  OOM kill ends the whole container; on cgroup v1 and hybrid nodes (the v1 controllers hold the
+  pods there) the cgroupfs driver's pod path is made in every v1 hierarchy;
 - StopPodSandbox/RemovePodSandbox once every container of a `restartPolicy: Never` pod ended (and,
   with cgroupfs, the pod's cgroup removed, as the kubelet's housekeeping does).
 
@@ -46,8 +47,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CONTAINERD = "unix://" + os.environ.get("CONTAINERD_ADDRESS", "/run/containerd/containerd.sock")
 RELIST = 1.0
 RESTART_BACKOFF = 2.0
-CGROUP_ROOT = "/sys/fs/cgroup"
 DRIVERS = ("systemd", "cgroupfs")
+
+
+def cgroup_mode(base="/sys/fs/cgroup"):
+    """The node's cgroup mode, as the kubelet and runc tell it: "v2" when /sys/fs/cgroup is the
+    cgroup2 mount; otherwise the v1 controllers' hierarchies hold the pods, on a "hybrid" node
+    (systemd's controller-less cgroup2 at unified/) as on a pure "v1" one."""
+    if os.path.exists(f"{base}/cgroup.controllers"):
+        return "v2"
+    return "hybrid" if os.path.exists(f"{base}/unified/cgroup.procs") else "v1"
+
+
+CGROUP_MODE = cgroup_mode()
+# The hierarchy the pods' cgroups are read in: the v2 one, or (v1, hybrid) the memory controller's,
+# the one the agent takes there too.
+CGROUP_ROOT = "/sys/fs/cgroup" if CGROUP_MODE == "v2" else "/sys/fs/cgroup/memory"
+
+
+def v1_hierarchies(base="/sys/fs/cgroup"):
+    """Every v1 hierarchy's mount (`cpu,cpuacct`, `memory`, ..., the named `systemd`), without the
+    symlinks systemd adds (`cpu` -> `cpu,cpuacct`) or the unified one."""
+    return sorted(f"{base}/{d}" for d in os.listdir(base)
+                  if d != "unified" and not os.path.islink(f"{base}/{d}") and os.path.exists(f"{base}/{d}/cgroup.procs"))
 
 
 def load_api():
@@ -153,7 +175,15 @@ def make_cgroupfs_parent(path, root=CGROUP_ROOT):
     """What the kubelet's cgroupfs driver does before RunPodSandbox (its pod container manager,
     through libcontainer's cgroup v2 `CreateCgroupPath`): every level of the pod's cgroup is made,
     and every level above the pod's enables in its `cgroup.subtree_control` the controllers it
-    has, so that the pod's cgroup gets them all. Returns the pod cgroup's controllers."""
+    has, so that the pod's cgroup gets them all. On cgroup v1 (and hybrid), the pod's path is
+    made in every v1 hierarchy, as libcontainer's v1 cgroupfs manager does. Returns the pod
+    cgroup's controllers."""
+    if CGROUP_MODE != "v2":
+        controllers = []
+        for hierarchy in v1_hierarchies():
+            os.makedirs(hierarchy + path, exist_ok=True)
+            controllers += os.path.basename(hierarchy).split(",")
+        return controllers
     current = root
     for part in path.strip("/").split("/"):
         have = open(f"{current}/cgroup.controllers").read().split()
@@ -285,7 +315,8 @@ class PodRun:
             linux["security_context"]["apparmor"] = {"profile_type": "Unconfined"}
         elif apparmor not in (None, "RuntimeDefault"):
             raise ValueError(f"appArmorProfile type {apparmor}: only Unconfined and RuntimeDefault are run")
-        linux["resources"] = {"unified": {"memory.oom.group": "1"}}
+        # cgroup v2 only: runc refuses unified resources on v1 and hybrid nodes.
+        linux["resources"] = {"unified": {"memory.oom.group": "1"}} if CGROUP_MODE == "v2" else {}
         limit = memory_limit(c.get("resources", {}))
         if limit:
             linux["resources"]["memory_limit_in_bytes"] = limit
@@ -447,10 +478,12 @@ class PodRun:
             self.cri.runtime("StopPodSandbox", {"pod_sandbox_id": self.sandbox_id})
             self.cri.runtime("RemovePodSandbox", {"pod_sandbox_id": self.sandbox_id})
         if self.driver == "cgroupfs":
-            pod_cgroup = CGROUP_ROOT + cgroup_parent(self.pod, self.driver)
-            try:
-                os.rmdir(pod_cgroup)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                self.log(f"kubelet: rmdir {pod_cgroup}: {e}")
+            roots = ["/sys/fs/cgroup"] if CGROUP_MODE == "v2" else v1_hierarchies()
+            for root in roots:
+                pod_cgroup = root + cgroup_parent(self.pod, self.driver)
+                try:
+                    os.rmdir(pod_cgroup)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    self.log(f"kubelet: rmdir {pod_cgroup}: {e}")

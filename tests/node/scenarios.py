@@ -228,6 +228,15 @@ CAPS = {0: "CHOWN", 1: "DAC_OVERRIDE", 2: "DAC_READ_SEARCH", 3: "FOWNER", 4: "FS
         36: "BLOCK_SUSPEND", 37: "AUDIT_READ", 38: "PERFMON", 39: "BPF", 40: "CHECKPOINT_RESTORE"}
 
 
+def node_resources(resources):
+    """A container's CRI resources as the kubelet gives them on this node: `memory.oom.group` (the
+    `unified` map) on cgroup v2 only, as the kubelet does (runc refuses `unified` on v1 and hybrid
+    nodes)."""
+    if kubelet.CGROUP_MODE == "v2":
+        return resources
+    return {k: v for k, v in resources.items() if k != "unified"}
+
+
 class ContainerAgent:
     """valet-agent as the kubelet would run it from its DaemonSet: a pod through the CRI, from the
     image `cargo xtask image` builds, with the security context, mounts and env that
@@ -303,7 +312,7 @@ class ContainerAgent:
             "labels": {"io.kubernetes.container.name": c["name"], "io.kubernetes.pod.name": pod["name"],
                        "io.kubernetes.pod.namespace": pod["namespace"], "io.kubernetes.pod.uid": uid},
             "log_path": f"{c['name']}/0.log",
-            "linux": {"resources": c["resources"], "security_context": c["security_context"]},
+            "linux": {"resources": node_resources(c["resources"]), "security_context": c["security_context"]},
         }
         self.container_id = self.cri.runtime(
             "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": config, "sandbox_config": sandbox}
@@ -322,7 +331,7 @@ class ContainerAgent:
                 "labels": {"io.kubernetes.container.name": m["name"], "io.kubernetes.pod.name": pod["name"],
                            "io.kubernetes.pod.namespace": pod["namespace"], "io.kubernetes.pod.uid": uid},
                 "log_path": f"{m['name']}/0.log",
-                "linux": {"resources": m["resources"], "security_context": m["security_context"]},
+                "linux": {"resources": node_resources(m["resources"]), "security_context": m["security_context"]},
             }
             cid = self.cri.runtime(
                 "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": more, "sandbox_config": sandbox}
@@ -393,8 +402,9 @@ RELEASE_BOUND_MS = 1000
 
 def container_cgroup_dir(cid):
     """A container's cgroup directory under either cgroup driver, or None."""
-    found = glob.glob(f"/sys/fs/cgroup/kubepods.slice/**/cri-containerd-{cid}.scope", recursive=True) or \
-        glob.glob(f"/sys/fs/cgroup/kubepods/**/{cid}", recursive=True)
+    root = kubelet.CGROUP_ROOT
+    found = glob.glob(f"{root}/kubepods.slice/**/cri-containerd-{cid}.scope", recursive=True) or \
+        glob.glob(f"{root}/kubepods/**/{cid}", recursive=True)
     return found[0] if found else None
 
 
@@ -553,12 +563,15 @@ def quit_after(sc, exit_ns, what="the app's exit", slack_ms=10, bound_ms=QUIT_BO
 
 
 def cgroup_of(pid):
-    """A process's cgroup v2 path (`0::<path>` in /proc/<pid>/cgroup), or None once it is gone."""
+    """A process's cgroup path in the hierarchy that holds the pods (`0::<path>` in
+    /proc/<pid>/cgroup on cgroup v2; the memory controller's `<n>:memory:<path>` on v1 and
+    hybrid nodes), or None once it is gone."""
     try:
         for line in open(f"/proc/{pid}/cgroup"):
-            if line.startswith("0::"):
-                return line[3:].strip()
-    except OSError:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if (controllers == "") if kubelet.CGROUP_MODE == "v2" else ("memory" in controllers.split(",")):
+                return path.strip()
+    except (OSError, ValueError):
         return None
     return None
 
@@ -652,8 +665,9 @@ class CgroupWatcher(threading.Thread):
         cgroup = None
         while not self.stop and len(self.gone) < 2:
             if cgroup is None:
-                found = glob.glob(f"/sys/fs/cgroup/kubepods.slice/*/*/cri-containerd-{self.cid}.scope") or \
-                    glob.glob(f"/sys/fs/cgroup/kubepods/*/*/{self.cid}")
+                root = kubelet.CGROUP_ROOT
+                found = glob.glob(f"{root}/kubepods.slice/*/*/cri-containerd-{self.cid}.scope") or \
+                    glob.glob(f"{root}/kubepods/*/*/{self.cid}")
                 cgroup = found[0] if found else None
             for what, path in (("cgroup", cgroup), ("bundle", bundle)):
                 if path and what not in self.gone and not os.path.exists(path):
@@ -875,7 +889,8 @@ def native_sidecar(api, agent, tag="", driver="systemd"):
         exited_ms = (real_to_mono_ns(st.finished_at) - exit_ns) / 1e6
         if exited_ms > QUIT_BOUND_MS:
             raise Failed(f"the native istio-proxy exited {exited_ms:.0f} ms after the app's exit, over the "
-                         f"{QUIT_BOUND_MS} ms bound (containerd's finishedAt)")
+                         f"{QUIT_BOUND_MS} ms bound (containerd's finishedAt; valet's quit came {delay:.0f} ms after "
+                         "the app's exit)")
         if not os.path.exists(sc.path("native-term")):
             raise Failed("the other native sidecar never got the kubelet's SIGTERM")
         term_ns = uptime_ns(sc.path("native-term"))
@@ -895,8 +910,14 @@ def dind_subcgroup(api, agent, tag="", driver="systemd"):
     # Below the app's own cgroup as its /proc/self/cgroup names it: a privileged container may see
     # the node's whole cgroup tree (seen: runc and crun both), where `/sys/fs/cgroup/x` is outside
     # the pod altogether.
-    sub = "/sys/fs/cgroup${cg%/}/valet-sub"
-    app = ("grep cgroup /proc/self/mountinfo > /events/mounts; cg=$(sed -n 's/^0:://p' /proc/self/cgroup); "
+    # On cgroup v1 and hybrid nodes, in the memory controller's hierarchy (the one the agent reads):
+    # there the container has no cgroup namespace, so its own cgroup is either that path below
+    # the mount (the whole tree visible) or the mount itself (runc binds the container's cgroup).
+    sub = "$base${cg%/}/valet-sub"
+    own = ("if [ -f /sys/fs/cgroup/cgroup.controllers ]; then base=/sys/fs/cgroup; cg=$(sed -n 's/^0:://p' /proc/self/cgroup); "
+           "else base=/sys/fs/cgroup/memory; cg=$(sed -n 's/^[0-9]*:[a-z_,]*memory[a-z_,]*://p' /proc/self/cgroup); "
+           "[ -d \"$base$cg\" ] || cg=/; fi; ")
+    app = ("grep cgroup /proc/self/mountinfo > /events/mounts; " + own +
            f"echo \"$cg\" > /events/own-cgroup; mkdir {sub} 2> /events/mkdir.err || exit 9; "
            f"sh -c \"echo \\$\\$ > {sub}/cgroup.procs && cat /proc/uptime > /events/child-start; sleep 1\"; "
            "cat /proc/uptime > /events/child-exit; "
@@ -1036,15 +1057,24 @@ def oom_killed(api, agent, tag="", driver="systemd"):
         go_ns = sc.touch("go")
         sc.finish()
         app = sc.run.containers["app"]["status"]
-        # The container's cgroup is gone; the pod's keeps the (hierarchical) OOM kill count.
-        events = glob.glob(f"/sys/fs/cgroup{kubelet.container_cgroup(sc.run.pod, driver, 'x').rsplit('/', 1)[0]}/memory.events")
+        # The container's cgroup is gone; on v2 the pod's keeps the (hierarchical) OOM kill count.
+        # v1 counts an OOM kill in the container's memory cgroup alone (memory.oom_control), gone
+        # too: there containerd's reason, from its OOM notification (an eventfd on that cgroup),
+        # is the kernel's word.
         kills = 0
-        for line in open(events[0]) if events else []:
-            if line.startswith("oom_kill "):
-                kills = int(line.split()[1])
+        if kubelet.CGROUP_MODE == "v2":
+            pod_dir = kubelet.container_cgroup(sc.run.pod, driver, 'x').rsplit('/', 1)[0]
+            events = glob.glob(f"/sys/fs/cgroup{pod_dir}/memory.events")
+            for line in open(events[0]) if events else []:
+                if line.startswith("oom_kill "):
+                    kills = int(line.split()[1])
+            counted = f"the pod's memory.events counts {kills} OOM kills"
+        else:
+            kills = 1 if app.reason == "OOMKilled" else 0
+            counted = f"cgroup {kubelet.CGROUP_MODE}: containerd's reason {app.reason!r}"
         if app.exit_code != 137 or kills < 1:
-            raise Failed(f"the app ended with exit {app.exit_code} (reason {app.reason!r}) and the pod's "
-                         f"memory.events counts {kills} OOM kills: not an OOM kill")
+            raise Failed(f"the app ended with exit {app.exit_code} (reason {app.reason!r}) and {counted}: "
+                         "not an OOM kill")
         if watcher.gone_ns is None:
             raise Failed("the app's process exit was not seen")
         # The watcher sees the process once it is a zombie. The kernel's exit tracepoint fires when
@@ -1053,7 +1083,7 @@ def oom_killed(api, agent, tag="", driver="systemd"):
         # come before the zombie, never before the app started to fill its memory ("go").
         delay = quit_after(sc, watcher.gone_ns, "the app's process became a zombie",
                            slack_ms=(watcher.gone_ns - go_ns) / 1e6)
-        return (f"app OOM-killed at its 48Mi limit (exit 137, {kills} oom_kill in the pod's memory.events, containerd's "
+        return (f"app OOM-killed at its 48Mi limit (exit 137, {counted}, containerd's "
                 f"reason {app.reason!r}); quit {delay:.0f} ms after its process was seen gone (a zombie; polled every 2 ms)")
     finally:
         sc.teardown()

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 
 use anyhow::{Context as _, Result};
-use valet_agent::cgroup::root::find_cgroup2_root;
+use valet_agent::cgroup::root::{Controller, Hierarchy, find_cgroup2_root, v1_controller_mounts};
 
 /// A tree of cgroup directories created for one test; removed (children first) on drop after
 /// killing whatever still runs in them.
@@ -18,6 +18,14 @@ impl TestCgroups {
     pub fn new() -> Result<TestCgroups> {
         let root = find_cgroup2_root(None, Path::new("/proc")).context("cgroup2 root")?;
         Ok(TestCgroups { root, created: Vec::new() })
+    }
+
+    /// Cgroups in a hierarchy: the v2 one, or a v1 controller's ([`v1_mount`]).
+    pub fn in_hierarchy(hierarchy: Hierarchy) -> Result<TestCgroups> {
+        match hierarchy {
+            Hierarchy::V2 => TestCgroups::new(),
+            Hierarchy::V1(controller) => Ok(TestCgroups { root: v1_mount(controller)?, created: Vec::new() }),
+        }
     }
 
     /// Creates every missing directory of a relative cgroup path; returns its absolute path.
@@ -79,6 +87,35 @@ impl Drop for TestCgroups {
             }
         }
     }
+}
+
+/// Where the v1 hierarchy of `controller` is mounted: where the host mounted it (this
+/// development machine is a hybrid node: `/sys/fs/cgroup/<controller>`), else a mount of it made
+/// here, once, and shared by every test (a cgroup v2 guest of `cargo xtask kernels`, where no
+/// cgroup enables the controller, so the kernel lets a v1 hierarchy take it). Fails when the v2
+/// hierarchy uses it.
+pub fn v1_mount(controller: Controller) -> Result<PathBuf> {
+    let mounted = || -> Result<Option<PathBuf>> {
+        let text = std::fs::read_to_string("/proc/self/mountinfo").context("read /proc/self/mountinfo")?;
+        Ok(v1_controller_mounts(&text).into_iter().find(|(_, c)| *c == controller).map(|(p, _)| p))
+    };
+    if let Some(path) = mounted()? {
+        return Ok(path);
+    }
+    static MOUNTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = MOUNTING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(path) = mounted()? {
+        return Ok(path);
+    }
+    let dir = PathBuf::from(format!("/run/valet-test-cgroup-v1/{}", controller.name()));
+    std::fs::create_dir_all(&dir)?;
+    let status = Command::new("mount")
+        .args(["-t", "cgroup", "-o", controller.name(), "cgroup"])
+        .arg(&dir)
+        .status()
+        .context("run mount")?;
+    anyhow::ensure!(status.success(), "mount -t cgroup -o {} failed ({status})", controller.name());
+    Ok(dir)
 }
 
 /// Fails the test run when not root: privileged tests must never be skipped silently.

@@ -183,6 +183,11 @@ impl Node {
         if !extra.iter().any(|a| a.starts_with("--pin-dir")) {
             command.arg("--pin-dir").arg(&self.pin_dir);
         }
+        // The hierarchy the simulated kubelet makes its pods in (this host is hybrid: the agent
+        // alone would take a v1 controller's, where a real kubelet would make them).
+        if !extra.iter().any(|a| a.starts_with("--cgroup-root")) {
+            command.arg("--cgroup-root").arg(valet_sim::node::CgroupRoot::detect()?);
+        }
         let child = command
             .env("NODE_NAME", &self.name)
             .env("KUBECONFIG", &self.kubeconfig)
@@ -209,6 +214,9 @@ impl Node {
             .arg("deadlines")
             .arg("--pin-dir")
             .arg(&self.pin_dir)
+            // The hierarchy the simulated kubelet makes its pods in, as for the agent.
+            .arg("--cgroup-root")
+            .arg(valet_sim::node::CgroupRoot::detect()?)
             .args(extra)
             .env("RUST_LOG", "info")
             .stdout(Stdio::from(file.try_clone()?))
@@ -243,6 +251,9 @@ impl Node {
             .qos(spec.qos)
             .crun(spec.crun)
             .lazy_cgroups(true);
+        if let Some(root) = &spec.cgroup_root {
+            opts = opts.cgroup_root(root);
+        }
         for app in &spec.apps {
             opts = opts.container(app);
         }
@@ -413,6 +424,9 @@ pub struct JobSpec {
     pub bundles: bool,
     /// The API shows the pod IP once the kubelet synced (default true; false: never).
     pub report_pod_ip: bool,
+    /// The hierarchy the pod's cgroups are made in: None, the cgroup v2 mount; a v1
+    /// controller's mount for a cgroup v1 node (start the agent with `--cgroup-root` there).
+    pub cgroup_root: Option<PathBuf>,
     /// The proxy is a native sidecar (an init container with `restartPolicy: Always`, KEP-753)
     /// that the kubelet starts before the apps and stops once they have ended.
     pub native: bool,
@@ -443,8 +457,14 @@ impl JobSpec {
             status: StatusTiming::Relist,
             bundles: true,
             report_pod_ip: true,
+            cgroup_root: None,
             native: false,
         }
+    }
+    /// The pod's cgroups in this hierarchy's root (a cgroup v1 controller's mount).
+    pub fn cgroup_root(mut self, root: impl Into<PathBuf>) -> Self {
+        self.cgroup_root = Some(root.into());
+        self
     }
     /// The proxy as a native sidecar (see [`JobSpec::native`]).
     pub fn native_sidecar(mut self) -> Self {

@@ -17,6 +17,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use valet_agent::cgroup::root::Controller;
 use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually};
 
 const HOLD: &str = "valet.dev/hold-app";
@@ -166,6 +167,40 @@ fn held_app_runs_once_the_proxy_is_ready() {
     // The app ran to its end (no second hold of its later execs).
     let status = job.apps[0].wait_timeout(HANG_GUARD).expect("wait app");
     assert!(status.is_some_and(|s| s.success()), "app finished: {status:?}\n{}", agent.log_text());
+}
+
+#[test]
+fn on_a_cgroup_v1_node_the_app_is_held_and_its_end_quits_the_proxy_from_the_kernel() {
+    // Every cgroup of the pod in a v1 controller's hierarchy (this host is hybrid: its pids
+    // hierarchy is a real v1 one, and its cgroup2 holds nothing of the pod), and the agent told
+    // that root: its programs read the task's cgroup in that hierarchy and walk it.
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let root = valet_tests::cgroups::v1_mount(Controller::Pids).expect("a v1 pids hierarchy");
+    let root_arg = format!("--cgroup-root={}", root.display());
+    let agent = node.start_agent(&[&root_arg]).expect("agent");
+    assert!(agent.log_text().contains("hierarchy=V1(Pids)"), "the agent reads the v1 hierarchy\n{}", agent.log_text());
+    let ready = node.scratch.path("ready");
+    let marker = node.scratch.path("marker");
+    let mut job = node.job_pod(held_spec("held-v1", &ready).cgroup_root(&root)).expect("pod");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
+    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+
+    job.run_app("app", &marker_script(&marker)).expect("app");
+    wait_held(&job, &marker, &agent, 1.0, "cgroup v1, the proxy not ready");
+    std::fs::write(&ready, "").expect("ready file");
+    assert!(wait_file(&marker, HANG_GUARD).is_some(), "the app never ran\n{}", agent.log_text());
+    wait_condition(&node, &job, &agent, "True", "ProxyReady");
+
+    // The app's end, seen in the kernel: the quit is timed from the kernel's exit event.
+    let status = job.apps[0].wait_timeout(HANG_GUARD).expect("wait app");
+    assert!(status.is_some_and(|s| s.success()), "app finished: {status:?}\n{}", agent.log_text());
+    assert!(eventually(HANG_GUARD, || !job.quits().is_empty()), "no quit\n{}", agent.log_text());
+    assert!(
+        agent.wait_metric("valet_quit_latency_seconds_count ", 1.0),
+        "the quit was timed from the kernel's exit event\n{}",
+        agent.log_text()
+    );
 }
 
 #[test]

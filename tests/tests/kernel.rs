@@ -8,13 +8,16 @@
 //!
 //! Every scenario runs twice, once per way the programs find a pod cgroup: the
 //! `bpf_get_current_ancestor_cgroup_id` helper (`helper::*`) and the walk up
-//! `cgroup->kn->parent` that 5.10 needs (`walk::*`).
+//! `cgroup->kn->parent` that 5.10 needs (`walk::*`). Most run a third time with every cgroup in
+//! a cgroup v1 controller's hierarchy (`v1::*`), as on v1 and hybrid nodes, where the programs
+//! read `task->cgroups->subsys[id]` and walk that hierarchy.
 
 use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use valet_agent::cgroup::root::{Controller, Hierarchy};
 use valet_agent::kernel::container_main::find_container_main;
 use valet_agent::kernel::programs::{AncestorMode, RecordOutcome};
 use valet_agent::kernel::{Attach, Event, EventStream, ProcessEnd, ProcessExit, Programs};
@@ -56,8 +59,8 @@ struct Pod {
 }
 
 impl Pod {
-    fn new(systemd: bool, n: u8) -> Pod {
-        let cgroups = TestCgroups::new().expect("cgroup2 root");
+    fn new(way: Way, systemd: bool, n: u8) -> Pod {
+        let cgroups = TestCgroups::in_hierarchy(way.hierarchy).expect("the hierarchy's root");
         let u = uid();
         let pod_rel =
             if systemd { SYSTEMD_POD.replace("{U}", &u.replace('-', "_")) } else { CGROUPFS_POD.replace("{U}", &u) };
@@ -117,14 +120,39 @@ fn kernel_allows_the_helper() -> bool {
     kernel_version() >= (5, 11)
 }
 
-fn load(mode: AncestorMode) -> (Programs, EventStream) {
-    load_with(mode, None)
+/// How a scenario's programs find pod cgroups, and in which hierarchy its cgroups are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Way {
+    ancestors: AncestorMode,
+    hierarchy: Hierarchy,
+}
+
+impl Way {
+    const HELPER: Way = Way { ancestors: AncestorMode::Helper, hierarchy: Hierarchy::V2 };
+    const WALK: Way = Way { ancestors: AncestorMode::Walk, hierarchy: Hierarchy::V2 };
+    /// A cgroup v1 (or hybrid) node: pods in the pids controller's hierarchy, which the walk
+    /// reads from `task->cgroups->subsys[pids]`.
+    const V1: Way = Way { ancestors: AncestorMode::Walk, hierarchy: Hierarchy::V1(Controller::Pids) };
+
+    /// A word for file names and messages.
+    fn tag(self) -> &'static str {
+        match (self.ancestors, self.hierarchy) {
+            (_, Hierarchy::V1(_)) => "v1",
+            (AncestorMode::Helper, _) => "helper",
+            _ => "walk",
+        }
+    }
+}
+
+fn load(way: Way) -> (Programs, EventStream) {
+    load_with(way, None)
 }
 
 /// Loads the programs; `host_pidns_of`: a process whose pid namespace plays the host's.
-fn load_with(mode: AncestorMode, host_pidns_of: Option<u32>) -> (Programs, EventStream) {
+fn load_with(way: Way, host_pidns_of: Option<u32>) -> (Programs, EventStream) {
     require_root();
-    let attach = Attach { ancestors: mode, host_pidns_of, ..Attach::default() };
+    let mode = way.ancestors;
+    let attach = Attach { ancestors: mode, host_pidns_of, hierarchy: way.hierarchy, ..Attach::default() };
     let mut programs = if mode == AncestorMode::Helper && !kernel_allows_the_helper() {
         // 5.10: the verifier must refuse the helper variant, and `Auto` must fall back to the
         // walk; the scenario then runs with what production would load.
@@ -276,16 +304,9 @@ async fn only_child(pid: u32) -> u32 {
 
 /// Runs a container whose main process runs `main` (killed with `signal` from the host when
 /// given) and expects exactly one exit event: its main process's, with `expect`.
-async fn run_and_expect(
-    mode: AncestorMode,
-    systemd: bool,
-    n: u8,
-    main: &[&str],
-    signal: Option<i32>,
-    expect: ProcessEnd,
-) {
+async fn run_and_expect(mode: Way, systemd: bool, n: u8, main: &[&str], signal: Option<i32>, expect: ProcessEnd) {
     let (mut programs, mut stream) = load(mode);
-    let pod = Pod::new(systemd, n);
+    let pod = Pod::new(mode, systemd, n);
     let container = pod.container();
     programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
     let mut child = pod.start(&pod.container_rel, main);
@@ -313,36 +334,36 @@ async fn run_and_expect(
     assert_eq!(programs.counter(Counter::EventsLost), 0);
 }
 
-async fn exit_zero_systemd_layout(mode: AncestorMode) {
+async fn exit_zero_systemd_layout(mode: Way) {
     run_and_expect(mode, true, 1, &["/bin/true"], None, ProcessEnd::Exited(0)).await;
 }
 
-async fn exit_42_cgroupfs_layout(mode: AncestorMode) {
+async fn exit_42_cgroupfs_layout(mode: Way) {
     run_and_expect(mode, false, 2, &["/bin/sh", "-c", "exit 42"], None, ProcessEnd::Exited(42)).await;
 }
 
-async fn killed_by_sigkill_from_the_host(mode: AncestorMode) {
+async fn killed_by_sigkill_from_the_host(mode: Way) {
     // Pid 1 of a namespace ignores signals without a handler from inside it; SIGKILL from an
     // ancestor namespace (the kubelet's runtime, here the test) ends it.
     let end = ProcessEnd::Signaled { signal: 9, core_dumped: false };
     run_and_expect(mode, true, 3, &["sleep", "30"], Some(libc::SIGKILL), end).await;
 }
 
-async fn multithreaded_main_reports_once_when_workers_exit_first(mode: AncestorMode) {
+async fn multithreaded_main_reports_once_when_workers_exit_first(mode: Way) {
     // Worker threads exit first (thread exits, not process exits); then the process exits 5.
     let bin = env!("CARGO_BIN_EXE_valet-test-threads");
     run_and_expect(mode, true, 5, &[bin, "workers-first"], None, ProcessEnd::Exited(5)).await;
 }
 
-async fn multithreaded_main_reports_once_when_the_leader_exits_first(mode: AncestorMode) {
+async fn multithreaded_main_reports_once_when_the_leader_exits_first(mode: Way) {
     // The main thread ends alone; the process ends when the last worker calls exit(6).
     let bin = env!("CARGO_BIN_EXE_valet-test-threads");
     run_and_expect(mode, false, 11, &[bin, "leader-first"], None, ProcessEnd::Exited(6)).await;
 }
 
-async fn pid_namespace_init_is_the_container_end_and_children_are_not(mode: AncestorMode) {
+async fn pid_namespace_init_is_the_container_end_and_children_are_not(mode: Way) {
     let (mut programs, mut stream) = load(mode);
-    let pod = Pod::new(false, 6);
+    let pod = Pod::new(mode, false, 6);
     let container = pod.container();
     programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
     // The main process (pid 1) runs a child that exits 7 first, then sleep, then exits 3.
@@ -359,12 +380,12 @@ async fn pid_namespace_init_is_the_container_end_and_children_are_not(mode: Ance
     assert_eq!(programs.counter(Counter::ExitsReported), 1);
 }
 
-async fn a_nested_sandbox_init_never_ends_the_container(mode: AncestorMode) {
+async fn a_nested_sandbox_init_never_ends_the_container(mode: Way) {
     // Chromium's sandbox, bwrap, `unshare -p` in a CI Job: pid 1 of a namespace below the
     // container's, made through a user namespace as unprivileged containers do. Its exit (3) is
     // not the container's end; the main process checks it ran and exits 5 afterwards.
     let (mut programs, mut stream) = load(mode);
-    let pod = Pod::new(true, 12);
+    let pod = Pod::new(mode, true, 12);
     let container = pod.container();
     programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
     let script = "unshare --user --map-root-user --pid --fork /bin/sh -c 'exit 3'; \
@@ -379,11 +400,11 @@ async fn a_nested_sandbox_init_never_ends_the_container(mode: AncestorMode) {
     assert!(programs.counter(Counter::ExitsFiltered) >= 3, "nested init, its unshare, the runtime");
 }
 
-async fn shared_pid_namespace_main_is_not_pid_1_and_still_ends_its_container(mode: AncestorMode) {
+async fn shared_pid_namespace_main_is_not_pid_1_and_still_ends_its_container(mode: Way) {
     // shareProcessNamespace: the sandbox's pause is pid 1 of the pod's namespace; the app
     // container's main process joins it (pid 2, 3...) in a cgroup of its own.
     let (mut programs, mut stream) = load(mode);
-    let mut pod = Pod::new(true, 13);
+    let mut pod = Pod::new(mode, true, 13);
     let sandbox_rel = pod.add_container(14);
     let sandbox = pod.id(&sandbox_rel);
     let app = pod.container();
@@ -420,11 +441,11 @@ async fn shared_pid_namespace_main_is_not_pid_1_and_still_ends_its_container(mod
     assert_eq!(programs.counter(Counter::ExitsReported), 2);
 }
 
-async fn a_nested_sandbox_in_a_shared_pid_namespace_never_ends_the_container(mode: AncestorMode) {
+async fn a_nested_sandbox_in_a_shared_pid_namespace_never_ends_the_container(mode: Way) {
     // shareProcessNamespace and a sandbox in the app: its init is pid 1 of a namespace two levels
     // below the host's (the pod's shared one is the first), never its container's end.
     let (mut programs, mut stream) = load(mode);
-    let mut pod = Pod::new(true, 27);
+    let mut pod = Pod::new(mode, true, 27);
     let sandbox_rel = pod.add_container(28);
     let sandbox = pod.id(&sandbox_rel);
     let app = pod.container();
@@ -445,12 +466,12 @@ async fn a_nested_sandbox_in_a_shared_pid_namespace_never_ends_the_container(mod
     reap(&mut pause);
 }
 
-async fn a_host_namespace_exec_in_the_container_cgroup_is_not_the_main(mode: AncestorMode) {
+async fn a_host_namespace_exec_in_the_container_cgroup_is_not_the_main(mode: Way) {
     // runc ≥ 1.2: `runc init` execs inside the container cgroup in the host's pid namespace
     // before the entrypoint. Here a host-namespace shell execs there first, starts the
     // container and exits 0 while the main process still runs; then the main exits 9.
     let (mut programs, mut stream) = load(mode);
-    let pod = Pod::new(false, 15);
+    let pod = Pod::new(mode, false, 15);
     let container = pod.container();
     programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
     let mut cmd = Command::new("/bin/sh");
@@ -469,13 +490,13 @@ async fn a_host_namespace_exec_in_the_container_cgroup_is_not_the_main(mode: Anc
     assert!(got[0].container_main);
 }
 
-async fn a_fork_storm_never_reaches_user_space(mode: AncestorMode) {
+async fn a_fork_storm_never_reaches_user_space(mode: Way) {
     // A build or test Job: thousands of short processes (forks, and every tenth an exec).
     let (mut programs, mut stream) = load(mode);
-    let pod = Pod::new(true, 16);
+    let pod = Pod::new(mode, true, 16);
     let container = pod.container();
     programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
-    let mark = std::env::temp_dir().join(format!("valet-storm-{}-{mode:?}", std::process::id()));
+    let mark = std::env::temp_dir().join(format!("valet-storm-{}-{}", std::process::id(), mode.tag()));
     let _ = std::fs::remove_file(&mark);
     let script = format!(
         "i=0; while [ $i -lt 5000 ]; do (exit 0); if [ $((i % 10)) -eq 0 ]; then /bin/true; fi; i=$((i+1)); done; \
@@ -514,12 +535,12 @@ async fn a_fork_storm_never_reaches_user_space(mode: AncestorMode) {
     assert_eq!(got[0].end, Some(ProcessEnd::Signaled { signal: 9, core_dumped: false }));
 }
 
-async fn adopted_containers_end_with_their_main_process(mode: AncestorMode) {
+async fn adopted_containers_end_with_their_main_process(mode: Way) {
     // Containers that exec'd before their pod was watched (an agent restart): one with its own
     // pid namespace adopted, one with its own pid namespace not adopted, and one in a shared
     // pid namespace adopted.
     let (mut programs, mut stream) = load(mode);
-    let mut pod = Pod::new(false, 17);
+    let mut pod = Pod::new(mode, false, 17);
     let own = pod.container();
     let plain_rel = pod.add_container(18);
     let plain = pod.id(&plain_rel);
@@ -570,9 +591,9 @@ async fn adopted_containers_end_with_their_main_process(mode: AncestorMode) {
     assert_eq!(programs.counter(Counter::ExitsReported), 3);
 }
 
-async fn forget_container_removes_what_the_kernel_keeps(mode: AncestorMode) {
+async fn forget_container_removes_what_the_kernel_keeps(mode: Way) {
     let (mut programs, mut stream) = load(mode);
-    let pod = Pod::new(true, 20);
+    let pod = Pod::new(mode, true, 20);
     let container = pod.container();
     programs.watch(pod.pod_id(), watch_flags::EXITS | watch_flags::HOLD).expect("watch");
     programs.classify_exec(container, false).expect("classify");
@@ -600,10 +621,10 @@ async fn forget_container_removes_what_the_kernel_keeps(mode: AncestorMode) {
     reap(&mut second);
 }
 
-async fn no_events_from_unregistered_cgroups(mode: AncestorMode) {
+async fn no_events_from_unregistered_cgroups(mode: Way) {
     let (mut programs, _stream) = load(mode);
-    let watched = Pod::new(true, 7);
-    let other = Pod::new(true, 8);
+    let watched = Pod::new(mode, true, 7);
+    let other = Pod::new(mode, true, 8);
     programs.watch(watched.pod_id(), watch_flags::EXITS).expect("watch");
     for _ in 0..10 {
         let mut c = other.start(&other.container_rel, &["/bin/true"]);
@@ -625,12 +646,12 @@ async fn no_events_from_unregistered_cgroups(mode: AncestorMode) {
     assert_eq!(programs.counter(Counter::ExitsFiltered), 0, "counted after the unwatch");
 }
 
-async fn exec_hold_stops_the_main_process_before_it_runs(mode: AncestorMode) {
+async fn exec_hold_stops_the_main_process_before_it_runs(mode: Way) {
     let (mut programs, mut stream) = load(mode);
-    let pod = Pod::new(true, 9);
+    let pod = Pod::new(mode, true, 9);
     let container = pod.container();
     programs.watch(pod.pod_id(), watch_flags::EXITS | watch_flags::HOLD).expect("watch");
-    let file = std::env::temp_dir().join(format!("valet-hold-{}-{mode:?}", std::process::id()));
+    let file = std::env::temp_dir().join(format!("valet-hold-{}-{}", std::process::id(), mode.tag()));
     let _ = std::fs::remove_file(&file);
     let script = format!("echo ran > {}; exit 4", file.display());
     let mut child = pod.start(&pod.container_rel, &["/bin/sh", "-c", &script]);
@@ -668,11 +689,11 @@ async fn exec_hold_stops_the_main_process_before_it_runs(mode: AncestorMode) {
     assert_eq!(programs.counter(Counter::Held), 1);
 }
 
-async fn exec_hold_stops_a_shared_namespace_main_too(mode: AncestorMode) {
+async fn exec_hold_stops_a_shared_namespace_main_too(mode: Way) {
     // The first exec deeper than the host's namespace is held even when it is not pid 1; the
     // runtime's exec in the host namespace (nsenter) is not.
     let (mut programs, mut stream) = load(mode);
-    let mut pod = Pod::new(false, 21);
+    let mut pod = Pod::new(mode, false, 21);
     let sandbox_rel = pod.add_container(22);
     let sandbox = pod.id(&sandbox_rel);
     let app = pod.container();
@@ -710,10 +731,10 @@ fn start_listener(pod: &Pod, rel: &str) -> (Child, u16) {
     (child, line.trim().parse().expect("a port"))
 }
 
-async fn a_listening_socket_in_a_held_pod_is_reported(mode: AncestorMode) {
+async fn a_listening_socket_in_a_held_pod_is_reported(mode: Way) {
     let (mut programs, mut stream) = load(mode);
-    let held = Pod::new(true, 31);
-    let plain = Pod::new(false, 32);
+    let held = Pod::new(mode, true, 31);
+    let plain = Pod::new(mode, false, 32);
     // Attached from the load on, but the pod is not watched for holds yet: nothing is reported
     // (the counter is exact: the port is printed after listen()).
     let (mut before, _) = start_listener(&held, &held.container_rel);
@@ -749,9 +770,9 @@ async fn a_listening_socket_in_a_held_pod_is_reported(mode: AncestorMode) {
     assert_eq!(programs.counter(Counter::Listens), 1, "one listen reported");
 }
 
-async fn exec_hold_skips_cgroups_classified_as_pass(mode: AncestorMode) {
+async fn exec_hold_skips_cgroups_classified_as_pass(mode: Way) {
     let (mut programs, mut stream) = load(mode);
-    let pod = Pod::new(false, 10);
+    let pod = Pod::new(mode, false, 10);
     let container = pod.container();
     programs.watch(pod.pod_id(), watch_flags::EXITS | watch_flags::HOLD).expect("watch");
     programs.classify_exec(container, false).expect("classify");
@@ -764,9 +785,9 @@ async fn exec_hold_skips_cgroups_classified_as_pass(mode: AncestorMode) {
     assert_eq!(programs.counter(Counter::Held), 0);
 }
 
-async fn a_full_containers_map_is_counted_and_never_holds(mode: AncestorMode) {
+async fn a_full_containers_map_is_counted_and_never_holds(mode: Way) {
     let (mut programs, mut stream) = load(mode);
-    let pod = Pod::new(true, 23);
+    let pod = Pod::new(mode, true, 23);
     let container = pod.container();
     // Fill the map with records of cgroup ids no cgroup has.
     let filler = valet_agent::kernel::container_main::MainProcess {
@@ -811,14 +832,14 @@ async fn a_full_containers_map_is_counted_and_never_holds(mode: AncestorMode) {
     reap(&mut child);
 }
 
-async fn on_a_kind_node_the_host_namespace_is_the_nodes(mode: AncestorMode) {
+async fn on_a_kind_node_the_host_namespace_is_the_nodes(mode: Way) {
     // On kind/k3d nodes the node is itself a container: the agent's pid namespace (hostPID) is
     // one level below the kernel's first, and containers two. A pid namespace made here plays
     // the node; the runtime runs in it (nsenter, then unshare), so its execs are the host's.
     let mut node = Command::new("unshare").args(["--pid", "--fork", "sleep", "60"]).spawn().expect("node");
     let node_init = only_child(node.id()).await;
     let (mut programs, mut stream) = load_with(mode, Some(node_init));
-    let pod = Pod::new(false, 24);
+    let pod = Pod::new(mode, false, 24);
     let container = pod.container();
     programs.watch(pod.pod_id(), watch_flags::EXITS).expect("watch");
     let script = "unshare --user --map-root-user --pid --fork /bin/sh -c 'exit 4'; [ $? -eq 4 ] || exit 99; \
@@ -846,11 +867,11 @@ async fn on_a_kind_node_the_host_namespace_is_the_nodes(mode: AncestorMode) {
     reap(&mut node);
 }
 
-async fn crun_runs_the_container_one_level_below_its_scope(mode: AncestorMode) {
+async fn crun_runs_the_container_one_level_below_its_scope(mode: Way) {
     // crun (systemd driver) puts a container's processes in `<scope>/container` and leaves the
     // scope empty: still the container, for its hold, its record and its end.
     let (mut programs, mut stream) = load(mode);
-    let mut pod = Pod::new(true, 24);
+    let mut pod = Pod::new(mode, true, 24);
     let container = pod.container();
     let leaf = format!("{}/container", pod.container_rel);
     pod.cgroups.create(&leaf).expect("crun's cgroup");
@@ -876,12 +897,12 @@ async fn crun_runs_the_container_one_level_below_its_scope(mode: AncestorMode) {
     assert_eq!(got[0].end, Some(ProcessEnd::Exited(6)));
 }
 
-async fn a_nested_runtimes_cgroups_are_its_container_and_its_main_may_move_there(mode: AncestorMode) {
+async fn a_nested_runtimes_cgroups_are_its_container_and_its_main_may_move_there(mode: Way) {
     // dind, podman or buildah in a CI runner: the container's main process makes cgroups of its
     // own under the container's and runs nested containers there (a pid namespace one level
     // deeper), then moves itself into one (as dind's entrypoint does to delegate controllers).
     let (mut programs, mut stream) = load(mode);
-    let mut pod = Pod::new(false, 25);
+    let mut pod = Pod::new(mode, false, 25);
     let container = pod.container();
     let subs: Vec<String> =
         (0..8u8).map(|i| format!("{}/docker/{}", pod.container_rel, container_id(100 + i))).collect();
@@ -914,12 +935,12 @@ async fn a_nested_runtimes_cgroups_are_its_container_and_its_main_may_move_there
     assert!(programs.counter(Counter::ExitsFiltered) >= 8, "the nested inits");
 }
 
-async fn a_host_pid_pod_watched_without_flags_records_and_reports_nothing(mode: AncestorMode) {
+async fn a_host_pid_pod_watched_without_flags_records_and_reports_nothing(mode: Way) {
     // A hostPID pod's container runs in the host's pid namespace, so the pid 1 of a sandbox it
     // makes (`unshare -p`, Chromium) sits right below it, where a container's init would. The
     // agent watches such a pod with neither flag and takes its ends from the API.
     let (mut programs, mut stream) = load(mode);
-    let pod = Pod::new(true, 26);
+    let pod = Pod::new(mode, true, 26);
     let container = pod.container();
     let script = "unshare --pid --fork /bin/sh -c 'exit 3'; [ $? -eq 3 ] || exit 99; exit 0";
     programs.watch(pod.pod_id(), 0).expect("watch");
@@ -941,26 +962,24 @@ async fn a_host_pid_pod_watched_without_flags_records_and_reports_nothing(mode: 
     assert!(got[0].ns_init && got[0].end == Some(ProcessEnd::Exited(3)), "{:?}", got[0]);
 }
 
+macro_rules! in_modes {
+    ($module:ident, $way:expr, $doc:literal, $($name:ident),* $(,)?) => {
+        #[doc = $doc]
+        mod $module {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name($way).await;
+                }
+            )*
+        }
+    };
+}
+
 macro_rules! in_both_modes {
     ($($name:ident),* $(,)?) => {
-        /// With `bpf_get_current_ancestor_cgroup_id` (5.11+).
-        mod helper {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    super::$name(valet_agent::kernel::programs::AncestorMode::Helper).await;
-                }
-            )*
-        }
-        /// With the walk up `cgroup->kn->parent` (5.10).
-        mod walk {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    super::$name(valet_agent::kernel::programs::AncestorMode::Walk).await;
-                }
-            )*
-        }
+        in_modes!(helper, super::Way::HELPER, "With `bpf_get_current_ancestor_cgroup_id` (5.11+).", $($name),*);
+        in_modes!(walk, super::Way::WALK, "With the walk up `cgroup->kn->parent` (5.10).", $($name),*);
     };
 }
 
@@ -988,6 +1007,27 @@ in_both_modes!(
     a_nested_runtimes_cgroups_are_its_container_and_its_main_may_move_there,
     a_host_pid_pod_watched_without_flags_records_and_reports_nothing,
     a_nested_sandbox_in_a_shared_pid_namespace_never_ends_the_container,
+);
+
+// On a cgroup v1 or hybrid node: the scenarios that tell containers, pods and their ends
+// apart, and the hold, with every cgroup in a v1 controller's hierarchy.
+in_modes!(
+    v1,
+    super::Way::V1,
+    "With the walk up a cgroup v1 hierarchy (pids), as on v1 and hybrid nodes.",
+    exit_zero_systemd_layout,
+    exit_42_cgroupfs_layout,
+    pid_namespace_init_is_the_container_end_and_children_are_not,
+    a_nested_sandbox_init_never_ends_the_container,
+    shared_pid_namespace_main_is_not_pid_1_and_still_ends_its_container,
+    a_host_namespace_exec_in_the_container_cgroup_is_not_the_main,
+    a_fork_storm_never_reaches_user_space,
+    adopted_containers_end_with_their_main_process,
+    no_events_from_unregistered_cgroups,
+    exec_hold_stops_the_main_process_before_it_runs,
+    exec_hold_skips_cgroups_classified_as_pass,
+    a_listening_socket_in_a_held_pod_is_reported,
+    a_nested_runtimes_cgroups_are_its_container_and_its_main_may_move_there,
 );
 
 #[tokio::test]

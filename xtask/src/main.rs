@@ -11,6 +11,7 @@
 //! * `cargo xtask kernels`, `cargo xtask node`: the qemu suites (Debian kernels, a real node).
 mod chaos;
 mod cmd;
+mod compat;
 mod fuzz;
 mod image;
 mod kernels;

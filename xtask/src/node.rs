@@ -14,7 +14,9 @@
 //! baked into more images. Both of the kubelet's cgroup drivers run in every cell: the image's
 //! containerd uses systemd's; the `*_cgroupfs` scenarios (run last) switch it to
 //! `SystemdCgroup = false` with one restart, and the kubelet stand-in then makes and names
-//! `/kubepods/<qos>/pod<uid>` as the kubelet's cgroupfs driver does.
+//! `/kubepods/<qos>/pod<uid>` as the kubelet's cgroupfs driver does. A cell's cgroup mode (v2, or
+//! on bookworm v1 and hybrid: `/v1`, `/hybrid` after its name) is systemd's, chosen on the kernel
+//! command line; the kubelet stand-in and the agent find it by looking.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -36,16 +38,20 @@ const SUITES: [(&str, &str, &[&str]); 3] = [
 ];
 /// containerd's layouts: kubeadm's paths, and k3s's (also RKE2's).
 const LAYOUTS: [&str; 2] = ["kubeadm", "k3s"];
-/// What plain `cargo xtask test` (CI) runs: the oldest node under the cgroupfs driver and the
-/// newest (crun one level below its scope, k3s's paths) under systemd's, so CI sees both drivers
-/// and both runtimes. Both drivers in both cells would take CI from a fresh machine past 45 minutes
-/// (docs/testing.md); `cargo xtask node`, `--cell` and `--matrix` run both.
+/// What plain `cargo xtask test` (CI) runs: the oldest node on cgroup v1 (Amazon Linux 2's and
+/// RHEL 8's mode) under the cgroupfs driver, and the newest on cgroup v2 (crun one level below its
+/// scope, k3s's paths) under systemd's, so CI sees both cgroup versions, both drivers and both
+/// runtimes. Both drivers in both cells would take CI from a fresh machine past 45 minutes
+/// (docs/testing.md); `cargo xtask node`, `--cell` and `--matrix` run both, and the hybrid cell.
 pub const CI_CELLS: [Cell; 2] = [
-    Cell { suite: "bookworm", runtime: "runc", layout: "kubeadm", drivers: Drivers::Cgroupfs },
-    Cell { suite: "sid", runtime: "crun", layout: "k3s", drivers: Drivers::Systemd },
+    Cell { suite: "bookworm", runtime: "runc", layout: "kubeadm", cgroups: Cgroups::V1, drivers: Drivers::Cgroupfs },
+    Cell { suite: "sid", runtime: "crun", layout: "k3s", cgroups: Cgroups::V2, drivers: Drivers::Systemd },
 ];
 /// `cargo xtask node` without `--matrix` or `--cell`.
-pub const DEFAULT_CELL: Cell = Cell { drivers: Drivers::Both, ..CI_CELLS[0] };
+pub const DEFAULT_CELL: Cell = Cell { cgroups: Cgroups::V2, drivers: Drivers::Both, ..CI_CELLS[0] };
+/// The suites whose systemd still boots cgroup v1 and hybrid (bookworm's 252; trixie's 257 needs
+/// `SYSTEMD_CGROUP_ENABLE_LEGACY_FORCE=1`, and later ones have no v1 at all).
+const V1_SUITES: [&str; 1] = ["bookworm"];
 /// Size of the (sparse) root disk.
 const DISK: &str = "3G";
 /// Per cell: every scenario under both cgroup drivers took 20 minutes under TCG on a 2-core
@@ -60,8 +66,43 @@ pub struct Cell {
     pub suite: &'static str,
     pub runtime: &'static str,
     pub layout: &'static str,
+    /// How the node mounts its cgroups (systemd's choice at boot, from the kernel command line).
+    pub cgroups: Cgroups,
     /// The kubelet's cgroup drivers the scenarios run under.
     pub drivers: Drivers,
+}
+
+/// A node's cgroup mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cgroups {
+    /// cgroup v2 alone at `/sys/fs/cgroup` (systemd's default).
+    V2,
+    /// `systemd.unified_cgroup_hierarchy=0`: the v1 controllers at `/sys/fs/cgroup/<controller>`,
+    /// systemd's own cgroup2 (no controllers) at `/sys/fs/cgroup/unified`.
+    Hybrid,
+    /// `systemd.legacy_systemd_cgroup_controller=1` besides: v1 alone (systemd's tree in the
+    /// named `name=systemd` hierarchy).
+    V1,
+}
+
+impl Cgroups {
+    /// The cell name's suffix (none for v2).
+    fn suffix(self) -> &'static str {
+        match self {
+            Cgroups::V2 => "",
+            Cgroups::Hybrid => "/hybrid",
+            Cgroups::V1 => "/v1",
+        }
+    }
+
+    /// What systemd reads from the kernel command line to mount them so.
+    fn kernel_args(self) -> &'static str {
+        match self {
+            Cgroups::V2 => "",
+            Cgroups::Hybrid => " systemd.unified_cgroup_hierarchy=0",
+            Cgroups::V1 => " systemd.unified_cgroup_hierarchy=0 systemd.legacy_systemd_cgroup_controller=1",
+        }
+    }
 }
 
 /// The kubelet's cgroup drivers a cell runs its scenarios under (tests/node/scenarios.py reads
@@ -87,7 +128,7 @@ impl Drivers {
 
 impl Cell {
     fn name(&self) -> String {
-        format!("{}/{}/{}", self.suite, self.runtime, self.layout)
+        format!("{}/{}/{}{}", self.suite, self.runtime, self.layout, self.cgroups.suffix())
     }
 
     fn kernel_suite(&self) -> &'static str {
@@ -102,7 +143,7 @@ impl Cell {
         }
     }
 
-    /// `suite/runtime/layout`, each part one the matrix knows.
+    /// `suite/runtime/layout[/v1|/hybrid]`, each part one the matrix knows.
     pub fn parse(text: &str) -> Result<Cell> {
         matrix().into_iter().find(|c| c.name() == text).ok_or_else(|| {
             anyhow!("unknown cell {text:?}: one of {}", matrix().iter().map(Cell::name).collect::<Vec<_>>().join(", "))
@@ -110,14 +151,20 @@ impl Cell {
     }
 }
 
-/// Every cell: suite × its runtimes × layout.
+/// Every cell: suite × its runtimes × layout on cgroup v2, and the kubeadm layout of the suites
+/// that still boot cgroup v1, with v1 and hybrid cgroups.
 pub fn matrix() -> Vec<Cell> {
     let mut cells = Vec::new();
     for (suite, _, runtimes) in SUITES {
         for runtime in runtimes {
             for layout in LAYOUTS {
-                cells.push(Cell { suite, runtime, layout, drivers: Drivers::Both });
+                cells.push(Cell { suite, runtime, layout, cgroups: Cgroups::V2, drivers: Drivers::Both });
             }
+        }
+    }
+    for suite in V1_SUITES {
+        for cgroups in [Cgroups::V1, Cgroups::Hybrid] {
+            cells.push(Cell { suite, runtime: "runc", layout: "kubeadm", cgroups, drivers: Drivers::Both });
         }
     }
     cells
@@ -216,7 +263,7 @@ fn run_cell(
     let t = Instant::now();
     let image = node_image(root, &apt.mirror, cell.suite)?;
     println!("node {}: image {} ready in {:.0?}", cell.name(), image.display(), t.elapsed());
-    let dir = Path::new(CACHE).join(format!("run/node/{}-{}-{}", cell.suite, cell.runtime, cell.layout));
+    let dir = Path::new(CACHE).join(format!("run/node/{}", cell.name().replace('/', "-")));
     // Shared writable with the guest: the agent's log and the scenarios' events come back here.
     let out = dir.join("out");
     if out.exists() {
@@ -235,7 +282,10 @@ fn run_cell(
              VALET_NODE_DRIVERS={drivers}\n\
              echo \"VALET-NODE-VERSIONS $(containerd --version | cut -d' ' -f3) / {runtime} \
              $({runtime} --version | head -1 | sed 's/.*version //') / kernel $(uname -r) / \
-             AppArmor $(cat /sys/module/apparmor/parameters/enabled 2>/dev/null || echo absent)\"\n\
+             AppArmor $(cat /sys/module/apparmor/parameters/enabled 2>/dev/null || echo absent) / cgroup \
+             $(if [ -f /sys/fs/cgroup/cgroup.controllers ]; then echo v2; \
+             elif [ -f /sys/fs/cgroup/unified/cgroup.procs ]; then echo hybrid; else echo v1; fi)\"\n\
+             findmnt -t cgroup,cgroup2 > /dev/console\n\
              mkdir -p {OUT} && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out {OUT} || exit 1\n\
              python3 {scenarios} {release} {images} {OUT} {only}\n",
             runtime = cell.runtime,
@@ -248,10 +298,11 @@ fn run_cell(
     )?;
     let append = format!(
         "valet.root=/dev/vda valet.run={} valet.runtime={} valet.layout={} apparmor=1 security=apparmor \
-         systemd.show_status=0",
+         systemd.show_status=0{}",
         script.display(),
         cell.runtime,
-        cell.layout
+        cell.layout,
+        cell.cgroups.kernel_args()
     );
     let drive = format!("file={},if=virtio,format=raw,snapshot=on", image.display());
     let share = format!("local,path={},mount_tag=out,security_model=none", out.display());
@@ -399,8 +450,12 @@ mod tests {
     #[test]
     fn matrix_cells_and_names() {
         let cells = matrix();
-        assert_eq!(cells.len(), 10, "bookworm runc × 2 layouts, trixie and sid 2 runtimes × 2 layouts");
+        assert_eq!(cells.len(), 12, "bookworm runc × 2 layouts, trixie and sid 2 runtimes × 2 layouts, 2 v1 cells");
         assert_eq!(Cell::parse("sid/crun/k3s").ok(), Some(Cell { drivers: Drivers::Both, ..CI_CELLS[1] }));
+        assert_eq!(Cell::parse("bookworm/runc/kubeadm/v1").map(|c| c.cgroups).ok(), Some(Cgroups::V1));
+        assert_eq!(Cell::parse("bookworm/runc/kubeadm").ok(), Some(DEFAULT_CELL));
+        assert_eq!(Cell::parse("bookworm/runc/kubeadm/hybrid").map(|c| c.cgroups).ok(), Some(Cgroups::Hybrid));
+        assert!(Cell::parse("sid/crun/k3s/v1").is_err(), "sid's systemd boots no cgroup v1");
         assert!(Cell::parse("bookworm/crun/kubeadm").is_err(), "bookworm has runc only");
         assert!(Cell::parse("sid/crun").is_err());
         assert_eq!(CI_CELLS[1].containerd(), ("/run/k3s/containerd/containerd.sock", "/run/k3s/containerd"));

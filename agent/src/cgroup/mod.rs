@@ -1,4 +1,5 @@
-//! The node's cgroup v2 tree: where kubelet puts pods and containers, and how to read it.
+//! The node's cgroup tree (v2, or a v1 controller's hierarchy on v1 and hybrid nodes): where the
+//! kubelet puts pods and containers, and how to read it.
 pub mod created;
 pub mod layout;
 pub mod root;

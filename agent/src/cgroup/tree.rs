@@ -1,5 +1,6 @@
-//! The cgroup v2 file system of the node: finding a pod's cgroups, their ids (directory inode
-//! numbers, the same value `bpf_get_current_cgroup_id()` returns) and their processes.
+//! The node's cgroup file system (v2, or one v1 controller's hierarchy): finding a pod's cgroups,
+//! their ids (directory inode numbers: the kernfs node ids the kernel programs read, which on v2
+//! is what `bpf_get_current_cgroup_id()` returns) and their processes.
 
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
@@ -38,7 +39,7 @@ pub struct PodDir {
     pub pod: PodCgroup,
 }
 
-/// The cgroup2 hierarchy under `root`.
+/// The cgroup hierarchy under `root` (v2, or a v1 controller's: the kubelet's paths are the same).
 #[derive(Clone, Debug)]
 pub struct CgroupFs {
     root: PathBuf,

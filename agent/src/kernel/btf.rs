@@ -170,6 +170,30 @@ impl Btf {
         })
     }
 
+    /// The value of the enumerator `name` of any (32-bit) enum, e.g. `memory_cgrp_id` of
+    /// `enum cgroup_subsys_id`, whose values depend on the kernel's configuration.
+    pub fn enum_value(&self, name: &str) -> Result<u32> {
+        let tsec = &self.data[self.types.clone()];
+        for &at in self.records.iter().skip(1) {
+            let at = at as usize;
+            let Ok(info) = u32_at(tsec, at + 4) else { continue };
+            if (info >> 24) & 0x1f != KIND_ENUM {
+                continue;
+            }
+            // Every record lies within the type section (checked by the parse).
+            for i in 0..(info & 0xffff) as usize {
+                let entry = at + 12 + i * 8;
+                if let (Ok(name_off), Ok(value)) = (u32_at(tsec, entry), u32_at(tsec, entry + 4))
+                    && name_off != 0
+                    && self.string(name_off) == name
+                {
+                    return Ok(value);
+                }
+            }
+        }
+        Err(Error::Btf(format!("enumerator {name} not found")))
+    }
+
     /// Size in bytes of `struct name`.
     pub fn struct_size(&self, name: &str) -> Result<u32> {
         self.named(name).map(|(_, c)| c.size).ok_or_else(|| Error::Btf(format!("struct {name} not found")))
@@ -299,6 +323,28 @@ mod tests {
     }
 
     #[test]
+    fn finds_enumerators() {
+        // `tiny()` plus `enum e { A = 0, B = 7 }` (names reuse "a" and "b").
+        let mut blob = tiny();
+        let strings = b"\0int\0outer\0a\0b\0c\0";
+        let (a, b) = (11u32, 13u32);
+        let mut record = Vec::new();
+        for x in [0, (KIND_ENUM << 24) | 2, 4, a, 0, b, 7] {
+            record.extend_from_slice(&u32::to_le_bytes(x));
+        }
+        let types_len = blob.len() - 24 - strings.len();
+        blob.splice(24 + types_len..24 + types_len, record.iter().copied());
+        let grown = (types_len + record.len()) as u32;
+        blob[12..16].copy_from_slice(&grown.to_le_bytes());
+        blob[16..20].copy_from_slice(&grown.to_le_bytes());
+        let btf = Btf::parse(&blob).expect("parse");
+        assert_eq!(btf.enum_value("b").expect("b"), 7);
+        assert_eq!(btf.enum_value("a").expect("a"), 0);
+        assert!(btf.enum_value("c").is_err(), "a member, not an enumerator");
+        assert_eq!(btf.member_offset("outer", "b").expect("b"), 8);
+    }
+
+    #[test]
     fn reads_the_running_kernel() {
         // Every supported node has BTF; so does CI. Fail loudly rather than skip.
         let btf = Btf::from_sys_fs().expect("/sys/kernel/btf/vmlinux readable");
@@ -307,5 +353,18 @@ mod tests {
         assert!(exit_code > 0 && thread_pid > 0 && exit_code != thread_pid);
         assert_eq!(btf.member_offset("upid", "nr").expect("upid.nr"), 0);
         assert!(btf.struct_size("upid").expect("upid size") >= 8);
+        // The v1 controllers' ids (cgroup v1 and hybrid nodes): distinct, and in /proc/cgroups's
+        // order, which lists the controllers by id.
+        let ids: Vec<u32> = ["memory", "pids"]
+            .iter()
+            .map(|c| btf.enum_value(&format!("{c}_cgrp_id")).expect("controller id"))
+            .collect();
+        assert_ne!(ids[0], ids[1]);
+        let listed = std::fs::read_to_string("/proc/cgroups").expect("/proc/cgroups");
+        let order: Vec<&str> =
+            listed.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split('\t').next()).collect();
+        for (c, id) in ["memory", "pids"].iter().zip(&ids) {
+            assert_eq!(order.get(*id as usize), Some(c), "{c} is controller {id}");
+        }
     }
 }

@@ -71,6 +71,9 @@ pub fn read_layout(btf: &Btf, tracefs: &Path) -> Result<KernelLayout> {
         tp_sock_newstate: OFFSET_UNKNOWN,
         tp_sock_sport: OFFSET_UNKNOWN,
         tp_sock_protocol: OFFSET_UNKNOWN,
+        css_set_subsys: opt(btf.member_offset("css_set", "subsys")),
+        css_cgroup: opt(btf.member_offset("cgroup_subsys_state", "cgroup")),
+        cgroup_v1_subsys: valet_common::CGROUP_V2,
     };
     // The listen tracepoint (4.16+): without its format, no listen events (the probes still poll).
     let mut layout = layout;
@@ -90,6 +93,12 @@ pub fn supports_ancestor_walk(layout: &KernelLayout) -> bool {
     [layout.task_cgroups, layout.css_set_dfl_cgrp, layout.cgroup_kn, layout.kernfs_node_parent, layout.kernfs_node_id]
         .iter()
         .all(|off| *off != OFFSET_UNKNOWN)
+}
+
+/// Whether the layout has what reading a task's cgroup in a v1 hierarchy needs
+/// (`task->cgroups->subsys[id]->cgroup->kn`, then the ancestor walk).
+pub fn supports_v1_hierarchy(layout: &KernelLayout) -> bool {
+    supports_ancestor_walk(layout) && layout.css_set_subsys != OFFSET_UNKNOWN && layout.css_cgroup != OFFSET_UNKNOWN
 }
 
 /// Inode number of a pid namespace from its `/proc/<pid>/ns/pid` link (`pid:[4026531836]`).
@@ -145,6 +154,8 @@ mod tests {
             ("css_set", "dfl_cgrp"),
             ("cgroup", "kn"),
             ("kernfs_node", "id"),
+            ("css_set", "subsys"),
+            ("cgroup_subsys_state", "cgroup"),
             ("upid", "ns"),
             ("pid_namespace", "ns"),
             ("ns_common", "inum"),

@@ -20,6 +20,7 @@ use super::held::{HeldLedger, prepare_pin_dir};
 use super::layout::{find_tracefs, pidns_inum, read_layout, supports_ancestor_walk};
 use super::loader::loader_without_kernel_btf;
 use super::memory;
+use crate::cgroup::root::{Controller, Hierarchy};
 use crate::error::{Error, Result};
 
 mod listen;
@@ -103,6 +104,23 @@ fn nspid_depth(pid: u32) -> Result<u32> {
         .ok_or_else(|| Error::Ebpf(format!("/proc/{pid}: no such process or no NSpid line")))
 }
 
+/// The id of a v1 controller (`enum cgroup_subsys_id` in the kernel's BTF: it depends on the
+/// kernel's configuration), checked usable by the programs.
+fn v1_subsys_id(btf: &Btf, layout: &KernelLayout, controller: Controller) -> Result<u32> {
+    if !super::layout::supports_v1_hierarchy(layout) {
+        return Err(Error::Ebpf(
+            "cgroup v1: the kernel's BTF lacks the css_set/cgroup_subsys_state/kernfs_node offsets the programs \
+             read a v1 hierarchy with"
+                .into(),
+        ));
+    }
+    let id = btf.enum_value(&controller.subsys_enumerator())?;
+    if id > valet_common::MAX_CGROUP_SUBSYS {
+        return Err(Error::Ebpf(format!("cgroup v1: controller {} has id {id}", controller.name())));
+    }
+    Ok(id)
+}
+
 /// How the kernel programs find the pod cgroup above a process's own cgroup.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AncestorMode {
@@ -139,11 +157,20 @@ pub struct Attach {
     /// A process whose pid namespace counts as the host's. `None` in production: the agent's
     /// own (it runs with hostPID). Tests use it to simulate a kind node's namespace.
     pub host_pidns_of: Option<u32>,
+    /// The hierarchy whose cgroup ids the programs report and look up: the one the agent found
+    /// the kubelet's cgroups in. A v1 controller's is read by the walk alone.
+    pub hierarchy: Hierarchy,
 }
 
 impl Default for Attach {
     fn default() -> Self {
-        Attach { exits: true, execs: true, ancestors: AncestorMode::Auto, host_pidns_of: None }
+        Attach {
+            exits: true,
+            execs: true,
+            ancestors: AncestorMode::Auto,
+            host_pidns_of: None,
+            hierarchy: Hierarchy::V2,
+        }
     }
 }
 
@@ -214,6 +241,9 @@ impl Programs {
         let btf = Btf::from_file(btf_path)?;
         memory::note("kernel BTF read");
         let mut layout = read_layout(&btf, &tracefs)?;
+        if let Hierarchy::V1(controller) = attach.hierarchy {
+            layout.cgroup_v1_subsys = v1_subsys_id(&btf, &layout, controller)?;
+        }
         // Megabytes, needed no more: given back before the maps and programs are made.
         drop(btf);
         memory::trim_heap();
@@ -279,10 +309,17 @@ impl Programs {
         };
 
         let walk_possible = supports_ancestor_walk(&layout);
-        let candidates: &[AncestorMode] = match attach.ancestors {
-            AncestorMode::Auto => &[AncestorMode::Helper, AncestorMode::Walk],
-            AncestorMode::Helper => &[AncestorMode::Helper],
-            AncestorMode::Walk => &[AncestorMode::Walk],
+        let candidates: &[AncestorMode] = match (attach.ancestors, attach.hierarchy) {
+            (AncestorMode::Helper, Hierarchy::V1(_)) => {
+                return Err(Error::Config(
+                    "VALET_CGROUP_ANCESTORS=helper: the helper reads only the cgroup v2 hierarchy, and this node's \
+                     pods are in a v1 one (the programs walk it)"
+                        .into(),
+                ));
+            }
+            (_, Hierarchy::V1(_)) | (AncestorMode::Walk, _) => &[AncestorMode::Walk],
+            (AncestorMode::Auto, Hierarchy::V2) => &[AncestorMode::Helper, AncestorMode::Walk],
+            (AncestorMode::Helper, Hierarchy::V2) => &[AncestorMode::Helper],
         };
         let wanted = |mode: AncestorMode| {
             let (exit, exec) =
@@ -378,6 +415,7 @@ impl Programs {
             host_pidns_inum = layout.host_pidns_inum,
             host_pidns_level = layout.host_pidns_level,
             ?ancestors,
+            hierarchy = ?attach.hierarchy,
             held_pinned = ?held.pinned(),
             held_left = held.records().len(),
             "kernel programs attached"

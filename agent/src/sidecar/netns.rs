@@ -35,7 +35,11 @@ pub struct PodNetns {
 
 /// Opens the network namespace of the pod whose cgroup is `pod_rel`: the pod's own, the one its
 /// sandbox holds, never a private one an app process made for itself (`unshare -rn`, Chromium's
-/// network sandbox). The sandbox starts first, so the pod's oldest process is in it.
+/// network sandbox). The sandbox starts first, so the pod's oldest process is in it. Only the
+/// processes of the pod's container cgroups (the sandbox's among them) count: CRI-O with
+/// `conmon_cgroup = "pod"` starts each container's monitor (conmon, in the node's namespaces)
+/// before it, in `crio-conmon-<id>.scope` beside the container's own scope, so the pod
+/// cgroup's oldest process there is a conmon, never the pod.
 ///
 /// Refuses the node's own namespace (a hostNetwork pod, a process that moved, or a runtime's
 /// process in the pod's cgroup that has not joined the pod's namespace yet: runc's init between
@@ -47,18 +51,15 @@ pub fn open_pod_netns(host_proc: &Path, cgroups: &CgroupFs, pod_rel: &str) -> Re
     // is not (a pid 1 that is not dumpable).
     let ns_of = |who: &str| std::fs::metadata(host_proc.join(who).join("ns/net")).map(|m| m.ino()).ok();
     let node_ns = [ns_of("1"), ns_of("self")];
-    let mut members: Vec<(u64, u32)> = cgroups
-        .procs_recursive(pod_rel)
-        .into_iter()
-        .filter_map(|pid| Some((start_time(host_proc, pid)?, pid)))
-        .collect();
+    let mut members: Vec<(u64, u32)> =
+        pod_members(cgroups, pod_rel).into_iter().filter_map(|pid| Some((start_time(host_proc, pid)?, pid))).collect();
     members.sort_unstable();
     for pid in members.iter().map(|(_, pid)| *pid) {
         let Ok(file) = File::open(host_proc.join(pid.to_string()).join("ns/net")) else { continue };
         let Ok(meta) = file.metadata() else { continue };
         // Checked after opening: if the pid was reused in between, it is no longer a member.
         // (Read from the cgroup files: /proc/<pid>/cgroup is relative to our cgroup namespace.)
-        if !cgroups.procs_recursive(pod_rel).contains(&pid) {
+        if !pod_members(cgroups, pod_rel).contains(&pid) {
             continue;
         }
         if node_ns.contains(&Some(meta.ino())) {
@@ -70,6 +71,17 @@ pub fn open_pod_netns(host_proc: &Path, cgroups: &CgroupFs, pod_rel: &str) -> Re
         return Ok(PodNetns { file, inode: meta.ino(), via_pid: pid });
     }
     Err(Error::Endpoint("no live process of the pod to enter its network namespace through".into()))
+}
+
+/// The processes of a pod: those in its cgroup itself and in its container cgroups (the
+/// sandbox's and the containers', however deep), not those of any other cgroup below it (CRI-O's
+/// `crio-conmon-<id>` monitors, anything a runtime or a privileged container made there).
+fn pod_members(cgroups: &CgroupFs, pod_rel: &str) -> Vec<u32> {
+    let mut pids = cgroups.procs(pod_rel);
+    for container in cgroups.containers(pod_rel) {
+        pids.extend(cgroups.procs_recursive(&container.rel));
+    }
+    pids
 }
 
 impl PodNetns {
@@ -377,6 +389,32 @@ mod tests {
         std::os::unix::fs::symlink(format!("/proc/{me}"), dir.join("proc").join(me.to_string())).expect("link");
         let net = PodNetwork::new(dir.join("proc"), CgroupFs::new(dir.join("cgroup")));
         (dir, net, rel)
+    }
+
+    #[test]
+    fn a_conmon_in_the_pod_cgroup_is_never_taken_for_the_pod() {
+        // CRI-O with conmon_cgroup = "pod": the only process is in the conmon's scope: no pod
+        // process to enter through; in the container's scope beside it, found.
+        let dir = std::env::temp_dir().join(format!("valet-netns-conmon-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let id = "ab".repeat(32);
+        let pod = "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0f5c9b6e_3a7d_4e21_9b8a_1c2d3e4f5a6b.slice";
+        let me = std::process::id();
+        let cgroups = CgroupFs::new(dir.join("cgroup"));
+        for scope in [format!("crio-conmon-{id}.scope"), format!("crio-{id}.scope")] {
+            std::fs::create_dir_all(cgroups.abs(&format!("{pod}/{scope}"))).expect("cgroup");
+        }
+        std::fs::create_dir_all(dir.join("proc")).expect("proc");
+        std::os::unix::fs::symlink(format!("/proc/{me}"), dir.join("proc").join(me.to_string())).expect("link");
+        let procs = |scope: &str| cgroups.abs(&format!("{pod}/{scope}")).join("cgroup.procs");
+        std::fs::write(procs(&format!("crio-conmon-{id}.scope")), format!("{me}\n")).expect("procs");
+        std::fs::write(procs(&format!("crio-{id}.scope")), "").expect("procs");
+        let conmon_only = open_pod_netns(&dir.join("proc"), &cgroups, pod);
+        std::fs::write(procs(&format!("crio-{id}.scope")), format!("{me}\n")).expect("procs");
+        let in_container = open_pod_netns(&dir.join("proc"), &cgroups, pod);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(conmon_only.is_err(), "a conmon was taken for the pod: {conmon_only:?}");
+        assert_eq!(in_container.expect("the container's process").via_pid, me);
     }
 
     /// A loopback server that counts the connections it accepts and hands each to `serve`.
