@@ -75,6 +75,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc  # noqa: E402
 import kubelet  # noqa: E402
 
+CRIO = None  # the CRI-O layout's runtime (crio.py), in a cell whose VALET_NODE_CRI is crio
+
+
+def node_cri():
+    """The node's CRI: containerd's socket, or the CRI-O layout's runtime."""
+    return CRIO if CRIO is not None else kubelet.Cri()
+
 NODE = "valet-node"
 WORK = "/run/valet"
 METRICS = "127.0.0.1:9090"
@@ -394,6 +401,10 @@ RELEASE_BOUND_MS = 1000
 def container_cgroup_dir(cid):
     """A container's cgroup directory under either cgroup driver, or None."""
     root = kubelet.CGROUP_ROOT
+    if kubelet.CRI_RUNTIME == "crio":
+        found = glob.glob(f"{root}/kubepods.slice/**/crio-{cid}.scope", recursive=True) or \
+            glob.glob(f"{root}/kubepods/**/crio-{cid}", recursive=True)
+        return found[0] if found else None
     found = glob.glob(f"{root}/kubepods.slice/**/cri-containerd-{cid}.scope", recursive=True) or \
         glob.glob(f"{root}/kubepods/**/{cid}", recursive=True)
     return found[0] if found else None
@@ -491,7 +502,7 @@ class Scenario:
 
     def start(self):
         created = self.api.create_pod(self.pod)
-        self.run = kubelet.PodRun(kubelet.Cri(), self.api, created, log=log, driver=self.driver)
+        self.run = kubelet.PodRun(node_cri(), self.api, created, log=log, driver=self.driver)
         self.run.start()
 
     def sync_until(self, what, cond, deadline_s=POD_DEADLINE):
@@ -519,6 +530,10 @@ class Scenario:
             raise Failed("the proxy exited without a POST /quitquitquit")
 
     def teardown(self):
+        if CRIO is not None and sys.exc_info()[0] is not None:
+            # A failed scenario on the CRI-O layout: its containers' state before they go.
+            for line in CRIO.describe():
+                log(line)
         if self.run is not None:
             try:
                 self.run.teardown()
@@ -581,7 +596,35 @@ def check_cgroups(sc, containers=()):
         # crun keeps the container's processes one level below the runtime's cgroup.
         if got != want and not (RUNTIME == "crun" and got == f"{want}/container"):
             raise Failed(f"the {what}'s process {pids[0]} is in the cgroup {got}, not {want} ({sc.driver} driver)")
+        if CRIO is not None:
+            check_conmon(what, cid, want)
     return kubelet.container_cgroup(run.pod, sc.driver, "<id>").replace(run.meta["uid"], "<uid>")
+
+
+def start_ticks(pid):
+    """A process's start time (clock ticks since boot, /proc/<pid>/stat's 22nd field)."""
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
+
+
+def check_conmon(what, cid, container_cgroup):
+    """CRI-O's layout with `conmon_cgroup = "pod"`, as the processes say: the container's
+    conmon is its main process's parent, runs in `crio-conmon-<id>.scope` (cgroupfs:
+    `crio-conmon-<id>`) beside the container's cgroup in the pod's, started before it, and
+    stays in the node's network namespace while the container is in the pod's."""
+    c = CRIO.containers[cid]
+    want = container_cgroup.replace(f"/crio-{cid}", f"/crio-conmon-{cid}")
+    got = cgroup_of(c.conmon)
+    if got != want:
+        raise Failed(f"the {what}'s conmon {c.conmon} is in the cgroup {got}, not {want}")
+    ppid = int([line.split()[1] for line in open(f"/proc/{c.pid}/status") if line.startswith("PPid:")][0])
+    if ppid != c.conmon:
+        raise Failed(f"the {what}'s process {c.pid} has the parent {ppid}, not its conmon {c.conmon}")
+    if start_ticks(c.conmon) > start_ticks(c.pid):
+        raise Failed(f"the {what}'s conmon started after its container")
+    net = {p: os.stat(f"/proc/{p}/ns/net").st_ino for p in (1, c.conmon, c.pid)}
+    if net[c.conmon] != net[1] or net[c.pid] == net[1]:
+        raise Failed(f"network namespaces: node {net[1]}, the {what}'s conmon {net[c.conmon]}, "
+                     f"its process {net[c.pid]}: conmon must be in the node's, the container in the pod's")
 
 
 def driver_note(sc, where):
@@ -619,7 +662,8 @@ def job(api, agent, tag="", driver="systemd"):
         where = check_cgroups(sc, ["app", "istio-proxy"])
         # AppArmor is on in the node (as on a default Debian node): the runtime confines the pods.
         confined = apparmor_label(container_pids(app_id)[0])
-        if not confined.startswith("cri-containerd.apparmor.d"):
+        profile = "crio-default" if CRIO is not None else "cri-containerd.apparmor.d"
+        if not confined.startswith(profile):
             raise Failed(f"the app runs with AppArmor label {confined!r}, not the runtime's default profile")
         sc.proxy_ready()
         sc.touch("go")
@@ -633,7 +677,8 @@ def job(api, agent, tag="", driver="systemd"):
         if not kernel_saw_exit(agent, kernel_quits):
             raise Failed(f"the quit came {delay:.0f} ms after the app's exit, from the API: the agent did not see "
                          "the app's exit in the kernel")
-        extra = [f"containerd's finishedAt {(real_to_mono_ns(app.finished_at) - exit_ns) / 1e6:.0f} ms after the exit"]
+        runtime = "conmon's exit file" if CRIO is not None else "containerd's finishedAt"
+        extra = [f"{runtime} {(real_to_mono_ns(app.finished_at) - exit_ns) / 1e6:.0f} ms after the exit"]
         for what in ("cgroup", "bundle"):
             if what in watcher.gone:
                 extra.append(f"its {what} removed {(watcher.gone[what] - exit_ns) / 1e6:.0f} ms after")
@@ -652,13 +697,17 @@ class CgroupWatcher(threading.Thread):
         self.start()
 
     def run(self):
-        bundle = f"{STATE}/io.containerd.runtime.v2.task/k8s.io/{self.cid}"
+        crio = CRIO is not None
+        bundle = f"/run/containers/storage/overlay-containers/{self.cid}/userdata" if crio else \
+            f"{STATE}/io.containerd.runtime.v2.task/k8s.io/{self.cid}"
+        scope, leaf = (f"crio-{self.cid}.scope", f"crio-{self.cid}") if crio else \
+            (f"cri-containerd-{self.cid}.scope", self.cid)
         cgroup = None
         while not self.stop and len(self.gone) < 2:
             if cgroup is None:
                 root = kubelet.CGROUP_ROOT
-                found = glob.glob(f"{root}/kubepods.slice/*/*/cri-containerd-{self.cid}.scope") or \
-                    glob.glob(f"{root}/kubepods/*/*/{self.cid}")
+                found = glob.glob(f"{root}/kubepods.slice/*/*/{scope}") or \
+                    glob.glob(f"{root}/kubepods/*/*/{leaf}")
                 cgroup = found[0] if found else None
             for what, path in (("cgroup", cgroup), ("bundle", bundle)):
                 if path and what not in self.gone and not os.path.exists(path):
@@ -1144,6 +1193,10 @@ def cgroupfs_twin(scenario):
 
 BASE = [job, hold_app, nested_pidns, short_app, onfailure_restart, oom_killed, agent_restart_held, daemonset_agent,
         share_pidns, hostpid_nested, native_sidecar, dind_subcgroup, envoy_job]
+if kubelet.CRI_RUNTIME == "crio":
+    # daemonset_agent runs the agent's pod through containerd's CRI (ContainerAgent): in the CRI-O
+    # layout's cell the agent is the node's process, as in every other scenario.
+    BASE = [s for s in BASE if s is not daemonset_agent]
 # The cgroupfs ones last, together: one containerd restart for all of them.
 SCENARIOS = BASE + [cgroupfs_twin(s) for s in BASE]
 # CI runs one driver per cell (xtask/src/node.rs's CI_CELLS); --cell and --matrix run both.
@@ -1193,6 +1246,10 @@ def use_driver(driver):
     unit requires containerd, and a plain restart would restart it too. Running pods would keep
     their cgroups; none runs between scenarios. Returns the seconds until the CRI answered with it."""
     t = time.monotonic()
+    if CRIO is not None:
+        # CRI-O's cgroup_manager: the sandboxes made from now on (the pods are gone between scenarios).
+        CRIO.driver = driver
+        return time.monotonic() - t
     text = open(CONTAINERD_CONFIG).read()
     other = SYSTEMD_CGROUP["cgroupfs" if driver == "systemd" else "systemd"]
     if text.count(other) + text.count(SYSTEMD_CGROUP[driver]) != 1:
@@ -1220,9 +1277,17 @@ def main():
     wanted = sys.argv[4:]
     os.makedirs(WORK, exist_ok=True)
     t0 = time.monotonic()
-    for tar in sorted(glob.glob(f"{images}/*.tar")):
-        subprocess.run(["ctr", "-n", "k8s.io", "images", "import", tar], check=True, stdout=subprocess.DEVNULL)
-    log(f"images imported in {time.monotonic() - t0:.1f}s")
+    if kubelet.CRI_RUNTIME == "crio":
+        global CRIO
+        import crio
+        CRIO = crio.Crio(images)
+        log(f"CRI-O layout: images unpacked in {time.monotonic() - t0:.1f}s; conmon "
+            f"{subprocess.run(['conmon', '--version'], capture_output=True, text=True).stdout.split()[2]}, "
+            f"AppArmor profile {crio.APPARMOR_PROFILE if CRIO.apparmor else 'none (AppArmor off)'}")
+    else:
+        for tar in sorted(glob.glob(f"{images}/*.tar")):
+            subprocess.run(["ctr", "-n", "k8s.io", "images", "import", tar], check=True, stdout=subprocess.DEVNULL)
+        log(f"images imported in {time.monotonic() - t0:.1f}s")
     api_proc = subprocess.Popen([f"{release}/valet-fake-apiserver", f"{WORK}/kubeconfig"], stdout=subprocess.PIPE,
                                 text=True)
     api = kubelet.Api(api_proc.stdout.readline().strip())
@@ -1230,7 +1295,10 @@ def main():
     failed = 0
     scenarios = [s for s in SCENARIOS if not wanted or s.__name__ in wanted]
     try:
-        cell_check(kubelet.Cri())
+        if CRIO is None:
+            cell_check(kubelet.Cri())
+        elif RUNTIME != "crun":
+            raise Failed(f"the CRI-O layout runs crun, not {RUNTIME}")
     except Failed as e:
         for s in scenarios:
             print(f"node scenario {s.__name__}: FAILED (not the cell's containerd: {e})", flush=True)
@@ -1266,6 +1334,7 @@ def main():
                 failed += 1
                 if not isinstance(e, Failed):
                     traceback.print_exc(file=sys.stdout)
+
                 # One line: a CRI error's text spans several (status, details, debug string).
                 why = f"CRI {e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
                 why = " ".join(why.split())
