@@ -473,16 +473,23 @@ class Crio:
             status["state"] = pb.CONTAINER_CREATED
         return pb.ContainerStatusResponse(status=status)
 
+    def kill(self, c, sig):
+        """`crun kill`, as CRI-O stops a container; a failure is printed (the stop then times out)."""
+        out = subprocess.run(["crun", f"--root={CRUN_ROOT}", "kill", c.id, sig], capture_output=True, text=True)
+        if out.returncode != 0 and self.exit_code(c)[0] is None:
+            print(f"node crio: crun kill {c.name} {c.id[:12]} {sig}: exit {out.returncode}: "
+                  f"{(out.stderr or out.stdout).strip()[:300]}", flush=True)
+
     def StopContainer(self, req):
         c = self.containers.get(req["container_id"])
         if c is None or self.exit_code(c)[0] is not None:
             return pb.StopContainerResponse()
-        subprocess.run(["crun", f"--root={CRUN_ROOT}", "kill", c.id, "TERM"], capture_output=True)
+        self.kill(c, "TERM")
         end = time.monotonic() + int(req.get("timeout", 0))
         while self.exit_code(c)[0] is None and time.monotonic() < end:
             time.sleep(0.05)
         if self.exit_code(c)[0] is None:
-            subprocess.run(["crun", f"--root={CRUN_ROOT}", "kill", c.id, "KILL"], capture_output=True)
+            self.kill(c, "KILL")
             end = time.monotonic() + 30
             while self.exit_code(c)[0] is None and time.monotonic() < end:
                 time.sleep(0.05)

@@ -321,6 +321,11 @@ class PodRun:
             linux["security_context"]["apparmor"] = {"profile_type": "Unconfined"}
         elif apparmor not in (None, "RuntimeDefault"):
             raise ValueError(f"appArmorProfile type {apparmor}: only Unconfined and RuntimeDefault are run")
+        # securityContext.capabilities, as the kubelet hands them to the runtime (on top of its defaults).
+        caps = c.get("securityContext", {}).get("capabilities", {})
+        if caps:
+            linux["security_context"]["capabilities"] = {"add_capabilities": list(caps.get("add", [])),
+                                                         "drop_capabilities": list(caps.get("drop", []))}
         # cgroup v2 only: runc refuses unified resources on v1 and hybrid nodes.
         linux["resources"] = {"unified": {"memory.oom.group": "1"}} if CGROUP_MODE == "v2" else {}
         limit = memory_limit(c.get("resources", {}))

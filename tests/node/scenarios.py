@@ -776,6 +776,11 @@ def hold_app(api, agent, tag="", driver="systemd"):
 # (containerd 1.7, AppArmor 4; not on bookworm, nor on sid's containerd 2.1 with the same kernel).
 # Apps that sandbox themselves run with a profile that allows it; here, unconfined.
 NESTED_SANDBOX = {"securityContext": {"appArmorProfile": {"type": "Unconfined"}}}
+if kubelet.CRI_RUNTIME == "crio":
+    # CRI-O's default capabilities (unlike containerd's) lack SETFCAP, which mapping uid 0 into a
+    # new user namespace needs since Linux 5.12 (`unshare --map-root-user`: "write error:
+    # Operation not permitted" on uid_map): an app that does so asks for it, as on CRI-O.
+    NESTED_SANDBOX = {"securityContext": {**NESTED_SANDBOX["securityContext"], "capabilities": {"add": ["SETFCAP"]}}}
 
 
 def nested_pidns(api, agent, tag="", driver="systemd"):
@@ -1122,8 +1127,8 @@ def oom_killed(api, agent, tag="", driver="systemd"):
         # come before the zombie, never before the app started to fill its memory ("go").
         delay = quit_after(sc, watcher.gone_ns, "the app's process became a zombie",
                            slack_ms=(watcher.gone_ns - go_ns) / 1e6)
-        return (f"app OOM-killed at its 48Mi limit (exit 137, {counted}, containerd's "
-                f"reason {app.reason!r}); quit {delay:.0f} ms after its process was seen gone (a zombie; polled every 2 ms)")
+        return (f"app OOM-killed at its 48Mi limit (exit 137, {counted}, "
+                f"{'conmon' if CRIO is not None else 'containerd'}'s reason {app.reason!r}); quit {delay:.0f} ms after its process was seen gone (a zombie; polled every 2 ms)")
     finally:
         sc.teardown()
 
@@ -1327,7 +1332,8 @@ def main():
                     took = use_driver(want)
                     driver = want
                     log(f"containerd restarted with the {want} cgroup driver in {took:.1f}s")
-                    switched = f"; containerd switched to the {want} driver first, in {took:.1f} s"
+                    runtime = "the CRI-O layout's sandboxes" if CRIO is not None else "containerd"
+                    switched = f"; {runtime} switched to the {want} driver first, in {took:.1f} s"
                 figures = s(api, agent) + switched
                 print(f"node scenario {s.__name__}: ok ({figures}) [{time.monotonic() - t:.0f} s]", flush=True)
             except Exception as e:
