@@ -61,7 +61,10 @@ ALL_CAPS = sorted((
     "NET_BROADCAST NET_ADMIN NET_RAW IPC_LOCK IPC_OWNER SYS_MODULE SYS_RAWIO SYS_CHROOT SYS_PTRACE SYS_PACCT "
     "SYS_ADMIN SYS_BOOT SYS_NICE SYS_RESOURCE SYS_TIME SYS_TTY_CONFIG MKNOD LEASE AUDIT_WRITE AUDIT_CONTROL SETFCAP "
     "MAC_OVERRIDE MAC_ADMIN SYSLOG WAKE_ALARM BLOCK_SUSPEND AUDIT_READ PERFMON BPF CHECKPOINT_RESTORE").split())
-# As CRI-O's template (docker-default's): confined, signals from the node and from its own.
+# As CRI-O's template (docker-default's): confined, signals from the node and from its own, and
+# from the OCI runtime: Debian's apparmor labels /usr/bin/crun `crun` (an unconfined-mode
+# profile), and without `peer=crun` its `crun kill` got "send signal to pidfd: Permission
+# denied" (containerd's profile has the same rule).
 APPARMOR = f"""#include <tunables/global>
 profile {APPARMOR_PROFILE} flags=(attach_disconnected,mediate_deleted) {{
   #include <abstractions/base>
@@ -70,6 +73,8 @@ profile {APPARMOR_PROFILE} flags=(attach_disconnected,mediate_deleted) {{
   file,
   umount,
   signal (receive) peer=unconfined,
+  signal (receive) peer=crun,
+  signal (receive) peer=runc,
   signal (send,receive) peer={APPARMOR_PROFILE},
   deny @{{PROC}}/* w,
   deny @{{PROC}}/sys/[^k]** w,
