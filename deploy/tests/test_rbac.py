@@ -19,6 +19,8 @@ ALLOWED: dict[tuple[str, str], set[str]] = {
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }
+# components/openshift: `use` of the agent's own SecurityContextConstraints, by name only.
+SCC_USE = (("security.openshift.io", "securitycontextconstraints"), {"use"}, ["valet-agent"])
 FORBIDDEN_RESOURCES = {"pods/exec", "pods/attach", "pods/portforward", "secrets"}
 ROLE_KINDS = {"Role", "ClusterRole"}
 BINDING_KINDS = {"RoleBinding", "ClusterRoleBinding"}
@@ -45,6 +47,11 @@ def rbac_violations(role: dict) -> list[str]:
             base = res.split("/")[0]
             if res in FORBIDDEN_RESOURCES or base == "secrets":
                 out.append(f"{where}: forbidden resource {res!r}")
+        scc_key, scc_verbs, scc_names = SCC_USE
+        if [(g, r) for g in groups for r in resources] == [scc_key]:
+            if set(verbs) != scc_verbs or rule.get("resourceNames") != scc_names:
+                out.append(f"{where}: SCCs: only `use` of {scc_names}, by resourceNames")
+            continue
         for g in groups:
             for res in resources:
                 for v in verbs:
@@ -80,7 +87,9 @@ def test_agent_role_grants_exactly_what_it_needs(renders: dict[str, Render]) -> 
 
 def test_only_the_agent_role_exists(renders: dict[str, Render]) -> None:
     names = {(render, d["kind"], d["metadata"]["name"]) for render, d in roles(renders)}
-    assert {(k, n) for _, k, n in names} == {("ClusterRole", "valet-agent")}
+    assert {(k, n) for _, k, n in names} == {("ClusterRole", "valet-agent"), ("Role", "valet-agent-scc")}
+    # The SCC's Role only where the OpenShift component is.
+    assert {render for render, k, _ in names if k == "Role"} == {"base+openshift", "base+components"}
 
 
 def test_bindings_give_our_role_to_the_agent_only(renders: dict[str, Render]) -> None:
@@ -119,6 +128,11 @@ def _role(*rules: dict) -> dict:
         {"apiGroups": ["apps"], "resources": ["pods"], "verbs": ["get"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["delete"]},
         {"nonResourceURLs": ["/metrics"], "verbs": ["get"]},
+        {"apiGroups": ["security.openshift.io"], "resources": ["securitycontextconstraints"], "verbs": ["use"]},
+        {"apiGroups": ["security.openshift.io"], "resources": ["securitycontextconstraints"],
+         "resourceNames": ["privileged"], "verbs": ["use"]},
+        {"apiGroups": ["security.openshift.io"], "resources": ["securitycontextconstraints"],
+         "resourceNames": ["valet-agent"], "verbs": ["use", "update"]},
     ],
     ids=lambda rule: "-".join(rule.get("resources") or rule.get("nonResourceURLs")) + ":"
     + ",".join(rule["verbs"]),

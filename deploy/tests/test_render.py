@@ -25,7 +25,7 @@ def kinds_names(render: Render) -> set[tuple[str, str]]:
 
 
 def test_components_are_found() -> None:
-    assert {c.name for c in COMPONENTS} >= {"podmonitor"}
+    assert {c.name for c in COMPONENTS} >= {"podmonitor", "openshift"}
 
 
 def test_every_target_renders(renders: dict[str, Render]) -> None:

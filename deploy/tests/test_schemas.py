@@ -23,7 +23,8 @@ OLDEST = Version("1.29")
 VERSIONS = sorted({v for v in all_versions() if Version(v) >= OLDEST}, key=Version)
 
 # (apiVersion, kind) of custom resources: no schema in kubernetes-validate.
-CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule"),
+                    ("security.openshift.io/v1", "SecurityContextConstraints")}
 # (apiVersion, kind) -> the first release that serves it.
 INTRODUCED = {
     ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"): Version("1.30"),

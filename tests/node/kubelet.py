@@ -45,6 +45,8 @@ from google.protobuf import json_format
 HERE = os.path.dirname(os.path.abspath(__file__))
 # `ctr` reads the same variable: the node VM's k3s layout moves the socket.
 CONTAINERD = "unix://" + os.environ.get("CONTAINERD_ADDRESS", "/run/containerd/containerd.sock")
+# The node's runtime: containerd through its CRI, or CRI-O's layout (crio.py: conmon and crun).
+CRI_RUNTIME = os.environ.get("VALET_NODE_CRI", "containerd")
 RELIST = 1.0
 RESTART_BACKOFF = 2.0
 DRIVERS = ("systemd", "cgroupfs")
@@ -90,6 +92,8 @@ pb = load_api()
 
 
 class Cri:
+    scheme = "containerd"
+
     def __init__(self, address=CONTAINERD):
         self.channel = grpc.insecure_channel(address)
 
@@ -164,11 +168,13 @@ def container_cgroup(pod, driver, cid):
     """Where the runtime puts a container (or the sandbox) of the pod, relative to the cgroup2 root:
     what `/proc/<pid>/cgroup` says for its processes."""
     if driver == "cgroupfs":
-        return f"{cgroup_parent(pod, driver)}/{cid}"
+        leaf = f"crio-{cid}" if CRI_RUNTIME == "crio" else cid
+        return f"{cgroup_parent(pod, driver)}/{leaf}"
     qos, uid = qos_class(pod), pod["metadata"]["uid"].replace("-", "_")
     pod_slice = f"kubepods-pod{uid}.slice" if qos == "guaranteed" else \
         f"kubepods-{qos}.slice/kubepods-{qos}-pod{uid}.slice"
-    return f"/kubepods.slice/{pod_slice}/cri-containerd-{cid}.scope"
+    scope = f"crio-{cid}.scope" if CRI_RUNTIME == "crio" else f"cri-containerd-{cid}.scope"
+    return f"/kubepods.slice/{pod_slice}/{scope}"
 
 
 def make_cgroupfs_parent(path, root=CGROUP_ROOT):
@@ -315,6 +321,11 @@ class PodRun:
             linux["security_context"]["apparmor"] = {"profile_type": "Unconfined"}
         elif apparmor not in (None, "RuntimeDefault"):
             raise ValueError(f"appArmorProfile type {apparmor}: only Unconfined and RuntimeDefault are run")
+        # securityContext.capabilities, as the kubelet hands them to the runtime (on top of its defaults).
+        caps = c.get("securityContext", {}).get("capabilities", {})
+        if caps:
+            linux["security_context"]["capabilities"] = {"add_capabilities": list(caps.get("add", [])),
+                                                         "drop_capabilities": list(caps.get("drop", []))}
         # cgroup v2 only: runc refuses unified resources on v1 and hybrid nodes.
         linux["resources"] = {"unified": {"memory.oom.group": "1"}} if CGROUP_MODE == "v2" else {}
         limit = memory_limit(c.get("resources", {}))
@@ -407,7 +418,7 @@ class PodRun:
         for name, entry in list(self.containers.items()):
             st = entry["status"]
             cs = {"name": name, "image": entry["spec"]["image"], "imageID": st.image_ref,
-                  "containerID": f"containerd://{entry['id']}", "restartCount": entry["attempt"]}
+                  "containerID": f"{self.cri.scheme}://{entry['id']}", "restartCount": entry["attempt"]}
             if entry["last"] is not None:
                 cs["lastState"] = {"terminated": entry["last"]["terminated"]}
             if st.state == pb.CONTAINER_RUNNING:
@@ -418,7 +429,7 @@ class PodRun:
                 terminated = {
                     "exitCode": st.exit_code, "reason": st.reason or ("Completed" if st.exit_code == 0 else "Error"),
                     "startedAt": rfc3339(st.started_at), "finishedAt": rfc3339(st.finished_at),
-                    "containerID": f"containerd://{entry['id']}"}
+                    "containerID": f"{self.cri.scheme}://{entry['id']}"}
                 cs.update(started=False, ready=False, state={"terminated": terminated})
                 if self.restart_due(entry, st, mains_done):
                     all_exited = False

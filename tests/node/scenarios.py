@@ -75,6 +75,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc  # noqa: E402
 import kubelet  # noqa: E402
 
+CRIO = None  # the CRI-O layout's runtime (crio.py), in a cell whose VALET_NODE_CRI is crio
+
+
+def node_cri():
+    """The node's CRI: containerd's socket, or the CRI-O layout's runtime."""
+    return CRIO if CRIO is not None else kubelet.Cri()
+
 NODE = "valet-node"
 WORK = "/run/valet"
 METRICS = "127.0.0.1:9090"
@@ -403,6 +410,10 @@ RELEASE_BOUND_MS = 1000
 def container_cgroup_dir(cid):
     """A container's cgroup directory under either cgroup driver, or None."""
     root = kubelet.CGROUP_ROOT
+    if kubelet.CRI_RUNTIME == "crio":
+        found = glob.glob(f"{root}/kubepods.slice/**/crio-{cid}.scope", recursive=True) or \
+            glob.glob(f"{root}/kubepods/**/crio-{cid}", recursive=True)
+        return found[0] if found else None
     found = glob.glob(f"{root}/kubepods.slice/**/cri-containerd-{cid}.scope", recursive=True) or \
         glob.glob(f"{root}/kubepods/**/{cid}", recursive=True)
     return found[0] if found else None
@@ -500,7 +511,7 @@ class Scenario:
 
     def start(self):
         created = self.api.create_pod(self.pod)
-        self.run = kubelet.PodRun(kubelet.Cri(), self.api, created, log=log, driver=self.driver)
+        self.run = kubelet.PodRun(node_cri(), self.api, created, log=log, driver=self.driver)
         self.run.start()
 
     def sync_until(self, what, cond, deadline_s=POD_DEADLINE):
@@ -528,6 +539,10 @@ class Scenario:
             raise Failed("the proxy exited without a POST /quitquitquit")
 
     def teardown(self):
+        if CRIO is not None and sys.exc_info()[0] is not None:
+            # A failed scenario on the CRI-O layout: its containers' state before they go.
+            for line in CRIO.describe():
+                log(line)
         if self.run is not None:
             try:
                 self.run.teardown()
@@ -590,7 +605,35 @@ def check_cgroups(sc, containers=()):
         # crun keeps the container's processes one level below the runtime's cgroup.
         if got != want and not (RUNTIME == "crun" and got == f"{want}/container"):
             raise Failed(f"the {what}'s process {pids[0]} is in the cgroup {got}, not {want} ({sc.driver} driver)")
+        if CRIO is not None:
+            check_conmon(what, cid, want)
     return kubelet.container_cgroup(run.pod, sc.driver, "<id>").replace(run.meta["uid"], "<uid>")
+
+
+def start_ticks(pid):
+    """A process's start time (clock ticks since boot, /proc/<pid>/stat's 22nd field)."""
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
+
+
+def check_conmon(what, cid, container_cgroup):
+    """CRI-O's layout with `conmon_cgroup = "pod"`, as the processes say: the container's
+    conmon is its main process's parent, runs in `crio-conmon-<id>.scope` (cgroupfs:
+    `crio-conmon-<id>`) beside the container's cgroup in the pod's, started before it, and
+    stays in the node's network namespace while the container is in the pod's."""
+    c = CRIO.containers[cid]
+    want = container_cgroup.replace(f"/crio-{cid}", f"/crio-conmon-{cid}")
+    got = cgroup_of(c.conmon)
+    if got != want:
+        raise Failed(f"the {what}'s conmon {c.conmon} is in the cgroup {got}, not {want}")
+    ppid = int([line.split()[1] for line in open(f"/proc/{c.pid}/status") if line.startswith("PPid:")][0])
+    if ppid != c.conmon:
+        raise Failed(f"the {what}'s process {c.pid} has the parent {ppid}, not its conmon {c.conmon}")
+    if start_ticks(c.conmon) > start_ticks(c.pid):
+        raise Failed(f"the {what}'s conmon started after its container")
+    net = {p: os.stat(f"/proc/{p}/ns/net").st_ino for p in (1, c.conmon, c.pid)}
+    if net[c.conmon] != net[1] or net[c.pid] == net[1]:
+        raise Failed(f"network namespaces: node {net[1]}, the {what}'s conmon {net[c.conmon]}, "
+                     f"its process {net[c.pid]}: conmon must be in the node's, the container in the pod's")
 
 
 def driver_note(sc, where):
@@ -628,7 +671,8 @@ def job(api, agent, tag="", driver="systemd"):
         where = check_cgroups(sc, ["app", "istio-proxy"])
         # AppArmor is on in the node (as on a default Debian node): the runtime confines the pods.
         confined = apparmor_label(container_pids(app_id)[0])
-        if not confined.startswith("cri-containerd.apparmor.d"):
+        profile = "crio-default" if CRIO is not None else "cri-containerd.apparmor.d"
+        if not confined.startswith(profile):
             raise Failed(f"the app runs with AppArmor label {confined!r}, not the runtime's default profile")
         sc.proxy_ready()
         sc.touch("go")
@@ -642,7 +686,8 @@ def job(api, agent, tag="", driver="systemd"):
         if not kernel_saw_exit(agent, kernel_quits):
             raise Failed(f"the quit came {delay:.0f} ms after the app's exit, from the API: the agent did not see "
                          "the app's exit in the kernel")
-        extra = [f"containerd's finishedAt {(real_to_mono_ns(app.finished_at) - exit_ns) / 1e6:.0f} ms after the exit"]
+        runtime = "conmon's exit file" if CRIO is not None else "containerd's finishedAt"
+        extra = [f"{runtime} {(real_to_mono_ns(app.finished_at) - exit_ns) / 1e6:.0f} ms after the exit"]
         for what in ("cgroup", "bundle"):
             if what in watcher.gone:
                 extra.append(f"its {what} removed {(watcher.gone[what] - exit_ns) / 1e6:.0f} ms after")
@@ -661,13 +706,17 @@ class CgroupWatcher(threading.Thread):
         self.start()
 
     def run(self):
-        bundle = f"{STATE}/io.containerd.runtime.v2.task/k8s.io/{self.cid}"
+        crio = CRIO is not None
+        bundle = f"/run/containers/storage/overlay-containers/{self.cid}/userdata" if crio else \
+            f"{STATE}/io.containerd.runtime.v2.task/k8s.io/{self.cid}"
+        scope, leaf = (f"crio-{self.cid}.scope", f"crio-{self.cid}") if crio else \
+            (f"cri-containerd-{self.cid}.scope", self.cid)
         cgroup = None
         while not self.stop and len(self.gone) < 2:
             if cgroup is None:
                 root = kubelet.CGROUP_ROOT
-                found = glob.glob(f"{root}/kubepods.slice/*/*/cri-containerd-{self.cid}.scope") or \
-                    glob.glob(f"{root}/kubepods/*/*/{self.cid}")
+                found = glob.glob(f"{root}/kubepods.slice/*/*/{scope}") or \
+                    glob.glob(f"{root}/kubepods/*/*/{leaf}")
                 cgroup = found[0] if found else None
             for what, path in (("cgroup", cgroup), ("bundle", bundle)):
                 if path and what not in self.gone and not os.path.exists(path):
@@ -736,6 +785,11 @@ def hold_app(api, agent, tag="", driver="systemd"):
 # (containerd 1.7, AppArmor 4; not on bookworm, nor on sid's containerd 2.1 with the same kernel).
 # Apps that sandbox themselves run with a profile that allows it; here, unconfined.
 NESTED_SANDBOX = {"securityContext": {"appArmorProfile": {"type": "Unconfined"}}}
+if kubelet.CRI_RUNTIME == "crio":
+    # CRI-O's default capabilities (unlike containerd's) lack SETFCAP, which mapping uid 0 into a
+    # new user namespace needs since Linux 5.12 (`unshare --map-root-user`: "write error:
+    # Operation not permitted" on uid_map): an app that does so asks for it, as on CRI-O.
+    NESTED_SANDBOX = {"securityContext": {**NESTED_SANDBOX["securityContext"], "capabilities": {"add": ["SETFCAP"]}}}
 
 
 def nested_pidns(api, agent, tag="", driver="systemd"):
@@ -1083,8 +1137,8 @@ def oom_killed(api, agent, tag="", driver="systemd"):
         # come before the zombie, never before the app started to fill its memory ("go").
         delay = quit_after(sc, watcher.gone_ns, "the app's process became a zombie",
                            slack_ms=(watcher.gone_ns - go_ns) / 1e6)
-        return (f"app OOM-killed at its 48Mi limit (exit 137, {counted}, containerd's "
-                f"reason {app.reason!r}); quit {delay:.0f} ms after its process was seen gone (a zombie; polled every 2 ms)")
+        return (f"app OOM-killed at its 48Mi limit (exit 137, {counted}, "
+                f"{'conmon' if CRIO is not None else 'containerd'}'s reason {app.reason!r}); quit {delay:.0f} ms after its process was seen gone (a zombie; polled every 2 ms)")
     finally:
         sc.teardown()
 
@@ -1154,6 +1208,10 @@ def cgroupfs_twin(scenario):
 
 BASE = [job, hold_app, nested_pidns, short_app, onfailure_restart, oom_killed, agent_restart_held, daemonset_agent,
         share_pidns, hostpid_nested, native_sidecar, dind_subcgroup, envoy_job]
+if kubelet.CRI_RUNTIME == "crio":
+    # daemonset_agent runs the agent's pod through containerd's CRI (ContainerAgent): in the CRI-O
+    # layout's cell the agent is the node's process, as in every other scenario.
+    BASE = [s for s in BASE if s is not daemonset_agent]
 # The cgroupfs ones last, together: one containerd restart for all of them.
 SCENARIOS = BASE + [cgroupfs_twin(s) for s in BASE]
 # CI runs one driver per cell (xtask/src/node.rs's CI_CELLS); --cell and --matrix run both.
@@ -1203,6 +1261,10 @@ def use_driver(driver):
     unit requires containerd, and a plain restart would restart it too. Running pods would keep
     their cgroups; none runs between scenarios. Returns the seconds until the CRI answered with it."""
     t = time.monotonic()
+    if CRIO is not None:
+        # CRI-O's cgroup_manager: the sandboxes made from now on (the pods are gone between scenarios).
+        CRIO.driver = driver
+        return time.monotonic() - t
     text = open(CONTAINERD_CONFIG).read()
     other = SYSTEMD_CGROUP["cgroupfs" if driver == "systemd" else "systemd"]
     if text.count(other) + text.count(SYSTEMD_CGROUP[driver]) != 1:
@@ -1230,9 +1292,17 @@ def main():
     wanted = sys.argv[4:]
     os.makedirs(WORK, exist_ok=True)
     t0 = time.monotonic()
-    for tar in sorted(glob.glob(f"{images}/*.tar")):
-        subprocess.run(["ctr", "-n", "k8s.io", "images", "import", tar], check=True, stdout=subprocess.DEVNULL)
-    log(f"images imported in {time.monotonic() - t0:.1f}s")
+    if kubelet.CRI_RUNTIME == "crio":
+        global CRIO
+        import crio
+        CRIO = crio.Crio(images)
+        log(f"CRI-O layout: images unpacked in {time.monotonic() - t0:.1f}s; conmon "
+            f"{subprocess.run(['conmon', '--version'], capture_output=True, text=True).stdout.split()[2]}, "
+            f"AppArmor profile {crio.APPARMOR_PROFILE if CRIO.apparmor else 'none (AppArmor off)'}")
+    else:
+        for tar in sorted(glob.glob(f"{images}/*.tar")):
+            subprocess.run(["ctr", "-n", "k8s.io", "images", "import", tar], check=True, stdout=subprocess.DEVNULL)
+        log(f"images imported in {time.monotonic() - t0:.1f}s")
     api_proc = subprocess.Popen([f"{release}/valet-fake-apiserver", f"{WORK}/kubeconfig"], stdout=subprocess.PIPE,
                                 text=True)
     api = kubelet.Api(api_proc.stdout.readline().strip())
@@ -1240,7 +1310,10 @@ def main():
     failed = 0
     scenarios = [s for s in SCENARIOS if not wanted or s.__name__ in wanted]
     try:
-        cell_check(kubelet.Cri())
+        if CRIO is None:
+            cell_check(kubelet.Cri())
+        elif RUNTIME != "crun":
+            raise Failed(f"the CRI-O layout runs crun, not {RUNTIME}")
     except Failed as e:
         for s in scenarios:
             print(f"node scenario {s.__name__}: FAILED (not the cell's containerd: {e})", flush=True)
@@ -1269,13 +1342,15 @@ def main():
                     took = use_driver(want)
                     driver = want
                     log(f"containerd restarted with the {want} cgroup driver in {took:.1f}s")
-                    switched = f"; containerd switched to the {want} driver first, in {took:.1f} s"
+                    runtime = "the CRI-O layout's sandboxes" if CRIO is not None else "containerd"
+                    switched = f"; {runtime} switched to the {want} driver first, in {took:.1f} s"
                 figures = s(api, agent) + switched
                 print(f"node scenario {s.__name__}: ok ({figures}) [{time.monotonic() - t:.0f} s]", flush=True)
             except Exception as e:
                 failed += 1
                 if not isinstance(e, Failed):
                     traceback.print_exc(file=sys.stdout)
+
                 # One line: a CRI error's text spans several (status, details, debug string).
                 why = f"CRI {e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
                 why = " ".join(why.split())

@@ -38,11 +38,17 @@ const SUITES: [(&str, &str, &[&str]); 3] = [
 ];
 /// containerd's layouts: kubeadm's paths, and k3s's (also RKE2's).
 const LAYOUTS: [&str; 2] = ["kubeadm", "k3s"];
+/// The suites with a CRI-O layout cell (`<suite>/crun/crio`): no containerd for the pods, but
+/// CRI-O's own layout from Debian's conmon and crun (tests/node/crio.py), with conmon in the pod
+/// (`conmon_cgroup = "pod"`, OpenShift's). sid's conmon (2.1) and crun (1.2x) are the versions
+/// CRI-O 1.3x ships with.
+const CRIO_SUITES: [&str; 1] = ["sid"];
 /// What plain `cargo xtask test` (CI) runs: the oldest node on cgroup v1 (Amazon Linux 2's and
 /// RHEL 8's mode) under the cgroupfs driver, and the newest on cgroup v2 (crun one level below its
 /// scope, k3s's paths) under systemd's, so CI sees both cgroup versions, both drivers and both
 /// runtimes. Both drivers in both cells would take CI from a fresh machine past 45 minutes
-/// (docs/testing.md); `cargo xtask node`, `--cell` and `--matrix` run both, and the hybrid cell.
+/// (docs/testing.md); `cargo xtask node`, `--cell` and `--matrix` run both, and the hybrid and
+/// CRI-O cells.
 pub const CI_CELLS: [Cell; 2] = [
     Cell { suite: "bookworm", runtime: "runc", layout: "kubeadm", cgroups: Cgroups::V1, drivers: Drivers::Cgroupfs },
     Cell { suite: "sid", runtime: "crun", layout: "k3s", cgroups: Cgroups::V2, drivers: Drivers::Systemd },
@@ -137,6 +143,7 @@ impl Cell {
 
     /// containerd's socket and state directory in this cell's layout.
     fn containerd(&self) -> (&'static str, &'static str) {
+        // The CRI-O layout's node still runs containerd (the image's), unused by its pods.
         match self.layout {
             "k3s" => ("/run/k3s/containerd/containerd.sock", "/run/k3s/containerd"),
             _ => ("/run/containerd/containerd.sock", "/run/containerd"),
@@ -161,6 +168,9 @@ pub fn matrix() -> Vec<Cell> {
                 cells.push(Cell { suite, runtime, layout, cgroups: Cgroups::V2, drivers: Drivers::Both });
             }
         }
+    }
+    for suite in CRIO_SUITES {
+        cells.push(Cell { suite, runtime: "crun", layout: "crio", cgroups: Cgroups::V2, drivers: Drivers::Both });
     }
     for suite in V1_SUITES {
         for cgroups in [Cgroups::V1, Cgroups::Hybrid] {
@@ -279,8 +289,8 @@ fn run_cell(
         format!(
             "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
              export CONTAINERD_ADDRESS={socket} VALET_NODE_STATE={state} VALET_NODE_RUNTIME={runtime} \
-             VALET_NODE_DRIVERS={drivers}\n\
-             echo \"VALET-NODE-VERSIONS $(containerd --version | cut -d' ' -f3) / {runtime} \
+             VALET_NODE_DRIVERS={drivers} VALET_NODE_CRI={cri}\n\
+             echo \"VALET-NODE-VERSIONS $(containerd --version | cut -d' ' -f3){conmon} / {runtime} \
              $({runtime} --version | head -1 | sed 's/.*version //') / kernel $(uname -r) / \
              AppArmor $(cat /sys/module/apparmor/parameters/enabled 2>/dev/null || echo absent) / cgroup \
              $(if [ -f /sys/fs/cgroup/cgroup.controllers ]; then echo v2; \
@@ -290,6 +300,8 @@ fn run_cell(
              python3 {scenarios} {release} {images} {OUT} {only}\n",
             runtime = cell.runtime,
             drivers = cell.drivers.name(),
+            cri = if cell.layout == "crio" { "crio" } else { "containerd" },
+            conmon = if cell.layout == "crio" { " (unused) / conmon $(conmon --version | head -1 | cut -d' ' -f3)" } else { "" },
             scenarios = host(&root.join("tests/node/scenarios.py")).display(),
             release = host(release).display(),
             images = host(images).display(),
@@ -301,7 +313,8 @@ fn run_cell(
          systemd.show_status=0{}",
         script.display(),
         cell.runtime,
-        cell.layout,
+        // containerd's layout (valet-node-config): the image's own on a CRI-O layout node.
+        if cell.layout == "crio" { "kubeadm" } else { cell.layout },
         cell.cgroups.kernel_args()
     );
     let drive = format!("file={},if=virtio,format=raw,snapshot=on", image.display());
@@ -358,7 +371,8 @@ fn fnv(parts: &[&[u8]]) -> u64 {
 fn node_image(root: &Path, mirror: &str, suite: &str) -> Result<PathBuf> {
     let customize = std::fs::read(root.join("tests/node/customize.sh"))?;
     let runtimes = SUITES.iter().find(|(s, _, _)| *s == suite).map(|(_, _, r)| r.join(",")).unwrap_or_default();
-    let packages = format!("{PACKAGES},{runtimes}");
+    let crio = if CRIO_SUITES.contains(&suite) { ",conmon" } else { "" };
+    let packages = format!("{PACKAGES},{runtimes}{crio}");
     let key = fnv(&[suite.as_bytes(), packages.as_bytes(), &customize]);
     let base = Path::new(CACHE).join("node");
     let image = base.join(format!("node-{suite}-{key:016x}.img"));
@@ -450,7 +464,13 @@ mod tests {
     #[test]
     fn matrix_cells_and_names() {
         let cells = matrix();
-        assert_eq!(cells.len(), 12, "bookworm runc × 2 layouts, trixie and sid 2 runtimes × 2 layouts, 2 v1 cells");
+        assert_eq!(
+            cells.len(),
+            13,
+            "bookworm runc × 2 layouts, trixie and sid 2 runtimes × 2 layouts, sid's CRI-O layout, 2 v1 cells"
+        );
+        assert_eq!(Cell::parse("sid/crun/crio").map(|c| (c.layout, c.runtime)).ok(), Some(("crio", "crun")));
+        assert!(Cell::parse("sid/runc/crio").is_err(), "the CRI-O layout runs crun");
         assert_eq!(Cell::parse("sid/crun/k3s").ok(), Some(Cell { drivers: Drivers::Both, ..CI_CELLS[1] }));
         assert_eq!(Cell::parse("bookworm/runc/kubeadm/v1").map(|c| c.cgroups).ok(), Some(Cgroups::V1));
         assert_eq!(Cell::parse("bookworm/runc/kubeadm").ok(), Some(DEFAULT_CELL));

@@ -621,16 +621,25 @@ impl SimPod {
         }
     }
 
-    /// Creates a container's (or the sandbox's) cgroup, and CRI-O's sibling conmon scope with the
-    /// systemd driver; nothing when it exists already.
+    /// CRI-O's cgroup for a container's conmon with `conmon_cgroup = "pod"`: a sibling of the
+    /// container's in the pod cgroup, `crio-conmon-<id>.scope` (systemd driver) or
+    /// `crio-conmon-<id>` (cgroupfs), as the node VM's CRI-O layout cell makes them.
+    fn conmon_cgroup(&self, c: &SimContainer) -> Option<PathBuf> {
+        (self.runtime == Runtime::Crio).then(|| {
+            let suffix = if self.driver == CgroupDriver::Systemd { ".scope" } else { "" };
+            self.pod_cgroup.join(format!("crio-conmon-{}{suffix}", c.id))
+        })
+    }
+
+    /// Creates a container's (or the sandbox's) cgroup, and CRI-O's sibling conmon cgroup;
+    /// nothing when it exists already.
     pub fn make_container_cgroup(&self, c: &SimContainer) -> Result<()> {
         let mut dirs = vec![c.cgroup.clone()];
         if self.crun {
             dirs.push(self.procs_cgroup(c));
         }
-        if self.runtime == Runtime::Crio && self.driver == CgroupDriver::Systemd {
-            // CRI-O puts each container's conmon in a sibling scope.
-            dirs.push(self.pod_cgroup.join(format!("crio-conmon-{}.scope", c.id)));
+        if let Some(conmon) = self.conmon_cgroup(c) {
+            dirs.push(conmon);
         }
         for d in dirs {
             if !d.is_dir() {
@@ -650,8 +659,8 @@ impl SimPod {
         // crun's cgroup goes first: a cgroup with a child cannot be removed.
         let mut dirs = if self.crun { vec![self.procs_cgroup(c)] } else { Vec::new() };
         dirs.push(c.cgroup.clone());
-        if self.runtime == Runtime::Crio && self.driver == CgroupDriver::Systemd {
-            dirs.push(self.pod_cgroup.join(format!("crio-conmon-{}.scope", c.id)));
+        if let Some(conmon) = self.conmon_cgroup(c) {
+            dirs.push(conmon);
         }
         for d in &dirs {
             match std::fs::remove_dir(d) {
