@@ -301,7 +301,11 @@ fn run_cell(
             runtime = cell.runtime,
             drivers = cell.drivers.name(),
             cri = if cell.layout == "crio" { "crio" } else { "containerd" },
-            conmon = if cell.layout == "crio" { " (unused) / conmon $(conmon --version | head -1 | cut -d' ' -f3)" } else { "" },
+            conmon = if cell.layout == "crio" {
+                " (unused) / conmon $(conmon --version | head -1 | cut -d' ' -f3)"
+            } else {
+                ""
+            },
             scenarios = host(&root.join("tests/node/scenarios.py")).display(),
             release = host(release).display(),
             images = host(images).display(),
