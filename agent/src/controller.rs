@@ -3,7 +3,7 @@
 //! (`pod::state`), found by uid or cgroup id; the effects the transition returns go to the
 //! actuators (`act`), whose immediate results are fed straight back.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -16,7 +16,7 @@ use tracing::{debug, info, warn};
 use valet_common::Counter;
 
 use crate::act::{Actuators, Report};
-use crate::api::watch::ENABLED_LABEL;
+use crate::api::watch::{Relist, opted_in};
 use crate::effect::{Effect, ExitSeen, Feedback, HeldSeen, Nanos};
 use crate::kernel::events::monotonic_ns;
 use crate::kernel::{Event, EventSource, HeldProcess, KernelControl, Listening, ProcessExit};
@@ -45,7 +45,7 @@ pub struct Controller<K, L> {
     reports: mpsc::UnboundedReceiver<Report>,
     health: Arc<Health>,
     /// Pods seen during a re-list, to drop the ones that vanished meanwhile.
-    relist: Option<HashSet<String>>,
+    relist: Relist,
     /// A watch error was counted and its re-list is still to come (one restart, counted once).
     watch_error_counted: bool,
     lists_done: u64,
@@ -71,7 +71,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
             act,
             reports,
             health,
-            relist: None,
+            relist: Relist::default(),
             watch_error_counted: false,
             lists_done: 0,
             events_lost_seen: 0,
@@ -205,20 +205,15 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
                     info!("pod watch restarted: re-listing");
                 }
                 self.watch_error_counted = false;
-                self.relist = Some(HashSet::new());
+                self.relist.begin();
             }
             watcher::Event::InitApply(pod) => {
-                if let (Some(seen), Some(uid)) = (self.relist.as_mut(), pod.metadata.uid.clone()) {
-                    seen.insert(uid);
-                }
+                self.relist.saw(&pod);
                 self.upsert(pod);
             }
             watcher::Event::InitDone => {
-                if let Some(seen) = self.relist.take() {
-                    let gone: Vec<String> = self.pods.keys().filter(|u| !seen.contains(*u)).cloned().collect();
-                    for uid in gone {
-                        self.remove(&uid);
-                    }
+                for uid in self.relist.end(self.pods.keys()) {
+                    self.remove(&uid);
                 }
                 self.lists_done += 1;
                 // Every pod on the node is known now: what the kernel stopped that none of them
@@ -241,8 +236,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
         // The server filters by node and label; checked again so a misbehaving server can never
         // make us act on another node's pod.
         let on_node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(self.node.as_str());
-        let labelled =
-            pod.metadata.labels.as_ref().and_then(|l| l.get(ENABLED_LABEL)).map(String::as_str) == Some("true");
+        let labelled = opted_in(&pod);
         if !on_node || !labelled {
             self.remove(&uid);
             return;

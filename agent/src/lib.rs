@@ -10,6 +10,7 @@
 //! sidecars cost.
 
 pub mod act;
+pub mod acted;
 pub mod api;
 pub mod cgroup;
 pub mod config;

@@ -155,6 +155,7 @@ async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow:
     info!(rss_kib = resident.rss_kib, peak_kib = resident.peak_kib, "resident memory after loading");
 
     let cgroups = CgroupFs::new(node_cgroups.root);
+    let quit_pods = Arc::new(valet_agent::acted::QuitPods::default());
     if cfg.observe {
         let settings = valet_agent::observe::Settings {
             node: cfg.node_name.clone(),
@@ -164,7 +165,7 @@ async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow:
             act: cfg.act,
         };
         let probe = NetnsProbe { host_proc: cfg.host_proc.clone(), cgroups: cgroups.clone() };
-        let observer = Observer::new(settings, metrics.clone(), Arc::new(probe));
+        let observer = Observer::new(settings, metrics.clone(), Arc::new(probe), quit_pods.clone());
         tokio::spawn(observer.run(valet_agent::api::watch::all_pods_on_node(
             client.clone(),
             &cfg.node_name,
@@ -190,7 +191,8 @@ async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow:
         EventSink::new(writes, &cfg.node_name),
         metrics,
         reports_tx,
-    );
+    )
+    .recording_quits(quit_pods);
     // The ring buffer's reader thread sends the quits armed ahead the moment it reads an end.
     let events = match ring {
         Some(ring) => NodeEvents::Reader(EventReader::spawn(ring, act.quits_ahead())?),

@@ -21,6 +21,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 use valet_common::watch_flags;
 
+use crate::acted::QuitPods;
 use crate::api::condition;
 use crate::api::events::{EventSink, pod_reference};
 use crate::cgroup::created::Creations;
@@ -91,6 +92,8 @@ pub struct Actuators<K, L> {
     ahead: Arc<ahead::QuitsAhead<L>>,
     /// Each pod's arm as last set in `ahead` (set again only when it changes).
     armed: HashMap<String, QuitAhead>,
+    /// The pods a quit was sent to, for observe mode ([`Actuators::recording_quits`]).
+    quit_pods: Arc<QuitPods>,
 }
 
 /// At most this many held processes are pinned ahead (one fd each); more are pinned at release.
@@ -162,7 +165,15 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             creations: Creations::new(),
             ahead,
             armed: HashMap::new(),
+            quit_pods: Arc::default(),
         }
+    }
+
+    /// Records each pod a quit is sent to in `quit_pods`, the observer's (by default, in a
+    /// record of its own that nothing reads, and so keeps nothing).
+    pub fn recording_quits(mut self, quit_pods: Arc<QuitPods>) -> Self {
+        self.quit_pods = quit_pods;
+        self
     }
 
     /// The quits armed for the kernel event reader ([`ahead`]).
@@ -275,7 +286,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             }
             Effect::Quit { sidecar, instance, endpoint, pod_rel, pod_ip } => {
                 // For observe mode's tax: this pod's sidecars end because valet acted.
-                self.metrics.quit_pods.record(uid);
+                self.quit_pods.record(uid);
                 // A sandboxed pod's quit goes to its IP (no pod cgroup to enter: see `quit`).
                 let target = match pod_ip.as_deref().and_then(|ip| ip.parse::<IpAddr>().ok()) {
                     Some(ip) => PodTarget { uid: uid.to_owned(), pod_rel: None, pod_ip: Some(ip) },

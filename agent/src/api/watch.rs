@@ -2,6 +2,7 @@
 //! Each is one watch per agent (list, then watch; re-list on `410 Gone`
 //! and after dropped connections, with backoff), through kube-runtime's watcher.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use futures::Stream;
@@ -11,6 +12,41 @@ use kube::{Api, Client};
 
 /// The opt-in label.
 pub const ENABLED_LABEL: &str = "valet.dev/enabled";
+
+/// Whether `pod` carries the opt-in label (`valet.dev/enabled: "true"`): the one check the
+/// controller, the observer and its looks share, so that the server's label filter is checked
+/// again on our side.
+pub fn opted_in(pod: &Pod) -> bool {
+    pod.metadata.labels.as_ref().and_then(|l| l.get(ENABLED_LABEL)).map(String::as_str) == Some("true")
+}
+
+/// A re-list's bookkeeping, for the controller and the observer alike: the pods a list named,
+/// so that the pods known before it and absent from it are found gone when it ends.
+#[derive(Debug, Default)]
+pub struct Relist(Option<HashSet<String>>);
+
+impl Relist {
+    /// A list begins (`watcher::Event::Init`).
+    pub fn begin(&mut self) {
+        self.0 = Some(HashSet::new());
+    }
+
+    /// The list named `pod` (`watcher::Event::InitApply`).
+    pub fn saw(&mut self, pod: &Pod) {
+        if let (Some(seen), Some(uid)) = (self.0.as_mut(), pod.metadata.uid.as_ref()) {
+            seen.insert(uid.clone());
+        }
+    }
+
+    /// The list ended (`watcher::Event::InitDone`): those of the `known` pods it did not name.
+    /// Nothing when no list had begun.
+    pub fn end<'a>(&mut self, known: impl Iterator<Item = &'a String>) -> Vec<String> {
+        match self.0.take() {
+            Some(seen) => known.filter(|u| !seen.contains(*u)).cloned().collect(),
+            None => Vec::new(),
+        }
+    }
+}
 
 /// Label selector for opted-in pods.
 pub fn label_selector() -> String {
@@ -56,4 +92,46 @@ fn bounded(
     let api: Api<Pod> = Api::all(client);
     let seconds = u32::try_from(timeout.as_secs()).unwrap_or(u32::MAX).max(1);
     watcher(api, config.timeout(seconds)).default_backoff()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(labels: serde_json::Value) -> Pod {
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "p", "labels": labels}}))
+            .expect("a pod from JSON")
+    }
+
+    fn with_uid(uid: &str) -> Pod {
+        serde_json::from_value(serde_json::json!({"metadata": {"name": uid, "uid": uid}})).expect("a pod from JSON")
+    }
+
+    #[test]
+    fn a_relist_finds_gone_the_known_pods_it_did_not_name() {
+        let mut relist = Relist::default();
+        let known: Vec<String> = ["a", "b", "c"].map(String::from).to_vec();
+        assert!(relist.end(known.iter()).is_empty(), "no list begun: nothing is gone");
+        relist.begin();
+        relist.saw(&with_uid("a"));
+        relist.saw(&with_uid("new"));
+        relist.saw(&pod(serde_json::json!({})));
+        assert_eq!(relist.end(known.iter()), ["b", "c"]);
+        assert!(relist.end(known.iter()).is_empty(), "each list ends once");
+    }
+
+    #[test]
+    fn only_the_exact_label_value_true_opts_a_pod_in() {
+        assert!(opted_in(&pod(serde_json::json!({"valet.dev/enabled": "true"}))));
+        for labels in [
+            serde_json::json!({"valet.dev/enabled": "True"}),
+            serde_json::json!({"valet.dev/enabled": "yes"}),
+            serde_json::json!({"valet.dev/enabled": ""}),
+            serde_json::json!({"valet.dev/enable": "true"}),
+            serde_json::json!({}),
+            serde_json::Value::Null,
+        ] {
+            assert!(!opted_in(&pod(labels.clone())), "{labels}");
+        }
+    }
 }

@@ -1,8 +1,6 @@
 //! Node-level metrics for Prometheus. Labels are low-cardinality by construction: enums and
 //! fixed strings only, never pod names, pids or ids.
 
-pub mod quit_pods;
-
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::atomic::AtomicU64;
@@ -161,8 +159,6 @@ pub struct Metrics {
     pub startup_tax: Family<ObservedLabels, Histogram, fn() -> Histogram>,
     pub classic_on_native: Family<NamespaceLabels, Counter>,
     pub uncounted: Family<ReasonLabels, Counter>,
-    /// Not a metric: which pods valet quit, for `sidecar_tax`'s `acted` label.
-    pub quit_pods: quit_pods::QuitPods,
 }
 
 /// Sidecar tax buckets from 1 s to a day: the API's times are whole seconds, and a stuck Job's
@@ -232,7 +228,6 @@ impl Metrics {
             startup_tax: Family::new_with_constructor(startup_tax_histogram),
             classic_on_native: Family::default(),
             uncounted: Family::default(),
-            quit_pods: quit_pods::QuitPods::default(),
         };
         registry.register("pods_tracked", "Opted-in pods on this node that valet tracks", m.pods_tracked.clone());
         registry.register(

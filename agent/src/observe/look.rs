@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use chrono::{DateTime, Utc};
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 
-use crate::api::watch::ENABLED_LABEL;
+use crate::api::watch::opted_in;
 use crate::pod::spec::{self, Endpoint, RestartPolicy, SidecarDefaults, SpecError};
 use crate::vocab::{Sidecar, SidecarKind};
 
@@ -256,7 +256,7 @@ pub fn look(pod: &Pod, defaults: &SidecarDefaults) -> Result<Option<Look>, SpecE
         namespace: plan.namespace,
         owner_kind: owner_kind(pod),
         mode: if native.is_empty() { SidecarMode::Classic } else { SidecarMode::Native },
-        labelled: pod.metadata.labels.as_ref().and_then(|l| l.get(ENABLED_LABEL)).map(String::as_str) == Some("true"),
+        labelled: opted_in(pod),
         apps_ended,
         sidecars_ended,
         sidecar_running,

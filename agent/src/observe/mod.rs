@@ -34,6 +34,8 @@ use tracing::{debug, info, warn};
 
 use self::look::{OwnerKind, SidecarMode};
 use self::tally::{Note, PodKey, Tally, Uncounted};
+use crate::acted::QuitPods;
+use crate::api::watch::Relist;
 use crate::cgroup::CgroupFs;
 use crate::metrics::{Metrics, NamespaceLabels, ObservedLabels, ReasonLabels, SkipReason, TaxLabels};
 use crate::pod::spec::{Endpoint, SidecarDefaults};
@@ -112,12 +114,20 @@ pub struct Observer {
     gauged: HashSet<ObservedLabels>,
     /// Pods whose annotations could not be read, reported once each.
     unreadable: HashSet<String>,
-    relist: Option<HashSet<String>>,
+    relist: Relist,
+    quit_pods: Arc<QuitPods>,
 }
 
 impl Observer {
-    pub fn new(settings: Settings, metrics: Arc<Metrics>, probe: Arc<dyn ReadyProbe>) -> Observer {
-        metrics.quit_pods.start();
+    /// `quit_pods` is the record the actuators keep of the pods they quit (for the tax's
+    /// `acted` label); the observer turns it on.
+    pub fn new(
+        settings: Settings,
+        metrics: Arc<Metrics>,
+        probe: Arc<dyn ReadyProbe>,
+        quit_pods: Arc<QuitPods>,
+    ) -> Observer {
+        quit_pods.start();
         // Known in advance: start at 0, so that rates see 0 rather than nothing.
         for reason in Uncounted::ALL {
             let _ = metrics.uncounted.get_or_create(&ReasonLabels { reason: reason.as_str() });
@@ -126,12 +136,13 @@ impl Observer {
             tally: Tally::new(settings.namespace_label, settings.max_namespaces),
             settings,
             metrics,
+            quit_pods,
             probe,
             answers: mpsc::unbounded_channel(),
             watches: HashMap::new(),
             gauged: HashSet::new(),
             unreadable: HashSet::new(),
-            relist: None,
+            relist: Relist::default(),
         }
     }
 
@@ -159,20 +170,15 @@ impl Observer {
 
     fn on_watch(&mut self, event: watcher::Event<Pod>) {
         match event {
-            watcher::Event::Init => self.relist = Some(HashSet::new()),
+            watcher::Event::Init => self.relist.begin(),
             watcher::Event::InitApply(pod) => {
-                if let (Some(seen), Some(uid)) = (self.relist.as_mut(), pod.metadata.uid.clone()) {
-                    seen.insert(uid);
-                }
+                self.relist.saw(&pod);
                 self.on_pod(&pod);
             }
             watcher::Event::InitDone => {
-                if let Some(seen) = self.relist.take() {
-                    let gone: Vec<String> = self.tally.uids().filter(|u| !seen.contains(*u)).cloned().collect();
-                    for uid in gone {
-                        let notes = self.tally.vanished(&uid, Utc::now());
-                        self.forget(&uid, notes);
-                    }
+                for uid in self.relist.end(self.tally.uids()) {
+                    let notes = self.tally.vanished(&uid, Utc::now());
+                    self.forget(&uid, notes);
                 }
             }
             watcher::Event::Apply(pod) => self.on_pod(&pod),
@@ -198,15 +204,14 @@ impl Observer {
             Ok(Some(mut seen)) => {
                 // An app valet holds cannot start before its proxy is ready.
                 seen.hold_app &= seen.labelled && self.settings.act;
-                let acted = self.metrics.quit_pods.contains(uid);
+                let acted = self.quit_pods.contains(uid);
                 let notes = self.tally.look(seen, acted);
                 self.count(notes);
                 self.metrics.pods_observed.set(self.tally.len() as i64);
             }
             Ok(None) => {}
             Err(e) => {
-                let labelled = pod.metadata.labels.as_ref().and_then(|l| l.get(crate::api::watch::ENABLED_LABEL))
-                    == Some(&"true".to_owned());
+                let labelled = crate::api::watch::opted_in(pod);
                 // A labelled pod valet acts on has its error reported by the controller.
                 if self.unreadable.insert(uid.to_owned()) && !(labelled && self.settings.act) {
                     info!(pod = %crate::pod::status::pod_name(pod), "not observed: {e}");
@@ -217,7 +222,7 @@ impl Observer {
     }
 
     fn gone(&mut self, uid: &str, deleted_at: Option<DateTime<Utc>>) {
-        let acted = self.metrics.quit_pods.contains(uid);
+        let acted = self.quit_pods.contains(uid);
         let notes = self.tally.gone(uid, acted, Utc::now(), deleted_at);
         self.forget(uid, notes);
     }
@@ -228,7 +233,7 @@ impl Observer {
             watch.abort();
         }
         self.metrics.pods_observed.set(self.tally.len() as i64);
-        self.metrics.quit_pods.forget(uid);
+        self.quit_pods.forget(uid);
         self.unreadable.remove(uid);
     }
 
@@ -384,7 +389,7 @@ mod tests {
             max_namespaces,
             act: true,
         };
-        (Observer::new(settings, metrics.clone(), probe.clone()), metrics, probe)
+        (Observer::new(settings, metrics.clone(), probe.clone(), Arc::default()), metrics, probe)
     }
 
     fn observer(answer: Option<bool>) -> (Observer, Arc<Metrics>, Arc<Answer>) {

@@ -1,6 +1,6 @@
-//! The pods valet sent a quit to, for the sidecar tax's `acted` label: the actuators record, the
-//! observer asks and forgets. Beside the metrics that hold it, so that `observe`, which counts
-//! into `metrics`, is imported by nothing it imports.
+//! The pods valet sent a quit to, for observe mode's sidecar tax (its `acted` label): the
+//! actuators record, the observer asks and forgets. One `QuitPods` is made in `main` and handed
+//! to both; it imports nothing of the crate, so neither side imports the other.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
