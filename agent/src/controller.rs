@@ -18,7 +18,7 @@ use valet_common::Counter;
 use crate::act::{Actuators, Report};
 use crate::api::watch::{Relist, opted_in};
 use crate::effect::{Effect, ExitSeen, Feedback, HeldSeen, Nanos};
-use crate::kernel::events::monotonic_ns;
+use crate::host::clock::monotonic_ns;
 use crate::kernel::{Event, EventSource, HeldProcess, KernelControl, Listening, ProcessExit};
 use crate::pod::state::{PodState, Rules};
 use crate::server::Health;

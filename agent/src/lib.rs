@@ -17,6 +17,7 @@ pub mod config;
 pub mod controller;
 pub mod effect;
 pub mod error;
+pub mod host;
 pub mod kernel;
 pub mod metrics;
 pub mod observe;

@@ -20,12 +20,13 @@ use valet_agent::config::parse_duration;
 use valet_agent::config::{Config, LogFormat};
 use valet_agent::controller::Controller;
 use valet_agent::error::Chain;
+use valet_agent::host::clock::monotonic_ns;
+use valet_agent::host::resident;
 use valet_agent::kernel::deadlines::{DEFER, Keeper, KeeperSettings};
-use valet_agent::kernel::events::monotonic_ns;
-use valet_agent::kernel::held::pin_paths;
+use valet_agent::kernel::held_ledger::pin_paths;
 use valet_agent::kernel::mode::{self, NoKernel, NodeEvents, NodeFacts, NodeKernel};
 use valet_agent::kernel::programs::AncestorMode;
-use valet_agent::kernel::{Attach, EventReader, Programs, memory};
+use valet_agent::kernel::{Attach, EventReader, Programs};
 use valet_agent::metrics::Metrics;
 use valet_agent::observe::{NetnsProbe, Observer};
 use valet_agent::pod::spec::SidecarDefaults;
@@ -111,7 +112,7 @@ async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow:
     // cgroup (auto: the helper where the kernel allows it, else a walk up the cgroup tree).
     let attach =
         Attach { ancestors: AncestorMode::from_env()?, hierarchy: node_cgroups.hierarchy, ..Attach::default() };
-    memory::note("before loading the kernel programs");
+    resident::note("before loading the kernel programs");
     let btf = cfg.btf_path();
     let (mut kernel, mode) = match Programs::load_with_btf(&cfg.host_root, attach, Some(&cfg.pin_dir), &btf) {
         Ok(programs) => (NodeKernel::Loaded(Box::new(programs)), NodeMode::Kernel),
@@ -151,7 +152,7 @@ async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow:
     // node rather than keep it in the allocator's free lists for the agent's lifetime.
     // SAFETY: glibc's malloc_trim only releases free memory.
     unsafe { libc::malloc_trim(0) };
-    let resident = memory::Resident::now();
+    let resident = resident::Resident::now();
     info!(rss_kib = resident.rss_kib, peak_kib = resident.peak_kib, "resident memory after loading");
 
     let cgroups = CgroupFs::new(node_cgroups.root);

@@ -26,7 +26,7 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::kernel::container_main::start_time;
+use crate::host::container_main::start_time;
 
 /// The most of a `config.json` read (they are tens of kilobytes; environments can be large, and
 /// containerd writes the annotations after the process).

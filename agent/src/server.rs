@@ -98,7 +98,7 @@ fn route<B>(req: &Request<B>, metrics: &Metrics, health: &Health) -> Response<Fu
     }
     match path {
         "/metrics" => metrics_reply(req, metrics),
-        "/healthz" => match health.stalled(crate::kernel::events::monotonic_ns()) {
+        "/healthz" => match health.stalled(crate::host::clock::monotonic_ns()) {
             None => reply(StatusCode::OK, "text/plain", "ok\n".into()),
             Some(since) => reply(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -218,7 +218,7 @@ mod tests {
     fn healthz_fails_once_the_loop_stops_turning() {
         let m = Metrics::new();
         let h = Health::new(Duration::from_secs(5));
-        let now = crate::kernel::events::monotonic_ns();
+        let now = crate::host::clock::monotonic_ns();
         assert_eq!(h.stalled(now), None, "a loop that has not started is not stalled");
         h.turned(now);
         assert_eq!(h.stalled(now + 5_000_000_000), None);
@@ -227,7 +227,7 @@ mod tests {
         h.turned(now.saturating_sub(6_000_000_000));
         let r = route(&request("GET", "/healthz", &[]), &m, &h);
         assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
-        h.turned(crate::kernel::events::monotonic_ns());
+        h.turned(crate::host::clock::monotonic_ns());
         assert_eq!(route(&request("GET", "/healthz", &[]), &m, &h).status(), StatusCode::OK);
     }
 }

@@ -502,7 +502,7 @@ impl Loop {
 }
 
 fn now_ns() -> u64 {
-    valet_agent::kernel::events::monotonic_ns()
+    valet_agent::host::clock::monotonic_ns()
 }
 
 /// A real process, stopped as the kernel would stop a held app.

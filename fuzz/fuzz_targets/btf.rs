@@ -5,7 +5,7 @@
 use libfuzzer_sys::fuzz_target;
 use valet_agent::kernel::btf::Btf;
 
-/// What `kernel::layout::read_layout` asks, plus the names the seed corpus defines.
+/// What `kernel::offsets::read_layout` asks, plus the names the seed corpus defines.
 const MEMBERS: [(&str, &str); 10] = [
     ("task_struct", "exit_code"),
     ("task_struct", "thread_pid"),

@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use valet_agent::kernel::layout::tracepoint_field_offset;
+use valet_agent::kernel::offsets::tracepoint_field_offset;
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);

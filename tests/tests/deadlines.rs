@@ -32,7 +32,7 @@ fn serial() -> MutexGuard<'static, ()> {
 }
 
 fn monotonic_ns() -> u64 {
-    valet_agent::kernel::events::monotonic_ns()
+    valet_agent::host::clock::monotonic_ns()
 }
 
 /// The state letter of a process, None once it is gone.

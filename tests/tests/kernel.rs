@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use valet_agent::cgroup::root::{Controller, Hierarchy};
-use valet_agent::kernel::container_main::find_container_main;
+use valet_agent::host::container_main::find_container_main;
 use valet_agent::kernel::programs::{AncestorMode, RecordOutcome};
 use valet_agent::kernel::{Attach, Event, EventStream, ProcessEnd, ProcessExit, Programs};
 use valet_common::{ContainerMain, Counter, container_flags, watch_flags};
@@ -790,7 +790,7 @@ async fn a_full_containers_map_is_counted_and_never_holds(mode: Way) {
     let pod = Pod::new(mode, true, 23);
     let container = pod.container();
     // Fill the map with records of cgroup ids no cgroup has.
-    let filler = valet_agent::kernel::container_main::MainProcess {
+    let filler = valet_agent::host::container_main::MainProcess {
         tgid: 1,
         ns_depth: 1,
         ns_init: true,

@@ -105,7 +105,7 @@ fn the_quit_goes_on_a_connection_opened_before_the_app_exited() {
         events.iter().any(|e| e.method == "ACCEPT" && e.peer.ip().is_loopback() && !used.contains(&e.peer))
     };
     assert!(eventually(HANG_GUARD, standby), "no connection opened for the quit\n{}", agent.log_text());
-    let before_exit = valet_agent::kernel::events::monotonic_ns();
+    let before_exit = valet_agent::host::clock::monotonic_ns();
     job.run_app("app", "exit 0").expect("app");
     assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     // Sent by the kernel event reader as soon as it read the end, and taken over by the loop.

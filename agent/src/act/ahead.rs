@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tracing::debug;
 
-use crate::kernel::events::OnExit;
+use crate::kernel::ring::OnExit;
 use crate::kernel::{ProcessEnd, ProcessExit};
 use crate::metrics::{Metrics, ResultLabels};
 use crate::pod::state::QuitAhead;

@@ -5,7 +5,7 @@
 
 pub mod ahead;
 mod answer;
-pub mod held;
+pub mod held_prober;
 pub mod probe;
 mod release;
 
@@ -28,8 +28,8 @@ use crate::cgroup::created::Creations;
 use crate::cgroup::signal::{Pinned, Placed, pin_in_cgroup, pin_in_cgroup_id, pin_pid, signal_cgroup};
 use crate::cgroup::{CgroupFs, Search};
 use crate::effect::{ContainerSeen, Count, Effect, Feedback, LeftHeld, Nanos, Pace, RuntimeName};
-use crate::kernel::container_main::main_among;
-use crate::kernel::held::HeldLedger;
+use crate::host::container_main::main_among;
+use crate::kernel::held_ledger::HeldLedger;
 use crate::kernel::{KernelControl, RecordOutcome};
 use crate::metrics::{self, KindLabels, Metrics, QuitLabels, ReasonLabels, ResultLabels};
 use crate::pod::state::QuitAhead;
@@ -62,7 +62,7 @@ pub struct Settings {
     pub ready_probe_interval: Duration,
     /// Most probes per second across the pods whose app is held.
     pub held_probe_budget: u32,
-    /// Held pods are probed by [`held::HeldProber`] (the default), else by their own loops.
+    /// Held pods are probed by [`held_prober::HeldProber`] (the default), else by their own loops.
     pub held_prober: bool,
 }
 
@@ -79,7 +79,7 @@ pub struct Actuators<K, L> {
     reports: mpsc::UnboundedSender<Report>,
     probes: HashMap<String, probe::Handle>,
     probe_reports: Arc<probe::Reports>,
-    held_prober: Option<Arc<held::HeldProber>>,
+    held_prober: Option<Arc<held_prober::HeldProber>>,
     /// Releases kept for [`Actuators::flush_releases`] while a batch of reports is handled.
     releases: Option<Batch>,
     releaser: Option<Releaser>,
@@ -142,7 +142,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         reports: mpsc::UnboundedSender<Report>,
     ) -> Actuators<K, L> {
         let held_prober =
-            settings.held_prober.then(|| held::HeldProber::start(link.clone(), reports.clone())).flatten();
+            settings.held_prober.then(|| held_prober::HeldProber::start(link.clone(), reports.clone())).flatten();
         let ahead = Arc::new(ahead::QuitsAhead::new(link.clone(), metrics.clone()));
         let ledger = kernel.held_ledger();
         Actuators {

@@ -208,7 +208,7 @@ pub fn start<L: SidecarLink>(
     pace: Pace,
     (normal, relaxed): (Duration, Duration),
     reports: Arc<Reports>,
-    prober: Option<Arc<super::held::HeldProber>>,
+    prober: Option<Arc<super::held_prober::HeldProber>>,
 ) -> Handle {
     let (tx, mut rx) = watch::channel(pace);
     let task = tokio::spawn(async move {
@@ -324,7 +324,7 @@ async fn until_next_turn(
     }
 }
 
-struct Unhold(Arc<super::held::HeldProber>, String, u64);
+struct Unhold(Arc<super::held_prober::HeldProber>, String, u64);
 
 impl Drop for Unhold {
     fn drop(&mut self) {

@@ -388,7 +388,7 @@ pub fn held_at_exec(host_proc: &Path, pid: u32) -> bool {
 pub(super) fn stopped_since(host_proc: &Path, pid: u32, now: Nanos) -> Nanos {
     // SAFETY: sysconf has no preconditions.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    let Some(start) = crate::kernel::container_main::start_time(host_proc, pid) else { return now };
+    let Some(start) = crate::host::container_main::start_time(host_proc, pid) else { return now };
     if ticks <= 0 {
         return now;
     }

@@ -19,7 +19,7 @@ use valet_common::{HeldRecord, HeldRecordV1, PIN_HELD_V1};
 
 use crate::cgroup::CgroupFs;
 use crate::cgroup::signal::{Placed, pin_in_cgroup_id};
-use crate::kernel::events::monotonic_ns;
+use crate::host::clock::monotonic_ns;
 use crate::metrics::{Metrics, ReasonLabels};
 
 /// How long past a deadline the pod loops of a running agent have to release an app
@@ -38,7 +38,7 @@ const RETRY_MAX: Duration = Duration::from_secs(5);
 /// Where to look and what an old record's deadline is.
 #[derive(Clone, Debug)]
 pub struct KeeperSettings {
-    /// The pins to read ([`super::held::pin_paths`]); a [`PIN_HELD_V1`] file name is read in
+    /// The pins to read ([`super::held_ledger::pin_paths`]); a [`PIN_HELD_V1`] file name is read in
     /// that layout.
     pub pins: Vec<PathBuf>,
     pub host_proc: PathBuf,

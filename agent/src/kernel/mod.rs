@@ -1,23 +1,21 @@
 //! The kernel side seen from user space: layout discovery (BTF), program loading, event stream,
 //! and the two traits the controller works through, so its loop can run against a stand-in.
 pub mod btf;
-pub mod container_main;
 pub mod deadlines;
-pub mod events;
-pub mod held;
-pub mod layout;
+pub mod held_ledger;
 pub mod loader;
-pub mod memory;
 pub mod mode;
+pub mod offsets;
 pub mod programs;
+pub mod ring;
 
 use std::future::Future;
 
 use valet_common::Counter;
 
-pub use container_main::MainProcess;
-pub use events::{Event, EventReader, EventStream, HeldProcess, Listening, ProcessEnd, ProcessExit};
+pub use crate::host::container_main::MainProcess;
 pub use programs::{Attach, Programs, RecordOutcome};
+pub use ring::{Event, EventReader, EventStream, HeldProcess, Listening, ProcessEnd, ProcessExit};
 
 use crate::error::Result;
 
@@ -39,7 +37,7 @@ pub trait KernelControl: Send {
     fn detach(&mut self);
     /// The record of processes the kernel stopped at exec, where there is one (not in tests
     /// that run the loop without a kernel).
-    fn held_ledger(&self) -> Option<std::sync::Arc<held::HeldLedger>> {
+    fn held_ledger(&self) -> Option<std::sync::Arc<held_ledger::HeldLedger>> {
         None
     }
     /// Whether the record of held processes outlives this agent (pinned on bpffs): apps are held
@@ -88,7 +86,7 @@ impl KernelControl for Programs {
         Programs::detach(self);
     }
 
-    fn held_ledger(&self) -> Option<std::sync::Arc<held::HeldLedger>> {
+    fn held_ledger(&self) -> Option<std::sync::Arc<held_ledger::HeldLedger>> {
         Some(Programs::held_ledger(self))
     }
 

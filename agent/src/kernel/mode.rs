@@ -30,7 +30,7 @@ impl NodeFacts {
             .ok()
             .and_then(|text| lockdown_level(&text))
             .or_else(|| std::fs::read_to_string("/proc/cmdline").ok().and_then(|c| cmdline_lockdown(&c)));
-        NodeFacts { btf_present: btf.is_file(), lockdown, tracefs: super::layout::find_tracefs(host_root).is_ok() }
+        NodeFacts { btf_present: btf.is_file(), lockdown, tracefs: super::offsets::find_tracefs(host_root).is_ok() }
     }
 }
 
@@ -178,7 +178,7 @@ impl KernelControl for NodeKernel {
         }
     }
 
-    fn held_ledger(&self) -> Option<std::sync::Arc<super::held::HeldLedger>> {
+    fn held_ledger(&self) -> Option<std::sync::Arc<super::held_ledger::HeldLedger>> {
         match self {
             NodeKernel::Loaded(p) => KernelControl::held_ledger(p.as_ref()),
             NodeKernel::Degraded(n) => n.held_ledger(),

@@ -15,13 +15,13 @@ use valet_common::{
 };
 
 use super::btf::Btf;
-use super::container_main::MainProcess;
-use super::held::{HeldLedger, prepare_pin_dir};
-use super::layout::{find_tracefs, pidns_inum, read_layout, supports_ancestor_walk};
+use super::held_ledger::{HeldLedger, prepare_pin_dir};
 use super::loader::loader_without_kernel_btf;
-use super::memory;
+use super::offsets::{find_tracefs, pidns_inum, read_layout, supports_ancestor_walk};
 use crate::cgroup::root::{Controller, Hierarchy};
 use crate::error::{Error, Result};
+use crate::host::container_main::MainProcess;
+use crate::host::resident;
 
 mod listen;
 mod memlock;
@@ -38,7 +38,7 @@ fn calibrate(layout: &KernelLayout, inum: u32, memlock_limit: Option<u64>) -> Re
     let mut l = *layout;
     l.host_pidns_inum = inum;
     let mut loader = new_loader();
-    memory::note("calibration loader made");
+    resident::note("calibration loader made");
     loader.btf(None).override_global(GLOBAL_LAYOUT, &l, true);
     // Loading the object creates every map in it, and this program uses none of the big ones:
     // the smallest of each, so that the calibration does not double what kernels before 5.11
@@ -55,7 +55,7 @@ fn calibrate(layout: &KernelLayout, inum: u32, memlock_limit: Option<u64>) -> Re
     let mut ebpf = loader
         .load(OBJECT)
         .map_err(|e| Error::ebpf_object(format!("load object (calibration){}", memlock_hint(memlock_limit)), e))?;
-    memory::note("calibration object loaded");
+    resident::note("calibration object loaded");
     let program: &mut TracePoint = ebpf
         .program_mut(PROG_CALIBRATE)
         .ok_or_else(|| Error::Ebpf(format!("program {PROG_CALIBRATE} missing from object")))?
@@ -99,7 +99,7 @@ fn new_loader() -> EbpfLoader<'static> {
 
 /// How many pid namespaces below our procfs's the process `pid` lives (NSpid entries − 1).
 fn nspid_depth(pid: u32) -> Result<u32> {
-    super::container_main::read_process(std::path::Path::new("/proc"), pid)
+    crate::host::container_main::read_process(std::path::Path::new("/proc"), pid)
         .map(|p| p.nspid.len().saturating_sub(1) as u32)
         .ok_or_else(|| Error::Ebpf(format!("/proc/{pid}: no such process or no NSpid line")))
 }
@@ -107,7 +107,7 @@ fn nspid_depth(pid: u32) -> Result<u32> {
 /// The id of a v1 controller (`enum cgroup_subsys_id` in the kernel's BTF: it depends on the
 /// kernel's configuration), checked usable by the programs.
 fn v1_subsys_id(btf: &Btf, layout: &KernelLayout, controller: Controller) -> Result<u32> {
-    if !super::layout::supports_v1_hierarchy(layout) {
+    if !super::offsets::supports_v1_hierarchy(layout) {
         return Err(Error::Ebpf(
             "cgroup v1: the kernel's BTF lacks the css_set/cgroup_subsys_state/kernfs_node offsets the programs \
              read a v1 hierarchy with"
@@ -237,17 +237,17 @@ impl Programs {
             Ok(path) => path,
             Err(e) => mount_tracefs(host_root).ok_or(e)?,
         };
-        memory::note("before reading the kernel's BTF");
+        resident::note("before reading the kernel's BTF");
         let btf = Btf::from_file(btf_path)?;
-        memory::note("kernel BTF read");
+        resident::note("kernel BTF read");
         let mut layout = read_layout(&btf, &tracefs)?;
         if let Hierarchy::V1(controller) = attach.hierarchy {
             layout.cgroup_v1_subsys = v1_subsys_id(&btf, &layout, controller)?;
         }
         // Megabytes, needed no more: given back before the maps and programs are made.
         drop(btf);
-        memory::trim_heap();
-        memory::note("kernel BTF dropped");
+        resident::trim_heap();
+        resident::note("kernel BTF dropped");
         let host_ns = match attach.host_pidns_of {
             Some(pid) => format!("/proc/{pid}/ns/pid"),
             None => "/proc/self/ns/pid".to_owned(),
@@ -278,7 +278,7 @@ impl Programs {
         let mut pinned = pin_dir.and_then(prepare_pin_dir).map(|dir| dir.join(PIN_HELD));
         let load = |pin: Option<&std::path::Path>| {
             let mut loader = new_loader();
-            memory::note("loader made");
+            resident::note("loader made");
             // The programs read the kernel through offsets in LAYOUT (from our own BTF reader):
             // no CO-RE relocation needs the kernel's BTF.
             loader.btf(None).override_global(GLOBAL_LAYOUT, &layout, true);
@@ -298,7 +298,7 @@ impl Programs {
             Err(e) => return Err(Error::ebpf_object(format!("load object{}", memlock_hint(memlock_limit)), e)),
         };
 
-        memory::note("object loaded");
+        resident::note("object loaded");
         // Kernel-side diagnostics go to our log; the logger must outlive the programs.
         let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
             Ok(logger) => Some(logger),
@@ -388,7 +388,7 @@ impl Programs {
             }
         }
 
-        memory::note("programs attached");
+        resident::note("programs attached");
         let take = |ebpf: &mut Ebpf, name: &str| {
             ebpf.take_map(name).ok_or_else(|| Error::Ebpf(format!("map {name} missing from object")))
         };
@@ -457,7 +457,7 @@ impl Programs {
         self.held.clone()
     }
 
-    /// Hands out the event ring buffer (once) for [`super::events::EventStream`].
+    /// Hands out the event ring buffer (once) for [`super::ring::EventStream`].
     pub fn take_events(&mut self) -> Option<RingBuf<MapData>> {
         self.events.take()
     }
@@ -511,7 +511,7 @@ impl Programs {
     /// Records the main process of a container found already running (its exec happened before
     /// its pod was watched, e.g. before an agent restart), so its exit is reported as the
     /// container's end and nothing else in it is. `main` comes from
-    /// [`super::container_main::find_container_main`] (pids and levels relative to the host's
+    /// [`crate::host::container_main::find_container_main`] (pids and levels relative to the host's
     /// pid namespace). Adopt a pod's running containers *before* [`Programs::watch`] of the pod:
     /// once watched, the next deeper-than-host exec in an unrecorded container (an exec probe, a
     /// `kubectl exec`) would be recorded as its main process. A record the kernel already has wins.

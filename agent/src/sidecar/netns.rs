@@ -21,7 +21,7 @@ use super::http::{self, Limits, Response};
 use super::{Failed, Pending, PodTarget, SidecarLink, SocketError};
 use crate::cgroup::CgroupFs;
 use crate::error::{Error, Result};
-use crate::kernel::container_main::start_time;
+use crate::host::container_main::start_time;
 
 /// An open handle on a pod's network namespace.
 #[derive(Debug)]

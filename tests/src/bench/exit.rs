@@ -3,7 +3,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
-use valet_agent::kernel::{Attach, Event, EventStream, Programs, events::monotonic_ns};
+use valet_agent::host::clock::monotonic_ns;
+use valet_agent::kernel::{Attach, Event, EventStream, Programs};
 use valet_common::watch_flags;
 use valet_tests::cgroups::TestCgroups;
 

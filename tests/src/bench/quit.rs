@@ -3,7 +3,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
-use valet_agent::kernel::events::monotonic_ns;
+use valet_agent::host::clock::monotonic_ns;
 use valet_sim::node::SpawnOptions;
 use valet_tests::harness::{JobSpec, Node};
 

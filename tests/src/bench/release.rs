@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
-use valet_agent::kernel::events::monotonic_ns;
+use valet_agent::host::clock::monotonic_ns;
 use valet_sim::node::{SimPod, SpawnOptions};
 use valet_tests::envoy;
 use valet_tests::harness::{Agent, JobSpec, Node, eventually};

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
-use valet_agent::kernel::events::monotonic_ns;
+use valet_agent::host::clock::monotonic_ns;
 use valet_sim::node::SpawnOptions;
 use valet_tests::harness::{JobSpec, Node, eventually};
 

@@ -23,8 +23,8 @@ use crate::effect::{ContainerSeen, Count, Effect, ExitSeen, Feedback, HeldSeen, 
 use crate::vocab::{ApiPath, NodeMode, ProcessEnd, ProxyReady, QuitOutcome};
 
 mod containers;
+mod ending;
 mod hold;
-mod quit;
 mod ready;
 
 use containers::Role;

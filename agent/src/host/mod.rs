@@ -1,0 +1,6 @@
+//! What the agent reads of the host it runs on, apart from the kernel programs: processes in
+//! `/proc` (a container's main process, start times), the clock the kernel stamps its events with,
+//! and the agent's own resident memory.
+pub mod clock;
+pub mod container_main;
+pub mod resident;
