@@ -53,6 +53,25 @@ pub const CI_CELLS: [Cell; 2] = [
     Cell { suite: "bookworm", runtime: "runc", layout: "kubeadm", cgroups: Cgroups::V1, drivers: Drivers::Cgroupfs },
     Cell { suite: "sid", runtime: "crun", layout: "k3s", cgroups: Cgroups::V2, drivers: Drivers::Systemd },
 ];
+/// The scenarios (tests/node/scenarios.py's, by their systemd names) CI runs in each of
+/// [`CI_CELLS`]: every scenario runs in one cell at least, and the basic and hold scenarios (the
+/// kernel path's quit and hold) in both. Each scenario takes about 20 s under TCG; running all
+/// 13 in both cells took CI from a fresh machine past 45 minutes. The scenarios tied to cgroup v1
+/// (its OOM report, a sub-cgroup's v1 paths, holds across an agent restart, the DaemonSet's own
+/// resources) run in the v1 cell; `cargo xtask node --cell` and `--matrix` run every scenario.
+pub const CI_SCENARIOS: [&[&str]; 2] = [
+    &["job", "hold_app", "nested_pidns", "oom_killed", "agent_restart_held", "daemonset_agent", "dind_subcgroup"],
+    &[
+        "job",
+        "hold_app",
+        "short_app",
+        "onfailure_restart",
+        "share_pidns",
+        "hostpid_nested",
+        "native_sidecar",
+        "envoy_job",
+    ],
+];
 /// `cargo xtask node` without `--matrix` or `--cell`.
 pub const DEFAULT_CELL: Cell = Cell { cgroups: Cgroups::V2, drivers: Drivers::Both, ..CI_CELLS[0] };
 /// The suites whose systemd still boots cgroup v1 and hybrid (bookworm's 252; trixie's 257 needs
@@ -65,6 +84,11 @@ const DISK: &str = "3G";
 const DEADLINE: Duration = Duration::from_secs(40 * 60);
 /// Where the guest mounts the host's out directory.
 const OUT: &str = "/run/valet-out";
+
+/// CI's cells with their scenarios ([`CI_SCENARIOS`]), named as each cell's drivers name them.
+pub fn ci_plan() -> Vec<(Cell, Vec<String>)> {
+    CI_CELLS.iter().zip(CI_SCENARIOS).map(|(cell, names)| (*cell, cell.scenario_names(names))).collect()
+}
 
 /// One cell of the runtime matrix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,6 +161,17 @@ impl Cell {
         format!("{}/{}/{}{}", self.suite, self.runtime, self.layout, self.cgroups.suffix())
     }
 
+    /// The scenarios named `base` (their systemd names) as this cell's drivers run them:
+    /// `<name>_cgroupfs` under cgroupfs, both names under both drivers.
+    fn scenario_names(&self, base: &[&str]) -> Vec<String> {
+        let twin = |n: &&str| format!("{n}_cgroupfs");
+        match self.drivers {
+            Drivers::Systemd => base.iter().map(|n| n.to_string()).collect(),
+            Drivers::Cgroupfs => base.iter().map(twin).collect(),
+            Drivers::Both => base.iter().map(|n| n.to_string()).chain(base.iter().map(twin)).collect(),
+        }
+    }
+
     fn kernel_suite(&self) -> &'static str {
         SUITES.iter().find(|(s, _, _)| *s == self.suite).map_or("bookworm", |(_, k, _)| *k)
     }
@@ -181,10 +216,10 @@ pub fn matrix() -> Vec<Cell> {
 }
 
 /// Builds (or reuses) the node images and the OCI images, then boots one node per cell, one after
-/// the other, and runs the scenarios (all when `only` is empty) on each. Each cell prints
+/// the other, and runs each cell's scenarios (all when its list is empty). Each cell prints
 /// `node <suite>/<runtime>/<layout>: N passed, N failed` with the versions its VM ran. Returns the
 /// summed (passed, failed) counts; a cell whose scenarios never reported counts one failure.
-pub fn run(root: &Path, cells: &[Cell], only: &[String]) -> Result<(u64, u64)> {
+pub fn run(root: &Path, cells: &[(Cell, Vec<String>)]) -> Result<(u64, u64)> {
     let started = Instant::now();
     let apt = Apt::new()?;
     let busybox = apt.busybox()?;
@@ -212,7 +247,7 @@ pub fn run(root: &Path, cells: &[Cell], only: &[String]) -> Result<(u64, u64)> {
     }
     let (mut passed, mut failed) = (0, 0);
     let mut summary = Vec::new();
-    for cell in cells {
+    for (cell, only) in cells {
         let t = Instant::now();
         let outcome = run_cell(root, &apt, &busybox, &release, &images, &pod.stdout, *cell, only)?;
         let line = format!(
@@ -484,5 +519,35 @@ mod tests {
         assert!(Cell::parse("sid/crun").is_err());
         assert_eq!(CI_CELLS[1].containerd(), ("/run/k3s/containerd/containerd.sock", "/run/k3s/containerd"));
         assert_eq!(CI_CELLS[1].kernel_suite(), "trixie");
+    }
+
+    /// tests/node/scenarios.py's `BASE`: every scenario, by its systemd name.
+    fn base_scenarios() -> Vec<String> {
+        let path = crate::cmd::workspace_root().join("tests/node/scenarios.py");
+        let text = std::fs::read_to_string(&path).expect("read scenarios.py");
+        let start = text.find("\nBASE = [").expect("a BASE list in scenarios.py") + "\nBASE = [".len();
+        let end = start + text[start..].find(']').expect("BASE's end");
+        text[start..end].split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect()
+    }
+
+    #[test]
+    fn ci_runs_every_scenario_and_only_known_ones() {
+        let base = base_scenarios();
+        assert!(base.len() >= 13, "{base:?}");
+        let in_ci: Vec<&str> = CI_SCENARIOS.iter().flat_map(|s| s.iter().copied()).collect();
+        for name in &base {
+            assert!(in_ci.contains(&name.as_str()), "{name} runs in no CI cell");
+        }
+        for name in &in_ci {
+            assert!(base.iter().any(|b| b == name), "CI names {name}, which scenarios.py does not have");
+        }
+        for basic in ["job", "hold_app"] {
+            assert!(CI_SCENARIOS.iter().all(|s| s.contains(&basic)), "{basic} runs in every CI cell");
+        }
+        let plan = ci_plan();
+        assert_eq!(plan[0].1[0], "job_cgroupfs", "the v1 cell runs the cgroupfs twins");
+        assert_eq!(plan[1].1[0], "job", "the systemd cell runs the systemd names");
+        let both = Cell { drivers: Drivers::Both, ..CI_CELLS[0] };
+        assert_eq!(both.scenario_names(&["job"]), ["job", "job_cgroupfs"]);
     }
 }

@@ -49,7 +49,7 @@ pub fn test(root: &Path, filter: Option<&str>, vm: bool, kernels: &[String], cpu
         println!(
             "\nreal node in qemu: containerd through the CRI, the node scenarios (every cell: cargo xtask node --matrix)"
         );
-        let (passed, failed) = crate::node::run(root, &crate::node::CI_CELLS, &[])?;
+        let (passed, failed) = crate::node::run(root, &crate::node::ci_plan())?;
         (tally.passed, tally.failed) = (tally.passed + passed, tally.failed + failed);
     }
     println!("\ntotal: {} passed, {} failed", tally.passed, tally.failed);
@@ -90,7 +90,8 @@ pub fn node(root: &Path, matrix: bool, cells: &[String], only: &[String]) -> Res
         cells.iter().map(|c| crate::node::Cell::parse(c)).collect::<Result<Vec<_>>>()?
     };
     setup::setup(root, true)?;
-    let (_, failed) = crate::node::run(root, &cells, only)?;
+    let plan: Vec<_> = cells.into_iter().map(|c| (c, only.to_vec())).collect();
+    let (_, failed) = crate::node::run(root, &plan)?;
     if failed > 0 {
         bail!("{failed} failed on the real node");
     }
