@@ -110,8 +110,18 @@ fn build() -> anyhow::Result<()> {
     };
     let arch = env("CARGO_CFG_TARGET_ARCH")?;
     let arch = if arch.starts_with("riscv64") { "riscv64".to_owned() } else { arch };
-    // Where aya-build kept it, so switching from aya-build did not cost a cold build.
-    let target_dir = out_dir.join("aya-build/target").join(PACKAGE);
+    // One build of the kernel programs per target directory and architecture, shared by every
+    // profile that runs this script (check, dev, release; clippy's and the fuzz targets' too):
+    // each used to build `core` for the BPF target again in its own OUT_DIR. Cargo's lock on
+    // the directory serialises concurrent builds, and its fingerprints rebuild what changed.
+    // OUT_DIR is `<target dir>/[<triple>/]<profile>/build/<package>-<hash>/out`; any other shape
+    // keeps the build in OUT_DIR.
+    let shared = out_dir
+        .ancestors()
+        .nth(4)
+        .filter(|_| out_dir.ancestors().nth(2).and_then(|b| b.file_name()).is_some_and(|n| n == "build"))
+        .map(|dir| dir.join("bpf").join(&arch));
+    let target_dir = shared.unwrap_or_else(|| out_dir.join("bpf")).join(PACKAGE);
 
     let mut cargo = Command::new("rustup");
     cargo
