@@ -12,7 +12,7 @@ use nix::sys::signal::{SigSet, Signal};
 use std::path::PathBuf;
 use tracing::{error, info, warn};
 use tracing_subscriber::EnvFilter;
-use valet_agent::act::{Actuators, Settings};
+use valet_agent::act::{Actuators, Parts, Settings};
 use valet_agent::api::events::EventSink;
 use valet_agent::cgroup::CgroupFs;
 use valet_agent::cgroup::root::find_node_cgroups;
@@ -174,8 +174,8 @@ async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow:
         )));
     }
     let (reports_tx, reports_rx) = tokio::sync::mpsc::unbounded_channel();
-    let act = Actuators::new(
-        Settings {
+    let act = Actuators::new(Parts {
+        settings: Settings {
             host_proc: cfg.host_proc.clone(),
             quit_timeout: cfg.quit_timeout,
             quit_retry_for: cfg.quit_retry_for,
@@ -184,16 +184,16 @@ async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow:
             held_probe_budget: cfg.held_probe_budget,
             held_prober: cfg.held_prober,
         },
-        cgroups.clone(),
-        RuntimeBundles::new(cfg.runtime_dirs(), Some(cfg.host_proc.clone())),
+        cgroups: cgroups.clone(),
+        bundles: RuntimeBundles::new(cfg.runtime_dirs(), Some(cfg.host_proc.clone())),
         kernel,
-        Arc::new(PodNetwork::new(cfg.host_proc.clone(), cgroups)),
-        writes.clone(),
-        EventSink::new(writes, &cfg.node_name),
+        link: Arc::new(PodNetwork::new(cfg.host_proc.clone(), cgroups)),
+        client: writes.clone(),
+        events: EventSink::new(writes, &cfg.node_name),
         metrics,
-        reports_tx,
-    )
-    .recording_quits(quit_pods);
+        reports: reports_tx,
+        quit_pods,
+    });
     // The ring buffer's reader thread sends the quits armed ahead the moment it reads an end.
     let events = match ring {
         Some(ring) => NodeEvents::Reader(EventReader::spawn(ring, act.quits_ahead())?),

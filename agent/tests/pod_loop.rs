@@ -20,7 +20,7 @@ use kube::runtime::watcher;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 use valet_agent::act::ahead::QuitsAhead;
-use valet_agent::act::{Actuators, Settings};
+use valet_agent::act::{Actuators, Parts, Settings};
 use valet_agent::api::events::EventSink;
 use valet_agent::cgroup::CgroupFs;
 use valet_agent::controller::Controller;
@@ -407,8 +407,8 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
     let link = FakeLink::default();
     let metrics = Arc::new(Metrics::new());
     let (reports_tx, reports_rx) = mpsc::unbounded_channel();
-    let act = Actuators::new(
-        Settings {
+    let act = Actuators::new(Parts {
+        settings: Settings {
             host_proc: node.dir.join("proc"),
             quit_timeout: Duration::from_secs(1),
             quit_retry_for: Duration::from_secs(1),
@@ -417,15 +417,17 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
             held_probe_budget: 2000,
             held_prober: false,
         },
-        node.cgroups.clone(),
-        RuntimeBundles::new(vec![node.dir.join("bundles")], None),
-        kernel.clone(),
-        Arc::new(link.clone()),
-        client.clone(),
-        EventSink::new(client, NODE),
-        metrics.clone(),
-        reports_tx,
-    );
+        cgroups: node.cgroups.clone(),
+        bundles: RuntimeBundles::new(vec![node.dir.join("bundles")], None),
+        kernel: kernel.clone(),
+        link: Arc::new(link.clone()),
+        client: client.clone(),
+        events: EventSink::new(client, NODE),
+        metrics: metrics.clone(),
+        reports: reports_tx,
+        // No observer here: a record of the pods quit that nothing reads.
+        quit_pods: Arc::default(),
+    });
     let rules = Rules {
         defaults: SidecarDefaults { hold_timeout, ..SidecarDefaults::default() },
         escalate_after: Some(Duration::from_secs(15)),

@@ -1,17 +1,104 @@
 //! One readiness probe loop per pod: asks every probed sidecar of the pod whether it is ready,
 //! reports the answer, and waits as the pod's pace says. Dropping the handle stops the loop.
+//! [`Probes`] keeps every pod's loop, and the held pods' prober.
 
+use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::{Notify, mpsc, watch};
 
-use super::Report;
 use super::answer::{Answer, LIMITS, REPEAT, all_ready, detail};
+use super::held_prober::HeldProber;
+use super::{Report, Settings, next_multiple};
 use crate::effect::{Feedback, Pace};
 use crate::pod::spec::{Sidecar, SidecarKind};
 use crate::sidecar::{PodTarget, SidecarLink};
+
+/// The readiness probes of every pod (effects `StartProbe`, `SetPace`, `StopProbe`): one loop
+/// each, and the held pods' prober, which probes the pods whose app is held in their stead.
+pub struct Probes<L> {
+    link: Arc<L>,
+    loops: HashMap<String, Handle>,
+    reports: Arc<Reports>,
+    held_prober: Option<Arc<HeldProber>>,
+    /// Probe interval until the pod's proxies are ready, and once they are.
+    intervals: (Duration, Duration),
+    /// Most probes per second across the pods whose app is held.
+    held_budget: u32,
+}
+
+impl<L: SidecarLink> Probes<L> {
+    /// The loops' news goes to `reports`.
+    pub fn new(link: Arc<L>, reports: mpsc::UnboundedSender<Report>, settings: &Settings) -> Probes<L> {
+        let held_prober = settings.held_prober.then(|| HeldProber::start(link.clone(), reports.clone())).flatten();
+        Probes {
+            link,
+            loops: HashMap::new(),
+            reports: Reports::new(reports),
+            held_prober,
+            intervals: (settings.probe_interval, settings.ready_probe_interval),
+            held_budget: settings.held_probe_budget,
+        }
+    }
+
+    /// Starts probing `sidecars` of pod `uid` (effect `StartProbe`), at `pod_rel` or else its IP.
+    pub fn start(
+        &mut self,
+        uid: &str,
+        sidecars: Vec<Sidecar>,
+        pod_rel: Option<String>,
+        pod_ip: Option<&str>,
+        pace: Pace,
+    ) {
+        let target =
+            PodTarget { uid: uid.to_owned(), pod_rel, pod_ip: pod_ip.and_then(|ip| ip.parse::<IpAddr>().ok()) };
+        let handle = start(
+            self.link.clone(),
+            target,
+            sidecars,
+            pace,
+            self.intervals,
+            self.reports.clone(),
+            self.held_prober.clone(),
+        );
+        self.loops.insert(uid.to_owned(), handle);
+        self.pace_held();
+    }
+
+    /// Sets pod `uid`'s probe pace (effect `SetPace`).
+    pub fn set_pace(&mut self, uid: &str, pace: Pace) {
+        if let Some(p) = self.loops.get(uid) {
+            p.set_pace(pace);
+        }
+        self.pace_held();
+    }
+
+    /// Stops probing pod `uid` (effect `StopProbe`).
+    pub fn stop(&mut self, uid: &str) {
+        self.loops.remove(uid);
+        self.pace_held();
+    }
+
+    /// Probes held pod `uid`'s proxies at once (a socket started listening there), if the held
+    /// pods' prober has it; a pod on its own loop keeps its pace.
+    pub fn probe_now(&self, uid: &str) {
+        if let Some(p) = &self.held_prober {
+            p.probe_now(uid);
+        }
+    }
+
+    /// Spreads the held pods' probes over the budget: their interval follows how many are held.
+    fn pace_held(&mut self) {
+        let held = self.loops.values().filter(|p| p.pace() == Pace::Urgent).count();
+        let interval = self.reports.set_held(held, self.held_budget);
+        if let Some(p) = &self.held_prober {
+            p.set_interval(interval);
+        }
+    }
+}
 
 /// Shortest probe interval while an app is held: the release latency is about half of it.
 const URGENT_MIN: Duration = Duration::from_millis(10);
@@ -208,7 +295,7 @@ pub fn start<L: SidecarLink>(
     pace: Pace,
     (normal, relaxed): (Duration, Duration),
     reports: Arc<Reports>,
-    prober: Option<Arc<super::held_prober::HeldProber>>,
+    prober: Option<Arc<HeldProber>>,
 ) -> Handle {
     let (tx, mut rx) = watch::channel(pace);
     let task = tokio::spawn(async move {
@@ -324,7 +411,7 @@ async fn until_next_turn(
     }
 }
 
-struct Unhold(Arc<super::held_prober::HeldProber>, String, u64);
+struct Unhold(Arc<HeldProber>, String, u64);
 
 impl Drop for Unhold {
     fn drop(&mut self) {
@@ -337,7 +424,7 @@ impl Drop for Unhold {
 fn next_slot(period: Duration) -> tokio::time::Instant {
     static ORIGIN: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
     let origin = *ORIGIN.get_or_init(tokio::time::Instant::now);
-    origin + super::next_multiple(tokio::time::Instant::now().duration_since(origin), period)
+    origin + next_multiple(tokio::time::Instant::now().duration_since(origin), period)
 }
 
 /// One probe of every sidecar that has a readiness endpoint, in order.

@@ -2,21 +2,65 @@
 //! pod (an earlier agent's holds included), the orphans no pod holds any more, and the signals
 //! themselves, sent back to back from a thread of their own.
 
-use super::*;
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn};
+
+use crate::cgroup::signal::{Pinned, Placed, pin_in_cgroup, pin_in_cgroup_id, pin_pid};
+use crate::cgroup::{CgroupFs, Search};
+use crate::effect::{LeftHeld, Nanos};
+use crate::kernel::held_ledger::HeldLedger;
+use crate::metrics::{Metrics, ReasonLabels};
+use crate::sidecar::Pending;
+
+/// At most this many held processes are pinned ahead (one fd each); more are pinned at release.
+const PINNED_MAX: usize = 1024;
+
+/// A release to carry out.
+struct Release {
+    tgid: u32,
+    container_rel: String,
+    reason: &'static str,
+    held_ns: u64,
+}
+
+type PinnedRelease = (Release, Result<Pinned, String>);
+
+/// What a batch of reports decided: its releases, and the tasks of the same decisions (API
+/// writes of the pods' condition), held back until the releases are out so that they do not
+/// take the CPUs from them.
+#[derive(Default)]
+struct Batch {
+    releases: Vec<Release>,
+    tasks: Vec<Pending<()>>,
+}
+
+/// Starts `task` now, or once the releases of the batch kept are out.
+fn spawn_after_releases(batch: &mut Option<Batch>, task: Pending<()>) {
+    match batch {
+        Some(batch) => batch.tasks.push(task),
+        None => {
+            tokio::spawn(task);
+        }
+    }
+}
 
 /// A record of a process that is not stopped is dropped only once it is this old: the exec
 /// program writes it just before the stop takes effect.
-pub(super) const ORPHAN_RECORD_GRACE_NS: u64 = 2_000_000_000;
+const ORPHAN_RECORD_GRACE_NS: u64 = 2_000_000_000;
 /// Most cgroup directories looked at to find the one a held process was stopped in (a node's
 /// whole tree is a few thousand at most).
-pub(super) const CGROUP_SEARCH_BUDGET: usize = 50_000;
+const CGROUP_SEARCH_BUDGET: usize = 50_000;
 
 /// How often, and after how long at first, a failed SIGCONT is tried again (the wait doubles).
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// A SIGCONT that failed, to try again at `at`.
-pub(super) struct Retry {
+struct Retry {
     release: Release,
     pinned: Pinned,
     tries: u32,
@@ -26,7 +70,7 @@ pub(super) struct Retry {
 /// Sends the SIGCONTs of a batch of releases, back to back, then counts and logs them. The
 /// ones that failed come back, to be tried again after a backoff: their records stay (a
 /// successor, or the deadline keeper, finds them), and nothing takes them for released.
-pub(super) fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<PinnedRelease>) -> Vec<Retry> {
+fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<PinnedRelease>) -> Vec<Retry> {
     // A failure says why, and keeps the pidfd when the process is still there (to retry).
     type Sent = Result<(), (String, Option<Pinned>)>;
     let sent: Vec<(Release, Sent)> = batch
@@ -110,13 +154,13 @@ fn retry_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, retries: Vec<R
 /// signal (a runtime thread busy with the slot's probes and decisions was preempted by the
 /// first apps it released, and the rest of the batch waited milliseconds for its CPU). It also
 /// tries failed SIGCONTs again, with backoff.
-pub(super) struct Releaser {
+struct Releaser {
     tx: std::sync::mpsc::Sender<Vec<PinnedRelease>>,
     thread: std::thread::JoinHandle<()>,
 }
 
 impl Releaser {
-    pub(super) fn start(metrics: Arc<Metrics>, ledger: Option<Arc<HeldLedger>>) -> Option<Releaser> {
+    fn start(metrics: Arc<Metrics>, ledger: Option<Arc<HeldLedger>>) -> Option<Releaser> {
         let (tx, rx) = std::sync::mpsc::channel::<Vec<PinnedRelease>>();
         let thread = std::thread::Builder::new()
             .name("valet-release".into())
@@ -150,30 +194,94 @@ impl Releaser {
     }
 
     /// Hands `batch` to the thread; if it is gone, gives it back.
-    pub(super) fn send(&self, batch: Vec<PinnedRelease>) -> Result<(), Vec<PinnedRelease>> {
+    fn send(&self, batch: Vec<PinnedRelease>) -> Result<(), Vec<PinnedRelease>> {
         self.tx.send(batch).map_err(|std::sync::mpsc::SendError(batch)| batch)
     }
 
     /// Returns once every batch handed over is sent.
-    pub(super) fn finish(self) {
+    fn finish(self) {
         drop(self.tx);
         let _ = self.thread.join();
     }
 }
 
-impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
-    /// Keeps the releases of the effects applied from now on, until [`Actuators::flush_releases`]
-    /// (a batch of probe answers: their apps go on together).
-    pub fn batch_releases(&mut self) {
-        self.releases.get_or_insert_with(Batch::default);
+/// The holds and releases of apps (effects `Pin`, `Release`, `FindLeftHeld`): the kernel's
+/// record of what it stopped, the processes pinned when they were held, and the release thread.
+pub struct Releases {
+    cgroups: CgroupFs,
+    host_proc: PathBuf,
+    metrics: Arc<Metrics>,
+    /// The kernel's record of the processes it stopped (pinned: it outlives this agent).
+    ledger: Option<Arc<HeldLedger>>,
+    releaser: Option<Releaser>,
+    /// Held processes checked and pinned when they were held, by pid: a release is only the
+    /// signal (checking a batch of them at release took half a millisecond).
+    pinned: HashMap<u32, Pinned>,
+    /// Releases kept for [`Releases::flush`] while a batch of reports is handled.
+    batch: Option<Batch>,
+}
+
+impl Releases {
+    /// `ledger`: the kernel's record of held processes, where there is one.
+    pub fn new(
+        cgroups: CgroupFs,
+        host_proc: PathBuf,
+        metrics: Arc<Metrics>,
+        ledger: Option<Arc<HeldLedger>>,
+    ) -> Releases {
+        Releases {
+            releaser: Releaser::start(metrics.clone(), ledger.clone()),
+            cgroups,
+            host_proc,
+            metrics,
+            ledger,
+            pinned: HashMap::new(),
+            batch: None,
+        }
     }
 
-    /// Carries out the releases kept since [`Actuators::batch_releases`]: every process is
-    /// pinned first (when it was held, or checked and pinned now), then all are signalled back
-    /// to back, and only then the batch's other tasks start. A signalled app takes a CPU at once;
-    /// work between the signals gave it the time to push the rest back.
-    pub fn flush_releases(&mut self) {
-        if let Some(Batch { releases, tasks }) = self.releases.take() {
+    /// Pins held process `tgid` of container cgroup `container_rel` ahead of its release (effect
+    /// `Pin`).
+    pub fn pin(&mut self, uid: &str, tgid: u32, container_rel: &str) {
+        // Whatever was pinned under this pid before is another process.
+        self.pinned.remove(&tgid);
+        if self.pinned.len() < PINNED_MAX {
+            match pin_in_cgroup(&self.cgroups, tgid, container_rel) {
+                Ok(pinned) => {
+                    self.pinned.insert(tgid, pinned);
+                }
+                Err(e) => debug!(%uid, "pin held process: {} (checked again at release)", e.chain()),
+            }
+        }
+    }
+
+    /// Releases held process `tgid` of container cgroup `container_rel` (effect `Release`), held
+    /// `held_ns`: at once, or with the batch kept.
+    pub fn release_one(&mut self, tgid: u32, container_rel: String, reason: &'static str, held_ns: u64) {
+        let release = Release { tgid, container_rel, reason, held_ns };
+        match &mut self.batch {
+            Some(batch) => batch.releases.push(release),
+            None => self.release(vec![release], false),
+        }
+    }
+
+    /// Starts `task` now, or once the releases of the batch kept are out.
+    pub fn after_releases(&mut self, task: Pending<()>) {
+        spawn_after_releases(&mut self.batch, task);
+    }
+
+    /// Keeps the releases of the effects applied from now on, until [`Releases::flush`] (a
+    /// batch of probe answers: their apps go on together).
+    pub fn keep_batch(&mut self) {
+        self.batch.get_or_insert_with(Batch::default);
+    }
+
+    /// Carries out the releases kept since [`Releases::keep_batch`]: every process is pinned
+    /// first (when it was held, or checked and pinned now), then all are signalled back to back,
+    /// and only then the batch's other tasks start. A signalled app takes a CPU at once; work
+    /// between the signals gave it the time to push the rest back.
+    pub fn flush(&mut self) {
+        if let Some(Batch { releases, tasks }) = self.batch.take() {
             self.release(releases, true);
             for task in tasks {
                 tokio::spawn(task);
@@ -183,8 +291,8 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
 
     /// Returns once every release handed to the release thread is sent (before the agent
     /// exits: no app is left stopped). Releases after this go out from the caller.
-    pub fn finish_releases(&mut self) {
-        self.flush_releases();
+    pub fn finish(&mut self) {
+        self.flush();
         if let Some(releaser) = self.releaser.take() {
             releaser.finish();
         }
@@ -192,9 +300,9 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
 
     /// Processes stopped at exec in the pod's containers: those the kernel's record names (any
     /// process: a shareProcessNamespace app is not its namespace's init), and stopped
-    /// namespace inits (held by an agent without a pinned record).
-    pub(super) fn left_held(&self, pod_rel: &str, now: Nanos) -> Vec<LeftHeld> {
-        let proc = &self.settings.host_proc;
+    /// namespace inits (held by an agent without a pinned record). Effect `FindLeftHeld`.
+    pub fn left_held(&self, pod_rel: &str, now: Nanos) -> Vec<LeftHeld> {
+        let proc = &self.host_proc;
         let mut found = Vec::new();
         for c in self.cgroups.containers(pod_rel) {
             for (pid, since) in self.recorded_held(&c.rel) {
@@ -211,7 +319,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
 
     /// Stopped processes in container cgroup `rel` (or below it) that the kernel's record says
     /// it stopped, with when.
-    pub(super) fn recorded_held(&self, rel: &str) -> impl Iterator<Item = (u32, Nanos)> + '_ {
+    pub fn recorded_held(&self, rel: &str) -> impl Iterator<Item = (u32, Nanos)> + '_ {
         let records = match &self.ledger {
             Some(ledger) => ledger.records(),
             None => Vec::new(),
@@ -219,7 +327,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         let procs: Vec<u32> = if records.is_empty() { Vec::new() } else { self.cgroups.procs_recursive(rel) };
         records
             .into_iter()
-            .filter(move |(pid, _)| procs.contains(pid) && process_stopped(&self.settings.host_proc, *pid))
+            .filter(move |(pid, _)| procs.contains(pid) && process_stopped(&self.host_proc, *pid))
             .map(|(pid, r)| (pid, r.ktime_ns))
     }
 
@@ -231,7 +339,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     /// released.
     pub fn release_orphans(&mut self, held: HashSet<u32>, holding_pods: &[String], now: Nanos) -> usize {
         let Some(ledger) = self.ledger.clone() else { return 0 };
-        let proc = self.settings.host_proc.clone();
+        let proc = self.host_proc.clone();
         let mut claimed = held;
         for rel in holding_pods {
             claimed.extend(self.cgroups.procs_recursive(rel));
@@ -298,7 +406,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
 
     /// Checks and pins every process of `batch` not pinned yet, then signals them (see
     /// [`Releaser`]).
-    pub(super) fn release(&mut self, batch: Vec<Release>, on_releaser: bool) {
+    fn release(&mut self, batch: Vec<Release>, on_releaser: bool) {
         let pinned: Vec<PinnedRelease> = batch
             .into_iter()
             .map(|r| {
@@ -335,7 +443,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     /// Pins `tgid` if it lives in the cgroup its held record names; without a record, if it is
     /// still a process stopped at exec (pinned first, so the check is of the process signalled).
     fn pin_recorded(&self, tgid: u32) -> Result<Pinned, String> {
-        let proc = &self.settings.host_proc;
+        let proc = &self.host_proc;
         match self.ledger.as_ref().and_then(|l| l.get(tgid)) {
             Some(record) => match pin_in_cgroup_id(&self.cgroups, proc, tgid, record.cgroup_id, CGROUP_SEARCH_BUDGET) {
                 Placed::In(pinned) => Ok(pinned),
@@ -357,7 +465,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
 }
 
 /// Whether a process is stopped (state `T` in /proc/<pid>/stat).
-pub(super) fn process_stopped(host_proc: &Path, pid: u32) -> bool {
+fn process_stopped(host_proc: &Path, pid: u32) -> bool {
     std::fs::read_to_string(host_proc.join(pid.to_string()).join("stat"))
         .ok()
         .and_then(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()).map(|st| st == "T"))
@@ -366,7 +474,7 @@ pub(super) fn process_stopped(host_proc: &Path, pid: u32) -> bool {
 
 /// Whether a process is pid 1 of a pid namespace below the host's (the last `NSpid` entry is 1),
 /// that is a container's init, the only kind of process the kernel holds.
-pub(super) fn is_ns_init(host_proc: &Path, pid: u32) -> bool {
+fn is_ns_init(host_proc: &Path, pid: u32) -> bool {
     std::fs::read_to_string(host_proc.join(pid.to_string()).join("status"))
         .ok()
         .and_then(|s| {
@@ -385,7 +493,7 @@ pub fn held_at_exec(host_proc: &Path, pid: u32) -> bool {
 /// When a process left stopped at exec was stopped, on the monotonic clock: it is held right
 /// after it starts, so its start time (boot-relative, as the monotonic clock on a node that never
 /// suspends) stands for it. Unknown: now.
-pub(super) fn stopped_since(host_proc: &Path, pid: u32, now: Nanos) -> Nanos {
+fn stopped_since(host_proc: &Path, pid: u32, now: Nanos) -> Nanos {
     // SAFETY: sysconf has no preconditions.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     let Some(start) = crate::host::container_main::start_time(host_proc, pid) else { return now };
@@ -394,4 +502,116 @@ pub(super) fn stopped_since(host_proc: &Path, pid: u32, now: Nanos) -> Nanos {
     }
     let started = start.saturating_mul(1_000_000_000) / ticks as u64;
     started.min(now)
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    /// Only a guard against a hang: the tests wait for events, never for a time.
+    const HANG_GUARD: Duration = Duration::from_secs(30);
+
+    #[tokio::test]
+    async fn the_tasks_of_a_batch_start_once_its_releases_are_out() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let task = |n: u32| -> Pending<()> {
+            let tx = tx.clone();
+            Box::pin(async move {
+                let _ = tx.send(n);
+            })
+        };
+        let mut batch = Some(Batch::default());
+        spawn_after_releases(&mut batch, task(1));
+        // A task spawned after it: on this single-threaded runtime, spawned tasks run in order,
+        // so had the batch's task started, its message would come first.
+        tokio::spawn(task(0));
+        assert_eq!(tokio::time::timeout(HANG_GUARD, rx.recv()).await.ok().flatten(), Some(0));
+        assert!(rx.try_recv().is_err(), "a task of the batch ran before its releases");
+        // What flush_releases does once the releases are handed over.
+        for task in batch.take().map(|b| b.tasks).unwrap_or_default() {
+            tokio::spawn(task);
+        }
+        assert_eq!(tokio::time::timeout(HANG_GUARD, rx.recv()).await.ok().flatten(), Some(1));
+        // No batch kept: at once.
+        spawn_after_releases(&mut batch, task(2));
+        assert_eq!(tokio::time::timeout(HANG_GUARD, rx.recv()).await.ok().flatten(), Some(2));
+    }
+
+    #[test]
+    fn only_stopped_namespace_inits_look_held() {
+        let proc = Path::new("/proc");
+        let me = std::process::id();
+        // This test process is neither stopped nor (normally) a pid namespace's init.
+        assert!(!process_stopped(proc, me));
+        assert!(!held_at_exec(proc, me));
+        assert!(!held_at_exec(proc, u32::MAX), "a missing process is not held");
+    }
+
+    #[test]
+    fn a_left_held_process_keeps_its_start_as_its_hold_start() {
+        let dir = std::env::temp_dir().join(format!("valet-proc-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("42")).expect("mkdir");
+        // Field 22 (start time) = 500 ticks.
+        let fields: Vec<String> = (3..=22).map(|i| if i == 22 { "500".into() } else { "0".into() }).collect();
+        std::fs::write(dir.join("42/stat"), format!("42 (a (b) c) {}", fields.join(" "))).expect("write");
+        // SAFETY: as above.
+        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+        let since = stopped_since(&dir, 42, u64::MAX);
+        let missing = stopped_since(&dir, 43, 7);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(since, 500 * 1_000_000_000 / ticks);
+        assert_eq!(missing, 7, "unknown start: now");
+    }
+
+    fn stopped_child() -> std::process::Child {
+        let child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        // SAFETY: plain syscall to our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGSTOP) };
+        let deadline = std::time::Instant::now() + HANG_GUARD;
+        while !process_stopped(Path::new("/proc"), child.id()) {
+            assert!(std::time::Instant::now() < deadline, "child {} never stopped", child.id());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child
+    }
+
+    #[test]
+    fn a_batch_of_releases_goes_out_from_the_release_thread_and_only_to_its_cgroups() {
+        // Two held apps in a container cgroup (a tree of plain files: membership is read from
+        // cgroup.procs), and a stopped process outside it that a release names by mistake.
+        let dir = std::env::temp_dir().join(format!("valet-release-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let rel = "/kubepods/pod1/c1";
+        std::fs::create_dir_all(dir.join("kubepods/pod1/c1")).expect("mkdir");
+        let (a, b, stranger) = (stopped_child(), stopped_child(), stopped_child());
+        std::fs::write(dir.join("kubepods/pod1/c1/cgroup.procs"), format!("{}\n{}\n", a.id(), b.id())).expect("procs");
+        let cgroups = CgroupFs::new(&dir);
+        let release = |pid: u32| Release { tgid: pid, container_rel: rel.into(), reason: "ready", held_ns: 1 };
+        let batch: Vec<PinnedRelease> = [a.id(), b.id(), stranger.id()]
+            .into_iter()
+            .map(|pid| {
+                let pin = pin_in_cgroup(&cgroups, pid, rel).map_err(|e| e.chain().to_string());
+                (release(pid), pin)
+            })
+            .collect();
+        let metrics = Arc::new(Metrics::new());
+        let releaser = Releaser::start(metrics.clone(), None).expect("release thread");
+        assert!(releaser.send(batch).is_ok());
+        // Shutdown waits for what was handed over: nothing is left stopped behind the agent.
+        releaser.finish();
+        let proc = Path::new("/proc");
+        let (a_stopped, b_stopped, stranger_stopped) =
+            (process_stopped(proc, a.id()), process_stopped(proc, b.id()), process_stopped(proc, stranger.id()));
+        let released = metrics.releases.get_or_create(&ReasonLabels { reason: "ready" }).get();
+        for mut child in [a, b, stranger] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(!a_stopped && !b_stopped, "the held apps were not released");
+        assert!(stranger_stopped, "a process outside the container's cgroup was signalled");
+        assert_eq!(released, 2);
+    }
 }

@@ -1,0 +1,169 @@
+//! A pod's cgroups on the node: found, its containers named (from the runtime's bundles), and
+//! watched by the kernel, which is told what each container's main process is.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tracing::{debug, warn};
+use valet_common::watch_flags;
+
+use super::release::{Releases, held_at_exec};
+use crate::cgroup::CgroupFs;
+use crate::cgroup::created::Creations;
+use crate::effect::{ContainerSeen, Feedback, RuntimeName};
+use crate::host::container_main::main_among;
+use crate::kernel::{KernelControl, RecordOutcome};
+use crate::runtime::{BundleRole, RuntimeBundles, name_of_process};
+
+/// The pods' cgroups and the kernel's watch of them (effects `FindPodCgroup`, `ScanContainers`,
+/// `Watch`, `Unwatch`, `ClassifyExec`, `ForgetContainer`).
+pub struct PodCgroups<K> {
+    cgroups: CgroupFs,
+    bundles: RuntimeBundles,
+    kernel: K,
+    /// New container cgroups in watched pods.
+    creations: Creations,
+    host_proc: PathBuf,
+}
+
+impl<K: KernelControl> PodCgroups<K> {
+    pub fn new(cgroups: CgroupFs, bundles: RuntimeBundles, kernel: K, host_proc: PathBuf) -> PodCgroups<K> {
+        PodCgroups { cgroups, bundles, kernel, creations: Creations::new(), host_proc }
+    }
+
+    /// New container cgroups in held pods.
+    pub fn creations(&mut self) -> &mut Creations {
+        &mut self.creations
+    }
+
+    pub fn kernel(&mut self) -> &mut K {
+        &mut self.kernel
+    }
+
+    /// Pod `uid`'s cgroup (effect `FindPodCgroup`), if there is one.
+    pub fn find_pod(&self, uid: &str) -> Option<Feedback> {
+        self.cgroups.find_pod(uid).map(|dir| Feedback::PodCgroup { rel: dir.rel, id: dir.id })
+    }
+
+    /// Has the kernel watch pod cgroup `pod_cgroup` (effect `Watch`, once its hold is allowed):
+    /// for its containers' exits, and to hold their apps until `hold` (the hold's timeout) is
+    /// past.
+    pub fn watch(&mut self, uid: &str, pod_cgroup: u64, pod_rel: &str, exits: bool, hold: Option<Duration>) {
+        let flags = if exits { watch_flags::EXITS } else { 0 } | if hold.is_some() { watch_flags::HOLD } else { 0 };
+        let flags = match hold {
+            Some(timeout) => valet_common::watched_value(flags, u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX)),
+            None => flags,
+        };
+        if let Err(e) = self.kernel.watch(pod_cgroup, flags) {
+            warn!(%uid, "register pod cgroup with the kernel: {}", e.chain());
+        }
+        // Every tracked pod: a container is named when its cgroup appears, not when it
+        // ends (the runtime removes cgroup and bundle tens of milliseconds after the end,
+        // which a busy agent can miss); in a held pod, before its first exec.
+        if let Err(e) = self.creations.watch(pod_cgroup, &self.cgroups.abs(pod_rel)) {
+            debug!(%uid, hold = ?hold.is_some(), "new containers are named when the kernel reports them: {e}");
+        }
+    }
+
+    /// Ends the kernel's watch of pod cgroup `pod_cgroup` (effect `Unwatch`).
+    pub fn unwatch(&mut self, uid: &str, pod_cgroup: u64) {
+        self.creations.unwatch(pod_cgroup);
+        if let Err(e) = self.kernel.unwatch(pod_cgroup) {
+            debug!(%uid, "unwatch pod cgroup: {}", e.chain());
+        }
+    }
+
+    /// Tells the kernel whether the app of a container is held at its exec (effect
+    /// `ClassifyExec`).
+    pub fn classify_exec(&mut self, uid: &str, container_cgroup: u64, hold: bool) {
+        if let Err(e) = self.kernel.classify_exec(container_cgroup, hold) {
+            debug!(%uid, "classify container cgroup: {}", e.chain());
+        }
+    }
+
+    /// The kernel forgets a container (effect `ForgetContainer`).
+    pub fn forget_container(&mut self, container_cgroup: u64) {
+        self.kernel.forget_container(container_cgroup);
+    }
+
+    /// The pod's container cgroups, named from the runtime's bundles where they exist (effect
+    /// `ScanContainers`). `releases`: where the kernel's record of held processes is read.
+    pub fn scan(&mut self, uid: &str, pod_rel: &str, adopt: bool, releases: &Releases) -> Vec<ContainerSeen> {
+        let containers: Vec<_> = self
+            .cgroups
+            .containers(pod_rel)
+            .into_iter()
+            .map(|c| {
+                let procs = self.cgroups.container_procs(&c.rel);
+                (c, procs)
+            })
+            .collect();
+        let mut searched = false;
+        let mut seen = Vec::with_capacity(containers.len());
+        for (i, (c, procs)) in containers.iter().enumerate() {
+            // A container already running when its pod was first looked at: tell the kernel
+            // which process is its main one (the exec that would have recorded it is past).
+            if adopt && !procs.is_empty() && !self.kernel.exec_seen(c.id) {
+                self.record_main(uid, &c.rel, c.id);
+            }
+            let mut role = self.bundles.role(&c.container.id, uid);
+            if role.is_none() && !searched {
+                // Not where the bundles were looked for: ask the runtime that started the pod,
+                // up from this container's processes, then the others' (the sandbox's pause
+                // runs as long as the pod).
+                searched = true;
+                let pod_procs: HashSet<u32> = containers.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+                let starts: Vec<u32> = procs
+                    .iter()
+                    .copied()
+                    .chain(
+                        containers
+                            .iter()
+                            .enumerate()
+                            .filter(|(j, _)| *j != i)
+                            .filter_map(|(_, (_, p))| p.first().copied()),
+                    )
+                    .collect();
+                if self.bundles.find_runtime(&starts, &pod_procs) {
+                    role = self.bundles.role(&c.container.id, uid);
+                }
+            }
+            // The runtime's bundle first; else the kubelet's per-container mount, as a process
+            // of the container sees it.
+            let runtime_name = role
+                .map(|role| match role {
+                    BundleRole::Sandbox => RuntimeName::Sandbox,
+                    BundleRole::Container(name) => RuntimeName::Container(name),
+                })
+                .or_else(|| {
+                    procs.iter().find_map(|pid| name_of_process(&self.host_proc, *pid, uid)).map(RuntimeName::Container)
+                });
+            let exec_done = self.kernel.exec_seen(c.id)
+                || procs.iter().any(|pid| held_at_exec(&self.host_proc, *pid))
+                || releases.recorded_held(&c.rel).next().is_some();
+            seen.push(ContainerSeen {
+                cgroup_id: c.id,
+                rel: c.rel.clone(),
+                id: c.container.id.clone(),
+                runtime_name,
+                exec_done,
+            });
+        }
+        seen
+    }
+
+    fn record_main(&mut self, uid: &str, rel: &str, cgroup_id: u64) {
+        // The whole subtree: a main process may have moved below the container's cgroup (a
+        // nested runtime's), and its processes' pid namespaces tell the main one apart.
+        let pids = self.cgroups.procs_recursive(rel);
+        let Some(main) = main_among(&self.host_proc, &pids) else { return };
+        match self.kernel.record_container_main(cgroup_id, &main) {
+            Ok(RecordOutcome::MapFull) => {
+                warn!(%uid, cgroup = %rel, "the kernel's container map is full: this container's end is seen by the API only");
+            }
+            Ok(_) => debug!(%uid, cgroup = %rel, pid = main.tgid, "recorded a running container's main process"),
+            Err(e) => debug!(%uid, "record container main: {}", e.chain()),
+        }
+    }
+}

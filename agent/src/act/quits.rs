@@ -1,0 +1,142 @@
+//! Quitting sidecars: the pod's network opened for its requests, each quit request sent (or
+//! taken over from the one sent ahead), a signal where a sidecar has no quit endpoint, and the
+//! quits armed for the kernel event reader ([`ahead`](super::ahead)).
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tracing::debug;
+
+use super::ahead::QuitsAhead;
+use super::{Report, Settings};
+use crate::acted::QuitPods;
+use crate::cgroup::CgroupFs;
+use crate::cgroup::signal::signal_cgroup;
+use crate::effect::Feedback;
+use crate::metrics::Metrics;
+use crate::pod::state::QuitAhead;
+use crate::sidecar::http::Limits;
+use crate::sidecar::quit::{first_attempt, quit};
+use crate::sidecar::{PodTarget, SidecarLink};
+use crate::vocab::Endpoint;
+
+/// The quits of every pod (effects `OpenNetwork`, `CloseNetwork`, `Quit`, `Signal`), and their
+/// arms for the kernel event reader.
+pub struct Quits<L> {
+    link: Arc<L>,
+    /// For the sidecars quit by a signal.
+    cgroups: CgroupFs,
+    /// Where each quit's outcome goes.
+    reports: mpsc::UnboundedSender<Report>,
+    /// One quit request's time limit.
+    timeout: Duration,
+    /// How long a quit is tried again.
+    retry_for: Duration,
+    ahead: Arc<QuitsAhead<L>>,
+    /// Each pod's arm as last set in `ahead` (set again only when it changes).
+    armed: HashMap<String, QuitAhead>,
+    /// The pods a quit was sent to, for observe mode.
+    quit_pods: Arc<QuitPods>,
+}
+
+impl<L: SidecarLink> Quits<L> {
+    /// Each pod a quit is sent to is recorded in `quit_pods` (the observer's).
+    pub fn new(
+        link: Arc<L>,
+        cgroups: CgroupFs,
+        reports: mpsc::UnboundedSender<Report>,
+        metrics: Arc<Metrics>,
+        quit_pods: Arc<QuitPods>,
+        settings: &Settings,
+    ) -> Quits<L> {
+        Quits {
+            ahead: Arc::new(QuitsAhead::new(link.clone(), metrics)),
+            link,
+            cgroups,
+            reports,
+            timeout: settings.quit_timeout,
+            retry_for: settings.quit_retry_for,
+            armed: HashMap::new(),
+            quit_pods,
+        }
+    }
+
+    /// The quits armed for the kernel event reader ([`ahead`](super::ahead)).
+    pub fn ahead(&self) -> Arc<QuitsAhead<L>> {
+        self.ahead.clone()
+    }
+
+    /// Sets pod `uid`'s quit ahead (after each of its transitions; `None` disarms).
+    pub fn arm_ahead(&mut self, uid: &str, arm: Option<QuitAhead>) {
+        if self.armed.get(uid) == arm.as_ref() {
+            return;
+        }
+        match &arm {
+            Some(a) => self.armed.insert(uid.to_owned(), a.clone()),
+            None => self.armed.remove(uid),
+        };
+        self.ahead.set(uid, arm);
+    }
+
+    /// After a container end's transition: requests sent ahead to the pod that it did not take
+    /// over (dropped and counted), how many.
+    pub fn unclaimed_ahead(&self, uid: &str) -> usize {
+        self.ahead.unclaimed(uid)
+    }
+
+    /// Opens pod `uid`'s network for its quits and probes (effect `OpenNetwork`).
+    pub fn open_network(&self, uid: &str, pod_rel: &str) -> Feedback {
+        let opened = self.link.open(uid, pod_rel);
+        Feedback::Network { ok: opened.is_ok(), detail: opened.err().unwrap_or_default() }
+    }
+
+    /// Closes pod `uid`'s network (effect `CloseNetwork`).
+    pub fn close_network(&self, uid: &str) {
+        // A quit the event reader sent ahead and no transition took over goes with the
+        // network: counted as such.
+        self.ahead.unclaimed(uid);
+        self.link.close(uid);
+    }
+
+    /// Asks `sidecar` of pod `uid` to quit at `endpoint` (effect `Quit`); the outcome is
+    /// reported.
+    pub fn quit(
+        &self,
+        uid: &str,
+        sidecar: String,
+        instance: Option<String>,
+        endpoint: Endpoint,
+        pod_rel: String,
+        pod_ip: Option<&str>,
+    ) {
+        // For observe mode's tax: this pod's sidecars end because valet acted.
+        self.quit_pods.record(uid);
+        // A sandboxed pod's quit goes to its IP (no pod cgroup to enter: see `quit`).
+        let target = match pod_ip.and_then(|ip| ip.parse::<IpAddr>().ok()) {
+            Some(ip) => PodTarget { uid: uid.to_owned(), pod_rel: None, pod_ip: Some(ip) },
+            None => PodTarget { uid: uid.to_owned(), pod_rel: Some(pod_rel), pod_ip: None },
+        };
+        let limits = Limits { total_timeout: self.timeout, ..Limits::default() };
+        let (link, reports, retry_for, uid) = (self.link.clone(), self.reports.clone(), self.retry_for, uid.to_owned());
+        debug!(%uid, %sidecar, ?instance, "asking sidecar to quit");
+        // Started here: on a kept connection the request is on its way before this returns.
+        let first = first_attempt(link.as_ref(), &target, &endpoint, limits);
+        tokio::spawn(async move {
+            let outcome = quit(link.as_ref(), &target, &endpoint, limits, retry_for, Some(first)).await;
+            let _ = reports.send((uid, Feedback::QuitDone { sidecar, outcome }));
+        });
+    }
+
+    /// Sends `signal` to the processes of `sidecar`'s container cgroup (effect `Signal`).
+    pub fn signal(&self, sidecar: String, container_rel: &str, signal: i32) -> Feedback {
+        let signalled = if self.cgroups.procs_recursive(container_rel).is_empty() {
+            0
+        } else {
+            signal_cgroup(&self.cgroups, container_rel, signal)
+        };
+        Feedback::Signalled { sidecar, signal, signalled }
+    }
+}
