@@ -164,6 +164,19 @@ impl Node {
     /// Like [`Node::spawn_agent`], through a wrapper command (`wrapper` then the agent binary and
     /// its arguments), e.g. `setpriv` to run it with a given capability set.
     pub fn spawn_agent_under(&self, wrapper: &[String], extra: &[&str]) -> Result<Agent> {
+        // The metrics port is found free, then bound by the agent: a process of a test running
+        // beside this one may take it in between. The agent then exits at once, saying so, and
+        // is started again on another port.
+        for _ in 0..5 {
+            let mut agent = self.spawn_agent_once(wrapper, extra)?;
+            if !agent.lost_its_port() {
+                return Ok(agent);
+            }
+        }
+        bail!("five agents in a row found their metrics port taken")
+    }
+
+    fn spawn_agent_once(&self, wrapper: &[String], extra: &[&str]) -> Result<Agent> {
         let port = free_port()?;
         let metrics: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let log = self.scratch.path(&format!("agent-{port}.log"));
@@ -664,6 +677,27 @@ pub struct Agent {
 }
 
 impl Agent {
+    /// Whether the agent exited because another process had its metrics port; waits until it
+    /// serves, answers there or exits (a hang guard at most).
+    fn lost_its_port(&mut self) -> bool {
+        let deadline = Instant::now() + HANG_GUARD;
+        while Instant::now() < deadline {
+            let exited = self.child.as_mut().is_none_or(|c| c.try_wait().is_ok_and(|s| s.is_some()));
+            let log = self.log_text();
+            if exited {
+                return log.contains("bind metrics address");
+            }
+            // The line is logged at info; with a quieter VALET_TEST_LOG, an answer on the port.
+            if log.contains("serving /metrics")
+                || std::net::TcpStream::connect_timeout(&self.metrics, Duration::from_millis(50)).is_ok()
+            {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+
     fn get(&self, path: &str) -> Result<(u16, String)> {
         // A metric read as 0 because a busy agent answered late would fail a test for nothing.
         let r = valet_sim::client::get(self.metrics, path, HANG_GUARD)?;
