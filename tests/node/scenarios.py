@@ -1300,12 +1300,8 @@ def main():
             f"{subprocess.run(['conmon', '--version'], capture_output=True, text=True).stdout.split()[2]}, "
             f"AppArmor profile {crio.APPARMOR_PROFILE if CRIO.apparmor else 'none (AppArmor off)'}")
     else:
-        # All at once: each import mostly waits on the host's files over 9p and on unpacking.
-        imports = [(tar, subprocess.Popen(["ctr", "-n", "k8s.io", "images", "import", tar], stdout=subprocess.DEVNULL))
-                   for tar in sorted(glob.glob(f"{images}/*.tar"))]
-        for tar, proc in imports:
-            if proc.wait() != 0:
-                raise SystemExit(f"ctr images import {tar}: exit {proc.returncode}")
+        for tar in sorted(glob.glob(f"{images}/*.tar")):
+            subprocess.run(["ctr", "-n", "k8s.io", "images", "import", tar], check=True, stdout=subprocess.DEVNULL)
         log(f"images imported in {time.monotonic() - t0:.1f}s")
     api_proc = subprocess.Popen([f"{release}/valet-fake-apiserver", f"{WORK}/kubeconfig"], stdout=subprocess.PIPE,
                                 text=True)

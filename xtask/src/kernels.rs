@@ -52,13 +52,6 @@ const LOCKDOWN: &str = "lockdown=confidentiality";
 /// machine; 5.10's took 13 minutes at a load of 3 (two other qemu guests and a build beside it),
 /// and 15 minutes killed it before it had finished.
 const DEADLINE: Duration = Duration::from_secs(40 * 60);
-/// How many guests boot at once: [`GUESTS_AT_ONCE_ENV`] when set, else 1.
-const GUESTS_AT_ONCE_ENV: &str = "VALET_KERNEL_GUESTS";
-
-fn guests_at_once() -> usize {
-    std::env::var(GUESTS_AT_ONCE_ENV).ok().and_then(|v| v.parse::<usize>().ok()).filter(|n| *n > 0).unwrap_or(1)
-}
-
 /// Lists older than this are refreshed before a kernel version is chosen.
 const LISTS_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 
@@ -94,55 +87,28 @@ pub fn run(root: &Path, suites: &[&str]) -> Result<(u64, u64)> {
         kernels.push(kernel);
     }
     let bins = Binaries::build(root)?;
-    // Every boot is a job: each kernel's suites, then the newest kernel locked down, one guest
-    // at a time unless VALET_KERNEL_GUESTS says more (for a machine with more cores). Two at once
-    // on this 2-core machine gained nothing: each guest's tests took 2.1 to 2.2 times as long
-    // (6.1's whole boot 658 s instead of 307 s), since one TCG guest already keeps both cores
-    // busy. No guest test has a time bound beyond its hang guard, so parallel guests change no
-    // outcome.
-    let mut jobs: Vec<(String, &Kernel, bool)> =
-        kernels.iter().map(|kernel| (kernel.release.clone(), kernel, false)).collect();
-    if let Some(kernel) = kernels.last() {
-        jobs.push((format!("{} {LOCKDOWN}", kernel.release), kernel, true));
-    }
-    let parallel = guests_at_once();
-    if parallel > 1 && jobs.len() > 1 {
-        println!("kernels: {parallel} guests at once ({GUESTS_AT_ONCE_ENV} to change)");
-    }
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let results: std::sync::Mutex<Vec<Option<Result<Outcome>>>> =
-        std::sync::Mutex::new((0..jobs.len()).map(|_| None).collect());
-    std::thread::scope(|scope| {
-        for _ in 0..parallel.min(jobs.len()) {
-            scope.spawn(|| {
-                loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    let Some((name, kernel, locked_down)) = jobs.get(i) else { break };
-                    let t = Instant::now();
-                    let outcome = if *locked_down {
-                        boot_locked_down(root, kernel, &bins, &busybox)
-                    } else {
-                        boot(root, kernel, &bins, &busybox)
-                    };
-                    if let Ok(outcome) = &outcome {
-                        println!("{}  [{:.0?} boot + tests under TCG]", outcome.line(name), t.elapsed());
-                    }
-                    if let Ok(mut results) = results.lock() {
-                        results[i] = Some(outcome);
-                    }
-                }
-            });
-        }
-    });
-    let results = results.into_inner().map_err(|_| anyhow!("a kernel guest's thread panicked"))?;
     let mut lines = Vec::new();
     let (mut passed, mut failed) = (0, 0);
-    for ((name, _, _), result) in jobs.iter().zip(results) {
-        let Some(outcome) = result else { bail!("kernel {name}: its guest never ran") };
-        let outcome = outcome?;
-        lines.push(outcome.line(name));
+    // One boot's line, printed now and again in the summary, and its counts.
+    let mut tally = |name: String, t: Instant, outcome: Outcome| {
+        let line = format!(
+            "kernel {name}: {} passed, {} failed{}",
+            outcome.passed,
+            outcome.failed,
+            outcome.note.as_deref().map(|n| format!(" ({n})")).unwrap_or_default()
+        );
+        println!("{line}  [{:.0?} boot + tests under TCG]", t.elapsed());
+        lines.push(line);
         passed += outcome.passed;
         failed += outcome.failed;
+    };
+    for kernel in &kernels {
+        let t = Instant::now();
+        tally(kernel.release.clone(), t, boot(root, kernel, &bins, &busybox)?);
+    }
+    if let Some(kernel) = kernels.last() {
+        let t = Instant::now();
+        tally(format!("{} {LOCKDOWN}", kernel.release), t, boot_locked_down(root, kernel, &bins, &busybox)?);
     }
     println!("\nkernel matrix ({:.0?}):", started.elapsed());
     for line in lines {
@@ -682,14 +648,6 @@ struct Outcome {
     passed: u64,
     failed: u64,
     note: Option<String>,
-}
-
-impl Outcome {
-    /// `kernel <name>: N passed, N failed (note)`.
-    fn line(&self, name: &str) -> String {
-        let note = self.note.as_deref().map(|n| format!(" ({n})")).unwrap_or_default();
-        format!("kernel {name}: {} passed, {} failed{note}", self.passed, self.failed)
-    }
 }
 
 /// The guest's script: the test binaries, their summaries on the console, then power off. The
