@@ -704,7 +704,7 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result
     if !keep.is_empty() {
         append.push_str(&format!(" valet.keep={}", keep.join(",")));
     }
-    let (lines, timed_out) = qemu(kernel, &append, &[], &dir.join("console.log"), DEADLINE)?;
+    let (lines, timed_out) = qemu_guest(kernel, &append, &dir)?;
     let mut outcome = judge(&lines);
     if timed_out {
         outcome.failed += 1;
@@ -747,13 +747,30 @@ echo "VALET-VM-DONE"
     if !keep.is_empty() {
         append.push_str(&format!(" valet.keep={}", keep.join(",")));
     }
-    let (lines, timed_out) = qemu(kernel, &append, &[], &dir.join("console.log"), DEADLINE)?;
+    let (lines, timed_out) = qemu_guest(kernel, &append, &dir)?;
     let mut outcome = judge(&lines);
     if timed_out {
         outcome.failed += 1;
         outcome.note = Some(format!("killed after {DEADLINE:?}; console: {}", dir.join("console.log").display()));
     }
     Ok(outcome)
+}
+
+/// [`qemu`] for a kernel guest (console in `dir`), booted once more, from the start, when its
+/// kernel panicked with no BPF program on its stack ([`foreign_panic`]): said in the log, the
+/// first console kept as `console-panicked.log`.
+fn qemu_guest(kernel: &Kernel, append: &str, dir: &Path) -> Result<(Vec<String>, bool)> {
+    let console = dir.join("console.log");
+    let (lines, timed_out) = qemu(kernel, append, &[], &console, DEADLINE)?;
+    let Some(panic) = (!timed_out).then(|| foreign_panic(&lines)).flatten() else { return Ok((lines, timed_out)) };
+    let kept = dir.join("console-panicked.log");
+    std::fs::rename(&console, &kept)?;
+    println!(
+        "[{}] the guest kernel panicked with no BPF program on its stack ({panic}); console: {}; booted again",
+        kernel.release,
+        kept.display()
+    );
+    qemu(kernel, append, &[], &console, DEADLINE)
 }
 
 /// The paths among `paths` (resolved) that lie below one of the guest's tmpfs mounts
@@ -854,6 +871,38 @@ pub(crate) fn qemu(
 
 /// Console lines worth echoing: test names and results, panics (cut to 400 characters: a
 /// verifier log is long; the whole of it is in the console log), the guest's own markers.
+/// A guest kernel panic with no BPF program on its stack: a fault of the kernel or of the
+/// emulator (QEMU's TCG has double-faulted a Debian kernel in its slab allocator's
+/// `cmpxchg16b`), not of valet's programs. Returns its summary for the log: the oops line, the
+/// faulting function and the task. `None` when the guest did not panic, or when a BPF program
+/// (`bpf_prog_*`, a BPF helper) is on the panicking stack: that is valet's, and never rerun.
+pub(crate) fn foreign_panic(lines: &[String]) -> Option<String> {
+    let end = lines.iter().position(|l| l.contains("Kernel panic - not syncing"))?;
+    let start = lines[..end]
+        .iter()
+        .position(|l| {
+            l.contains("Oops:")
+                || l.contains("BUG:")
+                || l.contains("traps: PANIC")
+                || l.contains("------------[ cut here ]")
+        })
+        .unwrap_or(end);
+    // A panic() of its own prints its stack after its line, up to "---[ end Kernel panic".
+    let last = lines[end..].iter().position(|l| l.contains("end Kernel panic")).map_or(lines.len() - 1, |i| end + i);
+    let report = &lines[start.saturating_sub(1)..=last];
+    if report.iter().any(|l| l.contains("bpf")) {
+        return None;
+    }
+    let strip = |l: &String| l.split_once("] ").map_or(l.as_str(), |(_, r)| r).trim().to_string();
+    let pick = |key: &str| report.iter().find(|l| l.contains(key)).map(strip);
+    let parts: Vec<String> =
+        [pick("Oops:").or_else(|| pick("BUG:")), pick("RIP: 0010:"), pick("Comm:"), Some(strip(&lines[end]))]
+            .into_iter()
+            .flatten()
+            .collect();
+    Some(parts.join(" | "))
+}
+
 fn echoed(line: &str) -> bool {
     const PREFIXES: [&str; 11] = [
         "test ",
@@ -931,6 +980,25 @@ fn judge(lines: &[String]) -> Outcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn foreign_panic_and_ours() {
+        let log = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/tcg-double-fault.log"))
+            .expect("read the fixture");
+        let lines: Vec<String> = log.lines().map(String::from).collect();
+        let summary = foreign_panic(&lines).expect("a panic with no BPF program on its stack");
+        assert!(summary.starts_with("Oops: double fault"), "{summary}");
+        assert!(summary.contains("RIP: 0010:kmem_cache_alloc_node_noprof"), "{summary}");
+        assert!(summary.contains("Comm: systemd"), "{summary}");
+        assert!(summary.ends_with("Kernel panic - not syncing: Fatal exception in interrupt"), "{summary}");
+        // The same panic with a BPF program on its stack is valet's: never rerun.
+        let mut ours = lines.clone();
+        let at = ours.iter().position(|l| l.contains("__alloc_skb+0x14a")).expect("its stack");
+        ours.insert(at, "[  221.662036]  bpf_prog_6deef7357e7b4530_on_exit+0x52/0x9a".into());
+        assert_eq!(foreign_panic(&ours), None);
+        // No panic: the scenarios' own lines only.
+        assert_eq!(foreign_panic(&lines[..lines.iter().position(|l| l.contains("traps:")).expect("its trap")]), None);
+    }
 
     #[test]
     fn exact_dependency() {

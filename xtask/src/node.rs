@@ -251,7 +251,7 @@ pub fn run(root: &Path, cells: &[(Cell, Vec<String>)]) -> Result<(u64, u64)> {
         let t = Instant::now();
         let outcome = run_cell(root, &apt, &busybox, &release, &images, &pod.stdout, *cell, only)?;
         let line = format!(
-            "node {}{}: {} passed, {} failed ({}) [{:.0?}]",
+            "node {}{}: {} passed, {} failed{} ({}) [{:.0?}]",
             cell.name(),
             match cell.drivers {
                 Drivers::Both => "",
@@ -260,6 +260,7 @@ pub fn run(root: &Path, cells: &[(Cell, Vec<String>)]) -> Result<(u64, u64)> {
             },
             outcome.passed,
             outcome.failed,
+            if outcome.rebooted { ", booted twice: a guest kernel panic not in valet's code" } else { "" },
             outcome.versions,
             t.elapsed()
         );
@@ -278,6 +279,16 @@ pub fn run(root: &Path, cells: &[(Cell, Vec<String>)]) -> Result<(u64, u64)> {
     Ok((passed, failed))
 }
 
+/// tests/node/scenarios.py's `BASE`: every scenario, by its systemd name.
+#[cfg(test)]
+fn base_scenarios(root: &Path) -> Result<Vec<String>> {
+    let path = root.join("tests/node/scenarios.py");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
+    let start = text.find("\nBASE = [").context("no BASE list in scenarios.py")? + "\nBASE = [".len();
+    let end = start + text[start..].find(']').context("BASE's end")?;
+    Ok(text[start..end].split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect())
+}
+
 /// What one cell's VM reported.
 struct CellOutcome {
     passed: u64,
@@ -285,6 +296,8 @@ struct CellOutcome {
     /// containerd's and the OCI runtime's `--version`, from inside the VM.
     versions: String,
     results: Vec<String>,
+    /// Booted again after a guest kernel panic with no BPF program on its stack.
+    rebooted: bool,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -317,36 +330,46 @@ fn run_cell(
     std::fs::create_dir_all(&out)?;
     std::fs::write(out.join("agent-pod.json"), agent_pod)?;
     let script = dir.join("run.sh");
-    let host = |p: &Path| Path::new("/host").join(p.strip_prefix("/").unwrap_or(p));
-    let (socket, state) = cell.containerd();
-    std::fs::write(
-        &script,
-        format!(
-            "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
-             export CONTAINERD_ADDRESS={socket} VALET_NODE_STATE={state} VALET_NODE_RUNTIME={runtime} \
-             VALET_NODE_DRIVERS={drivers} VALET_NODE_CRI={cri}\n\
-             echo \"VALET-NODE-VERSIONS $(containerd --version | cut -d' ' -f3){conmon} / {runtime} \
-             $({runtime} --version | head -1 | sed 's/.*version //') / kernel $(uname -r) / \
-             AppArmor $(cat /sys/module/apparmor/parameters/enabled 2>/dev/null || echo absent) / cgroup \
-             $(if [ -f /sys/fs/cgroup/cgroup.controllers ]; then echo v2; \
-             elif [ -f /sys/fs/cgroup/unified/cgroup.procs ]; then echo hybrid; else echo v1; fi)\"\n\
-             findmnt -t cgroup,cgroup2 > /dev/console\n\
-             mkdir -p {OUT} && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out {OUT} || exit 1\n\
-             python3 {scenarios} {release} {images} {OUT} {only}\n",
-            runtime = cell.runtime,
-            drivers = cell.drivers.name(),
-            cri = if cell.layout == "crio" { "crio" } else { "containerd" },
-            conmon = if cell.layout == "crio" {
-                " (unused) / conmon $(conmon --version | head -1 | cut -d' ' -f3)"
-            } else {
-                ""
-            },
-            scenarios = host(&root.join("tests/node/scenarios.py")).display(),
-            release = host(release).display(),
-            images = host(images).display(),
-            only = only.join(" "),
-        ),
-    )?;
+    // VALET_NODE_CRASH_AFTER=<scenario>: the first boot's guest kernel crashes (sysrq) after that
+    // scenario, to check the rerun below.
+    let crash_after = std::env::var("VALET_NODE_CRASH_AFTER").ok();
+    let write_script = |only: &[String], boot: u32| -> Result<()> {
+        let crash = match (&crash_after, boot) {
+            (Some(name), 1) => format!("export VALET_NODE_CRASH_AFTER={name}\n"),
+            _ => String::new(),
+        };
+        let host = |p: &Path| Path::new("/host").join(p.strip_prefix("/").unwrap_or(p));
+        let (socket, state) = cell.containerd();
+        std::fs::write(
+            &script,
+            format!(
+                "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
+                 {crash}export CONTAINERD_ADDRESS={socket} VALET_NODE_STATE={state} VALET_NODE_RUNTIME={runtime} \
+                 VALET_NODE_DRIVERS={drivers} VALET_NODE_CRI={cri}\n\
+                 echo \"VALET-NODE-VERSIONS $(containerd --version | cut -d' ' -f3){conmon} / {runtime} \
+                 $({runtime} --version | head -1 | sed 's/.*version //') / kernel $(uname -r) / \
+                 AppArmor $(cat /sys/module/apparmor/parameters/enabled 2>/dev/null || echo absent) / cgroup \
+                 $(if [ -f /sys/fs/cgroup/cgroup.controllers ]; then echo v2; \
+                 elif [ -f /sys/fs/cgroup/unified/cgroup.procs ]; then echo hybrid; else echo v1; fi)\"\n\
+                 findmnt -t cgroup,cgroup2 > /dev/console\n\
+                 mkdir -p {OUT} && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out {OUT} || exit 1\n\
+                 python3 {scenarios} {release} {images} {OUT} {only}\n",
+                runtime = cell.runtime,
+                drivers = cell.drivers.name(),
+                cri = if cell.layout == "crio" { "crio" } else { "containerd" },
+                conmon = if cell.layout == "crio" {
+                    " (unused) / conmon $(conmon --version | head -1 | cut -d' ' -f3)"
+                } else {
+                    ""
+                },
+                scenarios = host(&root.join("tests/node/scenarios.py")).display(),
+                release = host(release).display(),
+                images = host(images).display(),
+                only = only.join(" "),
+            ),
+        )?;
+        Ok(())
+    };
     let append = format!(
         "valet.root=/dev/vda valet.run={} valet.runtime={} valet.layout={} apparmor=1 security=apparmor \
          systemd.show_status=0{}",
@@ -358,41 +381,87 @@ fn run_cell(
     );
     let drive = format!("file={},if=virtio,format=raw,snapshot=on", image.display());
     let share = format!("local,path={},mount_tag=out,security_model=none", out.display());
-    let t = Instant::now();
-    let (lines, timed_out) =
-        qemu(&kernel, &append, &["-drive", &drive, "-virtfs", &share], &dir.join("console.log"), DEADLINE)?;
-    let ready = lines.iter().find_map(|l| l.split_once("VALET-NODE-READY ").map(|(_, t)| t.to_string()));
-    let versions = lines
-        .iter()
-        .find_map(|l| l.split_once("VALET-NODE-VERSIONS ").map(|(_, v)| format!("containerd {}", v.trim())))
-        .unwrap_or_else(|| "versions not reported".into());
-    println!(
-        "node {}: booted to containerd-ready at {}s guest uptime; VM ran {:.0?}",
-        cell.name(),
-        ready.as_deref().unwrap_or("?"),
-        t.elapsed(),
-    );
+    // A guest kernel panic with no BPF program on its stack (the emulator's or the kernel's fault,
+    // not valet's) boots the node once more for the scenarios it did not report; said in the log.
+    let asked_all = only.is_empty();
+    let mut only = only.to_vec();
     let (mut passed, mut failed) = (0, 0);
     let mut results = Vec::new();
-    for line in &lines {
-        let Some(rest) = line.strip_prefix("node scenario ") else { continue };
-        if rest.split_once(": ").is_some_and(|(_, r)| r.starts_with("ok")) {
-            passed += 1;
-        } else {
-            failed += 1;
+    let mut versions = String::new();
+    let mut rebooted = false;
+    for boot in 1..=2 {
+        write_script(&only, boot)?;
+        let t = Instant::now();
+        let (lines, timed_out) =
+            qemu(&kernel, &append, &["-drive", &drive, "-virtfs", &share], &dir.join("console.log"), DEADLINE)?;
+        let ready = lines.iter().find_map(|l| l.split_once("VALET-NODE-READY ").map(|(_, t)| t.to_string()));
+        versions = lines
+            .iter()
+            .find_map(|l| l.split_once("VALET-NODE-VERSIONS ").map(|(_, v)| format!("containerd {}", v.trim())))
+            .unwrap_or_else(|| "versions not reported".into());
+        println!(
+            "node {}: booted to containerd-ready at {}s guest uptime; VM ran {:.0?}",
+            cell.name(),
+            ready.as_deref().unwrap_or("?"),
+            t.elapsed(),
+        );
+        let mut reported = Vec::new();
+        let mut this_boot = Vec::new();
+        for line in &lines {
+            let Some(rest) = line.strip_prefix("node scenario ") else { continue };
+            let (name, _) = rest.split_once(": ").unwrap_or((rest, ""));
+            reported.push(name.to_string());
+            this_boot.push(line.clone());
         }
-        results.push(format!("  {line}"));
-    }
-    if results.is_empty() || !lines.iter().any(|l| l.starts_with("VALET-NODE-EXIT")) {
-        failed += 1;
-        let why = if timed_out { format!("the VM was killed after {DEADLINE:?}") } else { "it stopped".into() };
-        results.push(format!(
-            "  node: the scenarios did not finish: {why}; console: {}",
-            dir.join("console.log").display()
-        ));
+        let finished = !this_boot.is_empty() && lines.iter().any(|l| l.starts_with("VALET-NODE-EXIT"));
+        let panic = if finished || timed_out { None } else { crate::kernels::foreign_panic(&lines) };
+        let left: Vec<String> = only.iter().filter(|n| !reported.contains(n)).cloned().collect();
+        let rerun = boot == 1 && panic.is_some() && (asked_all || !left.is_empty());
+        if let (true, Some(panic)) = (rerun, &panic) {
+            let kept = dir.join("console-panicked.log");
+            std::fs::rename(dir.join("console.log"), &kept)?;
+            let note = format!(
+                "  node: the guest kernel panicked with no BPF program on its stack ({panic}); console: {}; \
+                 booted again for {}",
+                kept.display(),
+                if asked_all { "every scenario".to_string() } else { left.join(" ") }
+            );
+            println!("node {}: {}", cell.name(), note.trim_start().trim_start_matches("node: "));
+            results.push(note);
+            // With every scenario asked for (an empty list), all of them run again.
+            if asked_all {
+                this_boot.clear();
+            }
+            only = left;
+        }
+        for line in this_boot {
+            if line
+                .strip_prefix("node scenario ")
+                .and_then(|r| r.split_once(": "))
+                .is_some_and(|(_, r)| r.starts_with("ok"))
+            {
+                passed += 1;
+            } else {
+                failed += 1;
+            }
+            results.push(format!("  {line}"));
+        }
+        if rerun {
+            rebooted = true;
+            continue;
+        }
+        if !finished {
+            failed += 1;
+            let why = if timed_out { format!("the VM was killed after {DEADLINE:?}") } else { "it stopped".into() };
+            results.push(format!(
+                "  node: the scenarios did not finish: {why}; console: {}",
+                dir.join("console.log").display()
+            ));
+        }
+        break;
     }
     results.push(format!("  (agent log and events: {})", out.display()));
-    Ok(CellOutcome { passed, failed, versions, results })
+    Ok(CellOutcome { passed, failed, versions, results, rebooted })
 }
 
 /// A small stable hash (FNV-1a) for cache keys.
@@ -521,18 +590,9 @@ mod tests {
         assert_eq!(CI_CELLS[1].kernel_suite(), "trixie");
     }
 
-    /// tests/node/scenarios.py's `BASE`: every scenario, by its systemd name.
-    fn base_scenarios() -> Vec<String> {
-        let path = crate::cmd::workspace_root().join("tests/node/scenarios.py");
-        let text = std::fs::read_to_string(&path).expect("read scenarios.py");
-        let start = text.find("\nBASE = [").expect("a BASE list in scenarios.py") + "\nBASE = [".len();
-        let end = start + text[start..].find(']').expect("BASE's end");
-        text[start..end].split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect()
-    }
-
     #[test]
     fn ci_runs_every_scenario_and_only_known_ones() {
-        let base = base_scenarios();
+        let base = base_scenarios(&crate::cmd::workspace_root()).expect("scenarios.py's BASE");
         assert!(base.len() >= 13, "{base:?}");
         let in_ci: Vec<&str> = CI_SCENARIOS.iter().flat_map(|s| s.iter().copied()).collect();
         for name in &base {
