@@ -433,6 +433,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 id: c.container.id.clone(),
                 runtime_name,
                 exec_done,
+                live: !procs.is_empty(),
             });
         }
         seen
