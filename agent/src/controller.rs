@@ -278,12 +278,8 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
     /// Level-triggered ends: every pod with a container the API calls running looks at its
     /// cgroups again ([`PodState::recheck_ends`]).
     fn recheck_ends(&mut self) {
-        let due: Vec<(String, Vec<Effect>)> = self
-            .pods
-            .iter()
-            .map(|(uid, s)| (uid.clone(), s.recheck_ends()))
-            .filter(|(_, fx)| !fx.is_empty())
-            .collect();
+        let due: Vec<(String, Vec<Effect>)> =
+            self.pods.iter().map(|(uid, s)| (uid.clone(), s.recheck_ends())).filter(|(_, fx)| !fx.is_empty()).collect();
         for (uid, fx) in due {
             self.apply(&uid, fx);
         }

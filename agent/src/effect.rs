@@ -198,14 +198,33 @@ pub enum Count {
 /// Results of effects, fed back into the pod's state.
 #[derive(Clone, Debug)]
 pub enum Feedback {
-    PodCgroup { rel: String, id: u64 },
+    PodCgroup {
+        rel: String,
+        id: u64,
+    },
     /// Every container cgroup the pod has on the node now (a scan of the pod cgroup): one the
     /// API calls running that is not among them has ended.
     Containers(Vec<ContainerSeen>),
     LeftHeld(Vec<LeftHeld>),
-    Network { ok: bool, detail: String },
-    Probed { ready: bool, detail: String },
-    QuitDone { sidecar: String, outcome: QuitOutcome },
-    Signalled { sidecar: String, signal: i32, signalled: usize },
-    ConditionWritten { want: ProxyReady, error: Option<String> },
+    Network {
+        ok: bool,
+        detail: String,
+    },
+    Probed {
+        ready: bool,
+        detail: String,
+    },
+    QuitDone {
+        sidecar: String,
+        outcome: QuitOutcome,
+    },
+    Signalled {
+        sidecar: String,
+        signal: i32,
+        signalled: usize,
+    },
+    ConditionWritten {
+        want: ProxyReady,
+        error: Option<String>,
+    },
 }

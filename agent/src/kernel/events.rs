@@ -94,7 +94,8 @@ fn cgroup_name(bytes: &[u8]) -> Option<String> {
     let raw = &bytes[size_of::<KernelEvent>()..size_of::<ExitRecord>()];
     let end = raw.iter().position(|&b| b == 0)?;
     let name = std::str::from_utf8(&raw[..end]).ok()?;
-    let plain = !name.is_empty() && name != "." && name != ".." && name.bytes().all(|b| b.is_ascii_graphic() && b != b'/');
+    let plain =
+        !name.is_empty() && name != "." && name != ".." && name.bytes().all(|b| b.is_ascii_graphic() && b != b'/');
     plain.then(|| name.to_owned())
 }
 

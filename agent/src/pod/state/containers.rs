@@ -112,6 +112,13 @@ impl PodState {
     /// The scan that finds ends no kernel event reported ([`PodState::note_vanished`]), when the
     /// API calls a container of the pod running and nothing says it ended.
     pub fn recheck_ends(&self) -> Vec<Effect> {
+        self.scan_for_ends(false)
+    }
+
+    /// The scan [`PodState::recheck_ends`] asks for; with `unknown_only`, only when the API calls
+    /// running an instance the node has not shown yet (the API caught up with a container that
+    /// started and may have ended while no agent watched: looked at once).
+    pub(super) fn scan_for_ends(&self, unknown_only: bool) -> Vec<Effect> {
         let (Some(plan), Some(pod), Some((rel, _))) = (&self.plan, &self.pod, &self.pod_cgroup) else {
             return Vec::new();
         };
@@ -123,7 +130,11 @@ impl PodState {
                 .find(|s| &s.name == name)
                 .filter(|s| s.state.as_ref().is_some_and(|st| st.running.is_some()))
                 .and_then(|s| hex_id(s.container_id.as_deref()))
-                .is_some_and(|id| self.kernel_end(&id).is_none() && !self.vanished.contains(&id))
+                .is_some_and(|id| {
+                    self.kernel_end(&id).is_none()
+                        && !self.vanished.contains(&id)
+                        && (!unknown_only || !self.containers.values().any(|c| c.id == id))
+                })
         });
         if open { vec![Effect::ScanContainers { pod_rel: rel.clone(), adopt: false }] } else { Vec::new() }
     }

@@ -307,6 +307,7 @@ impl PodState {
             return fx;
         }
         fx.extend(self.step(now));
+        fx.extend(self.scan_for_ends(true));
         fx
     }
 

@@ -70,8 +70,7 @@ fn the_quit_armed_ahead_is_the_quit_the_end_then_decides() {
             let on_failure = if policy == "Never" { istio.clone() } else { Vec::new() };
             assert_eq!(arm.on_failure, on_failure, "{policy}: the kubelet restarts a failed app");
             let armed = if end == Some(ProcessEnd::Exited(0)) { &arm.on_success } else { &arm.on_failure };
-            let exit =
-                ExitSeen { container_cgroup: APP, tgid: 7, end, ktime: d.now, cgroup_name: None };
+            let exit = ExitSeen { container_cgroup: APP, tgid: 7, end, ktime: d.now, cgroup_name: None };
             let fx = d.s.exit(exit, d.now);
             assert_eq!(&quit_endpoints(&fx), armed, "{policy} {end:?}: {fx:?}");
             if !armed.is_empty() {
@@ -138,11 +137,8 @@ fn on_failure_waits_for_success_and_follows_the_restarted_instance() {
     // the runtime names before the API does.
     let api = pod("OnFailure", &[("report", APP, terminated(1)), ("istio-proxy", PROXY, running())], &[]);
     assert!(quits(&d.pod(api)).is_empty());
-    let scan = vec![
-        seen(SANDBOX, Some(RuntimeName::Sandbox)),
-        seen(APP2, named("report")),
-        seen(PROXY, named("istio-proxy")),
-    ];
+    let scan =
+        vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(APP2, named("report")), seen(PROXY, named("istio-proxy"))];
     let fx = d.feed(Feedback::Containers(scan));
     assert!(quits(&fx).is_empty(), "the new instance runs: {fx:?}");
     let fx = d.exit(APP2, 0);
@@ -362,8 +358,11 @@ fn an_unseen_end_among_two_unknown_apps_waits_for_the_api_to_name_its_id() {
     // The API names both: `report` is the one that ended (by the kernel's word, before the API
     // says so), `upload` still runs.
     let two = |upload: Value| {
-        let mut p =
-            pod("Never", &[("report", APP, running()), ("upload", APP2, upload), ("istio-proxy", PROXY, running())], &[]);
+        let mut p = pod(
+            "Never",
+            &[("report", APP, running()), ("upload", APP2, upload), ("istio-proxy", PROXY, running())],
+            &[],
+        );
         let spec = p.spec.as_mut().expect("spec");
         let mut more = spec.containers[0].clone();
         more.name = "upload".into();
@@ -371,11 +370,8 @@ fn an_unseen_end_among_two_unknown_apps_waits_for_the_api_to_name_its_id() {
         p
     };
     assert!(quits(&d.pod(two(running()))).is_empty());
-    let scan = vec![
-        seen(SANDBOX, Some(RuntimeName::Sandbox)),
-        seen(APP2, named("upload")),
-        seen(PROXY, named("istio-proxy")),
-    ];
+    let scan =
+        vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(APP2, named("upload")), seen(PROXY, named("istio-proxy"))];
     assert!(quits(&d.feed(Feedback::Containers(scan))).is_empty());
     let fx = d.exit(APP2, 0);
     assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
@@ -417,6 +413,7 @@ fn an_empty_scan_proves_no_end_and_a_recheck_looks_again() {
     // At a resume or a re-list, the node is looked at again while the API calls a container
     // running that nothing said ended.
     assert_eq!(d.s.recheck_ends(), vec![Effect::ScanContainers { pod_rel: POD_REL.into(), adopt: false }]);
-    let fx = d.feed(Feedback::Containers(vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(PROXY, named("istio-proxy"))]));
+    let fx = d
+        .feed(Feedback::Containers(vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(PROXY, named("istio-proxy"))]));
     assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
 }
