@@ -52,8 +52,8 @@ use aya_ebpf::{
 };
 use valet_common::{
     CONTAINERS_CAPACITY, COUNTER_SLOTS, ContainerMain, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY, EXEC_CLASS_PASS,
-    ExitRecord, HELD_CAPACITY, HeldRecord, KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_HOST_PIDNS_LEVEL, OFFSET_UNKNOWN,
-    WATCHED_CAPACITY, container_flags, event_flags, event_kind, watch_flags,
+    ExitRecord, HELD_CAPACITY, HeldRecord, KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_HOST_PIDNS_LEVEL,
+    OFFSET_UNKNOWN, WATCHED_CAPACITY, container_flags, event_flags, event_kind, watch_flags,
 };
 
 const SIGSTOP: u32 = 19;

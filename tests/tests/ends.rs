@@ -22,7 +22,7 @@ fn an_app_that_ended_while_the_agent_was_stopped_is_quit_at_its_resume() {
     };
     let made = (|| -> anyhow::Result<valet_tests::harness::JobPod> {
         let spec = JobSpec::new("unseen-end").manual_status().app_command("app", "sleep 0.3");
-        let mut job = node.job_pod(spec)?;
+        let job = node.job_pod(spec)?;
         // The kubelet publishes the pod once while the app runs, then never again.
         job.publish_status()?;
         anyhow::ensure!(job.api_status("app").is_some_and(|s| s["state"]["running"].is_object()), "app running");
