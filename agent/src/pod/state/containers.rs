@@ -86,7 +86,7 @@ impl PodState {
         let mut ended = Vec::new();
         for name in names {
             let Some(s) = status::statuses(pod).find(|s| &s.name == name) else { continue };
-            if !s.state.as_ref().is_some_and(|st| st.running.is_some()) {
+            if s.state.as_ref().is_none_or(|st| st.running.is_none()) {
                 continue;
             }
             let Some(id) = hex_id(s.container_id.as_deref()) else { continue };
