@@ -41,6 +41,7 @@
 use aya_ebpf::{
     helpers::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_probe_read_kernel_str_bytes,
         generated::{
             bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_get_current_task, bpf_send_signal,
         },
@@ -51,9 +52,9 @@ use aya_ebpf::{
 };
 use valet_common::{
     CGROUP_V2, CONTAINERS_CAPACITY, COUNTER_SLOTS, ContainerMain, Counter, EVENTS_RING_BYTES, EXEC_CAPACITY,
-    EXEC_CLASS_PASS, HELD_CAPACITY, HeldRecord, KernelEvent, KernelLayout, MAX_CGROUP_DEPTH, MAX_CGROUP_SUBSYS,
-    MAX_HOST_PIDNS_LEVEL, OFFSET_UNKNOWN, WATCHED_CAPACITY, container_flags, event_flags, event_kind, watch_flags,
-    watched_hold_timeout_ns,
+    EXEC_CLASS_PASS, ExitRecord, HELD_CAPACITY, HeldRecord, KernelEvent, KernelLayout, MAX_CGROUP_DEPTH,
+    MAX_CGROUP_SUBSYS, MAX_HOST_PIDNS_LEVEL, OFFSET_UNKNOWN, WATCHED_CAPACITY, container_flags, event_flags,
+    event_kind, watch_flags, watched_hold_timeout_ns,
 };
 
 const SIGSTOP: u32 = 19;
@@ -118,6 +119,12 @@ fn count(counter: Counter) {
 #[inline(always)]
 fn submit_counted(mut entry: RingBufEntry<KernelEvent>, event: KernelEvent, counter: Counter) {
     entry.write(event);
+    submit_written(entry, counter);
+}
+
+/// Submits a record already written in place, counted first (as [`submit_counted`]).
+#[inline(always)]
+fn submit_written<T: 'static>(entry: RingBufEntry<T>, counter: Counter) {
     count(counter);
     entry.submit(0);
 }
@@ -162,9 +169,7 @@ fn watched_match<const WALK: bool>(l: &KernelLayout, task: u64) -> Option<(u64, 
     }
     if WALK {
         // task->cgroups->dfl_cgrp->kn, then up kn->parent.
-        let cset = read_u64(task, l.task_cgroups)?;
-        let cgrp = read_u64(cset, l.css_set_dfl_cgrp)?;
-        let kn = read_u64(cgrp, l.cgroup_kn)?;
+        let kn = task_cgroup_kn(l, task)?;
         return walk_up(l, kn, own);
     }
     let mut level = 0u32;
@@ -194,19 +199,31 @@ fn watched_match<const WALK: bool>(l: &KernelLayout, task: u64) -> Option<(u64, 
 /// space reads from its directories.
 #[inline(always)]
 fn watched_match_v1(l: &KernelLayout, task: u64) -> Option<(u64, u64, u32)> {
-    if l.cgroup_v1_subsys > MAX_CGROUP_SUBSYS || l.css_set_subsys == OFFSET_UNKNOWN {
-        return None;
-    }
-    let cset = read_u64(task, l.task_cgroups)?;
-    let css = read_u64(cset, l.css_set_subsys.wrapping_add(l.cgroup_v1_subsys * 8))?;
-    let cgrp = read_u64(css, l.css_cgroup)?;
-    let kn = read_u64(cgrp, l.cgroup_kn)?;
+    let kn = task_cgroup_kn(l, task)?;
     let own = read_u64(kn, l.kernfs_node_id)?;
     // SAFETY: map lookup by value; the reference is copied out at once.
     if let Some(flags) = unsafe { WATCHED.get(own) } {
         return Some((0, own, *flags));
     }
     walk_up(l, kn, own)
+}
+
+/// The kernfs node of the task's cgroup in the hierarchy the kubelet's cgroups live in: the v2
+/// one (`task->cgroups->dfl_cgrp`), or on a v1 or hybrid node controller `cgroup_v1_subsys`'s
+/// (`task->cgroups->subsys[id]->cgroup`).
+#[inline(always)]
+fn task_cgroup_kn(l: &KernelLayout, task: u64) -> Option<u64> {
+    let cset = read_u64(task, l.task_cgroups)?;
+    let cgrp = if l.cgroup_v1_subsys != CGROUP_V2 {
+        if l.cgroup_v1_subsys > MAX_CGROUP_SUBSYS || l.css_set_subsys == OFFSET_UNKNOWN {
+            return None;
+        }
+        let css = read_u64(cset, l.css_set_subsys.wrapping_add(l.cgroup_v1_subsys * 8))?;
+        read_u64(css, l.css_cgroup)?
+    } else {
+        read_u64(cset, l.css_set_dfl_cgrp)?
+    };
+    read_u64(cgrp, l.cgroup_kn)
 }
 
 /// Walks up from the kernfs node `kn` of a task's cgroup `own` (not watched itself) through
@@ -309,6 +326,40 @@ fn fill_common(event: &mut KernelEvent, kind: u32, container: u64, watched: u64)
     event.comm = bpf_get_current_comm().unwrap_or([0; 16]);
 }
 
+/// Copies the name of the current task's cgroup ancestor `container` (its own cgroup or one
+/// above it) into `out` (zeroed by the caller), NUL terminated; leaves it empty when the layout
+/// does not allow it.
+/// The cgroup exists while the exiting task is in it (`cgroup_exit` comes after the exit
+/// tracepoint), so its kernfs node and name are alive here.
+#[inline(always)]
+fn container_name(l: &KernelLayout, task: u64, container: u64, out: &mut [u8; valet_common::CGROUP_NAME_BYTES]) {
+    if l.kernfs_node_name == OFFSET_UNKNOWN {
+        return;
+    }
+    let Some(mut kn) = task_cgroup_kn(l, task) else {
+        return;
+    };
+    let mut depth = 0u32;
+    while depth < MAX_CGROUP_DEPTH && kn != 0 {
+        let Some(id) = read_u64(kn, l.kernfs_node_id) else { return };
+        if id == container {
+            if let Some(name) = read_u64(kn, l.kernfs_node_name)
+                && name != 0
+            {
+                // SAFETY: bpf_probe_read_kernel_str checks the address and fails softly; it
+                // writes at most `out.len()` bytes, NUL included.
+                if unsafe { bpf_probe_read_kernel_str_bytes(name as *const u8, out) }.is_err() {
+                    out[0] = 0;
+                }
+            }
+            return;
+        }
+        let Some(parent) = read_u64(kn, l.kernfs_node_parent) else { return };
+        kn = parent;
+        depth += 1;
+    }
+}
+
 #[inline(always)]
 fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
     let l = layout();
@@ -374,10 +425,19 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
         return 0;
     }
 
-    let Some(entry) = EVENTS.reserve::<KernelEvent>(0) else {
+    let Some(mut entry) = EVENTS.reserve::<ExitRecord>(0) else {
         count(Counter::EventsLost);
         return 0;
     };
+    // The name goes straight into the reserved record (no second copy on the 512-byte stack).
+    // SAFETY: the reserved record is ours until submitted; the field is zeroed in place before
+    // a reference to it is made.
+    let name = unsafe {
+        let name = core::ptr::addr_of_mut!((*entry.as_mut_ptr()).cgroup_name);
+        name.write([0; valet_common::CGROUP_NAME_BYTES]);
+        &mut *name
+    };
+    container_name(&l, task, container, name);
     let mut event = KernelEvent::zeroed();
     fill_common(&mut event, event_kind::EXIT, container, watched);
     event.tgid = info.host_nr;
@@ -398,7 +458,9 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
             event.flags |= event_flags::NS_INIT;
         }
     }
-    submit_counted(entry, event, Counter::ExitsReported);
+    // SAFETY: as above; the event field is written whole.
+    unsafe { core::ptr::addr_of_mut!((*entry.as_mut_ptr()).event).write(event) };
+    submit_written(entry, Counter::ExitsReported);
     0
 }
 

@@ -30,6 +30,9 @@ const TICK: Duration = Duration::from_millis(250);
 /// it names any): a pod that stops holding its apps releases those it knows, this releases the
 /// rest within a second.
 const SWEEP_TICKS: u32 = 4;
+/// A tick this much later than the one before means the agent did not run meanwhile (stopped,
+/// throttled, its node suspended): every pod is looked at again for ends no event reported.
+const STALL: Duration = Duration::from_secs(1);
 /// Most reports handled in one turn of the loop once one has arrived (the rest waits a turn: a
 /// kernel batch or a watch event is never starved by a flood of reports).
 const REPORT_BATCH: usize = 64;
@@ -53,6 +56,8 @@ pub struct Controller<K, L> {
     map_full_seen: u64,
     /// Ticks since the kernel's record of held processes was last swept for orphans.
     ticks_since_sweep: u32,
+    /// When the last tick ran (monotonic ns).
+    last_tick: Option<u64>,
 }
 
 impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
@@ -77,6 +82,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
             events_lost_seen: 0,
             map_full_seen: 0,
             ticks_since_sweep: 0,
+            last_tick: None,
         }
     }
 
@@ -215,6 +221,11 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
                 for uid in self.relist.end(self.pods.keys()) {
                     self.remove(&uid);
                 }
+                if self.lists_done > 0 {
+                    // Ends while the watch was down are not all in the kernel's events (a pod
+                    // that came meanwhile was not watched): the node is looked at again.
+                    self.recheck_ends();
+                }
                 self.lists_done += 1;
                 // Every pod on the node is known now: what the kernel stopped that none of them
                 // holds (an earlier agent's holds in pods deleted, relabelled or no longer
@@ -258,6 +269,16 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
         self.act.metrics().pods_tracked.set(self.pods.len() as i64);
     }
 
+    /// Level-triggered ends: every pod with a container the API calls running looks at its
+    /// cgroups again ([`PodState::recheck_ends`]).
+    fn recheck_ends(&mut self) {
+        let due: Vec<(String, Vec<Effect>)> =
+            self.pods.iter().map(|(uid, s)| (uid.clone(), s.recheck_ends())).filter(|(_, fx)| !fx.is_empty()).collect();
+        for (uid, fx) in due {
+            self.apply(&uid, fx);
+        }
+    }
+
     /// See [`Actuators::release_orphans`]. Only once the pods have been listed: before that,
     /// every pod would look gone.
     fn release_orphans(&mut self) {
@@ -280,6 +301,12 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
 
     fn on_tick(&mut self) {
         let now = monotonic_ns();
+        let stalled = self.last_tick.is_some_and(|t| now.saturating_sub(t) > STALL.as_nanos() as u64);
+        self.last_tick = Some(now);
+        if stalled {
+            info!("the agent did not run for a while: looking for container ends no event reported");
+            self.recheck_ends();
+        }
         self.act.prune_pinned();
         self.ticks_since_sweep += 1;
         if self.ticks_since_sweep >= SWEEP_TICKS && self.act.any_held_record() {
@@ -381,7 +408,13 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
             }
             return;
         };
-        let seen = ExitSeen { container_cgroup: exit.cgroup_id, tgid: exit.tgid, end: exit.end, ktime: exit.ktime_ns };
+        let seen = ExitSeen {
+            container_cgroup: exit.cgroup_id,
+            tgid: exit.tgid,
+            end: exit.end,
+            ktime: exit.ktime_ns,
+            cgroup_name: exit.cgroup_name.clone(),
+        };
         let seen_before = self.pods.get(&uid).is_some_and(|s| s.container_ended(exit.cgroup_id));
         self.transition(&uid, |state, now| state.exit(seen, now));
         // The line is written once the quit the end may call for is on its way: a log write

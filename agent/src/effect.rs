@@ -32,6 +32,8 @@ pub struct ContainerSeen {
     /// Its first exec already happened before this agent could judge it (an earlier agent held
     /// it, or the kernel recorded it): it must never be held now.
     pub exec_done: bool,
+    /// Some process lives in it (or below it).
+    pub live: bool,
 }
 
 /// What the runtime's bundle says a container is.
@@ -53,13 +55,15 @@ pub struct LeftHeld {
 }
 
 /// A container's main process ended, as the kernel saw it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExitSeen {
     pub container_cgroup: u64,
     pub tgid: u32,
     /// `None`: the exit code could not be read.
     pub end: Option<ProcessEnd>,
     pub ktime: Nanos,
+    /// The container cgroup's name the kernel read at the end (it holds the container's id).
+    pub cgroup_name: Option<String>,
 }
 
 /// A process the kernel stopped at its first exec.
@@ -203,12 +207,34 @@ pub enum Count {
 /// resourceVersion the write produced, when the server said it.
 #[derive(Clone, Debug)]
 pub enum Feedback {
-    PodCgroup { rel: String, id: u64 },
+    PodCgroup {
+        rel: String,
+        id: u64,
+    },
+    /// Every container cgroup the pod has on the node now (a scan of the pod cgroup): one the
+    /// API calls running that is not among them has ended.
     Containers(Vec<ContainerSeen>),
     LeftHeld(Vec<LeftHeld>),
-    Network { ok: bool, detail: String },
-    Probed { ready: bool, detail: String },
-    QuitDone { sidecar: String, outcome: QuitOutcome },
-    Signalled { sidecar: String, signal: i32, signalled: usize },
-    ConditionWritten { want: ProxyReady, error: Option<String>, version: Option<String> },
+    Network {
+        ok: bool,
+        detail: String,
+    },
+    Probed {
+        ready: bool,
+        detail: String,
+    },
+    QuitDone {
+        sidecar: String,
+        outcome: QuitOutcome,
+    },
+    Signalled {
+        sidecar: String,
+        signal: i32,
+        signalled: usize,
+    },
+    ConditionWritten {
+        want: ProxyReady,
+        error: Option<String>,
+        version: Option<String>,
+    },
 }

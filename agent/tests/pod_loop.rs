@@ -379,6 +379,7 @@ fn end_of(pod_cg: u64, cg: u64, code: i32) -> ProcessExit {
         child_pid_ns: true,
         container_main: true,
         comm: "app".into(),
+        cgroup_name: None,
         quits_sent_ahead: 0,
     }
 }

@@ -232,6 +232,25 @@ pub struct KernelEvent {
     pub comm: [u8; 16],
 }
 
+/// Bytes of a container cgroup's name an exit event carries, NUL padded: the longest kubelet
+/// container cgroup name (`cri-containerd-<64 hex>.scope`, 85 bytes) and room to spare. A longer
+/// name is cut, and user space then cannot tell the container by it.
+pub const CGROUP_NAME_BYTES: usize = 96;
+
+/// What an [`event_kind::EXIT`] record carries: the event and the name of the container cgroup
+/// ([`KernelEvent::cgroup_id`]) as the process left it. The name holds the container's id, so
+/// an end read late (after a stall of the agent) is matched to its container even when the
+/// runtime has removed the cgroup meanwhile and the agent never saw it. Other kinds are a bare
+/// [`KernelEvent`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExitRecord {
+    pub event: KernelEvent,
+    /// The container cgroup's name (its kernfs node's), NUL terminated unless it fills the
+    /// array; empty when the kernel layout did not allow reading it.
+    pub cgroup_name: [u8; CGROUP_NAME_BYTES],
+}
+
 impl KernelEvent {
     #[must_use]
     pub const fn zeroed() -> Self {
@@ -320,6 +339,8 @@ pub struct KernelLayout {
     pub kernfs_node_parent: u32,
     /// `kernfs_node.id` (a u64 since 5.5).
     pub kernfs_node_id: u32,
+    /// `kernfs_node.name` (a `const char *`): a container cgroup's name, for exit events.
+    pub kernfs_node_name: u32,
     /// Inode number of the host's pid namespace: the agent's own (it runs with hostPID). Not an
     /// offset. 0: unknown, the kernel's initial namespace is taken for the host's.
     pub host_pidns_inum: u32,
@@ -379,6 +400,7 @@ impl KernelLayout {
             tp_sock_sport: OFFSET_UNKNOWN,
             tp_sock_protocol: OFFSET_UNKNOWN,
             kernfs_node_id: OFFSET_UNKNOWN,
+            kernfs_node_name: OFFSET_UNKNOWN,
             host_pidns_inum: 0,
             host_pidns_level: 0,
             css_set_subsys: OFFSET_UNKNOWN,
@@ -403,4 +425,5 @@ mod user {
     unsafe impl aya::Pod for super::HeldRecord {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::HeldRecordV1 {}
+    unsafe impl aya::Pod for super::ExitRecord {}
 }

@@ -328,6 +328,9 @@ async fn run_and_expect(mode: Way, systemd: bool, n: u8, main: &[&str], signal: 
     assert_eq!(exit.watched_cgroup_id, pod.pod_id(), "matched through the pod cgroup (an ancestor)");
     assert!(exit.container_main && exit.ns_init && exit.child_pid_ns, "{exit:?}");
     assert_eq!(exit.ns_pid, 1);
+    // The container cgroup's own name, read by the kernel at the end (in the hierarchy watched).
+    let name = pod.container_rel.rsplit('/').next().map(str::to_owned);
+    assert_eq!(exit.cgroup_name, name, "{exit:?}");
     // Nothing else arrives for that cgroup: the runtime process's exit is filtered.
     assert_eq!(programs.counter(Counter::ExitsReported), 1);
     assert!(programs.counter(Counter::ExitsFiltered) >= 1, "the runtime process (unshare) exit");

@@ -127,6 +127,7 @@ mod tests {
             child_pid_ns: true,
             container_main: true,
             comm: "app".into(),
+            cgroup_name: None,
             quits_sent_ahead: 0,
         }
     }

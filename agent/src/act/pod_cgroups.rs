@@ -148,6 +148,7 @@ impl<K: KernelControl> PodCgroups<K> {
                 id: c.container.id.clone(),
                 runtime_name,
                 exec_done,
+                live: !procs.is_empty(),
             });
         }
         seen

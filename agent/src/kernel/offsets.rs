@@ -66,6 +66,7 @@ pub fn read_layout(btf: &Btf, tracefs: &Path) -> Result<KernelLayout> {
             .member_offset("kernfs_node", "parent")
             .or_else(|_| btf.member_offset("kernfs_node", "__parent"))),
         kernfs_node_id: opt(btf.member_offset("kernfs_node", "id")),
+        kernfs_node_name: opt(btf.member_offset("kernfs_node", "name")),
         host_pidns_inum: 0,
         host_pidns_level: 0,
         tp_sock_newstate: OFFSET_UNKNOWN,
@@ -147,7 +148,7 @@ mod tests {
     }
 
     #[test]
-    fn the_running_kernel_has_what_the_ancestor_walk_and_pid_reads_need() {
+    fn the_running_kernel_has_what_the_ancestor_walk_pid_reads_and_cgroup_names_need() {
         let btf = Btf::from_sys_fs().expect("/sys/kernel/btf/vmlinux readable");
         for (name, member) in [
             ("task_struct", "cgroups"),
@@ -156,6 +157,7 @@ mod tests {
             ("kernfs_node", "id"),
             ("css_set", "subsys"),
             ("cgroup_subsys_state", "cgroup"),
+            ("kernfs_node", "name"),
             ("upid", "ns"),
             ("pid_namespace", "ns"),
             ("ns_common", "inum"),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use aya::maps::{MapData, RingBuf};
 use tokio::io::unix::AsyncFd;
-use valet_common::{KernelEvent, event_flags, event_kind};
+use valet_common::{ExitRecord, KernelEvent, event_flags, event_kind};
 
 use crate::error::{Error, Result};
 pub use crate::vocab::ProcessEnd;
@@ -41,6 +41,10 @@ pub struct ProcessExit {
     /// The process was its container's recorded main process: the container ended.
     pub container_main: bool,
     pub comm: String,
+    /// The container cgroup's name as the process left it (it holds the container's id), when
+    /// the kernel could read it: the end is matched to its container by it even once the
+    /// cgroup is gone and the agent never saw it.
+    pub cgroup_name: Option<String>,
     /// Quits the event reader sent ahead the moment it read this end ([`OnExit`]); 0 when read
     /// any other way.
     pub quits_sent_ahead: usize,
@@ -81,6 +85,20 @@ fn comm(raw: &[u8; 16]) -> String {
     String::from_utf8_lossy(&raw[..end]).into_owned()
 }
 
+/// The container cgroup's name of an exit record; `None` for a bare event (an older kernel
+/// object), an empty name, or one that is not a plain file name.
+fn cgroup_name(bytes: &[u8]) -> Option<String> {
+    if bytes.len() < size_of::<ExitRecord>() {
+        return None;
+    }
+    let raw = &bytes[size_of::<KernelEvent>()..size_of::<ExitRecord>()];
+    let end = raw.iter().position(|&b| b == 0)?;
+    let name = std::str::from_utf8(&raw[..end]).ok()?;
+    let plain =
+        !name.is_empty() && name != "." && name != ".." && name.bytes().all(|b| b.is_ascii_graphic() && b != b'/');
+    plain.then(|| name.to_owned())
+}
+
 impl Event {
     /// Decodes one ring buffer record; `None` for records of unknown kind or size.
     pub fn decode(bytes: &[u8]) -> Option<Event> {
@@ -92,6 +110,7 @@ impl Event {
         let raw: KernelEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
         match raw.kind {
             event_kind::EXIT => Some(Event::Exit(ProcessExit {
+                cgroup_name: cgroup_name(bytes),
                 ktime_ns: raw.ktime_ns,
                 cgroup_id: raw.cgroup_id,
                 watched_cgroup_id: raw.watched_cgroup_id,
@@ -316,6 +335,7 @@ mod tests {
             }
             other => panic!("unexpected {other:?}"),
         }
+        assert_eq!(exit_name(bytes), None, "a bare event carries no name");
         assert_eq!(Event::decode(&bytes[..10]), None);
         let mut unknown = raw;
         unknown.kind = 99;
@@ -324,5 +344,36 @@ mod tests {
             std::slice::from_raw_parts((&unknown as *const KernelEvent).cast::<u8>(), size_of::<KernelEvent>())
         };
         assert_eq!(Event::decode(bytes), None);
+    }
+
+    fn exit_name(bytes: &[u8]) -> Option<String> {
+        match Event::decode(bytes) {
+            Some(Event::Exit(exit)) => exit.cgroup_name,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_exit_record_carries_its_container_cgroups_name() {
+        let mut rec = ExitRecord { event: KernelEvent::zeroed(), cgroup_name: [0; valet_common::CGROUP_NAME_BYTES] };
+        rec.event.kind = event_kind::EXIT;
+        let as_bytes = |rec: &ExitRecord| {
+            // SAFETY: plain data viewed as bytes.
+            unsafe { std::slice::from_raw_parts((rec as *const ExitRecord).cast::<u8>(), size_of::<ExitRecord>()) }
+                .to_vec()
+        };
+        let name = format!("cri-containerd-{}.scope", "ab".repeat(32));
+        rec.cgroup_name[..name.len()].copy_from_slice(name.as_bytes());
+        assert_eq!(exit_name(&as_bytes(&rec)), Some(name));
+        // Empty (unreadable), cut (no NUL), or not a file name: no name.
+        rec.cgroup_name = [0; valet_common::CGROUP_NAME_BYTES];
+        assert_eq!(exit_name(&as_bytes(&rec)), None);
+        rec.cgroup_name = [b'a'; valet_common::CGROUP_NAME_BYTES];
+        assert_eq!(exit_name(&as_bytes(&rec)), None);
+        rec.cgroup_name = [0; valet_common::CGROUP_NAME_BYTES];
+        rec.cgroup_name[..4].copy_from_slice(b"a/..");
+        assert_eq!(exit_name(&as_bytes(&rec)), None);
+        rec.cgroup_name[..4].copy_from_slice(b"..\0\0");
+        assert_eq!(exit_name(&as_bytes(&rec)), None);
     }
 }

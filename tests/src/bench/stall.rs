@@ -58,7 +58,7 @@ pub(crate) fn stall_ends(
     let pid = agent.pid().context("agent pid")?;
     // An exit event in the ring buffer: the record and its 8-byte header, rounded up to 8 bytes
     // (BPF_RINGBUF_HDR_SZ). The size is the agent's own map's, read from the kernel.
-    let end_bytes = (std::mem::size_of::<valet_common::KernelEvent>() as u64 + 8).next_multiple_of(8);
+    let end_bytes = (std::mem::size_of::<valet_common::ExitRecord>() as u64 + 8).next_multiple_of(8);
     let ring_bytes =
         map_max_entries(pid, valet_common::MAP_EVENTS).map_or(u64::from(valet_common::EVENTS_RING_BYTES), u64::from);
     let t = Instant::now();

@@ -78,6 +78,74 @@ impl PodState {
         }
     }
 
+    /// Level-triggered ends: `seen` is everything the node has of the pod's containers now (a
+    /// scan of the pod cgroup). A container the API calls running whose instance has no cgroup
+    /// left, or only an empty one, has ended, whether or not any kernel event said so (it ended
+    /// while no agent watched the pod: before a restart, during a stall, before the pod was
+    /// seen). An empty scan proves nothing (the pod cgroup is gone or unreadable, and with it
+    /// the sandbox every live pod has).
+    pub(super) fn note_vanished(&mut self, seen: &[ContainerSeen]) {
+        let (Some(plan), Some(pod)) = (&self.plan, &self.pod) else { return };
+        if seen.is_empty() {
+            return;
+        }
+        let names = plan.apps.iter().chain(plan.sidecars.iter().map(|s| &s.name));
+        let mut ended = Vec::new();
+        for name in names {
+            let Some(s) = status::statuses(pod).find(|s| &s.name == name) else { continue };
+            if s.state.as_ref().is_none_or(|st| st.running.is_none()) {
+                continue;
+            }
+            let Some(id) = hex_id(s.container_id.as_deref()) else { continue };
+            if self.vanished.contains(&id) || self.kernel_end(&id).is_some() {
+                continue;
+            }
+            let on_node = seen.iter().find(|c| c.id == id);
+            if on_node.is_none_or(|c| !c.live) {
+                ended.push((name.clone(), id, on_node.is_some()));
+            }
+        }
+        for (name, id, empty) in ended {
+            info!(
+                pod = %self.name(),
+                container = %name,
+                "container ended unseen: the API says running, its cgroup is {}",
+                if empty { "empty" } else { "gone" }
+            );
+            self.vanished.insert(id);
+        }
+    }
+
+    /// The scan that finds ends no kernel event reported ([`PodState::note_vanished`]), when the
+    /// API calls a container of the pod running and nothing says it ended.
+    pub fn recheck_ends(&self) -> Vec<Effect> {
+        self.scan_for_ends(false)
+    }
+
+    /// The scan [`PodState::recheck_ends`] asks for; with `unknown_only`, only when the API calls
+    /// running an instance the node has not shown yet (the API caught up with a container that
+    /// started and may have ended while no agent watched: looked at once).
+    pub(super) fn scan_for_ends(&self, unknown_only: bool) -> Vec<Effect> {
+        let (Some(plan), Some(pod), Some((rel, _))) = (&self.plan, &self.pod, &self.pod_cgroup) else {
+            return Vec::new();
+        };
+        if self.released {
+            return Vec::new();
+        }
+        let open = plan.apps.iter().chain(plan.sidecars.iter().map(|s| &s.name)).any(|name| {
+            status::statuses(pod)
+                .find(|s| &s.name == name)
+                .filter(|s| s.state.as_ref().is_some_and(|st| st.running.is_some()))
+                .and_then(|s| hex_id(s.container_id.as_deref()))
+                .is_some_and(|id| {
+                    self.kernel_end(&id).is_none()
+                        && !self.vanished.contains(&id)
+                        && (!unknown_only || !self.containers.values().any(|c| c.id == id))
+                })
+        });
+        if open { vec![Effect::ScanContainers { pod_rel: rel.clone(), adopt: false }] } else { Vec::new() }
+    }
+
     pub(super) fn finish(&mut self) {
         if !self.finished {
             debug!(pod = %self.name(), "work done");
@@ -151,6 +219,10 @@ impl PodState {
         if let Some(end) = self.kernel_end(&instance.id) {
             return AppState::Exited(outcome(end.end));
         }
+        if self.vanished.contains(&instance.id) {
+            // How it ended is unknown: never claimed a success.
+            return AppState::Exited(outcome(None));
+        }
         if let Some((id, ended)) = assumed
             && id == instance.id
         {
@@ -170,6 +242,7 @@ impl PodState {
     pub(super) fn instance_ended(&self, instance: &Instance<'_>) -> bool {
         instance.api.and_then(|s| s.state.as_ref()).is_some_and(|s| s.terminated.is_some())
             || self.kernel_end(&instance.id).is_some()
+            || self.vanished.contains(&instance.id)
     }
 
     pub(super) fn kernel_end(&self, id: &str) -> Option<KernelEnd> {

@@ -8,10 +8,13 @@ impl PodState {
     /// effects are applied, so that a quit is on its way before the log line's write.
     pub fn exit(&mut self, exit: ExitSeen, now: Nanos) -> Vec<Effect> {
         self.settled = false;
-        let Some(c) = self.containers.get_mut(&exit.container_cgroup) else {
+        if !self.containers.contains_key(&exit.container_cgroup) && (self.released || !self.identify_ended(&exit)) {
+            // A pod already let go of, or nothing tells which container it was (the API's report
+            // ends it): the kernel's record of the container has nothing more to do.
             debug!(pod = %self.name(), cgroup = exit.container_cgroup, "exit in an unknown container cgroup");
-            return Vec::new();
-        };
+            return vec![Effect::ForgetContainer { container_cgroup: exit.container_cgroup }];
+        }
+        let Some(c) = self.containers.get_mut(&exit.container_cgroup) else { return Vec::new() };
         if c.end.is_some() {
             return Vec::new();
         }
@@ -21,6 +24,48 @@ impl PodState {
         let mut fx = vec![Effect::Count(Count::ContainerEnd(exit.end))];
         fx.extend(self.step(now));
         fx
+    }
+
+    /// A container the agent never saw ended (read after a stall of the agent, its cgroup
+    /// already removed by the runtime): it is known from then on by the id in its cgroup's name,
+    /// as the kernel read it at the end. Its name is the API's once the API reports that id; until
+    /// then, when every container of the pod but one app is known, it is that app (the sandbox,
+    /// the sidecars and the init containers are all accounted for). Whether it could be recorded.
+    pub(super) fn identify_ended(&mut self, exit: &ExitSeen) -> bool {
+        let (Some(name), Some((pod_rel, _))) = (exit.cgroup_name.as_deref(), self.pod_cgroup.as_ref()) else {
+            return false;
+        };
+        let rel = format!("{}/{name}", pod_rel.trim_end_matches('/'));
+        let crate::cgroup::layout::CgroupKind::Container(c) = crate::cgroup::layout::classify(&rel) else {
+            return false;
+        };
+        if c.pod.uid != self.uid || self.containers.values().any(|k| k.id == c.id) {
+            return false;
+        }
+        let runtime_name = match (self.pod.as_ref().and_then(|p| status::name_of_id(p, &c.id)), &self.plan) {
+            (Some(_), _) => None,
+            (None, Some(plan)) => self.only_unknown_app(plan).map(RuntimeName::Container),
+            (None, None) => None,
+        };
+        debug!(pod = %self.name(), cgroup = exit.container_cgroup, id = %c.id, guessed = ?runtime_name, "end of a container never seen");
+        self.containers.insert(
+            exit.container_cgroup,
+            Container { id: c.id, rel, runtime_name, classified: true, exec_done: true, end: None },
+        );
+        true
+    }
+
+    /// The one app a container that ended unseen can be: every other container of the pod is
+    /// known (the sandbox, each sidecar and init container) and exactly one app is not.
+    fn only_unknown_app(&self, plan: &PodPlan) -> Option<String> {
+        let others_known = self.containers.values().any(|c| c.runtime_name == Some(RuntimeName::Sandbox))
+            && plan.sidecars.iter().all(|s| self.current(&s.name).is_some())
+            && plan.init_containers.iter().all(|n| self.current(n).is_some());
+        let mut unknown = plan.apps.iter().filter(|a| self.current(a).is_none());
+        match (others_known, unknown.next(), unknown.next()) {
+            (true, Some(app), None) => Some(app.clone()),
+            _ => None,
+        }
     }
 
     /// The quit this pod's state machine would send the moment one more container ends, when

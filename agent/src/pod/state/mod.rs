@@ -168,6 +168,10 @@ pub struct PodState {
     watching: Option<bool>,
     /// Container cgroup id → what is known of it.
     containers: BTreeMap<u64, Container>,
+    /// Container instances the API calls running that had ended when the node was looked at
+    /// (their cgroup gone or empty): ends no kernel event reported (they came while no agent
+    /// watched the pod).
+    vanished: std::collections::BTreeSet<String>,
     network_open: bool,
     held: Vec<Held>,
     left_held_searched: bool,
@@ -213,6 +217,7 @@ impl PodState {
             pod_cgroup: None,
             watching: None,
             containers: BTreeMap::new(),
+            vanished: std::collections::BTreeSet::new(),
             network_open: false,
             held: Vec::new(),
             left_held_searched: false,
@@ -346,6 +351,7 @@ impl PodState {
             return fx;
         }
         fx.extend(self.step(now));
+        fx.extend(self.scan_for_ends(true));
         fx
     }
 
@@ -389,7 +395,10 @@ impl PodState {
             Feedback::Containers(seen) if self.released => {
                 fx.extend(seen.into_iter().map(|s| Effect::ForgetContainer { container_cgroup: s.cgroup_id }));
             }
-            Feedback::Containers(seen) => self.merge_containers(seen),
+            Feedback::Containers(seen) => {
+                self.note_vanished(&seen);
+                self.merge_containers(seen);
+            }
             Feedback::LeftHeld(found) => fx.extend(self.adopt(found)),
             Feedback::Network { ok, detail } => {
                 if !ok {

@@ -67,6 +67,7 @@ pub(super) fn seen(cg: u64, name: Option<RuntimeName>) -> ContainerSeen {
         id: id(cg),
         runtime_name: name,
         exec_done: false,
+        live: true,
     }
 }
 
@@ -95,7 +96,13 @@ impl Drive {
         self.s.feedback(fb, &self.rules, self.now)
     }
     pub(super) fn exit(&mut self, cg: u64, code: i32) -> Vec<Effect> {
-        let exit = ExitSeen { container_cgroup: cg, tgid: 7, end: Some(ProcessEnd::Exited(code)), ktime: self.now };
+        let exit = ExitSeen {
+            container_cgroup: cg,
+            tgid: 7,
+            end: Some(ProcessEnd::Exited(code)),
+            ktime: self.now,
+            cgroup_name: None,
+        };
         self.s.exit(exit, self.now)
     }
     pub(super) fn held(&mut self, cg: u64, tgid: u32, comm: &str) -> Vec<Effect> {

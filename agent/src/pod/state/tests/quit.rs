@@ -70,7 +70,8 @@ fn the_quit_armed_ahead_is_the_quit_the_end_then_decides() {
             let on_failure = if policy == "Never" { istio.clone() } else { Vec::new() };
             assert_eq!(arm.on_failure, on_failure, "{policy}: the kubelet restarts a failed app");
             let armed = if end == Some(ProcessEnd::Exited(0)) { &arm.on_success } else { &arm.on_failure };
-            let fx = d.s.exit(ExitSeen { container_cgroup: APP, tgid: 7, end, ktime: d.now }, d.now);
+            let exit = ExitSeen { container_cgroup: APP, tgid: 7, end, ktime: d.now, cgroup_name: None };
+            let fx = d.s.exit(exit, d.now);
             assert_eq!(&quit_endpoints(&fx), armed, "{policy} {end:?}: {fx:?}");
             if !armed.is_empty() {
                 assert_eq!(d.s.quit_ahead(), None, "{policy} {end:?}: the work is done");
@@ -136,7 +137,9 @@ fn on_failure_waits_for_success_and_follows_the_restarted_instance() {
     // the runtime names before the API does.
     let api = pod("OnFailure", &[("report", APP, terminated(1)), ("istio-proxy", PROXY, running())], &[]);
     assert!(quits(&d.pod(api)).is_empty());
-    let fx = d.feed(Feedback::Containers(vec![seen(APP2, named("report"))]));
+    let scan =
+        vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(APP2, named("report")), seen(PROXY, named("istio-proxy"))];
+    let fx = d.feed(Feedback::Containers(scan));
     assert!(quits(&fx).is_empty(), "the new instance runs: {fx:?}");
     let fx = d.exit(APP2, 0);
     assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "the newest instance counts: {fx:?}");
@@ -147,7 +150,7 @@ fn the_api_has_the_last_word_on_an_instance_it_reports_terminated() {
     let mut d = Drive::new(true);
     d.found(pod("OnFailure", &[("report", APP, running()), ("istio-proxy", PROXY, running())], &[]));
     // The kernel could not read the exit code (255, never success)...
-    let exit = ExitSeen { container_cgroup: APP, tgid: 7, end: None, ktime: d.now };
+    let exit = ExitSeen { container_cgroup: APP, tgid: 7, end: None, ktime: d.now, cgroup_name: None };
     assert!(quits(&d.s.exit(exit, d.now)).is_empty());
     // ...the API says it exited 0: the work is done.
     let fx = d.pod(pod("OnFailure", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &[]));
@@ -294,4 +297,132 @@ fn a_restart_always_pod_is_held_and_probed_but_never_quit() {
     fx.extend(d.pod(pod("Always", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &hold)));
     fx.extend(d.after(60_000));
     assert!(quits(&fx).is_empty() && signals(&fx).is_empty(), "never quit: {fx:?}");
+}
+
+/// The pod cgroup as the kubelet names it for [`fixtures::UID`] (a path `classify` reads).
+fn real_pod_rel() -> String {
+    format!("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice", fixtures::UID.replace('-', "_"))
+}
+
+/// An end read late: the container's cgroup is gone and was never seen; only the kernel's event
+/// names it (`cgroup_name`).
+fn late_end(cg: u64, name: Option<String>, now: Nanos) -> ExitSeen {
+    ExitSeen { container_cgroup: cg, tgid: 7, end: Some(ProcessEnd::Exited(0)), ktime: now, cgroup_name: name }
+}
+
+/// A pod the API knows nothing of yet (Pending, no ids), found on the node with its sandbox
+/// and sidecar: its app started and ended while the agent was stopped.
+fn found_without_the_app(d: &mut Drive, apps: &[&str]) {
+    let mut pod = pod("Never", &[], &[]);
+    if apps.len() > 1 {
+        let spec = pod.spec.as_mut().expect("spec");
+        let mut more = spec.containers[0].clone();
+        more.name = apps[1].into();
+        spec.containers.insert(1, more);
+    }
+    if let Some(s) = pod.status.as_mut() {
+        s.phase = Some("Pending".into());
+    }
+    d.pod(pod);
+    d.feed(Feedback::PodCgroup { rel: real_pod_rel(), id: POD_CG });
+    d.feed(Feedback::Containers(vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(PROXY, named("istio-proxy"))]));
+}
+
+#[test]
+fn an_end_read_after_a_stall_is_matched_by_the_cgroup_name_the_kernel_kept() {
+    // The end of a container the agent never named (it started and ended while the
+    // agent was stopped, and the runtime removed its cgroup) is the app's: everything else of
+    // the pod is known.
+    let mut d = Drive::new(true);
+    found_without_the_app(&mut d, &["report"]);
+    let name = format!("cri-containerd-{}.scope", id(APP));
+    let fx = d.s.exit(late_end(APP, Some(name), d.now), d.now);
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
+    assert!(has(&fx, &Effect::Count(Count::ContainerEnd(Some(ProcessEnd::Exited(0))))));
+    // Its kernel record is freed with the pod's.
+    let fx = d.exit(PROXY, 0);
+    assert!(has(&fx, &Effect::ForgetContainer { container_cgroup: APP }), "{fx:?}");
+}
+
+#[test]
+fn an_end_without_a_name_is_left_to_the_api_and_its_record_freed() {
+    let mut d = Drive::new(true);
+    found_without_the_app(&mut d, &["report"]);
+    let fx = d.s.exit(late_end(APP, None, d.now), d.now);
+    assert!(quits(&fx).is_empty(), "{fx:?}");
+    assert_eq!(fx, vec![Effect::ForgetContainer { container_cgroup: APP }]);
+    // A name that is not a container of this pod tells nothing either.
+    let other = "cri-containerd-zz.scope".to_owned();
+    let fx = d.s.exit(late_end(APP2, Some(other), d.now), d.now);
+    assert_eq!(fx, vec![Effect::ForgetContainer { container_cgroup: APP2 }]);
+}
+
+#[test]
+fn an_unseen_end_among_two_unknown_apps_waits_for_the_api_to_name_its_id() {
+    let mut d = Drive::new(true);
+    found_without_the_app(&mut d, &["report", "upload"]);
+    let name = format!("cri-containerd-{}.scope", id(APP));
+    let fx = d.s.exit(late_end(APP, Some(name), d.now), d.now);
+    assert!(quits(&fx).is_empty(), "either app could have ended: {fx:?}");
+    // The API names both: `report` is the one that ended (by the kernel's word, before the API
+    // says so), `upload` still runs.
+    let two = |upload: Value| {
+        let mut p = pod(
+            "Never",
+            &[("report", APP, running()), ("upload", APP2, upload), ("istio-proxy", PROXY, running())],
+            &[],
+        );
+        let spec = p.spec.as_mut().expect("spec");
+        let mut more = spec.containers[0].clone();
+        more.name = "upload".into();
+        spec.containers.insert(1, more);
+        p
+    };
+    assert!(quits(&d.pod(two(running()))).is_empty());
+    let scan =
+        vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(APP2, named("upload")), seen(PROXY, named("istio-proxy"))];
+    assert!(quits(&d.feed(Feedback::Containers(scan))).is_empty());
+    let fx = d.exit(APP2, 0);
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
+}
+
+#[test]
+fn a_container_the_api_calls_running_with_no_cgroup_left_has_ended() {
+    // The app ended while no agent watched the pod; the API still says running. A
+    // scan of the node that finds no cgroup (or an empty one) for it is its end.
+    for live_but_empty in [false, true] {
+        let mut d = Drive::new(true);
+        let api = pod("Never", &[("report", APP, running()), ("istio-proxy", PROXY, running())], &[]);
+        d.pod(api);
+        d.feed(Feedback::PodCgroup { rel: POD_REL.into(), id: POD_CG });
+        let mut app = seen(APP, named("report"));
+        app.live = false;
+        let mut scan = vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(PROXY, named("istio-proxy"))];
+        if live_but_empty {
+            scan.push(app);
+        }
+        let fx = d.feed(Feedback::Containers(scan));
+        assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "empty={live_but_empty}: {fx:?}");
+    }
+}
+
+#[test]
+fn an_empty_scan_proves_no_end_and_a_recheck_looks_again() {
+    let mut d = Drive::new(true);
+    d.pod(pod("Never", &[("report", APP, running()), ("istio-proxy", PROXY, running())], &[]));
+    d.feed(Feedback::PodCgroup { rel: POD_REL.into(), id: POD_CG });
+    let fx = d.feed(Feedback::Containers(Vec::new()));
+    assert!(quits(&fx).is_empty(), "{fx:?}");
+    let fx = d.feed(Feedback::Containers(vec![
+        seen(SANDBOX, Some(RuntimeName::Sandbox)),
+        seen(APP, named("report")),
+        seen(PROXY, named("istio-proxy")),
+    ]));
+    assert!(quits(&fx).is_empty(), "all running: {fx:?}");
+    // At a resume or a re-list, the node is looked at again while the API calls a container
+    // running that nothing said ended.
+    assert_eq!(d.s.recheck_ends(), vec![Effect::ScanContainers { pod_rel: POD_REL.into(), adopt: false }]);
+    let fx = d
+        .feed(Feedback::Containers(vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(PROXY, named("istio-proxy"))]));
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
 }
