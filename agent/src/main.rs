@@ -15,7 +15,7 @@ use tracing_subscriber::EnvFilter;
 use valet_agent::act::{Actuators, Parts, Settings};
 use valet_agent::api::events::EventSink;
 use valet_agent::cgroup::CgroupFs;
-use valet_agent::cgroup::root::find_node_cgroups;
+use valet_agent::cgroup::root::{NodeCgroups, find_node_cgroups};
 use valet_agent::config::parse_duration;
 use valet_agent::config::{Config, LogFormat};
 use valet_agent::controller::Controller;
@@ -63,10 +63,15 @@ async fn shutdown_signal() {
 /// Releases the held apps past their deadline in the pinned record of holds, first thing (before
 /// anything that can fail or wait for the API), then keeps doing so on a thread of its own for
 /// the agent's life: a crash loop or an API outage leaves no app stopped past its deadline.
-fn keep_deadlines(cfg: &Config, metrics: &Arc<Metrics>, health: &Arc<Health>) {
-    match find_node_cgroups(cfg.cgroup_root.as_deref(), &cfg.cgroup_mount, &cfg.host_proc) {
+fn keep_deadlines(
+    cfg: &Config,
+    found: &Result<NodeCgroups, valet_agent::Error>,
+    metrics: &Arc<Metrics>,
+    health: &Arc<Health>,
+) {
+    match found {
         Ok(found) => {
-            let root = found.root;
+            let root = found.root.clone();
             let settings = KeeperSettings {
                 pins: pin_paths(&cfg.pin_dir, &cfg.old_pin_dirs),
                 host_proc: cfg.host_proc.clone(),
@@ -83,10 +88,16 @@ fn keep_deadlines(cfg: &Config, metrics: &Arc<Metrics>, health: &Arc<Health>) {
     }
 }
 
-async fn run(cfg: Config, metrics: Arc<Metrics>, health: Arc<Health>) -> anyhow::Result<()> {
+/// `node_cgroups`: the node's hierarchy, found once at start ([`find_node_cgroups`]).
+async fn run(
+    cfg: Config,
+    node_cgroups: Result<NodeCgroups, valet_agent::Error>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+) -> anyhow::Result<()> {
     cfg.validate()?;
     let cfg = Arc::new(cfg);
-    let node_cgroups = find_node_cgroups(cfg.cgroup_root.as_deref(), &cfg.cgroup_mount, &cfg.host_proc)?;
+    let node_cgroups = node_cgroups?;
     info!(
         node = %cfg.node_name,
         cgroup_root = %node_cgroups.root.display(),
@@ -294,7 +305,10 @@ fn main() -> std::process::ExitCode {
     init_logging(cfg.log_format);
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::default());
-    keep_deadlines(&cfg, &metrics, &health);
+    // Found once: the deadlines' thread, the agent and its last release at shutdown share it.
+    let node_cgroups = find_node_cgroups(cfg.cgroup_root.as_deref(), &cfg.cgroup_mount, &cfg.host_proc);
+    keep_deadlines(&cfg, &node_cgroups, &metrics, &health);
+    let shutdown_root = node_cgroups.as_ref().ok().map(|found| found.root.clone());
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -307,13 +321,12 @@ fn main() -> std::process::ExitCode {
         host_proc: cfg.host_proc.clone(),
         default_timeout: cfg.hold_timeout,
     };
-    let (cgroup_root, cgroup_mount) = (cfg.cgroup_root.clone(), cfg.cgroup_mount.clone());
-    match runtime.block_on(run(cfg, metrics, health)) {
+    match runtime.block_on(run(cfg, node_cgroups, metrics, health)) {
         Ok(()) => {
             // Stopped by SIGTERM (an uninstall, or a rolling update): no app stays stopped behind
             // this agent, not even one whose pod it never got to list.
-            if let Ok(found) = find_node_cgroups(cgroup_root.as_deref(), &cgroup_mount, &settings.host_proc) {
-                let left = Keeper::new(settings, CgroupFs::new(found.root), None, || Duration::ZERO).release_all();
+            if let Some(root) = shutdown_root {
+                let left = Keeper::new(settings, CgroupFs::new(root), None, || Duration::ZERO).release_all();
                 if left.released > 0 {
                     info!(released = left.released, "released the held apps no pod had released at shutdown");
                 }

@@ -425,5 +425,6 @@ mod user {
     unsafe impl aya::Pod for super::HeldRecord {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::HeldRecordV1 {}
+    // SAFETY: as above.
     unsafe impl aya::Pod for super::ExitRecord {}
 }

@@ -33,6 +33,11 @@ fn counted(fx: &[Effect]) -> Vec<&'static str> {
         .collect()
 }
 
+/// The watch of the test pod's cgroup, with exits and holds on or off.
+fn watch(exits: bool, hold: bool) -> Effect {
+    Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits, hold, hold_timeout: DEFAULT_HOLD_TIMEOUT }
+}
+
 fn never_held(fx: &[Effect]) -> bool {
     !fx.iter().any(|e| {
         matches!(e, Effect::ClassifyExec { .. } | Effect::FindLeftHeld { .. } | Effect::Watch { hold: true, .. })
@@ -43,19 +48,7 @@ fn never_held(fx: &[Effect]) -> bool {
 fn on_a_degraded_node_a_pod_asking_for_a_hold_runs_unheld_and_is_told_why() {
     let mut d = degraded();
     let fx = d.found(pod("Never", &[], &[HOLD]));
-    assert!(
-        has(
-            &fx,
-            &Effect::Watch {
-                pod_cgroup: POD_CG,
-                pod_rel: POD_REL.into(),
-                exits: false,
-                hold: false,
-                hold_timeout: DEFAULT_HOLD_TIMEOUT
-            }
-        ),
-        "{fx:?}"
-    );
+    assert!(has(&fx, &watch(false, false)), "{fx:?}");
     assert!(has(&fx, &Effect::ScanContainers { pod_rel: POD_REL.into(), adopt: false }), "{fx:?}");
     assert!(never_held(&fx), "{fx:?}");
     assert_eq!(counted(&fx), ["node_degraded"], "counted once: {fx:?}");
@@ -90,16 +83,7 @@ fn on_a_degraded_node_a_pod_without_a_hold_is_counted_without_an_event() {
     let fx = d.found(pod("Never", &[], &[]));
     assert_eq!(counted(&fx), ["node_degraded"], "{fx:?}");
     assert!(publishes(&fx).is_empty(), "one Event per pod on a degraded node would be noise: {fx:?}");
-    assert!(has(
-        &fx,
-        &Effect::Watch {
-            pod_cgroup: POD_CG,
-            pod_rel: POD_REL.into(),
-            exits: false,
-            hold: false,
-            hold_timeout: DEFAULT_HOLD_TIMEOUT
-        }
-    ));
+    assert!(has(&fx, &watch(false, false)));
     let fx = d.pod(pod("Never", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &[]));
     assert_eq!(quits(&fx).len(), 1, "{fx:?}");
 }
@@ -111,19 +95,7 @@ fn a_sandboxed_pod_takes_its_ends_from_the_api_and_says_so() {
         let fx = d.found(with_class(pod("Never", &[], &[]), class));
         assert_eq!(counted(&fx), ["sandboxed"], "{class}: {fx:?}");
         assert_eq!(publishes(&fx), [(false, "EndsFromApi")], "{class}: {fx:?}");
-        assert!(
-            has(
-                &fx,
-                &Effect::Watch {
-                    pod_cgroup: POD_CG,
-                    pod_rel: POD_REL.into(),
-                    exits: false,
-                    hold: false,
-                    hold_timeout: DEFAULT_HOLD_TIMEOUT
-                }
-            ),
-            "{class}: {fx:?}"
-        );
+        assert!(has(&fx, &watch(false, false)), "{class}: {fx:?}");
         let done =
             with_class(pod("Never", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &[]), class);
         assert_eq!(quits(&d.pod(done)).len(), 1, "{class}");
@@ -142,19 +114,7 @@ fn other_runtime_classes_keep_the_kernel_path() {
         let mut d = Drive::new(true);
         let fx = d.found(with_class(pod("Never", &[], &[HOLD]), class));
         assert!(counted(&fx).is_empty() && publishes(&fx).is_empty(), "{class:?}: {fx:?}");
-        assert!(
-            has(
-                &fx,
-                &Effect::Watch {
-                    pod_cgroup: POD_CG,
-                    pod_rel: POD_REL.into(),
-                    exits: true,
-                    hold: true,
-                    hold_timeout: DEFAULT_HOLD_TIMEOUT
-                }
-            ),
-            "{class:?}: {fx:?}"
-        );
+        assert!(has(&fx, &watch(true, true)), "{class:?}: {fx:?}");
     }
 }
 
