@@ -877,10 +877,14 @@ fn condition_stays_ready_after_the_work_is_done_and_the_proxy_quits() {
     assert_eq!(patches.len(), 2, "False then True, nothing after: {patches:?}");
 }
 
-/// An app that writes `marker` and runs until `stop` exists: the pod stays Running (an app that
-/// ended would have its proxy quit and the pod complete before the test looks).
-fn running_app_script(marker: &Path, stop: &Path) -> String {
-    format!("echo ran > {}; while [ ! -e {} ]; do sleep 0.05; done", marker.display(), stop.display())
+/// A Job named `name` (`<name>-held` with a hold) whose app writes `marker` and runs until
+/// `<scratch>/stop` exists: the pod stays Running (an app that ended would have its proxy quit
+/// and the pod complete before the test looks).
+fn running_app_spec(node: &Node, name: &str, hold: bool, marker: &Path) -> JobSpec {
+    let stop = node.scratch.path("stop");
+    let script = format!("echo ran > {}; while [ ! -e {} ]; do sleep 0.05; done", marker.display(), stop.display());
+    let spec = JobSpec::new(&if hold { format!("{name}-held") } else { name.to_owned() }).app_command("app", &script);
+    if hold { spec.annotation(HOLD, "true") } else { spec }
 }
 
 /// The pod's phase as the API shows it.
@@ -897,12 +901,8 @@ fn the_condition_follows_a_readiness_seen_before_the_api_says_running() {
     for hold in [false, true] {
         let node = Node::new().expect("node");
         let agent = node.start_agent(&[]).expect("agent");
-        let (marker, stop) = (node.scratch.path("marker"), node.scratch.path("stop"));
-        let mut spec = JobSpec::new(if hold { "early-held" } else { "early" }).manual_status();
-        spec = spec.app_command("app", &running_app_script(&marker, &stop));
-        if hold {
-            spec = spec.annotation(HOLD, "true");
-        }
+        let marker = node.scratch.path("marker");
+        let spec = running_app_spec(&node, "early", hold, &marker).manual_status();
         let job = node.job_pod(spec).expect("pod");
         wait_condition(&node, &job, &agent, "True", "ProxyReady");
         assert_eq!(phase(&node, &job).as_deref(), Some("Pending"), "the API has not caught up yet");
@@ -935,12 +935,8 @@ fn the_condition_lands_once_the_kubelet_publishes_running_at_its_own_pace() {
     for hold in [false, true] {
         let node = Node::new().expect("node");
         let agent = node.start_agent(&[]).expect("agent");
-        let (marker, stop) = (node.scratch.path("marker"), node.scratch.path("stop"));
-        let mut spec = JobSpec::new(if hold { "paced-held" } else { "paced" });
-        spec = spec.app_command("app", &running_app_script(&marker, &stop));
-        if hold {
-            spec = spec.annotation(HOLD, "true");
-        }
+        let marker = node.scratch.path("marker");
+        let spec = running_app_spec(&node, "paced", hold, &marker);
         let job = node.job_pod(spec).expect("pod");
         let (mut running_at, mut ready_at) = (None, None);
         let start = Instant::now();
