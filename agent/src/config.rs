@@ -145,12 +145,21 @@ pub struct Config {
     #[arg(long, env = "VALET_READY_PROBE_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub ready_probe_interval: Duration,
 
-    /// Probes per second, at most, across the pods whose app is held: each is probed every 10 ms,
-    /// less often when more pods are held than this allows (at the default, up to 15 held pods
-    /// every 10 ms, 20 every 13.3 ms, 110 every 73 ms). Bounds the agent's CPU under a burst of
-    /// held pods (a probe costs about 30 µs of CPU on a 2-core VM, most of it the kernel's
-    /// loopback TCP and the proxy's wake-up); the release comes about half an interval after the
-    /// proxy turns ready.
+    /// How often, at most, the proxy of a pod whose app is held is asked whether it is ready.
+    /// A proxy that turns ready with no listen the kernel sees is released about half of this
+    /// after (or half of the longer period the CPU budget below sets).
+    #[arg(long, env = "VALET_HELD_PROBE_INTERVAL", default_value = "10ms", value_parser = parse_duration)]
+    pub held_probe_interval: Duration,
+
+    /// The held pods' prober's CPU, at most, in percent of one core: it measures its own CPU and
+    /// asks the held pods less often than --held-probe-interval when that would cost more (a
+    /// burst of held pods on a busy node). Releases set off by a listen in the pod are not
+    /// delayed by it.
+    #[arg(long, env = "VALET_HELD_PROBE_CPU", default_value_t = 3.0)]
+    pub held_probe_cpu: f64,
+
+    /// With --held-prober false: probes per second, at most, across the pods whose app is held,
+    /// each on its own loop (at the default, up to 15 held pods every 10 ms, 20 every 13.3 ms).
     #[arg(long, env = "VALET_HELD_PROBE_BUDGET", default_value_t = 1500)]
     pub held_probe_budget: u32,
 
@@ -247,6 +256,9 @@ impl Config {
         if self.held_probe_budget == 0 {
             return Err(Error::Config("--held-probe-budget must be greater than zero".into()));
         }
+        if !(self.held_probe_cpu > 0.0 && self.held_probe_cpu <= 100.0) {
+            return Err(Error::Config("--held-probe-cpu must be a percentage above 0 and at most 100".into()));
+        }
         if self.sandboxed_runtime_classes.iter().any(|n| n.trim().is_empty() || n.trim() == "*") {
             return Err(Error::Config(
                 "--sandboxed-runtime-classes has an empty entry or a bare * (every pod would be taken as sandboxed)"
@@ -260,6 +272,7 @@ impl Config {
             ("--quit-timeout", self.quit_timeout),
             ("--probe-interval", self.probe_interval),
             ("--ready-probe-interval", self.ready_probe_interval),
+            ("--held-probe-interval", self.held_probe_interval),
             ("--hold-timeout", self.hold_timeout),
         ] {
             if d.is_zero() {
@@ -310,6 +323,15 @@ mod tests {
         bad.held_probe_budget = 0;
         assert!(bad.validate().is_err());
         assert!(Config::try_parse_from(["valet-agent", "--node-name", "n1", "--held-probe-budget", "-1"]).is_err());
+        assert_eq!((cfg.held_probe_interval, cfg.held_probe_cpu), (Duration::from_millis(10), 3.0));
+        for cpu in [0.0, -1.0, 100.5, f64::NAN] {
+            let mut bad = cfg.clone();
+            bad.held_probe_cpu = cpu;
+            assert!(bad.validate().is_err(), "--held-probe-cpu {cpu}");
+        }
+        let mut bad = cfg.clone();
+        bad.held_probe_interval = Duration::ZERO;
+        assert!(bad.validate().is_err(), "--held-probe-interval 0");
         assert_eq!(cfg.watch_timeout, Duration::from_secs(290));
         assert_eq!(cfg.sandboxed_runtime_classes, ["kata", "kata-*", "gvisor", "gvisor-*", "runsc", "runsc-*"]);
         assert_eq!(cfg.btf_path(), PathBuf::from("/sys/kernel/btf/vmlinux"));

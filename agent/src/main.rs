@@ -192,6 +192,8 @@ async fn run(
             quit_retry_for: cfg.quit_retry_for,
             probe_interval: cfg.probe_interval,
             ready_probe_interval: cfg.ready_probe_interval,
+            held_probe_interval: cfg.held_probe_interval,
+            held_probe_cpu: cfg.held_probe_cpu / 100.0,
             held_probe_budget: cfg.held_probe_budget,
             held_prober: cfg.held_prober,
         },

@@ -415,6 +415,8 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
             quit_retry_for: Duration::from_secs(1),
             probe_interval: Duration::from_millis(20),
             ready_probe_interval: Duration::from_secs(5),
+            held_probe_interval: Duration::from_millis(10),
+            held_probe_cpu: 0.03,
             held_probe_budget: 2000,
             held_prober: false,
         },

@@ -40,6 +40,45 @@ const BURST_GAP: Duration = Duration::from_millis(2);
 /// With nothing to do, how often the thread looks whether the agent is still there.
 const IDLE_WAIT: Duration = Duration::from_secs(1);
 
+/// The prober's CPU budget kept across its slots: each slot it reads its own CPU time, and the
+/// next slot comes no sooner than that period's CPU allows within the share.
+struct CpuPace {
+    /// The thread's CPU time at the last slot.
+    last: Duration,
+    /// What a period costs: the latest, or, while periods get cheaper, a decaying memory of the
+    /// dearer ones (so that the pace does not swing back at once after a burst).
+    cost: Duration,
+}
+
+impl CpuPace {
+    fn new(cpu: Duration) -> CpuPace {
+        CpuPace { last: cpu, cost: Duration::ZERO }
+    }
+
+    /// At a slot, with the thread's CPU time `cpu`: the period until the next one, at least
+    /// `floor`, long enough that the last period's CPU (its slot's probes, and the bursts and the
+    /// pods probed at once since) is at most `share` of it.
+    fn period(&mut self, cpu: Duration, floor: Duration, share: f64) -> Duration {
+        let spent = cpu.saturating_sub(self.last);
+        self.last = cpu;
+        self.cost = spent.max(self.cost.mul_f64(0.75));
+        if share >= 1.0 || share.is_nan() || share <= 0.0 {
+            return floor;
+        }
+        floor.max(self.cost.div_f64(share))
+    }
+}
+
+/// The calling thread's CPU time (zero if the clock cannot be read: no budget then).
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid timespec for the call to fill; no other pointer is passed.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(u64::try_from(ts.tv_sec).unwrap_or(0), u32::try_from(ts.tv_nsec).unwrap_or(0))
+}
+
 /// A pod as handed over.
 struct Wanted {
     /// Which hand-over this is: a loop that stops late does not take a newer one's pod away.
@@ -63,6 +102,8 @@ pub struct HeldProber {
     /// An eventfd: a hand-over wakes the thread.
     wake: File,
     interval_ns: AtomicU64,
+    /// The thread's CPU budget: a share of one core (`f64` bits; 1.0 and above: none).
+    cpu_share: AtomicU64,
     /// A request's deadline: [`LIMITS`]' total timeout (a test makes it longer, to look at the
     /// other pods while one request is still open).
     deadline_ns: AtomicU64,
@@ -126,6 +167,7 @@ impl HeldProber {
             registry: Mutex::new(Registry { pods: HashMap::new(), now: Vec::new(), version: 0, ended: false }),
             wake,
             interval_ns: AtomicU64::new(10_000_000),
+            cpu_share: AtomicU64::new(1.0f64.to_bits()),
             deadline_ns: AtomicU64::new(nanos(LIMITS.total_timeout)),
             tokens: AtomicU64::new(0),
         });
@@ -151,9 +193,14 @@ impl HeldProber {
         self.registry.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The held pods' probe interval.
+    /// The held pods' probe interval (the shortest: the CPU budget may make it longer).
     pub fn set_interval(&self, interval: Duration) {
         self.interval_ns.store(nanos(interval).max(1), Ordering::Relaxed);
+    }
+
+    /// The thread's CPU budget, a share of one core (1.0: none).
+    pub fn set_cpu_share(&self, share: f64) {
+        self.cpu_share.store(share.to_bits(), Ordering::Relaxed);
     }
 
     #[cfg(test)]
@@ -268,6 +315,8 @@ impl HeldProber {
         let mut news: Vec<Report> = Vec::new();
         let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut polled: Vec<(usize, usize)> = Vec::new();
+        let mut pace = CpuPace::new(thread_cpu());
+        let mut period = Duration::ZERO;
         loop {
             if tx.is_closed() {
                 return Ok(());
@@ -276,8 +325,15 @@ impl HeldProber {
             let now = Instant::now();
             let slot = !pods.is_empty() && now >= next_slot;
             if slot {
-                // The next slot of the prober's clock.
-                let period = Duration::from_nanos(self.interval_ns.load(Ordering::Relaxed));
+                // The next slot of the prober's clock, as often as the interval and the CPU
+                // budget allow.
+                let floor = Duration::from_nanos(self.interval_ns.load(Ordering::Relaxed));
+                let share = f64::from_bits(self.cpu_share.load(Ordering::Relaxed));
+                let next = pace.period(thread_cpu(), floor, share);
+                if next > floor && (next > period * 2 || period > next * 2) {
+                    debug!(?next, ?floor, held = pods.len(), "the held pods' probe period, within the CPU budget");
+                }
+                period = next;
                 next_slot = origin + next_multiple(now.duration_since(origin), period);
             }
             let burst_due = |p: &Pod| p.burst_next.is_some_and(|at| now >= at);
@@ -692,6 +748,34 @@ mod tests {
         until("pod-b probed in later slots", || count(&other.requests) >= 5).await;
         assert_eq!(count(&seen.requests), after, "still probed after it was given back");
         assert_eq!(count(&seen.conns), 1, "a new connection after it was given back");
+    }
+
+    #[test]
+    fn the_pace_keeps_the_threads_cpu_within_its_share() {
+        let (ms, us) = (Duration::from_millis, Duration::from_micros);
+        let mut cpu = ms(100);
+        let mut pace = CpuPace::new(cpu);
+        let mut slot = |spent: Duration, floor: Duration, share: f64| {
+            cpu += spent;
+            pace.period(cpu, floor, share)
+        };
+        // A cheap period (2.5 ms at 2 %): the interval.
+        assert_eq!(slot(us(50), ms(10), 0.02), ms(10));
+        // 110 held pods at 8 µs each: 0.88 ms of CPU a period, which 2 % of a core allows every 44 ms.
+        assert_eq!(slot(us(880), ms(10), 0.02), ms(44));
+        // Cheaper again: the dear period fades by a quarter a slot.
+        assert_eq!(slot(Duration::ZERO, ms(10), 0.02), ms(33));
+        assert_eq!(slot(us(100), ms(10), 0.02), us(24_750));
+        // A longer interval is kept; no budget (a whole core or more) is the interval.
+        assert_eq!(slot(us(100), Duration::from_secs(1), 0.02), Duration::from_secs(1));
+        assert_eq!(slot(ms(5), ms(10), 1.0), ms(10));
+        // The thread's own clock moves with its work.
+        let before = thread_cpu();
+        let mut x = 0u64;
+        for i in 0..5_000_000u64 {
+            x = std::hint::black_box(x.wrapping_add(i));
+        }
+        assert!(thread_cpu() > before, "the thread's CPU clock did not move ({x})");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

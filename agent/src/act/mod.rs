@@ -63,7 +63,11 @@ pub struct Settings {
     pub quit_retry_for: Duration,
     pub probe_interval: Duration,
     pub ready_probe_interval: Duration,
-    /// Most probes per second across the pods whose app is held.
+    /// How often, at most, a held pod's proxy is asked.
+    pub held_probe_interval: Duration,
+    /// The held pods' prober's CPU, at most, as a share of one core.
+    pub held_probe_cpu: f64,
+    /// Most probes per second across the held pods on their own loops (no prober).
     pub held_probe_budget: u32,
     /// Held pods are probed by [`held_prober::HeldProber`] (the default), else by their own loops.
     pub held_prober: bool,

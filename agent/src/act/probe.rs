@@ -26,14 +26,20 @@ pub struct Probes<L> {
     held_prober: Option<Arc<HeldProber>>,
     /// Probe interval until the pod's proxies are ready, and once they are.
     intervals: (Duration, Duration),
-    /// Most probes per second across the pods whose app is held.
+    /// Most probes per second across the pods whose app is held, on their loops.
     held_budget: u32,
+    /// How often, at most, a held pod is probed.
+    held_floor: Duration,
 }
 
 impl<L: SidecarLink> Probes<L> {
     /// The loops' news goes to `reports`.
     pub fn new(link: Arc<L>, reports: mpsc::UnboundedSender<Report>, settings: &Settings) -> Probes<L> {
         let held_prober = settings.held_prober.then(|| HeldProber::start(link.clone(), reports.clone())).flatten();
+        if let Some(p) = &held_prober {
+            p.set_interval(settings.held_probe_interval);
+            p.set_cpu_share(settings.held_probe_cpu);
+        }
         Probes {
             link,
             loops: HashMap::new(),
@@ -41,6 +47,7 @@ impl<L: SidecarLink> Probes<L> {
             held_prober,
             intervals: (settings.probe_interval, settings.ready_probe_interval),
             held_budget: settings.held_probe_budget,
+            held_floor: settings.held_probe_interval,
         }
     }
 
@@ -90,17 +97,17 @@ impl<L: SidecarLink> Probes<L> {
         }
     }
 
-    /// Spreads the held pods' probes over the budget: their interval follows how many are held.
+    /// Spreads the probes of the held pods on their own loops over the budget: their interval
+    /// follows how many are held. (The held pods' prober keeps to its CPU budget itself.)
     fn pace_held(&mut self) {
         let held = self.loops.values().filter(|p| p.pace() == Pace::Urgent).count();
-        let interval = self.reports.set_held(held, self.held_budget);
-        if let Some(p) = &self.held_prober {
-            p.set_interval(interval);
-        }
+        self.reports.set_held(held, self.held_budget, self.held_floor);
     }
 }
 
-/// Shortest probe interval while an app is held: the release latency is about half of it.
+/// Shortest probe interval while an app is held (`--held-probe-interval`'s default): the release
+/// latency is about half of it.
+#[cfg(test)]
 const URGENT_MIN: Duration = Duration::from_millis(10);
 /// Once the proxy was seen ready, an unchanged answer is reported at most this often (each
 /// report is a decision step of the pod: on a full node, the cost of probing ready proxies);
@@ -125,12 +132,12 @@ pub struct Reports {
     urgent_ns: AtomicU64,
 }
 
-/// The probe interval of held pods when `held` of them share `budget` probes per second:
-/// `URGENT_MIN`, or longer so that they stay within the budget (the loops' timers round it up to
-/// the millisecond; the held pods' prober keeps it).
-pub fn held_interval(held: usize, budget: u32) -> Duration {
+/// The probe interval of held pods on their loops when `held` of them share `budget` probes per
+/// second: `floor`, or longer so that they stay within the budget (the loops' timers round it up
+/// to the millisecond).
+pub fn held_interval(held: usize, budget: u32, floor: Duration) -> Duration {
     let us = (held as u64 * 1_000_000).div_ceil(u64::from(budget.max(1)));
-    Duration::from_micros(us).max(URGENT_MIN)
+    Duration::from_micros(us).max(floor)
 }
 
 #[derive(Default)]
@@ -149,14 +156,14 @@ impl Reports {
             tx,
             gather: Mutex::new(Gather::default()),
             all_in: Notify::new(),
-            urgent_ns: AtomicU64::new(nanos(URGENT_MIN)),
+            urgent_ns: AtomicU64::new(nanos(Duration::from_millis(10))),
         })
     }
 
-    /// `held` pods have their app held: their probes share `budget` per second. Returns their
-    /// interval.
-    pub fn set_held(&self, held: usize, budget: u32) -> Duration {
-        let interval = held_interval(held, budget);
+    /// `held` pods have their app held: their probes share `budget` per second, each at most
+    /// every `floor`. Returns their interval.
+    pub fn set_held(&self, held: usize, budget: u32, floor: Duration) -> Duration {
+        let interval = held_interval(held, budget, floor);
         if self.urgent_ns.swap(nanos(interval), Ordering::Relaxed) != nanos(interval) {
             tracing::debug!(held, ?interval, "held pods' probe interval");
         }
@@ -488,18 +495,23 @@ mod tests {
 
     #[test]
     fn held_probes_share_the_budget() {
-        assert_eq!(held_interval(0, 2000), URGENT_MIN);
-        assert_eq!(held_interval(1, 2000), URGENT_MIN);
-        assert_eq!(held_interval(20, 2000), URGENT_MIN);
-        assert_eq!(held_interval(21, 2000), Duration::from_micros(10_500));
-        assert_eq!(held_interval(110, 2000), Duration::from_millis(55));
-        assert_eq!(held_interval(20, 1200), Duration::from_micros(16_667));
+        assert_eq!(held_interval(0, 2000, URGENT_MIN), URGENT_MIN);
+        assert_eq!(held_interval(1, 2000, URGENT_MIN), URGENT_MIN);
+        assert_eq!(held_interval(20, 2000, URGENT_MIN), URGENT_MIN);
+        assert_eq!(held_interval(21, 2000, URGENT_MIN), Duration::from_micros(10_500));
+        assert_eq!(held_interval(110, 2000, URGENT_MIN), Duration::from_millis(55));
+        assert_eq!(held_interval(20, 1200, URGENT_MIN), Duration::from_micros(16_667));
         // The default.
-        assert_eq!(held_interval(15, 1500), URGENT_MIN);
-        assert_eq!(held_interval(16, 1500), Duration::from_micros(10_667));
-        assert_eq!(held_interval(20, 1500), Duration::from_micros(13_334));
-        assert_eq!(held_interval(110, 1500), Duration::from_micros(73_334));
-        assert_eq!(held_interval(20, 0), Duration::from_secs(20), "a zero budget counts as one probe a second");
+        assert_eq!(held_interval(15, 1500, URGENT_MIN), URGENT_MIN);
+        assert_eq!(held_interval(16, 1500, URGENT_MIN), Duration::from_micros(10_667));
+        assert_eq!(held_interval(20, 1500, URGENT_MIN), Duration::from_micros(13_334));
+        assert_eq!(held_interval(110, 1500, URGENT_MIN), Duration::from_micros(73_334));
+        assert_eq!(
+            held_interval(20, 0, URGENT_MIN),
+            Duration::from_secs(20),
+            "a zero budget counts as one probe a second"
+        );
+        assert_eq!(held_interval(1, 1500, Duration::from_secs(1)), Duration::from_secs(1), "the floor is kept");
     }
 
     // On a paused clock: the first news waits at most GATHER_CAP (3 ms), which a busy machine
