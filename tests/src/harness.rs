@@ -277,6 +277,7 @@ impl Node {
         let mut standin = StandinOptions::new(ProxyKind::Istio);
         standin.events = Some(events.clone());
         standin.ready_file = spec.ready_file.clone();
+        standin.listen_when_ready = spec.listen_when_ready;
         standin.hang = spec.proxy_hangs;
         standin.quit_ignored = spec.proxy_ignores_quit;
         standin.flood = spec.proxy_floods;
@@ -410,6 +411,9 @@ pub struct JobSpec {
     pub already_exited: Vec<String>,
     /// The stand-in is ready only while this file exists.
     pub ready_file: Option<PathBuf>,
+    /// With `ready_file`: the stand-in binds this port when the file appears, and turns ready
+    /// only then (as Envoy binds the listeners its configuration brings).
+    pub listen_when_ready: Option<u16>,
     pub proxy_hangs: bool,
     pub proxy_ignores_quit: bool,
     /// The stand-in answers every request with an endless body (set `ready_file` too: the
@@ -457,6 +461,7 @@ impl JobSpec {
             annotations: Vec::new(),
             already_exited: Vec::new(),
             ready_file: None,
+            listen_when_ready: None,
             proxy_hangs: false,
             proxy_ignores_quit: false,
             proxy_floods: false,

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use valet_tests::envoy;
+use valet_tests::envoy::{self, IstioLike};
 use valet_tests::harness::{JobSpec, Node, eventually};
 
 const ADMIN: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 15000);
@@ -37,7 +37,12 @@ fn envoy_spec(node: &Node, name: &str) -> JobSpec {
 
 /// Envoy admin's `/ready` status from inside the pod (None: nothing answers yet).
 fn ready_status(sim: &valet_sim::node::SimPod) -> Option<u16> {
-    sim.in_netns(|| valet_sim::client::get(ADMIN, "/ready", Duration::from_millis(500)).ok().map(|r| r.status))
+    status(sim, ADMIN, "/ready")
+}
+
+/// The status of `GET path` on `addr` from inside the pod (None: nothing answers).
+fn status(sim: &valet_sim::node::SimPod, addr: SocketAddr, path: &str) -> Option<u16> {
+    sim.in_netns(|| valet_sim::client::get(addr, path, Duration::from_millis(500)).ok().map(|r| r.status))
         .ok()
         .flatten()
 }
@@ -135,6 +140,72 @@ fn held_app_runs_once_a_late_real_envoy_is_ready() {
         agent.log_text()
     );
     // Counted once the signal is out, which may be after the app ran.
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 1.0), "{}", agent.log_text());
+    let status = job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app");
+    assert!(status.is_some_and(|s| s.success()), "app finished: {status:?}");
+    assert_eq!(job.wait_proxy_exit(Duration::from_secs(10)).expect("wait envoy"), Some(0), "{}", agent.log_text());
+}
+
+/// An Istio-like Envoy: 15021 listens from the start and answers 503 until its listeners arrive
+/// by filesystem xDS, then 200, with no new listen on the ready port. With the held pods' poll
+/// forced to one probe a second, the kernel's sight of the delivered listeners binding (15001,
+/// 15006) is what asks the proxy: the listen counter grows at the delivery, and the app runs
+/// once Envoy says ready, never before. How soon is the bench's ([4], poll forced to 1 s).
+#[test]
+fn held_app_runs_when_an_istio_like_envoy_gets_its_listeners() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&["--probe-interval", "1s", "--held-probe-interval", "1s"]).expect("agent");
+    let xds = IstioLike::new(&node.scratch.path("istio-like")).expect("bootstrap");
+    let log = node.scratch.path("istio-like-envoy.log");
+    let marker = node.scratch.path("marker");
+    let spec = envoy::as_istio_like_sidecar(
+        JobSpec::new("envoy-xds"),
+        envoy::command(&envoy_binary(), &xds.bootstrap(), &log),
+    )
+    .annotation("valet.dev/hold-app", "true")
+    .app_command("app", &format!("echo ran > {}; sleep 0.2", marker.display()));
+    let mut job = node.job_pod(spec).expect("pod");
+    let health = SocketAddr::from((Ipv4Addr::LOCALHOST, IstioLike::READY_PORT));
+    assert!(
+        eventually(Duration::from_secs(30), || status(&job.sim, health, IstioLike::READY_PATH) == Some(503)),
+        "Envoy's health port never answered 503 before its listeners came: {}",
+        envoy_log(&log)
+    );
+    assert!(agent.wait_metric("valet_app_holds_total ", 1.0), "the app was not held\n{}", agent.log_text());
+    // Envoy's own listens (admin, health) are behind it, and the agent has probed the pod at its
+    // slow poll: the app is still held while Envoy says 503.
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(!marker.exists(), "the app ran while Envoy was not ready\n{}", agent.log_text());
+    let listens = agent.metric("valet_proxy_listens_total ");
+
+    xds.deliver().expect("deliver the listeners");
+    let start = Instant::now();
+    let (mut last_not_ready, mut ready_at, mut ran_at) = (None, None, None);
+    while start.elapsed() < Duration::from_secs(30) && (ready_at.is_none() || ran_at.is_none()) {
+        let asked = start.elapsed();
+        let status = status(&job.sim, health, IstioLike::READY_PATH);
+        if ran_at.is_none() && marker.exists() {
+            ran_at = Some(start.elapsed());
+        }
+        match status {
+            Some(200) => ready_at = ready_at.or(Some(asked)),
+            _ if ready_at.is_none() => last_not_ready = Some(asked),
+            _ => {}
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    println!("listeners delivered; last not ready {last_not_ready:?}, ready {ready_at:?}, app ran {ran_at:?}");
+    assert!(ready_at.is_some(), "Envoy never turned ready on its listeners: {}", envoy_log(&log));
+    let ran_at = ran_at.unwrap_or_else(|| panic!("the app never ran\n{}", agent.log_text()));
+    if let Some(not_ready) = last_not_ready {
+        assert!(ran_at > not_ready, "the app ran before Envoy was ready\n{}", agent.log_text());
+    }
+    assert!(
+        eventually(Duration::from_secs(5), || agent.metric("valet_proxy_listens_total ") > listens),
+        "the delivered listeners' binds were not seen in the holding pod\n{}",
+        agent.log_text()
+    );
     assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 1.0), "{}", agent.log_text());
     let status = job.apps[0].wait_timeout(Duration::from_secs(5)).expect("wait app");
     assert!(status.is_some_and(|s| s.success()), "app finished: {status:?}");

@@ -63,6 +63,11 @@ pub struct StandinOptions {
     pub ready_after: Option<Duration>,
     /// Ready only while this file exists.
     pub ready_file: Option<PathBuf>,
+    /// With `ready_file`: once the file appears, bind this port (0.0.0.0) and only then turn
+    /// ready, as Envoy binds the listeners its configuration brings (Istio's 15001 and 15006)
+    /// just before it goes live. The moment is the kernel's to see; the health port listened
+    /// from the start.
+    pub listen_when_ready: Option<u16>,
     /// Accept connections but never answer.
     pub hang: bool,
     /// Answer every request with an endless body.
@@ -93,6 +98,7 @@ impl StandinOptions {
             kind,
             ready_after: None,
             ready_file: None,
+            listen_when_ready: None,
             hang: false,
             flood: false,
             quit_ignored: false,
@@ -119,6 +125,9 @@ impl StandinOptions {
         }
         if let Some(p) = &self.ready_file {
             push("--ready-file", p.display().to_string());
+        }
+        if let Some(p) = self.listen_when_ready {
+            push("--listen-when-ready", p.to_string());
         }
         if let Some(p) = &self.events {
             push("--events", p.display().to_string());
@@ -177,6 +186,7 @@ impl StandinOptions {
                 "--kind" => o.kind = ProxyKind::parse(&value("--kind")?)?,
                 "--ready-after-ms" => o.ready_after = Some(ms(value("--ready-after-ms")?)?),
                 "--ready-file" => o.ready_file = Some(PathBuf::from(value("--ready-file")?)),
+                "--listen-when-ready" => o.listen_when_ready = Some(port(value("--listen-when-ready")?)?),
                 "--events" => o.events = Some(PathBuf::from(value("--events")?)),
                 "--status-port" => o.status_port = Some(port(value("--status-port")?)?),
                 "--health-port" => o.health_port = Some(port(value("--health-port")?)?),
@@ -192,6 +202,9 @@ impl StandinOptions {
                 "--linkerd-shutdown-disabled" => o.linkerd_shutdown_disabled = true,
                 other => bail!("unknown flag {other:?}\n{USAGE}"),
             }
+        }
+        if o.listen_when_ready.is_some() && o.ready_file.is_none() {
+            bail!("--listen-when-ready needs --ready-file");
         }
         Ok(o)
     }
@@ -238,6 +251,7 @@ impl StandinOptions {
 
 pub const USAGE: &str =
     "usage: valet-standin-proxy [--kind istio|envoy|linkerd|cloudsql] [--ready-after-ms N | --ready-file PATH]
+       [--listen-when-ready PORT]
        [--hang] [--flood] [--quit-ignored] [--events PATH]
        [--status-port N] [--health-port N] [--admin-port N] [--admin-addr IP]
        [--drain-ms N] [--sigterm-exit-code N] [--linkerd-shutdown-disabled]";
@@ -272,12 +286,32 @@ struct State {
     opts: StandinOptions,
     started: Instant,
     events: Option<Mutex<File>>,
+    /// `--listen-when-ready`: the port is bound (its listener is kept here).
+    configured: Mutex<Option<TcpListener>>,
 }
 
 impl State {
     fn ready(&self) -> bool {
         self.opts.ready_after.is_none_or(|d| self.started.elapsed() >= d)
             && self.opts.ready_file.as_ref().is_none_or(|f| f.exists())
+            && (self.opts.listen_when_ready.is_none()
+                || self.configured.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_some())
+    }
+
+    /// `--listen-when-ready`: waits (inotify, no polling) for the ready file, then binds the port.
+    fn listen_when_ready(&self, port: u16, file: &Path) -> Result<()> {
+        use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+        let dir = file.parent().context("the ready file has no directory")?;
+        let inotify = Inotify::init(InitFlags::IN_CLOEXEC).context("inotify")?;
+        inotify
+            .add_watch(dir, AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO)
+            .with_context(|| format!("watch {}", dir.display()))?;
+        while !file.exists() {
+            inotify.read_events().context("inotify read")?;
+        }
+        let l = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).with_context(|| format!("bind :{port}"))?;
+        *self.configured.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(l);
+        Ok(())
     }
 
     fn quit(&self, code: u16, body: &'static str) -> Action {
@@ -513,7 +547,16 @@ pub fn run(opts: StandinOptions) -> Result<()> {
             Ok((role, l))
         })
         .collect::<Result<Vec<_>>>()?;
-    let state = Arc::new(State { opts, started: Instant::now(), events });
+    let state = Arc::new(State { opts, started: Instant::now(), events, configured: Mutex::new(None) });
+    if let (Some(port), Some(file)) = (state.opts.listen_when_ready, state.opts.ready_file.clone()) {
+        let state = state.clone();
+        std::thread::Builder::new().name("listen-when-ready".into()).spawn(move || {
+            if let Err(e) = state.listen_when_ready(port, &file) {
+                eprintln!("valet-standin-proxy: --listen-when-ready: {e:#}");
+                std::process::exit(1);
+            }
+        })?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_io().enable_time().build()?;
     for (role, l) in listeners {
         let state = state.clone();
@@ -649,7 +692,7 @@ mod tests {
     use super::*;
 
     fn state(kind: ProxyKind) -> State {
-        State { opts: StandinOptions::new(kind), started: Instant::now(), events: None }
+        State { opts: StandinOptions::new(kind), started: Instant::now(), events: None, configured: Mutex::new(None) }
     }
 
     #[test]
@@ -724,6 +767,39 @@ mod tests {
         assert_eq!(
             s.decide(Role::EnvoyAdmin, "POST", "/quitquitquit", true),
             Action::Reply { code: 200, body: "OK\n" }
+        );
+    }
+
+    /// `--listen-when-ready`: not ready, and the port closed, until the ready file appears; then
+    /// the port listens and the proxy is ready.
+    #[test]
+    fn listens_when_its_ready_file_appears_and_only_then_is_ready() {
+        let dir = std::env::temp_dir().join(format!("valet-standin-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("ready");
+        let _ = std::fs::remove_file(&file);
+        let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+        let mut s = state(ProxyKind::Istio);
+        s.opts.ready_file = Some(file.clone());
+        s.opts.listen_when_ready = Some(port);
+        let s = Arc::new(s);
+        let waiter = {
+            let s = s.clone();
+            let file = file.clone();
+            std::thread::spawn(move || s.listen_when_ready(port, &file))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!s.ready(), "ready with no file");
+        assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "listening with no file");
+        // The file alone is not enough: ready once the port listens.
+        std::fs::write(&file, b"").expect("ready file");
+        waiter.join().expect("the waiter").expect("bound");
+        assert!(s.ready());
+        assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(), "the port listens");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            StandinOptions::parse_args(["--listen-when-ready".to_string(), "15006".into()]).is_err(),
+            "--listen-when-ready needs --ready-file"
         );
     }
 }

@@ -105,7 +105,7 @@ pub(crate) fn parse_args() -> Result<Args> {
 /// How big each section is: the full run (about 15 minutes on 2 cores) or `--quick`.
 pub(crate) struct Plan {
     pub(crate) quick: bool,
-    /// Pods per side in [3], holds in [4].
+    /// Pods per side in [3].
     pub(crate) runs: usize,
     /// The fork storm's length and the agent stall in it.
     pub(crate) storm: Duration,
@@ -119,7 +119,7 @@ pub(crate) struct Plan {
     pub(crate) jobs: usize,
     /// [8]: how long the agent's idle CPU is measured.
     pub(crate) idle: Duration,
-    /// [4]: held pods per variant, and the reference's.
+    /// [4]: held pods per variant, and the reference's (`--runs` sets it too).
     pub(crate) release_runs: usize,
     /// [8]: repetitions of the two bursts (the wrapper's, then valet's).
     pub(crate) node_reps: usize,
@@ -165,6 +165,7 @@ impl Plan {
         };
         if let Some(runs) = args.runs {
             plan.runs = runs;
+            plan.release_runs = runs;
         }
         if let Some(soak) = args.soak {
             plan.soak = soak;
@@ -227,7 +228,13 @@ pub fn main() -> Result<()> {
         ("release", &|t| release_latency(&plan, t)),
         ("storm", &|t| storm(&plan, t)),
         ("kernel", &|t| kernel_cost(t)),
-        ("together", &|t| held_together(20, if plan.quick { 1 } else { 20 }, t)),
+        ("together", &|t| {
+            for flip in [Flip::Silent, Flip::Listens] {
+                held_together(20, if plan.quick { 1 } else { 20 }, flip, t)?;
+                held_together(110, if plan.quick { 1 } else { 4 }, flip, t)?;
+            }
+            Ok(())
+        }),
         ("node", &|t| full_node(&plan, t)),
         ("soak", &|t| soak(&plan, t)),
         ("observe", &|t| observed_node(&plan, t)),
