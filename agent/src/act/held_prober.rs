@@ -334,7 +334,14 @@ impl HeldProber {
                     debug!(?next, ?floor, held = pods.len(), "the held pods' probe period, within the CPU budget");
                 }
                 period = next;
-                next_slot = origin + next_multiple(now.duration_since(origin), period);
+                // On the prober's clock at its interval; a period the budget lengthened counts
+                // from this slot (a multiple of a period that changes from slot to slot can fall
+                // right after it, and the slots come faster than the budget allows).
+                next_slot = if period > floor {
+                    now + period
+                } else {
+                    origin + next_multiple(now.duration_since(origin), period)
+                };
             }
             let burst_due = |p: &Pod| p.burst_next.is_some_and(|at| now >= at);
             for pod in pods.iter_mut().filter(|p| slot || p.fresh || burst_due(p)) {
