@@ -768,7 +768,7 @@ mod tests {
         };
         // A cheap period (2.5 ms at 2 %): the interval.
         assert_eq!(slot(us(50), ms(10), 0.02), ms(10));
-        // 110 held pods at 8 µs each: 0.88 ms of CPU a period, which 2 % of a core allows every 44 ms.
+        // 0.88 ms of CPU a period (20 held pods at 44 µs each), which 2 % of a core allows every 44 ms.
         assert_eq!(slot(us(880), ms(10), 0.02), ms(44));
         // Cheaper again: the dear period fades by a quarter a slot.
         assert_eq!(slot(Duration::ZERO, ms(10), 0.02), ms(33));
