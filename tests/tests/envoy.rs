@@ -47,6 +47,31 @@ fn status(sim: &valet_sim::node::SimPod, addr: SocketAddr, path: &str) -> Option
         .flatten()
 }
 
+/// Watches the proxy's readiness (`status`) and the app's `marker` together, every 5 ms, until
+/// both are seen (at most 30 s): when the last not-ready answer was asked, when the first 200
+/// was, and when the marker was first there, each from the start of the watch.
+fn watch_ready_and_run(
+    status: impl Fn() -> Option<u16>,
+    marker: &Path,
+) -> (Option<Duration>, Option<Duration>, Option<Duration>) {
+    let start = Instant::now();
+    let (mut last_not_ready, mut ready_at, mut ran_at) = (None, None, None);
+    while start.elapsed() < Duration::from_secs(30) && (ready_at.is_none() || ran_at.is_none()) {
+        let asked = start.elapsed();
+        let status = status();
+        if ran_at.is_none() && marker.exists() {
+            ran_at = Some(start.elapsed());
+        }
+        match status {
+            Some(200) => ready_at = ready_at.or(Some(asked)),
+            _ if ready_at.is_none() => last_not_ready = Some(asked),
+            _ => {}
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    (last_not_ready, ready_at, ran_at)
+}
+
 fn envoy_log(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
@@ -108,21 +133,7 @@ fn held_app_runs_once_a_late_real_envoy_is_ready() {
         })
         .expect("pod");
     // Envoy is starting: watch its /ready and the app's marker together.
-    let start = Instant::now();
-    let (mut last_not_ready, mut ready_at, mut ran_at) = (None, None, None);
-    while start.elapsed() < Duration::from_secs(30) && (ready_at.is_none() || ran_at.is_none()) {
-        let asked = start.elapsed();
-        let status = ready_status(&job.sim);
-        if ran_at.is_none() && marker.exists() {
-            ran_at = Some(start.elapsed());
-        }
-        match status {
-            Some(200) => ready_at = ready_at.or(Some(asked)),
-            _ if ready_at.is_none() => last_not_ready = Some(asked),
-            _ => {}
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let (last_not_ready, ready_at, ran_at) = watch_ready_and_run(|| ready_status(&job.sim), &marker);
     println!("envoy started; last not ready {last_not_ready:?}, ready {ready_at:?}, app ran {ran_at:?}");
     let ready_at = ready_at.unwrap_or_else(|| {
         panic!("Envoy never answered /ready 200: {}", envoy_log(&node.scratch.path("envoy-held-envoy.log")))
@@ -180,21 +191,8 @@ fn held_app_runs_when_an_istio_like_envoy_gets_its_listeners() {
     let listens = agent.metric("valet_proxy_listens_total ");
 
     xds.deliver().expect("deliver the listeners");
-    let start = Instant::now();
-    let (mut last_not_ready, mut ready_at, mut ran_at) = (None, None, None);
-    while start.elapsed() < Duration::from_secs(30) && (ready_at.is_none() || ran_at.is_none()) {
-        let asked = start.elapsed();
-        let status = status(&job.sim, health, IstioLike::READY_PATH);
-        if ran_at.is_none() && marker.exists() {
-            ran_at = Some(start.elapsed());
-        }
-        match status {
-            Some(200) => ready_at = ready_at.or(Some(asked)),
-            _ if ready_at.is_none() => last_not_ready = Some(asked),
-            _ => {}
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let (last_not_ready, ready_at, ran_at) =
+        watch_ready_and_run(|| status(&job.sim, health, IstioLike::READY_PATH), &marker);
     println!("listeners delivered; last not ready {last_not_ready:?}, ready {ready_at:?}, app ran {ran_at:?}");
     assert!(ready_at.is_some(), "Envoy never turned ready on its listeners: {}", envoy_log(&log));
     let ran_at = ran_at.unwrap_or_else(|| panic!("the app never ran\n{}", agent.log_text()));

@@ -107,7 +107,6 @@ impl<L: SidecarLink> Probes<L> {
 
 /// Shortest probe interval while an app is held (`--held-probe-interval`'s default): the release
 /// latency is about half of it.
-#[cfg(test)]
 const URGENT_MIN: Duration = Duration::from_millis(10);
 /// Once the proxy was seen ready, an unchanged answer is reported at most this often (each
 /// report is a decision step of the pod: on a full node, the cost of probing ready proxies);
@@ -156,7 +155,7 @@ impl Reports {
             tx,
             gather: Mutex::new(Gather::default()),
             all_in: Notify::new(),
-            urgent_ns: AtomicU64::new(nanos(Duration::from_millis(10))),
+            urgent_ns: AtomicU64::new(nanos(URGENT_MIN)),
         })
     }
 
