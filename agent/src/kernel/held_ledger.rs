@@ -40,6 +40,12 @@ impl HeldLedger {
         map.iter().filter_map(Result::ok).collect()
     }
 
+    /// Whether there is no record (one key read, not the whole map).
+    pub fn is_empty(&self) -> bool {
+        let Ok(map) = self.map.lock() else { return true };
+        map.keys().next().is_none()
+    }
+
     pub fn get(&self, tgid: u32) -> Option<HeldRecord> {
         self.map.lock().ok()?.get(&tgid, 0).ok()
     }
