@@ -634,7 +634,14 @@ impl JobPod {
         code
     }
 
-    /// Every line the stand-in logged: requests, and `ACCEPT /` per connection.
+    /// When a `listen_when_ready` stand-in turned ready (its listener bound), on the monotonic
+    /// clock.
+    pub fn proxy_ready_at(&self) -> Option<u64> {
+        self.requests().into_iter().find(|e| e.method == "READY").map(|e| e.mono_ns)
+    }
+
+    /// Every line the stand-in logged: requests, `ACCEPT /` per connection, and `READY /` when
+    /// a `listen_when_ready` stand-in turned ready.
     pub fn requests(&self) -> Vec<valet_sim::standin::RequestEvent> {
         valet_sim::standin::read_events(&self.events).unwrap_or_default()
     }

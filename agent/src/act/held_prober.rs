@@ -345,7 +345,7 @@ impl HeldProber {
             }
             let burst_due = |p: &Pod| p.burst_next.is_some_and(|at| now >= at);
             for pod in pods.iter_mut().filter(|p| slot || p.fresh || burst_due(p)) {
-                round = Some(now);
+                round.get_or_insert(now);
                 pod.fresh = false;
                 if burst_due(pod) {
                     pod.burst_next = None;

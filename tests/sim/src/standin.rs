@@ -310,7 +310,11 @@ impl State {
             inotify.read_events().context("inotify read")?;
         }
         let l = TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).with_context(|| format!("bind :{port}"))?;
+        // The moment it is ready, read before it is (a lost CPU in between counts against
+        // whoever waits for it, never for them), logged as `READY / 0.0.0.0:<port>`.
+        let at = monotonic_ns();
         *self.configured.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(l);
+        self.log_at(at, "READY", "/", SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)));
         Ok(())
     }
 
@@ -402,8 +406,12 @@ impl State {
     }
 
     fn log(&self, method: &str, path: &str, peer: SocketAddr) {
+        self.log_at(monotonic_ns(), method, path, peer);
+    }
+
+    fn log_at(&self, mono_ns: u64, method: &str, path: &str, peer: SocketAddr) {
         if let Some(f) = &self.events {
-            let line = format!("{} {method} {path} {peer}\n", monotonic_ns());
+            let line = format!("{mono_ns} {method} {path} {peer}\n");
             let mut f = f.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             // One write per line on an O_APPEND file: lines from threads never interleave.
             let _ = f.write_all(line.as_bytes());
@@ -782,6 +790,10 @@ mod tests {
         let mut s = state(ProxyKind::Istio);
         s.opts.ready_file = Some(file.clone());
         s.opts.listen_when_ready = Some(port);
+        let events = dir.join("events");
+        let _ = std::fs::remove_file(&events);
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&events).expect("events file");
+        s.events = Some(Mutex::new(log));
         let s = Arc::new(s);
         let waiter = {
             let s = s.clone();
@@ -792,9 +804,15 @@ mod tests {
         assert!(!s.ready(), "ready with no file");
         assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "listening with no file");
         // The file alone is not enough: ready once the port listens.
+        let written = monotonic_ns();
         std::fs::write(&file, b"").expect("ready file");
         waiter.join().expect("the waiter").expect("bound");
         assert!(s.ready());
+        // Its ready moment is logged: after the file, before the waiter was done.
+        let ready = read_events(&events).expect("events");
+        assert_eq!(ready.len(), 1, "{ready:?}");
+        assert_eq!((ready[0].method.as_str(), ready[0].peer.port()), ("READY", port));
+        assert!((written..=monotonic_ns()).contains(&ready[0].mono_ns), "{ready:?} not after the file at {written}");
         assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(), "the port listens");
         let _ = std::fs::remove_dir_all(&dir);
         assert!(

@@ -37,6 +37,10 @@ pub(crate) fn held_together(pods: usize, rounds: usize, flip: Flip, table: &mut 
     let listens = agent.metric("valet_proxy_listens_total ");
     let trace = SignalTrace::start().map_err(|e| println!("  (SIGCONT times not traced: {e:#})")).ok();
     let (mut samples, mut released, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
+    // Proxies that bind as they turn ready are ready only once they got the CPU to bind (with
+    // 110 of them woken at once on two CPUs, tens of milliseconds after the file): the app's
+    // wait counts from each one's own ready moment, and also, for comparison, from the file.
+    let (mut from_file, mut binding) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         let mut jobs = Vec::new();
         // One file for every stand-in of the round: made once, it turns them all ready at the same
@@ -77,17 +81,31 @@ pub(crate) fn held_together(pods: usize, rounds: usize, flip: Flip, table: &mut 
         }
         let t_ready = monotonic_ns();
         std::fs::write(&ready, b"")?;
-        for (i, (_, stamp, _)) in jobs.iter().enumerate() {
+        let mut ready_at = Vec::new();
+        for (i, (job, stamp, _)) in jobs.iter().enumerate() {
             if !eventually(Duration::from_secs(5), || read_stamp(stamp).is_some()) {
                 bail!("round {round}, pod {i}: app not released\n{}", agent.log_text());
             }
-            samples.push(read_stamp(stamp).context("stamp")?.saturating_sub(t_ready) as f64 / 1000.0);
+            let ran = read_stamp(stamp).context("stamp")?;
+            // A silent proxy answers 200 from the moment the file exists (it looks at each request).
+            let ready = match flip {
+                Flip::Silent => t_ready,
+                Flip::Listens => {
+                    let at =
+                        job.proxy_ready_at().with_context(|| format!("round {round}, pod {i}: no ready moment"))?;
+                    binding.push(at.saturating_sub(t_ready) as f64 / 1000.0);
+                    from_file.push(ran.saturating_sub(t_ready) as f64 / 1000.0);
+                    at.max(t_ready)
+                }
+            };
+            samples.push(ran.saturating_sub(ready) as f64 / 1000.0);
+            ready_at.push(ready);
         }
         if let Some(trace) = &trace {
             let sent = trace.sent();
-            for (i, (.., app_pid)) in jobs.iter().enumerate() {
+            for (i, ((.., app_pid), ready)) in jobs.iter().zip(&ready_at).enumerate() {
                 match sent.get(app_pid) {
-                    Some(at) => released.push(at.saturating_sub(t_ready) as f64 / 1000.0),
+                    Some(at) => released.push(at.saturating_sub(*ready) as f64 / 1000.0),
                     None => println!("  round {round}, pod {i}: its SIGCONT was not traced (left out)"),
                 }
             }
@@ -97,6 +115,10 @@ pub(crate) fn held_together(pods: usize, rounds: usize, flip: Flip, table: &mut 
     }
     let r = (!released.is_empty()).then(|| report("released (SIGCONT sent) after its proxy is ready", released));
     let m = report("held app runs after its proxy is ready", samples);
+    let delivery = (!from_file.is_empty()).then(|| {
+        report("proxy bound its listener after the file", binding);
+        report("held app runs after the file (delivery)", from_file)
+    });
     let cpu = cpu.iter().sum::<f64>() / cpu.len().max(1) as f64;
     println!("  agent CPU while probing {pods} held pods: {:.1} % of one core", cpu * 100.0);
     let listens = agent.metric("valet_proxy_listens_total ") - listens;
@@ -117,6 +139,15 @@ pub(crate) fn held_together(pods: usize, rounds: usize, flip: Flip, table: &mut 
         "median ≤ 12.5 ms, p99 ≤ 25 ms",
         met(m.median <= 12_500.0 && m.p99 <= 25_000.0).into(),
     );
+    if let Some(d) = delivery {
+        table.add(
+            &format!("[7] … the app runs after its configuration is delivered, its proxy's own wait for a CPU included (n={})", d.n),
+            d.ms(),
+            "—",
+            "—",
+            "the proxies', not the agent's: not judged".into(),
+        );
+    }
     table.add(
         &format!("[7] agent CPU while probing {pods} held pods ({how})"),
         format!("{:.1} % of one core", cpu * 100.0),
