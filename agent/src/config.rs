@@ -158,6 +158,14 @@ pub struct Config {
     #[arg(long, env = "VALET_HELD_PROBE_CPU", default_value_t = 3.0)]
     pub held_probe_cpu: f64,
 
+    /// The release thread's real-time priority (SCHED_FIFO, 1-99; 0: it stays in the normal
+    /// class). It sends the SIGCONTs of held apps whose proxies turned ready: the apps it wakes
+    /// take its CPU otherwise, and on a busy node the last of a batch waited tens of
+    /// milliseconds for it. It runs for microseconds per release. Needs CAP_SYS_NICE; without,
+    /// the thread keeps the normal class and the log says so.
+    #[arg(long, env = "VALET_RELEASE_PRIORITY", default_value_t = 1)]
+    pub release_priority: u8,
+
     /// With --held-prober false: probes per second, at most, across the pods whose app is held,
     /// each on its own loop (at the default, up to 15 held pods every 10 ms, 20 every 13.3 ms).
     #[arg(long, env = "VALET_HELD_PROBE_BUDGET", default_value_t = 1500)]
@@ -256,6 +264,9 @@ impl Config {
         if self.held_probe_budget == 0 {
             return Err(Error::Config("--held-probe-budget must be greater than zero".into()));
         }
+        if self.release_priority > 99 {
+            return Err(Error::Config("--release-priority must be 0 (normal) to 99".into()));
+        }
         if !(self.held_probe_cpu > 0.0 && self.held_probe_cpu <= 100.0) {
             return Err(Error::Config("--held-probe-cpu must be a percentage above 0 and at most 100".into()));
         }
@@ -332,6 +343,12 @@ mod tests {
         let mut bad = cfg.clone();
         bad.held_probe_interval = Duration::ZERO;
         assert!(bad.validate().is_err(), "--held-probe-interval 0");
+        assert_eq!(cfg.release_priority, 1);
+        for (priority, ok) in [(0, true), (99, true), (100, false)] {
+            let mut c = cfg.clone();
+            c.release_priority = priority;
+            assert_eq!(c.validate().is_ok(), ok, "--release-priority {priority}");
+        }
         assert_eq!(cfg.watch_timeout, Duration::from_secs(290));
         assert_eq!(cfg.sandboxed_runtime_classes, ["kata", "kata-*", "gvisor", "gvisor-*", "runsc", "runsc-*"]);
         assert_eq!(cfg.btf_path(), PathBuf::from("/sys/kernel/btf/vmlinux"));

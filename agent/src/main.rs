@@ -196,6 +196,7 @@ async fn run(
             held_probe_cpu: cfg.held_probe_cpu / 100.0,
             held_probe_budget: cfg.held_probe_budget,
             held_prober: cfg.held_prober,
+            release_priority: cfg.release_priority,
         },
         cgroups: cgroups.clone(),
         bundles: RuntimeBundles::new(cfg.runtime_dirs(), Some(cfg.host_proc.clone())),

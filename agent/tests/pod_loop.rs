@@ -419,6 +419,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
             held_probe_cpu: 0.03,
             held_probe_budget: 2000,
             held_prober: false,
+            release_priority: 0,
         },
         cgroups: node.cgroups.clone(),
         bundles: RuntimeBundles::new(vec![node.dir.join("bundles")], None),

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import COMPONENTS, Render
 
-CAPABILITIES = {"SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE"}
+CAPABILITIES = {"SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE", "SYS_NICE"}
 ENV = {
     "VALET_HOST_PROC": "/proc",
     # The host's /sys/fs/cgroup, looked at (v2, v1 or hybrid), never a fixed hierarchy root.

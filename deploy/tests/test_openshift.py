@@ -137,7 +137,7 @@ def _grant(field: str, value) -> tuple[str, object]:
         _grant("allowHostPID", False),
         _grant("allowPrivilegeEscalation", True),
         _grant("defaultAllowPrivilegeEscalation", True),
-        _grant("allowedCapabilities", ["SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE", "BPF", "NET_ADMIN"]),
+        _grant("allowedCapabilities", ["SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE", "SYS_NICE", "BPF", "NET_ADMIN"]),
         _grant("allowedCapabilities", ["*"]),
         _grant("defaultAddCapabilities", ["NET_RAW"]),
         _grant("requiredDropCapabilities", []),

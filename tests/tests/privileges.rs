@@ -14,6 +14,9 @@
 //!   perf_event_paranoid 3 asks CAP_SYS_ADMIN for perf_event_open itself.
 //! - SYS_PTRACE: opening `/proc/<pid>/ns/net` of a pod process (a ptrace read check).
 //! - KILL: SIGCONT to a held app of another uid (in its own session).
+//! - SYS_NICE: the release thread's real-time class (SCHED_FIFO 1), so that the apps it wakes
+//!   do not take its CPU before the rest of a batch is out; without it the thread keeps the
+//!   normal class and the apps are released all the same.
 //! - SYS_RESOURCE: lifting RLIMIT_MEMLOCK, which kernels older than 5.11 charge BPF maps and
 //!   programs to (summed over every process of the user); 5.11+ charge the memory cgroup.
 //!   The agent is run without it under the limits a container inherits (64 KiB: systemd
@@ -55,6 +58,7 @@ fn cap_bit(name: &str) -> u32 {
         "SYS_PTRACE" => 19,
         "SYS_ADMIN" => 21,
         "SYS_RESOURCE" => 24,
+        "SYS_NICE" => 23,
         "PERFMON" => 38,
         "BPF" => 39,
         other => panic!("capability {other} is not known to this test: add it with a test of what needs it"),
@@ -324,7 +328,7 @@ fn held_then_released(agent: &Agent, node: &Node, name: &str) -> bool {
 fn others(drop: &str) -> Vec<&'static str> {
     let wanted = daemonset_capabilities();
     let bounding = own_bounding_set();
-    ["SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE"]
+    ["SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE", "SYS_NICE"]
         .into_iter()
         .filter(|c| *c != drop && wanted.iter().any(|w| w == c) && bounding & (1 << cap_bit(c)) != 0)
         .collect()
@@ -432,6 +436,46 @@ fn without_kill_a_held_app_of_another_uid_stays_stopped() {
     let agent = start(&node, &others("KILL"));
     assert!(!held_then_released(&agent, &node, "nokill"), "released without CAP_KILL?\n{}", agent.log_text());
     assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 0.0);
+}
+
+/// The scheduling policy and real-time priority of the agent's release thread
+/// (`/proc/<pid>/task/<tid>/stat` fields 41 and 40), once it is there.
+fn release_thread_sched(pid: u32) -> Option<(u32, u32)> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let task = tasks
+        .flatten()
+        .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim_end() == "valet-release"))?;
+    let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+    // Fields from the third (the state) on, after the command's closing parenthesis.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    Some((fields.get(41 - 3)?.parse().ok()?, fields.get(40 - 3)?.parse().ok()?))
+}
+
+#[test]
+fn without_sys_nice_the_release_thread_stays_in_the_normal_class() {
+    let _serial = serial();
+    const FIFO: (u32, u32) = (libc::SCHED_FIFO as u32, 1);
+    let node = Node::new().expect("node");
+    let agent = start(&node, &others(""));
+    let pid = agent.pid().expect("pid");
+    let mut sched = None;
+    assert!(eventually(START, || {
+        sched = release_thread_sched(pid);
+        sched.is_some()
+    }));
+    assert_eq!(sched, Some(FIFO), "with SYS_NICE: SCHED_FIFO, priority 1\n{}", agent.log_text());
+    // Without it the thread keeps the normal class, says so, and releases all the same.
+    let node = Node::new().expect("node");
+    let agent = start(&node, &others("SYS_NICE"));
+    let pid = agent.pid().expect("pid");
+    let mut sched = None;
+    assert!(eventually(START, || {
+        sched = release_thread_sched(pid);
+        sched.is_some()
+    }));
+    assert_eq!(sched, Some((libc::SCHED_OTHER as u32, 0)), "without SYS_NICE\n{}", agent.log_text());
+    assert!(agent.log_text().contains("the release thread stays in the normal class"), "{}", agent.log_text());
+    assert!(held_then_released(&agent, &node, "nonice"), "released\n{}", agent.log_text());
 }
 
 /// Whether the agent's maps fit RLIMIT_MEMLOCK `limit` without CAP_SYS_RESOURCE here: always

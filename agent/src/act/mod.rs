@@ -71,6 +71,8 @@ pub struct Settings {
     pub held_probe_budget: u32,
     /// Held pods are probed by [`held_prober::HeldProber`] (the default), else by their own loops.
     pub held_prober: bool,
+    /// The release thread's SCHED_FIFO priority (0: the normal class).
+    pub release_priority: u8,
 }
 
 /// What the actuators are made of: the node, the kernel, the sidecars' network, the API, and
@@ -106,7 +108,13 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         let Parts { settings, cgroups, bundles, kernel, link, client, events, metrics, reports, quit_pods } = parts;
         let ledger = kernel.held_ledger();
         Actuators {
-            releases: Releases::new(cgroups.clone(), settings.host_proc.clone(), metrics.clone(), ledger),
+            releases: Releases::new(
+                cgroups.clone(),
+                settings.host_proc.clone(),
+                metrics.clone(),
+                ledger,
+                settings.release_priority,
+            ),
             quits: Quits::new(link.clone(), cgroups.clone(), reports.clone(), metrics.clone(), quit_pods, &settings),
             probes: Probes::new(link, reports.clone(), &settings),
             api: ApiWrites::new(client, events, reports),

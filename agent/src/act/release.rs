@@ -159,12 +159,37 @@ struct Releaser {
     thread: std::thread::JoinHandle<()>,
 }
 
+/// Puts the calling thread in SCHED_FIFO at `priority` (0: leaves it as it is). An app it
+/// wakes no longer takes its CPU before the rest of the batch is out; its children (it has
+/// none) would start in the normal class. Without CAP_SYS_NICE (or, where the kernel groups
+/// real-time time by cgroup, without a share for the agent's) the thread stays as it was.
+fn real_time(priority: u8) {
+    if priority == 0 {
+        return;
+    }
+    let param = libc::sched_param { sched_priority: i32::from(priority) };
+    // SAFETY: `param` is a valid sched_param for the call; pid 0 is the calling thread.
+    let r = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &param) };
+    if r == 0 {
+        info!(priority, "the release thread runs SCHED_FIFO");
+    } else {
+        warn!(
+            priority,
+            "the release thread stays in the normal class (releases may wait for a CPU on a busy node): \
+             SCHED_FIFO: {} (it needs CAP_SYS_NICE)",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 impl Releaser {
-    fn start(metrics: Arc<Metrics>, ledger: Option<Arc<HeldLedger>>) -> Option<Releaser> {
+    /// `priority`: the thread's SCHED_FIFO priority (0: the normal class).
+    fn start(metrics: Arc<Metrics>, ledger: Option<Arc<HeldLedger>>, priority: u8) -> Option<Releaser> {
         let (tx, rx) = std::sync::mpsc::channel::<Vec<PinnedRelease>>();
         let thread = std::thread::Builder::new()
             .name("valet-release".into())
             .spawn(move || {
+                real_time(priority);
                 let mut retries: Vec<Retry> = Vec::new();
                 loop {
                     let batch = match retries.iter().map(|r| r.at).min() {
@@ -228,9 +253,10 @@ impl Releases {
         host_proc: PathBuf,
         metrics: Arc<Metrics>,
         ledger: Option<Arc<HeldLedger>>,
+        priority: u8,
     ) -> Releases {
         Releases {
-            releaser: Releaser::start(metrics.clone(), ledger.clone()),
+            releaser: Releaser::start(metrics.clone(), ledger.clone(), priority),
             cgroups,
             host_proc,
             metrics,
@@ -602,7 +628,7 @@ mod tests {
             })
             .collect();
         let metrics = Arc::new(Metrics::new());
-        let releaser = Releaser::start(metrics.clone(), None).expect("release thread");
+        let releaser = Releaser::start(metrics.clone(), None, 0).expect("release thread");
         assert!(releaser.send(batch).is_ok());
         // Shutdown waits for what was handed over: nothing is left stopped behind the agent.
         releaser.finish();
