@@ -193,6 +193,10 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
         let now = monotonic_ns();
         let Some(state) = self.pods.get_mut(uid) else { return };
         let fx = state.feedback(feedback, &self.rules, now);
+        if fx.is_empty() && state.is_settled() {
+            // Nothing changed: the quit armed ahead stands.
+            return;
+        }
         self.apply(uid, fx);
     }
 

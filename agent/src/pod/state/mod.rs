@@ -379,6 +379,15 @@ impl PodState {
 
     /// The result of an effect.
     pub fn feedback(&mut self, fb: Feedback, rules: &Rules, now: Nanos) -> Vec<Effect> {
+        if let Feedback::Probed { ready, .. } = &fb
+            && self.settled
+            && (self.ready == Some(*ready) || (self.finished && !*ready))
+        {
+            // The same answer again (an unchanged answer is repeated once a second) to a pod
+            // with nothing left to decide: with 110 held pods, deciding each anyway was most of
+            // the agent's loop. It stays settled.
+            return Vec::new();
+        }
         self.settled = false;
         let mut fx = Vec::new();
         match fb {
@@ -463,6 +472,12 @@ impl PodState {
         }
         fx.extend(self.step(now));
         fx
+    }
+
+    /// Nothing has come in since the last tick asked for nothing: the pod has nothing to decide
+    /// until something does (or a deadline comes).
+    pub fn is_settled(&self) -> bool {
+        self.settled
     }
 
     /// Periodic work: retry what could not be done yet, and act on deadlines.

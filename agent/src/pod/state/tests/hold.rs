@@ -132,3 +132,37 @@ fn shutdown_also_releases_what_the_kernel_stopped_after_the_last_event() {
     assert_eq!(releases(&fx), [(60, "shutdown")]);
     assert_eq!(releases(&d.held(APP, 61, "report")), [(61, "not_app")], "nothing is held any more");
 }
+
+// The held pods' prober repeats an unchanged answer once a second. To a pod with nothing left to
+// decide it is nothing (no step, no effect); a changed answer, or a condition write to retry,
+// still is.
+#[test]
+fn a_repeated_answer_to_a_settled_held_pod_decides_nothing() {
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[], &[("valet.dev/hold-app", "true")]));
+    d.held(APP, 42, "report");
+    let not_ready = || Feedback::Probed { ready: false, detail: "istio-proxy answered 503".into() };
+    let want =
+        ProxyReady { ready: false, reason: "ProxyNotReady", message: "the sidecar proxy is not ready yet".into() };
+    assert_eq!(writes(&d.feed(not_ready())), [(false, "ProxyNotReady")]);
+    // The write fails: it is retried after its backoff, on a tick, whatever the answers say.
+    d.feed(Feedback::ConditionWritten { want: want.clone(), error: Some("503".into()), version: None });
+    assert!(!d.s.is_settled());
+    assert!(d.feed(not_ready()).is_empty());
+    let mut rewritten = Vec::new();
+    for _ in 0..8 {
+        rewritten.extend(writes(&d.after(250)));
+    }
+    assert_eq!(rewritten, [(false, "ProxyNotReady")], "the failed write retried on a tick");
+    d.feed(Feedback::ConditionWritten { want, error: None, version: None });
+    // Settled once a tick finds nothing to do.
+    let mut ticks = 0;
+    while !(d.after(250).is_empty() && d.s.is_settled()) {
+        ticks += 1;
+        assert!(ticks < 8, "never settled");
+    }
+    assert!(d.feed(not_ready()).is_empty());
+    assert!(d.s.is_settled(), "the same answer unsettled the pod");
+    // A changed answer releases.
+    assert_eq!(releases(&d.feed(Feedback::Probed { ready: true, detail: String::new() })), [(42, "ready")]);
+}
