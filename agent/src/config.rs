@@ -155,7 +155,7 @@ pub struct Config {
     /// asks the held pods less often than --held-probe-interval when that would cost more (a
     /// burst of held pods on a busy node). Releases set off by a listen in the pod are not
     /// delayed by it.
-    #[arg(long, env = "VALET_HELD_PROBE_CPU", default_value_t = 3.0)]
+    #[arg(long, env = "VALET_HELD_PROBE_CPU", default_value_t = 4.0)]
     pub held_probe_cpu: f64,
 
     /// The release thread's real-time priority (SCHED_FIFO, 1-99; 0: it stays in the normal
@@ -334,7 +334,7 @@ mod tests {
         bad.held_probe_budget = 0;
         assert!(bad.validate().is_err());
         assert!(Config::try_parse_from(["valet-agent", "--node-name", "n1", "--held-probe-budget", "-1"]).is_err());
-        assert_eq!((cfg.held_probe_interval, cfg.held_probe_cpu), (Duration::from_millis(10), 3.0));
+        assert_eq!((cfg.held_probe_interval, cfg.held_probe_cpu), (Duration::from_millis(10), 4.0));
         for cpu in [0.0, -1.0, 100.5, f64::NAN] {
             let mut bad = cfg.clone();
             bad.held_probe_cpu = cpu;
