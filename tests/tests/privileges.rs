@@ -451,28 +451,33 @@ fn release_thread_sched(pid: u32) -> Option<(u32, u32)> {
     Some((fields.get(41 - 3)?.parse().ok()?, fields.get(40 - 3)?.parse().ok()?))
 }
 
+/// [`release_thread_sched`] of `agent`, once its release thread is there (panics at [`START`]).
+fn wait_release_thread_sched(agent: &Agent) -> Option<(u32, u32)> {
+    let pid = agent.pid().expect("pid");
+    let mut sched = None;
+    assert!(
+        eventually(START, || {
+            sched = release_thread_sched(pid);
+            sched.is_some()
+        }),
+        "no valet-release thread\n{}",
+        agent.log_text()
+    );
+    sched
+}
+
 #[test]
 fn without_sys_nice_the_release_thread_stays_in_the_normal_class() {
     let _serial = serial();
     const FIFO: (u32, u32) = (libc::SCHED_FIFO as u32, 1);
     let node = Node::new().expect("node");
     let agent = start(&node, &others(""));
-    let pid = agent.pid().expect("pid");
-    let mut sched = None;
-    assert!(eventually(START, || {
-        sched = release_thread_sched(pid);
-        sched.is_some()
-    }));
+    let sched = wait_release_thread_sched(&agent);
     assert_eq!(sched, Some(FIFO), "with SYS_NICE: SCHED_FIFO, priority 1\n{}", agent.log_text());
     // Without it the thread keeps the normal class, says so, and releases all the same.
     let node = Node::new().expect("node");
     let agent = start(&node, &others("SYS_NICE"));
-    let pid = agent.pid().expect("pid");
-    let mut sched = None;
-    assert!(eventually(START, || {
-        sched = release_thread_sched(pid);
-        sched.is_some()
-    }));
+    let sched = wait_release_thread_sched(&agent);
     assert_eq!(sched, Some((libc::SCHED_OTHER as u32, 0)), "without SYS_NICE\n{}", agent.log_text());
     assert!(agent.log_text().contains("the release thread stays in the normal class"), "{}", agent.log_text());
     assert!(held_then_released(&agent, &node, "nonice"), "released\n{}", agent.log_text());

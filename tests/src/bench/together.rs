@@ -38,8 +38,8 @@ pub(crate) fn held_together(pods: usize, rounds: usize, flip: Flip, table: &mut 
     let trace = SignalTrace::start().map_err(|e| println!("  (SIGCONT times not traced: {e:#})")).ok();
     let (mut samples, mut released, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
     // Proxies that bind as they turn ready are ready only once they got the CPU to bind (with
-    // 110 of them woken at once on two CPUs, tens of milliseconds after the file): the app's
-    // wait counts from each one's own ready moment, and also, for comparison, from the file.
+    // 110 of them woken at once on two CPUs, up to milliseconds after the file): the app's wait
+    // counts from each one's own ready moment, and also, for comparison, from the file.
     let (mut from_file, mut binding) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         let mut jobs = Vec::new();
