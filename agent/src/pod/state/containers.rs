@@ -10,10 +10,13 @@ impl PodState {
         let Some((rel, id)) = self.pod_cgroup.clone() else {
             return vec![Effect::FindPodCgroup];
         };
-        if self.watching != Some(hold) {
+        let exits = self.api_path.is_none();
+        let sandboxed = self.sandboxed();
+        let working = matches!(self.phase, Phase::Working { .. });
+        let Some(node) = self.node_mut() else { return fx };
+        if node.watching != Some(hold) {
             // Containers already running are recorded with the kernel before it watches the pod
             // (not a pod the node's kernel cannot see: it reports none of its ends).
-            let exits = self.api_path.is_none();
             fx.push(Effect::ScanContainers { pod_rel: rel.clone(), adopt: exits });
             fx.push(Effect::Watch {
                 pod_cgroup: id,
@@ -22,17 +25,17 @@ impl PodState {
                 hold,
                 hold_timeout: plan.hold_timeout.min(MAX_HOLD),
             });
-            self.watching = Some(hold);
+            node.watching = Some(hold);
         }
-        if hold && !self.left_held_searched {
-            self.left_held_searched = true;
+        if hold && !node.left_held_searched {
+            node.left_held_searched = true;
             fx.push(Effect::FindLeftHeld { pod_rel: rel.clone() });
         }
         // A sandboxed pod's loopback is inside its sandbox: its sidecars are reached at its IP.
-        if !self.network_open && !self.finished && !self.sandboxed() {
+        if !node.network_open && working && !sandboxed {
             // Opened ahead of time, so the quit needs no search; retried on ticks until the pod
             // has a live process.
-            self.network_open = true;
+            node.network_open = true;
             fx.push(Effect::OpenNetwork { pod_rel: rel });
         }
         if hold {
@@ -129,7 +132,7 @@ impl PodState {
         let (Some(plan), Some(pod), Some((rel, _))) = (&self.plan, &self.pod, &self.pod_cgroup) else {
             return Vec::new();
         };
-        if self.released {
+        if self.is_released() {
             return Vec::new();
         }
         let open = plan.apps.iter().chain(plan.sidecars.iter().map(|s| &s.name)).any(|name| {
@@ -146,22 +149,32 @@ impl PodState {
         if open { vec![Effect::ScanContainers { pod_rel: rel.clone(), adopt: false }] } else { Vec::new() }
     }
 
-    pub(super) fn finish(&mut self) {
-        if !self.finished {
-            debug!(pod = %self.name(), "work done");
+    /// The work is done: what is held runs, and the proxy is no longer probed.
+    pub(super) fn finish(&mut self) -> Vec<Effect> {
+        let mut fx = self.release_all("done");
+        fx.extend(self.stop_probe());
+        let done = Done { ktime: None };
+        match &mut self.phase {
+            Phase::Working { node, .. } => {
+                let node = std::mem::take(node);
+                self.phase = Phase::Done { done, node };
+                debug!(pod = %self.name(), "work done");
+            }
+            Phase::Released { done: was @ None, .. } => *was = Some(done),
+            Phase::Done { .. } | Phase::Released { .. } => {}
         }
-        self.finished = true;
+        fx
     }
 
     /// Kernel maps, the network namespace and the probe go when the pod's work is done, not
     /// when the pod object is deleted (Jobs without a TTL keep it for days).
-    pub(super) fn release_resources(&mut self) -> Vec<Effect> {
-        let mut fx = self.stop_probe();
-        if self.released {
-            return fx;
-        }
-        self.released = true;
-        if self.watching.take().is_some()
+    pub(super) fn release_resources(&mut self, why: LetGo) -> Vec<Effect> {
+        // Callers release what is held first, each with its own reason.
+        let mut fx = self.release_all("not_held");
+        fx.extend(self.stop_probe());
+        let Some(node) = self.node().cloned() else { return fx };
+        self.phase = Phase::Released { done: self.done(), why };
+        if node.watching.is_some()
             && let Some((_, id)) = &self.pod_cgroup
         {
             fx.push(Effect::Unwatch { pod_cgroup: *id });
@@ -171,7 +184,6 @@ impl PodState {
         }
         // Always: a probe or a quit may have entered the namespace even when opening it ahead
         // of time did not work.
-        self.network_open = false;
         fx.push(Effect::CloseNetwork);
         fx
     }

@@ -8,7 +8,8 @@ impl PodState {
     /// effects are applied, so that a quit is on its way before the log line's write.
     pub fn exit(&mut self, exit: ExitSeen, now: Nanos) -> Vec<Effect> {
         self.settled = false;
-        if !self.containers.contains_key(&exit.container_cgroup) && (self.released || !self.identify_ended(&exit)) {
+        if !self.containers.contains_key(&exit.container_cgroup) && (self.is_released() || !self.identify_ended(&exit))
+        {
             // A pod already let go of, or nothing tells which container it was (the API's report
             // ends it): the kernel's record of the container has nothing more to do.
             debug!(pod = %self.name(), cgroup = exit.container_cgroup, "exit in an unknown container cgroup");
@@ -20,7 +21,9 @@ impl PodState {
         }
         c.end = Some(KernelEnd { end: exit.end, ktime: exit.ktime });
         // A held process whose container ended is gone.
-        self.held.retain(|h| h.container_cgroup != exit.container_cgroup);
+        if let Phase::Working { held, .. } = &mut self.phase {
+            held.retain(|h| h.container_cgroup != exit.container_cgroup);
+        }
         let mut fx = vec![Effect::Count(Count::ContainerEnd(exit.end))];
         fx.extend(self.step(now));
         fx
@@ -78,7 +81,8 @@ impl PodState {
     /// deleting, shutting down or released.
     pub fn quit_ahead(&self) -> Option<QuitAhead> {
         let plan = self.plan.as_ref()?;
-        if self.finished || self.released || self.shutting_down || !self.network_open || plan.deleting {
+        let network_open = matches!(&self.phase, Phase::Working { node, .. } if node.network_open);
+        if !network_open || self.stopping || plan.deleting {
             return None;
         }
         let (pod_rel, pod_cgroup) = self.pod_cgroup.as_ref()?;
@@ -198,7 +202,7 @@ impl PodState {
         let kind = self.sidecar_kind(sidecar);
         let mut fx = vec![Effect::Count(Count::Quit { kind, result: outcome.label() })];
         let name = self.name();
-        let done_ktime = self.done_ktime;
+        let done_ktime = self.done().and_then(|d| d.ktime);
         let Some(q) = self.quits.get_mut(sidecar) else { return fx };
         match &outcome {
             QuitOutcome::Accepted { status, attempts } => {

@@ -21,8 +21,11 @@ impl PodState {
         let Some(plan) = self.plan.as_ref().filter(|p| self.can_hold(p)) else {
             return vec![release("not_app")];
         };
-        if self.finished || self.shutting_down {
-            return vec![release("not_app")];
+        match self.phase {
+            Phase::Working { .. } if !self.stopping => {}
+            // The work is over or the agent stops: nothing is held any more.
+            Phase::Working { .. } | Phase::Done { .. } => return vec![release("not_app")],
+            Phase::Released { .. } => return vec![release("pod_done")],
         }
         let role = self.role(held.container_cgroup);
         // The sandbox's pause starts before any container the API could name.
@@ -42,7 +45,7 @@ impl PodState {
         if !app {
             return vec![release("not_app")];
         }
-        if self.held.iter().any(|h| h.tgid == held.tgid) {
+        if self.held_now().iter().any(|h| h.tgid == held.tgid) {
             return Vec::new();
         }
         // An app process the kernel stopped: counted even when it runs again at once.
@@ -59,7 +62,9 @@ impl PodState {
             pid = held.tgid,
             "holding app until the proxy is ready"
         );
-        self.held.push(Held { tgid: held.tgid, container_cgroup: held.container_cgroup, since: held.ktime, counted });
+        if let Phase::Working { held: list, .. } = &mut self.phase {
+            list.push(Held { tgid: held.tgid, container_cgroup: held.container_cgroup, since: held.ktime, counted });
+        }
         let mut fx = if counted { vec![Effect::Count(Count::Hold)] } else { Vec::new() };
         fx.push(Effect::Pin { tgid: held.tgid, container_rel: rel });
         fx.extend(self.step(now));
@@ -76,7 +81,7 @@ impl PodState {
                 c.exec_done = true;
                 c.classified = false;
             }
-            if self.held.iter().any(|h| h.tgid == f.tgid) {
+            if self.held_now().iter().any(|h| h.tgid == f.tgid) {
                 continue;
             }
             // Counted by the agent that held it.
@@ -86,8 +91,9 @@ impl PodState {
                 (Some(p), Role::Named(n)) => p.apps.contains(&n),
                 (Some(p), Role::Unnamed) => self.may_be_app(p),
             };
-            if !app || self.shutting_down || self.finished || self.ready == Some(true) {
-                let reason = if self.shutting_down {
+            let working = matches!(self.phase, Phase::Working { .. });
+            if !app || self.stopping || !working || self.ready == Some(true) {
+                let reason = if self.stopping {
                     "shutdown"
                 } else if app && self.ready == Some(true) {
                     "ready"
@@ -101,7 +107,9 @@ impl PodState {
             if let Some(c) = self.containers.get(&f.container_cgroup) {
                 fx.push(Effect::Pin { tgid: f.tgid, container_rel: c.rel.clone() });
             }
-            self.held.push(h);
+            if let Phase::Working { held, .. } = &mut self.phase {
+                held.push(h);
+            }
         }
         fx
     }
@@ -182,7 +190,10 @@ impl PodState {
     }
 
     pub(super) fn release_all(&mut self, reason: &'static str) -> Vec<Effect> {
-        let held = std::mem::take(&mut self.held);
+        let held = match &mut self.phase {
+            Phase::Working { held, .. } => std::mem::take(held),
+            _ => Vec::new(),
+        };
         held.iter().flat_map(|h| self.release_counted(h, reason)).collect()
     }
 
@@ -190,8 +201,10 @@ impl PodState {
     pub(super) fn stand_down(&mut self, reason: &'static str) -> Vec<Effect> {
         let mut fx = self.release_all(reason);
         fx.extend(self.stop_probe());
-        fx.extend(self.release_resources());
-        self.stood_down = true;
+        fx.extend(self.release_resources(LetGo::StoodDown));
+        if let Phase::Released { why, .. } = &mut self.phase {
+            *why = LetGo::StoodDown;
+        }
         fx
     }
 }

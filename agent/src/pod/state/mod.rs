@@ -4,10 +4,11 @@
 //! result of an effect, a tick with the current time) and returns the [`Effect`]s to carry out.
 //! No I/O and no clock reads here: the controller routes inputs in and hands effects to `act`.
 //!
-//! A pod goes through: found (its cgroup watched, its containers named, its network namespace
-//! opened) → apps held until the proxy is ready (or the hold times out) → the work is done and
-//! the sidecars are asked to quit → resources released. The API can move it anywhere at any time
-//! (a label removed, annotations broken, the pod deleted): then nothing it held stays held.
+//! A pod goes through the [`Phase`]s: working (its cgroup watched, its containers named, its
+//! network namespace opened, its apps held until the proxy is ready or the hold times out) →
+//! done (the sidecars asked to quit) → released (the node's resources let go). The API can move
+//! it to released at any time (a label removed, annotations broken, the pod deleted): then
+//! nothing it held stays held.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -143,6 +144,92 @@ struct Quit {
     failures: u32,
 }
 
+/// What valet keeps on the node for a pod it watches (besides the kernel's records of its
+/// containers, which go with it).
+#[derive(Clone, Debug, Default)]
+struct Attached {
+    /// The hold flag the kernel watches the pod cgroup with (none: not watched yet).
+    watching: Option<bool>,
+    /// The pod's network namespace is open, or its opening is on its way.
+    network_open: bool,
+    /// Processes an earlier agent left stopped in the pod were looked for.
+    left_held_searched: bool,
+}
+
+/// The work done: the apps ended as the plan needs, and the sidecars were asked to quit (or had
+/// ended already).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Done {
+    /// Kernel time of the end that completed the work (for the latency figure).
+    ktime: Option<Nanos>,
+}
+
+/// Why the node's resources for a pod were let go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LetGo {
+    /// The work is done and every sidecar has ended (or was signalled).
+    WorkDone,
+    /// The pod ended, is being deleted, or is gone from valet's view.
+    PodEnded,
+    /// The pod's plan is gone (bad annotations, hostNetwork): watched again, from scratch, if it
+    /// comes back.
+    StoodDown,
+}
+
+/// Where a pod is in valet's work: watched and held → done → let go. The API can move it from
+/// any phase to [`Phase::Released`]; only a pod that stood down comes back from there.
+#[derive(Clone, Debug)]
+enum Phase {
+    /// The work is to come: the pod is watched, its proxy probed, its apps held until the proxy
+    /// is ready.
+    Working {
+        node: Attached,
+        /// The processes held now.
+        held: Vec<Held>,
+        /// The running probe's target and pace.
+        probe: Option<(ProbeTarget, Pace)>,
+    },
+    /// The work is done. Nothing is held or probed any more; the node's resources stay until
+    /// every sidecar has ended (an escalation must see whether it did).
+    Done { done: Done, node: Attached },
+    /// The node's resources are let go: kernel maps, network namespace, probe.
+    Released {
+        /// The work was done before (a pod that stood down and comes back stays done).
+        done: Option<Done>,
+        why: LetGo,
+    },
+}
+
+impl Phase {
+    fn working() -> Phase {
+        Phase::Working { node: Attached::default(), held: Vec::new(), probe: None }
+    }
+}
+
+/// The `valet.dev/ProxyReady` writes: one at a time, so that writes never overtake each other.
+#[derive(Clone, Debug, Default)]
+struct Writes {
+    /// What the last write asked for (or the pod was seen to show already).
+    written: Option<ProxyReady>,
+    /// The pod's resourceVersion our last successful write produced: a pod seen at or after it
+    /// that shows another condition was written over (a killed predecessor's late write), and
+    /// is written again.
+    written_version: Option<String>,
+    state: WriteState,
+    /// Writes failed in a row.
+    failures: u32,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum WriteState {
+    #[default]
+    Idle,
+    /// A write is on its way.
+    InFlight,
+    /// The last write failed: the next may be made at this time.
+    RetryAt(Nanos),
+}
+
 /// The one instance of a container that counts now.
 struct Instance<'a> {
     id: String,
@@ -164,41 +251,22 @@ pub struct PodState {
     /// Why the pod is ignored, once counted.
     ignored: Option<&'static str>,
     pod_cgroup: Option<(String, u64)>,
-    /// The hold flag the kernel watches the pod cgroup with.
-    watching: Option<bool>,
     /// Container cgroup id → what is known of it.
     containers: BTreeMap<u64, Container>,
     /// Container instances the API calls running that had ended when the node was looked at
     /// (their cgroup gone or empty): ends no kernel event reported (they came while no agent
     /// watched the pod).
     vanished: std::collections::BTreeSet<String>,
-    network_open: bool,
-    held: Vec<Held>,
-    left_held_searched: bool,
+    /// Where the pod is in valet's work, with what each stage keeps.
+    phase: Phase,
+    /// A held app was released because its proxy was not ready in time (said by the condition).
     failed_open: bool,
-    /// The running probe's target and pace.
-    probe: Option<(ProbeTarget, Pace)>,
     ready: Option<bool>,
     quits: BTreeMap<String, Quit>,
-    /// Kernel time of the end that completed the work (for the latency figure).
-    done_ktime: Option<Nanos>,
-    /// The work is done: no more probing, holding, or condition downgrades.
-    finished: bool,
-    /// Kernel maps, network namespace and probe are released.
-    released: bool,
-    /// Released because the plan is gone (bad annotations, hostNetwork): attached again if it
-    /// comes back.
-    stood_down: bool,
-    shutting_down: bool,
-    written: Option<ProxyReady>,
-    /// The pod's resourceVersion our last successful write produced: a pod seen at or after it
-    /// that shows another condition was written over (a killed predecessor's late write), and
-    /// is written again.
-    written_version: Option<String>,
-    writing: bool,
-    /// Condition writes failed in a row, and when the next may be made.
-    write_failures: u32,
-    write_retry_at: Option<Nanos>,
+    /// The agent stops: nothing is held any more, quits already decided still go out.
+    stopping: bool,
+    /// The `valet.dev/ProxyReady` condition's writes.
+    writes: Writes,
     /// The last tick asked for nothing and nothing has come in since: until something does (or
     /// a deadline is pending), a tick has nothing to do. A full node's idle pods cost no CPU.
     settled: bool,
@@ -215,26 +283,14 @@ impl PodState {
             api_path_told: false,
             ignored: None,
             pod_cgroup: None,
-            watching: None,
             containers: BTreeMap::new(),
             vanished: std::collections::BTreeSet::new(),
-            network_open: false,
-            held: Vec::new(),
-            left_held_searched: false,
+            phase: Phase::working(),
             failed_open: false,
-            probe: None,
             ready: None,
             quits: BTreeMap::new(),
-            done_ktime: None,
-            finished: false,
-            released: false,
-            stood_down: false,
-            shutting_down: false,
-            written: None,
-            written_version: None,
-            writing: false,
-            write_failures: 0,
-            write_retry_at: None,
+            stopping: false,
+            writes: Writes::default(),
             settled: false,
         }
     }
@@ -277,22 +333,54 @@ impl PodState {
     /// Whether this pod holds its apps until its proxy is ready, and so looks after what the
     /// kernel stopped in its cgroups (an earlier agent's holds included, found at attach).
     pub fn holding(&self) -> bool {
-        self.plan.as_ref().is_some_and(|p| self.can_hold(p))
-            && !self.shutting_down
-            && !self.released
-            && !self.finished
-            && !self.stood_down
+        matches!(self.phase, Phase::Working { .. })
+            && !self.stopping
+            && self.plan.as_ref().is_some_and(|p| self.can_hold(p))
     }
 
     /// The processes this pod holds now.
     pub fn held_pids(&self) -> impl Iterator<Item = u32> + '_ {
-        self.held.iter().map(|h| h.tgid)
+        self.held_now().iter().map(|h| h.tgid)
     }
 
     /// Whether the node's resources for this pod (cgroup search, kernel maps, network namespace)
-    /// are still needed.
+    /// are let go.
     pub fn is_released(&self) -> bool {
-        self.released
+        matches!(self.phase, Phase::Released { .. })
+    }
+
+    // ---- the phase ----
+
+    /// The processes held now (only a pod whose work is to come holds any).
+    fn held_now(&self) -> &[Held] {
+        match &self.phase {
+            Phase::Working { held, .. } => held,
+            _ => &[],
+        }
+    }
+
+    /// What is kept on the node for the pod, until it is let go.
+    fn node(&self) -> Option<&Attached> {
+        match &self.phase {
+            Phase::Working { node, .. } | Phase::Done { node, .. } => Some(node),
+            Phase::Released { .. } => None,
+        }
+    }
+
+    fn node_mut(&mut self) -> Option<&mut Attached> {
+        match &mut self.phase {
+            Phase::Working { node, .. } | Phase::Done { node, .. } => Some(node),
+            Phase::Released { .. } => None,
+        }
+    }
+
+    /// The work done, once it is.
+    fn done(&self) -> Option<Done> {
+        match self.phase {
+            Phase::Working { .. } => None,
+            Phase::Done { done, .. } => Some(done),
+            Phase::Released { done, .. } => done,
+        }
     }
 
     // ---- transitions ----
@@ -321,12 +409,12 @@ impl PodState {
                 }
                 self.api_path = path;
                 self.plan = Some(p);
-                if std::mem::take(&mut self.stood_down) {
+                if let Phase::Released { done, why: LetGo::StoodDown } = self.phase {
                     // Watched again, from scratch.
-                    self.released = false;
-                    self.watching = None;
-                    self.network_open = false;
-                    self.left_held_searched = false;
+                    self.phase = match done {
+                        Some(done) => Phase::Done { done, node: Attached::default() },
+                        None => Phase::working(),
+                    };
                 }
             }
             Err(e) => {
@@ -359,7 +447,7 @@ impl PodState {
     pub fn removed(&mut self) -> Vec<Effect> {
         self.settled = false;
         let mut fx = self.release_all("pod_gone");
-        fx.extend(self.release_resources());
+        fx.extend(self.release_resources(LetGo::PodEnded));
         fx
     }
 
@@ -367,9 +455,9 @@ impl PodState {
     /// are still on their way are found in the pod's cgroup.
     pub fn shutdown(&mut self) -> Vec<Effect> {
         self.settled = false;
-        self.shutting_down = true;
+        self.stopping = true;
         let mut fx = self.release_all("shutdown");
-        if self.watching == Some(true)
+        if self.node().is_some_and(|n| n.watching == Some(true))
             && let Some((rel, _)) = &self.pod_cgroup
         {
             fx.push(Effect::FindLeftHeld { pod_rel: rel.clone() });
@@ -381,7 +469,7 @@ impl PodState {
     pub fn feedback(&mut self, fb: Feedback, rules: &Rules, now: Nanos) -> Vec<Effect> {
         if let Feedback::Probed { ready, .. } = &fb
             && self.settled
-            && (self.ready == Some(*ready) || (self.finished && !*ready))
+            && (self.ready == Some(*ready) || (self.done().is_some() && !*ready))
         {
             // The same answer again (an unchanged answer is repeated once a second) to a pod
             // with nothing left to decide: with 110 held pods, deciding each anyway was most of
@@ -395,13 +483,15 @@ impl PodState {
                 if self.pod_cgroup.as_ref().map(|(_, i)| *i) != Some(id) {
                     debug!(pod = %self.name(), cgroup = %rel, "found pod cgroup");
                     self.pod_cgroup = Some((rel, id));
-                    self.watching = None;
-                    self.network_open = false;
+                    if let Some(node) = self.node_mut() {
+                        node.watching = None;
+                        node.network_open = false;
+                    }
                 }
             }
             // Found after the pod's resources were let go: what the kernel may hold of them goes
             // too (the soak left a few container records behind).
-            Feedback::Containers(seen) if self.released => {
+            Feedback::Containers(seen) if self.is_released() => {
                 fx.extend(seen.into_iter().map(|s| Effect::ForgetContainer { container_cgroup: s.cgroup_id }));
             }
             Feedback::Containers(seen) => {
@@ -413,11 +503,13 @@ impl PodState {
                 if !ok {
                     debug!(pod = %self.name(), "pod network namespace not open yet: {detail}");
                 }
-                self.network_open = ok;
+                if let Some(node) = self.node_mut() {
+                    node.network_open = ok;
+                }
                 return fx;
             }
             Feedback::Probed { ready, detail } => {
-                if self.finished && !ready {
+                if self.done().is_some() && !ready {
                     // The proxy going away after the work is done says nothing about the pod.
                     return fx;
                 }
@@ -453,21 +545,22 @@ impl PodState {
                 return fx;
             }
             Feedback::ConditionWritten { want, error, version } => {
-                self.writing = false;
-                self.written_version = version;
+                let w = &mut self.writes;
+                w.state = WriteState::Idle;
+                w.written_version = version;
                 fx.push(Effect::Count(Count::ConditionPatch { ok: error.is_none() }));
                 if let Some(e) = error {
-                    warn!(pod = %self.name(), "write {} condition: {e}", condition::CONDITION_TYPE);
                     // Retried after a backoff (never a loop against the API).
-                    if self.written.as_ref() == Some(&want) {
-                        self.written = None;
+                    if w.written.as_ref() == Some(&want) {
+                        w.written = None;
                     }
-                    self.write_failures = self.write_failures.saturating_add(1);
-                    let backoff = condition::retry_after(self.write_failures).as_nanos() as u64;
-                    self.write_retry_at = Some(now.saturating_add(backoff));
+                    w.failures = w.failures.saturating_add(1);
+                    let backoff = condition::retry_after(w.failures).as_nanos() as u64;
+                    w.state = WriteState::RetryAt(now.saturating_add(backoff));
+                    warn!(pod = %self.name(), "write {} condition: {e}", condition::CONDITION_TYPE);
                     return fx;
                 }
-                self.write_failures = 0;
+                w.failures = 0;
             }
         }
         fx.extend(self.step(now));
@@ -484,23 +577,25 @@ impl PodState {
     pub fn tick(&mut self, now: Nanos) -> Vec<Effect> {
         let mut fx = Vec::new();
         // Deadlines the decision itself keeps (a write or a quit to retry, an escalation).
-        let timed = self.write_retry_at.is_some()
+        let timed = matches!(self.writes.state, WriteState::RetryAt(_))
             || self.quits.values().any(|q| {
                 matches!(
                     q.state,
                     QuitState::Failed { retry_at: Some(_) } | QuitState::Accepted { escalate_at: Some(_) }
                 )
             });
-        if self.settled && !timed && self.held.is_empty() {
+        if self.settled && !timed && self.held_now().is_empty() {
             return fx;
         }
         let Some(hold_timeout) = self.plan.as_ref().map(|p| p.hold_timeout.min(MAX_HOLD)) else { return fx };
         // Hold timeouts, each from the moment the kernel stopped the process.
         let timeout = hold_timeout.as_nanos() as u64;
-        if self.held.iter().any(|h| now.saturating_sub(h.since) >= timeout) {
+        if let Phase::Working { held, .. } = &mut self.phase
+            && held.iter().any(|h| now.saturating_sub(h.since) >= timeout)
+        {
             let (expired, kept): (Vec<Held>, Vec<Held>) =
-                self.held.drain(..).partition(|h| now.saturating_sub(h.since) >= timeout);
-            self.held = kept;
+                held.drain(..).partition(|h| now.saturating_sub(h.since) >= timeout);
+            *held = kept;
             let secs = hold_timeout.as_secs();
             warn!(pod = %self.name(), waited_s = secs, "proxy not ready in time: releasing the app anyway");
             if !self.failed_open {
@@ -550,19 +645,19 @@ impl PodState {
             // Every container has ended, or the kubelet is stopping them: nothing to quit.
             fx.extend(self.release_all(if plan.deleting { "deleting" } else { "pod_done" }));
             fx.extend(self.stop_probe());
-            fx.extend(self.release_resources());
+            fx.extend(self.release_resources(LetGo::PodEnded));
             fx.extend(self.count_ignore(&plan));
             fx.extend(self.sync_condition(now));
             return fx;
         }
-        let hold = self.can_hold(&plan) && !self.shutting_down;
+        let hold = self.can_hold(&plan) && !self.stopping;
         fx.extend(self.announce_api_path());
-        if !self.released {
+        if self.node().is_some() {
             fx.extend(self.attach(&plan, hold));
         }
         // Held processes whose container turned out not to be an app.
         let not_app: Vec<Held> = self
-            .held
+            .held_now()
             .iter()
             .filter(|h| match self.role(h.container_cgroup) {
                 Role::Sandbox => true,
@@ -572,7 +667,9 @@ impl PodState {
             .cloned()
             .collect();
         for h in not_app {
-            self.held.retain(|x| x.tgid != h.tgid);
+            if let Phase::Working { held, .. } = &mut self.phase {
+                held.retain(|x| x.tgid != h.tgid);
+            }
             fx.push(self.release(&h, "not_app"));
         }
         if !hold {
@@ -582,9 +679,7 @@ impl PodState {
             Decision::Ignore(_) => fx.extend(self.count_ignore(&plan)),
             Decision::Wait(_) => {}
             Decision::Done => {
-                self.finish();
-                fx.extend(self.release_all("done"));
-                fx.extend(self.stop_probe());
+                fx.extend(self.finish());
                 // Kept until every sidecar has ended (or was signalled): an escalation still
                 // needs to see whether it did.
                 let ended = plan.sidecars.iter().all(|s| {
@@ -592,21 +687,22 @@ impl PodState {
                         || self.quits.get(&s.name).is_some_and(|q| q.state == QuitState::Escalated)
                 });
                 if ended {
-                    fx.extend(self.release_resources());
+                    fx.extend(self.release_resources(LetGo::WorkDone));
                 }
             }
             Decision::Quit(sidecars) => {
-                self.finish();
-                fx.extend(self.release_all("done"));
-                fx.extend(self.stop_probe());
-                if self.done_ktime.is_none() {
-                    self.done_ktime = plan
+                fx.extend(self.finish());
+                if self.done().is_some_and(|d| d.ktime.is_none()) {
+                    let ktime = plan
                         .apps
                         .iter()
                         .filter_map(|a| self.current(a))
                         .filter_map(|i| self.kernel_end(&i.id))
                         .map(|e| e.ktime)
                         .max();
+                    if let Phase::Done { done, .. } | Phase::Released { done: Some(done), .. } = &mut self.phase {
+                        done.ktime = ktime;
+                    }
                 }
                 for name in sidecars {
                     fx.extend(self.start_quit(&plan, &name, now));

@@ -5,20 +5,23 @@ use super::*;
 impl PodState {
     pub(super) fn manage_probe(&mut self, plan: &PodPlan) -> Vec<Effect> {
         let probed: Vec<_> = plan.sidecars.iter().filter(|s| s.ready.is_some()).cloned().collect();
-        if self.finished || self.released || probed.is_empty() {
+        if probed.is_empty() {
             return self.stop_probe();
         }
         // A sandboxed pod is probed at its IP (no cgroup given: no namespace to enter).
         let pod_rel = if self.sandboxed() { None } else { self.pod_cgroup.as_ref().map(|(r, _)| r.clone()) };
         let target = (pod_rel, plan.pod_ip.clone());
-        let pace = if !self.held.is_empty() {
+        let ready = self.ready;
+        // Only a pod whose work is to come is probed.
+        let Phase::Working { held, probe, .. } = &mut self.phase else { return Vec::new() };
+        let pace = if !held.is_empty() {
             Pace::Urgent
-        } else if self.ready == Some(true) {
+        } else if ready == Some(true) {
             Pace::Relaxed
         } else {
             Pace::Normal
         };
-        match &mut self.probe {
+        match probe {
             Some((t, p)) if *t == target => {
                 if *p == pace {
                     return Vec::new();
@@ -34,7 +37,8 @@ impl PodState {
     }
 
     pub(super) fn stop_probe(&mut self) -> Vec<Effect> {
-        match self.probe.take() {
+        let Phase::Working { probe, .. } = &mut self.phase else { return Vec::new() };
+        match probe.take() {
             Some(_) => vec![Effect::StopProbe],
             None => Vec::new(),
         }
@@ -69,27 +73,28 @@ impl PodState {
             },
             (None, false) => return Vec::new(),
         };
-        if self.writing || self.write_retry_at.is_some_and(|at| now < at) {
-            return Vec::new();
+        match self.writes.state {
+            WriteState::InFlight => return Vec::new(),
+            WriteState::RetryAt(at) if now < at => return Vec::new(),
+            WriteState::RetryAt(_) | WriteState::Idle => self.writes.state = WriteState::Idle,
         }
-        self.write_retry_at = None;
         let on_pod = self.pod.as_ref().is_some_and(|p| condition::already_set(p, &want));
         if on_pod {
-            self.written = Some(want);
+            self.writes.written = Some(want);
             return Vec::new();
         }
-        if self.written.as_ref() == Some(&want) && !self.written_over() {
+        if self.writes.written.as_ref() == Some(&want) && !self.written_over() {
             return Vec::new();
         }
-        self.written = Some(want.clone());
-        self.writing = true;
+        self.writes.written = Some(want.clone());
+        self.writes.state = WriteState::InFlight;
         vec![Effect::WriteCondition(want)]
     }
 
     /// Whether the pod, seen at or after our last write, shows something else: written over.
     fn written_over(&self) -> bool {
         let seen = self.pod.as_ref().and_then(|p| p.metadata.resource_version.as_deref());
-        match (seen, self.written_version.as_deref()) {
+        match (seen, self.writes.written_version.as_deref()) {
             (Some(seen), Some(written)) => condition::at_or_after(seen, written),
             _ => false,
         }

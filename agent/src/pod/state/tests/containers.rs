@@ -97,3 +97,49 @@ fn pods_valet_leaves_alone_are_counted_once() {
     assert!(has(&fx, &Effect::Count(Count::Skip("host_network"))), "{fx:?}");
     assert!(!fx.contains(&Effect::FindPodCgroup), "a hostNetwork pod's loopback is the node's");
 }
+
+// A pod whose plan goes (a malformed annotation) lets go of everything; when its plan comes
+// back it is watched again from scratch, and a pod whose work was done before stays done.
+#[test]
+fn a_pod_that_stood_down_is_watched_again_from_scratch_when_its_plan_comes_back() {
+    let held = [("valet.dev/hold-app", "true")];
+    let broken = [("valet.dev/hold-app", "yes please")];
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[], &held));
+    assert!(d.s.holding());
+    let fx = d.pod(pod("Never", &[], &broken));
+    assert!(has(&fx, &Effect::Unwatch { pod_cgroup: POD_CG }) && has(&fx, &Effect::CloseNetwork), "{fx:?}");
+    assert!(d.s.is_released() && !d.s.holding());
+    assert_eq!(releases(&d.held(APP, 40, "report")), [(40, "not_app")], "no plan: nothing held");
+    let fx = d.pod(pod("Never", &[], &held));
+    let watch = Effect::Watch {
+        pod_cgroup: POD_CG,
+        pod_rel: POD_REL.into(),
+        exits: true,
+        hold: true,
+        hold_timeout: DEFAULT_HOLD_TIMEOUT,
+    };
+    assert!(has(&fx, &watch), "watched again: {fx:?}");
+    assert!(has(&fx, &Effect::FindLeftHeld { pod_rel: POD_REL.into() }), "{fx:?}");
+    assert!(has(&fx, &Effect::OpenNetwork { pod_rel: POD_REL.into() }), "{fx:?}");
+    assert!(fx.iter().any(|e| matches!(e, Effect::StartProbe { .. })), "{fx:?}");
+    assert!(d.s.holding() && !d.s.is_released());
+    assert!(releases(&d.held(APP, 41, "report")).is_empty(), "held again");
+
+    // Done, stood down, back: watched (its sidecar's end still matters), never probed, opened
+    // or held again, and its sidecar is not quit twice.
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[], &held));
+    assert_eq!(quits(&d.exit(APP, 0)).len(), 1);
+    d.pod(pod("Never", &[], &broken));
+    assert!(d.s.is_released());
+    let fx = d.pod(pod("Never", &[], &held));
+    assert!(fx.iter().any(|e| matches!(e, Effect::Watch { .. })), "{fx:?}");
+    assert!(
+        !fx.iter().any(|e| matches!(e, Effect::OpenNetwork { .. } | Effect::StartProbe { .. })),
+        "the work is done: {fx:?}"
+    );
+    assert!(quits(&fx).is_empty(), "{fx:?}");
+    assert!(!d.s.holding() && !d.s.is_released());
+    assert_eq!(releases(&d.held(APP, 42, "report")), [(42, "not_app")], "nothing is held once the work is done");
+}
