@@ -2,7 +2,7 @@
 //! it decides (`act`): effects going out, feedback coming back. Plain data only; this module
 //! imports no caller, so neither side depends on the other.
 
-use crate::vocab::{Endpoint, ProcessEnd, ProxyReady, QuitOutcome, Sidecar};
+use crate::vocab::{Endpoint, ProcessEnd, ProxyReady, QuitOutcome, Sidecar, SkipReason};
 
 /// A time on the kernel's monotonic clock (`bpf_ktime_get_ns`, `CLOCK_MONOTONIC`), in ns. Every
 /// transition gets "now" as an argument; nothing in `pod::state` reads a clock.
@@ -183,7 +183,7 @@ pub enum Count {
     /// A container's end seen by the kernel.
     ContainerEnd(Option<ProcessEnd>),
     /// The pod is skipped, with a low-cardinality reason.
-    Skip(&'static str),
+    Skip(SkipReason),
     /// An app process is held.
     Hold,
     FailOpen,

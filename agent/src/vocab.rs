@@ -245,6 +245,58 @@ impl fmt::Display for DegradedReason {
     }
 }
 
+/// Why a pod valet was asked to look after is left alone: the `reason` label values of
+/// `valet_pod_skips_total`, each explained in docs/monitoring.md. Counted once per pod and
+/// reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SkipReason {
+    /// The pod's valet annotations cannot be read (an Event says why).
+    BadAnnotation,
+    /// A `hostNetwork` pod: its sidecar's loopback is the node's.
+    HostNetwork,
+    /// `restartPolicy: Always`: the apps never finish, so nothing is quit (holds still apply).
+    RestartAlways,
+    /// Its only sidecars are native ones valet does not know: the kubelet ends them.
+    NativeSidecars,
+    /// No container is a sidecar valet knows.
+    NoSidecars,
+    /// Every container is a sidecar: no app whose end would mean anything.
+    NoApps,
+    /// The pod is being deleted: the kubelet stops every container anyway.
+    Deleting,
+}
+
+impl SkipReason {
+    pub const ALL: [SkipReason; 7] = [
+        SkipReason::BadAnnotation,
+        SkipReason::HostNetwork,
+        SkipReason::RestartAlways,
+        SkipReason::NativeSidecars,
+        SkipReason::NoSidecars,
+        SkipReason::NoApps,
+        SkipReason::Deleting,
+    ];
+
+    /// The metric label and log word.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SkipReason::BadAnnotation => "bad_annotation",
+            SkipReason::HostNetwork => "host_network",
+            SkipReason::RestartAlways => "restart_always",
+            SkipReason::NativeSidecars => "native_sidecars",
+            SkipReason::NoSidecars => "no_sidecars",
+            SkipReason::NoApps => "no_apps",
+            SkipReason::Deleting => "deleting",
+        }
+    }
+}
+
+impl fmt::Display for SkipReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// How the agent sees this node's containers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum NodeMode {

@@ -38,3 +38,13 @@ def test_relative_links_lead_to_files(page: Path) -> None:
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(ROOT)}:{n}: {target}")
     assert not broken, "\n".join(broken)
+
+
+def test_every_agent_setting_is_in_the_readme_flag_table() -> None:
+    config = (ROOT / "agent/src/config.rs").read_text()
+    envs = set(re.findall(r'env = "(VALET_[A-Z0-9_]+)"', config))
+    assert len(envs) > 20, f"the agent's settings were not found in config.rs: {sorted(envs)}"
+    table = [line for _, line in prose(ROOT / "README.md") if line.startswith("|")]
+    rows = {m for line in table for m in re.findall(r"`(VALET_[A-Z0-9_]+)`", line)}
+    missing = sorted(envs - rows)
+    assert not missing, f"settings without a row in the README's flag table: {missing}"

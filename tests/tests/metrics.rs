@@ -1,4 +1,4 @@
-//! End to end, issue 5 "metrics": the real agent binary's `/metrics`, `/healthz` and `/readyz`
+//! End to end, the metrics: the real agent binary's `/metrics`, `/healthz` and `/readyz`
 //! after it drove a real sidecar quit, checked by the Prometheus tools themselves: `promtool
 //! check metrics` (errors and lint), and a real Prometheus server scraping the agent and
 //! answering queries about it.

@@ -13,7 +13,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::vocab::{DegradedReason, NodeMode, SidecarKind};
+use crate::vocab::{DegradedReason, NodeMode, SidecarKind, SkipReason};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 pub enum ExitOutcome {
@@ -38,24 +38,6 @@ pub struct QuitLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabels {
     pub kind: &'static str,
-}
-
-/// Why the observer skipped a pod, as `valet_pod_skips_total{reason}` spells it. The controller's
-/// reasons (`host_network`, `restart_always`, `native_sidecars`, `no_sidecars`, `no_apps`,
-/// `deleting` and the same `bad_annotation`) are written by the pod's state machine; every
-/// reason is explained in docs/monitoring.md.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum SkipReason {
-    /// The pod's valet annotations could not be read (its Events say why when valet acts on it).
-    BadAnnotation,
-}
-
-impl SkipReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SkipReason::BadAnnotation => "bad_annotation",
-        }
-    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -395,8 +377,8 @@ impl Metrics {
         }
     }
 
-    pub fn skip(&self, reason: &'static str) {
-        self.skips.get_or_create(&ReasonLabels { reason }).inc();
+    pub fn skip(&self, reason: SkipReason) {
+        self.skips.get_or_create(&ReasonLabels { reason: reason.as_str() }).inc();
     }
 }
 
@@ -545,7 +527,7 @@ mod tests {
         m.exits.get_or_create(&ExitLabels { outcome: ExitOutcome::Success }).inc();
         m.quits.get_or_create(&QuitLabels { kind: "istio", result: "ok" }).inc();
         m.quit_latency.observe(0.0004);
-        m.skip("restart_always");
+        m.skip(SkipReason::RestartAlways);
         let text = m.encode();
         for name in [
             "valet_pods_tracked",
@@ -653,6 +635,24 @@ mod tests {
         assert!(text.contains("valet_app_hold_duration_seconds_bucket{le=\"300.0\"} 1\n"), "{text}");
         assert!(text.contains("valet_app_hold_duration_seconds_bucket{le=\"3600.0\"} 1\n"), "{text}");
         assert!(text.contains("valet_app_hold_duration_seconds_bucket{le=\"0.00005\"} 0\n"), "{text}");
+    }
+
+    #[test]
+    fn every_skip_reason_is_one_documented_label() {
+        let doc = include_str!("../../../docs/monitoring.md");
+        let m = Metrics::new();
+        let mut labels = std::collections::BTreeSet::new();
+        for reason in SkipReason::ALL {
+            let label = reason.as_str();
+            assert!(labels.insert(label), "{label} spelt twice");
+            assert!(label.chars().all(|c| c.is_ascii_lowercase() || c == '_'), "{label} is not snake_case");
+            assert!(doc.contains(&format!("| `{label}` | the ")), "{label} is not in docs/monitoring.md's skip table");
+            m.skip(reason);
+        }
+        let text = m.render(Format::Text).expect("render");
+        for label in labels {
+            assert!(text.contains(&format!("valet_pod_skips_total{{reason=\"{label}\"}} 1\n")), "{label}: {text}");
+        }
     }
 
     #[test]

@@ -37,10 +37,11 @@ use self::tally::{Note, PodKey, Tally, Uncounted};
 use crate::acted::QuitPods;
 use crate::api::watch::Relist;
 use crate::cgroup::CgroupFs;
-use crate::metrics::{Metrics, NamespaceLabels, ObservedLabels, ReasonLabels, SkipReason, TaxLabels};
+use crate::metrics::{Metrics, NamespaceLabels, ObservedLabels, ReasonLabels, TaxLabels};
 use crate::pod::spec::{Endpoint, SidecarDefaults};
 use crate::sidecar::Pending;
 use crate::sidecar::http::{self, Limits};
+use crate::vocab::SkipReason;
 
 /// Asks a pod's proxy once whether it is ready. `None`: it could not be asked (the pod's
 /// network namespace could not be entered).
@@ -215,7 +216,7 @@ impl Observer {
                 // A labelled pod valet acts on has its error reported by the controller.
                 if self.unreadable.insert(uid.to_owned()) && !(labelled && self.settings.act) {
                     info!(pod = %crate::pod::status::pod_name(pod), "not observed: {e}");
-                    self.metrics.skip(SkipReason::BadAnnotation.as_str());
+                    self.metrics.skip(SkipReason::BadAnnotation);
                 }
             }
         }

@@ -21,7 +21,7 @@ use super::spec::{Endpoint, PodPlan, SidecarDefaults, plan};
 use super::status::{self, hex_id, pod_name};
 use crate::api::condition;
 use crate::effect::{ContainerSeen, Count, Effect, ExitSeen, Feedback, HeldSeen, LeftHeld, Nanos, Pace, RuntimeName};
-use crate::vocab::{ApiPath, NodeMode, ProcessEnd, ProxyReady, QuitOutcome};
+use crate::vocab::{ApiPath, NodeMode, ProcessEnd, ProxyReady, QuitOutcome, SkipReason};
 
 mod containers;
 mod ending;
@@ -249,7 +249,7 @@ pub struct PodState {
     /// That was counted (and published).
     api_path_told: bool,
     /// Why the pod is ignored, once counted.
-    ignored: Option<&'static str>,
+    ignored: Option<SkipReason>,
     pod_cgroup: Option<(String, u64)>,
     /// Container cgroup id → what is known of it.
     containers: BTreeMap<u64, Container>,
@@ -394,10 +394,10 @@ impl PodState {
         self.pod = Some(pod);
         match planned {
             Ok(_) if host_network => {
-                if self.ignored != Some("host_network") {
+                if self.ignored != Some(SkipReason::HostNetwork) {
                     info!(pod = %self.name(), "hostNetwork pod: its sidecar's loopback is the node's; leaving it alone");
-                    fx.push(Effect::Count(Count::Skip("host_network")));
-                    self.ignored = Some("host_network");
+                    fx.push(Effect::Count(Count::Skip(SkipReason::HostNetwork)));
+                    self.ignored = Some(SkipReason::HostNetwork);
                 }
                 self.plan = None;
             }
@@ -421,7 +421,7 @@ impl PodState {
                 let text = e.to_string();
                 if self.spec_error.as_deref() != Some(text.as_str()) {
                     warn!(pod = %self.name(), "skipping pod: {text}");
-                    fx.push(Effect::Count(Count::Skip("bad_annotation")));
+                    fx.push(Effect::Count(Count::Skip(SkipReason::BadAnnotation)));
                     fx.push(Effect::Publish {
                         warning: true,
                         reason: e.reason(),

@@ -112,12 +112,12 @@ impl PodState {
     }
 }
 
-pub(super) fn ignore_label(reason: IgnoreReason) -> &'static str {
+pub(super) fn ignore_label(reason: IgnoreReason) -> SkipReason {
     match reason {
-        IgnoreReason::RestartAlways => "restart_always",
-        IgnoreReason::NativeSidecars => "native_sidecars",
-        IgnoreReason::NoSidecars => "no_sidecars",
-        IgnoreReason::NoApps => "no_apps",
-        IgnoreReason::Deleting => "deleting",
+        IgnoreReason::RestartAlways => SkipReason::RestartAlways,
+        IgnoreReason::NativeSidecars => SkipReason::NativeSidecars,
+        IgnoreReason::NoSidecars => SkipReason::NoSidecars,
+        IgnoreReason::NoApps => SkipReason::NoApps,
+        IgnoreReason::Deleting => SkipReason::Deleting,
     }
 }

@@ -86,7 +86,7 @@ fn pods_valet_leaves_alone_are_counted_once() {
     let with = |policy: &str, a: &[(&str, &str)]| pod(policy, &[], a);
     let mut d = Drive::new(true);
     let fx = d.pod(with("Always", &[]));
-    assert!(has(&fx, &Effect::Count(Count::Skip("restart_always"))), "{fx:?}");
+    assert!(has(&fx, &Effect::Count(Count::Skip(SkipReason::RestartAlways))), "{fx:?}");
     assert!(!d.pod(with("Always", &[])).iter().any(|e| matches!(e, Effect::Count(_))));
     let mut d = Drive::new(true);
     let mut p = with("Never", &[]);
@@ -94,7 +94,7 @@ fn pods_valet_leaves_alone_are_counted_once() {
         s.host_network = Some(true);
     }
     let fx = d.pod(p);
-    assert!(has(&fx, &Effect::Count(Count::Skip("host_network"))), "{fx:?}");
+    assert!(has(&fx, &Effect::Count(Count::Skip(SkipReason::HostNetwork))), "{fx:?}");
     assert!(!fx.contains(&Effect::FindPodCgroup), "a hostNetwork pod's loopback is the node's");
 }
 

@@ -1,6 +1,7 @@
 //! Table tests of every transition, on plain pods: the effects a transition returns are the
 //! whole of what it does. One driver ([`Drive`]) feeds a pod its inputs; each concern's tests
-//! are in the file named after it (`containers`, `hold`, `quit`, `ready`).
+//! are in the file named after it (`containers`, `ending`, `hold`, `ready`; `api_path` and
+//! `native` for the pods whose ends come from the API and those with native sidecars).
 
 use serde_json::{Value, json};
 
@@ -173,7 +174,7 @@ pub(super) fn accepted() -> QuitOutcome {
 
 mod api_path;
 mod containers;
+mod ending;
 mod hold;
 mod native;
-mod quit;
 mod ready;

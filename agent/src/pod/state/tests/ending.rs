@@ -272,7 +272,7 @@ fn a_quit_waits_for_the_pod_cgroup_and_goes_out_once_it_is_found() {
 fn a_restart_always_pod_is_held_and_probed_but_never_quit() {
     let mut d = Drive::new(true);
     let fx = d.found(pod("Always", &[], &[("valet.dev/hold-app", "true")]));
-    assert!(has(&fx, &Effect::Count(Count::Skip("restart_always"))), "{fx:?}");
+    assert!(has(&fx, &Effect::Count(Count::Skip(SkipReason::RestartAlways))), "{fx:?}");
     assert!(
         has(
             &fx,
