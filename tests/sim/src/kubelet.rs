@@ -1440,14 +1440,48 @@ pub fn write_bundle(dir: &Path, sim: &SimPod, c: &SimContainer, sandbox: bool) -
 }
 
 /// A `pause` program for sandboxes: `sleep` under the pause image's name, made once per host.
+/// Tests of one process make it at once on a fresh machine: each copy has a name of its own
+/// and the renames replace one another whole.
 fn pause_binary() -> Result<PathBuf> {
-    let dir = std::env::temp_dir().join("valet-sim-bin");
+    pause_binary_in(&std::env::temp_dir().join("valet-sim-bin"))
+}
+
+fn pause_binary_in(dir: &Path) -> Result<PathBuf> {
+    static COPIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let path = dir.join("pause");
     if !path.exists() {
-        std::fs::create_dir_all(&dir)?;
-        let tmp = dir.join(format!("pause.{}", std::process::id()));
-        std::fs::copy("/bin/sleep", &tmp)?;
-        std::fs::rename(&tmp, &path)?;
+        std::fs::create_dir_all(dir).with_context(|| format!("mkdir {}", dir.display()))?;
+        let n = COPIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = dir.join(format!("pause.{}.{n}", std::process::id()));
+        std::fs::copy("/bin/sleep", &tmp).with_context(|| format!("copy /bin/sleep to {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path).with_context(|| format!("rename {} to {}", tmp.display(), path.display()))?;
     }
     Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // On a fresh machine the first pods of several tests in one process make the pause program
+    // at the same moment: every one of them gets it.
+    #[test]
+    fn the_pause_program_is_made_once_by_many_at_once() {
+        let dir = std::env::temp_dir().join(format!("valet-sim-pause-{}", crate::util::random_hex(4)));
+        let start = std::sync::Arc::new(std::sync::Barrier::new(8));
+        let makers: Vec<_> = (0..8)
+            .map(|_| {
+                let (dir, start) = (dir.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    pause_binary_in(&dir).map_err(|e| format!("{e:#}"))
+                })
+            })
+            .collect();
+        let made: Vec<_> = makers.into_iter().map(|t| t.join().expect("thread")).collect();
+        let _ = std::fs::remove_dir_all(&dir);
+        for m in made {
+            assert_eq!(m, Ok(dir.join("pause")));
+        }
+    }
 }
