@@ -21,7 +21,7 @@ impl PodState {
         }
         c.end = Some(KernelEnd { end: exit.end, ktime: exit.ktime });
         // A held process whose container ended is gone.
-        if let Phase::Working { held, .. } = &mut self.phase {
+        if let Some(held) = self.held_mut() {
             held.retain(|h| h.container_cgroup != exit.container_cgroup);
         }
         let mut fx = vec![Effect::Count(Count::ContainerEnd(exit.end))];

@@ -62,7 +62,7 @@ impl PodState {
             pid = held.tgid,
             "holding app until the proxy is ready"
         );
-        if let Phase::Working { held: list, .. } = &mut self.phase {
+        if let Some(list) = self.held_mut() {
             list.push(Held { tgid: held.tgid, container_cgroup: held.container_cgroup, since: held.ktime, counted });
         }
         let mut fx = if counted { vec![Effect::Count(Count::Hold)] } else { Vec::new() };
@@ -107,7 +107,7 @@ impl PodState {
             if let Some(c) = self.containers.get(&f.container_cgroup) {
                 fx.push(Effect::Pin { tgid: f.tgid, container_rel: c.rel.clone() });
             }
-            if let Phase::Working { held, .. } = &mut self.phase {
+            if let Some(held) = self.held_mut() {
                 held.push(h);
             }
         }
@@ -190,10 +190,7 @@ impl PodState {
     }
 
     pub(super) fn release_all(&mut self, reason: &'static str) -> Vec<Effect> {
-        let held = match &mut self.phase {
-            Phase::Working { held, .. } => std::mem::take(held),
-            _ => Vec::new(),
-        };
+        let held = self.held_mut().map(std::mem::take).unwrap_or_default();
         held.iter().flat_map(|h| self.release_counted(h, reason)).collect()
     }
 

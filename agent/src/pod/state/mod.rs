@@ -359,6 +359,14 @@ impl PodState {
         }
     }
 
+    /// The processes held now, to change (none once the work is over or the pod let go).
+    fn held_mut(&mut self) -> Option<&mut Vec<Held>> {
+        match &mut self.phase {
+            Phase::Working { held, .. } => Some(held),
+            _ => None,
+        }
+    }
+
     /// What is kept on the node for the pod, until it is let go.
     fn node(&self) -> Option<&Attached> {
         match &self.phase {
@@ -380,6 +388,14 @@ impl PodState {
             Phase::Working { .. } => None,
             Phase::Done { done, .. } => Some(done),
             Phase::Released { done, .. } => done,
+        }
+    }
+
+    fn done_mut(&mut self) -> Option<&mut Done> {
+        match &mut self.phase {
+            Phase::Working { .. } => None,
+            Phase::Done { done, .. } => Some(done),
+            Phase::Released { done, .. } => done.as_mut(),
         }
     }
 
@@ -590,7 +606,7 @@ impl PodState {
         let Some(hold_timeout) = self.plan.as_ref().map(|p| p.hold_timeout.min(MAX_HOLD)) else { return fx };
         // Hold timeouts, each from the moment the kernel stopped the process.
         let timeout = hold_timeout.as_nanos() as u64;
-        if let Phase::Working { held, .. } = &mut self.phase
+        if let Some(held) = self.held_mut()
             && held.iter().any(|h| now.saturating_sub(h.since) >= timeout)
         {
             let (expired, kept): (Vec<Held>, Vec<Held>) =
@@ -667,7 +683,7 @@ impl PodState {
             .cloned()
             .collect();
         for h in not_app {
-            if let Phase::Working { held, .. } = &mut self.phase {
+            if let Some(held) = self.held_mut() {
                 held.retain(|x| x.tgid != h.tgid);
             }
             fx.push(self.release(&h, "not_app"));
@@ -700,7 +716,7 @@ impl PodState {
                         .filter_map(|i| self.kernel_end(&i.id))
                         .map(|e| e.ktime)
                         .max();
-                    if let Phase::Done { done, .. } | Phase::Released { done: Some(done), .. } = &mut self.phase {
+                    if let Some(done) = self.done_mut() {
                         done.ktime = ktime;
                     }
                 }
