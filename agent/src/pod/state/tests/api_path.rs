@@ -33,11 +33,6 @@ fn counted(fx: &[Effect]) -> Vec<&'static str> {
         .collect()
 }
 
-/// The watch of the test pod's cgroup, with exits and holds on or off.
-fn watch(exits: bool, hold: bool) -> Effect {
-    Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits, hold, hold_timeout: DEFAULT_HOLD_TIMEOUT }
-}
-
 fn never_held(fx: &[Effect]) -> bool {
     !fx.iter().any(|e| {
         matches!(e, Effect::ClassifyExec { .. } | Effect::FindLeftHeld { .. } | Effect::Watch { hold: true, .. })

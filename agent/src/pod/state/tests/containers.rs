@@ -4,19 +4,7 @@ use super::*;
 fn a_found_pod_is_watched_named_opened_and_probed() {
     let mut d = Drive::new(true);
     let fx = d.found(pod("Never", &[], &[]));
-    assert!(
-        has(
-            &fx,
-            &Effect::Watch {
-                pod_cgroup: POD_CG,
-                pod_rel: POD_REL.into(),
-                exits: true,
-                hold: false,
-                hold_timeout: DEFAULT_HOLD_TIMEOUT
-            }
-        ),
-        "{fx:?}"
-    );
+    assert!(has(&fx, &watch(true, false)), "{fx:?}");
     assert!(has(&fx, &Effect::ScanContainers { pod_rel: POD_REL.into(), adopt: true }));
     assert!(has(&fx, &Effect::OpenNetwork { pod_rel: POD_REL.into() }));
     assert!(fx.iter().any(|e| matches!(e, Effect::StartProbe { pace: Pace::Normal, .. })), "{fx:?}");
@@ -35,14 +23,7 @@ fn a_host_pid_pod_takes_its_ends_from_the_api_and_is_never_held() {
     let mut p = pod("Never", &[], &[("valet.dev/hold-app", "true")]);
     p.spec.as_mut().expect("spec").host_pid = Some(true);
     let fx = d.found(p);
-    let watch = Effect::Watch {
-        pod_cgroup: POD_CG,
-        pod_rel: POD_REL.into(),
-        exits: false,
-        hold: false,
-        hold_timeout: DEFAULT_HOLD_TIMEOUT,
-    };
-    assert!(has(&fx, &watch), "{fx:?}");
+    assert!(has(&fx, &watch(false, false)), "{fx:?}");
     assert!(has(&fx, &Effect::ScanContainers { pod_rel: POD_REL.into(), adopt: false }), "{fx:?}");
     assert!(
         !fx.iter().any(|e| matches!(e, Effect::ClassifyExec { .. } | Effect::FindLeftHeld { .. })),
@@ -59,19 +40,7 @@ fn a_host_pid_pod_takes_its_ends_from_the_api_and_is_never_held() {
 fn a_held_pod_classifies_known_containers_before_they_exec() {
     let mut d = Drive::new(true);
     let fx = d.found(pod("Never", &[], &[("valet.dev/hold-app", "true")]));
-    assert!(
-        has(
-            &fx,
-            &Effect::Watch {
-                pod_cgroup: POD_CG,
-                pod_rel: POD_REL.into(),
-                exits: true,
-                hold: true,
-                hold_timeout: DEFAULT_HOLD_TIMEOUT
-            }
-        ),
-        "{fx:?}"
-    );
+    assert!(has(&fx, &watch(true, true)), "{fx:?}");
     assert!(has(&fx, &Effect::FindLeftHeld { pod_rel: POD_REL.into() }));
     for (cg, hold) in [(SANDBOX, false), (APP, true), (PROXY, false)] {
         assert!(has(&fx, &Effect::ClassifyExec { container_cgroup: cg, hold }), "{cg} {hold}: {fx:?}");
@@ -112,14 +81,7 @@ fn a_pod_that_stood_down_is_watched_again_from_scratch_when_its_plan_comes_back(
     assert!(d.s.is_released() && !d.s.holding());
     assert_eq!(releases(&d.held(APP, 40, "report")), [(40, "not_app")], "no plan: nothing held");
     let fx = d.pod(pod("Never", &[], &held));
-    let watch = Effect::Watch {
-        pod_cgroup: POD_CG,
-        pod_rel: POD_REL.into(),
-        exits: true,
-        hold: true,
-        hold_timeout: DEFAULT_HOLD_TIMEOUT,
-    };
-    assert!(has(&fx, &watch), "watched again: {fx:?}");
+    assert!(has(&fx, &watch(true, true)), "watched again: {fx:?}");
     assert!(has(&fx, &Effect::FindLeftHeld { pod_rel: POD_REL.into() }), "{fx:?}");
     assert!(has(&fx, &Effect::OpenNetwork { pod_rel: POD_REL.into() }), "{fx:?}");
     assert!(fx.iter().any(|e| matches!(e, Effect::StartProbe { .. })), "{fx:?}");

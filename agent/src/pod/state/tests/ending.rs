@@ -273,19 +273,7 @@ fn a_restart_always_pod_is_held_and_probed_but_never_quit() {
     let mut d = Drive::new(true);
     let fx = d.found(pod("Always", &[], &[("valet.dev/hold-app", "true")]));
     assert!(has(&fx, &Effect::Count(Count::Skip(SkipReason::RestartAlways))), "{fx:?}");
-    assert!(
-        has(
-            &fx,
-            &Effect::Watch {
-                pod_cgroup: POD_CG,
-                pod_rel: POD_REL.into(),
-                hold: true,
-                exits: true,
-                hold_timeout: DEFAULT_HOLD_TIMEOUT
-            }
-        ),
-        "{fx:?}"
-    );
+    assert!(has(&fx, &watch(true, true)), "{fx:?}");
     assert!(has(&fx, &Effect::ClassifyExec { container_cgroup: APP, hold: true }), "{fx:?}");
     assert!(fx.iter().any(|e| matches!(e, Effect::StartProbe { .. })), "{fx:?}");
     d.held(APP, 42, "report");

@@ -128,6 +128,11 @@ impl Drive {
     }
 }
 
+/// The watch of the test pod's cgroup, with exits and holds on or off.
+pub(super) fn watch(exits: bool, hold: bool) -> Effect {
+    Effect::Watch { pod_cgroup: POD_CG, pod_rel: POD_REL.into(), exits, hold, hold_timeout: DEFAULT_HOLD_TIMEOUT }
+}
+
 pub(super) fn quits(fx: &[Effect]) -> Vec<(String, Option<String>)> {
     fx.iter()
         .filter_map(|e| match e {
