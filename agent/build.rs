@@ -16,8 +16,8 @@
 //! `VALET_EBPF_OBJECT=<file>` embeds an object already built instead. One object serves every
 //! architecture: the programs are tracepoints that read their records and the kernel's structs at
 //! offsets found at load time (format files, BTF), never `pt_regs` or syscall numbers, so the
-//! `bpf_target_arch` cfg changes nothing in them. `cargo xtask` builds the object once, with the
-//! host's agent, and hands it to the aarch64 build this way.
+//! `bpf_target_arch` cfg changes nothing in them (`cargo xtask lint` checks the crate never uses
+//! them). Every architecture's build in one target directory shares one build of the object.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -108,19 +108,22 @@ fn build() -> anyhow::Result<()> {
         "big" => "bpfeb-unknown-none",
         other => bail!("unsupported endianness {other}"),
     };
-    let arch = env("CARGO_CFG_TARGET_ARCH")?;
-    let arch = if arch.starts_with("riscv64") { "riscv64".to_owned() } else { arch };
-    // One build of the kernel programs per target directory and architecture, shared by every
-    // profile that runs this script (check, dev, release; clippy's and the fuzz targets' too):
-    // each used to build `core` for the BPF target again in its own OUT_DIR. Cargo's lock on
-    // the directory serialises concurrent builds, and its fingerprints rebuild what changed.
-    // OUT_DIR is `<target dir>/[<triple>/]<profile>/build/<package>-<hash>/out`; any other shape
-    // keeps the build in OUT_DIR.
+    // One build of the kernel programs per target directory, shared by every profile that runs
+    // this script (check, dev, release; clippy's and the fuzz targets' too) and by every target
+    // architecture (an aarch64 cross-build embeds the object the host build made). The object
+    // does not depend on the architecture: tracepoint fields are read at the offsets the
+    // kernel's format files give, task fields at BTF's, and no program touches `pt_regs`
+    // (`cargo xtask lint` checks that), so aya-ebpf's `bpf_target_arch` is left to its default.
+    // Cargo's lock on the directory serialises concurrent builds, and its fingerprints rebuild
+    // what changed. OUT_DIR is `<target dir>/[<triple>/]<profile>/build/<package>-<hash>/out`;
+    // the target directory is the one that holds cargo's CACHEDIR.TAG, else the build stays in
+    // OUT_DIR.
     let shared = out_dir
         .ancestors()
-        .nth(4)
+        .take(6)
+        .find(|dir| dir.join("CACHEDIR.TAG").is_file())
         .filter(|_| out_dir.ancestors().nth(2).and_then(|b| b.file_name()).is_some_and(|n| n == "build"))
-        .map(|dir| dir.join("bpf").join(&arch));
+        .map(|dir| dir.join("bpf"));
     let target_dir = shared.unwrap_or_else(|| out_dir.join("bpf")).join(PACKAGE);
 
     let mut cargo = Command::new("rustup");
@@ -129,10 +132,7 @@ fn build() -> anyhow::Result<()> {
         .args(["--target", target, "-Z", "build-std=core", "--color", "never", "--target-dir"])
         .arg(&target_dir)
         .current_dir(&manifest_dir)
-        .env(
-            "CARGO_ENCODED_RUSTFLAGS",
-            format!("--cfg=bpf_target_arch=\"{arch}\"\x1f-Cdebuginfo=2\x1f-Clink-arg=--btf"),
-        )
+        .env("CARGO_ENCODED_RUSTFLAGS", "-Cdebuginfo=2\x1f-Clink-arg=--btf")
         // The host build's compiler settings are not the BPF toolchain's.
         .env_remove("RUSTC")
         .env_remove("RUSTC_WORKSPACE_WRAPPER");

@@ -52,6 +52,14 @@ pub fn lint(root: &Path) -> Result<()> {
     let kernel_name = format!("clippy, kernel crate for bpfel-unknown-none (toolchain {})", bpf.name);
 
     let mut verdicts = Vec::new();
+    let name = "kernel crate: no architecture-specific API (one BPF object for amd64 and arm64)";
+    let found = arch_specific(&root.join("agent-ebpf/src"))?;
+    for hit in &found {
+        println!("xtask lint: {hit}: pt_regs differ per architecture; agent/build.rs builds one object for all");
+    }
+    let verdict = format!("xtask lint: {:<6} {name}", if found.is_empty() { "ok" } else { "FAILED" });
+    println!("{verdict}");
+    verdicts.push((found.is_empty(), verdict));
     for (name, cmd) in [
         ("rustfmt", &mut fmt),
         ("rustfmt, fuzz targets", &mut fuzz_fmt),
@@ -74,4 +82,25 @@ pub fn lint(root: &Path) -> Result<()> {
         bail!("{failed} lint step(s) failed");
     }
     Ok(())
+}
+
+/// Lines of the kernel crate that use aya-ebpf's architecture-dependent API (`pt_regs` and the
+/// probe contexts that read it): the BPF object is built once for every target architecture.
+fn arch_specific(dir: &Path) -> Result<Vec<String>> {
+    const NAMES: [&str; 6] =
+        ["pt_regs", "PtRegs", "ProbeContext", "RetProbeContext", "FEntryContext", "bpf_target_arch"];
+    let mut hits = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            hits.extend(arch_specific(&path)?);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            for (n, line) in std::fs::read_to_string(&path)?.lines().enumerate() {
+                if NAMES.iter().any(|name| line.contains(name)) {
+                    hits.push(format!("{}:{}", path.display(), n + 1));
+                }
+            }
+        }
+    }
+    Ok(hits)
 }

@@ -27,9 +27,10 @@ const SECCOMP_DATA_ARCH: u32 = 4;
 
 /// The syscalls that open a file by path, on this architecture.
 fn open_syscalls() -> Vec<u32> {
-    let mut nrs = vec![libc::SYS_openat as u32, libc::SYS_openat2 as u32];
+    let nrs = vec![libc::SYS_openat as u32, libc::SYS_openat2 as u32];
+    // aarch64 (and every newer ABI) has no `open`.
     #[cfg(target_arch = "x86_64")]
-    nrs.push(libc::SYS_open as u32);
+    let nrs = [nrs, vec![libc::SYS_open as u32]].concat();
     nrs
 }
 
