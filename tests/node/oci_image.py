@@ -5,9 +5,17 @@ timestamp is 0, so the same inputs give the same digests.
 
     oci_image.py OUT.tar NAME --add SRC:DST [--add SRC:DST ...] [--elf SRC:DST] [--link DST:TARGET]
                  [--entrypoint JSON] [--env K=V] [--label K=V] [--user U] [--port P/tcp] [--layout DIR]
+                 [--arch amd64|arm64 --sysroot DIR]
+    oci_image.py OUT.tar NAME --index LAYOUT [--index LAYOUT ...] [--layout DIR]
 
---elf copies a dynamically linked executable together with the shared libraries `ldd` names, so
-host-built binaries run in the image.
+--elf copies a dynamically linked executable together with the shared libraries it needs, so
+host-built binaries run in the image: `ldd` names them for the host's architecture; for another
+(--arch, a cross-built binary) they are the ELF's NEEDED entries and its interpreter, found in
+--sysroot (Debian's cross sysroot, /usr/aarch64-linux-gnu) and placed where Debian's loader of
+that architecture looks.
+
+--index makes one multi-platform image of single-platform layouts built before: an image index
+naming each manifest with its platform (from its config), the blobs of all.
 """
 import argparse
 import hashlib
@@ -51,6 +59,48 @@ def shared_libraries(path):
     return libs
 
 
+# Debian's paths for an architecture: the ELF interpreter's and the libraries' directory.
+MULTIARCH = {"amd64": "x86_64-linux-gnu", "arm64": "aarch64-linux-gnu"}
+
+
+def elf_needs(path):
+    """(interpreter, [NEEDED sonames]) of an ELF file, read with readelf (any architecture)."""
+    interp, needed = None, []
+    headers = subprocess.run(["readelf", "-lW", path], capture_output=True, text=True, check=True).stdout
+    for line in headers.splitlines():
+        if "Requesting program interpreter:" in line:
+            interp = line.split("interpreter:", 1)[1].strip().rstrip("]").strip()
+    dynamic = subprocess.run(["readelf", "-dW", path], capture_output=True, text=True, check=True).stdout
+    for line in dynamic.splitlines():
+        if "(NEEDED)" in line and "[" in line:
+            needed.append(line.rsplit("[", 1)[1].rstrip("]"))
+    return interp, needed
+
+
+def foreign_libraries(path, arch, sysroot):
+    """[(source in the sysroot, path in the image)] of what a cross-built ELF loads, transitively."""
+    libdir = f"/lib/{MULTIARCH[arch]}"
+    found, todo, seen = [], [path], set()
+    interp, _ = elf_needs(path)
+    if interp:
+        src = os.path.join(sysroot, "lib", os.path.basename(interp))
+        if not os.path.exists(src):
+            raise SystemExit(f"{path}: interpreter {interp} is not in {sysroot}/lib")
+        found.append((src, interp))
+    while todo:
+        for soname in elf_needs(todo.pop())[1]:
+            if soname in seen:
+                continue
+            seen.add(soname)
+            dirs = [os.path.join(sysroot, d) for d in ("lib", f"lib/{MULTIARCH[arch]}", f"usr/lib/{MULTIARCH[arch]}")]
+            src = next((os.path.join(d, soname) for d in dirs if os.path.exists(os.path.join(d, soname))), None)
+            if src is None:
+                raise SystemExit(f"{path}: {soname} is in none of {dirs}")
+            found.append((src, f"{libdir}/{soname}"))
+            todo.append(os.path.realpath(src))
+    return found
+
+
 def blob(files, data):
     digest = hashlib.sha256(data).hexdigest()
     files[f"blobs/sha256/{digest}"] = data
@@ -70,8 +120,14 @@ def main():
     p.add_argument("--user")
     p.add_argument("--port", action="append", default=[])
     p.add_argument("--layout", help="also write the image layout as a directory here")
+    p.add_argument("--arch", default="amd64", choices=sorted(MULTIARCH))
+    p.add_argument("--sysroot", help="where --elf's libraries are for an --arch not the host's")
+    p.add_argument("--index", action="append", default=[], help="a single-platform layout to merge")
     a = p.parse_args()
     files = {}
+    if a.index:
+        write(a, files, merge(files, a.index, a.name), "index")
+        return
 
     buf = io.BytesIO()
     seen = set()
@@ -80,8 +136,13 @@ def main():
             src, dst = spec.split(":", 1)
             add_file(layer, seen, src, dst)
         for spec in a.elf:
-            for lib in shared_libraries(spec.split(":", 1)[0]):
-                add_file(layer, seen, os.path.realpath(lib), lib, 0o755)
+            src = spec.split(":", 1)[0]
+            if a.sysroot:
+                for lib_src, lib_dst in foreign_libraries(src, a.arch, a.sysroot):
+                    add_file(layer, seen, os.path.realpath(lib_src), lib_dst, 0o755)
+            else:
+                for lib in shared_libraries(src):
+                    add_file(layer, seen, os.path.realpath(lib), lib, 0o755)
         for spec in a.link:
             dst, target = spec.split(":", 1)
             info = tarfile.TarInfo(dst.lstrip("/"))
@@ -98,7 +159,8 @@ def main():
     if a.port:
         image_config["ExposedPorts"] = {p: {} for p in a.port}
     config = {
-        "architecture": "amd64",
+        "architecture": a.arch,
+        **({"variant": "v8"} if a.arch == "arm64" else {}),
         "os": "linux",
         "config": image_config,
         "rootfs": {"type": "layers", "diff_ids": [layer_desc["digest"]]},
@@ -111,11 +173,40 @@ def main():
         "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", **layer_desc}],
     }
     manifest_desc = blob(files, json.dumps(manifest).encode())
+    top = {"mediaType": "application/vnd.oci.image.manifest.v1+json", **manifest_desc}
+    write(a, files, top, f"manifest {manifest_desc['digest']}, layer {layer_desc['size']} bytes")
+
+
+def merge(files, layouts, name):
+    """Copies each single-platform layout's blobs into `files` and returns the descriptor of an
+    image index over their manifests, each with its platform."""
+    manifests = []
+    for layout in layouts:
+        index = json.load(open(os.path.join(layout, "index.json")))
+        for desc in index["manifests"]:
+            blobs = os.path.join(layout, "blobs", "sha256")
+            for digest in os.listdir(blobs):
+                files[f"blobs/sha256/{digest}"] = open(os.path.join(blobs, digest), "rb").read()
+            manifest = json.loads(files["blobs/sha256/" + desc["digest"].split(":", 1)[1]])
+            config = json.loads(files["blobs/sha256/" + manifest["config"]["digest"].split(":", 1)[1]])
+            platform = {"architecture": config["architecture"], "os": config["os"]}
+            if "variant" in config:
+                platform["variant"] = config["variant"]
+            manifests.append({"mediaType": desc["mediaType"], "digest": desc["digest"], "size": desc["size"],
+                              "platform": platform})
+    index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": manifests}
+    desc = blob(files, json.dumps(index).encode())
+    platforms = ", ".join(f"{m['platform']['os']}/{m['platform']['architecture']}" for m in manifests)
+    print(f"{name}: index {desc['digest']} of {platforms}")
+    return {"mediaType": "application/vnd.oci.image.index.v1+json", **desc}
+
+
+def write(a, files, top, what):
+    """Writes the layout (index.json naming `top` as image `a.name`) to the tar and --layout."""
     index = {
         "schemaVersion": 2,
         "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            **manifest_desc,
+            **top,
             "annotations": {
                 "io.containerd.image.name": a.name,
                 "org.opencontainers.image.ref.name": a.name.rsplit(":", 1)[-1],
@@ -136,7 +227,7 @@ def main():
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:
                 f.write(data)
-    print(f"{a.name}: manifest {manifest_desc['digest']}, layer {layer_desc['size']} bytes")
+    print(f"{a.name}: {what}")
 
 
 if __name__ == "__main__":

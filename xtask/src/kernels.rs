@@ -10,6 +10,13 @@
 //! test binaries then run in the guest as they run on the host. Results come back on the serial
 //! console. Every qemu has a hard deadline and is killed when it passes.
 //!
+//! arm64 kernels (Debian's `linux-image-arm64` of the same suites) boot under qemu-system-aarch64
+//! (`virt` machine) with the test binaries cross-built for aarch64. Their userland is arm64 too:
+//! Debian's packages the tests call (glibc, util-linux, iproute2, coreutils, busybox), extracted
+//! from the same mirror into an ext4 disk ([`arm64_userland`]) that the guest boots from, written
+//! to a snapshot. The host's `/` is read-only at `/host` there, and the checkout, the target
+//! directory and the run's script are bound from it to their host paths.
+//!
 //! `/dev/kvm` on the machines this runs on is a PVM hypervisor that cannot run stock kernels, so
 //! qemu uses TCG (`microvm` has no timer under TCG and hangs: `q35`).
 use std::collections::{BTreeMap, HashSet};
@@ -28,7 +35,12 @@ const GUEST_MODULES: &[&str] = &["virtio_pci", "9pnet_virtio", "9p"];
 /// the kernel ships them.
 const NODE_MODULES: &[&str] = &["virtio_blk", "crc32c_generic", "ext4", "overlay", "bridge", "veth"];
 /// Bumped when the initramfs's contents change, so cached ones are rebuilt.
-const INITRAMFS_VERSION: u32 = 3;
+const INITRAMFS_VERSION: u32 = 4;
+/// The arm64 guests' userland: what the tests and the guest script call, from Debian bookworm
+/// (the glibc the cross-built binaries link against, 2.36).
+const ARM64_USERLAND: &str =
+    "libc6,libgcc-s1,dash,bash,coreutils,util-linux,mount,iproute2,procps,busybox-static,base-passwd,base-files";
+const ARM64_USERLAND_SUITE: &str = "bookworm";
 /// Where the guest mounts tmpfs over the host's read-only root: host paths below them (a checkout
 /// or a target directory under /tmp) are bound back into the guest (`valet.keep=`).
 const GUEST_TMPFS: &[&str] = &["/tmp", "/run"];
@@ -57,36 +69,96 @@ const LISTS_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// The matrix: Debian suite and the kernel series it ships.
 pub const MATRIX: [(&str, &str); 3] = [("bullseye", "5.10"), ("bookworm", "6.1"), ("trixie", "6.12")];
+/// The arm64 kernel of a default run (CI's): the other two run with `cargo xtask kernels arm64`.
+pub const DEFAULT_ARM64: &str = "trixie";
 
-/// The suites named by `only` (suite names or kernel series), all of them when empty.
-pub fn suites(only: &[String]) -> Result<Vec<&'static str>> {
-    if only.is_empty() {
-        return Ok(MATRIX.iter().map(|(s, _)| *s).collect());
+/// A kernel's architecture: the host's (amd64), or arm64 under qemu-system-aarch64.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Amd64,
+    Arm64,
+}
+
+impl Arch {
+    /// Debian's name.
+    pub const fn deb(self) -> &'static str {
+        match self {
+            Self::Amd64 => "amd64",
+            Self::Arm64 => "arm64",
+        }
     }
-    only.iter()
-        .map(|o| {
-            MATRIX.iter().find(|(s, v)| o == s || o == v).map(|(s, _)| *s).ok_or_else(|| {
-                anyhow!("unknown kernel {o:?}: one of {}", MATRIX.map(|(s, v)| format!("{s} ({v})")).join(", "))
-            })
-        })
-        .collect()
+
+    /// Rust's target.
+    pub const fn triple(self) -> &'static str {
+        match self {
+            Self::Amd64 => "x86_64-unknown-linux-gnu",
+            Self::Arm64 => "aarch64-unknown-linux-gnu",
+        }
+    }
+
+    /// The architecture this xtask runs on.
+    pub const fn host() -> Self {
+        if cfg!(target_arch = "aarch64") { Self::Arm64 } else { Self::Amd64 }
+    }
+}
+
+/// The kernels named by `only`: suite names or kernel series (amd64), the same after `arm64/`
+/// (`arm64/trixie`, `arm64/6.12`), or `amd64`/`arm64` for the whole series of one architecture.
+/// When empty: every amd64 kernel and arm64's [`DEFAULT_ARM64`].
+pub fn suites(only: &[String]) -> Result<Vec<(&'static str, Arch)>> {
+    if only.is_empty() {
+        let mut all: Vec<_> = MATRIX.iter().map(|(s, _)| (*s, Arch::Amd64)).collect();
+        all.push((DEFAULT_ARM64, Arch::Arm64));
+        return Ok(all);
+    }
+    let mut picked = Vec::new();
+    for o in only {
+        let (arch, name) = match o.split_once('/') {
+            Some(("arm64", rest)) => (Arch::Arm64, rest),
+            Some(("amd64", rest)) => (Arch::Amd64, rest),
+            _ if o == "arm64" || o == "amd64" => {
+                let arch = if o == "arm64" { Arch::Arm64 } else { Arch::Amd64 };
+                picked.extend(MATRIX.iter().map(|(s, _)| (*s, arch)));
+                continue;
+            }
+            _ => (Arch::Amd64, o.as_str()),
+        };
+        let suite = MATRIX.iter().find(|(s, v)| name == *s || name == *v).map(|(s, _)| *s).ok_or_else(|| {
+            anyhow!(
+                "unknown kernel {o:?}: one of {}, each also as arm64/<name>; or amd64, arm64",
+                MATRIX.map(|(s, v)| format!("{s} ({v})")).join(", ")
+            )
+        })?;
+        picked.push((suite, arch));
+    }
+    picked.dedup();
+    Ok(picked)
 }
 
 /// Boots each suite's kernel, runs the tests in it and prints `kernel <uname -r>: N passed, N failed`
 /// per kernel. Returns the summed (passed, failed) counts; an error only when the matrix could not
 /// be run at all (no mirror, no download, no qemu).
-pub fn run(root: &Path, suites: &[&str]) -> Result<(u64, u64)> {
+pub fn run(root: &Path, suites: &[(&str, Arch)]) -> Result<(u64, u64)> {
     let started = Instant::now();
     let apt = Apt::new()?;
-    let busybox = apt.busybox()?;
     let mut kernels = Vec::new();
-    for suite in suites {
+    for &(suite, arch) in suites {
         let t = Instant::now();
-        let kernel = apt.kernel(suite, &busybox).with_context(|| format!("prepare the {suite} kernel"))?;
+        let busybox = apt.busybox(arch)?;
+        let kernel =
+            apt.kernel(suite, arch, &busybox).with_context(|| format!("prepare the {suite} {arch:?} kernel"))?;
         println!("kernels: {suite}: {} {} ready in {:.0?}", kernel.package, kernel.version, t.elapsed());
         kernels.push(kernel);
     }
-    let bins = Binaries::build(root)?;
+    let host = Arch::host();
+    let mut guests = BTreeMap::new();
+    for arch in [Arch::Amd64, Arch::Arm64] {
+        if kernels.iter().any(|k| k.arch == arch) {
+            let bins = Binaries::build(root, arch)?;
+            let userland = if arch == host { Userland::Host(apt.busybox(arch)?) } else { arm64_userland(&apt)? };
+            guests.insert(arch.deb(), (bins, userland));
+        }
+    }
     let mut lines = Vec::new();
     let (mut passed, mut failed) = (0, 0);
     // One boot's line, printed now and again in the summary, and its counts.
@@ -104,11 +176,14 @@ pub fn run(root: &Path, suites: &[&str]) -> Result<(u64, u64)> {
     };
     for kernel in &kernels {
         let t = Instant::now();
-        tally(kernel.release.clone(), t, boot(root, kernel, &bins, &busybox)?);
+        let (bins, userland) = &guests[kernel.arch.deb()];
+        tally(kernel.release.clone(), t, boot(root, kernel, bins, userland)?);
     }
-    if let Some(kernel) = kernels.last() {
+    // The newest kernel of the first architecture run boots once more, locked down.
+    if let Some(kernel) = kernels.iter().rfind(|k| k.arch == kernels[0].arch) {
         let t = Instant::now();
-        tally(format!("{} {LOCKDOWN}", kernel.release), t, boot_locked_down(root, kernel, &bins, &busybox)?);
+        let (bins, userland) = &guests[kernel.arch.deb()];
+        tally(format!("{} {LOCKDOWN}", kernel.release), t, boot_locked_down(root, kernel, bins, userland)?);
     }
     println!("\nkernel matrix ({:.0?}):", started.elapsed());
     for line in lines {
@@ -130,11 +205,19 @@ struct Binaries {
 }
 
 impl Binaries {
-    fn build(root: &Path) -> Result<Self> {
-        crate::cmd::build_release_bins(root)?;
+    /// The host's build, or a cross-build for `arch` (`--target`, in `<target>/<triple>/release`).
+    fn build(root: &Path, arch: Arch) -> Result<Self> {
+        let cross: &[&str] = if arch == Arch::host() { &[] } else { &["--target", arch.triple()] };
+        crate::cmd::run(
+            crate::cmd::cargo()
+                .current_dir(root)
+                .args(["build", "--release", "-p", "valet-agent", "-p", "valet-sim", "--bins"])
+                .args(cross),
+        )?;
         let out = crate::cmd::cargo()
             .current_dir(root)
             .args(["test", "--release", "-p", "valet-tests", "--no-run"])
+            .args(cross)
             .args(TEST_BINARIES.iter().flat_map(|t| ["--test", t]))
             .args(["--message-format=json"])
             .stderr(Stdio::inherit())
@@ -155,7 +238,8 @@ impl Binaries {
         }
         let take = |n: &str| found.get(n).cloned().ok_or_else(|| anyhow!("cargo named no executable for test {n}"));
         let target = crate::cmd::target_dir(root)?;
-        let release = target.join("release");
+        let release =
+            if cross.is_empty() { target.join("release") } else { target.join(arch.triple()).join("release") };
         Ok(Self {
             target,
             kernel_test: take("kernel")?,
@@ -176,10 +260,12 @@ pub(crate) struct Apt {
 
 /// A kernel ready to boot.
 pub(crate) struct Kernel {
+    arch: Arch,
     package: String,
     version: String,
     /// `uname -r`.
     release: String,
+    /// What qemu boots: the uncompressed `vmlinux` on amd64 (PVH), the compressed `Image` on arm64.
     vmlinux: PathBuf,
     initramfs: PathBuf,
 }
@@ -223,7 +309,7 @@ impl Apt {
             format!("Dir::Cache={d}/cache"),
             format!("Dir::Cache::archives={d}/archives"),
             "APT::Architecture=amd64".into(),
-            "APT::Architectures=amd64".into(),
+            "APT::Architectures=amd64,arm64".into(),
             "Acquire::Languages=none".into(),
             "Acquire::IndexTargets::deb::DEP-11::DefaultEnabled=false".into(),
             "Acquire::IndexTargets::deb::DEP-11-icons::DefaultEnabled=false".into(),
@@ -250,8 +336,11 @@ impl Apt {
         Ok(())
     }
 
-    /// `apt-cache show <pkg>/<suite>` field values, first record.
-    fn field(&self, pkg_suite: &str, field: &str) -> Result<String> {
+    /// `apt-cache show <pkg>:<arch>/<suite>` field values, first record.
+    fn field(&self, pkg_suite: &str, arch: Arch, field: &str) -> Result<String> {
+        let (pkg, suite) = pkg_suite.split_once('/').unwrap_or((pkg_suite, ""));
+        let pkg_suite = format!("{pkg}:{}/{suite}", arch.deb());
+        let pkg_suite = pkg_suite.trim_end_matches('/');
         let mut cmd = Command::new("apt-cache");
         self.options(&mut cmd);
         let out = cmd.args(["show", pkg_suite]).output()?;
@@ -262,18 +351,22 @@ impl Apt {
             .ok_or_else(|| anyhow!("apt-cache show {pkg_suite}: no {field}"))
     }
 
-    /// Downloads `pkg` at `version` (cached) and returns the .deb's path.
-    fn download(&self, pkg: &str, version: &str) -> Result<PathBuf> {
+    /// Downloads `pkg` of `arch` at `version` (cached) and returns the .deb's path.
+    fn download(&self, pkg: &str, arch: Arch, version: &str) -> Result<PathBuf> {
         let debs = self.dir.join("debs");
-        let file = debs.join(format!("{pkg}_{}_amd64.deb", version.replace(':', "%3a")));
+        let file = debs.join(format!("{pkg}_{}_{}.deb", version.replace(':', "%3a"), arch.deb()));
         if file.exists() {
             return Ok(file);
         }
-        println!("kernels: apt-get download {pkg}={version}");
+        println!("kernels: apt-get download {pkg}:{}={version}", arch.deb());
         let get = || {
             let mut cmd = Command::new("apt-get");
             self.options(&mut cmd);
-            crate::cmd::run(cmd.current_dir(&debs).args(["-qq", "download", &format!("{pkg}={version}")]))
+            crate::cmd::run(cmd.current_dir(&debs).args([
+                "-qq",
+                "download",
+                &format!("{pkg}:{}={version}", arch.deb()),
+            ]))
         };
         if get().is_err() {
             // The mirror may have dropped a version our lists still name.
@@ -286,14 +379,18 @@ impl Apt {
         Ok(file)
     }
 
-    /// Debian's static busybox, extracted once per version.
-    pub(crate) fn busybox(&self) -> Result<PathBuf> {
-        let version = self.field("busybox-static/bookworm", "Version")?;
-        let out = Path::new(CACHE).join(format!("busybox/{}/busybox", version.replace(':', "_")));
+    /// Debian's static busybox of `arch`, extracted once per version.
+    pub(crate) fn busybox(&self, arch: Arch) -> Result<PathBuf> {
+        let version = self.field("busybox-static/bookworm", arch, "Version")?;
+        let dir = match arch {
+            Arch::Amd64 => version.replace(':', "_"),
+            Arch::Arm64 => format!("{}_{}", version.replace(':', "_"), arch.deb()),
+        };
+        let out = Path::new(CACHE).join(format!("busybox/{dir}/busybox"));
         if out.exists() {
             return Ok(out);
         }
-        let deb = self.download("busybox-static", &version)?;
+        let deb = self.download("busybox-static", arch, &version)?;
         let tmp = scratch("busybox")?;
         crate::cmd::run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&tmp))?;
         std::fs::create_dir_all(out.parent().unwrap_or(Path::new(CACHE)))?;
@@ -302,14 +399,17 @@ impl Apt {
         Ok(out)
     }
 
-    /// The suite's kernel: vmlinux and an initramfs with its modules, cached per package version.
-    pub(crate) fn kernel(&self, suite: &str, busybox: &Path) -> Result<Kernel> {
+    /// The suite's kernel of `arch`: its image and an initramfs (with `busybox`, of the same
+    /// architecture) with its modules, cached per package version.
+    pub(crate) fn kernel(&self, suite: &str, arch: Arch, busybox: &Path) -> Result<Kernel> {
         // linux-image-amd64 is the suite's metapackage: "Depends: linux-image-6.1.0-50-amd64 (= 6.1.176-1)".
-        let depends = self.field(&format!("linux-image-amd64/{suite}"), "Depends")?;
+        let meta = format!("linux-image-{}", arch.deb());
+        let depends = self.field(&format!("{meta}/{suite}"), arch, "Depends")?;
         let (package, version) = parse_exact_dependency(&depends)
-            .ok_or_else(|| anyhow!("linux-image-amd64/{suite}: unexpected Depends {depends:?}"))?;
+            .ok_or_else(|| anyhow!("{meta}/{suite}: unexpected Depends {depends:?}"))?;
         let dir = Path::new(CACHE).join("kernels").join(format!("{package}_{version}_i{INITRAMFS_VERSION}"));
         let kernel = |release: String| Kernel {
+            arch,
             package: package.clone(),
             version: version.clone(),
             release,
@@ -319,7 +419,7 @@ impl Apt {
         if let Ok(release) = std::fs::read_to_string(dir.join("release")) {
             return Ok(kernel(release.trim().to_string()));
         }
-        let deb = self.download(&package, &version)?;
+        let deb = self.download(&package, arch, &version)?;
         let tmp = scratch("kernel")?;
         crate::cmd::run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&tmp))?;
         let modules_root = ["lib/modules", "usr/lib/modules"]
@@ -334,8 +434,10 @@ impl Apt {
             .ok_or_else(|| anyhow!("{package}: empty modules directory"))?;
         let vmlinuz = tmp.join(format!("boot/vmlinuz-{release}"));
         std::fs::create_dir_all(&dir)?;
-        let vmlinux = extract_vmlinux(&std::fs::read(&vmlinuz).with_context(|| format!("read {vmlinuz:?}"))?)?;
-        std::fs::write(dir.join("vmlinux"), vmlinux)?;
+        let vmlinuz = std::fs::read(&vmlinuz).with_context(|| format!("read {vmlinuz:?}"))?;
+        // qemu-system-aarch64 boots arm64's gzip-compressed `Image` as it is.
+        let image = if arch == Arch::Amd64 { extract_vmlinux(&vmlinuz)? } else { vmlinuz };
+        std::fs::write(dir.join("vmlinux"), image)?;
         let modules = guest_modules(&modules_root.join(&release))?;
         let names: Vec<&str> = modules.iter().map(|(n, _)| n.as_str()).collect();
         println!(
@@ -541,12 +643,23 @@ if [ -n "$root" ]; then
   umount /proc
   exec switch_root /newroot /sbin/init
 fi
-mount -t 9p -o ro,$P9 host /newroot || fail "mount the host root"
 R=/newroot
-# Host paths the tmpfs mounts below would hide (a checkout under /tmp): a second view of the
-# host's root, taken before they are mounted, lends them back.
 keep=$(sed -n 's/.*valet\.keep=\([^ ]*\).*/\1/p' /proc/cmdline | tr , ' ')
-if [ -n "$keep" ]; then mkdir -p /hostroot && mount --bind $R /hostroot || fail "bind the host root"; fi
+disk=$(sed -n 's/.*valet\.disk=\([^ ]*\).*/\1/p' /proc/cmdline)
+if [ -n "$disk" ]; then
+  # Another architecture's userland on a disk of its own (written to a snapshot), the host's
+  # root read-only at /host: the paths the tests need are bound from there to the host's paths.
+  for i in $(seq 100); do [ -b "$disk" ] && break; sleep 0.1; done
+  mount -t ext4 "$disk" $R || fail "mount $disk"
+  mount -t 9p -o ro,$P9 host $R/host || fail "mount the host root at /host"
+  from=$R/host
+else
+  mount -t 9p -o ro,$P9 host $R || fail "mount the host root"
+  # Host paths the tmpfs mounts below would hide (a checkout under /tmp): a second view of the
+  # host's root, taken before they are mounted, lends them back.
+  from=/hostroot
+  if [ -n "$keep" ]; then mkdir -p /hostroot && mount --bind $R /hostroot || fail "bind the host root"; fi
+fi
 mount -t proc proc $R/proc || fail proc
 mount -t sysfs sysfs $R/sys || fail sysfs
 mount -t devtmpfs devtmpfs $R/dev || fail devtmpfs
@@ -560,9 +673,9 @@ mount -t tracefs tracefs $R/sys/kernel/tracing || fail tracefs
 mount -t debugfs debugfs $R/sys/kernel/debug
 mount -t bpf bpf $R/sys/fs/bpf || fail bpffs
 for p in $keep; do
-  mkdir -p "$R$p" && mount --bind "/hostroot$p" "$R$p" || fail "bind $p back over the tmpfs"
+  mkdir -p "$R$p" && mount --bind "$from$p" "$R$p" || fail "bind $p from the host"
 done
-if [ -n "$keep" ]; then umount /hostroot || fail "unmount the second view of the host root"; fi
+if [ -z "$disk" ] && [ -n "$keep" ]; then umount /hostroot || fail "unmount the second view of the host root"; fi
 umount /proc
 exec switch_root $R "$shell" sh "$run"
 "#;
@@ -694,17 +807,110 @@ echo "VALET-VM-DONE"
     )
 }
 
-fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result<Outcome> {
+/// The userland a guest's tests run in.
+enum Userland {
+    /// The host's `/` (the same architecture), with the host's static busybox.
+    Host(PathBuf),
+    /// Another architecture's userland on a disk image ([`arm64_userland`]).
+    Disk(PathBuf),
+}
+
+impl Userland {
+    /// The static busybox the guest script calls, by its path in the guest.
+    fn busybox(&self) -> PathBuf {
+        match self {
+            Self::Host(busybox) => busybox.clone(),
+            Self::Disk(_) => PathBuf::from("/bin/busybox"),
+        }
+    }
+
+    /// The kernel command line's `valet.*` entries and qemu's extra arguments that boot a guest
+    /// running `script` (in `run_dir`) with the checkout and the test binaries at their host paths.
+    fn boot_args(&self, root: &Path, bins: &Binaries, run_dir: &Path, script: &Path) -> Result<(String, Vec<String>)> {
+        let mut append = format!("valet.run={} valet.shell={}", script.display(), self.busybox().display());
+        let (keep, extra) = match self {
+            Self::Host(_) => (kept_paths(&[root, &bins.target], false)?, Vec::new()),
+            Self::Disk(disk) => {
+                append.push_str(" valet.disk=/dev/vda");
+                let drive = format!("file={},format=raw,if=virtio,snapshot=on", disk.display());
+                (kept_paths(&[root, &bins.target, run_dir], true)?, vec!["-drive".to_string(), drive])
+            }
+        };
+        if !keep.is_empty() {
+            append.push_str(&format!(" valet.keep={}", keep.join(",")));
+        }
+        Ok((append, extra))
+    }
+}
+
+/// The arm64 guests' userland ([`ARM64_USERLAND`], extracted with mmdebstrap: no maintainer
+/// script runs, so no emulator is needed), as an ext4 image cached per package list.
+fn arm64_userland(apt: &Apt) -> Result<Userland> {
+    let rootfs = arm64_rootfs(apt)?;
+    let image = rootfs.with_extension("img");
+    if !image.exists() {
+        let tmp = image.with_extension("tmp");
+        crate::cmd::run(
+            Command::new("mke2fs")
+                .args(["-q", "-t", "ext4", "-L", "valet-arm64", "-d"])
+                .arg(&rootfs)
+                .arg(&tmp)
+                .arg("768M"),
+        )?;
+        std::fs::rename(&tmp, &image)?;
+    }
+    Ok(Userland::Disk(image))
+}
+
+/// The arm64 userland's files, cached per package list (also where the arm64 node's pod images
+/// take util-linux's `unshare` from).
+pub(crate) fn arm64_rootfs(apt: &Apt) -> Result<PathBuf> {
+    // The key's last part changes with what is added to the packages' files below.
+    let key = crate::node::fnv(&[ARM64_USERLAND_SUITE.as_bytes(), ARM64_USERLAND.as_bytes(), b"ca,passwd"]);
+    let base = Path::new(CACHE).join("guest");
+    let done = base.join(format!("arm64-{ARM64_USERLAND_SUITE}-{key:016x}"));
+    if done.is_dir() {
+        return Ok(done);
+    }
+    let debs = base.join("debs-arm64");
+    std::fs::create_dir_all(&debs)?;
+    let rootfs = scratch("arm64-userland")?;
+    std::fs::remove_dir(&rootfs)?;
+    println!("kernels: mmdebstrap the arm64 userland ({ARM64_USERLAND_SUITE}: {ARM64_USERLAND})");
+    crate::cmd::run(
+        Command::new("mmdebstrap")
+            .args(["--variant=extract", "--architectures=arm64", "--quiet", &format!("--include={ARM64_USERLAND}")])
+            .arg("--setup-hook=mkdir -p \"$1\"/var/cache/apt/archives/")
+            .arg(format!("--setup-hook=sync-in {} /var/cache/apt/archives/", debs.display()))
+            .arg(format!("--customize-hook=sync-out /var/cache/apt/archives {}", debs.display()))
+            .arg(ARM64_USERLAND_SUITE)
+            .arg(&rootfs)
+            .arg(&apt.mirror),
+    )?;
+    for d in ["proc", "sys", "dev", "run", "tmp", "host", "root"] {
+        std::fs::create_dir_all(rootfs.join(d))?;
+    }
+    // What maintainer scripts would have made: the CA bundle (ca-certificates'; the agent's
+    // Kubernetes client loads it even for the fake API server's plain HTTP), the host's copy, and
+    // base-passwd's users and groups.
+    let bundle = "etc/ssl/certs/ca-certificates.crt";
+    std::fs::create_dir_all(rootfs.join("etc/ssl/certs"))?;
+    std::fs::copy(Path::new("/").join(bundle), rootfs.join(bundle)).with_context(|| format!("copy /{bundle}"))?;
+    for (master, file) in [("passwd.master", "etc/passwd"), ("group.master", "etc/group")] {
+        std::fs::copy(rootfs.join("usr/share/base-passwd").join(master), rootfs.join(file))
+            .with_context(|| format!("{master} of base-passwd"))?;
+    }
+    std::fs::rename(&rootfs, &done)?;
+    Ok(done)
+}
+
+fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, userland: &Userland) -> Result<Outcome> {
     let dir = Path::new(CACHE).join("run").join(&kernel.release);
     std::fs::create_dir_all(&dir)?;
     let script = dir.join("run.sh");
-    std::fs::write(&script, guest_script(root, bins, busybox))?;
-    let mut append = format!("valet.run={} valet.shell={}", script.display(), busybox.display());
-    let keep = kept_paths(&[root, &bins.target])?;
-    if !keep.is_empty() {
-        append.push_str(&format!(" valet.keep={}", keep.join(",")));
-    }
-    let (lines, timed_out) = qemu_guest(kernel, &append, &dir)?;
+    std::fs::write(&script, guest_script(root, bins, &userland.busybox()))?;
+    let (append, extra) = userland.boot_args(root, bins, &dir, &script)?;
+    let (lines, timed_out) = qemu_guest(kernel, &append, &extra, &dir)?;
     let mut outcome = judge(&lines);
     if timed_out {
         outcome.failed += 1;
@@ -715,7 +921,8 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result
 
 /// Boots `kernel` locked down (`lockdown=confidentiality`: no `bpf_probe_read_kernel`, no
 /// tracefs reads) and runs the degraded test alone: valet's programs cannot run there.
-fn boot_locked_down(root: &Path, kernel: &Kernel, bins: &Binaries, busybox: &Path) -> Result<Outcome> {
+fn boot_locked_down(root: &Path, kernel: &Kernel, bins: &Binaries, userland: &Userland) -> Result<Outcome> {
+    let busybox = userland.busybox();
     let dir = Path::new(CACHE).join("run").join(format!("{}-lockdown", kernel.release));
     std::fs::create_dir_all(&dir)?;
     let script = dir.join("run.sh");
@@ -742,12 +949,8 @@ echo "VALET-VM-DONE"
             busybox = busybox.display(),
         ),
     )?;
-    let mut append = format!("{LOCKDOWN} valet.run={} valet.shell={}", script.display(), busybox.display());
-    let keep = kept_paths(&[root, &bins.target])?;
-    if !keep.is_empty() {
-        append.push_str(&format!(" valet.keep={}", keep.join(",")));
-    }
-    let (lines, timed_out) = qemu_guest(kernel, &append, &dir)?;
+    let (append, extra) = userland.boot_args(root, bins, &dir, &script)?;
+    let (lines, timed_out) = qemu_guest(kernel, &format!("{LOCKDOWN} {append}"), &extra, &dir)?;
     let mut outcome = judge(&lines);
     if timed_out {
         outcome.failed += 1;
@@ -759,9 +962,10 @@ echo "VALET-VM-DONE"
 /// [`qemu`] for a kernel guest (console in `dir`), booted once more, from the start, when its
 /// kernel panicked with no BPF program on its stack ([`foreign_panic`]): said in the log, the
 /// first console kept as `console-panicked.log`.
-fn qemu_guest(kernel: &Kernel, append: &str, dir: &Path) -> Result<(Vec<String>, bool)> {
+fn qemu_guest(kernel: &Kernel, append: &str, extra: &[String], dir: &Path) -> Result<(Vec<String>, bool)> {
     let console = dir.join("console.log");
-    let (lines, timed_out) = qemu(kernel, append, &[], &console, DEADLINE)?;
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let (lines, timed_out) = qemu(kernel, append, &extra, &console, DEADLINE)?;
     let Some(panic) = (!timed_out).then(|| foreign_panic(&lines)).flatten() else { return Ok((lines, timed_out)) };
     let kept = dir.join("console-panicked.log");
     std::fs::rename(&console, &kept)?;
@@ -770,17 +974,21 @@ fn qemu_guest(kernel: &Kernel, append: &str, dir: &Path) -> Result<(Vec<String>,
         kernel.release,
         kept.display()
     );
-    qemu(kernel, append, &[], &console, DEADLINE)
+    qemu(kernel, append, &extra, &console, DEADLINE)
 }
 
 /// The paths among `paths` (resolved) that lie below one of the guest's tmpfs mounts
-/// ([`GUEST_TMPFS`]) and must be bound back over it, outermost only.
-fn kept_paths(paths: &[&Path]) -> Result<Vec<String>> {
+/// ([`GUEST_TMPFS`]) and must be bound back over it, or all of them when `all` (a guest with a
+/// userland of its own), outermost only.
+fn kept_paths(paths: &[&Path], all: bool) -> Result<Vec<String>> {
     let mut keep: Vec<PathBuf> = Vec::new();
     for path in paths {
         let real = std::fs::canonicalize(path).with_context(|| format!("resolve {}", path.display()))?;
-        let Some(tmpfs) = GUEST_TMPFS.iter().map(Path::new).find(|t| real.starts_with(t)) else { continue };
-        if real == tmpfs {
+        let tmpfs = GUEST_TMPFS.iter().map(Path::new).find(|t| real.starts_with(t));
+        if tmpfs.is_none() && !all {
+            continue;
+        }
+        if tmpfs.is_some_and(|t| real == t) || real == Path::new("/") {
             bail!("{} is the guest's tmpfs mount point itself: move it into a directory below it", real.display());
         }
         let text = real.to_string_lossy();
@@ -810,9 +1018,15 @@ pub(crate) fn qemu(
     deadline: Duration,
 ) -> Result<(Vec<String>, bool)> {
     let log = std::fs::File::create(console)?;
-    let append = format!("console=ttyS0 panic=-1 loglevel=4 mitigations=off no_timer_check rdinit=/init {append}");
-    let mut child = Command::new("qemu-system-x86_64")
-        .args(["-accel", "tcg,thread=multi,tb-size=256", "-cpu", "max", "-machine", "q35"])
+    // arm64: the `virt` machine, its PL011 console; `pauth-impdef` makes TCG's pointer
+    // authentication cheap (QEMU's own algorithm instead of QARMA's).
+    let (program, machine, cpu, tty) = match kernel.arch {
+        Arch::Amd64 => ("qemu-system-x86_64", "q35", "max", "ttyS0"),
+        Arch::Arm64 => ("qemu-system-aarch64", "virt", "max,pauth-impdef=on", "ttyAMA0"),
+    };
+    let append = format!("console={tty} panic=-1 loglevel=4 mitigations=off no_timer_check rdinit=/init {append}");
+    let mut child = Command::new(program)
+        .args(["-accel", "tcg,thread=multi,tb-size=256", "-cpu", cpu, "-machine", machine])
         .args(["-m", "2G", "-smp", "2", "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
         .args(["-serial", "stdio", "-monitor", "none"])
         .args(["-virtfs", "local,path=/,mount_tag=host,security_model=none,readonly=on,multidevs=remap"])
@@ -826,7 +1040,7 @@ pub(crate) fn qemu(
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
-        .context("start qemu-system-x86_64")?;
+        .with_context(|| format!("start {program}"))?;
     // The console is read on a thread (kept in `console`, its test lines echoed with a prefix) so
     // that the deadline is kept even when the guest prints nothing.
     let stdout = child.stdout.take().ok_or_else(|| anyhow!("qemu stdout"))?;
@@ -1001,6 +1215,20 @@ mod tests {
     }
 
     #[test]
+    fn kernel_names_pick_suites_and_architectures() -> Result<()> {
+        let names = |v: &[&str]| suites(&v.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        let all = names(&[])?;
+        assert_eq!(all.len(), 4, "every amd64 kernel and one arm64: {all:?}");
+        assert_eq!(all.iter().filter(|(_, a)| *a == Arch::Arm64).collect::<Vec<_>>(), [&(DEFAULT_ARM64, Arch::Arm64)]);
+        assert_eq!(names(&["6.1"])?, [("bookworm", Arch::Amd64)]);
+        assert_eq!(names(&["arm64/5.10", "arm64/trixie"])?, [("bullseye", Arch::Arm64), ("trixie", Arch::Arm64)]);
+        assert_eq!(names(&["arm64"])?.len(), 3);
+        assert!(names(&["arm64/4.19"]).is_err());
+        assert!(names(&["riscv64/6.1"]).is_err());
+        Ok(())
+    }
+
+    #[test]
     fn exact_dependency() {
         assert_eq!(
             parse_exact_dependency("linux-image-6.12.117+deb13-amd64 (= 6.12.117-1)"),
@@ -1022,13 +1250,15 @@ mod tests {
         let (repo, target) = (base.join("repo"), base.join("repo/target"));
         std::fs::create_dir_all(&target)?;
         let elsewhere = std::env::current_dir()?;
-        let keep = kept_paths(&[&target, &repo, &elsewhere]);
+        let keep = kept_paths(&[&target, &repo, &elsewhere], false);
         std::fs::remove_dir_all(&base)?;
         let real = std::fs::canonicalize(std::env::temp_dir())?;
         if GUEST_TMPFS.iter().any(|t| real.starts_with(t)) && !elsewhere.starts_with("/tmp") {
             assert_eq!(keep?, vec![real.join(format!("valet-keep-{}/repo", std::process::id())).display().to_string()]);
         }
-        assert!(kept_paths(&[Path::new("/tmp")]).is_err());
+        assert!(kept_paths(&[Path::new("/tmp")], false).is_err());
+        // A guest with its own userland gets every path, outermost only.
+        assert_eq!(kept_paths(&[&elsewhere, &elsewhere.join("src")], true)?, vec![elsewhere.display().to_string()]);
         Ok(())
     }
 

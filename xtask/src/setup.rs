@@ -14,7 +14,44 @@ pub fn setup(root: &Path, for_tests: bool) -> Result<()> {
     ensure_bpffs()?;
     if for_tests {
         ensure_test_tools(root)?;
+        arm64_tools()?;
         envoy(root)?;
+    }
+    Ok(())
+}
+
+/// Registers qemu-user for aarch64 ELF files with the kernel's binfmt_misc (`F`: the emulator is
+/// opened now, so it also runs inside chroots), which the arm64 node image's maintainer scripts
+/// need. Debian's qemu-user-static ships the entry for systemd-binfmt, which a CI machine may
+/// not run.
+pub fn binfmt_aarch64() -> Result<()> {
+    let dir = Path::new("/proc/sys/fs/binfmt_misc");
+    if !dir.join("register").exists() {
+        run(Command::new("mount").args(["-t", "binfmt_misc", "binfmt_misc"]).arg(dir))?;
+    }
+    if dir.join("qemu-aarch64").exists() {
+        return Ok(());
+    }
+    apt_install(&["qemu-user-static", "arch-test"])?;
+    let entry = concat!(
+        r":qemu-aarch64:M::\x7f\x45\x4c\x46\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00\xb7\x00:",
+        r"\xff\xff\xff\xff\xff\xff\xff\x00\xff\xff\xff\xff\xff\xff\xff\xff\xfe\xff\xff\xff:/usr/bin/qemu-aarch64-static:F"
+    );
+    std::fs::write(dir.join("register"), entry)?;
+    did("registered qemu-aarch64-static with binfmt_misc");
+    Ok(())
+}
+
+/// What the arm64 build and its checks need: Rust's aarch64 target, Debian's cross gcc (the
+/// linker, .cargo/config.toml) and cross glibc, qemu-user (the image's `--version` check) and
+/// qemu-system-aarch64 (the arm64 kernels).
+pub fn arm64_tools() -> Result<()> {
+    apt_install(&["gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross", "qemu-user-static", "qemu-system-arm"])?;
+    let target = crate::kernels::Arch::Arm64.triple();
+    let installed = Command::new("rustup").args(["target", "list", "--installed"]).output()?;
+    if !String::from_utf8_lossy(&installed.stdout).lines().any(|l| l.trim() == target) {
+        did(&format!("rustup target add {target}"));
+        run(Command::new("rustup").args(["target", "add", target]))?;
     }
     Ok(())
 }

@@ -37,13 +37,23 @@ pub fn test(root: &Path, filter: Option<&str>, vm: bool, kernels: &[String], cpu
             &mut tally,
         )?;
         ok &= run_counted(&mut crate::fuzz::command()?, &mut tally)?;
+        // The image index, each platform's agent run with `--version` under its architecture.
+        println!("\nthe agent's image: linux/{}", crate::image::ARCHITECTURES.join(", linux/"));
+        match crate::image::build(root) {
+            Ok(_) => tally.passed += crate::image::ARCHITECTURES.len() as u64,
+            Err(e) => {
+                println!("image: FAILED: {e:#}");
+                tally.failed += 1;
+            }
+        }
     }
-    // The qemu suites (issue 27's CI): Debian's 5.10, 6.1 and 6.12 kernels, and the node cells
+    // The qemu suites: Debian's 5.10, 6.1 and 6.12 kernels, arm64's 6.12, and the node cells
     // bookworm/runc/kubeadm and sid/crun/k3s (containerd, the agent also from its image under the
     // DaemonSet's privileges); `cargo xtask node --matrix` runs the other cells.
     if filter.is_none() && vm {
         let suites = crate::kernels::suites(kernels)?;
-        println!("\nkernel matrix in qemu: {}", suites.join(", "));
+        let names: Vec<String> = suites.iter().map(|(s, a)| format!("{s} ({})", a.deb())).collect();
+        println!("\nkernel matrix in qemu: {}", names.join(", "));
         let (passed, failed) = crate::kernels::run(root, &suites)?;
         (tally.passed, tally.failed) = (tally.passed + passed, tally.failed + failed);
         println!(
