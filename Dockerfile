@@ -26,7 +26,9 @@
 #   RUST_VERSION        Rust release of the build image (default 1.95; keep its LLVM at 22)
 #   BPF_LINKER_VERSION  bpf-linker from crates.io (default 0.13.0, built with feature llvm-22)
 #
-# Written for linux/amd64; both base images and llvm-22-dev also exist for arm64 (untried).
+# Written for linux/amd64; both base images and llvm-22-dev also exist for arm64 (this Dockerfile
+# is untried there). The multi-arch image that is tested, linux/amd64 and linux/arm64 with one BPF
+# object, is `cargo xtask image`'s (docs/testing.md).
 #
 # Not built by the tests (no container engine there); deploy/tests/test_checkov.py scans it
 # statically with checkov, and the two findings accepted are suppressed in place below.
