@@ -121,8 +121,9 @@ pub struct Sidecar {
 /// How a quit ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum QuitOutcome {
-    /// 2xx: the sidecar will exit.
-    Accepted { status: u16, attempts: u32 },
+    /// 2xx: the sidecar will exit. `sent_ns`: when the accepted request's last byte was written
+    /// (CLOCK_MONOTONIC, the kernel's event clock; 0 if not known).
+    Accepted { status: u16, attempts: u32, sent_ns: u64 },
     /// A definitive refusal (4xx): the endpoint is not there or not allowed; retrying won't help.
     Rejected { status: u16, body: String },
     /// Never got an acceptance in the retry window.

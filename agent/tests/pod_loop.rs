@@ -192,7 +192,7 @@ impl SidecarLink for FakeLink {
             s.requests.push((target.uid, method, port, path));
         }
         let status = if method == "POST" || s.ready { 200 } else { 503 };
-        Box::pin(async move { Ok(HttpResponse { status, body: String::new() }) })
+        Box::pin(async move { Ok(HttpResponse { status, body: String::new(), sent_ns: 0 }) })
     }
 }
 

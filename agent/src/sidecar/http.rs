@@ -10,6 +10,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::host::clock::monotonic_ns;
 
 /// Limits for one request.
 #[derive(Clone, Copy, Debug)]
@@ -37,6 +38,17 @@ pub struct Response {
     pub status: u16,
     /// Body bytes read (up to the cap), lossily decoded.
     pub body: String,
+    /// When the request's last byte was written (CLOCK_MONOTONIC, ns; the kernel's event clock);
+    /// 0 for an answer parsed alone.
+    pub sent_ns: u64,
+}
+
+/// What of a request went out before [`exchange_async`] took it over: its first `bytes`, the
+/// last of them written at `at_ns` (CLOCK_MONOTONIC).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Written {
+    pub bytes: usize,
+    pub at_ns: u64,
 }
 
 /// Why a request failed, in words that fit a log line and an Event.
@@ -124,6 +136,7 @@ pub fn exchange(
     stream.set_write_timeout(Some(time_left(limits, started)?)).map_err(|e| Failure::Io(e.to_string()))?;
     let req = request_text(addr, method, path, keep);
     stream.write_all(req.as_bytes()).map_err(|e| io_failure(&e))?;
+    let sent_ns = monotonic_ns();
 
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 4096];
@@ -146,7 +159,7 @@ pub fn exchange(
             }
         }
     }
-    answer(&buf, limits, keep)
+    answer(&buf, limits, keep).map(|(r, again)| (Response { sent_ns, ..r }, again))
 }
 
 /// Time left of the request's total deadline; none left is a timeout.
@@ -190,15 +203,20 @@ pub async fn exchange_async(
     limits: Limits,
     started: Instant,
     keep: bool,
-    sent: usize,
+    sent: Written,
 ) -> Result<(Response, bool), Failure> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let left = time_left(limits, started)?;
     let req = request_text(addr, method, path, keep);
     let mut buf = Vec::with_capacity(512);
+    let mut sent_ns = sent.at_ns;
     let io = async {
         // `sent`: the first bytes of this same request already went out (a quit written at once).
-        stream.write_all(req.as_bytes().get(sent..).unwrap_or_default()).await.map_err(|e| io_failure(&e))?;
+        let rest = req.as_bytes().get(sent.bytes..).unwrap_or_default();
+        if !rest.is_empty() {
+            stream.write_all(rest).await.map_err(|e| io_failure(&e))?;
+            sent_ns = monotonic_ns();
+        }
         // Small: it lives in the future, which is moved into a box for every probe (a sidecar's
         // answer is a status line and a few headers; a longer one takes more reads).
         let mut chunk = [0u8; 512];
@@ -219,12 +237,12 @@ pub async fn exchange_async(
         Ok(Ok(())) => {}
         // A status line that already arrived is an answer, even if the rest hangs.
         Ok(Err(_)) | Err(_) if parse_response(&buf, limits).is_ok() => {
-            return Ok((parse_response(&buf, limits)?, false));
+            return Ok((Response { sent_ns, ..parse_response(&buf, limits)? }, false));
         }
         Ok(Err(e)) => return Err(e),
         Err(_) => return Err(Failure::Timeout),
     }
-    answer(&buf, limits, keep)
+    answer(&buf, limits, keep).map(|(r, again)| (Response { sent_ns, ..r }, again))
 }
 
 /// Whether a complete answer ends exactly where its framing says and leaves the connection open.
@@ -385,7 +403,7 @@ fn parse(buf: &[u8]) -> Result<Response, Failure> {
         }
         None => String::new(),
     };
-    Ok(Response { status, body })
+    Ok(Response { status, body, sent_ns: 0 })
 }
 
 #[cfg(test)]
@@ -431,8 +449,11 @@ mod tests {
     #[test]
     fn reads_status_and_body() {
         let addr = serve(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK");
+        let before = monotonic_ns();
         let r = request(addr, "POST", "/quitquitquit", Limits::default()).expect("answer");
-        assert_eq!(r, Response { status: 200, body: "OK".into() });
+        assert_eq!((r.status, r.body.as_str()), (200, "OK"));
+        // The request's moment, on the kernel's clock: after the call began, before it returned.
+        assert!((before..=monotonic_ns()).contains(&r.sent_ns), "sent at {} from {before}", r.sent_ns);
     }
 
     // The deadline is what is tested: the server holds the connection open until the answer is
@@ -504,7 +525,7 @@ mod tests {
         for _ in 0..3 {
             assert!(idle_and_open(&s));
             let (r, again) = exchange(&mut s, addr, "GET", "/ready", limits, Instant::now(), true).expect("answer");
-            assert_eq!(r, Response { status: 200, body: "OK".into() });
+            assert_eq!((r.status, r.body.as_str()), (200, "OK"));
             assert!(again, "a complete keep-alive answer leaves the connection usable");
         }
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1, "one connection for three requests");
@@ -523,8 +544,10 @@ mod tests {
         for _ in 0..3 {
             assert!(idle_and_open(&s));
             let (r, again) =
-                exchange_async(&mut s, addr, "GET", "/ready", limits, Instant::now(), true, 0).await.expect("answer");
-            assert_eq!(r, Response { status: 200, body: "OK".into() });
+                exchange_async(&mut s, addr, "GET", "/ready", limits, Instant::now(), true, Written::default())
+                    .await
+                    .expect("answer");
+            assert_eq!((r.status, r.body.as_str()), (200, "OK"));
             assert!(again);
         }
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
@@ -538,7 +561,7 @@ mod tests {
         let short = Limits { total_timeout: Duration::from_millis(200), ..limits };
         let r = tokio::time::timeout(
             HANG_GUARD,
-            exchange_async(&mut s, hung, "GET", "/ready", short, Instant::now(), true, 0),
+            exchange_async(&mut s, hung, "GET", "/ready", short, Instant::now(), true, Written::default()),
         )
         .await;
         assert_eq!(r, Ok(Err(Failure::Timeout)), "the deadline did not hold");
@@ -571,7 +594,7 @@ mod tests {
     fn parses_without_io() {
         let limits = Limits::default();
         let ok = parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nOK", limits);
-        assert_eq!(ok, Ok(Response { status: 200, body: "OK".into() }));
+        assert_eq!(ok.map(|r| (r.status, r.body)), Ok((200, "OK".to_string())));
         let capped = parse_response(b"HTTP/1.1 200 OK\r\n\r\nabcdef", Limits { max_response_bytes: 21, ..limits });
         assert_eq!(capped.map(|r| r.body), Ok("ab".into()));
         assert!(matches!(parse_response(b"HTTP/1.1 999 Nope\r\n", limits), Err(Failure::Malformed(_))));

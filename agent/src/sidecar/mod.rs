@@ -156,7 +156,7 @@ pub mod testing {
                 let failed = (failure.to_string(), failure.label());
                 return Box::pin(async move { Err(failed) });
             }
-            Box::pin(async { Ok(Response { status: 200, body: String::new() }) })
+            Box::pin(async { Ok(Response { status: 200, body: String::new(), sent_ns: 0 }) })
         }
     }
 }

@@ -17,10 +17,13 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
+use tracing::info;
+
 use super::http::{self, Limits, Response};
 use super::{Failed, Pending, PodTarget, SidecarLink, SocketError};
 use crate::cgroup::CgroupFs;
 use crate::error::{Error, Result};
+use crate::host::clock::monotonic_ns;
 use crate::host::container_main::start_time;
 
 /// An open handle on a pod's network namespace.
@@ -122,8 +125,8 @@ impl PodNetns {
 
 /// Connections kept open, by pod uid and port on the pod's loopback.
 type Kept = Arc<Mutex<HashMap<(String, u16), tokio::net::TcpStream>>>;
-/// Quit requests sent ahead on a kept connection, with how many bytes of them went out.
-type Ahead = Mutex<HashMap<(String, u16), (tokio::net::TcpStream, usize)>>;
+/// Quit requests sent ahead on a kept connection, with how much of them went out, and when.
+type Ahead = Mutex<HashMap<(String, u16), (tokio::net::TcpStream, http::Written)>>;
 
 /// Open pod network namespaces, by pod uid.
 type Open = Arc<Mutex<HashMap<String, Arc<PodNetns>>>>;
@@ -222,7 +225,7 @@ impl SidecarLink for PodNetwork {
         let key = (uid.to_owned(), port);
         match stream.try_write(req.as_bytes()) {
             Ok(n) if n > 0 => {
-                keep(&self.open, &self.ahead, key, (stream, n));
+                keep(&self.open, &self.ahead, key, (stream, http::Written { bytes: n, at_ns: monotonic_ns() }));
                 true
             }
             // Nothing written: the connection stays kept, and the quit goes the usual way.
@@ -236,7 +239,15 @@ impl SidecarLink for PodNetwork {
     fn drop_sent_ahead(&self, uid: &str) -> usize {
         let mut ahead = self.ahead.lock().unwrap_or_else(PoisonError::into_inner);
         let before = ahead.len();
-        ahead.retain(|(u, _), _| u != uid);
+        ahead.retain(|(u, port), (_, written)| {
+            if u != uid {
+                return true;
+            }
+            // The request went out (its moment is the agent's send time, as `sent_ns` on an
+            // accepted quit's line); its answer is not read: the pod ended, or no longer quits.
+            info!(%uid, port, sent_ns = written.at_ns, "quit sent ahead, its answer not read");
+            false
+        });
         before - ahead.len()
     }
 
@@ -305,9 +316,9 @@ impl SidecarLink for PodNetwork {
             (_, _, Some(sent)) => sent,
             (Some(stream), false, None) => {
                 let req = http::request_text(SocketAddr::from((Ipv4Addr::LOCALHOST, port)), method, &path, false);
-                stream.try_write(req.as_bytes()).unwrap_or(0)
+                http::Written { bytes: stream.try_write(req.as_bytes()).unwrap_or(0), at_ns: monotonic_ns() }
             }
-            _ => 0,
+            _ => http::Written::default(),
         };
         Box::pin(async move {
             let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
@@ -578,7 +589,11 @@ mod tests {
         wait_kept(&net, &target, port).await;
         // From a thread of its own, as the event reader does: it reaches the server at once.
         let n2 = net.clone();
-        let sent = std::thread::spawn(move || n2.send_ahead("uid-1", port, "/quitquitquit")).join().expect("thread");
+        let (before, sent) =
+            std::thread::spawn(move || (monotonic_ns(), n2.send_ahead("uid-1", port, "/quitquitquit")))
+                .join()
+                .expect("thread");
+        let after = monotonic_ns();
         assert!(sent);
         until("the quit sent ahead read", || !seen.lock().unwrap_or_else(PoisonError::into_inner).is_empty()).await;
         let first = seen.lock().unwrap_or_else(PoisonError::into_inner).clone();
@@ -587,7 +602,10 @@ mod tests {
         // The quit request takes it over: the answer is read, nothing is sent twice.
         let r =
             net.request(target.clone(), port, "POST", "/quitquitquit".into(), Limits::default(), false, false).await;
-        assert_eq!(r.map(|r| r.status), Ok(200));
+        // Its send time is the write ahead's, not the takeover's.
+        assert_eq!(r.as_ref().map(|r| r.status), Ok(200));
+        let sent_ns = r.map(|r| r.sent_ns).unwrap_or_default();
+        assert!((before..=after).contains(&sent_ns), "sent at {sent_ns}, ahead between {before} and {after}");
         assert_eq!(seen.lock().unwrap_or_else(PoisonError::into_inner).len(), 1, "one request");
         assert_eq!(accepted.load(Ordering::SeqCst), 1, "on the kept connection");
         assert_eq!(net.drop_sent_ahead("uid-1"), 0, "taken over");

@@ -56,7 +56,9 @@ pub async fn quit(
         }
         .await;
         let (last, label) = match answer {
-            Ok(r) if (200..300).contains(&r.status) => return QuitOutcome::Accepted { status: r.status, attempts },
+            Ok(r) if (200..300).contains(&r.status) => {
+                return QuitOutcome::Accepted { status: r.status, attempts, sent_ns: r.sent_ns };
+            }
             // 408/429 are worth another try; any other 4xx is the endpoint saying no.
             Ok(r) if (400..500).contains(&r.status) && r.status != 408 && r.status != 429 => {
                 return QuitOutcome::Rejected { status: r.status, body: r.body.chars().take(200).collect() };
@@ -99,7 +101,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_proxy_not_listening_yet_is_asked_again_at_a_steady_pace() {
         let (took, outcome) = accepted_after(40, Failure::Refused).await;
-        assert_eq!(outcome, QuitOutcome::Accepted { status: 200, attempts: 41 });
+        assert_eq!(outcome, QuitOutcome::Accepted { status: 200, attempts: 41, sent_ns: 0 });
         assert_eq!(took, REFUSED_RETRY * 40);
     }
 
@@ -107,7 +109,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn other_failures_back_off() {
         let (took, outcome) = accepted_after(5, Failure::Timeout).await;
-        assert_eq!(outcome, QuitOutcome::Accepted { status: 200, attempts: 6 });
+        assert_eq!(outcome, QuitOutcome::Accepted { status: 200, attempts: 6, sent_ns: 0 });
         assert_eq!(took, Duration::from_millis(25 + 50 + 100 + 200 + 400));
     }
 }

@@ -203,9 +203,16 @@ impl PodState {
         let mut fx = vec![Effect::Count(Count::Quit { kind, result: outcome.label() })];
         let name = self.name();
         let done_ktime = self.done().and_then(|d| d.ktime);
-        let Some(q) = self.quits.get_mut(sidecar) else { return fx };
+        let Some(q) = self.quits.get_mut(sidecar) else {
+            // The pod's state moved on before the answer came (a relist found the sidecar
+            // ended): the acceptance is still the sidecar's, logged with its request's moment.
+            if let QuitOutcome::Accepted { status, attempts, sent_ns } = &outcome {
+                info!(pod = %name, %sidecar, status, attempts, sent_ns, "sidecar accepted quit");
+            }
+            return fx;
+        };
         match &outcome {
-            QuitOutcome::Accepted { status, attempts } => {
+            QuitOutcome::Accepted { status, attempts, sent_ns } => {
                 q.state = QuitState::Accepted {
                     escalate_at: rules.escalate_after.map(|d| now.saturating_add(d.as_nanos() as u64)),
                 };
@@ -214,7 +221,17 @@ impl PodState {
                     fx.push(Effect::Count(Count::QuitLatency(ns as f64 / 1e9)));
                 }
                 let after_text = after.map(|ns| format!(" {}µs after the app finished", ns / 1000)).unwrap_or_default();
-                info!(pod = %name, %sidecar, status, attempts, quit_after_us = after.map(|n| n / 1000), "sidecar accepted quit");
+                // `sent_ns`: the request's own moment, beside the answer's (`quit_after_us` counts
+                // to the answer's processing).
+                info!(
+                    pod = %name,
+                    %sidecar,
+                    status,
+                    attempts,
+                    quit_after_us = after.map(|n| n / 1000),
+                    sent_ns,
+                    "sidecar accepted quit"
+                );
                 fx.push(Effect::Publish {
                     warning: false,
                     reason: "SidecarQuit",

@@ -174,7 +174,7 @@ pub(super) fn has(fx: &[Effect], want: &Effect) -> bool {
 }
 
 pub(super) fn accepted() -> QuitOutcome {
-    QuitOutcome::Accepted { status: 200, attempts: 1 }
+    QuitOutcome::Accepted { status: 200, attempts: 1, sent_ns: 0 }
 }
 
 mod api_path;
