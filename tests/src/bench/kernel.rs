@@ -1,7 +1,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use anyhow::{Context as _, Result};
+use anyhow::{Context as _, Result, bail};
 use valet_agent::kernel::{Attach, Programs};
 use valet_common::watch_flags;
 use valet_tests::cgroups::TestCgroups;
@@ -59,10 +59,29 @@ pub(crate) fn spawn_rate(cgroups: &TestCgroups, cgroup: Option<&str>, ms: u64, e
     Ok(n / (ms as f64 / 1000.0))
 }
 
+/// Runs the connection storm (`valet-bench-connector`, 2 client threads) for `ms` in `cgroup`
+/// (None: the bench's own cgroup); connections per second.
+pub(crate) fn connect_rate(cgroups: &TestCgroups, cgroup: Option<&str>, ms: u64) -> Result<f64> {
+    let connector = bin("valet-bench-connector")?;
+    let out = std::env::temp_dir().join(format!("valet-connects-{}", std::process::id()));
+    let mut cmd = Command::new(&connector);
+    cmd.args([&ms.to_string(), "2", out.to_str().context("path")?]);
+    let mut child = match cgroup {
+        Some(rel) => cgroups.spawn_in(rel, &mut cmd)?,
+        None => cmd.spawn()?,
+    };
+    if !child.wait()?.success() {
+        bail!("valet-bench-connector failed");
+    }
+    let n: f64 = std::fs::read_to_string(&out)?.trim().parse()?;
+    let _ = std::fs::remove_file(&out);
+    Ok(n / (ms as f64 / 1000.0))
+}
+
 /// 6. What the kernel programs cost each exit, from the kernel's own BPF statistics.
 pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
     println!(
-        "\n[6] cost of the exit and exec programs per exit and exec (kernel.bpf_stats_enabled: run_time_ns ÷ run_cnt)"
+        "\n[6] cost of the exit, exec and listen programs per exit, exec and TCP state change (kernel.bpf_stats_enabled: run_time_ns ÷ run_cnt)"
     );
     // Keeps the kernel's statistics on while held (as sysctl kernel.bpf_stats_enabled=1).
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enable BPF run-time statistics")?;
@@ -71,9 +90,15 @@ pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
     let container = format!("{pod}/{}", "cd".repeat(32));
     cgroups.create(&pod)?;
     cgroups.create(&container)?;
+    // A pod that holds its app: the listen program looks for listens there.
+    let held = format!("kubepods/besteffort/pod{}", valet_sim::util::uuid_v4());
+    let held_container = format!("{held}/{}", "ef".repeat(32));
+    cgroups.create(&held)?;
+    cgroups.create(&held_container)?;
     let ms = 3000;
     let detached = fork_rate(&cgroups, None, ms)?;
     let detached_exec = spawn_rate(&cgroups, None, ms, Some(EXEC_PROGRAM))?;
+    let detached_connect = connect_rate(&cgroups, None, ms)?;
     let others = valet_program_ids();
     let mut programs = Programs::load(Path::new("/"), Attach::default())?;
     let ours: std::collections::HashSet<u32> = valet_program_ids().difference(&others).copied().collect();
@@ -83,6 +108,7 @@ pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
         programs.watch(u64::MAX - id, watch_flags::EXITS | watch_flags::HOLD)?;
     }
     programs.watch(cgroups.id(&pod)?, watch_flags::EXITS)?;
+    programs.watch(cgroups.id(&held)?, watch_flags::EXITS | watch_flags::HOLD)?;
     let measure = |cgroup: Option<&str>| -> Result<(f64, f64)> {
         let (t0, c0) = exit_program_stats();
         let rate = fork_rate(&cgroups, cgroup, ms)?;
@@ -103,10 +129,32 @@ pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
     };
     let (exec_outside_rate, exec_outside_ns, _) = measure_exec(None)?;
     let (exec_inside_rate, exec_inside_ns, exec_exit_ns) = measure_exec(Some(&container))?;
+    // The connection storm: every TCP state change (a connect, its accept, the resets) runs the
+    // listen program, which reads the new state and leaves unless it is LISTEN.
+    let measure_connect = |cgroup: Option<&str>| -> Result<(f64, f64, f64)> {
+        let (t0, c0) = program_stats(&ours, "valet_listen");
+        let rate = connect_rate(&cgroups, cgroup, ms)?;
+        let (t1, c1) = program_stats(&ours, "valet_listen");
+        let changes = (c1 - c0) as f64;
+        Ok((rate, (t1 - t0) as f64 / changes.max(1.0), changes / (rate * ms as f64 / 1000.0).max(1.0)))
+    };
+    let (connect_outside_rate, connect_outside_ns, per_connection) = measure_connect(None)?;
+    let (connect_inside_rate, connect_inside_ns, _) = measure_connect(Some(&held_container))?;
     drop(programs);
     let detached_again = fork_rate(&cgroups, None, ms)?;
     let reference = (detached + detached_again) / 2.0;
     let exec_reference = (detached_exec + spawn_rate(&cgroups, None, ms, Some(EXEC_PROGRAM))?) / 2.0;
+    let connect_reference = (detached_connect + connect_rate(&cgroups, None, ms)?) / 2.0;
+    println!(
+        "  TCP state changes, connection storm outside / inside a held pod: {connect_outside_ns:.0} / \
+         {connect_inside_ns:.0} ns per change (listen program), {per_connection:.1} changes per connection"
+    );
+    println!(
+        "  connect+accept+reset loop, 2 threads: detached {connect_reference:.0}/s, attached {connect_outside_rate:.0}/s \
+         outside and {connect_inside_rate:.0}/s inside a held pod (ratio {:.3} / {:.3})",
+        connect_outside_rate / connect_reference,
+        connect_inside_rate / connect_reference
+    );
     println!("  execs outside watched pods: {exec_outside_ns:>6.0} ns per exec (exec program)");
     println!(
         "  execs inside a watched pod:  {exec_inside_ns:>6.0} ns per exec (exec program), {exec_exit_ns:.0} ns per exit"
@@ -152,6 +200,24 @@ pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
         &format!("detached {exec_reference:.0} execs/s"),
         "—",
         format!("{:.3} / {:.3} of detached", exec_outside_rate / exec_reference, exec_inside_rate / exec_reference),
+    );
+    table.add(
+        "[6] listen program per TCP state change, connection storm outside / inside a held pod (BPF stats)",
+        format!("{connect_outside_ns:.0} / {connect_inside_ns:.0} ns"),
+        "—",
+        "—",
+        format!("{per_connection:.1} state changes per connection"),
+    );
+    table.add(
+        "[6] connect+accept+reset storm on 127.0.0.1 (2 threads), programs attached: outside / inside a held pod",
+        format!("{connect_outside_rate:.0} / {connect_inside_rate:.0} connections/s"),
+        &format!("detached {connect_reference:.0} connections/s"),
+        "—",
+        format!(
+            "{:.3} / {:.3} of detached",
+            connect_outside_rate / connect_reference,
+            connect_inside_rate / connect_reference
+        ),
     );
     Ok(())
 }

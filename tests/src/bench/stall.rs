@@ -22,6 +22,10 @@ pub(crate) struct Stalled {
     pub(crate) ends: usize,
     /// From the SIGCONT to each quit the proxy received before the API's reports (µs).
     pub(crate) after_resume: Vec<f64>,
+    /// From the SIGCONT to the agent's write of each of those quits (µs), from its log.
+    pub(crate) sent_after_resume: Vec<f64>,
+    /// Quits received whose send time the agent's log does not give.
+    pub(crate) unsent: usize,
     /// Ends whose quit did not come before the API's reports.
     pub(crate) lost: usize,
     /// `valet_kernel_events_lost_total` across the stall.
@@ -142,6 +146,29 @@ pub(crate) fn stall_ends(
             _ => lost.push(i),
         }
     }
+    // The agent's own send times, beside the proxies' receipts.
+    let log = agent.log_text();
+    let sent = quits_sent(&log);
+    let mut sent_after_resume = Vec::new();
+    let mut unsent = 0;
+    for (job, _) in jobs.iter().zip(&stamps) {
+        let uid = job.json["metadata"]["uid"].as_str().unwrap_or_default();
+        match (job.quits().first(), sent.get(&job.name).or_else(|| sent.get(uid))) {
+            (Some(q), Some(&at)) if q.mono_ns < reports_ns => {
+                sent_after_resume.push((at as f64 - resumed as f64) / 1e3);
+            }
+            (Some(q), None) if q.mono_ns < reports_ns => {
+                unsent += 1;
+                if unsent == 1 {
+                    println!("  a quit received with no send time in the agent's log, pod {}; its lines:", job.name);
+                    for line in log.lines().filter(|l| l.contains(&job.name) || (!uid.is_empty() && l.contains(uid))) {
+                        println!("    {line}");
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
     let events_lost = agent.metric("valet_kernel_events_lost_total ") - lost_before;
     if !lost.is_empty() {
         // Whether the API's late reports bring the lost ones' quits at all.
@@ -157,5 +184,53 @@ pub(crate) fn stall_ends(
     let lost = lost.len();
     remove_jobs(node, jobs);
     agent.wait_tracked(tracked, Duration::from_secs(60))?;
-    Ok(Stalled { ends, after_resume, lost, events_lost, traced, resumed_at, ring_bytes, end_bytes })
+    Ok(Stalled {
+        ends,
+        after_resume,
+        sent_after_resume,
+        unsent,
+        lost,
+        events_lost,
+        traced,
+        resumed_at,
+        ring_bytes,
+        end_bytes,
+    })
+}
+
+/// The agent's send time (CLOCK_MONOTONIC ns) of each quit, from its log: by pod name from the
+/// `sidecar accepted quit` lines (`pod=<namespace>/<name>`, `sent_ns=<ns>`), and by pod uid from
+/// the `quit sent ahead, its answer not read` ones (`uid=<uid>`), a quit the event reader sent
+/// whose pod ended before the answer was read.
+fn quits_sent(log: &str) -> std::collections::HashMap<String, u64> {
+    log.lines()
+        .filter(|l| l.contains("sidecar accepted quit") || l.contains("quit sent ahead, its answer not read"))
+        .filter_map(|l| {
+            let field = |key: &str| l.split_whitespace().find_map(|w| w.strip_prefix(key));
+            let pod = match field("pod=") {
+                Some(pod) => pod.rsplit('/').next()?.to_string(),
+                None => field("uid=")?.to_string(),
+            };
+            let sent: u64 = field("sent_ns=")?.parse().ok()?;
+            (sent > 0).then_some((pod, sent))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn send_times_come_from_the_accepted_quits_lines() {
+        let log = "2026-11-29T08:00:00.000001Z  INFO valet_agent::pod::state::ending: sidecar accepted quit \
+                   pod=default/stalled-1a2b sidecar=istio-proxy status=200 attempts=1 quit_after_us=812 sent_ns=123456\n\
+                   2026-11-29T08:00:00.000002Z  INFO valet_agent::pod::state::ending: sidecar accepted quit \
+                   pod=default/stalled-3c4d sidecar=istio-proxy status=200 attempts=1 sent_ns=0\n\
+                   2026-11-29T08:00:00.000003Z  INFO valet_agent: asked pod=default/stalled-5e6f sent_ns=9\n\
+                   2026-11-29T08:00:00.000004Z  INFO valet_agent::sidecar::netns: quit sent ahead, its answer not read \
+                   uid=0c1d-2e port=15020 sent_ns=777";
+        let sent = super::quits_sent(log);
+        assert_eq!(sent.get("stalled-1a2b"), Some(&123_456));
+        assert_eq!(sent.get("0c1d-2e"), Some(&777));
+        assert_eq!(sent.len(), 2, "no time (0) is no send time, and other lines are not quits: {sent:?}");
+    }
 }
