@@ -155,7 +155,11 @@ pub fn run(root: &Path, suites: &[(&str, Arch)]) -> Result<(u64, u64)> {
     for arch in [Arch::Amd64, Arch::Arm64] {
         if kernels.iter().any(|k| k.arch == arch) {
             let bins = Binaries::build(root, arch)?;
-            let userland = if arch == host { Userland::Host(apt.busybox(arch)?) } else { arm64_userland(&apt)? };
+            let userland = match arch {
+                _ if arch == host => Userland::Host(apt.busybox(arch)?),
+                Arch::Arm64 => arm64_userland(&apt)?,
+                Arch::Amd64 => bail!("amd64 kernels boot on an amd64 host only (their userland is the host's)"),
+            };
             guests.insert(arch.deb(), (bins, userland));
         }
     }
