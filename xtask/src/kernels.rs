@@ -211,13 +211,8 @@ struct Binaries {
 impl Binaries {
     /// The host's build, or a cross-build for `arch` (`--target`, in `<target>/<triple>/release`).
     fn build(root: &Path, arch: Arch) -> Result<Self> {
+        let release = crate::cmd::build_release_bins_for(root, arch)?;
         let cross: &[&str] = if arch == Arch::host() { &[] } else { &["--target", arch.triple()] };
-        crate::cmd::run(
-            crate::cmd::cargo()
-                .current_dir(root)
-                .args(["build", "--release", "-p", "valet-agent", "-p", "valet-sim", "--bins"])
-                .args(cross),
-        )?;
         let out = crate::cmd::cargo()
             .current_dir(root)
             .args(["test", "--release", "-p", "valet-tests", "--no-run"])
@@ -241,11 +236,8 @@ impl Binaries {
             }
         }
         let take = |n: &str| found.get(n).cloned().ok_or_else(|| anyhow!("cargo named no executable for test {n}"));
-        let target = crate::cmd::target_dir(root)?;
-        let release =
-            if cross.is_empty() { target.join("release") } else { target.join(arch.triple()).join("release") };
         Ok(Self {
-            target,
+            target: crate::cmd::target_dir(root)?,
             kernel_test: take("kernel")?,
             shutdown_test: take("shutdown")?,
             privileges_test: take("privileges")?,

@@ -332,16 +332,7 @@ impl Kit {
                 println!("node: binaries from VALET_NODE_BINARIES={}", dir.to_string_lossy());
                 PathBuf::from(dir)
             }
-            _ if arch == Arch::host() => crate::cmd::build_release_bins(root)?,
-            _ => {
-                crate::cmd::run(
-                    crate::cmd::cargo()
-                        .current_dir(root)
-                        .args(["build", "--release", "-p", "valet-agent", "-p", "valet-sim", "--bins", "--target"])
-                        .arg(arch.triple()),
-                )?;
-                crate::cmd::target_dir(root)?.join(arch.triple()).join("release")
-            }
+            _ => crate::cmd::build_release_bins_for(root, arch)?,
         };
         let images = oci_images(root, apt, arch, &release, &busybox)?;
         // The agent's own image, imported with the others.
