@@ -382,8 +382,9 @@ impl Chaos<'_> {
     /// kernel recorded before the upgrade), and none before it is allowed.
     fn upgrade(&mut self, agent: &mut Agent, keeper: &mut DeadlineKeeper) -> DeadlineKeeper {
         self.tally.upgrades += 1;
-        // At least one app held across it.
-        if let Some(&i) = self.placed_unstarted().first() {
+        // At least one app held across it: of a pod still holding it (its hold annotation on,
+        // its proxy not ready: a disruption may have changed either before its app started).
+        if let Some(&i) = self.placed_unstarted(|p| p.hold && !p.ready).first() {
             self.start_app(i);
             let pid = self.pods[i].app;
             let ran = self.pods[i].ran.clone();
@@ -417,12 +418,12 @@ impl Chaos<'_> {
         self.node.start_deadline_keeper_with(&["--old-pin-dir", &old]).expect("the new version's deadline keeper")
     }
 
-    /// The pods the agent has placed (probed, condition written) whose app has not started; one
-    /// is made, and waited for, if there is none.
-    fn placed_unstarted(&mut self) -> Vec<usize> {
+    /// The pods the agent has placed (probed, condition written) whose app has not started, of
+    /// those `also` takes; one is made, and waited for, if there is none.
+    fn placed_unstarted(&mut self, also: impl Fn(&Pod) -> bool) -> Vec<usize> {
         let placed = |c: &Self, i: usize| {
             let p = &c.pods[i];
-            !p.deleted && p.labelled && !p.failed && p.app.is_none() && condition(c.node, &p.job).is_some()
+            !p.deleted && p.labelled && !p.failed && p.app.is_none() && also(p) && condition(c.node, &p.job).is_some()
         };
         let mut found: Vec<usize> = (0..self.pods.len()).filter(|&i| placed(self, i)).collect();
         if found.is_empty() {
@@ -455,7 +456,7 @@ impl Chaos<'_> {
             key += 1;
             assert!(key < PID_MAX_LIMIT + 2 * HELD_CAPACITY, "the record map took more than its capacity");
         }
-        let placed = self.placed_unstarted();
+        let placed = self.placed_unstarted(|_| true);
         for i in placed {
             self.start_app(i);
             self.tally.started_into_full_map += 1;
