@@ -44,34 +44,36 @@ const EXEC_PROGRAM: &str = "/bin/true";
 
 /// Runs the forker for `ms` in `cgroup`, each child exec'ing `exec` if given; processes per second.
 pub(crate) fn spawn_rate(cgroups: &TestCgroups, cgroup: Option<&str>, ms: u64, exec: Option<&str>) -> Result<f64> {
-    let forker = bin("valet-bench-forker")?;
-    let out = std::env::temp_dir().join(format!("valet-forks-{}", std::process::id()));
-    let mut cmd = Command::new(&forker);
-    cmd.args([&ms.to_string(), "2", out.to_str().context("path")?]);
-    cmd.args(exec);
-    let mut child = match cgroup {
-        Some(rel) => cgroups.spawn_in(rel, &mut cmd)?,
-        None => cmd.spawn()?,
-    };
-    child.wait()?;
-    let n: f64 = std::fs::read_to_string(&out)?.trim().parse()?;
-    let _ = std::fs::remove_file(&out);
-    Ok(n / (ms as f64 / 1000.0))
+    counted_rate(cgroups, cgroup, ms, "valet-bench-forker", exec)
 }
 
 /// Runs the connection storm (`valet-bench-connector`, 2 client threads) for `ms` in `cgroup`
 /// (None: the bench's own cgroup); connections per second.
 pub(crate) fn connect_rate(cgroups: &TestCgroups, cgroup: Option<&str>, ms: u64) -> Result<f64> {
-    let connector = bin("valet-bench-connector")?;
-    let out = std::env::temp_dir().join(format!("valet-connects-{}", std::process::id()));
-    let mut cmd = Command::new(&connector);
+    counted_rate(cgroups, cgroup, ms, "valet-bench-connector", None)
+}
+
+/// Runs `program <ms> 2 <count-file> [extra]` (2 workers) in `cgroup` (None: the bench's own
+/// cgroup) and reads the count it wrote: its rate per second. A program that failed is an error.
+fn counted_rate(
+    cgroups: &TestCgroups,
+    cgroup: Option<&str>,
+    ms: u64,
+    program: &str,
+    extra: Option<&str>,
+) -> Result<f64> {
+    let path = bin(program)?;
+    let out = std::env::temp_dir().join(format!("{program}-{}.count", std::process::id()));
+    let mut cmd = Command::new(&path);
     cmd.args([&ms.to_string(), "2", out.to_str().context("path")?]);
+    cmd.args(extra);
     let mut child = match cgroup {
         Some(rel) => cgroups.spawn_in(rel, &mut cmd)?,
         None => cmd.spawn()?,
     };
-    if !child.wait()?.success() {
-        bail!("valet-bench-connector failed");
+    let status = child.wait()?;
+    if !status.success() {
+        bail!("{program} failed: {status}");
     }
     let n: f64 = std::fs::read_to_string(&out)?.trim().parse()?;
     let _ = std::fs::remove_file(&out);
