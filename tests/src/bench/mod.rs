@@ -191,7 +191,16 @@ pub(crate) fn stopped(pid: u32) -> bool {
 }
 
 pub(crate) fn read_stamp(path: &Path) -> Option<u64> {
-    std::fs::read_to_string(path).ok()?.lines().next()?.trim().parse().ok()
+    stamp_field(path, 0)
+}
+
+/// The CPU time (ns) an app started with `cpu` wrote beside its stamp ([`read_stamp`]).
+pub(crate) fn read_stamp_cpu(path: &Path) -> Option<u64> {
+    stamp_field(path, 1)
+}
+
+fn stamp_field(path: &Path, field: usize) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.lines().next()?.split_whitespace().nth(field)?.parse().ok()
 }
 
 /// How long the Job's app runs in [3] and [5]: a short Job, over before the API names it.

@@ -70,6 +70,22 @@ pub(crate) fn cpu_share(pid: u32, window: Duration) -> f64 {
     ns as f64 / 1e9 / started.elapsed().as_secs_f64()
 }
 
+/// A task's CPU time so far (ns, the first field of its `schedstat`).
+pub(crate) fn task_cpu_ns(pid: u32, tid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat")).ok()?;
+    stat.split_whitespace().next()?.parse().ok()
+}
+
+/// The CPU time (ns) of the threads of `pid` named `name`, summed.
+pub(crate) fn thread_cpu_ns(pid: u32, name: &str) -> u64 {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    dir.flatten()
+        .filter_map(|t| t.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|tid| std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).is_ok_and(|c| c.trim() == name))
+        .filter_map(|tid| task_cpu_ns(pid, tid))
+        .sum()
+}
+
 /// One field of `/proc/<pid>/status` (`name` with its colon), trimmed.
 pub(crate) fn status_field(pid: u32, name: &str) -> Option<String> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;

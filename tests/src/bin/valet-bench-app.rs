@@ -3,10 +3,12 @@
 //! (with a sleep, the stamp is taken after it, right before the exit).
 //! `valet-bench-app <stamp-file> <exit-code> <sleep-ms> <linger-ms>`: stamps after the sleep, then
 //! runs on for `linger-ms` before the exit (a released app that keeps working).
-fn monotonic_ns() -> u64 {
+//! `... <linger-ms> cpu`: the stamp's line also carries the thread's CPU time (ns) read right
+//! after the stamp: `<monotonic-ns> <cpu-ns>`.
+fn clock_ns(clock: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: valid out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    unsafe { libc::clock_gettime(clock, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
@@ -19,7 +21,12 @@ fn main() {
     if let Some(ms) = args.get(3).and_then(|m| m.parse::<u64>().ok()) {
         std::thread::sleep(std::time::Duration::from_millis(ms));
     }
-    let line = format!("{}\n", monotonic_ns());
+    let stamp = clock_ns(libc::CLOCK_MONOTONIC);
+    let line = if args.get(5).is_some_and(|a| a == "cpu") {
+        format!("{stamp} {}\n", clock_ns(libc::CLOCK_THREAD_CPUTIME_ID))
+    } else {
+        format!("{stamp}\n")
+    };
     use std::io::Write as _;
     if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(file) {
         let _ = f.write_all(line.as_bytes());
