@@ -1,6 +1,7 @@
 //! [5]'s agent stall: many container ends while the agent is stopped (SIGSTOP, as CPU throttling
 //! under its limit or a paused process would stop it), with the kubelet's reports of them held
 //! past the stall, so that only the kernel path (the ring buffer) can carry them in time.
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
@@ -146,9 +147,27 @@ pub(crate) fn stall_ends(
             _ => lost.push(i),
         }
     }
-    // The agent's own send times, beside the proxies' receipts.
-    let log = agent.log_text();
-    let sent = quits_sent(&log);
+    // The agent's own send times, beside the proxies' receipts. A send time is logged when the
+    // agent has read the answer and its loop has taken the outcome in, which may come after the
+    // proxy exited: the log is read again until every quit a proxy received has its send time,
+    // or 5 s passed.
+    let received: Vec<String> = jobs
+        .iter()
+        .filter(|job| job.quits().first().is_some_and(|q| q.mono_ns < reports_ns))
+        .map(|job| job.name.clone())
+        .collect();
+    let uids: HashMap<&str, &str> =
+        jobs.iter().map(|job| (job.name.as_str(), job.json["metadata"]["uid"].as_str().unwrap_or_default())).collect();
+    let logged = Instant::now() + Duration::from_secs(5);
+    let (log, sent) = loop {
+        let log = agent.log_text();
+        let sent = quits_sent(&log);
+        let all = received.iter().all(|name| sent.contains_key(name) || sent.contains_key(uids[name.as_str()]));
+        if all || Instant::now() > logged {
+            break (log, sent);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
     let mut sent_after_resume = Vec::new();
     let mut unsent = 0;
     for (job, _) in jobs.iter().zip(&stamps) {
@@ -202,7 +221,7 @@ pub(crate) fn stall_ends(
 /// `sidecar accepted quit` lines (`pod=<namespace>/<name>`, `sent_ns=<ns>`), and by pod uid from
 /// the `quit sent ahead, its answer not read` ones (`uid=<uid>`), a quit the event reader sent
 /// whose pod ended before the answer was read.
-fn quits_sent(log: &str) -> std::collections::HashMap<String, u64> {
+fn quits_sent(log: &str) -> HashMap<String, u64> {
     log.lines()
         .filter(|l| l.contains("sidecar accepted quit") || l.contains("quit sent ahead, its answer not read"))
         .filter_map(|l| {
