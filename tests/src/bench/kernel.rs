@@ -34,6 +34,28 @@ pub(crate) fn program_stats(ours: &std::collections::HashSet<u32>, prefix: &str)
     (time, count)
 }
 
+/// Runs `storm` (its rate) and what the programs among `ours` named `prefixes` ran meanwhile: for
+/// each, its run time (ns) and run count ([`program_stats`] before and after).
+fn programs_during<const N: usize>(
+    ours: &std::collections::HashSet<u32>,
+    prefixes: [&str; N],
+    storm: impl FnOnce() -> Result<f64>,
+) -> Result<(f64, [(u64, u64); N])> {
+    let before = prefixes.map(|p| program_stats(ours, p));
+    let rate = storm()?;
+    let mut ran = prefixes.map(|p| program_stats(ours, p));
+    for ((time, count), (t0, c0)) in ran.iter_mut().zip(before) {
+        *time -= t0;
+        *count -= c0;
+    }
+    Ok((rate, ran))
+}
+
+/// A program's ns per run, from its run time and run count.
+fn per_run((time, count): (u64, u64)) -> f64 {
+    time as f64 / count.max(1) as f64
+}
+
 /// Runs the forker for `ms` in `cgroup` (None: the bench's own cgroup); exits per second.
 pub(crate) fn fork_rate(cgroups: &TestCgroups, cgroup: Option<&str>, ms: u64) -> Result<f64> {
     spawn_rate(cgroups, cgroup, ms, None)
@@ -104,7 +126,6 @@ pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
     let others = valet_program_ids();
     let mut programs = Programs::load(Path::new("/"), Attach::default())?;
     let ours: std::collections::HashSet<u32> = valet_program_ids().difference(&others).copied().collect();
-    let exit_program_stats = || program_stats(&ours, "valet_exit");
     println!("  {} programs of the bench's own; {} other valet programs loaded on this host", ours.len(), others.len());
     for id in 0..110u64 {
         programs.watch(u64::MAX - id, watch_flags::EXITS | watch_flags::HOLD)?;
@@ -112,33 +133,26 @@ pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
     programs.watch(cgroups.id(&pod)?, watch_flags::EXITS)?;
     programs.watch(cgroups.id(&held)?, watch_flags::EXITS | watch_flags::HOLD)?;
     let measure = |cgroup: Option<&str>| -> Result<(f64, f64)> {
-        let (t0, c0) = exit_program_stats();
-        let rate = fork_rate(&cgroups, cgroup, ms)?;
-        let (t1, c1) = exit_program_stats();
-        let per = (t1 - t0) as f64 / (c1 - c0).max(1) as f64;
-        Ok((rate, per))
+        let (rate, [exit]) = programs_during(&ours, ["valet_exit"], || fork_rate(&cgroups, cgroup, ms))?;
+        Ok((rate, per_run(exit)))
     };
     let (outside_rate, outside_ns) = measure(None)?;
     let (inside_rate, inside_ns) = measure(Some(&container))?;
     // The exec storm: every child execs, as a build Job's shell steps and compilers do; the exec
     // program's cost per exec (it looks for a container's first exec) and the exit program's.
     let measure_exec = |cgroup: Option<&str>| -> Result<(f64, f64, f64)> {
-        let ((e0, n0), (x0, m0)) = (program_stats(&ours, "valet_exec"), exit_program_stats());
-        let rate = spawn_rate(&cgroups, cgroup, ms, Some(EXEC_PROGRAM))?;
-        let ((e1, n1), (x1, m1)) = (program_stats(&ours, "valet_exec"), exit_program_stats());
-        let per = |t: u64, c: u64| t as f64 / c.max(1) as f64;
-        Ok((rate, per(e1 - e0, n1 - n0), per(x1 - x0, m1 - m0)))
+        let (rate, [exec, exit]) = programs_during(&ours, ["valet_exec", "valet_exit"], || {
+            spawn_rate(&cgroups, cgroup, ms, Some(EXEC_PROGRAM))
+        })?;
+        Ok((rate, per_run(exec), per_run(exit)))
     };
     let (exec_outside_rate, exec_outside_ns, _) = measure_exec(None)?;
     let (exec_inside_rate, exec_inside_ns, exec_exit_ns) = measure_exec(Some(&container))?;
     // The connection storm: every TCP state change (a connect, its accept, the resets) runs the
     // listen program, which reads the new state and leaves unless it is LISTEN.
     let measure_connect = |cgroup: Option<&str>| -> Result<(f64, f64, f64)> {
-        let (t0, c0) = program_stats(&ours, "valet_listen");
-        let rate = connect_rate(&cgroups, cgroup, ms)?;
-        let (t1, c1) = program_stats(&ours, "valet_listen");
-        let changes = (c1 - c0) as f64;
-        Ok((rate, (t1 - t0) as f64 / changes.max(1.0), changes / (rate * ms as f64 / 1000.0).max(1.0)))
+        let (rate, [listen]) = programs_during(&ours, ["valet_listen"], || connect_rate(&cgroups, cgroup, ms))?;
+        Ok((rate, per_run(listen), listen.1 as f64 / (rate * ms as f64 / 1000.0).max(1.0)))
     };
     let (connect_outside_rate, connect_outside_ns, per_connection) = measure_connect(None)?;
     let (connect_inside_rate, connect_inside_ns, _) = measure_connect(Some(&held_container))?;

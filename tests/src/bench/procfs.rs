@@ -38,8 +38,7 @@ pub(crate) fn cpu_share(pid: u32, window: Duration) -> f64 {
         dir.flatten()
             .filter_map(|t| {
                 let tid = t.file_name().to_str()?.parse().ok()?;
-                let stat = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
-                Some((tid, stat.split_whitespace().next()?.parse().ok()?))
+                Some((tid, task_cpu_ns(pid, tid)?))
             })
             .collect()
     };
