@@ -7,11 +7,25 @@ use valet_tests::harness::{Agent, JobSpec, Node};
 #[allow(clippy::wildcard_imports)]
 use super::*;
 
-/// [5]'s stall verdict: every end's quit written within 100 ms of the resume, each with its send
-/// time in the agent's log.
-fn sent_met(sent: &Stats, unsent: usize, ends: usize) -> String {
-    let verdict = met(sent.n == ends && unsent == 0 && sent.max <= 100_000.0);
-    if unsent > 0 { format!("{verdict} ({unsent} quits without a send time)") } else { verdict.into() }
+/// A row of [5]'s stall: the agent's send times of its quits after the resume (`sent`), the
+/// proxies' receipts beside (`received`). Met when every end's quit was written within 100 ms of
+/// the resume, each with its send time in the agent's log.
+fn add_sent_row(table: &mut Table, what: &str, target: &str, sent: &Stats, received: &Stats, stalled: &Stalled) {
+    let verdict = met(sent.n == stalled.ends && stalled.unsent == 0 && sent.max <= 100_000.0);
+    table.add(
+        &format!(
+            "[5] … their quits after the agent resumed{what}: the agent's writes (median / p99, max; n={})",
+            sent.n
+        ),
+        format!("{}, {:.1} ms", sent.ms(), sent.max / 1e3),
+        &format!("the proxies' receipts {}, {:.1} ms", received.ms(), received.max / 1e3),
+        target,
+        if stalled.unsent > 0 {
+            format!("{verdict} ({} quits without a send time)", stalled.unsent)
+        } else {
+            verdict.into()
+        },
+    );
 }
 
 /// 5. A watched pod forks short processes as fast as the machine allows.
@@ -131,15 +145,13 @@ pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
         "0",
         met(stalled.lost == 0 && stalled.ends >= plan.stall_ends).into(),
     );
-    table.add(
-        &format!(
-            "[5] … their quits after the agent resumed, from its SIGCONT: the agent's writes (median / p99, max; n={})",
-            sent.n
-        ),
-        format!("{}, {:.1} ms", sent.ms(), sent.max / 1e3),
-        &format!("the proxies' receipts {}, {:.1} ms", resumed.ms(), resumed.max / 1e3),
+    add_sent_row(
+        table,
+        ", from its SIGCONT",
         "right after it resumes: every one ≤ 100 ms, by the agent's send times",
-        sent_met(&sent, stalled.unsent, stalled.ends),
+        &sent,
+        &resumed,
+        &stalled,
     );
     table.add(
         "[5] … the same with Jobs shorter than the stall (started and ended while the agent was stopped): lost",
@@ -148,16 +160,7 @@ pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
         "0",
         met(short.lost == 0 && short.ends >= plan.stall_ends).into(),
     );
-    table.add(
-        &format!(
-            "[5] … their quits after the agent resumed: the agent's writes (median / p99, max; n={})",
-            short_sent.n
-        ),
-        format!("{}, {:.1} ms", short_sent.ms(), short_sent.max / 1e3),
-        &format!("the proxies' receipts {}, {:.1} ms", short_resumed.ms(), short_resumed.max / 1e3),
-        "every one ≤ 100 ms, by the agent's send times",
-        sent_met(&short_sent, short.unsent, short.ends),
-    );
+    add_sent_row(table, "", "every one ≤ 100 ms, by the agent's send times", &short_sent, &short_resumed, &short);
     table.add(
         &format!("[5] container ends lost, {jobs} Jobs in the storm"),
         format!("{ends_lost} of {jobs}"),
