@@ -265,10 +265,13 @@ pub enum SkipReason {
     NoApps,
     /// The pod is being deleted: the kubelet stops every container anyway.
     Deleting,
+    /// An app's `restartPolicyRules` name an operator or action valet does not know (a newer
+    /// API's): the exits such a rule could decide are left to the kubelet (no quit after them).
+    UnknownRestartRule,
 }
 
 impl SkipReason {
-    pub const ALL: [SkipReason; 7] = [
+    pub const ALL: [SkipReason; 8] = [
         SkipReason::BadAnnotation,
         SkipReason::HostNetwork,
         SkipReason::RestartAlways,
@@ -276,6 +279,7 @@ impl SkipReason {
         SkipReason::NoSidecars,
         SkipReason::NoApps,
         SkipReason::Deleting,
+        SkipReason::UnknownRestartRule,
     ];
 
     /// The metric label and log word.
@@ -288,6 +292,7 @@ impl SkipReason {
             SkipReason::NoSidecars => "no_sidecars",
             SkipReason::NoApps => "no_apps",
             SkipReason::Deleting => "deleting",
+            SkipReason::UnknownRestartRule => "unknown_restart_rule",
         }
     }
 }

@@ -309,6 +309,9 @@ pub fn start<L: SidecarLink>(
         let mut standby_at: Option<tokio::time::Instant> = None;
         // The prober ended and gave the pod back: this loop probes it from now on.
         let mut own = false;
+        // The pace of the last turn: a pod that turns held reports its next answer whatever the
+        // last one was (the app just stopped waits for an answer that came after it).
+        let mut was = pace;
         // A connection to each quit endpoint, opened ahead (see `SidecarLink::standby`).
         let standby = || {
             for endpoint in sidecars.iter().filter_map(|sc| sc.quit.as_ref()) {
@@ -316,6 +319,11 @@ pub fn start<L: SidecarLink>(
             }
         };
         loop {
+            let now_pace = *rx.borrow();
+            if now_pace == Pace::Urgent && was != Pace::Urgent {
+                last = None;
+            }
+            was = now_pace;
             // Held, with the prober: it probes the pod until the pace changes.
             if *rx.borrow() == Pace::Urgent
                 && !own

@@ -11,7 +11,8 @@ use chrono::{DateTime, Utc};
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 
 use crate::api::watch::opted_in;
-use crate::pod::spec::{self, Endpoint, RestartPolicy, SidecarDefaults, SpecError};
+use crate::pod::decide::ExitOutcome;
+use crate::pod::spec::{self, Endpoint, SidecarDefaults, SpecError};
 use crate::vocab::{Sidecar, SidecarKind};
 
 /// What owns the pod, as the `owner_kind` label says it: bounded to three values.
@@ -197,7 +198,7 @@ pub fn look(pod: &Pod, defaults: &SidecarDefaults) -> Result<Option<Look>, SpecE
         return Ok(None);
     }
     let native: Vec<&str> = if known_native { native.into_iter().collect() } else { Vec::new() };
-    let runs_to_completion = plan.restart_policy != RestartPolicy::Always;
+    let runs_to_completion = !plan.apps_never_end();
     let mut apps_ended = (runs_to_completion && !plan.apps.is_empty()).then_some(DateTime::<Utc>::MIN_UTC);
     let (mut apps_started, mut apps_running, mut apps_first_started) = (BTreeSet::new(), BTreeSet::new(), None);
     for app in &plan.apps {
@@ -215,7 +216,7 @@ pub fn look(pod: &Pod, defaults: &SidecarDefaults) -> Result<Option<Look>, SpecE
             apps_first_started = Some(apps_first_started.map_or(at, |first: DateTime<Utc>| first.min(at)));
         }
         let code = state.and_then(|st| st.terminated.as_ref()).map(|t| t.exit_code);
-        let for_good = plan.restart_policy == RestartPolicy::Never || code == Some(0);
+        let for_good = code.is_some_and(|c| plan.after_exit(app, ExitOutcome::Code(c)).stays());
         apps_ended = match (apps_ended, s.and_then(finished)) {
             (Some(latest), Some(end)) if for_good => Some(latest.max(end)),
             _ => None,

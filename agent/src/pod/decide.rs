@@ -2,28 +2,15 @@
 //! quit the sidecars now, keep waiting, or leave the pod alone?
 //!
 //! Kubernetes facts behind the rules: a Job pod succeeds only once every container has exited 0;
-//! with `restartPolicy: Never` an exited app stays exited, with `OnFailure` the kubelet restarts
-//! an app that failed in place (so its sidecar is still needed), with `Always` nothing finishes.
+//! an app the kubelet restarts after its exit (`OnFailure` after a failure, a container's own
+//! `restartPolicy` or `restartPolicyRules`: [`super::restart`]) still needs its sidecar; with
+//! `Always` nothing finishes. A classic sidecar the kubelet would restart after a quit is not quit.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::spec::{PodPlan, RestartPolicy};
-
-/// How a container's main process ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ExitOutcome {
-    /// Exited with this status (the API's `exitCode`; 137 there usually means SIGKILL).
-    Code(i32),
-    /// Killed by this signal (seen by the kernel path before the runtime turns it into 128+n).
-    Signal(i32),
-}
-
-impl ExitOutcome {
-    /// Only a clean `exit(0)` counts as success.
-    pub fn success(&self) -> bool {
-        matches!(self, ExitOutcome::Code(0))
-    }
-}
+use super::restart::AfterExit;
+pub use super::restart::ExitOutcome;
+use super::spec::PodPlan;
 
 /// What is known of an app container.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -51,6 +38,12 @@ pub struct Observed {
     pub sidecars: BTreeMap<String, SidecarState>,
     /// Sidecars that already accepted a quit.
     pub quits_done: BTreeSet<String>,
+    /// Apps whose current instance's end the API reports: the kubelet has seen it (the runtime
+    /// recorded it, and every later look of the kubelet's sees the app exited).
+    pub recorded: BTreeSet<String>,
+    /// Every native sidecar of the pod (valet's or not), by name; a missing one counts as
+    /// `Unknown`.
+    pub natives: BTreeMap<String, SidecarState>,
 }
 
 /// Why valet does nothing for a pod, ever (until its plan changes).
@@ -58,7 +51,8 @@ pub struct Observed {
 pub enum IgnoreReason {
     /// The pod is being deleted: the kubelet is stopping every container anyway.
     Deleting,
-    /// `restartPolicy: Always`: the containers never finish.
+    /// `restartPolicy: Always` (the pod's, or every app's own): the apps never finish; or every
+    /// sidecar valet could quit would be restarted by the kubelet after its quit.
     RestartAlways,
     /// The only sidecars are native ones (init containers with `restartPolicy: Always`) that
     /// valet does not quit (neither a default name nor listed in `valet.dev/sidecars`): the
@@ -75,9 +69,18 @@ pub enum IgnoreReason {
 pub enum WaitReason {
     /// These apps (spec order) have not exited yet, or nothing is known of them.
     AppsRunning(Vec<String>),
-    /// `restartPolicy: OnFailure` and these apps (spec order) failed: the kubelet restarts them
-    /// in place, and they will need the proxy again.
-    AppFailedWillRestart(Vec<String>),
+    /// These apps (spec order) ended in a way the kubelet answers with a restart in place (of
+    /// the app, or of every container of the pod): they will need the proxy again.
+    AppWillRestart(Vec<String>),
+    /// These apps (spec order) ended in a way only the kubelet can judge: a restart rule valet
+    /// does not know matches it, or its exit code, which decides, is not known yet.
+    AppEndUnsure(Vec<String>),
+    /// These native sidecars (spec order) wait for the kubelet to report these apps' ends: a
+    /// native sidecar that exits while the kubelet still sees an app running is restarted.
+    KubeletBehind { sidecars: Vec<String>, apps: Vec<String> },
+    /// These native sidecars (spec order) wait for their turn: the kubelet stops native sidecars
+    /// last first, each once every native sidecar declared after it has exited.
+    SidecarsAfter(Vec<String>),
 }
 
 /// What to do for a pod now.
@@ -98,37 +101,79 @@ pub fn decide(plan: &PodPlan, observed: &Observed) -> Decision {
     }
     let state = |app: &String| observed.apps.get(app).copied().unwrap_or(AppState::Waiting);
 
-    let failed: Vec<String> = plan
-        .apps
-        .iter()
-        .filter(|app| matches!(state(app), AppState::Exited(outcome) if !outcome.success()))
-        .cloned()
-        .collect();
-    // A failure is reported first under OnFailure: it explains the wait even when other apps run.
-    if plan.restart_policy == RestartPolicy::OnFailure && !failed.is_empty() {
-        return Decision::Wait(WaitReason::AppFailedWillRestart(failed));
+    let (mut restarting, mut unsure, mut unfinished) = (Vec::new(), Vec::new(), Vec::new());
+    for app in &plan.apps {
+        match state(app) {
+            AppState::Exited(outcome) => match plan.after_exit(app, outcome) {
+                AfterExit::Stays => {}
+                AfterExit::Restart | AfterExit::RestartAll => restarting.push(app.clone()),
+                AfterExit::Unsure(_) => unsure.push(app.clone()),
+            },
+            AppState::Waiting | AppState::Running => unfinished.push(app.clone()),
+        }
     }
-    let unfinished: Vec<String> =
-        plan.apps.iter().filter(|app| !matches!(state(app), AppState::Exited(_))).cloned().collect();
+    // A restart is reported first: it explains the wait even when other apps run.
+    if !restarting.is_empty() {
+        return Decision::Wait(WaitReason::AppWillRestart(restarting));
+    }
+    if !unsure.is_empty() {
+        return Decision::Wait(WaitReason::AppEndUnsure(unsure));
+    }
     if !unfinished.is_empty() {
         return Decision::Wait(WaitReason::AppsRunning(unfinished));
     }
 
-    let to_quit: Vec<String> = plan
-        .sidecars
+    // Apps whose end the kubelet has not reported: a native sidecar quit now could exit while a
+    // look of the kubelet's still shows the app running, and be restarted. Regular sidecars are
+    // never restarted once their app's end is final (the kernel's word is enough for them).
+    let unrecorded: Vec<String> = plan.apps.iter().filter(|a| !observed.recorded.contains(*a)).cloned().collect();
+    let (mut to_quit, mut behind, mut turn) = (Vec::new(), Vec::new(), Vec::new());
+    for name in quittable(plan) {
+        if observed.quits_done.contains(name) || observed.sidecars.get(name) == Some(&SidecarState::Exited) {
+            continue;
+        }
+        if let Some(i) = plan.native_sidecars.iter().position(|n| n == name) {
+            if !unrecorded.is_empty() {
+                behind.push(name.clone());
+                continue;
+            }
+            // Last first: each once every native sidecar declared after it has exited (a quit
+            // accepted is not enough: the kubelet waits for the exit). One that never exits is
+            // stopped by the kubelet at the end of its wait, and then this one's turn comes.
+            let later_running =
+                plan.native_sidecars[i + 1..].iter().any(|n| observed.natives.get(n) != Some(&SidecarState::Exited));
+            if later_running {
+                turn.push(name.clone());
+                continue;
+            }
+        }
+        to_quit.push(name.clone());
+    }
+    if !to_quit.is_empty() {
+        Decision::Quit(to_quit)
+    } else if !behind.is_empty() {
+        Decision::Wait(WaitReason::KubeletBehind { sidecars: behind, apps: unrecorded })
+    } else if !turn.is_empty() {
+        Decision::Wait(WaitReason::SidecarsAfter(turn))
+    } else {
+        Decision::Done
+    }
+}
+
+/// The sidecars a quit would end for good (spec order): native ones (the kubelet restarts none
+/// once the apps are done), and regular ones whose clean exit the kubelet does not answer with a
+/// restart.
+fn quittable(plan: &PodPlan) -> impl Iterator<Item = &String> {
+    plan.sidecars
         .iter()
         .map(|s| &s.name)
-        .filter(|name| !observed.quits_done.contains(*name))
-        .filter(|name| observed.sidecars.get(*name) != Some(&SidecarState::Exited))
-        .cloned()
-        .collect();
-    if to_quit.is_empty() { Decision::Done } else { Decision::Quit(to_quit) }
+        .filter(|name| plan.native_sidecars.contains(*name) || plan.after_exit(name, ExitOutcome::Code(0)).stays())
 }
 
 fn ignore_reason(plan: &PodPlan) -> Option<IgnoreReason> {
     if plan.deleting {
         Some(IgnoreReason::Deleting)
-    } else if plan.restart_policy == RestartPolicy::Always {
+    } else if plan.apps_never_end() || (!plan.sidecars.is_empty() && quittable(plan).next().is_none()) {
         Some(IgnoreReason::RestartAlways)
     } else if plan.sidecars.is_empty() && !plan.native_sidecars.is_empty() {
         // Native sidecars valet does not quit are ended by the kubelet, seconds later.
@@ -146,7 +191,7 @@ fn ignore_reason(plan: &PodPlan) -> Option<IgnoreReason> {
 mod tests {
     use super::*;
     use crate::pod::fixtures;
-    use crate::pod::spec::{self, DEFAULT_HOLD_TIMEOUT, Sidecar, SidecarDefaults, SidecarKind};
+    use crate::pod::spec::{self, DEFAULT_HOLD_TIMEOUT, RestartPolicy, Sidecar, SidecarDefaults, SidecarKind};
 
     const OUTCOMES: [ExitOutcome; 5] = [
         ExitOutcome::Code(0),
@@ -168,6 +213,7 @@ mod tests {
             namespace: "ns".into(),
             name: "pod".into(),
             restart_policy: policy,
+            own_restarts: BTreeMap::new(),
             apps: names(apps),
             sidecars: sidecars
                 .iter()
@@ -181,6 +227,7 @@ mod tests {
                 .collect(),
             init_containers: Vec::new(),
             native_sidecars: Vec::new(),
+            native_startup_probed: BTreeSet::new(),
             hold_app: false,
             hold_timeout: DEFAULT_HOLD_TIMEOUT,
             istio_holds_app: false,
@@ -191,11 +238,20 @@ mod tests {
         }
     }
 
+    /// What is seen, every app's end as the API reports it too (the kubelet has seen it), and
+    /// each sidecar also as a native one.
     fn observed(apps: &[(&str, AppState)], sidecars: &[(&str, SidecarState)], quits_done: &[&str]) -> Observed {
+        let sidecars: BTreeMap<String, SidecarState> = sidecars.iter().map(|(n, s)| ((*n).to_owned(), *s)).collect();
         Observed {
             apps: apps.iter().map(|(n, s)| ((*n).to_owned(), *s)).collect(),
-            sidecars: sidecars.iter().map(|(n, s)| ((*n).to_owned(), *s)).collect(),
+            natives: sidecars.clone(),
+            sidecars,
             quits_done: quits_done.iter().map(|n| (*n).to_owned()).collect(),
+            recorded: apps
+                .iter()
+                .filter(|(_, s)| matches!(s, AppState::Exited(_)))
+                .map(|(n, _)| (*n).to_owned())
+                .collect(),
         }
     }
 
@@ -208,7 +264,7 @@ mod tests {
     }
 
     fn failed(list: &[&str]) -> Decision {
-        Decision::Wait(WaitReason::AppFailedWillRestart(names(list)))
+        Decision::Wait(WaitReason::AppWillRestart(names(list)))
     }
 
     /// What the rules say once every app has exited with `outcome`.
@@ -462,5 +518,181 @@ mod tests {
 
         let overridden = plan_of(fixtures::override_job());
         assert_eq!(decide(&overridden, &Observed::default()), Decision::Ignore(IgnoreReason::RestartAlways));
+    }
+
+    /// A pod as the API serves it: `restartPolicy: Never`, an app with the given container
+    /// fields, and an Istio proxy.
+    fn rules_plan(app: serde_json::Value) -> PodPlan {
+        let mut c = serde_json::json!({"name": "app", "image": "busybox"});
+        c.as_object_mut().expect("object").extend(app.as_object().expect("object").clone());
+        let pod = fixtures::pod(serde_json::json!({
+            "restartPolicy": "Never",
+            "containers": [c, {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.26.0"}],
+        }));
+        spec::plan(&pod, &SidecarDefaults::default()).expect("plan")
+    }
+
+    fn app_ended(outcome: ExitOutcome) -> Observed {
+        observed(&[("app", AppState::Exited(outcome))], &[("istio-proxy", SidecarState::Running)], &[])
+    }
+
+    #[test]
+    fn an_exit_the_apps_rule_restarts_keeps_the_proxy() {
+        let p = rules_plan(serde_json::json!({"restartPolicy": "Never", "restartPolicyRules": [
+            {"action": "Restart", "exitCodes": {"operator": "In", "values": [42]}}]}));
+        assert_eq!(
+            decide(&p, &app_ended(ExitOutcome::Code(42))),
+            Decision::Wait(WaitReason::AppWillRestart(names(&["app"])))
+        );
+        for outcome in [ExitOutcome::Code(0), ExitOutcome::Code(1), ExitOutcome::Signal(9), ExitOutcome::Code(137)] {
+            assert_eq!(decide(&p, &app_ended(outcome)), quit(&["istio-proxy"]), "{outcome:?}");
+        }
+        // A signal is 128 + n to the kubelet's rules.
+        let p = rules_plan(serde_json::json!({"restartPolicy": "Never", "restartPolicyRules": [
+            {"action": "Restart", "exitCodes": {"operator": "In", "values": [137]}}]}));
+        assert_eq!(
+            decide(&p, &app_ended(ExitOutcome::Signal(9))),
+            Decision::Wait(WaitReason::AppWillRestart(names(&["app"])))
+        );
+        // An end whose code is not known yet cannot be judged against a rule.
+        assert_eq!(
+            decide(&p, &app_ended(ExitOutcome::Unknown)),
+            Decision::Wait(WaitReason::AppEndUnsure(names(&["app"])))
+        );
+    }
+
+    #[test]
+    fn the_apps_own_on_failure_overrides_the_pods_never() {
+        let p = rules_plan(serde_json::json!({"restartPolicy": "OnFailure"}));
+        assert_eq!(decide(&p, &app_ended(ExitOutcome::Code(1))), failed(&["app"]));
+        assert_eq!(decide(&p, &app_ended(ExitOutcome::Signal(15))), failed(&["app"]));
+        assert_eq!(decide(&p, &app_ended(ExitOutcome::Code(0))), quit(&["istio-proxy"]));
+    }
+
+    #[test]
+    fn restart_all_containers_keeps_the_proxy() {
+        let p = rules_plan(serde_json::json!({"restartPolicy": "Never", "restartPolicyRules": [
+            {"action": "RestartAllContainers", "exitCodes": {"operator": "NotIn", "values": [0]}}]}));
+        assert_eq!(decide(&p, &app_ended(ExitOutcome::Code(3))), failed(&["app"]));
+        assert_eq!(decide(&p, &app_ended(ExitOutcome::Code(0))), quit(&["istio-proxy"]));
+    }
+
+    #[test]
+    fn an_unknown_action_leaves_the_exits_it_matches_to_the_kubelet() {
+        let p = rules_plan(serde_json::json!({"restartPolicy": "Never", "restartPolicyRules": [
+            {"action": "RestartSandbox", "exitCodes": {"operator": "In", "values": [7]}}]}));
+        assert_eq!(
+            decide(&p, &app_ended(ExitOutcome::Code(7))),
+            Decision::Wait(WaitReason::AppEndUnsure(names(&["app"])))
+        );
+        assert_eq!(decide(&p, &app_ended(ExitOutcome::Code(0))), quit(&["istio-proxy"]));
+        assert_eq!(
+            p.unknown_restart_rules(),
+            vec!["container \"app\" restartPolicyRules[0].action \"RestartSandbox\"".to_owned()]
+        );
+    }
+
+    #[test]
+    fn an_app_that_always_restarts_never_finishes_and_a_sidecar_that_would_is_not_quit() {
+        let p = rules_plan(serde_json::json!({"restartPolicy": "Always"}));
+        assert_eq!(decide(&p, &app_ended(ExitOutcome::Code(0))), Decision::Ignore(IgnoreReason::RestartAlways));
+        // A pod-level Always, an app that ends for good: the proxy (the pod's Always) would be
+        // restarted after its quit, so it is not quit.
+        let pod = fixtures::pod(serde_json::json!({
+            "restartPolicy": "Always",
+            "containers": [{"name": "app", "image": "busybox", "restartPolicy": "Never"},
+                           {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.26.0"}],
+        }));
+        let p = spec::plan(&pod, &SidecarDefaults::default()).expect("plan");
+        assert_eq!(decide(&p, &app_ended(ExitOutcome::Code(0))), Decision::Ignore(IgnoreReason::RestartAlways));
+        // ... unless the proxy's own policy lets it end.
+        let pod = fixtures::pod(serde_json::json!({
+            "restartPolicy": "Always",
+            "containers": [{"name": "app", "image": "busybox", "restartPolicy": "Never"},
+                           {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.26.0", "restartPolicy": "OnFailure"}],
+        }));
+        let p = spec::plan(&pod, &SidecarDefaults::default()).expect("plan");
+        assert_eq!(decide(&p, &app_ended(ExitOutcome::Code(0))), quit(&["istio-proxy"]));
+    }
+
+    /// Istio's native proxy beside a log shipper declared after it, both native sidecars valet
+    /// quits.
+    fn two_natives() -> PodPlan {
+        let pod = fixtures::pod(serde_json::json!({
+            "restartPolicy": "Never",
+            "initContainers": [
+                {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.27.0", "restartPolicy": "Always"},
+                {"name": "logs", "image": "fluent/fluent-bit:3.0", "restartPolicy": "Always"},
+            ],
+            "containers": [{"name": "app", "image": "busybox"}],
+        }));
+        let pod = fixtures::with_annotations(
+            pod,
+            &[(spec::SIDECARS, "istio-proxy,logs"), ("valet.dev/sidecar-kind.logs", "signal")],
+        );
+        spec::plan(&pod, &SidecarDefaults::default()).expect("plan")
+    }
+
+    #[test]
+    fn a_native_sidecar_waits_for_the_kubelet_to_report_the_apps_end() {
+        let p = plan_of_native();
+        let mut o = observed(
+            &[("train", AppState::Exited(ExitOutcome::Code(0)))],
+            &[("istio-proxy", SidecarState::Running)],
+            &[],
+        );
+        o.recorded.clear();
+        assert_eq!(
+            decide(&p, &o),
+            Decision::Wait(WaitReason::KubeletBehind { sidecars: names(&["istio-proxy"]), apps: names(&["train"]) })
+        );
+        o.recorded.insert("train".into());
+        assert_eq!(decide(&p, &o), quit(&["istio-proxy"]));
+    }
+
+    fn plan_of_native() -> PodPlan {
+        spec::plan(&fixtures::native_sidecar_job(), &SidecarDefaults::default()).expect("plan")
+    }
+
+    #[test]
+    fn a_regular_sidecar_is_quit_at_the_kernels_word() {
+        let p = plan(RestartPolicy::Never, &["app"], &["istio-proxy"]);
+        let mut o = app_ended(ExitOutcome::Code(0));
+        o.recorded.clear();
+        o.natives.clear();
+        assert_eq!(decide(&p, &o), quit(&["istio-proxy"]));
+    }
+
+    #[test]
+    fn native_sidecars_are_quit_last_first() {
+        let p = two_natives();
+        let ended = AppState::Exited(ExitOutcome::Code(0));
+        let both_running = observed(
+            &[("app", ended)],
+            &[("istio-proxy", SidecarState::Running), ("logs", SidecarState::Running)],
+            &[],
+        );
+        assert_eq!(decide(&p, &both_running), quit(&["logs"]));
+        // Accepted is not exited: istio-proxy still waits.
+        let logs_quit = observed(
+            &[("app", ended)],
+            &[("istio-proxy", SidecarState::Running), ("logs", SidecarState::Running)],
+            &["logs"],
+        );
+        assert_eq!(decide(&p, &logs_quit), Decision::Wait(WaitReason::SidecarsAfter(names(&["istio-proxy"]))));
+        let logs_gone = observed(
+            &[("app", ended)],
+            &[("istio-proxy", SidecarState::Running), ("logs", SidecarState::Exited)],
+            &["logs"],
+        );
+        assert_eq!(decide(&p, &logs_gone), quit(&["istio-proxy"]));
+        // A later native sidecar valet does not quit: its exit (the kubelet's doing) opens the turn.
+        let mut only_istio = p.clone();
+        only_istio.sidecars.retain(|s| s.name == "istio-proxy");
+        assert_eq!(
+            decide(&only_istio, &both_running),
+            Decision::Wait(WaitReason::SidecarsAfter(names(&["istio-proxy"])))
+        );
+        assert_eq!(decide(&only_istio, &logs_gone), quit(&["istio-proxy"]));
     }
 }

@@ -2,6 +2,7 @@
 //! (`status`), what to do given what has been observed (`decide`), and the per-pod state machine
 //! that holds it all (`state`). No I/O here.
 pub mod decide;
+pub mod restart;
 pub mod spec;
 pub mod state;
 pub mod status;

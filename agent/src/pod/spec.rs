@@ -7,6 +7,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+pub use super::restart::RestartPolicy;
+use super::restart::{self, AfterExit, ContainerRestart, ExitOutcome};
 pub use crate::vocab::{Endpoint, Sidecar, SidecarKind, UnknownKind};
 use k8s_openapi::api::core::v1::{Container, Pod};
 
@@ -41,22 +43,17 @@ const MAX_HOLD_TIMEOUT: Duration = Duration::from_secs(3600);
 /// Annotation values are quoted in errors (and so in Events): keep them short.
 const MAX_SHOWN_VALUE: usize = 80;
 
-/// The pod's `spec.restartPolicy`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum RestartPolicy {
-    Never,
-    OnFailure,
-    /// Also when the field is absent, as in Kubernetes.
-    Always,
-}
-
 /// What valet needs to know about a pod, as plain data.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodPlan {
     pub uid: String,
     pub namespace: String,
     pub name: String,
+    /// The pod's `spec.restartPolicy`.
     pub restart_policy: RestartPolicy,
+    /// The regular containers (apps and sidecars) that have a `restartPolicy` of their own
+    /// (KEP-5307), with their `restartPolicyRules`: those override the pod's.
+    pub own_restarts: BTreeMap<String, ContainerRestart>,
     /// `spec.containers` in order, minus the sidecars.
     pub apps: Vec<String>,
     /// The sidecars valet quits: native ones (`spec.initContainers` with `restartPolicy:
@@ -69,6 +66,9 @@ pub struct PodPlan {
     /// Init containers with `restartPolicy: Always` (KEP-753), valet's sidecars or not: the
     /// kubelet restarts them while an app runs and stops them once every app has ended.
     pub native_sidecars: Vec<String>,
+    /// The native sidecars with a `startupProbe`: the kubelet starts the containers after one only
+    /// once its probe passed (without one, as soon as it started).
+    pub native_startup_probed: BTreeSet<String>,
     /// `valet.dev/hold-app: "true"`.
     pub hold_app: bool,
     pub hold_timeout: Duration,
@@ -233,16 +233,20 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
         return Err(SpecError::InvalidPod { field: "spec", why: "missing".into() });
     };
     let restart_policy = match spec.restart_policy.as_deref() {
-        None | Some("Always") => RestartPolicy::Always,
-        Some("OnFailure") => RestartPolicy::OnFailure,
-        Some("Never") => RestartPolicy::Never,
-        Some(other) => {
-            return Err(SpecError::InvalidPod {
-                field: "spec.restartPolicy",
-                why: format!("unknown value {:?}", shown(other)),
-            });
-        }
+        None => RestartPolicy::Always,
+        Some(text) => RestartPolicy::parse(text).ok_or_else(|| SpecError::InvalidPod {
+            field: "spec.restartPolicy",
+            why: format!("unknown value {:?}", shown(text)),
+        })?,
     };
+    let mut own_restarts = BTreeMap::new();
+    for c in &spec.containers {
+        let own = restart::container_restart(c)
+            .map_err(|why| SpecError::InvalidPod { field: "spec.containers[].restartPolicy", why })?;
+        if let Some(own) = own {
+            own_restarts.insert(c.name.clone(), own);
+        }
+    }
     let init = spec.init_containers.as_deref().unwrap_or_default();
     let empty = BTreeMap::new();
     let annotations = meta.annotations.as_ref().unwrap_or(&empty);
@@ -303,10 +307,16 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
         namespace,
         name,
         restart_policy,
+        own_restarts,
         apps,
         sidecars,
         init_containers: init.iter().map(|c| c.name.clone()).collect(),
         native_sidecars: init.iter().filter(|c| is_native(c)).map(|c| c.name.clone()).collect(),
+        native_startup_probed: init
+            .iter()
+            .filter(|c| is_native(c) && c.startup_probe.is_some())
+            .map(|c| c.name.clone())
+            .collect(),
         hold_app,
         hold_timeout,
         istio_holds_app,
@@ -315,6 +325,39 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
         host_pid: spec.host_pid.unwrap_or(false),
         runtime_class: spec.runtime_class_name.clone().filter(|c| !c.is_empty()),
     })
+}
+
+impl PodPlan {
+    /// What the kubelet does once the regular container `name` ended as `outcome`: its own
+    /// restart settings, else the pod's ([`restart::after_exit`]).
+    pub fn after_exit(&self, name: &str, outcome: ExitOutcome) -> AfterExit {
+        restart::after_exit(self.restart_policy, self.own_restarts.get(name), outcome.code())
+    }
+
+    /// Whether the apps never end for good: each is restarted whatever its exit (with no app,
+    /// the pod's `Always`).
+    pub fn apps_never_end(&self) -> bool {
+        if self.apps.is_empty() {
+            return self.restart_policy == RestartPolicy::Always;
+        }
+        self.apps.iter().all(|a| restart::always_restarts(self.restart_policy, self.own_restarts.get(a)))
+    }
+
+    /// Whether the app's ends are all alike past a clean exit: every other code and signal has
+    /// the same outcome (no `restartPolicyRules` that single some out).
+    pub fn failures_alike(&self, app: &str) -> bool {
+        self.own_restarts.get(app).is_none_or(|o| o.rules.is_empty())
+    }
+
+    /// The parts of the apps' restart rules valet does not know (a newer API's), each named with
+    /// its container: the kubelet decides the exits they match, not valet.
+    pub fn unknown_restart_rules(&self) -> Vec<String> {
+        self.apps
+            .iter()
+            .filter_map(|a| Some((a, self.own_restarts.get(a)?)))
+            .flat_map(|(a, own)| restart::unknown_parts(own).into_iter().map(move |p| format!("container {a:?} {p}")))
+            .collect()
+    }
 }
 
 /// A native sidecar (KEP-753): an init container with `restartPolicy: Always`.

@@ -200,14 +200,28 @@ impl PodState {
         for name in &plan.apps {
             observed.apps.insert(name.clone(), self.app_state_assuming(name, assumed));
         }
+        let sidecar_state = |name: &str| match self.app_state_assuming(name, assumed) {
+            AppState::Exited(_) => SidecarState::Exited,
+            AppState::Running => SidecarState::Running,
+            AppState::Waiting => SidecarState::Unknown,
+        };
         for sidecar in &plan.sidecars {
-            let state = match self.app_state_assuming(&sidecar.name, assumed) {
-                AppState::Exited(_) => SidecarState::Exited,
-                AppState::Running => SidecarState::Running,
-                AppState::Waiting => SidecarState::Unknown,
-            };
-            observed.sidecars.insert(sidecar.name.clone(), state);
+            observed.sidecars.insert(sidecar.name.clone(), sidecar_state(&sidecar.name));
         }
+        for name in &plan.native_sidecars {
+            observed.natives.insert(name.clone(), sidecar_state(name));
+        }
+        observed.recorded = plan
+            .apps
+            .iter()
+            .filter(|a| {
+                self.current(a)
+                    .and_then(|i| i.api)
+                    .and_then(|s| s.state.as_ref())
+                    .is_some_and(|st| st.terminated.is_some())
+            })
+            .cloned()
+            .collect();
         observed.quits_done = self
             .quits
             .iter()
@@ -353,6 +367,6 @@ pub(super) fn outcome(end: Option<ProcessEnd>) -> ExitOutcome {
         Some(ProcessEnd::Exited(code)) => ExitOutcome::Code(code),
         Some(ProcessEnd::Signaled { signal, .. }) => ExitOutcome::Signal(signal),
         // Unreadable exit code: never claim success (the API's code replaces it).
-        None => ExitOutcome::Code(255),
+        None => ExitOutcome::Unknown,
     }
 }

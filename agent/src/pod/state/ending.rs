@@ -109,7 +109,10 @@ impl PodState {
                 _ => Vec::new(),
             }
         };
-        let (on_success, on_failure) = (quits(ExitOutcome::Code(0)), quits(ExitOutcome::Code(1)));
+        let on_success = quits(ExitOutcome::Code(0));
+        // Failures armed only when every one of them calls for the same quits (no restart rule
+        // singles out a code): the reader tells a clean exit from the rest, nothing finer.
+        let on_failure = if plan.failures_alike(app) { quits(ExitOutcome::Code(1)) } else { Vec::new() };
         if on_success.is_empty() && on_failure.is_empty() {
             return None;
         }
@@ -184,15 +187,17 @@ impl PodState {
                     ),
                 }];
             }
-            // A helper without a quit endpoint: its signal is the quit.
-            (None, signal) => (
-                QuitState::Escalated,
-                self.container_rel(name).map(|container_rel| Effect::Signal {
-                    sidecar: name.to_owned(),
-                    container_rel,
-                    signal,
-                }),
-            ),
+            // A helper without a quit endpoint: its signal is the quit, sent once its cgroup is
+            // known (decided again on the step the node's containers come in).
+            (None, signal) => match self.container_rel(name) {
+                Some(container_rel) => {
+                    (QuitState::Escalated, Some(Effect::Signal { sidecar: name.to_owned(), container_rel, signal }))
+                }
+                None => {
+                    debug!(pod = %self.name(), sidecar = name, "signal quit waits for the container's cgroup");
+                    return Vec::new();
+                }
+            },
         };
         self.quits.insert(name.to_owned(), Quit { instance, state, failures });
         effect.into_iter().collect()

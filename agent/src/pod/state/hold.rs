@@ -48,8 +48,10 @@ impl PodState {
         if self.held_now().iter().any(|h| h.tgid == held.tgid) {
             return Vec::new();
         }
-        // An app process the kernel stopped: counted even when it runs again at once.
-        if self.ready == Some(true) {
+        // An app process the kernel stopped: counted even when it runs again at once. Released
+        // at once only on a ready answer that came after it was stopped: a restarted app's proxy
+        // may have been restarted too, and an older answer was the old proxy's.
+        if self.ready == Some(true) && self.ready_at.is_some_and(|at| at >= held.ktime) {
             return vec![Effect::Count(Count::Hold), release("ready")];
         }
         if self.failed_open {
@@ -92,10 +94,11 @@ impl PodState {
                 (Some(p), Role::Unnamed) => self.may_be_app(p),
             };
             let working = matches!(self.phase, Phase::Working { .. });
-            if !app || self.stopping || !working || self.ready == Some(true) {
+            let ready = self.ready == Some(true) && self.ready_at.is_some_and(|at| at >= f.since);
+            if !app || self.stopping || !working || ready {
                 let reason = if self.stopping {
                     "shutdown"
-                } else if app && self.ready == Some(true) {
+                } else if app && ready {
                     "ready"
                 } else {
                     "not_app"
@@ -215,10 +218,53 @@ pub fn wants_hold(plan: &PodPlan) -> bool {
 /// Whether the pod asks valet to hold its apps until the proxy is ready, and the hold would mean
 /// something (a proxy with a readiness endpoint, apps, no other hold).
 pub fn asks_hold(plan: &PodPlan) -> bool {
-    plan.hold_app
-        && !plan.istio_holds_app
-        && plan.native_sidecars.is_empty()
-        && plan.sidecars.iter().any(|s| s.ready.is_some())
-        && !plan.apps.is_empty()
-        && !plan.deleting
+    plan.hold_app && !plan.deleting && hold_needless(plan).is_none()
+}
+
+/// Why a hold would mean nothing for this pod, if it would not: another hold starts the app after
+/// the proxy, or there is no proxy to wait for or no app to hold. A native proxy holds the apps
+/// only with a startupProbe (the kubelet starts the containers after it once the probe passed,
+/// else as soon as it started); a regular proxy beside native helpers holds nothing.
+pub fn hold_needless(plan: &PodPlan) -> Option<HoldNeedless> {
+    let probed = || plan.sidecars.iter().filter(|s| s.ready.is_some());
+    if plan.istio_holds_app {
+        Some(HoldNeedless::IstioHolds)
+    } else if plan.apps.is_empty() {
+        Some(HoldNeedless::NoApps)
+    } else if probed().next().is_none() {
+        Some(HoldNeedless::NoReadiness)
+    } else if probed().all(|s| plan.native_startup_probed.contains(&s.name)) {
+        Some(HoldNeedless::StartupProbe)
+    } else {
+        None
+    }
+}
+
+/// Why a hold asked for is not made ([`hold_needless`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HoldNeedless {
+    IstioHolds,
+    NoApps,
+    NoReadiness,
+    StartupProbe,
+}
+
+impl HoldNeedless {
+    /// Whether the pod loses something it asked for (else another part of it holds the app).
+    pub fn is_loss(self) -> bool {
+        matches!(self, HoldNeedless::NoReadiness)
+    }
+
+    pub fn explain(self) -> &'static str {
+        match self {
+            HoldNeedless::IstioHolds => {
+                "Istio already holds the app until its proxy starts (holdApplicationUntilProxyStarts)"
+            }
+            HoldNeedless::NoApps => "the pod has no app container to hold",
+            HoldNeedless::NoReadiness => "none of its sidecars has a readiness endpoint valet can probe",
+            HoldNeedless::StartupProbe => {
+                "its proxy is a native sidecar with a startupProbe: the kubelet starts the app only once that probe passed"
+            }
+        }
+    }
 }

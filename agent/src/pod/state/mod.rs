@@ -248,6 +248,9 @@ pub struct PodState {
     api_path: Option<ApiPath>,
     /// That was counted (and published).
     api_path_told: bool,
+    /// What was said once for the pod's plan (the Events' reasons): restart rules valet does not
+    /// know, a hold asked for and not made.
+    announced: std::collections::BTreeSet<&'static str>,
     /// Why the pod is ignored, once counted.
     ignored: Option<SkipReason>,
     pod_cgroup: Option<(String, u64)>,
@@ -262,6 +265,9 @@ pub struct PodState {
     /// A held app was released because its proxy was not ready in time (said by the condition).
     failed_open: bool,
     ready: Option<bool>,
+    /// When the last probe answer that said ready came in: a process held after it waits for an
+    /// answer that came later (its proxy may have been restarted since, and not be ready).
+    ready_at: Option<Nanos>,
     quits: BTreeMap<String, Quit>,
     /// The agent stops: nothing is held any more, quits already decided still go out.
     stopping: bool,
@@ -281,6 +287,7 @@ impl PodState {
             spec_error: None,
             api_path: None,
             api_path_told: false,
+            announced: std::collections::BTreeSet::new(),
             ignored: None,
             pod_cgroup: None,
             containers: BTreeMap::new(),
@@ -288,6 +295,7 @@ impl PodState {
             phase: Phase::working(),
             failed_open: false,
             ready: None,
+            ready_at: None,
             quits: BTreeMap::new(),
             stopping: false,
             writes: Writes::default(),
@@ -399,6 +407,49 @@ impl PodState {
         }
     }
 
+    /// Says once that some of the apps' exits are left to the kubelet: their restart rules name
+    /// an operator or action valet does not know, so it cannot tell whether they end the work.
+    fn announce_unknown_rules(&mut self, plan: &PodPlan) -> Vec<Effect> {
+        let unknown = plan.unknown_restart_rules();
+        if unknown.is_empty() || !self.announced.insert("RestartRuleUnknown") {
+            return Vec::new();
+        }
+        let parts = unknown.join(", ");
+        warn!(pod = %self.name(), rules = %parts, "restart rules valet does not know: the exits they match are left to the kubelet");
+        vec![
+            Effect::Count(Count::Skip(SkipReason::UnknownRestartRule)),
+            Effect::Publish {
+                warning: true,
+                reason: "RestartRuleUnknown",
+                action: "Wait",
+                note: format!(
+                    "valet does not know {parts} (a newer Kubernetes API's): it cannot tell whether the kubelet \
+                     restarts an app after an exit such a rule matches, so it quits no sidecar after one; the \
+                     kubelet decides"
+                ),
+            },
+        ]
+    }
+
+    /// Says once why a hold the pod asks for is not made (another hold starts the app after
+    /// the proxy, or there is nothing to wait for).
+    fn announce_needless_hold(&mut self, plan: &PodPlan) -> Vec<Effect> {
+        let Some(why) = hold::hold_needless(plan).filter(|_| plan.hold_app && !plan.deleting) else {
+            return Vec::new();
+        };
+        let reason = if why.is_loss() { "HoldUnavailable" } else { "HoldNotNeeded" };
+        if !self.announced.insert(reason) {
+            return Vec::new();
+        }
+        info!(pod = %self.name(), "hold asked for and not made: {}", why.explain());
+        vec![Effect::Publish {
+            warning: why.is_loss(),
+            reason,
+            action: "Run",
+            note: format!("valet does not hold the app: {}", why.explain()),
+        }]
+    }
+
     // ---- transitions ----
 
     /// A new version of the pod object from the API.
@@ -424,6 +475,8 @@ impl PodState {
                     self.api_path_told = false;
                 }
                 self.api_path = path;
+                fx.extend(self.announce_unknown_rules(&p));
+                fx.extend(self.announce_needless_hold(&p));
                 self.plan = Some(p);
                 if let Phase::Released { done, why: LetGo::StoodDown } = self.phase {
                     // Watched again, from scratch.
@@ -486,6 +539,8 @@ impl PodState {
         if let Feedback::Probed { ready, .. } = &fb
             && self.settled
             && (self.ready == Some(*ready) || (self.done().is_some() && !*ready))
+            // A ready answer still releases what was held since the last one.
+            && (!*ready || self.held_now().is_empty())
         {
             // The same answer again (an unchanged answer is repeated once a second) to a pod
             // with nothing left to decide: with 110 held pods, deciding each anyway was most of
@@ -534,6 +589,7 @@ impl PodState {
                 }
                 self.ready = Some(ready);
                 if ready {
+                    self.ready_at = Some(now);
                     fx.extend(self.release_all("ready"));
                 }
             }

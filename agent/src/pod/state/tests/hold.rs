@@ -166,3 +166,36 @@ fn a_repeated_answer_to_a_settled_held_pod_decides_nothing() {
     // A changed answer releases.
     assert_eq!(releases(&d.feed(Feedback::Probed { ready: true, detail: String::new() })), [(42, "ready")]);
 }
+
+/// An app restarted after the proxy was last seen ready (its proxy may have crashed and been
+/// restarted with it, not ready yet) waits for a ready answer that came after it stopped.
+#[test]
+fn a_restarted_app_waits_for_a_ready_answer_from_after_its_stop() {
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[], &[("valet.dev/hold-app", "true")]));
+    assert_eq!(releases(&d.feed(Feedback::Probed { ready: true, detail: String::new() })), []);
+    d.after(2000);
+    let fx = d.held(APP, 44, "report");
+    assert!(releases(&fx).is_empty(), "the last ready answer is older than the stop: {fx:?}");
+    assert!(has(&fx, &Effect::SetPace(Pace::Urgent)), "probed at once: {fx:?}");
+    // The restarted proxy is not ready: still held.
+    assert!(releases(&d.feed(Feedback::Probed { ready: false, detail: "istio-proxy answered 503".into() })).is_empty());
+    assert_eq!(releases(&d.feed(Feedback::Probed { ready: true, detail: String::new() })), [(44, "ready")]);
+}
+
+/// The same answer as the cached one still releases a process held after it, also once the pod
+/// settled: the probe loop reports the first answer of a pod that turned held.
+#[test]
+fn a_ready_answer_like_the_last_one_releases_an_app_held_since() {
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[], &[("valet.dev/hold-app", "true")]));
+    d.feed(Feedback::Probed { ready: true, detail: String::new() });
+    d.after(2000);
+    d.held(APP, 45, "report");
+    let mut ticks = 0;
+    while !(d.after(250).is_empty() && d.s.is_settled()) {
+        ticks += 1;
+        assert!(ticks < 8, "never settled");
+    }
+    assert_eq!(releases(&d.feed(Feedback::Probed { ready: true, detail: String::new() })), [(45, "ready")]);
+}

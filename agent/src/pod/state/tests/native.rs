@@ -1,5 +1,7 @@
-//! Native sidecars (init containers with `restartPolicy: Always`): quit like regular ones once
-//! every app has ended; a regular init container's end is never taken for the app's.
+//! Native sidecars (init containers with `restartPolicy: Always`): quit once the pod's status
+//! reports every app's end (the kubelet has seen it: a native sidecar that exits while the kubelet
+//! still sees the app running is restarted), last first; a regular init container's end is never
+//! taken for the app's.
 
 use super::*;
 
@@ -53,12 +55,23 @@ fn the_apps_end_quits_the_native_sidecar_and_the_init_containers_end_does_not() 
         // The regular init container ran to completion before the app: not the app's end.
         let fx = d.exit(INIT, 0);
         assert!(quits(&fx).is_empty(), "{policy}: {fx:?}");
-        let arm = d.s.quit_ahead().expect("armed on the app");
-        assert_eq!(arm.container_cgroup, APP, "{policy}");
-        assert_eq!(arm.on_success, vec![Endpoint { port: 15020, path: "/quitquitquit".into() }]);
+        // Nothing is armed for the kernel's moment: the quit waits for the kubelet's report.
+        assert_eq!(d.s.quit_ahead(), None, "{policy}");
         let fx = d.exit(APP, 0);
+        assert!(quits(&fx).is_empty(), "{policy}: the kubelet has not reported the app's end: {fx:?}");
+        let fx = d.pod(app_ended_reported(policy, APP, PROXY, 0));
         assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{policy}: {fx:?}");
     }
+}
+
+/// The pod as the API shows it once the kubelet reported the app's end (`code`), the proxy
+/// instance `proxy` running.
+fn app_ended_reported(policy: &str, app: u64, proxy: u64, code: i32) -> Pod {
+    native_pod(
+        policy,
+        &[("report", app, terminated(code))],
+        &[("istio-validation", INIT, terminated(0)), ("istio-proxy", proxy, running())],
+    )
 }
 
 #[test]
@@ -69,9 +82,11 @@ fn a_failed_app_under_on_failure_keeps_the_native_sidecar() {
     assert!(quits(&fx).is_empty(), "the kubelet restarts the app: {fx:?}");
     let fx = d.exit(APP, 0);
     assert!(quits(&fx).is_empty(), "the same instance's end is counted once: {fx:?}");
-    // Its restarted instance ends well: now the sidecar goes.
+    // Its restarted instance ends well: once the kubelet reported that, the sidecar goes.
     d.feed(Feedback::Containers(vec![seen(APP2, named("report"))]));
     let fx = d.exit(APP2, 0);
+    assert!(quits(&fx).is_empty(), "{fx:?}");
+    let fx = d.pod(app_ended_reported("OnFailure", APP2, PROXY, 0));
     assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
 }
 
@@ -90,8 +105,9 @@ fn a_native_sidecar_restarted_while_the_app_runs_is_not_quit() {
         &[("istio-validation", INIT, terminated(0)), ("istio-proxy", PROXY2, running())],
     ));
     assert!(quits(&fx).is_empty(), "{fx:?}");
-    // The app's end quits the instance that runs now.
-    let fx = d.exit(APP, 0);
+    // The app's end, once reported, quits the instance that runs now.
+    assert!(quits(&d.exit(APP, 0)).is_empty());
+    let fx = d.pod(app_ended_reported("Never", APP, PROXY2, 0));
     assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY2)))], "{fx:?}");
 }
 
@@ -136,14 +152,90 @@ fn a_native_sidecar_the_kubelet_stopped_first_is_not_quit() {
     assert!(quits(&fx).is_empty(), "{fx:?}");
 }
 
-/// Native pods are never held: the kubelet starts the app only once the sidecar's startupProbe
-/// passed.
+/// A native proxy with a startupProbe holds the apps itself (the kubelet starts them once the
+/// probe passed): valet does not, and says so; without one (the kubelet starts the apps as soon as
+/// the proxy started) valet holds them.
 #[test]
-fn native_pods_are_not_held() {
-    let plan = crate::pod::spec::plan(
-        &fixtures::with_annotations(native_pod("Never", &[], &[]), &[("valet.dev/hold-app", "true")]),
-        &SidecarDefaults::default(),
-    )
-    .expect("plan");
-    assert!(!wants_hold(&plan));
+fn native_pods_are_held_only_without_a_startup_probe() {
+    let asking = |probe: bool| {
+        let mut pod = fixtures::with_annotations(native_pod("Never", &[], &[]), &[("valet.dev/hold-app", "true")]);
+        if probe {
+            let init = pod.spec.as_mut().and_then(|s| s.init_containers.as_mut()).expect("init containers");
+            init[1].startup_probe = Some(
+                serde_json::from_value(json!({"httpGet": {"path": "/healthz/ready", "port": 15021}})).expect("probe"),
+            );
+        }
+        pod
+    };
+    let plan = |pod: &Pod| crate::pod::spec::plan(pod, &SidecarDefaults::default()).expect("plan");
+    assert!(!wants_hold(&plan(&asking(true))));
+    assert!(wants_hold(&plan(&asking(false))));
+    let mut d = Drive::new(true);
+    let fx = d.pod(asking(true));
+    assert!(
+        fx.iter().any(|e| matches!(e, Effect::Publish { warning: false, reason: "HoldNotNeeded", note, .. } if note.contains("startupProbe"))),
+        "{fx:?}"
+    );
+    // Said once.
+    let fx = d.pod(asking(true));
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Publish { reason: "HoldNotNeeded", .. })), "{fx:?}");
+}
+
+/// A regular proxy beside a native helper (a log shipper): the kubelet starts the apps after the
+/// helper, never after the proxy, so the hold is valet's to make.
+#[test]
+fn a_regular_proxy_beside_a_native_helper_is_held() {
+    let pod = fixtures::from_json(json!({
+        "metadata": {"name": "job-h", "namespace": "batch", "uid": fixtures::UID,
+                     "labels": {"valet.dev/enabled": "true"}, "annotations": {"valet.dev/hold-app": "true"}},
+        "spec": {"restartPolicy": "Never", "nodeName": "n1",
+            "initContainers": [{"name": "logs", "image": "fluent/fluent-bit:3.0", "restartPolicy": "Always",
+                                "startupProbe": {"exec": {"command": ["true"]}}}],
+            "containers": [{"name": "report", "image": "example/report:1"},
+                           {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.22.0"}]},
+    }));
+    let plan = crate::pod::spec::plan(&pod, &SidecarDefaults::default()).expect("plan");
+    assert!(wants_hold(&plan), "{plan:?}");
+}
+
+/// Two native sidecars valet quits: the one declared last goes first, the other once it has exited.
+#[test]
+fn native_sidecars_are_quit_last_first() {
+    let two = |proxy: Value, logs: Value| {
+        fixtures::with_annotations(
+            fixtures::from_json(json!({
+                "metadata": {"name": "job-n", "namespace": "batch", "uid": fixtures::UID,
+                             "labels": {"valet.dev/enabled": "true"}},
+                "spec": {"restartPolicy": "Never", "nodeName": "n1",
+                    "initContainers": [
+                        {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.27.0", "restartPolicy": "Always"},
+                        {"name": "logs", "image": "fluent/fluent-bit:3.0", "restartPolicy": "Always"}
+                    ],
+                    "containers": [{"name": "report", "image": "example/report:1"}]},
+                "status": {"phase": "Running", "podIP": "10.1.2.3",
+                    "containerStatuses": [{"name": "report", "ready": false, "restartCount": 0, "image": "i", "imageID": "",
+                        "containerID": format!("containerd://{}", id(APP)), "state": terminated(0)}],
+                    "initContainerStatuses": [
+                        {"name": "istio-proxy", "ready": false, "restartCount": 0, "image": "i", "imageID": "",
+                         "containerID": format!("containerd://{}", id(PROXY)), "state": proxy},
+                        {"name": "logs", "ready": false, "restartCount": 0, "image": "i", "imageID": "",
+                         "containerID": format!("containerd://{}", id(PROXY2)), "state": logs}]}
+            })),
+            &[("valet.dev/sidecars", "istio-proxy,logs"), ("valet.dev/sidecar-kind.logs", "signal")],
+        )
+    };
+    let mut d = Drive::new(true);
+    d.pod(two(running(), running()));
+    // The signal quit is decided here already, and goes once the containers are known.
+    d.feed(Feedback::PodCgroup { rel: POD_REL.into(), id: POD_CG });
+    let fx = d.feed(Feedback::Containers(vec![
+        seen(SANDBOX, Some(RuntimeName::Sandbox)),
+        seen(PROXY, named("istio-proxy")),
+        seen(PROXY2, named("logs")),
+        seen(APP, named("report")),
+    ]));
+    assert_eq!(signals(&fx), [("logs".to_owned(), libc::SIGTERM)], "the last one first: {fx:?}");
+    assert!(quits(&fx).is_empty(), "istio-proxy waits for its turn: {fx:?}");
+    let fx = d.exit(PROXY2, 0);
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "its turn: {fx:?}");
 }
