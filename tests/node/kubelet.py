@@ -36,6 +36,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -223,6 +224,26 @@ def memory_limit(resources):
     return int(value)
 
 
+def should_restart(container, pod_policy, code):
+    """Whether the kubelet restarts a regular container that exited with `code`, as
+    `ContainerShouldRestart` (`pkg/api/v1/pod/util.go`, `ContainerRestartRules` on: beta and on by
+    default from 1.35) decides: with a restartPolicy of its own, the first of its
+    restartPolicyRules whose exit codes match decides (`Restart`: yes; another action: no; a rule
+    whose operator it does not know is skipped), else its own policy; without one, the pod's."""
+    def by_policy(policy):
+        return policy == "Always" or (policy == "OnFailure" and code != 0)
+    own = container.get("restartPolicy")
+    if own is None:
+        return by_policy(pod_policy)
+    for rule in container.get("restartPolicyRules", []):
+        codes = rule.get("exitCodes") or {}
+        op, values = codes.get("operator"), codes.get("values", [])
+        matched = (code in values) if op == "In" else (code not in values) if op == "NotIn" else False
+        if matched:
+            return rule.get("action") == "Restart"
+    return by_policy(own)
+
+
 class PodRun:
     """One pod on the node: its sandbox, containers, and the status the kubelet reports."""
 
@@ -365,13 +386,12 @@ class PodRun:
             self.containers[c["name"]]["ids"] = last["ids"] + [last["id"]]
 
     def restart_due(self, entry, st, mains_done=False):
-        """Whether an exited container is to be restarted, per the pod's restartPolicy. A native
+        """Whether an exited container is to be restarted, per its restart rules. A native
         sidecar: while a regular container runs or is to be restarted, as the same relist shows them
         (`computePodActions`: once none is, the pod is killed and no init container restarted)."""
         if entry["native"]:
             return not entry["stopped"] and not mains_done
-        policy = self.pod["spec"].get("restartPolicy", "Always")
-        return policy == "Always" or (policy == "OnFailure" and st.exit_code != 0)
+        return should_restart(entry["spec"], self.pod["spec"].get("restartPolicy", "Always"), st.exit_code)
 
     def mounts(self, c):
         """hostPath volumes, as the kubelet hands them to the runtime."""
@@ -448,14 +468,17 @@ class PodRun:
             if "terminated" in cs["state"]:
                 self.exited_at.setdefault(name, time.monotonic())
             (natives if entry["native"] else statuses).append(cs)
+        to_stop = []
         if mains_done:
             # The kubelet ends native sidecars once the regular containers are done, last first,
-            # each with the pod's grace period (SIGTERM, SIGKILL at its end).
-            grace = self.pod["spec"].get("terminationGracePeriodSeconds", 30)
+            # each once the ones after it have exited, with the pod's grace period (SIGTERM,
+            # SIGKILL at its end). It does so beside its status write, not before it: the sync
+            # that sees the regular containers done publishes that status (`SetPodStatus`) and
+            # kills the pod's containers in goroutines of their own.
             for entry in reversed([e for e in self.containers.values() if e["native"] and not e["stopped"]]):
                 entry["stopped"] = True
                 if entry["status"].state != pb.CONTAINER_EXITED:
-                    self.cri.runtime("StopContainer", {"container_id": entry["id"], "timeout": grace})
+                    to_stop.append(entry["id"])
                     all_exited = False
         phase = "Running"
         if all_exited:
@@ -465,7 +488,19 @@ class PodRun:
         if self.native:
             status["initContainerStatuses"] = natives
         self.api.patch_status(self.pod, status)
+        if to_stop:
+            grace = self.pod["spec"].get("terminationGracePeriodSeconds", 30)
+            threading.Thread(target=self.stop_in_turn, args=(to_stop, grace), daemon=True).start()
         return all_exited
+
+    def stop_in_turn(self, ids, grace):
+        """StopContainer on each, in order, each once the one before has exited (StopContainer
+        returns then)."""
+        for cid in ids:
+            try:
+                self.cri.runtime("StopContainer", {"container_id": cid, "timeout": grace}, timeout=grace + 30)
+            except grpc.RpcError as e:
+                print(f"kubelet: StopContainer {cid[:12]}: {e}", file=sys.stderr)
 
     def run_until_done(self, deadline_s):
         end = time.monotonic() + deadline_s

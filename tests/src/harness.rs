@@ -305,6 +305,15 @@ impl Node {
             } else if spec.already_exited.contains(app) {
                 c = c.command(&["/bin/sh", "-c", "exit 0"]);
             }
+            for (_, policy) in spec.app_restart_policies.iter().filter(|(a, _)| a == app) {
+                c = c.restart_policy(policy);
+            }
+            for (_, (action, operator, values)) in spec.app_restart_rules.iter().filter(|(a, _)| a == app) {
+                c = c.restart_rule(action, operator, values);
+            }
+            if let Some((lag, _)) = spec.record_lags {
+                c = c.record_lag(lag);
+            }
             containers.push(c);
         }
         let mut proxy = ContainerSpec::new(proxy_name);
@@ -312,6 +321,9 @@ impl Node {
             proxy.command = Some(proxy_cmd.clone());
         }
         proxy.readiness = spec.proxy_probe.clone();
+        if let Some((_, lag)) = spec.record_lags {
+            proxy = proxy.record_lag(lag);
+        }
         if spec.native {
             // An init container with `restartPolicy: Always`, before the apps; the stand-in
             // pilot-agent gets Istio's startupProbe, which holds the apps until it passes.
@@ -447,6 +459,13 @@ pub struct JobSpec {
     /// The proxy is a native sidecar (an init container with `restartPolicy: Always`, KEP-753)
     /// that the kubelet starts before the apps and stops once they have ended.
     pub native: bool,
+    /// Apps' own `restartPolicy` (KEP-5307): (app, policy).
+    pub app_restart_policies: Vec<(String, String)>,
+    /// Apps' `restartPolicyRules`, in order: (app, (action, operator, values)).
+    pub app_restart_rules: Vec<(String, (String, String, Vec<i32>))>,
+    /// The runtime records the apps' and the proxy's exits these long after them (None: the
+    /// kubelet's [`KubeletOptions::exit_record_lag`]).
+    pub record_lags: Option<(Duration, Duration)>,
 }
 
 impl JobSpec {
@@ -477,7 +496,25 @@ impl JobSpec {
             report_pod_ip: true,
             cgroup_root: None,
             native: false,
+            app_restart_policies: Vec::new(),
+            app_restart_rules: Vec::new(),
+            record_lags: None,
         }
+    }
+    /// The runtime records the apps' exits `app` after them, the proxy's `proxy` after.
+    pub fn record_lags(mut self, app: Duration, proxy: Duration) -> Self {
+        self.record_lags = Some((app, proxy));
+        self
+    }
+    /// `app`'s own `restartPolicy`, overriding the pod's (KEP-5307).
+    pub fn app_restart_policy(mut self, app: &str, policy: &str) -> Self {
+        self.app_restart_policies.push((app.into(), policy.into()));
+        self
+    }
+    /// One more of `app`'s `restartPolicyRules` (set its own policy too, as the API requires).
+    pub fn app_restart_rule(mut self, app: &str, action: &str, operator: &str, values: &[i32]) -> Self {
+        self.app_restart_rules.push((app.into(), (action.into(), operator.into(), values.to_vec())));
+        self
     }
     /// The pod's cgroups in this hierarchy's root (a cgroup v1 controller's mount).
     pub fn cgroup_root(mut self, root: impl Into<PathBuf>) -> Self {

@@ -964,3 +964,53 @@ fn the_condition_lands_once_the_kubelet_publishes_running_at_its_own_pace() {
         wait_condition(&node, &job, &agent, "True", "ProxyReady");
     }
 }
+
+/// The proxy crashes and the app fails with it (`OnFailure`: the kubelet restarts both). The
+/// restarted app is held again, though the agent last saw the old proxy ready: it runs only once
+/// a probe answered after its stop says the new proxy is ready.
+#[test]
+fn an_app_restarted_after_its_proxy_crashed_runs_only_once_the_new_proxy_is_ready() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let ready = node.scratch.path("crash-ready");
+    let (crash, first, second) =
+        (node.scratch.path("crash"), node.scratch.path("crash-first"), node.scratch.path("crash-second"));
+    // The first instance runs until `crash`, then fails; the restarted one marks its run and ends.
+    let script = format!(
+        "if [ -e {first} ]; then echo ran > {second}; exit 0; fi; echo ran > {first}; \
+         while [ ! -e {crash} ]; do sleep 0.02; done; exit 1",
+        first = first.display(),
+        second = second.display(),
+        crash = crash.display(),
+    );
+    let spec = held_spec("crash", &ready).restart_policy("OnFailure").app_command("app", &script);
+    let job = node.job_pod(spec).expect("pod");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
+    std::fs::write(&ready, "").expect("ready file");
+    assert!(wait_file(&first, HANG_GUARD).is_some(), "the first instance ran once the proxy was ready");
+    wait_condition(&node, &job, &agent, "True", "ProxyReady");
+    let first_app = job.process("app").expect("app").id().to_owned();
+
+    // The proxy crashes (its next instance not ready), and the app fails right after.
+    std::fs::remove_file(&ready).expect("not ready");
+    job.proxy.kill().expect("kill the proxy");
+    std::fs::write(&crash, "").expect("crash");
+    let restarted = || job.process("app").filter(|p| p.id() != first_app);
+    assert!(eventually(HANG_GUARD, || restarted().is_some()), "the kubelet restarted the app");
+    let app = restarted().expect("restarted app");
+    assert!(
+        eventually(HANG_GUARD, || state(app.host_pid()) == Some('T')),
+        "the restarted app is held\n{}",
+        agent.log_text()
+    );
+    // Probed, not ready (the new proxy): still held.
+    wait_probes(&job, loopback_probes(&job), 3, &agent);
+    assert!(!second.exists(), "the restarted app ran before its new proxy was ready\n{}", agent.log_text());
+    assert_eq!(state(app.host_pid()), Some('T'));
+
+    std::fs::write(&ready, "").expect("ready again");
+    let delay = wait_file(&second, HANG_GUARD);
+    println!("new proxy ready -> restarted app ran: {delay:?}");
+    assert!(delay.is_some(), "the restarted app never ran\n{}", agent.log_text());
+}

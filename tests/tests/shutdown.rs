@@ -278,6 +278,92 @@ fn on_failure_policy_quits_only_after_success() {
     assert_eq!(agent.metric("valet_quits_sent_ahead_total{result=\"unclaimed\"} "), 0.0);
 }
 
+/// Container restart rules (KEP-5307, on by default from Kubernetes 1.35): an app's own
+/// `restartPolicy` or `restartPolicyRules` override the pod's `Never`. An exit the kubelet answers
+/// with a restart is no end: the proxy stays through it, and is quit once the restarted app
+/// exits in a way that stays.
+#[test]
+fn an_exit_the_apps_restart_rule_restarts_keeps_the_proxy() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let rule =
+        JobSpec::new("rule-42").app_restart_policy("app", "Never").app_restart_rule("app", "Restart", "In", &[42]);
+    let own = JobSpec::new("own-onfailure").app_restart_policy("app", "OnFailure");
+    let mut jobs = Vec::new();
+    for (spec, first_code) in [(rule, 42), (own, 1)] {
+        let name = spec.name.clone();
+        let (go, again, marker) = (
+            node.scratch.path(&format!("{name}.go")),
+            node.scratch.path(&format!("{name}.again")),
+            node.scratch.path(&format!("{name}.ran")),
+        );
+        // The first instance exits `first_code`; the restarted one waits for `again`, then exits 0.
+        let script = format!(
+            "while [ ! -e {go} ]; do sleep 0.02; done; \
+             if [ -e {marker} ]; then while [ ! -e {again} ]; do sleep 0.02; done; exit 0; fi; \
+             touch {marker}; exit {first_code}",
+            go = go.display(),
+            again = again.display(),
+            marker = marker.display(),
+        );
+        let job = node.job_pod(spec.app_command("app", &script)).expect("pod");
+        jobs.push((job, go, again, first_code));
+    }
+    agent.wait_tracked(2, HANG_GUARD).expect("tracked");
+    for (job, go, _, first_code) in &jobs {
+        // Seen ready first, so that a quit would be armed ahead of the exit, were it judged an end.
+        assert!(
+            eventually(HANG_GUARD, || proxy_ready_condition(&node, job)),
+            "{} ready\n{}",
+            job.name,
+            agent.log_text()
+        );
+        let first = job.process("app").expect("the app runs");
+        std::fs::write(go, b"").expect("go");
+        let status = first.wait_timeout(HANG_GUARD).expect("wait").expect("the first instance exited");
+        assert_eq!(valet_sim::kubelet::exit_code(status), *first_code);
+        let first_id = first.id().to_owned();
+        assert!(
+            eventually(HANG_GUARD, || job.process("app").is_some_and(|p| p.id() != first_id)),
+            "{}: the kubelet restarted the app",
+            job.name
+        );
+        assert!(
+            eventually(HANG_GUARD, || job.api_status("app").is_some_and(|s| s["restartCount"] == 1)),
+            "{}: the API shows the restart: {:?}",
+            job.name,
+            job.api_status("app")
+        );
+    }
+    // Both first exits were read from the kernel long before the restarts the API showed.
+    assert!(
+        eventually(HANG_GUARD, || agent.metric("valet_container_exits_total{outcome=\"Failure\"} ") == 2.0),
+        "the agent saw both first exits\n{}",
+        agent.metrics_text().unwrap_or_default()
+    );
+    witness(&node, &agent, "witness");
+    for (job, ..) in jobs.iter_mut() {
+        assert!(
+            job.quits().is_empty(),
+            "{}: no quit at the first exit: {:?}\n{}",
+            job.name,
+            job.quits(),
+            agent.log_text()
+        );
+        assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "{}: the proxy still runs", job.name);
+    }
+    for (job, _, again, _) in jobs.iter_mut() {
+        let second = job.process("app").expect("the restarted app");
+        std::fs::write(&*again, b"").expect("again");
+        let status = second.wait_timeout(HANG_GUARD).expect("wait").expect("the restarted app exited");
+        let ended = Instant::now();
+        assert_eq!(valet_sim::kubelet::exit_code(status), 0);
+        assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}\n{}", job.name, agent.log_text());
+        println!("{}: proxy exited {:?} after the restarted app's exit 0 was seen here", job.name, ended.elapsed());
+        assert_eq!(job.quits().len(), 1, "{}: one quit", job.name);
+    }
+}
+
 fn proxy_ready_condition(node: &Node, job: &JobPod) -> bool {
     let pod = node.pod(job).unwrap_or_default();
     pod["status"]["conditions"]

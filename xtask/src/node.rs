@@ -80,6 +80,7 @@ pub const CI_SCENARIOS: [&[&str]; 2] = [
         "hold_app",
         "short_app",
         "onfailure_restart",
+        "restart_rules",
         "share_pidns",
         "hostpid_nested",
         "native_sidecar",

@@ -73,6 +73,16 @@ pub struct KubeletOptions {
     /// the runtime's create (cgroup made, bundle written) to its start, two CRI calls apart. A
     /// real node takes longer.
     pub create_start_gap: Duration,
+    /// Time from a container's exit (its main process gone, as the kernel sees it) to the
+    /// runtime's record of it (CRI `ContainerStatus` EXITED), drawn per exit, uniform in this
+    /// range; a container's own [`ContainerSpec::record_lag`] replaces it. containerd records
+    /// each container's exit in a goroutine of its own after `task.Delete`, so two exits can be
+    /// recorded in either order. Everything the kubelet decides reads this record, never the
+    /// kernel.
+    pub exit_record_lag: (Duration, Duration),
+    /// Evented PLEG (`EventedPLEG`, off by default in real kubelets): each recorded exit syncs
+    /// its pod at once, besides the relist.
+    pub evented_pleg: bool,
 }
 
 impl Default for KubeletOptions {
@@ -86,6 +96,10 @@ impl Default for KubeletOptions {
             restart_backoff: Duration::from_secs(1),
             max_restart_backoff: Duration::from_secs(300),
             create_start_gap: Duration::from_millis(5),
+            // containerd 1.6 and 2.1 with runc, CRI polled at 1 ms: about 47 ms on a bare host,
+            // ~100 ms in a TCG VM (shared/notes, "When the runtime records an exit").
+            exit_record_lag: (Duration::from_millis(5), Duration::from_millis(120)),
+            evented_pleg: false,
         }
     }
 }
@@ -185,6 +199,13 @@ pub struct ContainerSpec {
     /// A preStop `exec` hook, run in the container's pid and network namespaces when the kubelet
     /// stops the container, before its SIGTERM.
     pub pre_stop: Option<Vec<String>>,
+    /// A regular container's own `restartPolicy` (KEP-5307), overriding the pod's.
+    pub restart_policy: Option<String>,
+    /// Its `restartPolicyRules`, in order: (action, exit code operator, values).
+    pub restart_rules: Vec<(String, String, Vec<i32>)>,
+    /// The runtime records this container's exits this long after them (in place of
+    /// [`KubeletOptions::exit_record_lag`]).
+    pub record_lag: Option<Duration>,
 }
 
 impl ContainerSpec {
@@ -210,6 +231,48 @@ impl ContainerSpec {
     pub fn pre_stop(mut self, cmd: &[&str]) -> Self {
         self.pre_stop = Some(cmd.iter().map(|s| s.to_string()).collect());
         self
+    }
+    /// The runtime records its exits this long after them.
+    pub fn record_lag(mut self, lag: Duration) -> Self {
+        self.record_lag = Some(lag);
+        self
+    }
+    /// The container's own `restartPolicy` (KEP-5307).
+    pub fn restart_policy(mut self, policy: &str) -> Self {
+        self.restart_policy = Some(policy.into());
+        self
+    }
+    /// One more `restartPolicyRules` entry: `action` when the exit code is (`In`) or is not
+    /// (`NotIn`) among `values`.
+    pub fn restart_rule(mut self, action: &str, operator: &str, values: &[i32]) -> Self {
+        self.restart_rules.push((action.into(), operator.into(), values.to_vec()));
+        self
+    }
+
+    /// Whether the kubelet restarts this regular container after it exited with `code` in a pod
+    /// whose `restartPolicy` is `pod_policy`, as `ContainerShouldRestart`
+    /// (`pkg/api/v1/pod/util.go`, with `ContainerRestartRules` on, beta from 1.35) decides: with a
+    /// restartPolicy of its own, the first rule whose exit codes match decides (`Restart`: yes; an
+    /// action it does not know: no; a rule whose operator it does not know is skipped), else the
+    /// container's policy; without one, the pod's.
+    pub fn should_restart(&self, pod_policy: &str, code: i32) -> bool {
+        let by_policy = |policy: &str| match policy {
+            "Always" => true,
+            "OnFailure" => code != 0,
+            _ => false,
+        };
+        let Some(own) = &self.restart_policy else { return by_policy(pod_policy) };
+        for (action, operator, values) in &self.restart_rules {
+            let matched = match operator.as_str() {
+                "In" => values.contains(&code),
+                "NotIn" => !values.contains(&code),
+                _ => false,
+            };
+            if matched {
+                return action == "Restart";
+            }
+        }
+        by_policy(own)
     }
 }
 
@@ -293,6 +356,9 @@ impl ContainerProcess {
     }
 }
 
+/// A horizon past every exit's record: what a test-driven status shows (every exit the kernel saw).
+const RECORDED_ALL: Duration = Duration::from_secs(3600);
+
 /// The exit code the kubelet reports for a status: the code, or 128 + the signal.
 pub fn exit_code(s: ExitStatus) -> i32 {
     s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
@@ -319,6 +385,15 @@ struct Exit {
     signal: Option<i32>,
     at: Instant,
     finished: String,
+    /// When the runtime records it: the kubelet sees the exit from then on.
+    recorded_at: Instant,
+}
+
+impl Exit {
+    /// Whether the runtime has recorded it by `now`.
+    fn recorded(&self, now: Instant) -> bool {
+        now >= self.recorded_at
+    }
 }
 
 #[derive(Debug)]
@@ -337,6 +412,8 @@ struct Instance {
     cgroup_removed: bool,
     bundle_remove_at: Option<Instant>,
     bundle_removed: bool,
+    /// Its exit's record was noticed (an evented PLEG's event).
+    record_noticed: bool,
 }
 
 impl Instance {
@@ -410,6 +487,8 @@ struct KPod {
     /// When a sync found every regular container done and killed the pod (`computePodActions`:
     /// `KillPod`, no init container restarted): its native sidecars are being stopped.
     killing: Option<Instant>,
+    /// The runtime recorded an exit since the last relist (an evented PLEG syncs on it).
+    recorded_now: bool,
 }
 
 struct Inner {
@@ -512,6 +591,7 @@ impl Kubelet {
             changed: true,
             next_step_at: Some(Instant::now()),
             killing: None,
+            recorded_now: false,
         };
         // The sandbox's process is named `pause`, like the real one (its comm is what a node
         // shows for it before any name is known).
@@ -572,7 +652,8 @@ impl Kubelet {
         let kpod = pods
             .get_mut(&(namespace.to_string(), pod.to_string()))
             .ok_or_else(|| anyhow!("the kubelet has no pod {namespace}/{pod}"))?;
-        self.inner.relist(kpod);
+        // Every exit the kernel saw counts as recorded: the test drives the API view itself.
+        self.inner.relist(kpod, Instant::now() + RECORDED_ALL);
         self.inner.write(kpod)
     }
 
@@ -583,7 +664,8 @@ impl Kubelet {
         let kpod = pods
             .get_mut(&(namespace.to_string(), pod.to_string()))
             .ok_or_else(|| anyhow!("the kubelet has no pod {namespace}/{pod}"))?;
-        self.inner.relist(kpod);
+        // Every exit the kernel saw counts as recorded: the test drives the API view itself.
+        self.inner.relist(kpod, Instant::now() + RECORDED_ALL);
         Ok(self.inner.status_json(kpod))
     }
 
@@ -646,6 +728,7 @@ impl Inner {
             cgroup_removed: false,
             bundle_remove_at: None,
             bundle_removed: false,
+            record_noticed: false,
         };
         if let Some(probe) = spec.and_then(|s| s.readiness.clone()) {
             let ip = kpod.sim.pod_ip();
@@ -695,13 +778,17 @@ impl Inner {
     /// What the kubelet does on its own: reaps, restarts, starts the next containers, removes
     /// cgroups and bundles of exited containers.
     fn step(&self, kpod: &mut KPod, now: Instant) {
-        // Exits.
-        let instances = kpod
-            .sandbox
-            .iter_mut()
-            .chain(kpod.containers.iter_mut().flat_map(|c| c.current.iter_mut().chain(c.old.iter_mut())));
-        let mut exited_now = false;
-        for inst in instances {
+        // Exits, as the kernel has them, and their records, as the runtime makes them later.
+        let lag_range = self.opts.exit_record_lag;
+        let (mut exited_now, mut recorded_now) = (false, false);
+        let mut look = |inst: &mut Instance, lag: Option<Duration>| {
+            if let Some(exit) = &inst.exit
+                && !inst.record_noticed
+                && exit.recorded(now)
+            {
+                inst.record_noticed = true;
+                recorded_now = true;
+            }
             if inst.exit.is_none()
                 && let Ok(Some(status)) = inst.proc_.try_wait()
             {
@@ -710,27 +797,41 @@ impl Inner {
                     signal: status.signal(),
                     at: now,
                     finished: util::now_rfc3339(),
+                    recorded_at: now + lag.unwrap_or_else(|| uniform(lag_range)),
                 });
                 inst.stop.store(true, Ordering::SeqCst);
                 inst.ready.store(false, Ordering::SeqCst);
                 exited_now = true;
             }
+        };
+        if let Some(sandbox) = kpod.sandbox.as_mut() {
+            look(sandbox, None);
+        }
+        for k in kpod.containers.iter_mut() {
+            let lag = k.spec.record_lag;
+            for inst in k.current.iter_mut().chain(k.old.iter_mut()) {
+                look(inst, lag);
+            }
         }
         if exited_now {
             kpod.changed = true;
+        }
+        if recorded_now {
+            kpod.changed = true;
+            kpod.recorded_now = true;
         }
         // Restarts (decided from the exit; the back-off counts from the relist that saw it).
         let policy = kpod.spec.json.restart_policy.clone();
         for k in kpod.containers.iter_mut() {
             let Some(cur) = &k.current else { continue };
-            let Some(exit) = &cur.exit else { continue };
+            let Some(exit) = cur.exit.as_ref().filter(|e| e.recorded(now)) else { continue };
             if k.restart_at.is_some() {
                 continue;
             }
             let restart = match k.spec.kind {
                 // Decided by the sync that sees the exit (see `sync`): not if the pod is done.
                 ContainerKind::NativeSidecar => false,
-                _ => policy == "Always" || (policy == "OnFailure" && exit.code != 0),
+                _ => k.spec.should_restart(&policy, exit.code),
             };
             if restart && k.spec.command.is_some() {
                 let shift = k.restart_count.min(16);
@@ -863,8 +964,16 @@ impl Inner {
             let seen_exited =
                 seen.exit.is_some() && k.current.as_ref().is_some_and(|c| Some(&c.c.id) == seen.id.as_ref());
             if seen_exited {
-                let shift = k.restart_count.min(16);
-                let backoff = self.opts.restart_backoff.saturating_mul(1 << shift).min(self.opts.max_restart_backoff);
+                // `doBackOff`: a container with no back-off entry yet (its first exit) is restarted
+                // by this very sync; later ones after the back-off, doubled per restart.
+                let backoff = match k.restart_count {
+                    0 => Duration::ZERO,
+                    n => self
+                        .opts
+                        .restart_backoff
+                        .saturating_mul(1 << (n - 1).min(16))
+                        .min(self.opts.max_restart_backoff),
+                };
                 k.restart_at = Some(now + backoff);
             }
         }
@@ -883,14 +992,14 @@ impl Inner {
             .containers
             .iter()
             .filter(|k| k.spec.kind != ContainerKind::NativeSidecar)
-            .all(|k| k.current.as_ref().is_none_or(|c| c.exit.is_some()));
+            .all(|k| k.current.as_ref().is_none_or(|c| c.exit.as_ref().is_some_and(|e| e.recorded(now))));
         // Whether every sidecar after index i has exited.
         let n = kpod.containers.len();
         let mut later_ended = vec![true; n + 1];
         for i in (0..n).rev() {
             let k = &kpod.containers[i];
-            let ended =
-                k.spec.kind != ContainerKind::NativeSidecar || k.current.as_ref().is_none_or(|c| c.exit.is_some());
+            let ended = k.spec.kind != ContainerKind::NativeSidecar
+                || k.current.as_ref().is_none_or(|c| c.exit.as_ref().is_some_and(|e| e.recorded(now)));
             later_ended[i] = later_ended[i + 1] && ended;
         }
         for i in (0..n).rev() {
@@ -926,7 +1035,8 @@ impl Inner {
     }
 
     /// A PLEG relist: records what the runtime shows now.
-    fn relist(&self, kpod: &mut KPod) {
+    fn relist(&self, kpod: &mut KPod, now: Instant) {
+        kpod.recorded_now = false;
         kpod.seen_sandbox = kpod.sandbox.is_some();
         for (k, seen) in kpod.containers.iter().zip(kpod.seen.iter_mut()) {
             *seen = match &k.current {
@@ -943,7 +1053,8 @@ impl Inner {
                     Seen {
                         id: Some(inst.c.id.clone()),
                         started: Some(inst.started.clone()),
-                        exit: inst.exit.clone(),
+                        // The runtime's record: an exit not recorded yet is still running.
+                        exit: inst.exit.clone().filter(|e| e.recorded(now)),
                         restart_pending: k.restart_at.is_some(),
                         restart_count: k.restart_count,
                         last_terminated: k.last_terminated.clone(),
@@ -1028,6 +1139,11 @@ impl Inner {
         });
         let policy = kpod.spec.json.restart_policy.as_str();
         let main: Vec<_> = statuses.iter().filter(|s| s.0 == ContainerKind::Main).collect();
+        // `getPhase`: a failed container the kubelet will restart keeps the pod Running.
+        let restarting = kpod.containers.iter().zip(kpod.seen.iter()).any(|(k, seen)| {
+            k.spec.kind == ContainerKind::Main
+                && seen.exit.as_ref().is_some_and(|e| k.spec.should_restart(policy, e.code))
+        });
         let waiting = main.iter().filter(|s| s.5).count();
         // `getPhase`: a running native sidecar keeps the pod Running; a pending one keeps it
         // Pending; a terminated one does not count (its exit code never fails the pod).
@@ -1043,7 +1159,7 @@ impl Inner {
             "Running"
         } else if main.iter().all(|s| s.4 == Some(0)) {
             "Succeeded"
-        } else if policy == "Never" {
+        } else if !restarting {
             "Failed"
         } else {
             "Running"
@@ -1149,8 +1265,8 @@ impl Inner {
             let probe_changed = kpod.dirty.swap(false, Ordering::SeqCst);
             match timing {
                 StatusTiming::Relist => {
-                    if relist {
-                        self.relist(kpod);
+                    if relist || (self.opts.evented_pleg && kpod.recorded_now) {
+                        self.relist(kpod, now);
                         self.sync(kpod, now);
                         kpod.pending_write = Some(now + uniform(self.opts.status_sync_delay));
                     } else if probe_changed && kpod.pending_write.is_none() {
@@ -1159,7 +1275,7 @@ impl Inner {
                 }
                 StatusTiming::AtOnce => {
                     if relist || kpod.changed {
-                        self.relist(kpod);
+                        self.relist(kpod, now);
                         self.sync(kpod, now);
                         kpod.pending_write = Some(now);
                     } else if probe_changed {
@@ -1167,9 +1283,9 @@ impl Inner {
                     }
                 }
                 StatusTiming::Manual => {
-                    if relist {
+                    if relist || (self.opts.evented_pleg && kpod.recorded_now) {
                         // The kubelet still sees its containers (probes start); it writes nothing.
-                        self.relist(kpod);
+                        self.relist(kpod, now);
                         self.sync(kpod, now);
                     }
                 }
@@ -1235,10 +1351,9 @@ impl Drop for Inner {
 fn regular_done(kpod: &KPod) -> bool {
     let policy = kpod.spec.json.restart_policy.as_str();
     let mut regular = kpod.containers.iter().zip(kpod.seen.iter()).filter(|(k, _)| k.spec.kind == ContainerKind::Main);
-    policy != "Always"
-        && kpod.containers.iter().any(|k| k.spec.kind == ContainerKind::Main)
+    kpod.containers.iter().any(|k| k.spec.kind == ContainerKind::Main)
         && regular.all(|(k, seen)| {
-            seen.exit.as_ref().is_some_and(|e| policy == "Never" || e.code == 0)
+            seen.exit.as_ref().is_some_and(|e| !k.spec.should_restart(policy, e.code))
                 && k.current.as_ref().is_some_and(|c| Some(&c.c.id) == seen.id.as_ref())
         })
 }
@@ -1375,6 +1490,19 @@ fn initial_pod(sim: &SimPod, spec: &KubeletPod) -> Value {
             }
             if let Some(cmd) = &cs.pre_stop {
                 c["lifecycle"] = json!({"preStop": {"exec": {"command": cmd}}});
+            }
+            if let Some(policy) = &cs.restart_policy {
+                c["restartPolicy"] = json!(policy);
+            }
+            if !cs.restart_rules.is_empty() {
+                let rules: Vec<Value> = cs
+                    .restart_rules
+                    .iter()
+                    .map(|(action, operator, values)| {
+                        json!({"action": action, "exitCodes": {"operator": operator, "values": values}})
+                    })
+                    .collect();
+                c["restartPolicyRules"] = json!(rules);
             }
         }
     }
