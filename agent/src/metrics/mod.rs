@@ -304,7 +304,7 @@ impl Metrics {
         registry.register(
             "sidecar_tax_seconds",
             "From a pod's apps' end to its last sidecar's end, observed when the sidecars end \
-             (acted: valet quit one of them; sidecar_mode: native or classic sidecars)",
+             (acted: valet quit or signalled one of them; sidecar_mode: native or classic sidecars)",
             Declared(m.sidecar_tax.clone()),
         );
         registry.register(

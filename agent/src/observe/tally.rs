@@ -51,7 +51,7 @@ impl Uncounted {
 pub enum Note {
     /// The pod started (+1) or stopped (-1) waiting on its sidecars.
     Waiting(PodKey, i64),
-    /// The pod's sidecars ended this long after its apps (valet quit one: `acted`).
+    /// The pod's sidecars ended this long after its apps (valet quit or signalled one: `acted`).
     Tax { key: PodKey, seconds: f64, acted: bool },
     /// Apps started while the kubelet did not report the proxy ready: ask the proxy once whether
     /// it is ready now, and give the answer to [`Tally::probe_answered`].
@@ -177,7 +177,7 @@ impl Tally {
         longest
     }
 
-    /// A new look at a pod. `acted`: valet sent one of its sidecars a quit.
+    /// A new look at a pod. `acted`: valet sent one of its sidecars a quit or a signal.
     pub fn look(&mut self, look: Look, acted: bool) -> Vec<Note> {
         let mut notes = Vec::new();
         self.native_node |= look.native_running;
