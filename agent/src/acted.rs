@@ -1,4 +1,4 @@
-//! The pods valet sent a quit to, for observe mode's sidecar tax (its `acted` label): the
+//! The pods valet sent a quit or a quitting signal to, for observe mode's sidecar tax (its `acted` label): the
 //! actuators record, the observer asks and forgets. One `QuitPods` is made in `main` and handed
 //! to both; it imports nothing of the crate, so neither side imports the other.
 
@@ -14,7 +14,7 @@ pub struct QuitPods {
 }
 
 impl QuitPods {
-    /// valet asked one of this pod's sidecars to quit.
+    /// valet asked one of this pod's sidecars to quit, or signalled it.
     pub fn record(&self, uid: &str) {
         if self.on.load(Ordering::Relaxed) {
             self.uids.lock().unwrap_or_else(PoisonError::into_inner).insert(uid.to_owned());

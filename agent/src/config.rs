@@ -88,6 +88,20 @@ pub struct Config {
     #[arg(long, env = "VALET_KERNEL_BTF")]
     pub kernel_btf: Option<PathBuf>,
 
+    /// The reasons for degraded mode (valet_node_info's `reason`) that the operator expects on
+    /// some nodes: a node degraded for one of them is ready; one degraded for any other is not
+    /// (`/readyz` says why), so that a rollout that degrades its nodes stops at the first ones.
+    /// Either way the node is served degraded. Comma-separated reasons, `all`, or `none`. The
+    /// default expects what a node's kernel decides (no BTF, lockdown), not what a release can
+    /// cause (programs rejected, BPF denied by the manifest's privileges, memlock, tracefs).
+    #[arg(
+        long,
+        env = "VALET_DEGRADED_OK",
+        value_delimiter = ',',
+        default_value = crate::kernel::mode::DEFAULT_DEGRADED_OK
+    )]
+    pub degraded_ok: Vec<String>,
+
     /// runtimeClassNames whose pods run out of the node's kernel's sight (VM or user-space
     /// kernel sandboxes: Kata, gVisor, GKE Sandbox). Their ends are taken from the API and their
     /// apps are never held. A trailing `*` matches any suffix.
@@ -245,8 +259,15 @@ impl Config {
         self.kernel_btf.clone().unwrap_or_else(|| self.host_root.join(crate::kernel::programs::KERNEL_BTF))
     }
 
+    /// The degraded reasons `--degraded-ok` expects.
+    pub fn expected_degraded(&self) -> Result<crate::kernel::mode::ExpectedDegraded> {
+        crate::kernel::mode::ExpectedDegraded::parse(&self.degraded_ok)
+            .map_err(|e| Error::Config(format!("--degraded-ok: {e}")))
+    }
+
     /// Checks what clap cannot.
     pub fn validate(&self) -> Result<()> {
+        self.expected_degraded()?;
         if self.node_name.trim().is_empty() {
             return Err(Error::Config("--node-name / NODE_NAME is empty".into()));
         }
@@ -307,6 +328,27 @@ mod tests {
         for bad in ["", "10", "s", "5x", "-1s", "1e99h"] {
             assert!(parse_duration(bad).is_err(), "{bad:?} must be rejected");
         }
+    }
+
+    #[test]
+    fn degraded_reasons_expected() {
+        use crate::vocab::{DegradedReason, NodeMode};
+        let parse = |extra: &[&str]| {
+            let mut args = vec!["valet-agent", "--node-name", "n1"];
+            args.extend(extra);
+            Config::try_parse_from(args).expect("parse")
+        };
+        let default = parse(&[]);
+        assert_eq!(default.degraded_ok, ["no_btf", "lockdown"]);
+        let expected = default.expected_degraded().expect("the default is valid");
+        assert_eq!(expected.unready(NodeMode::Degraded(DegradedReason::Lockdown)), None);
+        assert!(expected.unready(NodeMode::Degraded(DegradedReason::KernelUnsupported)).is_some());
+        let none = parse(&["--degraded-ok="]);
+        assert!(none.validate().is_ok());
+        assert!(none.expected_degraded().expect("none").unready(NodeMode::Degraded(DegradedReason::NoBtf)).is_some());
+        let bad = parse(&["--degraded-ok", "no_btf,old_kernel"]);
+        let err = bad.validate().expect_err("an unknown reason is refused at start").to_string();
+        assert!(err.contains("--degraded-ok") && err.contains("old_kernel"), "{err}");
     }
 
     #[test]

@@ -144,6 +144,16 @@ async fn run(
         }
     };
     metrics.set_node_mode(mode);
+    // A rollout that degrades its nodes for a reason the operator does not expect stops there.
+    if let Some(why) = cfg.expected_degraded()?.unready(mode) {
+        warn!(
+            mode = "degraded",
+            reason = mode.reason_label(),
+            "not ready: {why}. The node is still served degraded; /readyz fails so that a DaemonSet rollout \
+             stops at this node (expect this reason with --degraded-ok to make the node ready)"
+        );
+        health.degraded_unexpectedly(why);
+    }
     let mut ring = None;
     if let NodeKernel::Loaded(programs) = &mut kernel {
         if let Some(logger) = programs.take_logger() {

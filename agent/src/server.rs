@@ -1,9 +1,10 @@
 //! The agent's own small HTTP server: `/metrics`, `/healthz` (the loop turns), `/readyz`
-//! (programs attached and the first pod list done).
+//! (programs attached, or the node degraded for a reason the operator expects, and the first pod
+//! list done).
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -21,6 +22,9 @@ use crate::metrics::{Format, Metrics};
 pub struct Health {
     pub programs_attached: AtomicBool,
     pub pods_listed: AtomicBool,
+    /// Why the node is never ready: it degraded for a reason the operator did not expect
+    /// (`--degraded-ok`). Set once, at start.
+    degraded_unexpectedly: OnceLock<String>,
     /// When the loop last turned (`CLOCK_MONOTONIC` ns; 0: it has not started). It always has
     /// work (its tick), so a loop that stops turning is wedged: a deadlock, a blocked call.
     loop_turned: AtomicU64,
@@ -43,13 +47,22 @@ impl Health {
         Health {
             programs_attached: AtomicBool::new(false),
             pods_listed: AtomicBool::new(false),
+            degraded_unexpectedly: OnceLock::new(),
             loop_turned: AtomicU64::new(0),
             stall,
         }
     }
 
     pub fn ready(&self) -> bool {
-        self.programs_attached.load(Ordering::Relaxed) && self.pods_listed.load(Ordering::Relaxed)
+        self.programs_attached.load(Ordering::Relaxed)
+            && self.pods_listed.load(Ordering::Relaxed)
+            && self.degraded_unexpectedly.get().is_none()
+    }
+
+    /// The node degraded for a reason the operator did not expect: `/readyz` fails from now on,
+    /// saying `why` (the agent still serves the node degraded).
+    pub fn degraded_unexpectedly(&self, why: String) {
+        let _ = self.degraded_unexpectedly.set(why);
     }
 
     /// The loop turned at `now` (monotonic ns).
@@ -108,12 +121,14 @@ fn route<B>(req: &Request<B>, metrics: &Metrics, health: &Health) -> Response<Fu
         },
         "/readyz" if health.ready() => reply(StatusCode::OK, "text/plain", "ready\n".into()),
         "/readyz" => {
-            let why = if health.programs_attached.load(Ordering::Relaxed) {
-                "waiting for the first pod list\n"
+            let why = if let Some(why) = health.degraded_unexpectedly.get() {
+                format!("{why}\n")
+            } else if health.programs_attached.load(Ordering::Relaxed) {
+                "waiting for the first pod list\n".to_owned()
             } else {
-                "kernel programs not attached\n"
+                "kernel programs not attached\n".to_owned()
             };
-            reply(StatusCode::SERVICE_UNAVAILABLE, "text/plain", why.into())
+            reply(StatusCode::SERVICE_UNAVAILABLE, "text/plain", why)
         }
         _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n".into()),
     }
@@ -160,7 +175,7 @@ mod tests {
         b.body(()).expect("request")
     }
 
-    fn ready() -> Health {
+    fn ready_health() -> Health {
         let h = Health::default();
         h.programs_attached.store(true, Ordering::Relaxed);
         h.pods_listed.store(true, Ordering::Relaxed);
@@ -173,7 +188,7 @@ mod tests {
 
     #[test]
     fn metrics_format_follows_the_accept_header() {
-        let (m, h) = (Metrics::new(), ready());
+        let (m, h) = (Metrics::new(), ready_health());
         let prometheus = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,\
                           text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
         let r = route(&request("GET", "/metrics", &[prometheus]), &m, &h);
@@ -191,7 +206,7 @@ mod tests {
 
     #[test]
     fn routes_and_methods() {
-        let (m, h) = (Metrics::new(), ready());
+        let (m, h) = (Metrics::new(), ready_health());
         for (method, path, status) in [
             ("GET", "/healthz", StatusCode::OK),
             ("HEAD", "/healthz", StatusCode::OK),
@@ -212,6 +227,39 @@ mod tests {
         let unready = Health::default();
         assert_eq!(route(&request("GET", "/readyz", &[]), &m, &unready).status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(route(&request("GET", "/healthz", &[]), &m, &unready).status(), StatusCode::OK);
+    }
+
+    #[test]
+    fn readyz_fails_on_a_node_degraded_for_a_reason_not_expected_and_says_why() {
+        use crate::kernel::mode::{DEFAULT_DEGRADED_OK, ExpectedDegraded};
+        use crate::vocab::{DegradedReason, NodeMode};
+        let m = Metrics::new();
+        let expected = ExpectedDegraded::parse(&DEFAULT_DEGRADED_OK.split(',').map(str::to_owned).collect::<Vec<_>>())
+            .expect("default");
+        let body = |r: Response<Full<Bytes>>| {
+            let bytes = futures::executor::block_on(http_body_util::BodyExt::collect(r.into_body())).expect("body");
+            String::from_utf8_lossy(&bytes.to_bytes()).into_owned()
+        };
+        for (mode, ready) in [
+            (NodeMode::Kernel, true),
+            (NodeMode::Degraded(DegradedReason::NoBtf), true),
+            (NodeMode::Degraded(DegradedReason::KernelUnsupported), false),
+        ] {
+            // As the agent's start sets it: the programs' stand-in attached, the pods listed.
+            let h = ready_health();
+            if let Some(why) = expected.unready(mode) {
+                h.degraded_unexpectedly(why);
+            }
+            let r = route(&request("GET", "/readyz", &[]), &m, &h);
+            assert_eq!(r.status() == StatusCode::OK, ready, "{mode:?}");
+            assert_eq!(h.ready(), ready, "{mode:?}");
+            let text = body(r);
+            if !ready {
+                assert!(text.contains("kernel_unsupported") && text.contains("--degraded-ok="), "{text}");
+            }
+            // Liveness is not readiness: a degraded node's agent is never restarted for it.
+            assert_eq!(route(&request("GET", "/healthz", &[]), &m, &h).status(), StatusCode::OK);
+        }
     }
 
     #[test]

@@ -747,7 +747,8 @@ impl Agent {
         false
     }
 
-    fn get(&self, path: &str) -> Result<(u16, String)> {
+    /// One GET of the agent's server (`/readyz`, `/healthz`, `/metrics`): status and body.
+    pub fn get(&self, path: &str) -> Result<(u16, String)> {
         // A metric read as 0 because a busy agent answered late would fail a test for nothing.
         let r = valet_sim::client::get(self.metrics, path, HANG_GUARD)?;
         Ok((r.status, r.text()))
@@ -766,6 +767,28 @@ impl Agent {
             }
             if Instant::now() > deadline {
                 bail!("valet-agent not ready after {timeout:?}:\n{}", self.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits until the agent serves the node: ready, or running degraded for a reason
+    /// `--degraded-ok` does not expect (then `/readyz` answers 503 and says so, for good).
+    pub fn wait_served(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(child) = self.child.as_mut()
+                && let Some(status) = child.try_wait()?
+            {
+                bail!("valet-agent exited ({status}):\n{}", self.log_text());
+            }
+            match self.get("/readyz") {
+                Ok((200, _)) => return Ok(()),
+                Ok((503, body)) if body.contains("degraded for a reason not expected") => return Ok(()),
+                _ => {}
+            }
+            if Instant::now() > deadline {
+                bail!("valet-agent neither ready nor degraded after {timeout:?}:\n{}", self.log_text());
             }
             std::thread::sleep(Duration::from_millis(50));
         }

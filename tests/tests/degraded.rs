@@ -7,6 +7,10 @@
 //! itself cannot run the programs: `VALET_DEGRADED_NODE=<reason>` says so and which reason the
 //! agent must report (`no_btf` with an empty tmpfs over `/sys/kernel/btf`, `lockdown` on a
 //! kernel booted with `lockdown=confidentiality`); the agent then gets no flag at all.
+//!
+//! Both reasons are among those `--degraded-ok` expects by default, so such an agent is ready;
+//! told to expect only another reason, the same node is not ready, and `/readyz` and the log say
+//! why, while the node is still served.
 
 use std::time::Instant;
 
@@ -45,6 +49,8 @@ fn a_node_that_cannot_run_the_kernel_programs_is_served_from_the_api() {
     let node = Node::new().expect("node");
     let (agent, reason) = start_degraded(&node);
 
+    // An expected reason: ready (start_agent waited for it), and served degraded.
+    assert_eq!(agent.get("/readyz").expect("/readyz"), (200, "ready\n".to_owned()));
     // The node's mode and why, on /metrics (every series exposed, one at 1) and in the log.
     assert_eq!(agent.metric(&format!("valet_node_info{{mode=\"degraded\",reason=\"{reason}\"}} ")), 1.0);
     assert_eq!(agent.metric("valet_node_info{mode=\"kernel\",reason=\"none\"} "), 0.0);
@@ -111,4 +117,36 @@ fn a_node_that_cannot_run_the_kernel_programs_is_served_from_the_api() {
     assert_eq!(agent.metric("valet_pods_api_path_total{reason=\"node_degraded\"} "), 1.0);
     assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "nothing held");
     assert_eq!(agent.metric("valet_container_exits_total{outcome=\"Success\"} "), 0.0, "no kernel ends");
+}
+
+#[test]
+fn a_node_degraded_for_a_reason_not_expected_is_served_but_not_ready() {
+    let node = Node::new().expect("node");
+    let (reason, mut flags) = degraded_node(&node);
+    // The operator expects another reason only (a pool of nodes without BTF, say): this node's
+    // reason is a surprise, as a release whose programs or privileges fail everywhere would be.
+    let other = if reason == "no_btf" { "lockdown" } else { "no_btf" };
+    flags.push(format!("--degraded-ok={other}"));
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let agent = node.spawn_agent(&flags).expect("the agent stays up");
+
+    // Still served degraded: a labelled pod is tracked (so the pods are listed), from the API.
+    let _job = node.job_pod(JobSpec::new("surprise")).expect("pod");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked while not ready");
+    assert_eq!(agent.metric(&format!("valet_node_info{{mode=\"degraded\",reason=\"{reason}\"}} ")), 1.0);
+
+    // Not ready, with the pods listed: /readyz says which reason and what was expected.
+    let (status, body) = agent.get("/readyz").expect("/readyz");
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains(&format!("not expected: {reason} (")) && body.contains(&format!("--degraded-ok={other}")),
+        "/readyz says why: {body}"
+    );
+    let (status, _) = agent.get("/healthz").expect("/healthz");
+    assert_eq!(status, 200, "alive: not restarted for it");
+    let log = agent.log_text();
+    assert!(
+        log.lines().any(|l| l.contains("not ready: degraded for a reason not expected") && l.contains(reason.as_str())),
+        "the log says why:\n{log}"
+    );
 }

@@ -450,6 +450,7 @@ const FAMILIES: &[(&str, &str, &[&str])] = &[
     ("valet_app_started_before_proxy_ready_total", "counter", &["namespace", "owner_kind"]),
     ("valet_pods_waiting_longest_seconds", "gauge", &["namespace", "owner_kind"]),
     ("valet_sidecar_startup_tax_seconds", "histogram", &["namespace", "owner_kind", "le"]),
+    ("valet_app_container_start_seconds", "histogram", &["namespace", "owner_kind", "le"]),
     ("valet_classic_sidecar_pods_on_native_node_total", "counter", &["namespace"]),
     ("valet_observe_uncounted_total", "counter", &["reason"]),
 ];
@@ -462,6 +463,7 @@ const NAMESPACE_LABELLED: &[&str] = &[
     "valet_app_started_before_proxy_ready_total",
     "valet_pods_waiting_longest_seconds",
     "valet_sidecar_startup_tax_seconds",
+    "valet_app_container_start_seconds",
     "valet_classic_sidecar_pods_on_native_node_total",
 ];
 

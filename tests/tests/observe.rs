@@ -246,12 +246,18 @@ fn the_startup_tax_of_a_native_proxy_is_shown() {
     let count = |agent: &Agent| sample(agent, "valet_sidecar_startup_tax_seconds_count", JOB);
     assert!(
         eventually(Duration::from_secs(30), || count(&agent) == 1.0),
-        "the app's start after the proxy's readiness is measured\n{}\n{}",
+        "the kubelet's move to the app after the proxy's readiness is measured\n{}\n{}",
         agent.metrics_text().unwrap_or_default(),
         agent.log_text()
     );
     let seconds = sample(&agent, "valet_sidecar_startup_tax_seconds_sum", JOB);
     assert!(seconds >= 0.0, "{seconds}");
+    // The app's own start after the kubelet moved on to it (the Initialized condition), apart.
+    assert!(
+        eventually(Duration::from_secs(30), || sample(&agent, "valet_app_container_start_seconds_count", JOB) == 1.0),
+        "the app's own start is measured apart\n{}",
+        agent.metrics_text().unwrap_or_default()
+    );
     assert!(job.api_status("app").is_some_and(|s| s["state"]["running"].is_object()), "the kubelet started the app");
     untouched(&node, &job, &agent);
 }

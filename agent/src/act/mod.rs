@@ -88,7 +88,7 @@ pub struct Parts<K, L> {
     pub metrics: Arc<Metrics>,
     /// Where tasks send their feedback.
     pub reports: mpsc::UnboundedSender<Report>,
-    /// Where each pod a quit is sent to is recorded (the observer's; anything else keeps it for
+    /// Where each pod a quit or a signal is sent to is recorded (the observer's; anything else keeps it for
     /// no one).
     pub quit_pods: Arc<QuitPods>,
 }
@@ -236,7 +236,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 None
             }
             Effect::Signal { sidecar, container_rel, signal } => {
-                Some(self.quits.signal(sidecar, &container_rel, signal))
+                Some(self.quits.signal(uid, sidecar, &container_rel, signal))
             }
             Effect::StartProbe { sidecars, pod_rel, pod_ip, pace } => {
                 self.probes.start(uid, sidecars, pod_rel, pod_ip.as_deref(), pace);

@@ -38,12 +38,12 @@ pub struct Quits<L> {
     ahead: Arc<QuitsAhead<L>>,
     /// Each pod's arm as last set in `ahead` (set again only when it changes).
     armed: HashMap<String, QuitAhead>,
-    /// The pods a quit was sent to, for observe mode.
+    /// The pods a quit or a signal was sent to, for observe mode.
     quit_pods: Arc<QuitPods>,
 }
 
 impl<L: SidecarLink> Quits<L> {
-    /// Each pod a quit is sent to is recorded in `quit_pods` (the observer's).
+    /// Each pod a quit or a signal is sent to is recorded in `quit_pods` (the observer's).
     pub fn new(
         link: Arc<L>,
         cgroups: CgroupFs,
@@ -130,13 +130,78 @@ impl<L: SidecarLink> Quits<L> {
         });
     }
 
-    /// Sends `signal` to the processes of `sidecar`'s container cgroup (effect `Signal`).
-    pub fn signal(&self, sidecar: String, container_rel: &str, signal: i32) -> Feedback {
+    /// Sends `signal` to the processes of `sidecar`'s container cgroup in pod `uid` (effect
+    /// `Signal`).
+    pub fn signal(&self, uid: &str, sidecar: String, container_rel: &str, signal: i32) -> Feedback {
         let signalled = if self.cgroups.procs_recursive(container_rel).is_empty() {
             0
         } else {
             signal_cgroup(&self.cgroups, container_rel, signal)
         };
+        // For observe mode's tax, as a quit: a signal that reached the sidecar is valet acting
+        // (a helper whose quit is a signal, or an escalation). One that reached no process found
+        // the sidecar already gone: something else ended it.
+        if signalled > 0 {
+            self.quit_pods.record(uid);
+        }
         Feedback::Signalled { sidecar, signal, signalled }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt as _;
+
+    use super::*;
+    use crate::sidecar::testing::TestLink;
+
+    fn settings() -> Settings {
+        Settings {
+            host_proc: "/proc".into(),
+            quit_timeout: Duration::from_secs(1),
+            quit_retry_for: Duration::from_secs(1),
+            probe_interval: Duration::from_millis(20),
+            ready_probe_interval: Duration::from_secs(5),
+            held_probe_interval: Duration::from_millis(10),
+            held_probe_cpu: 0.03,
+            held_probe_budget: 2000,
+            held_prober: false,
+            release_priority: 0,
+        }
+    }
+
+    #[test]
+    fn a_sidecar_quit_by_a_signal_is_recorded_as_acted_on() {
+        // A helper's container cgroup (a tree of plain files: membership is read from
+        // cgroup.procs) holding one process, and an empty one whose helper has already ended.
+        let dir = std::env::temp_dir().join(format!("valet-quits-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (rel, gone_rel) = ("/kubepods/pod1/logs", "/kubepods/pod2/logs");
+        std::fs::create_dir_all(dir.join("kubepods/pod1/logs")).expect("mkdir");
+        std::fs::create_dir_all(dir.join("kubepods/pod2/logs")).expect("mkdir");
+        let mut helper = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        std::fs::write(dir.join("kubepods/pod1/logs/cgroup.procs"), format!("{}\n", helper.id())).expect("procs");
+        std::fs::write(dir.join("kubepods/pod2/logs/cgroup.procs"), "").expect("procs");
+        let quit_pods = Arc::new(QuitPods::default());
+        quit_pods.start();
+        let (reports, _keep) = mpsc::unbounded_channel();
+        let quits = Quits::new(
+            Arc::new(TestLink::default()),
+            CgroupFs::new(&dir),
+            reports,
+            Arc::new(Metrics::new()),
+            quit_pods.clone(),
+            &settings(),
+        );
+
+        let signalled = quits.signal("pod1", "logs".into(), rel, libc::SIGTERM);
+        let status = helper.wait().expect("wait");
+        let gone = quits.signal("pod2", "logs".into(), gone_rel, libc::SIGTERM);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(status.signal(), Some(libc::SIGTERM), "the helper got the signal");
+        assert!(matches!(signalled, Feedback::Signalled { signalled: 1, .. }), "{signalled:?}");
+        assert!(quit_pods.contains("pod1"), "valet ended the helper: acted");
+        assert!(matches!(gone, Feedback::Signalled { signalled: 0, .. }), "{gone:?}");
+        assert!(!quit_pods.contains("pod2"), "a signal that reached no one is not valet acting");
     }
 }

@@ -9,7 +9,7 @@ use valet_common::Counter;
 
 use super::{EventSource, KernelControl, MainProcess, RecordOutcome};
 use crate::error::Result;
-use crate::vocab::DegradedReason;
+use crate::vocab::{DegradedReason, NodeMode};
 
 /// What the node shows, read after a failed load, to tell its reason.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -76,6 +76,55 @@ pub fn classify(error: &str, facts: &NodeFacts) -> DegradedReason {
         return DegradedReason::KernelUnsupported;
     }
     DegradedReason::LoadFailed
+}
+
+/// The degraded reasons an operator expects (`--degraded-ok`): a node degraded for one of them
+/// is ready; one degraded for any other is not, so that a DaemonSet rollout that degrades its
+/// nodes stops at the first ones. The node is served degraded either way.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpectedDegraded(Vec<DegradedReason>);
+
+/// `--degraded-ok`'s default: the reasons that are properties of a node's kernel, which the
+/// operator chose with the node pool and no release of valet can cause (a kernel built without
+/// BTF, a kernel locked down by its boot). The others may come from a release itself (programs a
+/// kernel's verifier rejects, a manifest whose privileges or mounts no longer let BPF load, a
+/// map too large for a memlock limit), which is what a rollout must not carry to every node.
+pub const DEFAULT_DEGRADED_OK: &str = "no_btf,lockdown";
+
+impl ExpectedDegraded {
+    /// From `--degraded-ok`'s comma-separated words: `valet_node_info` reason labels, `all`
+    /// (every reason), or nothing / `none` (no reason: any degraded node is not ready).
+    pub fn parse(words: &[String]) -> std::result::Result<ExpectedDegraded, String> {
+        let mut reasons = Vec::new();
+        for word in words.iter().map(|w| w.trim()).filter(|w| !w.is_empty() && *w != "none") {
+            if word == "all" {
+                reasons.extend(DegradedReason::ALL);
+                continue;
+            }
+            match DegradedReason::ALL.into_iter().find(|r| r.as_str() == word) {
+                Some(r) => reasons.push(r),
+                None => {
+                    let known: Vec<&str> = DegradedReason::ALL.iter().map(DegradedReason::as_str).collect();
+                    return Err(format!("unknown reason {word:?} (known: {}, all, none)", known.join(", ")));
+                }
+            }
+        }
+        reasons.sort_by_key(|r| r.as_str());
+        reasons.dedup();
+        Ok(ExpectedDegraded(reasons))
+    }
+
+    /// Why a node served in `mode` must not be ready, if it must not: it degraded for a reason
+    /// not expected. The words go to `/readyz` and the log.
+    pub fn unready(&self, mode: NodeMode) -> Option<String> {
+        let NodeMode::Degraded(reason) = mode else { return None };
+        if self.0.contains(&reason) {
+            return None;
+        }
+        let expected: Vec<&str> = self.0.iter().map(DegradedReason::as_str).collect();
+        let expected = if expected.is_empty() { "none".to_owned() } else { expected.join(",") };
+        Some(format!("degraded for a reason not expected: {reason} ({}); --degraded-ok={expected}", reason.explain()))
+    }
 }
 
 /// The kernel side of a degraded node: nothing is watched, recorded or held. Every call
@@ -212,6 +261,43 @@ impl EventSource for NodeEvents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn words(text: &str) -> Vec<String> {
+        text.split(',').map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn a_node_degraded_for_a_reason_not_expected_is_not_ready() {
+        let default = ExpectedDegraded::parse(&words(DEFAULT_DEGRADED_OK)).expect("the default parses");
+        assert_eq!(default.unready(NodeMode::Kernel), None, "the kernel path is always ready");
+        for expected in [DegradedReason::NoBtf, DegradedReason::Lockdown] {
+            assert_eq!(default.unready(NodeMode::Degraded(expected)), None, "{expected} is a node's kernel");
+        }
+        for r in
+            DegradedReason::ALL.into_iter().filter(|r| !matches!(r, DegradedReason::NoBtf | DegradedReason::Lockdown))
+        {
+            let why = default.unready(NodeMode::Degraded(r)).unwrap_or_else(|| panic!("{r} is ready by default"));
+            assert!(why.contains(r.as_str()) && why.contains(r.explain()), "{why}");
+            assert!(why.contains("--degraded-ok=lockdown,no_btf"), "{why}");
+        }
+
+        // Every reason, or none at all.
+        let all = ExpectedDegraded::parse(&words("all")).expect("all");
+        assert!(DegradedReason::ALL.into_iter().all(|r| all.unready(NodeMode::Degraded(r)).is_none()));
+        for none in ["", "none", " , none"] {
+            let none = ExpectedDegraded::parse(&words(none)).expect("none");
+            let why = none.unready(NodeMode::Degraded(DegradedReason::NoBtf)).expect("not ready");
+            assert!(why.ends_with("--degraded-ok=none"), "{why}");
+            assert_eq!(none.unready(NodeMode::Kernel), None);
+        }
+        // An operator who knows a pool of old kernels and its seccomp profile.
+        let pool = ExpectedDegraded::parse(&words(" kernel_unsupported,bpf_denied,kernel_unsupported")).expect("ok");
+        assert_eq!(pool.unready(NodeMode::Degraded(DegradedReason::BpfDenied)), None);
+        assert!(pool.unready(NodeMode::Degraded(DegradedReason::NoBtf)).is_some());
+        // A word that is no reason is a clear error, never a guess.
+        let err = ExpectedDegraded::parse(&words("no_btf,nobtf")).expect_err("unknown");
+        assert!(err.contains("\"nobtf\"") && err.contains("no_btf, lockdown"), "{err}");
+    }
 
     fn facts() -> NodeFacts {
         NodeFacts { btf_present: true, lockdown: Some("none".into()), tracefs: true }

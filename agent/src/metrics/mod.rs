@@ -139,6 +139,7 @@ pub struct Metrics {
     pub started_before_ready: Family<ObservedLabels, Counter>,
     pub waiting_longest: Family<ObservedLabels, Gauge<f64, AtomicU64>>,
     pub startup_tax: Family<ObservedLabels, Histogram, fn() -> Histogram>,
+    pub app_start: Family<ObservedLabels, Histogram, fn() -> Histogram>,
     pub classic_on_native: Family<NamespaceLabels, Counter>,
     pub uncounted: Family<ReasonLabels, Counter>,
 }
@@ -153,6 +154,12 @@ fn tax_histogram() -> Histogram {
 /// 1 s in Istio's template and 10 s by default, and API times are whole seconds.
 fn startup_tax_histogram() -> Histogram {
     Histogram::new([0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0])
+}
+
+/// The apps' own start, from half a second (a cached image) to half an hour (a large image over
+/// a slow registry).
+fn app_start_histogram() -> Histogram {
+    Histogram::new([0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0])
 }
 
 /// Hold buckets from 50 µs to an hour: a released hold takes milliseconds, a hold that fails
@@ -208,6 +215,7 @@ impl Metrics {
             started_before_ready: Family::default(),
             waiting_longest: Family::default(),
             startup_tax: Family::new_with_constructor(startup_tax_histogram),
+            app_start: Family::new_with_constructor(app_start_histogram),
             classic_on_native: Family::default(),
             uncounted: Family::default(),
         };
@@ -304,7 +312,7 @@ impl Metrics {
         registry.register(
             "sidecar_tax_seconds",
             "From a pod's apps' end to its last sidecar's end, observed when the sidecars end \
-             (acted: valet quit one of them; sidecar_mode: native or classic sidecars)",
+             (acted: valet quit or signalled one of them; sidecar_mode: native or classic sidecars)",
             Declared(m.sidecar_tax.clone()),
         );
         registry.register(
@@ -320,8 +328,15 @@ impl Metrics {
         );
         registry.register(
             "sidecar_startup_tax_seconds",
-            "From a native proxy's readiness (found by asking it) to its pod's first app start",
+            "What a native proxy cost its pod's start: from its readiness (found by asking it) to the \
+             kubelet's move to the apps (the pod's Initialized condition)",
             Declared(m.startup_tax.clone()),
+        );
+        registry.register(
+            "app_container_start_seconds",
+            "Pods with a native proxy: from the kubelet's move to the apps (the pod's Initialized \
+             condition) to the first app's start (its image pull, container creation and start)",
+            Declared(m.app_start.clone()),
         );
         registry.register(
             "classic_sidecar_pods_on_native_node",
@@ -611,6 +626,7 @@ mod tests {
                 "valet_app_started_before_proxy_ready_total",
                 "valet_pods_waiting_longest_seconds",
                 "valet_sidecar_startup_tax_seconds",
+                "valet_app_container_start_seconds",
                 "valet_classic_sidecar_pods_on_native_node_total",
                 "valet_observe_uncounted_total",
             ]

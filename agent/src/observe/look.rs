@@ -1,9 +1,11 @@
 //! What one pod's API object shows about its sidecars' cost: whether its apps ended while a
-//! sidecar still runs, when they ended, when the last sidecar ended, which apps have started and
-//! whether the kubelet already reported the proxy ready. Pure functions over the Pod object.
+//! sidecar still runs, when they ended, when the last sidecar ended, which apps have started,
+//! when the kubelet moved on to them, and whether it already reported the proxy ready. Pure
+//! functions over the Pod object.
 //!
-//! Times come from the kubelet's container statuses (`finishedAt`, whole seconds): the observer
-//! must not need the kernel path, which only pods valet acts on have.
+//! Times come from the kubelet's container statuses (`startedAt`, `finishedAt`) and conditions
+//! (`lastTransitionTime`), all whole seconds: the observer must not need the kernel path, which
+//! only pods valet acts on have.
 
 use std::collections::BTreeSet;
 
@@ -127,6 +129,16 @@ pub struct Look {
     pub apps_running: BTreeSet<String>,
     /// The earliest start of an app container the API shows (`startedAt`, whole seconds).
     pub apps_first_started: Option<DateTime<Utc>>,
+    /// When the kubelet moved on to the apps: the pod's `Initialized` condition turned True
+    /// (its `lastTransitionTime`, whole seconds). The kubelet's `GeneratePodInitializedCondition`
+    /// makes it True once every regular init container has succeeded and every native sidecar
+    /// has `started` (passed its startupProbe); its status manager stamps the time when it sets
+    /// the status at the top of the pod's sync, before that sync pulls, creates and starts the
+    /// app containers. None while False or absent.
+    pub initialized_at: Option<DateTime<Utc>>,
+    /// A run-to-completion init container is declared after the native proxy: it runs between
+    /// the proxy's readiness and the kubelet's move to the apps, so that wait is not the proxy's.
+    pub init_after_proxy: bool,
     /// The first sidecar with a readiness endpoint (a regular one first): its name and endpoint.
     pub proxy: Option<(String, Endpoint)>,
     /// The kubelet reports that proxy ready.
@@ -173,6 +185,13 @@ fn started_at(s: &ContainerStatus) -> Option<DateTime<Utc>> {
     let state = s.state.as_ref()?;
     let at = state.running.as_ref().and_then(|r| r.started_at.as_ref());
     to_utc(&at.or_else(|| state.terminated.as_ref().and_then(|t| t.started_at.as_ref()))?.0)
+}
+
+/// When the pod's `Initialized` condition turned True, if it is True.
+fn initialized_at(pod: &Pod) -> Option<DateTime<Utc>> {
+    let conditions = pod.status.as_ref()?.conditions.as_ref()?;
+    let initialized = conditions.iter().find(|c| c.type_ == "Initialized" && c.status == "True")?;
+    to_utc(&initialized.last_transition_time.as_ref()?.0)
 }
 
 fn running(s: Option<&ContainerStatus>) -> bool {
@@ -250,6 +269,10 @@ pub fn look(pod: &Pod, defaults: &SidecarDefaults) -> Result<Option<Look>, SpecE
             None => (None, None),
         },
     };
+    // Only a native proxy's startup is measured (a classic one starts beside the apps).
+    let init_after_proxy = proxy.as_ref().is_some_and(|(name, _)| {
+        plan.init_containers.iter().skip_while(|c| *c != name).skip(1).any(|c| !plan.native_sidecars.contains(c))
+    });
     let mesh_classic = classic.iter().any(|s| matches!(s.kind, SidecarKind::Istio | SidecarKind::Linkerd));
     let native_running = plan.native_sidecars.iter().any(|n| running(init_status(pod, n)));
     Ok(Some(Look {
@@ -264,6 +287,8 @@ pub fn look(pod: &Pod, defaults: &SidecarDefaults) -> Result<Option<Look>, SpecE
         apps_started,
         apps_running,
         apps_first_started,
+        initialized_at: initialized_at(pod),
+        init_after_proxy,
         proxy,
         proxy_ready: proxy_status.is_some_and(|s| s.ready),
         proxy_running: running(proxy_status),
@@ -418,6 +443,42 @@ pub(crate) mod tests {
         let mut p = native_pod(waiting(), running(), false);
         p.spec.as_mut().expect("spec").init_containers.as_mut().expect("init")[1].name = "log-shipper".into();
         assert_eq!(look(&p, &d), Ok(None));
+    }
+
+    /// `native_pod` whose `Initialized` condition is `status`, turned so at `at`.
+    pub fn initialized(mut p: Pod, status: &str, at: &str) -> Pod {
+        let condition = json!({"type": "Initialized", "status": status, "lastTransitionTime": at});
+        let conditions = vec![
+            serde_json::from_value(json!({"type": "PodScheduled", "status": "True",
+                                          "lastTransitionTime": "2026-01-01T00:00:00Z"}))
+            .expect("condition"),
+            serde_json::from_value(condition).expect("condition"),
+        ];
+        p.status.as_mut().expect("status").conditions = Some(conditions);
+        p
+    }
+
+    #[test]
+    fn the_kubelets_move_to_the_apps_is_its_initialized_condition() {
+        let d = SidecarDefaults::default();
+        let l = look(&native_pod(waiting(), running(), false), &d).expect("ok").expect("observed");
+        assert_eq!(l.initialized_at, None, "no condition yet");
+        let p = initialized(native_pod(waiting(), running(), false), "False", "2026-01-01T00:00:01Z");
+        assert_eq!(look(&p, &d).expect("ok").expect("observed").initialized_at, None, "not initialized");
+        let p = initialized(native_pod(waiting(), running(), true), "True", "2026-01-01T00:00:03Z");
+        let l = look(&p, &d).expect("ok").expect("observed");
+        assert_eq!(l.initialized_at, Some(at("2026-01-01T00:00:03Z")));
+        assert!(!l.init_after_proxy, "istio-validation runs before the proxy");
+
+        // A migration declared after the proxy runs between its readiness and the apps.
+        let mut p = native_pod(waiting(), running(), false);
+        let init = p.spec.as_mut().expect("spec").init_containers.as_mut().expect("init");
+        init.push(serde_json::from_value(json!({"name": "migrate"})).expect("container"));
+        assert!(look(&p, &d).expect("ok").expect("observed").init_after_proxy);
+        // Another native sidecar after it does not run to completion: still measured.
+        let init = p.spec.as_mut().expect("spec").init_containers.as_mut().expect("init");
+        init[2] = serde_json::from_value(json!({"name": "logs", "restartPolicy": "Always"})).expect("container");
+        assert!(!look(&p, &d).expect("ok").expect("observed").init_after_proxy);
     }
 
     #[test]

@@ -4,9 +4,10 @@
 //! bytes per pod with a sidecar valet knows. It never acts: no quit, no hold, no condition, no
 //! Event. It exports how many pods wait on their sidecars now and for how long, the sidecar tax
 //! (apps' end → last sidecar's end, from the kubelet's container statuses, classic and native
-//! sidecars apart), the startup tax of native proxies (readiness → the first app's start), the
-//! pods a mesh gave classic sidecars on a node that runs native ones, and how often an app
-//! started before its proxy was ready.
+//! sidecars apart), the startup tax of native proxies (readiness → the kubelet's move to the
+//! apps, its `Initialized` condition) apart from the apps' own start after it (their image pull,
+//! creation and start), the pods a mesh gave classic sidecars on a node that runs native ones,
+//! and how often an app started before its proxy was ready.
 //!
 //! For the race it asks the proxy once, when the API first shows an app running while the
 //! kubelet did not yet report the proxy ready, and counts the app once the proxy, not ready
@@ -274,6 +275,7 @@ impl Observer {
                 let observed = ObservedLabels { namespace: namespace.clone(), owner_kind };
                 m.started_before_ready.remove(&observed);
                 m.startup_tax.remove(&observed);
+                m.app_start.remove(&observed);
                 m.waiting_longest.remove(&observed);
                 for acted in ["true", "false"] {
                     for sidecar_mode in SidecarMode::ALL.map(SidecarMode::as_str) {
@@ -347,6 +349,7 @@ impl Observer {
                     }
                 }
                 Note::StartupTax { key, seconds } => m.startup_tax.get_or_create(&observed(&key)).observe(seconds),
+                Note::AppStart { key, seconds } => m.app_start.get_or_create(&observed(&key)).observe(seconds),
                 Note::ClassicOnNative(key) => {
                     m.classic_on_native.get_or_create(&NamespaceLabels { namespace: key.namespace }).inc();
                 }
@@ -363,7 +366,7 @@ fn observed(key: &PodKey) -> ObservedLabels {
 mod tests {
     use std::sync::{Mutex, PoisonError};
 
-    use super::look::tests::{ended, native_pod, pod, running, started, waiting};
+    use super::look::tests::{ended, initialized, native_pod, pod, running, started, waiting};
     use super::*;
 
     /// Answers every question with `answer`.
@@ -555,12 +558,24 @@ mod tests {
         }
         assert!(o.watches.is_empty(), "asked once, answered ready");
         assert_eq!(probe.asked.lock().expect("lock").first().map(|a| a.1), Some(15021));
-        let start = (Utc::now() + chrono::TimeDelta::seconds(3)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
-        o.on_watch(watcher::Event::Apply(on_node(native_pod(started(&start), running(), true))));
+        // The kubelet moves on to the app 3 s after the answer (its startupProbe's period), and
+        // the app's image takes a minute to pull.
+        let secs = |from_now: i64| {
+            (Utc::now() + chrono::TimeDelta::seconds(from_now)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+        };
+        let (moved, start) = (secs(3), secs(63));
+        o.on_watch(watcher::Event::Apply(on_node(initialized(native_pod(waiting(), running(), true), "True", &moved))));
         let text = exposition(&m);
         assert!(text.contains(&format!("valet_sidecar_startup_tax_seconds_count{{{LABELS}}} 1")), "{text}");
-        // At least the 2 s between the answer and the start (whole seconds, truncated).
+        // At least the 2 s between the answer and the move (whole seconds, truncated).
         assert!(text.contains(&format!("valet_sidecar_startup_tax_seconds_bucket{{le=\"1.0\",{LABELS}}} 0")), "{text}");
+        assert!(text.contains(&format!("valet_sidecar_startup_tax_seconds_bucket{{le=\"5.0\",{LABELS}}} 1")), "{text}");
+        assert!(!text.contains("valet_app_container_start_seconds_count{"), "the app has not started: {text}");
+        let app = initialized(native_pod(started(&start), running(), true), "True", &moved);
+        o.on_watch(watcher::Event::Apply(on_node(app)));
+        let text = exposition(&m);
+        assert!(text.contains(&format!("valet_sidecar_startup_tax_seconds_count{{{LABELS}}} 1")), "once: {text}");
+        assert!(text.contains(&format!("valet_app_container_start_seconds_sum{{{LABELS}}} 60.0")), "the pull: {text}");
 
         o.on_watch(watcher::Event::Apply(on_node(native_pod(ended("2026-01-01T00:01:00Z"), running(), true))));
         let done = native_pod(ended("2026-01-01T00:01:00Z"), ended("2026-01-01T00:01:06Z"), false);

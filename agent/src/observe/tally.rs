@@ -51,7 +51,7 @@ impl Uncounted {
 pub enum Note {
     /// The pod started (+1) or stopped (-1) waiting on its sidecars.
     Waiting(PodKey, i64),
-    /// The pod's sidecars ended this long after its apps (valet quit one: `acted`).
+    /// The pod's sidecars ended this long after its apps (valet quit or signalled one: `acted`).
     Tax { key: PodKey, seconds: f64, acted: bool },
     /// Apps started while the kubelet did not report the proxy ready: ask the proxy once whether
     /// it is ready now, and give the answer to [`Tally::probe_answered`].
@@ -62,12 +62,17 @@ pub enum Note {
     /// Seen, not counted.
     Uncounted(Uncounted),
     /// A native proxy runs and no app has started: ask it until it is ready and give the moment
-    /// to [`Tally::proxy_ready_at`] (the startup tax runs from then to the app's start).
+    /// to [`Tally::proxy_ready_at`] (the startup tax runs from then to the kubelet's move to the
+    /// apps).
     WatchReady { uid: String, endpoint: Endpoint },
     /// Stop asking that proxy (its app started, it ended, or the pod went).
     Unwatch { uid: String },
-    /// From the native proxy's readiness to its pod's first app start.
+    /// What the native proxy cost the apps' start: from its readiness to the kubelet's move to
+    /// the apps (the pod's `Initialized` condition).
     StartupTax { key: PodKey, seconds: f64 },
+    /// What the apps' own start cost after that: from the kubelet's move to the apps to the
+    /// first app's `startedAt` (the app's image pull, its container's creation and start).
+    AppStart { key: PodKey, seconds: f64 },
     /// A new pod whose mesh proxy was injected as a regular container, on a node where native
     /// sidecars run.
     ClassicOnNative(PodKey),
@@ -115,15 +120,19 @@ impl Race {
     }
 }
 
-/// The native proxy's startup, for the startup tax.
+/// The native proxy's startup, for the startup tax and the apps' own start after it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Startup {
-    /// Not measured: not native, or an app had started (or the proxy was ready) at first sight.
+    /// Not measured: not native, an app had started (or the proxy was ready) at first sight, or a
+    /// run-to-completion init container follows the proxy.
     Unmeasured,
     /// Its proxy is asked until ready.
     Watching,
-    /// Found ready then; taxed at the app's start.
+    /// Found ready then; taxed when the kubelet moves on to the apps.
     Ready(DateTime<Utc>),
+    /// The kubelet moved on to the apps then (the proxy's part taxed); the apps' own start is
+    /// measured from then to the first app's start.
+    Initialized(DateTime<Utc>),
 }
 
 #[derive(Clone, Debug)]
@@ -177,7 +186,7 @@ impl Tally {
         longest
     }
 
-    /// A new look at a pod. `acted`: valet sent one of its sidecars a quit.
+    /// A new look at a pod. `acted`: valet sent one of its sidecars a quit or a signal.
     pub fn look(&mut self, look: Look, acted: bool) -> Vec<Note> {
         let mut notes = Vec::new();
         self.native_node |= look.native_running;
@@ -208,6 +217,8 @@ impl Tally {
             && look.mode == SidecarMode::Native
             && look.apps_started.is_empty()
             && !look.proxy_ready
+            && look.initialized_at.is_none()
+            && !look.init_after_proxy
             && let Some((_, endpoint)) = &look.proxy
         {
             seen.startup = Startup::Watching;
@@ -313,6 +324,12 @@ impl Seen {
     }
 
     fn startup_look(&mut self, look: &Look, notes: &mut Vec<Note>) {
+        // The kubelet moved on to the apps: what the proxy cost ends here (a proxy found ready
+        // after that, in the same second, cost nothing).
+        if let (Startup::Ready(ready), Some(initialized)) = (&self.startup, look.initialized_at) {
+            notes.push(Note::StartupTax { key: self.key.clone(), seconds: seconds_between(*ready, initialized) });
+            self.startup = Startup::Initialized(initialized);
+        }
         let Some(started) = look.apps_first_started else {
             if self.startup == Startup::Watching && !look.proxy_running && look.sidecars_ended.is_some() {
                 self.startup = Startup::Unmeasured;
@@ -321,9 +338,12 @@ impl Seen {
             return;
         };
         match std::mem::replace(&mut self.startup, Startup::Unmeasured) {
-            Startup::Ready(ready) => {
-                notes.push(Note::StartupTax { key: self.key.clone(), seconds: seconds_between(ready, started) });
+            Startup::Initialized(initialized) => {
+                notes.push(Note::AppStart { key: self.key.clone(), seconds: seconds_between(initialized, started) });
             }
+            // An app started with no `Initialized` condition True: nothing tells where the
+            // proxy's part ends and the app's begins, so neither is measured.
+            Startup::Ready(_) => {}
             // The app started before the proxy answered ready: not measured.
             Startup::Watching => notes.push(Note::Unwatch { uid: look.uid.clone() }),
             Startup::Unmeasured => {}
@@ -570,17 +590,43 @@ mod tests {
         assert_eq!(notes, [Note::Waiting(k.clone(), -1), Note::Tax { key: k, seconds: 6.0, acted: false }]);
     }
 
+    /// `native`, with the pod's `Initialized` condition True since `at`.
+    fn native_initialized(app: serde_json::Value, proxy: serde_json::Value, ready: bool, at: &str) -> Look {
+        let p = initialized(native_pod(app, proxy, ready), "True", at);
+        look(&p, &SidecarDefaults::default()).expect("ok").expect("observed")
+    }
+
     #[test]
-    fn the_startup_tax_runs_from_the_native_proxys_readiness_to_the_apps_start() {
+    fn the_startup_tax_runs_from_the_native_proxys_readiness_to_the_kubelets_move_to_the_apps() {
         let mut t = Tally::new(true, 50);
         let k = PodKey { mode: SidecarMode::Native, ..key() };
         let notes = t.look(native(waiting(), running(), false), false);
         assert!(matches!(&notes[..], [Note::WatchReady { uid, endpoint }] if uid == "u1" && endpoint.port == 15021));
         t.proxy_ready_at("u1", time("2026-01-01T00:00:02.300Z"));
-        // The kubelet's startupProbe (10 s by default) let the app start at 00:00:12.
-        let notes = t.look(native(started("2026-01-01T00:00:12Z"), running(), true), false);
-        assert_eq!(notes, [Note::StartupTax { key: k, seconds: 9.7 }]);
-        assert_eq!(t.look(native(started("2026-01-01T00:00:12Z"), running(), true), false), [], "once");
+        // The kubelet's startupProbe (10 s by default) passed at 00:00:12: it moved on to the app.
+        let notes = t.look(native_initialized(waiting(), running(), true, "2026-01-01T00:00:12Z"), false);
+        assert_eq!(notes, [Note::StartupTax { key: k.clone(), seconds: 9.7 }]);
+        // The app's image took 40 s to pull: the app's own cost, not the proxy's.
+        let notes =
+            t.look(native_initialized(started("2026-01-01T00:00:52Z"), running(), true, "2026-01-01T00:00:12Z"), false);
+        assert_eq!(notes, [Note::AppStart { key: k.clone(), seconds: 40.0 }]);
+        let again = native_initialized(started("2026-01-01T00:00:52Z"), running(), true, "2026-01-01T00:00:12Z");
+        assert_eq!(t.look(again, false), [], "once");
+
+        // Both seen in one status: both parts at once.
+        let mut t = Tally::new(true, 50);
+        t.look(native(waiting(), running(), false), false);
+        t.proxy_ready_at("u1", time("2026-01-01T00:00:02.300Z"));
+        let notes =
+            t.look(native_initialized(started("2026-01-01T00:00:04Z"), running(), true, "2026-01-01T00:00:03Z"), false);
+        assert_eq!(notes, [Note::StartupTax { key: k.clone(), seconds: 0.7 }, Note::AppStart { key: k, seconds: 1.0 }]);
+
+        // The app started and no Initialized condition says when the kubelet moved on to it:
+        // neither part is measured.
+        let mut t = Tally::new(true, 50);
+        t.look(native(waiting(), running(), false), false);
+        t.proxy_ready_at("u1", time("2026-01-01T00:00:02.300Z"));
+        assert_eq!(t.look(native(started("2026-01-01T00:00:12Z"), running(), true), false), []);
 
         // The app seen started before the proxy answered ready: not measured, the asking stops.
         let mut t = Tally::new(true, 50);
@@ -588,9 +634,16 @@ mod tests {
         let notes = t.look(native(started("2026-01-01T00:00:12Z"), running(), true), false);
         assert_eq!(notes, [Note::Unwatch { uid: "u1".into() }]);
 
-        // Seen first with the app started (an agent restart): nothing asked.
+        // Seen first with the app started (an agent restart), or already initialized: nothing asked.
         let mut t = Tally::new(true, 50);
         assert_eq!(t.look(native(started("2026-01-01T00:00:12Z"), running(), true), false), []);
+        let mut t = Tally::new(true, 50);
+        assert_eq!(t.look(native_initialized(waiting(), running(), true, "2026-01-01T00:00:12Z"), false), []);
+        // A run-to-completion init container after the proxy: its run is neither part.
+        let mut t = Tally::new(true, 50);
+        let mut l = native(waiting(), running(), false);
+        l.init_after_proxy = true;
+        assert_eq!(t.look(l, false), []);
         // Classic pods are not asked: their apps start beside the proxy (the race counter's case).
         let mut t = Tally::new(true, 50);
         assert_eq!(t.look(seen(waiting(), running(), false), false), []);
