@@ -130,7 +130,7 @@ pub struct Config {
         long,
         env = "VALET_SIDECAR_NAMES",
         value_delimiter = ',',
-        default_value = "istio-proxy,linkerd-proxy,cloud-sql-proxy"
+        default_value = "istio-proxy,linkerd-proxy,cloud-sql-proxy,vault-agent,consul-dataplane,kuma-sidecar"
     )]
     pub sidecar_names: Vec<String>,
 
@@ -355,7 +355,8 @@ mod tests {
     fn flags_and_validation() {
         let cfg = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--metrics-addr", "127.0.0.1:0"])
             .expect("parse");
-        assert_eq!(cfg.sidecar_names, ["istio-proxy", "linkerd-proxy", "cloud-sql-proxy"]);
+        // The same names a pod plan falls back on.
+        assert_eq!(cfg.sidecar_names, crate::pod::spec::DEFAULT_SIDECAR_NAMES);
         assert!(cfg.validate().is_ok());
         assert!(Config::try_parse_from(["valet-agent", "--node-name", "n1", "--metrics-addr", "nope"]).is_err());
         assert!(Config::try_parse_from(["valet-agent", "--node-name", "n1", "--quit-timeout", "forever"]).is_err());

@@ -7,14 +7,23 @@
 use std::fmt;
 use std::str::FromStr;
 
-/// The sidecars valet knows how to quit and probe: proxies with known endpoints, any helper with
-/// an HTTP quit endpoint the pod names (`http`), and any helper that ends on a signal (`signal`).
+/// The sidecars valet knows how to quit and probe: proxies and agents with known endpoints (each
+/// one's source is named in docs/sidecars.md), any helper with an HTTP quit endpoint the pod names
+/// (`http`), and any helper that ends on a signal (`signal`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SidecarKind {
     Istio,
     Envoy,
     Linkerd,
     CloudSql,
+    /// Vault Agent as vault-k8s injects it (`vault-agent`).
+    Vault,
+    /// Consul's `consul-dataplane` as consul-k8s injects it.
+    Consul,
+    /// The AlloyDB Auth Proxy.
+    AlloyDb,
+    /// Kuma's `kuma-sidecar` (kuma-dp).
+    Kuma,
     Http,
     Signal,
 }
@@ -33,11 +42,15 @@ impl Endpoint {
 }
 
 impl SidecarKind {
-    pub const ALL: [SidecarKind; 6] = [
+    pub const ALL: [SidecarKind; 10] = [
         SidecarKind::Istio,
         SidecarKind::Envoy,
         SidecarKind::Linkerd,
         SidecarKind::CloudSql,
+        SidecarKind::Vault,
+        SidecarKind::Consul,
+        SidecarKind::AlloyDb,
+        SidecarKind::Kuma,
         SidecarKind::Http,
         SidecarKind::Signal,
     ];
@@ -49,21 +62,31 @@ impl SidecarKind {
             SidecarKind::Envoy => "envoy",
             SidecarKind::Linkerd => "linkerd",
             SidecarKind::CloudSql => "cloudsql",
+            SidecarKind::Vault => "vault",
+            SidecarKind::Consul => "consul",
+            SidecarKind::AlloyDb => "alloydb",
+            SidecarKind::Kuma => "kuma",
             SidecarKind::Http => "http",
             SidecarKind::Signal => "signal",
         }
     }
 
     /// Where the proxy accepts `POST` to exit cleanly (exit code 0); none for the generic kinds
-    /// (`http` takes it from the pod's annotations, `signal` has none).
+    /// (`http` takes it from the pod's annotations, `signal` has none) and for Kuma, whose kuma-dp
+    /// ends on SIGTERM (its Envoy admin sits on a Unix socket by default).
     pub fn quit_endpoint(&self) -> Option<Endpoint> {
         match self {
             // pilot-agent, not Envoy: pilot-agent would restart an Envoy that quit alone.
             SidecarKind::Istio => Some(Endpoint::new(15020, "/quitquitquit")),
             SidecarKind::Envoy => Some(Endpoint::new(15000, "/quitquitquit")),
             SidecarKind::Linkerd => Some(Endpoint::new(4191, "/shutdown")),
-            SidecarKind::CloudSql => Some(Endpoint::new(9091, "/quitquitquit")),
-            SidecarKind::Http | SidecarKind::Signal => None,
+            SidecarKind::CloudSql | SidecarKind::AlloyDb => Some(Endpoint::new(9091, "/quitquitquit")),
+            // The agent's listener (vault-k8s: 127.0.0.1:8200), served with `agent-enable-quit`.
+            SidecarKind::Vault => Some(Endpoint::new(8200, "/agent/v1/quit")),
+            // consul-dataplane's own lifecycle server, not Envoy's admin: with Envoy gone alone,
+            // consul-k8s's liveness probe restarts the container. Port as consul-k8s sets it.
+            SidecarKind::Consul => Some(Endpoint::new(20600, "/graceful_shutdown")),
+            SidecarKind::Kuma | SidecarKind::Http | SidecarKind::Signal => None,
         }
     }
 
@@ -74,11 +97,19 @@ impl SidecarKind {
             SidecarKind::Istio => Some(Endpoint::new(15021, "/healthz/ready")),
             SidecarKind::Envoy => Some(Endpoint::new(15000, "/ready")),
             SidecarKind::Linkerd => Some(Endpoint::new(4191, "/ready")),
-            SidecarKind::CloudSql => Some(Endpoint::new(9090, "/readiness")),
-            SidecarKind::Http | SidecarKind::Signal => None,
+            SidecarKind::CloudSql | SidecarKind::AlloyDb => Some(Endpoint::new(9090, "/readiness")),
+            // Envoy's admin under consul-dataplane (what its `-check-proxy-health` asks).
+            SidecarKind::Consul => Some(Endpoint::new(19000, "/ready")),
+            // kuma-dp's readiness reporter.
+            SidecarKind::Kuma => Some(Endpoint::new(9902, "/ready")),
+            // Vault Agent has no readiness endpoint of its own (its listener proxies to Vault).
+            SidecarKind::Vault | SidecarKind::Http | SidecarKind::Signal => None,
         }
     }
 }
+
+/// Every kind's name, for errors and Events.
+pub const KIND_NAMES: &str = "istio, envoy, linkerd, cloudsql, vault, consul, alloydb, kuma, http, signal";
 
 impl fmt::Display for SidecarKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -86,9 +117,9 @@ impl fmt::Display for SidecarKind {
     }
 }
 
-/// A kind name that is none of `istio`, `envoy`, `linkerd`, `cloudsql`.
+/// A kind name valet does not know.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("unknown sidecar kind {0:?} (valet knows istio, envoy, linkerd, cloudsql, http, signal)")]
+#[error("unknown sidecar kind {0:?} (valet knows {KIND_NAMES})")]
 pub struct UnknownKind(pub String);
 
 /// Parses a kind name. ASCII case and surrounding spaces are ignored (`Istio` is `istio`): the

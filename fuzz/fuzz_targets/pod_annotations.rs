@@ -13,7 +13,7 @@ use libfuzzer_sys::fuzz_target;
 use valet_agent::pod::spec::{SidecarDefaults, plan};
 
 /// Key prefixes the fuzzer picks from, so that it reaches every annotation valet reads.
-const PREFIXES: [&str; 13] = [
+const PREFIXES: [&str; 15] = [
     "",
     "valet.dev/",
     "valet.dev/sidecars",
@@ -27,8 +27,20 @@ const PREFIXES: [&str; 13] = [
     "valet.dev/hold-timeout",
     "status.sidecar.istio.io/port",
     "proxy.istio.io/config",
+    "vault.hashicorp.com/agent-enable-quit",
+    "vault.hashicorp.com/agent-cache-listener-port",
 ];
-const NAMES: [&str; 5] = ["app", "istio-proxy", "linkerd-proxy", "cloud-sql-proxy", "envoy"];
+const NAMES: [&str; 9] = [
+    "app",
+    "istio-proxy",
+    "linkerd-proxy",
+    "cloud-sql-proxy",
+    "envoy",
+    "vault-agent",
+    "consul-dataplane",
+    "kuma-sidecar",
+    "alloydb-auth-proxy",
+];
 const POLICIES: [Option<&str>; 4] = [None, Some("Never"), Some("OnFailure"), Some("Always")];
 
 #[derive(Arbitrary, Debug)]

@@ -29,7 +29,7 @@ pub struct ExitLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct QuitLabels {
-    /// Sidecar kind: istio, envoy, linkerd, cloudsql.
+    /// Sidecar kind (`SidecarKind::as_str`).
     pub kind: &'static str,
     /// ok, or a failure label (refused, timeout, rejected, no_netns, ...).
     pub result: &'static str,

@@ -9,14 +9,14 @@ use std::time::Duration;
 
 pub use super::restart::RestartPolicy;
 use super::restart::{self, AfterExit, ContainerRestart, ExitOutcome};
-pub use crate::vocab::{Endpoint, Sidecar, SidecarKind, UnknownKind};
+pub use crate::vocab::{Endpoint, KIND_NAMES, Sidecar, SidecarKind, UnknownKind};
 use k8s_openapi::api::core::v1::{Container, Pod};
 
 /// Every valet annotation lives under this prefix; unknown keys under it are errors.
 pub const ANNOTATION_PREFIX: &str = "valet.dev/";
 /// Comma-separated container names: the pod's sidecars, replacing the agent's default names.
 pub const SIDECARS: &str = "valet.dev/sidecars";
-/// `istio|envoy|linkerd|cloudsql|http|signal` for one container (suffix: the container name).
+/// One of [`KIND_NAMES`] for one container (suffix: the container name).
 pub const SIDECAR_KIND_PREFIX: &str = "valet.dev/sidecar-kind.";
 /// Port of one sidecar's quit endpoint (suffix: the container name).
 pub const QUIT_PORT_PREFIX: &str = "valet.dev/quit-port.";
@@ -36,6 +36,10 @@ pub const HOLD_TIMEOUT: &str = "valet.dev/hold-timeout";
 pub const ISTIO_STATUS_PORT: &str = "status.sidecar.istio.io/port";
 /// Istio's per-pod ProxyConfig (YAML).
 pub const ISTIO_PROXY_CONFIG: &str = "proxy.istio.io/config";
+/// vault-k8s: the injected agent serves `/agent/v1/quit` only when this is true.
+pub const VAULT_ENABLE_QUIT: &str = "vault.hashicorp.com/agent-enable-quit";
+/// vault-k8s: the port of the agent's listener (127.0.0.1), which serves the quit.
+pub const VAULT_LISTENER_PORT: &str = "vault.hashicorp.com/agent-cache-listener-port";
 
 pub const DEFAULT_HOLD_TIMEOUT: Duration = Duration::from_secs(120);
 const MIN_HOLD_TIMEOUT: Duration = Duration::from_secs(1);
@@ -86,6 +90,10 @@ pub struct PodPlan {
     pub runtime_class: Option<String>,
 }
 
+/// The injected sidecars' container names valet knows by default (`--sidecar-names`).
+pub const DEFAULT_SIDECAR_NAMES: [&str; 6] =
+    ["istio-proxy", "linkerd-proxy", "cloud-sql-proxy", "vault-agent", "consul-dataplane", "kuma-sidecar"];
+
 /// The agent-wide defaults a pod's annotations can override.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SidecarDefaults {
@@ -97,10 +105,7 @@ pub struct SidecarDefaults {
 
 impl Default for SidecarDefaults {
     fn default() -> SidecarDefaults {
-        SidecarDefaults {
-            names: ["istio-proxy", "linkerd-proxy", "cloud-sql-proxy"].map(String::from).to_vec(),
-            hold_timeout: DEFAULT_HOLD_TIMEOUT,
-        }
+        SidecarDefaults { names: DEFAULT_SIDECAR_NAMES.map(String::from).to_vec(), hold_timeout: DEFAULT_HOLD_TIMEOUT }
     }
 }
 
@@ -111,13 +116,11 @@ pub enum SpecError {
     InvalidPod { field: &'static str, why: String },
     #[error("annotation {key}={value:?}: {why}")]
     MalformedAnnotation { key: String, value: String, why: String },
-    #[error(
-        "annotation {key}={value:?}: unknown sidecar kind (valet knows istio, envoy, linkerd, cloudsql, http, signal)"
-    )]
+    #[error("annotation {key}={value:?}: unknown sidecar kind (valet knows {KIND_NAMES})")]
     UnknownSidecarKind { key: String, value: String },
     #[error(
         "cannot tell which proxy sidecar {container:?} runs (image {image:?}); \
-         set the annotation {key} to istio, envoy, linkerd, cloudsql, http or signal"
+         set the annotation {key} to one of {KIND_NAMES}"
     )]
     UndeterminedSidecarKind { container: String, image: String, key: String },
     #[error("annotation {key}={value:?}: container {container:?} {why}")]
@@ -440,7 +443,8 @@ fn sidecar<'a>(
             let port = port(key, value)?;
             match (&mut quit, kind) {
                 (Some(q), _) => q.port = port,
-                (None, SidecarKind::Http) => quit = Some(Endpoint::new(port, "/quitquitquit")),
+                // Kuma: Envoy's admin, where it listens on TCP (`envoyAdminUnixSocket: false`).
+                (None, SidecarKind::Http | SidecarKind::Kuma) => quit = Some(Endpoint::new(port, "/quitquitquit")),
                 (None, _) => return Err(SpecError::malformed(key, value, "a signal sidecar has no quit port")),
             }
         }
@@ -459,6 +463,26 @@ fn sidecar<'a>(
                 })?;
             }
         }
+        // vault-k8s: the quit is served on the agent's listener only with its opt-in; without
+        // it the agent's own way out is SIGTERM, on which it exits 0.
+        None if kind == SidecarKind::Vault => match annotations.get(VAULT_ENABLE_QUIT).map(String::as_str) {
+            // What vault-k8s's parseutil.ParseBool (Go's strconv.ParseBool) takes for true.
+            Some("1" | "t" | "T" | "true" | "TRUE" | "True") => {
+                if let (Some(value), Some(q)) = (annotations.get(VAULT_LISTENER_PORT), quit.as_mut()) {
+                    q.port = port(VAULT_LISTENER_PORT, value).map_err(|_| {
+                        SpecError::malformed(
+                            VAULT_LISTENER_PORT,
+                            value,
+                            format!(
+                                "Vault Agent's listener serves /agent/v1/quit and must be 1..=65535 \
+                                 (or set {QUIT_PORT_PREFIX}{name})"
+                            ),
+                        )
+                    })?;
+                }
+            }
+            _ => quit = None,
+        },
         None if kind == SidecarKind::Http => {
             return Err(SpecError::malformed(
                 &format!("{SIDECAR_KIND_PREFIX}{name}"),
@@ -551,6 +575,10 @@ pub(crate) fn kind_from_name(name: &str) -> Option<SidecarKind> {
         "linkerd-proxy" => Some(SidecarKind::Linkerd),
         "cloud-sql-proxy" => Some(SidecarKind::CloudSql),
         "envoy" => Some(SidecarKind::Envoy),
+        "vault-agent" => Some(SidecarKind::Vault),
+        "consul-dataplane" => Some(SidecarKind::Consul),
+        "kuma-sidecar" => Some(SidecarKind::Kuma),
+        "alloydb-auth-proxy" => Some(SidecarKind::AlloyDb),
         _ => None,
     }
 }
@@ -573,6 +601,15 @@ fn kind_from_image(image: &str) -> Option<SidecarKind> {
         Some(SidecarKind::Linkerd)
     } else if any(|c| matches!(c, "cloud-sql-proxy" | "cloudsql-proxy" | "cloud-sql-connectors")) {
         Some(SidecarKind::CloudSql)
+    } else if any(|c| matches!(c, "alloydb-auth-proxy" | "alloydb-connectors")) {
+        Some(SidecarKind::AlloyDb)
+    } else if last == "consul-dataplane" {
+        Some(SidecarKind::Consul)
+    } else if last == "kuma-dp" {
+        Some(SidecarKind::Kuma)
+    } else if last == "vault" && any(|c| c == "hashicorp") {
+        // `hashicorp/vault`: the image vault-k8s runs its agent from.
+        Some(SidecarKind::Vault)
     } else {
         None
     }
@@ -712,6 +749,93 @@ mod tests {
         assert!(p.hold_app);
         assert_eq!(p.hold_timeout, Duration::from_secs(90));
         assert_eq!(p.restart_policy, RestartPolicy::Never);
+    }
+
+    /// A Job pod with an app and one injected sidecar, as its injector names it.
+    fn job_with(sidecar: &str, image: &str, annotations: &[(&str, &str)]) -> Pod {
+        let pod = fixtures::from_json(json!({
+            "metadata": {"name": "job-x", "namespace": "batch", "uid": fixtures::UID},
+            "spec": {"restartPolicy": "Never", "containers": [
+                {"name": "app", "image": "example/app:1"},
+                {"name": sidecar, "image": image}
+            ]}
+        }));
+        fixtures::with_annotations(pod, annotations)
+    }
+
+    /// The sidecars users run in Jobs beside the meshes, by their injected names, each with the
+    /// endpoints its own source documents (docs/sidecars.md names them).
+    #[test]
+    fn vault_consul_alloydb_and_kuma_by_their_injected_names() {
+        let vault_quit = [(VAULT_ENABLE_QUIT, "true")];
+        let cases = [
+            (
+                "vault-agent",
+                "hashicorp/vault:1.18.1",
+                &vault_quit[..],
+                SidecarKind::Vault,
+                endpoint(8200, "/agent/v1/quit"),
+                None,
+            ),
+            (
+                "consul-dataplane",
+                "hashicorp/consul-dataplane:1.6.1",
+                &[],
+                SidecarKind::Consul,
+                endpoint(20600, "/graceful_shutdown"),
+                endpoint(19000, "/ready"),
+            ),
+            ("kuma-sidecar", "docker.io/kumahq/kuma-dp:2.9.3", &[], SidecarKind::Kuma, None, endpoint(9902, "/ready")),
+        ];
+        for (name, image, annotations, kind, quit, ready) in cases {
+            let p = plan_of(&job_with(name, image, annotations));
+            assert_eq!(p.apps, ["app"], "{name}");
+            let s = &p.sidecars[0];
+            assert_eq!((s.name.as_str(), s.kind, &s.quit, &s.ready), (name, kind, &quit, &ready), "{name}");
+            assert_eq!(s.quit_signal, libc::SIGTERM, "{name}");
+        }
+        // The AlloyDB Auth Proxy has no injector, so no default name: listed, it is known by its
+        // binary's name or by its image.
+        for (name, image) in
+            [("alloydb-auth-proxy", "example/any:1"), ("db", "gcr.io/alloydb-connectors/alloydb-auth-proxy:1.13.3")]
+        {
+            let s = plan_of(&job_with(name, image, &[("valet.dev/sidecars", name)])).sidecars.remove(0);
+            assert_eq!(
+                (s.kind, s.quit, s.ready),
+                (SidecarKind::AlloyDb, endpoint(9091, "/quitquitquit"), endpoint(9090, "/readiness"))
+            );
+        }
+    }
+
+    /// vault-k8s serves `/agent/v1/quit` only with `agent-enable-quit`, on the listener port its
+    /// annotation sets; without the opt-in the agent is ended with SIGTERM (it exits 0), never
+    /// with a quit that cannot land. valet's own quit-port annotation still wins.
+    #[test]
+    fn vault_agent_follows_vault_k8s_annotations() {
+        let image = "hashicorp/vault:1.18.1";
+        let quit_of = |annotations: &[(&str, &str)]| {
+            plan_of(&job_with("vault-agent", image, annotations)).sidecars[0].quit.clone()
+        };
+        assert_eq!(quit_of(&[]), None, "no opt-in: SIGTERM");
+        assert_eq!(quit_of(&[(VAULT_ENABLE_QUIT, "false")]), None);
+        assert_eq!(quit_of(&[(VAULT_ENABLE_QUIT, "yes")]), None, "not a Go bool: vault-k8s refuses it too");
+        for yes in ["true", "1", "T", "TRUE"] {
+            assert_eq!(quit_of(&[(VAULT_ENABLE_QUIT, yes)]), endpoint(8200, "/agent/v1/quit"), "{yes}");
+        }
+        assert_eq!(
+            quit_of(&[(VAULT_ENABLE_QUIT, "true"), (VAULT_LISTENER_PORT, "8100")]),
+            endpoint(8100, "/agent/v1/quit")
+        );
+        assert_eq!(
+            quit_of(&[(VAULT_LISTENER_PORT, "8100"), ("valet.dev/quit-port.vault-agent", "8300")]),
+            endpoint(8300, "/agent/v1/quit"),
+            "valet's annotation says the quit is served"
+        );
+        let e = err_of(&job_with("vault-agent", image, &[(VAULT_ENABLE_QUIT, "true"), (VAULT_LISTENER_PORT, "0")]));
+        assert!(matches!(&e, SpecError::MalformedAnnotation { key, .. } if key == VAULT_LISTENER_PORT), "{e}");
+        // Kuma: kuma-dp ends on SIGTERM; where Envoy's admin listens on TCP, it can be named.
+        let kuma = job_with("kuma-sidecar", "kumahq/kuma-dp:2.9.3", &[("valet.dev/quit-port.kuma-sidecar", "9901")]);
+        assert_eq!(plan_of(&kuma).sidecars[0].quit, endpoint(9901, "/quitquitquit"));
     }
 
     #[test]
@@ -916,6 +1040,12 @@ mod tests {
             ("cr.l5d.io/linkerd/proxy-init:v2.4.0", None),
             ("gcr.io/cloud-sql-connectors/cloud-sql-proxy:2.11.0", Some(SidecarKind::CloudSql)),
             ("example.com/tools/cloudsql-proxy:1", Some(SidecarKind::CloudSql)),
+            ("gcr.io/alloydb-connectors/alloydb-auth-proxy:1.13.3", Some(SidecarKind::AlloyDb)),
+            ("hashicorp/consul-dataplane:1.6.1", Some(SidecarKind::Consul)),
+            ("docker.io/kumahq/kuma-dp:2.9.3", Some(SidecarKind::Kuma)),
+            ("docker.io/hashicorp/vault:1.18.1", Some(SidecarKind::Vault)),
+            ("example.com/vault:1", None),
+            ("hashicorp/consul:1.20", None),
             ("busybox:1.36", None),
             ("nginx", None),
             ("", None),
@@ -933,9 +1063,14 @@ mod tests {
             assert_eq!(format!(" {kind} ").parse(), Ok(kind));
             let paths = [kind.quit_endpoint(), kind.ready_endpoint()].into_iter().flatten();
             assert!(paths.map(|e| e.path).all(|p| p.starts_with('/')));
-            assert_eq!(kind.quit_endpoint().is_none(), matches!(kind, SidecarKind::Http | SidecarKind::Signal));
+            assert_eq!(
+                kind.quit_endpoint().is_none(),
+                matches!(kind, SidecarKind::Http | SidecarKind::Signal | SidecarKind::Kuma)
+            );
+            assert!(KIND_NAMES.split(", ").any(|n| n == kind.as_str()), "{kind} in {KIND_NAMES}");
         }
-        for bad in ["", "istio-proxy", "cloud-sql", "consul"] {
+        assert_eq!(KIND_NAMES.split(", ").count(), SidecarKind::ALL.len());
+        for bad in ["", "istio-proxy", "cloud-sql", "consul-dataplane", "vault-agent"] {
             assert_eq!(bad.parse::<SidecarKind>(), Err(UnknownKind(bad.into())), "{bad:?}");
         }
         assert_eq!(SidecarKind::Envoy.quit_endpoint(), endpoint(15000, "/quitquitquit"));
@@ -977,7 +1112,7 @@ mod tests {
             (SIDECARS, "istio-proxy,", "MalformedAnnotation"),
             (SIDECARS, "", "MalformedAnnotation"),
             (SIDECARS, "istio-proxy, istio-proxy", "MalformedAnnotation"),
-            ("valet.dev/sidecar-kind.istio-proxy", "consul", "UnknownSidecarKind"),
+            ("valet.dev/sidecar-kind.istio-proxy", "kong", "UnknownSidecarKind"),
             ("valet.dev/sidecar-kind.istio-proxy", "", "UnknownSidecarKind"),
             (SIDECARS, "istio-proxy,missing", "UnknownSidecar"),
             (SIDECARS, "istio-init", "UnknownSidecar"),

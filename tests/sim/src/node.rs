@@ -1176,6 +1176,10 @@ fn default_image(name: &str) -> String {
         "linkerd-proxy" => "cr.l5d.io/linkerd/proxy:edge-25.4.1".into(),
         "cloud-sql-proxy" => "gcr.io/cloud-sql-connectors/cloud-sql-proxy:2.15.0".into(),
         "envoy" => "docker.io/envoyproxy/envoy:v1.34.0".into(),
+        "vault-agent" => "docker.io/hashicorp/vault:1.18.1".into(),
+        "consul-dataplane" => "docker.io/hashicorp/consul-dataplane:1.6.1".into(),
+        "alloydb-auth-proxy" => "gcr.io/alloydb-connectors/alloydb-auth-proxy:1.13.3".into(),
+        "kuma-sidecar" => "docker.io/kumahq/kuma-dp:2.9.3".into(),
         other => format!("docker.io/library/{other}:latest"),
     }
 }

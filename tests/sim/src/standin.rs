@@ -1,6 +1,7 @@
 //! Stand-in sidecar proxies: small HTTP servers with the readiness and quit endpoints of Istio's
-//! pilot-agent/Envoy, plain Envoy, Linkerd's proxy and cloud-sql-proxy, including who may call
-//! quit (loopback only) and what answers look like. The binary `valet-standin-proxy` runs
+//! pilot-agent/Envoy, plain Envoy, Linkerd's proxy, cloud-sql-proxy, Vault Agent,
+//! consul-dataplane, the AlloyDB Auth Proxy and kuma-dp, including who may call quit (loopback
+//! only), what answers look like and how each ends on a signal (each one's source: docs/sidecars.md). The binary `valet-standin-proxy` runs
 //! [`run`]; [`crate::node::SimPod::spawn_standin`] starts it inside a sim pod's container.
 //!
 //! Connections are served as Go's net/http serves them: tasks on a small runtime (a worker thread
@@ -33,6 +34,23 @@ pub enum ProxyKind {
     /// cloud-sql-proxy v2: health :9090 (`/readiness`, `/liveness`, `/startup`), admin
     /// 127.0.0.1:9091 `/quitquitquit`.
     CloudSql,
+    /// Vault Agent as vault-k8s injects it: its listener 127.0.0.1:8200 serves `POST
+    /// /agent/v1/quit` (with `agent-enable-quit`; without, and without a cache, there is no
+    /// listener: `--quit-disabled`); SIGTERM ends it with 0.
+    Vault,
+    /// consul-dataplane: its lifecycle server 127.0.0.1:20600 (consul-k8s's port) serves
+    /// `/graceful_shutdown` (any method), Envoy's admin 127.0.0.1:19000 `/ready`; it exits 0 after
+    /// its shutdown grace period (`--drain-ms`, 0 by default as consul-dataplane's own), on the
+    /// endpoint or on SIGTERM.
+    Consul,
+    /// The AlloyDB Auth Proxy: as cloud-sql-proxy v2 (health :9090, admin 127.0.0.1:9091
+    /// `/quitquitquit` with `--quitquitquit`; without it no admin listener: `--quit-disabled`;
+    /// SIGTERM exits 143 without `--exit-zero-sigterm`).
+    AlloyDb,
+    /// kuma-dp: its readiness reporter :9902 `/ready`; no quit endpoint (Envoy's admin is on a Unix
+    /// socket): SIGTERM starts a drain of `--drain-ms` (kuma-dp's drainTime, 30 s), a second one
+    /// ends it at once; it exits 0.
+    Kuma,
 }
 
 impl ProxyKind {
@@ -42,7 +60,11 @@ impl ProxyKind {
             "envoy" => ProxyKind::Envoy,
             "linkerd" => ProxyKind::Linkerd,
             "cloudsql" | "cloud-sql" | "cloud-sql-proxy" => ProxyKind::CloudSql,
-            other => bail!("unknown --kind {other:?} (istio|envoy|linkerd|cloudsql)"),
+            "vault" => ProxyKind::Vault,
+            "consul" => ProxyKind::Consul,
+            "alloydb" => ProxyKind::AlloyDb,
+            "kuma" => ProxyKind::Kuma,
+            other => bail!("unknown --kind {other:?} (istio|envoy|linkerd|cloudsql|vault|consul|alloydb|kuma)"),
         })
     }
     pub fn as_str(self) -> &'static str {
@@ -51,6 +73,10 @@ impl ProxyKind {
             ProxyKind::Envoy => "envoy",
             ProxyKind::Linkerd => "linkerd",
             ProxyKind::CloudSql => "cloudsql",
+            ProxyKind::Vault => "vault",
+            ProxyKind::Consul => "consul",
+            ProxyKind::AlloyDb => "alloydb",
+            ProxyKind::Kuma => "kuma",
         }
     }
 }
@@ -90,6 +116,9 @@ pub struct StandinOptions {
     pub sigterm_exit_code: Option<i32>,
     /// Linkerd's default in recent releases: `/shutdown` is not served.
     pub linkerd_shutdown_disabled: bool,
+    /// The quit's opt-in is off: Vault Agent without `agent-enable-quit` (and no cache: no
+    /// listener at all), the AlloyDB Auth Proxy without `--quitquitquit` (no admin listener).
+    pub quit_disabled: bool,
 }
 
 impl StandinOptions {
@@ -110,6 +139,7 @@ impl StandinOptions {
             drain: None,
             sigterm_exit_code: None,
             linkerd_shutdown_disabled: false,
+            quit_disabled: false,
         }
     }
 
@@ -155,6 +185,7 @@ impl StandinOptions {
             (self.flood, "--flood"),
             (self.quit_ignored, "--quit-ignored"),
             (self.linkerd_shutdown_disabled, "--linkerd-shutdown-disabled"),
+            (self.quit_disabled, "--quit-disabled"),
         ] {
             if on {
                 a.push(flag.to_string());
@@ -200,6 +231,7 @@ impl StandinOptions {
                 "--flood" => o.flood = true,
                 "--quit-ignored" => o.quit_ignored = true,
                 "--linkerd-shutdown-disabled" => o.linkerd_shutdown_disabled = true,
+                "--quit-disabled" => o.quit_disabled = true,
                 other => bail!("unknown flag {other:?}\n{USAGE}"),
             }
         }
@@ -209,13 +241,17 @@ impl StandinOptions {
         Ok(o)
     }
 
-    /// Port and path of the readiness endpoint a kubelet would probe.
+    /// Port and path of the readiness endpoint a kubelet would probe (Vault Agent has none: its
+    /// listener's metrics answer once it serves).
     pub fn ready_endpoint(&self) -> (u16, &'static str) {
         match self.kind {
             ProxyKind::Istio => (self.health_port.unwrap_or(15021), "/healthz/ready"),
             ProxyKind::Envoy => (self.admin_port.unwrap_or(15000), "/ready"),
             ProxyKind::Linkerd => (self.admin_port.unwrap_or(4191), "/ready"),
-            ProxyKind::CloudSql => (self.health_port.unwrap_or(9090), "/readiness"),
+            ProxyKind::CloudSql | ProxyKind::AlloyDb => (self.health_port.unwrap_or(9090), "/readiness"),
+            ProxyKind::Vault => (self.admin_port.unwrap_or(8200), "/agent/v1/metrics"),
+            ProxyKind::Consul => (self.admin_port.unwrap_or(19000), "/ready"),
+            ProxyKind::Kuma => (self.health_port.unwrap_or(9902), "/ready"),
         }
     }
 
@@ -225,7 +261,11 @@ impl StandinOptions {
             ProxyKind::Istio => (self.status_port.unwrap_or(15020), "/quitquitquit"),
             ProxyKind::Envoy => (self.admin_port.unwrap_or(15000), "/quitquitquit"),
             ProxyKind::Linkerd => (self.admin_port.unwrap_or(4191), "/shutdown"),
-            ProxyKind::CloudSql => (self.admin_port.unwrap_or(9091), "/quitquitquit"),
+            ProxyKind::CloudSql | ProxyKind::AlloyDb => (self.admin_port.unwrap_or(9091), "/quitquitquit"),
+            ProxyKind::Vault => (self.admin_port.unwrap_or(8200), "/agent/v1/quit"),
+            ProxyKind::Consul => (self.status_port.unwrap_or(20600), "/graceful_shutdown"),
+            // None of its own: where Envoy's admin would be on TCP.
+            ProxyKind::Kuma => (self.admin_port.unwrap_or(9901), "/quitquitquit"),
         }
     }
 
@@ -241,20 +281,47 @@ impl StandinOptions {
             ],
             ProxyKind::Envoy => vec![(Role::EnvoyAdmin, SocketAddr::new(admin, self.admin_port.unwrap_or(15000)))],
             ProxyKind::Linkerd => vec![(Role::LinkerdAdmin, SocketAddr::new(any, self.admin_port.unwrap_or(4191)))],
-            ProxyKind::CloudSql => vec![
-                (Role::CloudSqlHealth, SocketAddr::new(any, self.health_port.unwrap_or(9090))),
-                (Role::CloudSqlAdmin, SocketAddr::new(admin, self.admin_port.unwrap_or(9091))),
+            ProxyKind::CloudSql | ProxyKind::AlloyDb => {
+                let mut l = vec![(Role::CloudSqlHealth, SocketAddr::new(any, self.health_port.unwrap_or(9090)))];
+                if !(self.kind == ProxyKind::AlloyDb && self.quit_disabled) {
+                    l.push((Role::CloudSqlAdmin, SocketAddr::new(admin, self.admin_port.unwrap_or(9091))));
+                }
+                l
+            }
+            ProxyKind::Vault if self.quit_disabled => Vec::new(),
+            ProxyKind::Vault => vec![(Role::VaultListener, SocketAddr::new(lo, self.admin_port.unwrap_or(8200)))],
+            ProxyKind::Consul => vec![
+                (Role::ConsulLifecycle, SocketAddr::new(lo, self.status_port.unwrap_or(20600))),
+                (Role::EnvoyAdmin, SocketAddr::new(lo, self.admin_port.unwrap_or(19000))),
             ],
+            ProxyKind::Kuma => vec![(Role::KumaReadiness, SocketAddr::new(any, self.health_port.unwrap_or(9902)))],
+        }
+    }
+
+    /// The exit code on `sig` when no `--sigterm-exit-code` says otherwise: cloud-sql-proxy and
+    /// the AlloyDB Auth Proxy die of SIGTERM (143) unless told to exit 0; the others exit 0.
+    fn default_exit_code(&self, sig: nix::sys::signal::Signal) -> i32 {
+        let dies_of_sigterm = matches!(self.kind, ProxyKind::CloudSql | ProxyKind::AlloyDb);
+        if dies_of_sigterm && sig == nix::sys::signal::Signal::SIGTERM { 143 } else { 0 }
+    }
+
+    /// How long it takes to exit after a stop signal when `--drain-ms` does not say: Istio's
+    /// terminationDrainDuration (5 s), kuma-dp's drainTime (30 s); the others at once.
+    fn default_drain(&self) -> Duration {
+        match self.kind {
+            ProxyKind::Istio => Duration::from_secs(5),
+            ProxyKind::Kuma => Duration::from_secs(30),
+            _ => Duration::ZERO,
         }
     }
 }
 
-pub const USAGE: &str =
-    "usage: valet-standin-proxy [--kind istio|envoy|linkerd|cloudsql] [--ready-after-ms N | --ready-file PATH]
+pub const USAGE: &str = "usage: valet-standin-proxy [--kind istio|envoy|linkerd|cloudsql|vault|consul|alloydb|kuma]
+       [--ready-after-ms N | --ready-file PATH]
        [--listen-when-ready PORT]
        [--hang] [--flood] [--quit-ignored] [--events PATH]
        [--status-port N] [--health-port N] [--admin-port N] [--admin-addr IP]
-       [--drain-ms N] [--sigterm-exit-code N] [--linkerd-shutdown-disabled]";
+       [--drain-ms N] [--sigterm-exit-code N] [--linkerd-shutdown-disabled] [--quit-disabled]";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Role {
@@ -265,6 +332,9 @@ enum Role {
     LinkerdAdmin,
     CloudSqlHealth,
     CloudSqlAdmin,
+    VaultListener,
+    ConsulLifecycle,
+    KumaReadiness,
 }
 
 /// What to do with a request.
@@ -279,6 +349,13 @@ enum Action {
         code: u16,
         body: &'static str,
         exit: i32,
+    },
+    /// Reply, then exit with this code `after` this long (a shutdown with a grace period).
+    ReplyThenExitAfter {
+        code: u16,
+        body: &'static str,
+        exit: i32,
+        after: Duration,
     },
 }
 
@@ -316,6 +393,11 @@ impl State {
         *self.configured.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(l);
         self.log_at(at, "READY", "/", SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)));
         Ok(())
+    }
+
+    /// How long it takes to exit once asked to.
+    fn drain(&self) -> Duration {
+        self.opts.drain.unwrap_or_else(|| self.opts.default_drain())
     }
 
     fn quit(&self, code: u16, body: &'static str) -> Action {
@@ -399,6 +481,35 @@ impl State {
                     Reply { code: 400, body: "" }
                 } else {
                     self.quit(200, "")
+                }
+            }
+            // Vault's handleQuit: 404 when not enabled (a listener with a cache but no
+            // agent_api), 405 for any method but POST, else 200 and the agent shuts down.
+            (Role::VaultListener, "/agent/v1/quit") => {
+                if self.opts.quit_disabled {
+                    Reply { code: 404, body: "" }
+                } else if method != "POST" {
+                    Reply { code: 405, body: "" }
+                } else {
+                    self.quit(200, "")
+                }
+            }
+            (Role::VaultListener, "/agent/v1/metrics") => Reply { code: 200, body: "" },
+            // consul-dataplane's gracefulShutdownHandler takes any method, answers 200 at once
+            // and quits Envoy once the grace period has passed.
+            (Role::ConsulLifecycle, "/graceful_shutdown") => {
+                if self.opts.quit_ignored {
+                    Reply { code: 200, body: "" }
+                } else {
+                    Action::ReplyThenExitAfter { code: 200, body: "", exit: 0, after: self.drain() }
+                }
+            }
+            (Role::ConsulLifecycle, "/graceful_startup") => Reply { code: 200, body: "" },
+            (Role::KumaReadiness, "/ready") => {
+                if ready {
+                    Reply { code: 200, body: "READY" }
+                } else {
+                    Reply { code: 503, body: "NOT READY" }
                 }
             }
             _ => Reply { code: 404, body: "404 page not found\n" },
@@ -505,9 +616,10 @@ async fn handle(stream: tokio::net::TcpStream, role: Role, state: Arc<State>) {
         let loopback = peer.ip().is_loopback()
             || matches!(peer.ip(), IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()));
         let action = state.decide(role, &method, &path, loopback);
-        let (code, body, exit) = match action {
-            Action::Reply { code, body } => (code, body, None),
-            Action::ReplyThenExit { code, body, exit } => (code, body, Some(exit)),
+        let (code, body, exit, exit_later) = match action {
+            Action::Reply { code, body } => (code, body, None, None),
+            Action::ReplyThenExit { code, body, exit } => (code, body, Some(exit), None),
+            Action::ReplyThenExitAfter { code, body, exit, after } => (code, body, None, Some((exit, after))),
         };
         let ct = if body.is_empty() { "" } else { "Content-Type: text/plain; charset=utf-8\r\n" };
         let conn = if close { "Connection: close\r\n" } else { "" };
@@ -515,6 +627,13 @@ async fn handle(stream: tokio::net::TcpStream, role: Role, state: Arc<State>) {
             format!("HTTP/1.1 {code} {}\r\n{ct}Content-Length: {}\r\n{conn}\r\n{body}", reason(code), body.len());
         let _ = w.write_all(resp.as_bytes()).await;
         let _ = w.flush().await;
+        if let Some((code, after)) = exit_later {
+            // The answer is out; the process ends once its grace period has passed.
+            std::thread::spawn(move || {
+                std::thread::sleep(after);
+                std::process::exit(code);
+            });
+        }
         if let Some(code) = exit {
             let _ = w.shutdown().await;
             std::process::exit(code);
@@ -584,10 +703,19 @@ pub fn run(opts: StandinOptions) -> Result<()> {
         });
     }
     let sig = sigs.wait().context("sigwait")?;
-    let default_drain = if state.opts.kind == ProxyKind::Istio { Duration::from_secs(5) } else { Duration::ZERO };
-    let default_code = if state.opts.kind == ProxyKind::CloudSql && sig == Signal::SIGTERM { 143 } else { 0 };
-    std::thread::sleep(state.opts.drain.unwrap_or(default_drain));
-    std::process::exit(state.opts.sigterm_exit_code.unwrap_or(default_code));
+    let code = state.opts.sigterm_exit_code.unwrap_or_else(|| state.opts.default_exit_code(sig));
+    if state.opts.kind == ProxyKind::Kuma {
+        // kuma-dp: a second stop signal ends the drain at once.
+        let drain = state.drain();
+        std::thread::spawn(move || {
+            std::thread::sleep(drain);
+            std::process::exit(code);
+        });
+        let _ = sigs.wait();
+        std::process::exit(code);
+    }
+    std::thread::sleep(state.drain());
+    std::process::exit(code);
 }
 
 static BINARY: Mutex<Option<PathBuf>> = Mutex::new(None);
@@ -633,7 +761,8 @@ impl SimPod {
     /// loopback-only Envoy admin).
     pub fn wait_standin_ready(&self, opts: &StandinOptions, timeout: Duration) -> Result<()> {
         let (port, path) = opts.ready_endpoint();
-        let loopback_only = matches!(opts.kind, ProxyKind::Envoy) && opts.admin_addr.is_none_or(|a| a.is_loopback());
+        let loopback_only = (matches!(opts.kind, ProxyKind::Envoy) && opts.admin_addr.is_none_or(|a| a.is_loopback()))
+            || matches!(opts.kind, ProxyKind::Vault | ProxyKind::Consul);
         if loopback_only || self.pod_ip().is_none() {
             let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
             return match self.netns_path() {
@@ -758,6 +887,61 @@ mod tests {
         let c = state(ProxyKind::CloudSql);
         assert!(matches!(c.decide(Role::CloudSqlAdmin, "POST", "/quitquitquit", true), Action::ReplyThenExit { .. }));
         assert_eq!(c.decide(Role::CloudSqlAdmin, "PUT", "/quitquitquit", true), Action::Reply { code: 400, body: "" });
+    }
+
+    /// Vault Agent's handleQuit, consul-dataplane's gracefulShutdownHandler, the AlloyDB Auth
+    /// Proxy's quitquitquit, kuma-dp's readiness reporter: what each answers, and which ones
+    /// have a listener at all when their opt-in is off.
+    #[test]
+    fn vault_consul_alloydb_and_kuma_rules() {
+        let v = state(ProxyKind::Vault);
+        assert_eq!(v.decide(Role::VaultListener, "GET", "/agent/v1/quit", true), Action::Reply { code: 405, body: "" });
+        assert_eq!(
+            v.decide(Role::VaultListener, "POST", "/agent/v1/quit", true),
+            Action::ReplyThenExit { code: 200, body: "", exit: 0 }
+        );
+        let mut off = state(ProxyKind::Vault);
+        off.opts.quit_disabled = true;
+        assert_eq!(
+            off.decide(Role::VaultListener, "POST", "/agent/v1/quit", true),
+            Action::Reply { code: 404, body: "" }
+        );
+        assert!(off.opts.listeners().is_empty(), "no enable-quit, no cache: no listener");
+        assert_eq!(v.opts.listeners()[0].1, SocketAddr::from((Ipv4Addr::LOCALHOST, 8200)));
+
+        let mut c = state(ProxyKind::Consul);
+        for method in ["POST", "GET", "PUT"] {
+            assert_eq!(
+                c.decide(Role::ConsulLifecycle, method, "/graceful_shutdown", true),
+                Action::ReplyThenExitAfter { code: 200, body: "", exit: 0, after: Duration::ZERO },
+                "{method}"
+            );
+        }
+        c.opts.drain = Some(Duration::from_secs(30));
+        assert!(matches!(
+            c.decide(Role::ConsulLifecycle, "POST", "/graceful_shutdown", true),
+            Action::ReplyThenExitAfter { after, .. } if after == Duration::from_secs(30)
+        ));
+        assert_eq!(c.decide(Role::EnvoyAdmin, "GET", "/ready", true), Action::Reply { code: 200, body: "LIVE\n" });
+        let ports: Vec<u16> = c.opts.listeners().iter().map(|(_, a)| a.port()).collect();
+        assert_eq!(ports, [20600, 19000]);
+
+        let a = state(ProxyKind::AlloyDb);
+        assert!(matches!(a.decide(Role::CloudSqlAdmin, "POST", "/quitquitquit", true), Action::ReplyThenExit { .. }));
+        assert_eq!(a.opts.listeners().len(), 2);
+        assert_eq!(a.opts.default_exit_code(nix::sys::signal::Signal::SIGTERM), 143);
+        let mut no_flag = state(ProxyKind::AlloyDb);
+        no_flag.opts.quit_disabled = true;
+        let roles: Vec<Role> = no_flag.opts.listeners().iter().map(|(r, _)| *r).collect();
+        assert_eq!(roles, [Role::CloudSqlHealth], "no --quitquitquit: no admin listener");
+
+        let k = state(ProxyKind::Kuma);
+        assert_eq!(k.decide(Role::KumaReadiness, "GET", "/ready", false), Action::Reply { code: 200, body: "READY" });
+        assert_eq!(k.opts.default_exit_code(nix::sys::signal::Signal::SIGTERM), 0);
+        assert_eq!(k.drain(), Duration::from_secs(30));
+        for kind in ["vault", "consul", "alloydb", "kuma"] {
+            assert_eq!(ProxyKind::parse(kind).expect(kind).as_str(), kind);
+        }
     }
 
     #[test]

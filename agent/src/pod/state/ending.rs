@@ -177,7 +177,10 @@ impl PodState {
             // user-space kernel), never the sidecar: a signal there would end the whole pod.
             (None, _) if sandboxed => {
                 warn!(pod = %self.name(), sidecar = name, "a sandboxed pod's sidecar without a quit endpoint cannot be ended");
-                self.quits.insert(name.to_owned(), Quit { instance, state: QuitState::Escalated, failures });
+                self.quits.insert(
+                    name.to_owned(),
+                    Quit { instance, state: QuitState::Escalated, failures, signal_quit: false },
+                );
                 return vec![Effect::Publish {
                     warning: true,
                     reason: "SidecarQuitFailed",
@@ -199,12 +202,21 @@ impl PodState {
                 }
             },
         };
-        self.quits.insert(name.to_owned(), Quit { instance, state, failures });
+        self.quits.insert(name.to_owned(), Quit { instance, state, failures, signal_quit: false });
         effect.into_iter().collect()
     }
 
     pub(super) fn quit_done(&mut self, sidecar: &str, outcome: QuitOutcome, rules: &Rules, now: Nanos) -> Vec<Effect> {
         let kind = self.sidecar_kind(sidecar);
+        if let Some(signal) = self.quit_off_by_default(sidecar, &outcome, rules) {
+            // Counted, and told in a Normal Event, once the signal is sent.
+            info!(pod = %self.name(), %sidecar, "Linkerd's /shutdown is off: its proxy ends on SIGTERM");
+            if let Some(q) = self.quits.get_mut(sidecar) {
+                q.state = QuitState::Escalated;
+                q.signal_quit = true;
+            }
+            return signal;
+        }
         let mut fx = vec![Effect::Count(Count::Quit { kind, result: outcome.label() })];
         let name = self.name();
         let done_ktime = self.done().and_then(|d| d.ktime);
@@ -260,6 +272,24 @@ impl PodState {
             }
         }
         fx
+    }
+
+    /// Linkerd's proxy answers 404 on `/shutdown` unless its shutdown endpoint is turned on
+    /// (`LINKERD2_PROXY_SHUTDOWN_ENDPOINT_ENABLED`), which current Linkerd releases leave off: its
+    /// way out is then SIGTERM, as the kubelet's. The SIGTERM to send when this quit's refusal is
+    /// that, and signals are allowed (`--no-escalation` keeps the refusal a failure).
+    fn quit_off_by_default(&mut self, sidecar: &str, outcome: &QuitOutcome, rules: &Rules) -> Option<Vec<Effect>> {
+        let linkerd = self
+            .plan
+            .as_ref()
+            .and_then(|p| p.sidecars.iter().find(|s| s.name == sidecar))
+            .is_some_and(|s| s.kind == crate::vocab::SidecarKind::Linkerd);
+        let off = matches!(outcome, QuitOutcome::Rejected { status: 404, .. });
+        if !(linkerd && off && rules.escalate_after.is_some() && self.quits.contains_key(sidecar)) {
+            return None;
+        }
+        let signal = self.escalate_now(sidecar);
+        (!signal.is_empty()).then_some(signal)
     }
 
     /// The escalation deadline of an accepted quit passed.

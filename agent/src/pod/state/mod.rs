@@ -142,6 +142,9 @@ struct Quit {
     state: QuitState,
     /// Failed attempts so far.
     failures: u32,
+    /// The SIGTERM that follows is the sidecar's own way out, not an escalation: Linkerd's proxy
+    /// whose `/shutdown` is off, as it is by default.
+    signal_quit: bool,
 }
 
 /// What valet keeps on the node for a pod it watches (besides the kernel's records of its
@@ -601,9 +604,22 @@ impl PodState {
                     .as_ref()
                     .and_then(|p| p.sidecars.iter().find(|s| s.name == sidecar))
                     .is_some_and(|s| s.quit.is_none());
+                let signal_quit = self.quits.get(&sidecar).is_some_and(|q| q.signal_quit);
                 if is_quit {
                     info!(pod = %self.name(), %sidecar, signal, signalled, "signalled sidecar to quit");
                     fx.push(Effect::Count(Count::Quit { kind, result: if signalled > 0 { "ok" } else { "gone" } }));
+                } else if signal_quit {
+                    info!(pod = %self.name(), %sidecar, signal, signalled, "signalled sidecar to quit: its quit endpoint is off");
+                    fx.push(Effect::Count(Count::Quit { kind, result: if signalled > 0 { "ok" } else { "gone" } }));
+                    fx.push(Effect::Publish {
+                        warning: false,
+                        reason: "SidecarQuit",
+                        action: "Quit",
+                        note: format!(
+                            "sent SIGTERM to {sidecar} ({signalled} process(es)), Linkerd's proxy's own way out: \
+                             its /shutdown endpoint is off, as Linkerd ships it"
+                        ),
+                    });
                 } else if signalled > 0 {
                     warn!(pod = %self.name(), %sidecar, signalled, "sidecar still running: sent SIGTERM");
                     fx.push(Effect::Count(Count::Escalation { kind }));

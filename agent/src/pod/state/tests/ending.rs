@@ -414,3 +414,50 @@ fn an_empty_scan_proves_no_end_and_a_recheck_looks_again() {
         .feed(Feedback::Containers(vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(PROXY, named("istio-proxy"))]));
     assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
 }
+
+/// Linkerd's proxy answers 404 on `/shutdown` while its shutdown endpoint is off, as current
+/// Linkerd releases ship it: its way out is SIGTERM, which is no failure of the quit. The pod gets
+/// a Normal Event saying what was done, and the quit counts as one that ended the sidecar.
+#[test]
+fn linkerd_with_its_shutdown_endpoint_off_is_sigtermed_without_a_warning() {
+    let linkerd = [("valet.dev/sidecar-kind.istio-proxy", "linkerd")];
+    let off = || QuitOutcome::Rejected { status: 404, body: String::new() };
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[], &linkerd));
+    assert_eq!(quit_endpoints(&d.exit(APP, 0)), [Endpoint { port: 4191, path: "/shutdown".into() }]);
+    let fx = d.feed(Feedback::QuitDone { sidecar: "istio-proxy".into(), outcome: off() });
+    assert_eq!(signals(&fx), [("istio-proxy".to_owned(), libc::SIGTERM)], "{fx:?}");
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Publish { warning: true, .. })), "no Warning: {fx:?}");
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Count(Count::Quit { .. }))), "counted once signalled: {fx:?}");
+    let fx = d.feed(Feedback::Signalled { sidecar: "istio-proxy".into(), signal: libc::SIGTERM, signalled: 1 });
+    assert!(has(&fx, &Effect::Count(Count::Quit { kind: "linkerd", result: "ok" })), "{fx:?}");
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Count(Count::Escalation { .. }))), "not an escalation: {fx:?}");
+    let said = fx.iter().find_map(|e| match e {
+        Effect::Publish { warning: false, reason: "SidecarQuit", note, .. } => Some(note.clone()),
+        _ => None,
+    });
+    assert!(said.as_deref().is_some_and(|n| n.contains("SIGTERM") && n.contains("/shutdown")), "{fx:?}");
+    assert!(signals(&d.after(60_000)).is_empty() && quits(&d.after(60_000)).is_empty(), "once");
+
+    // Any other refusal is still one (a 403: not from the pod's loopback).
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[], &linkerd));
+    d.exit(APP, 0);
+    let forbidden = QuitOutcome::Rejected { status: 403, body: "Requests are only permitted from localhost.".into() };
+    let fx = d.feed(Feedback::QuitDone { sidecar: "istio-proxy".into(), outcome: forbidden });
+    assert!(fx.iter().any(|e| matches!(e, Effect::Publish { reason: "SidecarQuitFailed", warning: true, .. })));
+    // A 404 from another kind too.
+    let mut d = Drive::new(true);
+    d.found(pod("Never", &[], &[]));
+    d.exit(APP, 0);
+    let fx = d.feed(Feedback::QuitDone { sidecar: "istio-proxy".into(), outcome: off() });
+    assert!(has(&fx, &Effect::Count(Count::Quit { kind: "istio", result: "rejected" })), "{fx:?}");
+    assert!(fx.iter().any(|e| matches!(e, Effect::Publish { reason: "SidecarQuitFailed", warning: true, .. })));
+    // With --no-escalation valet sends no signal, so it cannot end such a proxy: said as before.
+    let mut d = Drive::new(false);
+    d.found(pod("Never", &[], &linkerd));
+    d.exit(APP, 0);
+    let fx = d.feed(Feedback::QuitDone { sidecar: "istio-proxy".into(), outcome: off() });
+    assert!(signals(&fx).is_empty(), "{fx:?}");
+    assert!(fx.iter().any(|e| matches!(e, Effect::Publish { reason: "SidecarQuitFailed", warning: true, .. })));
+}
