@@ -977,11 +977,12 @@ fn rollout_hands_held_apps_to_the_new_pod() {
 }
 
 /// An uninstall: the DaemonSet deleted (foreground: kept while its pods go; background: gone at
-/// once), the agent's pod deleted, both containers SIGTERMed: the held app runs at the SIGTERM,
-/// before the agent exits.
+/// once), or the node drained of it (relabelled so that the DaemonSet's affinity no longer
+/// takes it), the agent's pod deleted, both containers SIGTERMed: the held app runs at the
+/// SIGTERM, before the agent exits.
 #[test]
 fn uninstall_releases_held_apps_at_sigterm() {
-    for propagation in [Propagation::Foreground, Propagation::Background] {
+    for how in ["foreground", "background", "node unfit"] {
         let node = Node::new().expect("node");
         node.install_daemonset().expect("daemonset");
         let pod = node.daemonset_pod().expect("agent pod");
@@ -989,7 +990,16 @@ fn uninstall_releases_held_apps_at_sigterm() {
         let mut agent = node.start_agent_in(&pod, &[]).expect("agent");
         let app = HeldApp::new(&node, &agent, "uninstall", "60s");
 
-        node.api.delete_object(Kind::DaemonSet, Some(AGENT_NAMESPACE), AGENT_DAEMONSET, propagation).expect("delete");
+        if how == "node unfit" {
+            let mut n = node.api.get_object(Kind::Node, None, &node.name).expect("the node");
+            n["metadata"]["labels"]["kubernetes.io/arch"] = Value::from("s390x");
+            node.api.put_object(Kind::Node, n).expect("relabel the node");
+        } else {
+            let propagation = if how == "foreground" { Propagation::Foreground } else { Propagation::Background };
+            node.api
+                .delete_object(Kind::DaemonSet, Some(AGENT_NAMESPACE), AGENT_DAEMONSET, propagation)
+                .expect("delete");
+        }
         node.api.begin_pod_deletion(AGENT_NAMESPACE, &pod, None).expect("delete the pod");
         let sigterm = Instant::now();
         let keeper_pid = keeper.pid().expect("keeper runs");
@@ -1000,8 +1010,8 @@ fn uninstall_releases_held_apps_at_sigterm() {
         let latency = wait_file(&app.marker, HANG_GUARD).map(|_| sigterm.elapsed());
         let status = agent.stop(libc::SIGTERM, HANG_GUARD).expect("stopped").expect("was running");
         keeper.stop().expect("keeper stopped");
-        println!("uninstall ({propagation:?}): SIGTERM -> app ran: {latency:?}");
-        assert!(latency.is_some(), "{propagation:?}: left stopped\n{}\n{}", agent.log_text(), keeper.log_text());
+        println!("uninstall ({how}): SIGTERM -> app ran: {latency:?}");
+        assert!(latency.is_some(), "{how}: left stopped\n{}\n{}", agent.log_text(), keeper.log_text());
         assert_eq!(status.code(), Some(0), "{}", agent.log_text());
         assert!(decided(&agent.log_text(), "released: uninstall"), "{}", agent.log_text());
         assert!(decided(&keeper.log_text(), "released: uninstall"), "{}", keeper.log_text());
