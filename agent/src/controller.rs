@@ -16,6 +16,7 @@ use tracing::{debug, info, warn};
 use valet_common::Counter;
 
 use crate::act::{Actuators, Report};
+use crate::api::successor::{Stop, Uninstall};
 use crate::api::watch::{Relist, opted_in};
 use crate::effect::{Effect, ExitSeen, Feedback, HeldSeen, Nanos};
 use crate::host::clock::monotonic_ns;
@@ -88,16 +89,19 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
         }
     }
 
-    /// Runs until `shutdown` resolves or the watch ends; then releases every held app and lets
-    /// in-flight quits finish (bounded by `drain`). No input can starve another: the select is
-    /// fair and a kernel batch is bounded.
+    /// Runs until `shutdown` resolves or the watch ends; then, unless `shutdown` says a
+    /// successor takes the holds over (or the API could not say), releases every held app; and
+    /// lets in-flight quits finish (bounded by `drain`). Returns what was done with the holds.
+    /// `shutdown` is polled with the other inputs: while it looks up whether a successor will
+    /// come, the agent goes on releasing at readiness and quitting. No input can starve another:
+    /// the select is fair and a kernel batch is bounded.
     pub async fn run(
         mut self,
         mut kernel: impl EventSource,
         watch: impl Stream<Item = Result<watcher::Event<Pod>, watcher::Error>>,
-        shutdown: impl Future<Output = ()>,
+        shutdown: impl Future<Output = Stop>,
         drain: Duration,
-    ) {
+    ) -> Stop {
         let mut watch = std::pin::pin!(watch);
         let mut shutdown = std::pin::pin!(shutdown);
         let mut tick = tokio::time::interval(TICK);
@@ -108,10 +112,10 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
                 "the record of held apps is not pinned: no app is held on this node (a hold no successor could find might outlive its deadline); each pod that asks gets a HoldUnavailable Event"
             );
         }
-        loop {
+        let stop = loop {
             self.health.turned(monotonic_ns());
             tokio::select! {
-                () = &mut shutdown => break,
+                stop = &mut shutdown => break stop,
                 batch = kernel.next_batch() => match batch {
                     Ok(batch) => for event in batch { self.on_kernel(event) },
                     Err(e) => { warn!("kernel event stream: {}", e.chain()); tokio::time::sleep(Duration::from_millis(100)).await; }
@@ -139,21 +143,30 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
                         }
                         warn!("pod watch: {e} (retrying)");
                     }
-                    None => { warn!("pod watch ended"); break; }
+                    None => { warn!("pod watch ended"); break Stop::Release(Uninstall::WatchEnded); }
                 },
                 _ = tick.tick() => self.on_tick(),
             }
-        }
-        self.shutdown(drain).await;
+        };
+        self.shutdown(&stop, drain).await;
+        stop
     }
 
-    async fn shutdown(&mut self, drain: Duration) {
-        info!("shutting down: releasing held apps and finishing in-flight quits");
+    async fn shutdown(&mut self, stop: &Stop, drain: Duration) {
+        // Releases already decided go out either way.
         self.act.finish_releases();
-        let uids: Vec<String> = self.pods.keys().cloned().collect();
-        for uid in &uids {
-            let fx = self.pods.get_mut(uid).map(PodState::shutdown).unwrap_or_default();
-            self.apply(uid, fx);
+        if stop.releases() {
+            info!("shutting down: releasing held apps and finishing in-flight quits");
+            let uids: Vec<String> = self.pods.keys().cloned().collect();
+            for uid in &uids {
+                let fx = self.pods.get_mut(uid).map(PodState::shutdown).unwrap_or_default();
+                self.apply(uid, fx);
+            }
+        } else {
+            // The held apps stay stopped in the pinned record, for a successor to take over as
+            // after a crash (and for the deadline keeper meanwhile).
+            let held: usize = self.pods.values().map(|s| s.held_pids().count()).sum();
+            info!(held, verdict = stop.verdict(), "shutting down: leaving held apps pinned, finishing in-flight quits");
         }
         let deadline = Instant::now() + drain;
         while self.pods.values().any(PodState::quit_in_flight) {

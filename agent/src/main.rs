@@ -14,6 +14,7 @@ use tracing::{error, info, warn};
 use tracing_subscriber::EnvFilter;
 use valet_agent::act::{Actuators, Parts, Settings};
 use valet_agent::api::events::EventSink;
+use valet_agent::api::successor::{self, Stop};
 use valet_agent::cgroup::CgroupFs;
 use valet_agent::cgroup::root::{NodeCgroups, find_node_cgroups};
 use valet_agent::config::parse_duration;
@@ -47,17 +48,20 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-/// Resolves on SIGTERM (the kubelet stopping the pod) or SIGINT.
-async fn shutdown_signal() {
+/// Resolves on SIGTERM (the kubelet stopping the container) or SIGINT, once it is known whether
+/// a successor takes the holds over ([`successor::at_sigterm_from_env`]).
+async fn shutdown_signal(node: String) -> Stop {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        std::future::pending::<()>().await;
-        return;
+        return std::future::pending().await;
     };
     tokio::select! {
         _ = term.recv() => info!("SIGTERM received"),
         _ = int.recv() => info!("SIGINT received"),
     }
+    let stop = successor::at_sigterm_from_env(&node).await;
+    stop.log("valet-agent");
+    stop
 }
 
 /// Releases the held apps past their deadline in the pinned record of holds, first thing (before
@@ -94,7 +98,7 @@ async fn run(
     node_cgroups: Result<NodeCgroups, valet_agent::Error>,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Stop> {
     cfg.validate()?;
     let cfg = Arc::new(cfg);
     let node_cgroups = node_cgroups?;
@@ -230,28 +234,31 @@ async fn run(
         sandboxed_classes: cfg.sandboxed_runtime_classes.iter().map(|c| c.trim().to_owned()).collect(),
     };
     let controller = Controller::new(&cfg.node_name, rules, act, reports_rx, health);
-    // Leave time within the usual 30 s grace period for in-flight quits to finish.
+    // Leave time within the usual 30 s grace period (after the lookup at SIGTERM, at most
+    // `successor::LOOKUP_BUDGET`) for in-flight quits to finish.
     let drain = Duration::from_secs(10);
-    if cfg.act {
+    let shutdown = shutdown_signal(cfg.node_name.clone());
+    let stop = if cfg.act {
         let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node_name, cfg.watch_timeout);
-        controller.run(events, watch, shutdown_signal(), drain).await;
+        controller.run(events, watch, shutdown, drain).await
     } else {
         // Look-only: the controller is given no pod (an empty list, then nothing), so it acts on none.
         info!("--act=false: no pod is acted on; labelled pods are only observed");
         let none = futures::stream::iter([Ok(watcher::Event::Init), Ok(watcher::Event::InitDone)])
             .chain(futures::stream::pending());
-        controller.run(events, none, shutdown_signal(), drain).await;
-    }
+        controller.run(events, none, shutdown, drain).await
+    };
     info!("stopped");
-    Ok(())
+    Ok(stop)
 }
 
 /// `valet-agent deadlines`: the DaemonSet pod's second container. It releases every held app
 /// whose deadline has passed, reading nothing but the pinned record of holds, `/proc` and the
 /// cgroup tree: no API, no kernel programs. It outlives the agent's crashes (the kubelet restarts
 /// a crashed container with a backoff of up to 5 minutes and leaves the pod's other containers
-/// running), so a held app runs again at its deadline even while no agent does. At SIGTERM (the
-/// pod deleted: an uninstall, a drain, a rolling update) it releases every app still held.
+/// running), so a held app runs again at its deadline even while no agent does. At SIGTERM (its
+/// pod deleted) it releases every app still held only when no successor will come (an
+/// uninstall: the same decision as the agent's, [`successor::at_sigterm_from_env`]).
 /// Releases held apps at their deadline (see the agent's flags of the same names).
 #[derive(clap::Parser, Debug)]
 #[command(name = "valet-agent deadlines", version)]
@@ -269,6 +276,9 @@ struct DeadlineArgs {
     /// Hold timeout of records that carry no deadline (an older version's).
     #[arg(long, env = "VALET_HOLD_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     hold_timeout: Duration,
+    /// This node's name: whether it still fits the DaemonSet, at SIGTERM.
+    #[arg(long, env = "NODE_NAME", default_value = "")]
+    node_name: String,
 }
 
 fn deadlines_main() -> std::process::ExitCode {
@@ -304,9 +314,19 @@ fn deadlines_main() -> std::process::ExitCode {
         Ok(signal) => info!("{signal:?} received"),
         Err(e) => error!("waiting for SIGTERM: {e}"),
     }
-    // The pod is going: nothing stays stopped behind it.
-    let last = Keeper::new(settings, cgroups, None, || Duration::ZERO).release_all();
-    info!(released = last.released, records = last.records, now_ns = monotonic_ns(), "stopped");
+    // Only an uninstall leaves nothing stopped behind the pod; a successor takes the rest over.
+    let decided = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map(|rt| rt.block_on(successor::at_sigterm_from_env(&args.node_name)))
+        .unwrap_or_else(|e| Stop::Keep(format!("no async runtime: {e}")));
+    decided.log("valet-deadlines");
+    if decided.releases() {
+        let last = Keeper::new(settings, cgroups, None, || Duration::ZERO).release_all();
+        info!(released = last.released, records = last.records, now_ns = monotonic_ns(), "stopped");
+    } else {
+        info!(verdict = decided.verdict(), now_ns = monotonic_ns(), "stopped, holds left pinned");
+    }
     std::process::ExitCode::SUCCESS
 }
 
@@ -335,10 +355,12 @@ fn main() -> std::process::ExitCode {
         default_timeout: cfg.hold_timeout,
     };
     match runtime.block_on(run(cfg, node_cgroups, metrics, health)) {
-        Ok(()) => {
-            // Stopped by SIGTERM (an uninstall, or a rolling update): no app stays stopped behind
-            // this agent, not even one whose pod it never got to list.
-            if let Some(root) = shutdown_root {
+        Ok(stop) => {
+            // Stopped with no successor to come (an uninstall, or run outside a pod): no app
+            // stays stopped behind this agent, not even one whose pod it never got to list.
+            if stop.releases()
+                && let Some(root) = shutdown_root
+            {
                 let left = Keeper::new(settings, CgroupFs::new(root), None, || Duration::ZERO).release_all();
                 if left.released > 0 {
                     info!(released = left.released, "released the held apps no pod had released at shutdown");

@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, oneshot};
 use valet_agent::act::ahead::QuitsAhead;
 use valet_agent::act::{Actuators, Parts, Settings};
 use valet_agent::api::events::EventSink;
+use valet_agent::api::successor::{Stop, Successor, Uninstall};
 use valet_agent::cgroup::CgroupFs;
 use valet_agent::controller::Controller;
 use valet_agent::kernel::{Event, EventSource, HeldProcess, KernelControl, ProcessEnd, ProcessExit};
@@ -395,8 +396,8 @@ struct Loop {
     api: mpsc::UnboundedReceiver<ApiCall>,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
-    stop: Option<oneshot::Sender<()>>,
-    done: tokio::task::JoinHandle<()>,
+    stop: Option<oneshot::Sender<Stop>>,
+    done: tokio::task::JoinHandle<Stop>,
 }
 
 /// How long the loop may go without turning in these tests before liveness fails.
@@ -444,13 +445,11 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (watch_tx, watch_rx) = mpsc::unbounded_channel();
     let watch = tokio_stream_of(watch_rx);
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let (stop_tx, stop_rx) = oneshot::channel::<Stop>();
     let done = tokio::spawn(controller.run(
         FakeEvents(events_rx),
         watch,
-        async move {
-            let _ = stop_rx.await;
-        },
+        async move { stop_rx.await.unwrap_or(Stop::Release(Uninstall::NotInPod)) },
         Duration::from_secs(2),
     ));
     Loop { kernel, link, ahead, events: events_tx, watch: watch_tx, api, metrics, health, stop: Some(stop_tx), done }
@@ -498,12 +497,20 @@ impl Loop {
         }));
     }
 
-    async fn stop(mut self) -> (FakeKernel, FakeLink) {
+    /// Stops the loop as a SIGTERM outside a pod does (every hold released).
+    async fn stop(self) -> (FakeKernel, FakeLink) {
+        let (kernel, link, _) = self.stop_with(Stop::Release(Uninstall::NotInPod)).await;
+        (kernel, link)
+    }
+
+    /// Stops the loop with what the lookup at SIGTERM decided; what the loop returned, once it
+    /// has returned.
+    async fn stop_with(mut self, why: Stop) -> (FakeKernel, FakeLink, Option<Stop>) {
         if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+            let _ = stop.send(why);
         }
-        let _ = tokio::time::timeout(WAIT, &mut self.done).await;
-        (self.kernel, self.link)
+        let done = tokio::time::timeout(WAIT, &mut self.done).await.ok().and_then(Result::ok);
+        (self.kernel, self.link, done)
     }
 }
 
@@ -838,6 +845,37 @@ async fn shutdown_releases_everything_held() {
     assert!(wait_state(child.id(), 'S').await, "released on shutdown");
     assert!(lock(&kernel.0).detached);
     kill(child);
+}
+
+/// A successor comes (a container restart, a rollout), or the API could not say: the held app
+/// stays stopped once the loop has returned, for the successor (and the deadline keeper).
+#[tokio::test]
+async fn shutdown_with_a_successor_or_no_answer_leaves_the_held_app_stopped() {
+    for (tag, why) in [
+        ("restart", Stop::HandOver(Successor::ContainerRestart)),
+        ("rollout", Stop::HandOver(Successor::Rollout)),
+        ("unanswered", Stop::Keep("no answer within 2s".into())),
+    ] {
+        let node = TempNode::new(&format!("handover-{tag}"));
+        node.container(1, "POD");
+        let app = node.container(2, "app");
+        node.container(3, "istio-proxy");
+        let lp = start(&node, Duration::from_secs(120));
+        lp.apply(job_pod(json!({"valet.dev/hold-app": "true"})));
+        let pod_cg = node.pod_id();
+        lp.until("the pod watched", |l| lock(&l.kernel.0).watched.contains_key(&pod_cg)).await;
+        let child = stopped_child().await;
+        node.add_process(2, child.id());
+        lp.held(pod_cg, app, child.id());
+        lp.until("the hold counted", |l| metric(&l.metrics, "valet_app_holds_total") == 1.0).await;
+        let metrics = lp.metrics.clone();
+        let (kernel, _, done) = lp.stop_with(why.clone()).await;
+        assert_eq!(done, Some(why), "{tag}: the loop returned what it was told");
+        assert_eq!(state(child.id()), Some('T'), "{tag}: released at shutdown");
+        assert_eq!(metric(&metrics, "valet_app_releases_total{reason=\"shutdown\"}"), 0.0, "{tag}: a release counted");
+        assert!(lock(&kernel.0).detached, "{tag}");
+        kill(child);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -61,10 +61,14 @@ def test_the_deadline_keeper_has_less_than_the_agent(renders: dict[str, Render],
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"]["drop"] == ["ALL"]
     assert set(sc["capabilities"]["add"]) == {"BPF", "KILL"}
-    env = {e["name"]: e["value"] for e in k["env"]}
-    agent_env = {e["name"]: e.get("value") for e in a["env"]}
-    for key in ("VALET_HOST_PROC", "VALET_CGROUP_MOUNT", "VALET_PIN_DIR"):
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in k["env"]}
+    agent_env = {e["name"]: e.get("value", e.get("valueFrom")) for e in a["env"]}
+    # The same pins, and the same downward API: at SIGTERM both decide alike whether a
+    # successor comes (the node, their pod, its DaemonSet).
+    for key in ("VALET_HOST_PROC", "VALET_CGROUP_MOUNT", "VALET_PIN_DIR", "NODE_NAME", "POD_NAME", "POD_NAMESPACE"):
         assert env[key] == agent_env[key], key
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     host_volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     for m in k["volumeMounts"]:
         if host_volumes[m["name"]] not in WRITABLE_HOST_PATHS:

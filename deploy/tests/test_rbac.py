@@ -18,7 +18,10 @@ ALLOWED: dict[tuple[str, str], set[str]] = {
     ("", "pods/status"): {"get", "patch"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
+    ("", "nodes"): {"get"},
 }
+# role.yaml: get of the agent's own DaemonSet, by name only, in its namespace.
+OWN_DAEMONSET = (("apps", "daemonsets"), {"get"}, ["valet-agent"])
 # components/openshift: `use` of the agent's own SecurityContextConstraints, by name only.
 SCC_USE = (("security.openshift.io", "securitycontextconstraints"), {"use"}, ["valet-agent"])
 FORBIDDEN_RESOURCES = {"pods/exec", "pods/attach", "pods/portforward", "secrets"}
@@ -47,6 +50,11 @@ def rbac_violations(role: dict) -> list[str]:
             base = res.split("/")[0]
             if res in FORBIDDEN_RESOURCES or base == "secrets":
                 out.append(f"{where}: forbidden resource {res!r}")
+        ds_key, ds_verbs, ds_names = OWN_DAEMONSET
+        if [(g, r) for g in groups for r in resources] == [ds_key]:
+            if set(verbs) != ds_verbs or rule.get("resourceNames") != ds_names or role["kind"] != "Role":
+                out.append(f"{where}: DaemonSets: only a Role's `get` of {ds_names}, by resourceNames")
+            continue
         scc_key, scc_verbs, scc_names = SCC_USE
         if [(g, r) for g in groups for r in resources] == [scc_key]:
             if set(verbs) != scc_verbs or rule.get("resourceNames") != scc_names:
@@ -85,11 +93,23 @@ def test_agent_role_grants_exactly_what_it_needs(renders: dict[str, Render]) -> 
     assert grants(role) == ALLOWED
 
 
+def test_agent_namespace_role_reads_only_its_own_daemonset(renders: dict[str, Render]) -> None:
+    role = renders["base"].one("Role", "valet-agent")
+    assert role["metadata"]["namespace"] == "valet-system"
+    assert role["rules"] == [
+        {"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": ["valet-agent"], "verbs": ["get"]}
+    ]
+    ds = renders["base"].one("DaemonSet", "valet-agent")
+    assert ds["metadata"]["namespace"] == role["metadata"]["namespace"]
+
+
 def test_only_the_agent_role_exists(renders: dict[str, Render]) -> None:
     names = {(render, d["kind"], d["metadata"]["name"]) for render, d in roles(renders)}
-    assert {(k, n) for _, k, n in names} == {("ClusterRole", "valet-agent"), ("Role", "valet-agent-scc")}
+    assert {(k, n) for _, k, n in names} == {
+        ("ClusterRole", "valet-agent"), ("Role", "valet-agent"), ("Role", "valet-agent-scc")
+    }
     # The SCC's Role only where the OpenShift component is.
-    assert {render for render, k, _ in names if k == "Role"} == {"base+openshift", "base+components"}
+    assert {render for render, k, n in names if n == "valet-agent-scc"} == {"base+openshift", "base+components"}
 
 
 def test_bindings_give_our_role_to_the_agent_only(renders: dict[str, Render]) -> None:
@@ -124,7 +144,11 @@ def _role(*rules: dict) -> dict:
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["delete"]},
         {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["update"]},
         {"apiGroups": [""], "resources": ["pods/ephemeralcontainers"], "verbs": ["patch"]},
-        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["patch"]},
+        {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["get"]},
+        {"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": ["valet-agent"], "verbs": ["get", "update"]},
+        {"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": ["other"], "verbs": ["get"]},
         {"apiGroups": ["apps"], "resources": ["pods"], "verbs": ["get"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["delete"]},
         {"nonResourceURLs": ["/metrics"], "verbs": ["get"]},

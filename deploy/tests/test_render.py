@@ -11,6 +11,8 @@ AGENT_OBJECTS = {
     ("ServiceAccount", "valet-agent"),
     ("ClusterRole", "valet-agent"),
     ("ClusterRoleBinding", "valet-agent"),
+    ("Role", "valet-agent"),
+    ("RoleBinding", "valet-agent"),
     ("DaemonSet", "valet-agent"),
 }
 POLICY_OBJECTS = {

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use serde_json::Value;
+use valet_sim::apiserver::Kind;
 use valet_sim::kubelet::{ContainerKind, ContainerSpec, HttpProbe, KubeletOptions, KubeletPod, StatusTiming};
 use valet_sim::node::{CgroupDriver, PodJsonOptions, QosClass, Runtime, SimPod, SimPodOptions, SpawnOptions};
 use valet_sim::standin::{ProxyKind, StandinOptions};
@@ -164,11 +165,23 @@ impl Node {
     /// Like [`Node::spawn_agent`], through a wrapper command (`wrapper` then the agent binary and
     /// its arguments), e.g. `setpriv` to run it with a given capability set.
     pub fn spawn_agent_under(&self, wrapper: &[String], extra: &[&str]) -> Result<Agent> {
+        self.spawn_agent_env(wrapper, extra, &[])
+    }
+
+    /// Like [`Node::start_agent`], as the container of the DaemonSet's pod `pod` (made by
+    /// [`Node::daemonset_pod`]): `POD_NAME` and `POD_NAMESPACE` from the downward API.
+    pub fn start_agent_in(&self, pod: &str, extra: &[&str]) -> Result<Agent> {
+        let mut agent = self.spawn_agent_env(&[], extra, &pod_env(pod))?;
+        agent.wait_ready(Duration::from_secs(180))?;
+        Ok(agent)
+    }
+
+    fn spawn_agent_env(&self, wrapper: &[String], extra: &[&str], env: &[(&str, &str)]) -> Result<Agent> {
         // The metrics port is found free, then bound by the agent: a process of a test running
         // beside this one may take it in between. The agent then exits at once, saying so, and
         // is started again on another port.
         for _ in 0..5 {
-            let mut agent = self.spawn_agent_once(wrapper, extra)?;
+            let mut agent = self.spawn_agent_once(wrapper, extra, env)?;
             if !agent.lost_its_port() {
                 return Ok(agent);
             }
@@ -176,7 +189,7 @@ impl Node {
         bail!("five agents in a row found their metrics port taken")
     }
 
-    fn spawn_agent_once(&self, wrapper: &[String], extra: &[&str]) -> Result<Agent> {
+    fn spawn_agent_once(&self, wrapper: &[String], extra: &[&str], env: &[(&str, &str)]) -> Result<Agent> {
         let port = free_port()?;
         let metrics: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let log = self.scratch.path(&format!("agent-{port}.log"));
@@ -206,6 +219,9 @@ impl Node {
             .env("KUBECONFIG", &self.kubeconfig)
             .env("RUST_LOG", std::env::var("VALET_TEST_LOG").unwrap_or_else(|_| "info,kube=warn".into()))
             .env_remove("KUBERNETES_SERVICE_HOST")
+            .env_remove("POD_NAME")
+            .env_remove("POD_NAMESPACE")
+            .envs(env.iter().copied())
             .stdout(Stdio::from(log_file.try_clone()?))
             .stderr(Stdio::from(log_file))
             .spawn()
@@ -221,6 +237,15 @@ impl Node {
 
     /// Like [`Node::start_deadline_keeper`], with `extra` flags.
     pub fn start_deadline_keeper_with(&self, extra: &[&str]) -> Result<DeadlineKeeper> {
+        self.start_deadline_keeper_env(extra, &[])
+    }
+
+    /// Like [`Node::start_deadline_keeper`], as the second container of the DaemonSet's pod `pod`.
+    pub fn start_deadline_keeper_in(&self, pod: &str) -> Result<DeadlineKeeper> {
+        self.start_deadline_keeper_env(&[], &pod_env(pod))
+    }
+
+    fn start_deadline_keeper_env(&self, extra: &[&str], env: &[(&str, &str)]) -> Result<DeadlineKeeper> {
         let log = self.scratch.path(&format!("deadlines-{}.log", free_port()?));
         let file = std::fs::File::create(&log)?;
         let child = Command::new(agent_binary()?)
@@ -232,11 +257,67 @@ impl Node {
             .arg(valet_sim::node::CgroupRoot::detect()?)
             .args(extra)
             .env("RUST_LOG", "info")
+            .env("NODE_NAME", &self.name)
+            .env("KUBECONFIG", &self.kubeconfig)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env_remove("POD_NAME")
+            .env_remove("POD_NAMESPACE")
+            .envs(env.iter().copied())
             .stdout(Stdio::from(file.try_clone()?))
             .stderr(Stdio::from(file))
             .spawn()
             .context("start valet-agent deadlines")?;
         Ok(DeadlineKeeper { child: Some(child), log })
+    }
+
+    /// Installs valet as `deploy/base` does, as far as the agent reads it: the DaemonSet
+    /// `valet-system/valet-agent` (the manifest's scheduling: Linux, amd64 or arm64, every taint
+    /// tolerated) and this node, labelled to fit it.
+    pub fn install_daemonset(&self) -> Result<()> {
+        let arch = if cfg!(target_arch = "aarch64") { "arm64" } else { "amd64" };
+        self.api.put_object(
+            Kind::Node,
+            serde_json::json!({"metadata": {"name": self.name, "labels": {
+                "kubernetes.io/os": "linux", "kubernetes.io/arch": arch, "kubernetes.io/hostname": self.name}}}),
+        )?;
+        self.api.put_object(
+            Kind::DaemonSet,
+            serde_json::json!({
+                "metadata": {"name": AGENT_DAEMONSET, "namespace": AGENT_NAMESPACE},
+                "spec": {
+                    "selector": {"matchLabels": {"app.kubernetes.io/name": "valet"}},
+                    "template": {"metadata": {"labels": {"app.kubernetes.io/name": "valet"}}, "spec": {
+                        "containers": [{"name": "valet-agent"}, {"name": "valet-deadlines"}],
+                        "nodeSelector": {"kubernetes.io/os": "linux"},
+                        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [{"matchExpressions": [
+                                {"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64", "arm64"]}]}]}}},
+                        "tolerations": [{"operator": "Exists"}]
+                    }}
+                }
+            }),
+        )?;
+        Ok(())
+    }
+
+    /// A pod of the agent's DaemonSet on this node, as its controller makes one (its controller
+    /// reference names the DaemonSet); its name. No process runs for it: the agent and the
+    /// keeper started "in" it get its name.
+    pub fn daemonset_pod(&self) -> Result<String> {
+        let set = self
+            .api
+            .get_object(Kind::DaemonSet, Some(AGENT_NAMESPACE), AGENT_DAEMONSET)
+            .context("install_daemonset first")?;
+        let name = format!("{AGENT_DAEMONSET}-{}", valet_sim::util::random_hex(3));
+        self.api.create_pod(serde_json::json!({
+            "metadata": {"name": name, "namespace": AGENT_NAMESPACE,
+                "labels": {"app.kubernetes.io/name": "valet"},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": AGENT_DAEMONSET,
+                    "uid": set["metadata"]["uid"], "controller": true, "blockOwnerDeletion": true}]},
+            "spec": {"nodeName": self.name, "containers": [{"name": "valet-agent"}, {"name": "valet-deadlines"}]},
+            "status": {"phase": "Running"}
+        }))?;
+        Ok(name)
     }
 
     /// Builds an Istio-injected Job pod on this node and hands it to the kubelet: real cgroups, a
@@ -872,6 +953,15 @@ fn stop_child(
     }
 }
 
+/// Where [`Node::install_daemonset`] puts the agent's DaemonSet, and its name.
+pub const AGENT_NAMESPACE: &str = "valet-system";
+pub const AGENT_DAEMONSET: &str = "valet-agent";
+
+/// The downward API's environment of a container of the agent's pod `pod`.
+fn pod_env(pod: &str) -> [(&'static str, &str); 2] {
+    [("POD_NAME", pod), ("POD_NAMESPACE", AGENT_NAMESPACE)]
+}
+
 /// `valet-agent deadlines` for a node ([`Node::start_deadline_keeper`]); killed when dropped.
 pub struct DeadlineKeeper {
     child: Option<std::process::Child>,
@@ -881,6 +971,10 @@ pub struct DeadlineKeeper {
 impl DeadlineKeeper {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
     }
 
     /// SIGKILL (a crash, or the node's OOM killer): it releases nothing.
@@ -915,6 +1009,25 @@ impl Drop for Agent {
 /// How long a test waits for an event before it calls it missing: only a guard against a hang
 /// (a test waits for the event itself, never for a time), long enough for a loaded machine.
 pub const HANG_GUARD: Duration = Duration::from_secs(30);
+
+/// The state letter of a process (`R`, `S`, `T`, `Z`, ...), None once it is gone.
+pub fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')').next()?.split_whitespace().next()?.chars().next()
+}
+
+/// Polls every 200 µs (fine enough to print a release latency) until `path` exists; how long
+/// that took.
+pub fn wait_file(path: &Path, timeout: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if path.exists() {
+            return Some(start.elapsed());
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    None
+}
 
 /// Polls `f` every 10 ms until it returns true or `timeout` passes.
 pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {

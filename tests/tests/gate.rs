@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use valet_agent::cgroup::root::Controller;
-use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually};
+use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually, process_state as state, wait_file};
 
 const HOLD: &str = "valet.dev/hold-app";
 const HOLD_TIMEOUT: &str = "valet.dev/hold-timeout";
@@ -28,12 +28,6 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// The state letter of a process (`R`, `S`, `T`, `Z`, ...), None once it is gone.
-fn state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit(')').next()?.split_whitespace().next()?.chars().next()
 }
 
 /// An app script that writes `marker` the moment it runs, then lives a little.
@@ -46,18 +40,6 @@ fn held_spec(name: &str, ready: &Path) -> JobSpec {
     let mut spec = JobSpec::new(name).annotation(HOLD, "true");
     spec.ready_file = Some(ready.to_path_buf());
     spec
-}
-
-/// Polls every 200 µs (fine enough to print the release latency) until `path` exists.
-fn wait_file(path: &Path, timeout: Duration) -> Option<Duration> {
-    let start = Instant::now();
-    while start.elapsed() < timeout {
-        if path.exists() {
-            return Some(start.elapsed());
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    None
 }
 
 /// The agent's `valet.dev/ProxyReady` condition on the pod, as (status, reason).

@@ -13,11 +13,15 @@
 //! are for events; their timeout is only a hang guard.
 
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use valet_sim::apiserver::{Fault, Kind, Propagation};
 use valet_sim::node::{CgroupDriver, QosClass, Runtime};
-use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually};
+use valet_tests::harness::{
+    AGENT_DAEMONSET, AGENT_NAMESPACE, Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually, process_state, wait_file,
+};
 
 /// The later event of a "nothing happened" check: a labelled pod added now, whose app exits and
 /// whose proxy the agent quits. The agent learns of it through the same pod watch, after every
@@ -920,4 +924,218 @@ fn container_without_its_own_pid_namespace_ends_with_its_last_process() {
     assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
     assert!(started.elapsed() >= Duration::from_millis(300), "not before the main process ended");
     assert_eq!(job.loopback_quits().len(), 1);
+}
+
+/// A pod's `valet.dev/ProxyReady` condition has the status `status`.
+fn condition_is(node: &Node, job: &JobPod, status: &str) -> bool {
+    node.pod(job).is_some_and(|pod| {
+        pod["status"]["conditions"]
+            .as_array()
+            .is_some_and(|cs| cs.iter().any(|c| c["type"] == "valet.dev/ProxyReady" && c["status"] == status))
+    })
+}
+
+/// A held pod whose proxy is ready once `ready` exists, its app started once the agent placed
+/// the pod and stopped at exec by the kernel; the app writes `marker` the moment it runs.
+struct HeldApp {
+    job: JobPod,
+    ready: PathBuf,
+    marker: PathBuf,
+    /// Before the app started (so before the kernel stopped it).
+    started: Instant,
+}
+
+impl HeldApp {
+    fn new(node: &Node, agent: &Agent, name: &str, hold_timeout: &str) -> HeldApp {
+        let ready = node.scratch.path(&format!("{name}-ready"));
+        let marker = node.scratch.path(&format!("{name}-ran"));
+        let mut spec = JobSpec::new(name)
+            .annotation("valet.dev/hold-app", "true")
+            .annotation("valet.dev/hold-timeout", hold_timeout);
+        spec.ready_file = Some(ready.clone());
+        let mut job = node.job_pod(spec).expect("held pod");
+        assert!(eventually(HANG_GUARD, || condition_is(node, &job, "False")), "placed\n{}", agent.log_text());
+        let started = Instant::now();
+        job.run_app("app", &format!("echo ran > {}; exec sleep 0.3", marker.display())).expect("app");
+        let app = HeldApp { job, ready, marker, started };
+        assert!(eventually(HANG_GUARD, || app.stopped()), "never stopped\n{}", agent.log_text());
+        assert!(
+            eventually(HANG_GUARD, || agent.metric("valet_app_holds_total ") == 1.0),
+            "the hold counted\n{}",
+            agent.log_text()
+        );
+        app
+    }
+
+    fn pid(&self) -> u32 {
+        self.job.apps[0].host_pid()
+    }
+
+    /// Stopped at exec and not having run a single line.
+    fn stopped(&self) -> bool {
+        process_state(self.pid()) == Some('T') && !self.marker.exists()
+    }
+}
+
+/// A line of the log saying what was decided at SIGTERM.
+fn decided(log: &str, verdict: &str) -> bool {
+    log.lines().any(|l| l.contains("at SIGTERM") && l.contains(&format!("verdict=\"{verdict}\"")))
+}
+
+/// The successor `agent` took the held app over: it probes the proxy (still not ready) while the
+/// app stays stopped; once the proxy is ready it releases the app. The ready → ran latency.
+fn successor_releases_at_readiness(app: &HeldApp, agent: &Agent, what: &str) -> Duration {
+    let before = loopback_probes(&app.job);
+    assert!(
+        eventually(HANG_GUARD, || loopback_probes(&app.job) >= before + 3),
+        "{what}: the successor probes the proxy\n{}",
+        agent.log_text()
+    );
+    assert!(app.stopped(), "{what}: released before the proxy was ready\n{}", agent.log_text());
+    std::fs::write(&app.ready, "").expect("ready file");
+    let latency = wait_file(&app.marker, HANG_GUARD)
+        .unwrap_or_else(|| panic!("{what}: never released once ready\n{}", agent.log_text()));
+    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 1.0), "{what}: by the successor");
+    assert!(
+        agent.log_text().contains("found a process left held by an earlier agent"),
+        "{what}: adopted\n{}",
+        agent.log_text()
+    );
+    latency
+}
+
+/// A SIGTERM restart of the agent container (its pod not deleted, the DaemonSet present, the
+/// deadline keeper running on): the held app stays stopped through the restart until its proxy
+/// is ready, and the restarted agent releases it then.
+#[test]
+fn sigterm_restart_hands_held_apps_to_the_restarted_agent() {
+    let node = Node::new().expect("node");
+    node.install_daemonset().expect("daemonset");
+    let pod = node.daemonset_pod().expect("agent pod");
+    let _keeper = node.start_deadline_keeper_in(&pod).expect("keeper");
+    let mut agent = node.start_agent_in(&pod, &[]).expect("agent");
+    let app = HeldApp::new(&node, &agent, "restart", "60s");
+
+    let status = agent.stop(libc::SIGTERM, HANG_GUARD).expect("stopped").expect("was running");
+    assert!(app.stopped(), "released at the SIGTERM of a restart\n{}", agent.log_text());
+    assert_eq!(status.code(), Some(0), "{}", agent.log_text());
+    assert!(decided(&agent.log_text(), "handed over"), "{}", agent.log_text());
+
+    let agent = node.start_agent_in(&pod, &[]).expect("restarted agent");
+    let latency = successor_releases_at_readiness(&app, &agent, "restart");
+    println!("container restart: proxy ready -> app ran (released by the restarted agent): {latency:?}");
+}
+
+/// A rollout: the old pod deleted (both containers SIGTERMed) while the DaemonSet stays, the new
+/// pod's agent and keeper started 2 s later. The held app stays stopped until its proxy is
+/// ready; the new agent releases it.
+#[test]
+fn rollout_hands_held_apps_to_the_new_pod() {
+    let node = Node::new().expect("node");
+    node.install_daemonset().expect("daemonset");
+    let old = node.daemonset_pod().expect("old pod");
+    let mut keeper = node.start_deadline_keeper_in(&old).expect("keeper");
+    let mut agent = node.start_agent_in(&old, &[]).expect("agent");
+    let app = HeldApp::new(&node, &agent, "rollout", "60s");
+
+    // The DaemonSet's controller deletes the old pod; the kubelet SIGTERMs both containers.
+    node.api.begin_pod_deletion(AGENT_NAMESPACE, &old, None).expect("delete the old pod");
+    let keeper_pid = keeper.pid().expect("keeper runs");
+    // SAFETY: plain syscall on a child of this test.
+    unsafe { libc::kill(keeper_pid as i32, libc::SIGTERM) };
+    let status = agent.stop(libc::SIGTERM, HANG_GUARD).expect("stopped").expect("was running");
+    assert_eq!(status.code(), Some(0), "{}", agent.log_text());
+    let kept = keeper.stop().expect("keeper stopped");
+    assert!(kept.is_none_or(|s| s.success()), "{kept:?}\n{}", keeper.log_text());
+    assert!(app.stopped(), "released at the rollout's SIGTERM\n{}\n{}", agent.log_text(), keeper.log_text());
+    assert!(decided(&agent.log_text(), "handed over"), "{}", agent.log_text());
+    assert!(decided(&keeper.log_text(), "handed over"), "{}", keeper.log_text());
+    node.api.delete_pod(AGENT_NAMESPACE, &old).expect("the kubelet's final delete");
+
+    // The new pod, its containers started 2 s later (scheduling, the image, the start).
+    let new = node.daemonset_pod().expect("new pod");
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(app.stopped(), "released while no agent ran");
+    let _keeper = node.start_deadline_keeper_in(&new).expect("new keeper");
+    let agent = node.start_agent_in(&new, &[]).expect("new agent");
+    let latency = successor_releases_at_readiness(&app, &agent, "rollout");
+    println!("rollout: proxy ready -> app ran (released by the new pod's agent): {latency:?}");
+}
+
+/// An uninstall: the DaemonSet deleted (foreground: kept while its pods go; background: gone at
+/// once), or the node drained of it (relabelled so that the DaemonSet's affinity no longer
+/// takes it), the agent's pod deleted, both containers SIGTERMed: the held app runs at the
+/// SIGTERM, before the agent exits.
+#[test]
+fn uninstall_releases_held_apps_at_sigterm() {
+    for how in ["foreground", "background", "node unfit"] {
+        let node = Node::new().expect("node");
+        node.install_daemonset().expect("daemonset");
+        let pod = node.daemonset_pod().expect("agent pod");
+        let mut keeper = node.start_deadline_keeper_in(&pod).expect("keeper");
+        let mut agent = node.start_agent_in(&pod, &[]).expect("agent");
+        let app = HeldApp::new(&node, &agent, "uninstall", "60s");
+
+        if how == "node unfit" {
+            let mut n = node.api.get_object(Kind::Node, None, &node.name).expect("the node");
+            n["metadata"]["labels"]["kubernetes.io/arch"] = Value::from("s390x");
+            node.api.put_object(Kind::Node, n).expect("relabel the node");
+        } else {
+            let propagation = if how == "foreground" { Propagation::Foreground } else { Propagation::Background };
+            node.api
+                .delete_object(Kind::DaemonSet, Some(AGENT_NAMESPACE), AGENT_DAEMONSET, propagation)
+                .expect("delete");
+        }
+        node.api.begin_pod_deletion(AGENT_NAMESPACE, &pod, None).expect("delete the pod");
+        let sigterm = Instant::now();
+        let keeper_pid = keeper.pid().expect("keeper runs");
+        // SAFETY: plain syscall on a child of this test.
+        unsafe { libc::kill(keeper_pid as i32, libc::SIGTERM) };
+        // SAFETY: as above.
+        unsafe { libc::kill(agent.pid().expect("agent runs") as i32, libc::SIGTERM) };
+        let latency = wait_file(&app.marker, HANG_GUARD).map(|_| sigterm.elapsed());
+        let status = agent.stop(libc::SIGTERM, HANG_GUARD).expect("stopped").expect("was running");
+        keeper.stop().expect("keeper stopped");
+        println!("uninstall ({how}): SIGTERM -> app ran: {latency:?}");
+        assert!(latency.is_some(), "{how}: left stopped\n{}\n{}", agent.log_text(), keeper.log_text());
+        assert_eq!(status.code(), Some(0), "{}", agent.log_text());
+        assert!(decided(&agent.log_text(), "released: uninstall"), "{}", agent.log_text());
+        assert!(decided(&keeper.log_text(), "released: uninstall"), "{}", keeper.log_text());
+    }
+}
+
+/// The API does not answer during the SIGTERM (reads hang): the agent keeps the hold within its
+/// bounded lookup and exits; the app stays stopped, and the deadline keeper releases it at its
+/// deadline (4 s from the kernel's stop), not before.
+#[test]
+fn api_down_at_sigterm_keeps_held_apps_until_their_deadline() {
+    let node = Node::new().expect("node");
+    node.install_daemonset().expect("daemonset");
+    let pod = node.daemonset_pod().expect("agent pod");
+    let keeper = node.start_deadline_keeper_in(&pod).expect("keeper");
+    let mut agent = node.start_agent_in(&pod, &[]).expect("agent");
+    let app = HeldApp::new(&node, &agent, "unanswered", "4s");
+
+    node.api.set_fault(Fault::HangReads);
+    let sigterm = Instant::now();
+    let status = agent.stop(libc::SIGTERM, HANG_GUARD).expect("stopped").expect("was running");
+    println!("API unanswered: SIGTERM -> agent exited: {:?}", sigterm.elapsed());
+    assert!(app.stopped(), "released with no answer from the API\n{}", agent.log_text());
+    assert_eq!(status.code(), Some(0), "{}", agent.log_text());
+    assert!(decided(&agent.log_text(), "kept: API unanswered"), "{}", agent.log_text());
+
+    let ran = wait_file(&app.marker, HANG_GUARD).map(|_| app.started.elapsed());
+    println!("API unanswered: the app ran {ran:?} after its start (hold timeout 4 s)");
+    let ran = ran.unwrap_or_else(|| panic!("never released\n{}", keeper.log_text()));
+    // A lower bound only (from before the stop): the deadline is the stop + 4 s.
+    assert!(ran >= Duration::from_millis(3900), "released before its deadline: {ran:?}\n{}", keeper.log_text());
+    let pid = app.pid();
+    assert!(
+        keeper
+            .log_text()
+            .lines()
+            .any(|l| l.contains("released a held app at its deadline") && l.contains(&format!("pid={pid} "))),
+        "released by the keeper at the deadline\n{}",
+        keeper.log_text()
+    );
 }

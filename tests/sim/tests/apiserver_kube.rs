@@ -263,3 +263,50 @@ async fn event_recorder_creates_then_patches_series() {
     let methods: Vec<String> = server.requests().iter().map(|r| r.method.clone()).collect();
     assert_eq!(methods, ["POST", "PATCH"]);
 }
+
+/// What a node agent reads at SIGTERM: its DaemonSet (apps/v1) and its node, through kube's
+/// typed `Api`; 404s, a foreground deletion and writes refused as RBAC refuses them to it.
+#[tokio::test]
+async fn daemonsets_and_nodes_are_read_as_a_real_server_serves_them() {
+    use k8s_openapi::api::apps::v1::DaemonSet;
+    use k8s_openapi::api::core::v1::Node;
+    use valet_sim::apiserver::{Kind, Propagation};
+    let server = FakeApiServer::start().expect("server");
+    let client = client_for(&server).await;
+    let sets: Api<DaemonSet> = Api::namespaced(client.clone(), "valet-system");
+    let nodes: Api<Node> = Api::all(client);
+    assert!(sets.get_opt("valet-agent").await.expect("a 404 is an answer").is_none());
+    let missing = sets.get("valet-agent").await.expect_err("absent");
+    assert!(
+        matches!(&missing, kube::Error::Api(s) if s.code == 404 && s.message == "daemonsets.apps \"valet-agent\" not found"),
+        "{missing:?}"
+    );
+    let ds = json!({"metadata": {"name": "valet-agent", "namespace": "valet-system", "labels": {"app": "valet"}},
+        "spec": {"selector": {"matchLabels": {"app": "valet"}},
+                 "template": {"metadata": {"labels": {"app": "valet"}}, "spec": {"containers": [{"name": "a"}]}}}});
+    server.put_object(Kind::DaemonSet, ds).expect("put");
+    server
+        .put_object(Kind::Node, json!({"metadata": {"name": "node-a", "labels": {"kubernetes.io/os": "linux"}}}))
+        .expect("put node");
+    let got = sets.get("valet-agent").await.expect("get");
+    assert_eq!(got.metadata.generation, Some(1));
+    assert!(got.metadata.uid.is_some() && got.metadata.deletion_timestamp.is_none());
+    let listed = sets.list(&ListParams::default().labels("app=valet")).await.expect("list");
+    assert_eq!(listed.items.len(), 1);
+    assert!(sets.list(&ListParams::default().labels("app=other")).await.expect("list").items.is_empty());
+    let node = nodes.get("node-a").await.expect("node");
+    assert_eq!(node.metadata.labels.unwrap_or_default().get("kubernetes.io/os").map(String::as_str), Some("linux"));
+    assert!(nodes.get_opt("node-b").await.expect("a 404 is an answer").is_none());
+    // Writes are the admin's (test control); the agent's role grants none.
+    let refused = sets.delete("valet-agent", &Default::default()).await.expect_err("forbidden");
+    assert!(matches!(&refused, kube::Error::Api(s) if s.code == 403), "{refused:?}");
+
+    server
+        .delete_object(Kind::DaemonSet, Some("valet-system"), "valet-agent", Propagation::Foreground)
+        .expect("delete");
+    let deleting = sets.get("valet-agent").await.expect("kept while its pods go");
+    assert!(deleting.metadata.deletion_timestamp.is_some());
+    assert_eq!(deleting.metadata.finalizers, Some(vec!["foregroundDeletion".to_owned()]));
+    server.delete_object(Kind::DaemonSet, Some("valet-system"), "valet-agent", Propagation::Background).expect("gone");
+    assert!(sets.get_opt("valet-agent").await.expect("a 404 is an answer").is_none());
+}

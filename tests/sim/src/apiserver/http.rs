@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 use super::patch::PatchKind;
 use super::selector::{FieldKind, FieldSelector, LabelSelector};
 use super::status::ApiError;
-use super::store::{EventGroup, Filter, ListParams, Subresource};
+use super::store::{EventGroup, Filter, Kind, ListParams, Subresource};
 use super::{RecordedRequest, Shared, WriteSpan, lock, watch};
 
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -185,7 +185,14 @@ async fn answer(
 fn verb(method: &Method, path: &str, watch: bool) -> &'static str {
     match *method {
         Method::GET if watch => "watch",
-        Method::GET if matches!(path.trim_end_matches('/').rsplit('/').next(), Some("pods" | "events")) => "list",
+        Method::GET
+            if matches!(
+                path.trim_end_matches('/').rsplit('/').next(),
+                Some("pods" | "events" | "daemonsets" | "nodes")
+            ) =>
+        {
+            "list"
+        }
         Method::GET => "get",
         Method::POST => "create",
         Method::PUT => "update",
@@ -261,8 +268,34 @@ fn route(shared: &Arc<Shared>, path: &str, r: Req) -> Result<Response<Body>, Api
         }
         ["apis"] => {
             get_only(&r)?;
-            Ok(json_response(200, &json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [events_group()]})))
+            Ok(json_response(
+                200,
+                &json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [apps_group(), events_group()]}),
+            ))
         }
+        ["apis", "apps"] => {
+            get_only(&r)?;
+            let mut g = apps_group();
+            if let Some(m) = g.as_object_mut() {
+                m.insert("kind".into(), json!("APIGroup"));
+                m.insert("apiVersion".into(), json!("v1"));
+            }
+            Ok(json_response(200, &g))
+        }
+        ["apis", "apps", "v1"] => {
+            get_only(&r)?;
+            Ok(json_response(200, &apps_resources()))
+        }
+        // DaemonSets and Nodes: read (get, list) over the API; written by test control.
+        ["apis", "apps", "v1", "daemonsets"] => objects_collection(shared, Kind::DaemonSet, None, &r),
+        ["apis", "apps", "v1", "namespaces", ns, "daemonsets"] => {
+            objects_collection(shared, Kind::DaemonSet, Some(ns), &r)
+        }
+        ["apis", "apps", "v1", "namespaces", ns, "daemonsets", name] => {
+            object_item(shared, Kind::DaemonSet, Some(ns), name, &r)
+        }
+        ["api", "v1", "nodes"] => objects_collection(shared, Kind::Node, None, &r),
+        ["api", "v1", "nodes", name] => object_item(shared, Kind::Node, None, name, &r),
         ["apis", "events.k8s.io"] => {
             get_only(&r)?;
             let mut g = events_group();
@@ -305,6 +338,46 @@ fn route(shared: &Arc<Shared>, path: &str, r: Req) -> Result<Response<Body>, Api
         }
         _ => Err(ApiError::no_route()),
     }
+}
+
+/// A list of DaemonSets or Nodes (label selector only; watches of them are not simulated).
+/// Writes are refused as forbidden, as RBAC refuses them to a node agent.
+fn objects_collection(shared: &Arc<Shared>, kind: Kind, ns: Option<&str>, r: &Req) -> Result<Response<Body>, ApiError> {
+    if r.method != Method::GET {
+        return Err(forbidden(kind, r));
+    }
+    if r.flag("watch") {
+        return Err(ApiError::method_not_allowed());
+    }
+    if r.q("fieldSelector").is_some_and(|f| !f.is_empty()) {
+        return Err(ApiError::bad_request(format!("field selectors on {} are not simulated", kind.resource())));
+    }
+    let labels = LabelSelector::parse(r.q("labelSelector").unwrap_or("")).map_err(ApiError::bad_request)?;
+    Ok(json_response(200, &lock(&shared.store).list_objects(kind, ns, &labels)))
+}
+
+fn object_item(
+    shared: &Arc<Shared>,
+    kind: Kind,
+    ns: Option<&str>,
+    name: &str,
+    r: &Req,
+) -> Result<Response<Body>, ApiError> {
+    if r.method != Method::GET {
+        return Err(forbidden(kind, r));
+    }
+    Ok(json_response(200, &lock(&shared.store).get_object(kind, ns, name)?))
+}
+
+/// The 403 the real server sends a service account whose role does not grant the verb.
+fn forbidden(kind: Kind, r: &Req) -> ApiError {
+    let verb = verb(&r.method, "", false);
+    let group = if kind.group().is_empty() { String::new() } else { format!(" in API group \"{}\"", kind.group()) };
+    ApiError::new(
+        403,
+        "Forbidden",
+        format!("{} is forbidden: cannot {verb} resource \"{}\"{group}", kind.resource(), kind.resource()),
+    )
 }
 
 fn filter_from(r: &Req, ns: Option<&str>, kind: FieldKind) -> Result<Filter, ApiError> {
@@ -483,6 +556,19 @@ fn version() -> Value {
     })
 }
 
+fn apps_group() -> Value {
+    json!({"name": "apps",
+           "versions": [{"groupVersion": "apps/v1", "version": "v1"}],
+           "preferredVersion": {"groupVersion": "apps/v1", "version": "v1"}})
+}
+
+fn apps_resources() -> Value {
+    json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "apps/v1", "resources": [
+        resource("daemonsets", "DaemonSet", true, &["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]),
+        resource("daemonsets/status", "DaemonSet", true, &["get", "patch", "update"]),
+    ]})
+}
+
 fn events_group() -> Value {
     json!({"name": "events.k8s.io",
            "versions": [{"groupVersion": "events.k8s.io/v1", "version": "v1"}],
@@ -499,6 +585,7 @@ fn core_resources() -> Value {
         resource("pods", "Pod", true, &["create", "delete", "get", "list", "patch", "update", "watch"]),
         resource("pods/status", "Pod", true, &["get", "patch", "update"]),
         resource("events", "Event", true, &["create", "delete", "get", "list", "patch", "update"]),
+        resource("nodes", "Node", false, &["create", "delete", "get", "list", "patch", "update", "watch"]),
     ]})
 }
 

@@ -1,4 +1,4 @@
-//! A fake Kubernetes API server for Pods and Events over plain HTTP/1.1, faithful to the wire
+//! A fake Kubernetes API server for Pods and Events (and reads of DaemonSets and Nodes) over plain HTTP/1.1, faithful to the wire
 //! protocol kube-rs and client-go speak (lists, watches with bookmarks and 410 expiry, the four
 //! PATCH flavours, Status errors), plus a synchronous test-control API.
 //!
@@ -25,7 +25,7 @@ use serde_json::Value;
 pub use patch::{PatchKind, Schema};
 pub use selector::{FieldSelector, LabelSelector};
 pub use status::ApiError;
-pub use store::{ChangeType, EventGroup, Filter, ListParams, Subresource};
+pub use store::{ChangeType, EventGroup, Filter, Kind, ListParams, Propagation, Subresource};
 
 use store::Store;
 
@@ -334,6 +334,34 @@ impl FakeApiServer {
                 st.update_pod(namespace, name, pod, Subresource::Control, None)
             })
             .map_err(|e| anyhow!(e))
+    }
+
+    /// Starts a pod's graceful deletion, as `kubectl delete pod` or a controller does: the pod
+    /// gets its `deletionTimestamp` (`grace` seconds on; the pod's own grace period when None)
+    /// and stays until removed ([`FakeApiServer::delete_pod`], the kubelet's final delete).
+    pub fn begin_pod_deletion(&self, namespace: &str, name: &str, grace: Option<i64>) -> Result<Value> {
+        self.shared.mutate(|st| st.delete_pod(namespace, name, grace, None, None)).map_err(|e| anyhow!(e))
+    }
+
+    /// Creates or replaces a DaemonSet or Node ([`store::Store::put_object`]).
+    pub fn put_object(&self, kind: Kind, object: Value) -> Result<Value> {
+        self.shared.mutate(|st| st.put_object(kind, object)).map_err(|e| anyhow!(e))
+    }
+
+    /// Deletes a DaemonSet or Node: gone at once (`Background`), or kept with a
+    /// `deletionTimestamp` while its dependents go (`Foreground`).
+    pub fn delete_object(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        propagation: Propagation,
+    ) -> Result<Value> {
+        self.shared.mutate(|st| st.delete_object(kind, namespace, name, propagation)).map_err(|e| anyhow!(e))
+    }
+
+    pub fn get_object(&self, kind: Kind, namespace: Option<&str>, name: &str) -> Option<Value> {
+        lock(&self.shared.store).get_object(kind, namespace, name).ok()
     }
 
     /// Removes a pod at once (DELETED event), like the kubelet's final delete.
