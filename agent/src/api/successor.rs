@@ -190,7 +190,7 @@ async fn look(client: Client, own: &OwnPod) -> Result<Stop, kube::Error> {
     }
     let nodes: Api<Node> = Api::all(client);
     let Some(node) = nodes.get_opt(&own.node).await? else { return Ok(Stop::Release(Uninstall::NodeGone)) };
-    let fits = set.spec.as_ref().and_then(|s| s.template.spec.as_ref()).is_some_and(|spec| node_fits(spec, &node));
+    let fits = set.spec.template.spec.as_ref().is_some_and(|spec| node_fits(spec, &node));
     Ok(if fits { Stop::HandOver(Successor::Rollout) } else { Stop::Release(Uninstall::NodeUnfit) })
 }
 
