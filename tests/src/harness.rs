@@ -543,7 +543,7 @@ pub struct JobSpec {
     /// Apps' own `restartPolicy` (KEP-5307): (app, policy).
     pub app_restart_policies: Vec<(String, String)>,
     /// Apps' `restartPolicyRules`, in order: (app, (action, operator, values)).
-    pub app_restart_rules: Vec<(String, (String, String, Vec<i32>))>,
+    pub app_restart_rules: Vec<(String, valet_sim::kubelet::RestartRule)>,
     /// The runtime records the apps' and the proxy's exits these long after them (None: the
     /// kubelet's [`KubeletOptions::exit_record_lag`]).
     pub record_lags: Option<(Duration, Duration)>,

@@ -184,6 +184,9 @@ pub enum ContainerKind {
     NativeSidecar,
 }
 
+/// One of a container's `restartPolicyRules`: (action, exit code operator, values).
+pub type RestartRule = (String, String, Vec<i32>);
+
 /// One container of a [`KubeletPod`]; the [`SimPod`] must have a container of that name.
 #[derive(Debug, Clone, Default)]
 pub struct ContainerSpec {
@@ -201,8 +204,8 @@ pub struct ContainerSpec {
     pub pre_stop: Option<Vec<String>>,
     /// A regular container's own `restartPolicy` (KEP-5307), overriding the pod's.
     pub restart_policy: Option<String>,
-    /// Its `restartPolicyRules`, in order: (action, exit code operator, values).
-    pub restart_rules: Vec<(String, String, Vec<i32>)>,
+    /// Its `restartPolicyRules`, in order.
+    pub restart_rules: Vec<RestartRule>,
     /// The runtime records this container's exits this long after them (in place of
     /// [`KubeletOptions::exit_record_lag`]).
     pub record_lag: Option<Duration>,
