@@ -178,10 +178,10 @@ fn deadline_of_a_record_in_the_previous_format_is_kept_across_an_upgrade() {
     let ktime_ns = monotonic_ns();
     v1.insert(pid, HeldRecordV1 { cgroup_id, ktime_ns }, 0).expect("v1 record");
     drop(v1);
-    // The new version starts with the API down, and the pod's 8 s hold timeout as its default
-    // (an old record carries none).
+    // The new version starts with the API down, and the pod's 8 s hold timeout as the one old
+    // records get (they carry none).
     node.api.set_fault(Fault::Status { code: 503, verbs: Vec::new(), until: None });
-    let agent = node.spawn_agent(&["--hold-timeout", "8s"]).expect("the new version");
+    let agent = node.spawn_agent(&["--old-record-timeout", "8s"]).expect("the new version");
     let deadline_ns = ktime_ns + 8_000_000_000;
     assert!(
         eventually(HANG_GUARD, || !node.pin_dir().join(PIN_HELD_V1).exists()),
