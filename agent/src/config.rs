@@ -322,6 +322,12 @@ mod tests {
     }
 
     #[test]
+    fn old_records_get_the_hold_timeout_of_the_version_that_wrote_them() {
+        let ms = u128::from(valet_common::HELD_DEFAULT_TIMEOUT_MS);
+        assert_eq!(parse_duration(OLD_RECORD_TIMEOUT).map(|d| d.as_millis()), Ok(ms));
+    }
+
+    #[test]
     fn flags_and_validation() {
         let cfg = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--metrics-addr", "127.0.0.1:0"])
             .expect("parse");
