@@ -671,4 +671,36 @@ pub(crate) mod tests {
         assert!(stranger_stopped, "a process outside the container's cgroup was signalled");
         assert_eq!(released, 2);
     }
+
+    #[test]
+    fn an_app_gone_before_its_release_is_no_release_failure() {
+        let tree = crate::cgroup::tree::TempTree::new("release-gone");
+        let (rel, unreadable) = ("/kubepods/pod1/c1", "/kubepods/pod2/c1");
+        tree.mkdir(rel);
+        tree.procs(rel, &[]);
+        tree.mkdir(unreadable);
+        // A cgroup.procs that cannot be read (a directory: EISDIR, even for root).
+        std::fs::create_dir(tree.0.join("kubepods/pod2/c1/cgroup.procs")).expect("mkdir cgroup.procs");
+        let cgroups = CgroupFs::new(&tree.0);
+        // Killed while held (its pid no one's), and a held app whose cgroup cannot be read.
+        let mut killed = std::process::Command::new("true").spawn().expect("spawn true");
+        let killed_pid = killed.id();
+        let _ = killed.wait();
+        let mut unplaced = stopped_child();
+        let release =
+            |pid: u32, rel: &str| Release { tgid: pid, container_rel: rel.into(), reason: "ready", held_ns: 1 };
+        let batch: Vec<PinnedRelease> = vec![
+            (release(killed_pid, rel), place_in_cgroup(&cgroups, killed_pid, rel)),
+            (release(unplaced.id(), unreadable), place_in_cgroup(&cgroups, unplaced.id(), unreadable)),
+        ];
+        let metrics = Metrics::new();
+        let retries = send_releases(&metrics, None, batch);
+        let still_stopped = process_stopped(Path::new("/proc"), unplaced.id());
+        let _ = unplaced.kill();
+        let _ = unplaced.wait();
+        assert!(retries.is_empty());
+        assert!(still_stopped, "a process whose cgroup could not be read was signalled");
+        assert_eq!(metrics.gone_before_release.get(), 1, "the app killed while held");
+        assert_eq!(metrics.release_failures.get(), 1, "only the app that could not be placed");
+    }
 }
