@@ -9,6 +9,11 @@ use clap::{Parser, ValueEnum};
 
 use crate::error::{Error, Result};
 
+/// Default of `--old-record-timeout`: the `--hold-timeout` default of the version that wrote
+/// `held_v1` records ([`valet_common::HELD_DEFAULT_TIMEOUT_MS`]), shared by the agent and the
+/// deadline keeper.
+pub const OLD_RECORD_TIMEOUT: &str = "120s";
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -198,6 +203,12 @@ pub struct Config {
     #[arg(long, env = "VALET_HOLD_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub hold_timeout: Duration,
 
+    /// Hold timeout of the records an earlier version wrote without a deadline (`held_v1`):
+    /// they run again at their stop plus this. The deadline keeper (`valet-agent deadlines`)
+    /// reads the same setting: set it once for both (the manifest does).
+    #[arg(long, env = "VALET_OLD_RECORD_TIMEOUT", default_value = OLD_RECORD_TIMEOUT, value_parser = parse_duration)]
+    pub old_record_timeout: Duration,
+
     /// How long one pod watch request lasts (its `timeoutSeconds`, whole seconds): the API server
     /// then ends it and the agent watches on from where it was, without a re-list. It also bounds
     /// a watch that goes silent without closing (a dead connection, a stalled server): kube's
@@ -306,6 +317,7 @@ impl Config {
             ("--ready-probe-interval", self.ready_probe_interval),
             ("--held-probe-interval", self.held_probe_interval),
             ("--hold-timeout", self.hold_timeout),
+            ("--old-record-timeout", self.old_record_timeout),
         ] {
             if d.is_zero() {
                 return Err(Error::Config(format!("{flag} must be greater than zero")));
@@ -349,6 +361,12 @@ mod tests {
         let bad = parse(&["--degraded-ok", "no_btf,old_kernel"]);
         let err = bad.validate().expect_err("an unknown reason is refused at start").to_string();
         assert!(err.contains("--degraded-ok") && err.contains("old_kernel"), "{err}");
+    }
+
+    #[test]
+    fn old_records_get_the_hold_timeout_of_the_version_that_wrote_them() {
+        let ms = u128::from(valet_common::HELD_DEFAULT_TIMEOUT_MS);
+        assert_eq!(parse_duration(OLD_RECORD_TIMEOUT).map(|d| d.as_millis()), Ok(ms));
     }
 
     #[test]

@@ -17,8 +17,8 @@ use valet_agent::api::events::EventSink;
 use valet_agent::api::successor::{self, Stop};
 use valet_agent::cgroup::CgroupFs;
 use valet_agent::cgroup::root::{NodeCgroups, find_node_cgroups};
-use valet_agent::config::parse_duration;
 use valet_agent::config::{Config, LogFormat};
+use valet_agent::config::{OLD_RECORD_TIMEOUT, parse_duration};
 use valet_agent::controller::Controller;
 use valet_agent::error::Chain;
 use valet_agent::host::clock::monotonic_ns;
@@ -79,7 +79,7 @@ fn keep_deadlines(
             let settings = KeeperSettings {
                 pins: pin_paths(&cfg.pin_dir, &cfg.old_pin_dirs),
                 host_proc: cfg.host_proc.clone(),
-                default_timeout: cfg.hold_timeout,
+                default_timeout: cfg.old_record_timeout,
             };
             // Until the pods are listed no pod loop can release; from then on they release first.
             let health = health.clone();
@@ -167,7 +167,7 @@ async fn run(
         let own_pin = cfg.pin_dir.join(valet_common::PIN_HELD);
         let old_pins: Vec<_> =
             pin_paths(&cfg.pin_dir, &cfg.old_pin_dirs).into_iter().filter(|p| *p != own_pin).collect();
-        let moved = programs.held_ledger().migrate(&old_pins, cfg.hold_timeout);
+        let moved = programs.held_ledger().migrate(&old_pins, cfg.old_record_timeout);
         if moved > 0 {
             info!(moved, "records of holds taken over from an earlier version");
         }
@@ -273,9 +273,10 @@ struct DeadlineArgs {
     cgroup_root: Option<PathBuf>,
     #[arg(long, env = "VALET_CGROUP_MOUNT", default_value = "/sys/fs/cgroup")]
     cgroup_mount: PathBuf,
-    /// Hold timeout of records that carry no deadline (an older version's).
-    #[arg(long, env = "VALET_HOLD_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
-    hold_timeout: Duration,
+    /// Hold timeout of records that carry no deadline (an older version's): the agent's setting
+    /// of the same name, which must be the same.
+    #[arg(long, env = "VALET_OLD_RECORD_TIMEOUT", default_value = OLD_RECORD_TIMEOUT, value_parser = parse_duration)]
+    old_record_timeout: Duration,
     /// This node's name: whether it still fits the DaemonSet, at SIGTERM.
     #[arg(long, env = "NODE_NAME", default_value = "")]
     node_name: String,
@@ -303,7 +304,7 @@ fn deadlines_main() -> std::process::ExitCode {
     let settings = KeeperSettings {
         pins: pin_paths(&args.pin_dir, &args.old_pin_dirs),
         host_proc: args.host_proc,
-        default_timeout: args.hold_timeout,
+        default_timeout: args.old_record_timeout,
     };
     info!(pins = ?settings.pins, "releasing held apps at their deadline");
     let cgroups = CgroupFs::new(root);
@@ -352,7 +353,7 @@ fn main() -> std::process::ExitCode {
     let settings = KeeperSettings {
         pins: pin_paths(&cfg.pin_dir, &cfg.old_pin_dirs),
         host_proc: cfg.host_proc.clone(),
-        default_timeout: cfg.hold_timeout,
+        default_timeout: cfg.old_record_timeout,
     };
     match runtime.block_on(run(cfg, node_cgroups, metrics, health)) {
         Ok(stop) => {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import COMPONENTS, Render
+from conftest import COMPONENTS, DEPLOY, Render
 
 CAPABILITIES = {"SYS_ADMIN", "SYS_PTRACE", "KILL", "SYS_RESOURCE", "SYS_NICE"}
 ENV = {
@@ -16,6 +16,8 @@ ENV = {
     "VALET_LOG_FORMAT": "json",
     "RUST_LOG": "info",
     "VALET_PIN_DIR": "/host/sys/fs/bpf/valet",
+    # What records of the previous format (no deadline) get: the keeper's is the same entry.
+    "VALET_OLD_RECORD_TIMEOUT": "120s",
 }
 # hostPath -> mount path, in the base. All read-only.
 HOST_PATHS = {
@@ -63,9 +65,10 @@ def test_the_deadline_keeper_has_less_than_the_agent(renders: dict[str, Render],
     assert set(sc["capabilities"]["add"]) == {"BPF", "KILL"}
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in k["env"]}
     agent_env = {e["name"]: e.get("value", e.get("valueFrom")) for e in a["env"]}
-    # The same pins, and the same downward API: at SIGTERM both decide alike whether a
-    # successor comes (the node, their pod, its DaemonSet).
-    for key in ("VALET_HOST_PROC", "VALET_CGROUP_MOUNT", "VALET_PIN_DIR", "NODE_NAME", "POD_NAME", "POD_NAMESPACE"):
+    # The same pins, the same old records' timeout, and the same downward API: at SIGTERM both
+    # decide alike whether a successor comes (the node, their pod, its DaemonSet).
+    for key in ("VALET_HOST_PROC", "VALET_CGROUP_MOUNT", "VALET_PIN_DIR", "VALET_OLD_RECORD_TIMEOUT", "NODE_NAME",
+                "POD_NAME", "POD_NAMESPACE"):
         assert env[key] == agent_env[key], key
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
@@ -74,6 +77,14 @@ def test_the_deadline_keeper_has_less_than_the_agent(renders: dict[str, Render],
         if host_volumes[m["name"]] not in WRITABLE_HOST_PATHS:
             assert m.get("readOnly") is True, m
     assert {host_volumes[m["name"]] for m in k["volumeMounts"]} == {"/sys/fs/cgroup", "/sys/fs/bpf/valet"}
+
+
+def test_the_old_record_timeout_is_set_once_for_both_containers() -> None:
+    """The agent and the deadline keeper give a record of the previous format the same
+    deadline: one entry in the manifest, which the keeper's env takes by a YAML alias."""
+    text = (DEPLOY / "base/daemonset.yaml").read_text()
+    assert text.count("name: VALET_OLD_RECORD_TIMEOUT") == 1
+    assert text.count("- *old-record-timeout") == 1
 
 
 @pytest.mark.parametrize("name", AGENT_RENDERS)

@@ -4,7 +4,8 @@
 //!
 //! Each test holds an app, takes away what used to release it (the agent, the API, the record's
 //! format) and watches the app's state: it must stay stopped until its deadline, and run right
-//! after it. The deadline is the kernel's stop plus the hold timeout; the tests read the stop
+//! after it. Beside it, a record due at once names a stopped process outside the app's cgroup
+//! (a pid given to another process): it must never be signalled, and its record is dropped. The deadline is the kernel's stop plus the hold timeout; the tests read the stop
 //! time from the record the kernel wrote (`CLOCK_MONOTONIC`, the clock they poll with), so "not
 //! before the deadline" is exact. How late after it the app ran is printed, not asserted (a
 //! loaded machine makes it late; the crash test counts apps later than 2 s).
@@ -90,6 +91,50 @@ fn hold_one(node: &Node, agent: &Agent, name: &str, timeout: &str) -> (JobPod, H
     (job, held)
 }
 
+/// A stopped process that is not a held app: a stand-in for a process that was given a held
+/// app's pid after that app was gone. It lives in the test's own cgroup. Killed when dropped.
+struct Stranger(std::process::Child);
+
+impl Stranger {
+    /// Starts it, stops it, and records it in the pinned map as held in `cgroup_id` (the held
+    /// app's container), due now: a keeper that signals a record's pid without checking its
+    /// cgroup releases it.
+    fn recorded_in(pin_dir: &Path, cgroup_id: u64) -> Stranger {
+        let child = std::process::Command::new("sleep").arg("600").spawn().expect("spawn sleep");
+        let stranger = Stranger(child);
+        // SAFETY: plain syscall to the test's own child.
+        unsafe { libc::kill(stranger.pid() as i32, libc::SIGSTOP) };
+        assert!(eventually(HANG_GUARD, || state(stranger.pid()) == Some('T')), "the stranger stopped");
+        let data = MapData::from_pin(pin_dir.join(PIN_HELD)).expect("open the pinned record");
+        let mut map: BpfHashMap<MapData, u32, HeldRecord> =
+            BpfHashMap::try_from(Map::HashMap(data)).expect("the record map");
+        let now = monotonic_ns();
+        map.insert(stranger.pid(), HeldRecord { cgroup_id, ktime_ns: now, deadline_ns: now }, 0).expect("record");
+        stranger
+    }
+
+    fn pid(&self) -> u32 {
+        self.0.id()
+    }
+
+    /// Asserts it was never signalled and its record, which names no one, is dropped.
+    fn assert_left_alone(&self, pin_dir: &Path, logs: impl Fn() -> String) {
+        assert!(
+            eventually(HANG_GUARD, || record(pin_dir, self.pid()).is_none()),
+            "the record of a pid living outside its cgroup was kept\n{}",
+            logs()
+        );
+        assert_eq!(state(self.pid()), Some('T'), "a process outside the recorded cgroup was released\n{}", logs());
+    }
+}
+
+impl Drop for Stranger {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Waits until `pid` runs; asserts it did not before `deadline_ns`, and prints how late it was.
 fn assert_runs_at_deadline(pid: u32, deadline_ns: u64, what: &str, logs: impl Fn() -> String) {
     assert_eq!(state(pid), Some('T'), "{what}: still held before its deadline\n{}", logs());
@@ -111,6 +156,7 @@ fn deadline_kept_by_a_restarted_agent_while_the_api_refuses_everything() {
     let mut agent = node.start_agent(&[]).expect("agent");
     let (job, held) = hold_one(&node, &agent, "outage", "6s");
     assert_eq!(held.deadline_ns - held.ktime_ns, 6_000_000_000, "the record carries the pod's 6 s hold timeout");
+    let stranger = Stranger::recorded_in(node.pin_dir(), held.cgroup_id);
     agent.stop(libc::SIGKILL, HANG_GUARD).expect("kill the agent");
     // The issue's case: the successor starts into an API that answers 503 to everything.
     node.api.set_fault(Fault::Status { code: 503, verbs: Vec::new(), until: None });
@@ -122,6 +168,7 @@ fn deadline_kept_by_a_restarted_agent_while_the_api_refuses_everything() {
         agent.log_text()
     );
     assert!(record(node.pin_dir(), app_pid(&job)).is_none(), "its record dropped once released");
+    stranger.assert_left_alone(node.pin_dir(), || agent.log_text());
     node.api.clear_faults();
 }
 
@@ -132,6 +179,7 @@ fn deadline_kept_by_the_second_container_while_no_agent_runs() {
     let mut keeper = node.start_deadline_keeper().expect("deadline keeper");
     let mut agent = node.start_agent(&[]).expect("agent");
     let (job, held) = hold_one(&node, &agent, "crashloop", "4s");
+    let stranger = Stranger::recorded_in(node.pin_dir(), held.cgroup_id);
     // A crash loop: the agent dies and is not back before the deadline.
     agent.stop(libc::SIGKILL, HANG_GUARD).expect("kill the agent");
     assert_runs_at_deadline(app_pid(&job), held.deadline_ns, "held app, no agent", || keeper.log_text());
@@ -140,6 +188,7 @@ fn deadline_kept_by_the_second_container_while_no_agent_runs() {
         "{}",
         keeper.log_text()
     );
+    stranger.assert_left_alone(node.pin_dir(), || keeper.log_text());
     let status = keeper.stop().expect("stop the keeper");
     assert!(status.is_some_and(|s| s.success()), "the keeper stops at SIGTERM: {status:?}\n{}", keeper.log_text());
 }
@@ -178,10 +227,10 @@ fn deadline_of_a_record_in_the_previous_format_is_kept_across_an_upgrade() {
     let ktime_ns = monotonic_ns();
     v1.insert(pid, HeldRecordV1 { cgroup_id, ktime_ns }, 0).expect("v1 record");
     drop(v1);
-    // The new version starts with the API down, and the pod's 8 s hold timeout as its default
-    // (an old record carries none).
+    // The new version starts with the API down, and the pod's 8 s hold timeout as the one old
+    // records get (they carry none).
     node.api.set_fault(Fault::Status { code: 503, verbs: Vec::new(), until: None });
-    let agent = node.spawn_agent(&["--hold-timeout", "8s"]).expect("the new version");
+    let agent = node.spawn_agent(&["--old-record-timeout", "8s"]).expect("the new version");
     let deadline_ns = ktime_ns + 8_000_000_000;
     assert!(
         eventually(HANG_GUARD, || !node.pin_dir().join(PIN_HELD_V1).exists()),

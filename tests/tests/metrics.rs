@@ -433,6 +433,7 @@ const FAMILIES: &[(&str, &str, &[&str])] = &[
     ("valet_app_releases_total", "counter", &["reason"]),
     ("valet_app_hold_fail_opens_total", "counter", &[]),
     ("valet_release_failures_total", "counter", &[]),
+    ("valet_app_gone_before_release_total", "counter", &[]),
     ("valet_app_holds_refused_total", "counter", &[]),
     ("valet_app_hold_duration_seconds", "histogram", &["le"]),
     ("valet_condition_patches_total", "counter", &["result"]),

@@ -15,7 +15,7 @@ pub mod held_prober;
 mod pod_cgroups;
 pub mod probe;
 mod quits;
-mod release;
+pub(crate) mod release;
 
 use std::collections::HashSet;
 use std::path::PathBuf;

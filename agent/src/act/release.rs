@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use crate::cgroup::signal::{Pinned, Placed, pin_in_cgroup, pin_in_cgroup_id, pin_pid};
+use crate::cgroup::signal::{Pinned, Placed, pin_in_cgroup, pin_in_cgroup_id, pin_pid_placed, place_in_cgroup};
 use crate::cgroup::{CgroupFs, Search};
 use crate::effect::{LeftHeld, Nanos};
 use crate::kernel::held_ledger::HeldLedger;
@@ -27,7 +27,7 @@ struct Release {
     held_ns: u64,
 }
 
-type PinnedRelease = (Release, Result<Pinned, String>);
+type PinnedRelease = (Release, Placed);
 
 /// What a batch of reports decided: its releases, and the tasks of the same decisions (API
 /// writes of the pods' condition), held back until the releases are out so that they do not
@@ -59,6 +59,15 @@ const CGROUP_SEARCH_BUDGET: usize = 50_000;
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);
 
+/// What came of one release.
+enum Sent {
+    Released,
+    /// The app is gone (exited, killed, or its pid another process's): nothing to release.
+    Gone(String),
+    /// A real failure, with the pidfd when the process is still there (to retry).
+    Failed(String, Option<Pinned>),
+}
+
 /// A SIGCONT that failed, to try again at `at`.
 struct Retry {
     release: Release,
@@ -71,18 +80,17 @@ struct Retry {
 /// ones that failed come back, to be tried again after a backoff: their records stay (a
 /// successor, or the deadline keeper, finds them), and nothing takes them for released.
 fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<PinnedRelease>) -> Vec<Retry> {
-    // A failure says why, and keeps the pidfd when the process is still there (to retry).
-    type Sent = Result<(), (String, Option<Pinned>)>;
     let sent: Vec<(Release, Sent)> = batch
         .into_iter()
-        .map(|(r, pin)| {
-            let sent = match pin {
-                Ok(pinned) => match pinned.signal(libc::SIGCONT) {
-                    Ok(()) => Ok(()),
-                    Err(e) if pinned.exited() => Err((format!("{}: the process exited", e.chain()), None)),
-                    Err(e) => Err((e.chain().to_string(), Some(pinned))),
+        .map(|(r, placed)| {
+            let sent = match placed {
+                Placed::In(pinned) => match pinned.signal(libc::SIGCONT) {
+                    Ok(()) => Sent::Released,
+                    Err(e) if pinned.exited() => Sent::Gone(format!("{}: the process exited", e.chain())),
+                    Err(e) => Sent::Failed(e.chain().to_string(), Some(pinned)),
                 },
-                Err(e) => Err((e, None)),
+                Placed::Elsewhere(why) => Sent::Gone(why),
+                Placed::Unsure(why) => Sent::Failed(why, None),
             };
             (r, sent)
         })
@@ -91,11 +99,11 @@ fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<Pinn
     for (release, sent) in sent {
         let Release { tgid, reason, held_ns, .. } = release;
         match sent {
-            Ok(()) => {
+            Sent::Released => {
                 // Only once the signal is out: an agent that dies before leaves the record to
                 // its successor.
                 if let Some(ledger) = ledger {
-                    ledger.forget(tgid);
+                    ledger.forget_released(tgid);
                 }
                 let held_for = held_ns as f64 / 1e9;
                 // How long apps waited: the sandbox, sidecars and strays run again at once.
@@ -105,17 +113,23 @@ fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<Pinn
                 metrics.releases.get_or_create(&ReasonLabels { reason }).inc();
                 info!(pid = tgid, reason, held_ms = held_for * 1e3, "released app");
             }
-            Err((e, Some(pinned))) => {
+            Sent::Failed(e, Some(pinned)) => {
                 metrics.release_failures.inc();
                 warn!(pid = tgid, reason, "SIGCONT failed (tried again after a backoff; its record is kept): {e}");
                 retries.push(Retry { release, pinned, tries: 1, at: Instant::now() + RETRY_FIRST });
             }
-            Err((e, None)) => {
-                // Not signalled and nothing to retry through: the process is gone, or it is not
-                // (or no longer) where it was held. Its record stays for the sweep and the
-                // deadline keeper, which drop it once they can tell it names no one.
+            Sent::Failed(e, None) => {
+                // Not signalled and nothing to retry through: it could not be placed (a read
+                // error). Its record stays for the sweep and the deadline keeper.
                 metrics.release_failures.inc();
-                warn!(pid = tgid, reason, "release: {e}");
+                warn!(pid = tgid, reason, "release failed (its record is kept): {e}");
+            }
+            Sent::Gone(why) => {
+                // Exited or killed while held, or its pid is another process's by now: nothing
+                // to release. Its record stays for the sweep and the deadline keeper, which drop
+                // it once they can tell it names no one.
+                metrics.gone_before_release.inc();
+                info!(pid = tgid, reason, "held app gone before its release: {why}");
             }
         }
     }
@@ -130,12 +144,15 @@ fn retry_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, retries: Vec<R
         match r.pinned.signal(libc::SIGCONT) {
             Ok(()) => {
                 if let Some(ledger) = ledger {
-                    ledger.forget(r.release.tgid);
+                    ledger.forget_released(r.release.tgid);
                 }
                 metrics.releases.get_or_create(&ReasonLabels { reason: r.release.reason }).inc();
                 info!(pid = r.release.tgid, reason = r.release.reason, tries = r.tries + 1, "released app");
             }
-            Err(_) if r.pinned.exited() => debug!(pid = r.release.tgid, "exited before its release went through"),
+            Err(_) if r.pinned.exited() => {
+                metrics.gone_before_release.inc();
+                info!(pid = r.release.tgid, "held app gone before its release went through");
+            }
             Err(e) => {
                 metrics.release_failures.inc();
                 r.tries += 1;
@@ -375,17 +392,25 @@ impl Releases {
             if held.contains(&tgid) {
                 continue;
             }
-            if !proc.join(tgid.to_string()).exists() {
-                ledger.forget(tgid);
-                continue;
-            }
-            if !process_stopped(&proc, tgid) {
-                // Released and running (a record younger than this may be of a stop still on its
-                // way to taking effect).
-                if now.saturating_sub(record.ktime_ns) > ORPHAN_RECORD_GRACE_NS {
-                    ledger.forget(tgid);
+            // Only what is proven drops a record: a state that cannot be read keeps it.
+            match stopped(&proc, tgid) {
+                Ok(true) => {}
+                Ok(false) => {
+                    // Released and running (a record younger than this may be of a stop still on
+                    // its way to taking effect).
+                    if now.saturating_sub(record.ktime_ns) > ORPHAN_RECORD_GRACE_NS {
+                        ledger.forget(tgid, &record);
+                    }
+                    continue;
                 }
-                continue;
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    ledger.forget(tgid, &record);
+                    continue;
+                }
+                Err(e) => {
+                    warn!(pid = tgid, "cannot read the state of a held process (its record is kept): {e}");
+                    continue;
+                }
             }
             let claimed = in_holding_pods
                 .get_or_insert_with(|| holding_pods.iter().flat_map(|rel| self.cgroups.procs_recursive(rel)).collect());
@@ -402,7 +427,7 @@ impl Releases {
                 }),
                 Search::Gone => {
                     debug!(pid = tgid, "held record of a cgroup that is gone: another process by now");
-                    ledger.forget(tgid);
+                    ledger.forget(tgid, &record);
                 }
                 // The cgroup may still be there: the record stays, the next sweep looks again
                 // (and the deadline keeper releases it at its deadline).
@@ -444,16 +469,16 @@ impl Releases {
                 // Pinned when held, and still there (else pinned now: a new process may have the
                 // pid of one that exited while held).
                 if let Some(pinned) = self.pinned.remove(&r.tgid).filter(|p| !p.exited()) {
-                    return (r, Ok(pinned));
+                    return (r, Placed::In(pinned));
                 }
-                let pin = if r.container_rel.is_empty() {
+                let placed = if r.container_rel.is_empty() {
                     // Held in a container the pod does not name (untracked): checked against the
                     // cgroup the kernel's record says it was stopped in.
                     self.pin_recorded(r.tgid)
                 } else {
-                    pin_in_cgroup(&self.cgroups, r.tgid, &r.container_rel).map_err(|e| e.chain().to_string())
+                    place_in_cgroup(&self.cgroups, r.tgid, &r.container_rel)
                 };
-                (r, pin)
+                (r, placed)
             })
             .collect();
         let pinned = match &self.releaser {
@@ -473,34 +498,38 @@ impl Releases {
 
     /// Pins `tgid` if it lives in the cgroup its held record names; without a record, if it is
     /// still a process stopped at exec (pinned first, so the check is of the process signalled).
-    fn pin_recorded(&self, tgid: u32) -> Result<Pinned, String> {
+    fn pin_recorded(&self, tgid: u32) -> Placed {
         let proc = &self.host_proc;
         match self.ledger.as_ref().and_then(|l| l.get(tgid)) {
-            Some(record) => match pin_in_cgroup_id(&self.cgroups, proc, tgid, record.cgroup_id, CGROUP_SEARCH_BUDGET) {
-                Placed::In(pinned) => Ok(pinned),
-                Placed::Elsewhere => {
-                    Err(format!("pid {tgid} is no longer in the cgroup it was held in: not signalled"))
-                }
-                Placed::Unsure(why) => Err(why),
-            },
+            Some(record) => pin_in_cgroup_id(&self.cgroups, proc, tgid, record.cgroup_id, CGROUP_SEARCH_BUDGET),
             None => {
-                let pinned = pin_pid(tgid).map_err(|e| e.chain().to_string())?;
-                if held_at_exec(proc, tgid) || process_stopped(proc, tgid) {
-                    Ok(pinned)
-                } else {
-                    Err(format!("pid {tgid} is not stopped: not signalled"))
+                let pinned = match pin_pid_placed(tgid) {
+                    Ok(pinned) => pinned,
+                    Err(placed) => return placed,
+                };
+                match stopped(proc, tgid) {
+                    Ok(true) => Placed::In(pinned),
+                    Ok(false) => Placed::Elsewhere(format!("pid {tgid} is not stopped: not signalled")),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        Placed::Elsewhere(format!("pid {tgid} is gone"))
+                    }
+                    Err(e) => Placed::Unsure(format!("read the state of pid {tgid}: {e}")),
                 }
             }
         }
     }
 }
 
-/// Whether a process is stopped (state `T` in /proc/<pid>/stat).
-fn process_stopped(host_proc: &Path, pid: u32) -> bool {
-    std::fs::read_to_string(host_proc.join(pid.to_string()).join("stat"))
-        .ok()
-        .and_then(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()).map(|st| st == "T"))
-        .unwrap_or(false)
+/// Whether a process is stopped (state `T` in /proc/<pid>/stat). `Err`: its state cannot be
+/// read (`NotFound`: it is gone).
+fn stopped(host_proc: &Path, pid: u32) -> std::io::Result<bool> {
+    let stat = std::fs::read_to_string(host_proc.join(pid.to_string()).join("stat"))?;
+    Ok(stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T"))
+}
+
+/// [`stopped`], a process whose state cannot be read taken for not stopped.
+pub(crate) fn process_stopped(host_proc: &Path, pid: u32) -> bool {
+    stopped(host_proc, pid).unwrap_or(false)
 }
 
 /// Whether a process is pid 1 of a pid namespace below the host's (the last `NSpid` entry is 1),
@@ -536,7 +565,7 @@ fn stopped_since(host_proc: &Path, pid: u32, now: Nanos) -> Nanos {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
@@ -596,7 +625,7 @@ mod tests {
         assert_eq!(missing, 7, "unknown start: now");
     }
 
-    fn stopped_child() -> std::process::Child {
+    pub(crate) fn stopped_child() -> std::process::Child {
         let child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
         // SAFETY: plain syscall to our own child.
         unsafe { libc::kill(child.id() as i32, libc::SIGSTOP) };
@@ -622,10 +651,7 @@ mod tests {
         let release = |pid: u32| Release { tgid: pid, container_rel: rel.into(), reason: "ready", held_ns: 1 };
         let batch: Vec<PinnedRelease> = [a.id(), b.id(), stranger.id()]
             .into_iter()
-            .map(|pid| {
-                let pin = pin_in_cgroup(&cgroups, pid, rel).map_err(|e| e.chain().to_string());
-                (release(pid), pin)
-            })
+            .map(|pid| (release(pid), place_in_cgroup(&cgroups, pid, rel)))
             .collect();
         let metrics = Arc::new(Metrics::new());
         let releaser = Releaser::start(metrics.clone(), None, 0).expect("release thread");
@@ -644,5 +670,37 @@ mod tests {
         assert!(!a_stopped && !b_stopped, "the held apps were not released");
         assert!(stranger_stopped, "a process outside the container's cgroup was signalled");
         assert_eq!(released, 2);
+    }
+
+    #[test]
+    fn an_app_gone_before_its_release_is_no_release_failure() {
+        let tree = crate::cgroup::tree::TempTree::new("release-gone");
+        let (rel, unreadable) = ("/kubepods/pod1/c1", "/kubepods/pod2/c1");
+        tree.mkdir(rel);
+        tree.procs(rel, &[]);
+        tree.mkdir(unreadable);
+        // A cgroup.procs that cannot be read (a directory: EISDIR, even for root).
+        std::fs::create_dir(tree.0.join("kubepods/pod2/c1/cgroup.procs")).expect("mkdir cgroup.procs");
+        let cgroups = CgroupFs::new(&tree.0);
+        // Killed while held (its pid no one's), and a held app whose cgroup cannot be read.
+        let mut killed = std::process::Command::new("true").spawn().expect("spawn true");
+        let killed_pid = killed.id();
+        let _ = killed.wait();
+        let mut unplaced = stopped_child();
+        let release =
+            |pid: u32, rel: &str| Release { tgid: pid, container_rel: rel.into(), reason: "ready", held_ns: 1 };
+        let batch: Vec<PinnedRelease> = vec![
+            (release(killed_pid, rel), place_in_cgroup(&cgroups, killed_pid, rel)),
+            (release(unplaced.id(), unreadable), place_in_cgroup(&cgroups, unplaced.id(), unreadable)),
+        ];
+        let metrics = Metrics::new();
+        let retries = send_releases(&metrics, None, batch);
+        let still_stopped = process_stopped(Path::new("/proc"), unplaced.id());
+        let _ = unplaced.kill();
+        let _ = unplaced.wait();
+        assert!(retries.is_empty());
+        assert!(still_stopped, "a process whose cgroup could not be read was signalled");
+        assert_eq!(metrics.gone_before_release.get(), 1, "the app killed while held");
+        assert_eq!(metrics.release_failures.get(), 1, "only the app that could not be placed");
     }
 }

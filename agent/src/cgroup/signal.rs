@@ -61,42 +61,71 @@ pub fn pin_pid(pid: u32) -> Result<Pinned> {
     Ok(Pinned { pid, fd })
 }
 
+/// Most cgroups read to tell whether a process lives in one or below it (a container's are a
+/// handful; a node's whole tree a few thousand).
+const MEMBERSHIP_BUDGET: usize = 4096;
+
 /// Pins `pid` if it lives in cgroup `rel` or below (the check of [`signal_in_cgroup`], apart
 /// from the signal: a batch of releases checks them all, then signals them back to back).
 pub fn pin_in_cgroup(cgroups: &CgroupFs, pid: u32, rel: &str) -> Result<Pinned> {
-    let fd = pidfd_open(pid).map_err(|e| Error::io(format!("pidfd_open({pid})"), e))?;
-    // The cgroup itself first (a container's main process lives there): the walk below it reads
-    // a directory per level, which a release of a held app should not wait for.
-    if !cgroups.procs(rel).contains(&pid) && !cgroups.procs_recursive(rel).contains(&pid) {
-        return Err(Error::Cgroup(format!("pid {pid} is not in {rel}: not signalled")));
+    match place_in_cgroup(cgroups, pid, rel) {
+        Placed::In(pinned) => Ok(pinned),
+        Placed::Elsewhere(why) | Placed::Unsure(why) => Err(Error::Cgroup(format!("{why}: not signalled"))),
     }
-    Ok(Pinned { pid, fd })
 }
 
-/// Where [`pin_in_cgroup_id`] found a process.
+/// [`pin_in_cgroup`] that tells a process proven gone or elsewhere from one that could not be
+/// placed (a read error).
+pub fn place_in_cgroup(cgroups: &CgroupFs, pid: u32, rel: &str) -> Placed {
+    let pinned = match pin_pid_placed(pid) {
+        Ok(pinned) => pinned,
+        Err(placed) => return placed,
+    };
+    // The cgroup itself first (a container's main process lives there): the walk below it reads
+    // a directory per level, which a release of a held app should not wait for.
+    if cgroups.procs(rel).contains(&pid) {
+        return Placed::In(pinned);
+    }
+    match cgroups.holds(rel, pid, MEMBERSHIP_BUDGET) {
+        Ok(true) => Placed::In(pinned),
+        Ok(false) => Placed::Elsewhere(format!("pid {pid} is not in {rel}")),
+        Err(why) => Placed::Unsure(why),
+    }
+}
+
+/// Where [`pin_in_cgroup_id`] (or [`place_in_cgroup`]) found a process.
 pub enum Placed {
     /// Pinned, and it lives in the cgroup with the recorded id (or below it).
     In(Pinned),
-    /// It is gone, or another process has its pid (it lives outside that cgroup, or the cgroup
-    /// is gone): its record names no one any more.
-    Elsewhere,
-    /// Cannot tell now (the cgroup search ran out of budget or hit a read error): ask again
-    /// later, and keep its record.
+    /// Proven gone, or another process has its pid (it lives outside that cgroup, or the cgroup
+    /// is gone): its record names no one any more. Says which.
+    Elsewhere(String),
+    /// Cannot tell now (a read error, or a search out of budget): ask again later, and keep its
+    /// record.
     Unsure(String),
+}
+
+/// Pins `pid`, wherever it lives; a pid no process has is [`Placed::Elsewhere`], any other
+/// failure [`Placed::Unsure`].
+pub fn pin_pid_placed(pid: u32) -> std::result::Result<Pinned, Placed> {
+    match pidfd_open(pid) {
+        Ok(fd) => Ok(Pinned { pid, fd }),
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Err(Placed::Elsewhere(format!("pid {pid} is gone"))),
+        Err(e) => Err(Placed::Unsure(format!("pidfd_open({pid}): {e}"))),
+    }
 }
 
 /// Pins `pid` first, then checks that it lives in the cgroup whose id is `cgroup_id` (the one a
 /// [`valet_common::HeldRecord`] names) or below it: a signal through the result reaches the
 /// process that was held, or none. The process's own `/proc/<pid>/cgroup` path is tried first
 /// (a lookup, no search); where that path is not under this agent's cgroup root (another cgroup
-/// namespace) the tree is searched, within `budget` directories.
+/// namespace) the tree is searched, within `budget` directories. Only what is proven makes
+/// [`Placed::Elsewhere`]: a read error anywhere is [`Placed::Unsure`].
 pub fn pin_in_cgroup_id(cgroups: &CgroupFs, host_proc: &Path, pid: u32, cgroup_id: u64, budget: usize) -> Placed {
-    let fd = match pidfd_open(pid) {
-        Ok(fd) => fd,
-        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Placed::Elsewhere,
-        Err(e) => return Placed::Unsure(format!("pidfd_open({pid}): {e}")),
+    let pinned = match pin_pid_placed(pid) {
+        Ok(pinned) => pinned,
+        Err(placed) => return placed,
     };
-    let pinned = Pinned { pid, fd };
     if let Some(path) = cgroup_of_pid(host_proc, pid).filter(|p| p.starts_with('/') && !p.starts_with("/..")) {
         // The process's cgroup and its ancestors, deepest first. No match proves nothing (the
         // path may be relative to another root than ours): the search below decides then.
@@ -115,14 +144,12 @@ pub fn pin_in_cgroup_id(cgroups: &CgroupFs, host_proc: &Path, pid: u32, cgroup_i
         }
     }
     match cgroups.search_by_id(cgroup_id, "/", budget) {
-        Search::Found(rel) => {
-            if cgroups.procs(&rel).contains(&pid) || cgroups.procs_recursive(&rel).contains(&pid) {
-                Placed::In(pinned)
-            } else {
-                Placed::Elsewhere
-            }
-        }
-        Search::Gone => Placed::Elsewhere,
+        Search::Found(rel) => match cgroups.holds(&rel, pid, budget) {
+            Ok(true) => Placed::In(pinned),
+            Ok(false) => Placed::Elsewhere(format!("pid {pid} is not in cgroup {cgroup_id} ({rel})")),
+            Err(why) => Placed::Unsure(why),
+        },
+        Search::Gone => Placed::Elsewhere(format!("cgroup {cgroup_id} is gone")),
         Search::Unsure => Placed::Unsure(format!("the search for cgroup {cgroup_id} could not finish")),
     }
 }

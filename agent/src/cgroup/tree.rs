@@ -189,11 +189,52 @@ impl CgroupFs {
         if unsure { Search::Unsure } else { Search::Gone }
     }
 
-    /// Processes directly in a cgroup (`cgroup.procs`).
+    /// Processes directly in a cgroup (`cgroup.procs`); none when it cannot be read. A decision
+    /// that drops something on "not there" reads [`CgroupFs::holds`] instead.
     pub fn procs(&self, rel: &str) -> Vec<u32> {
+        self.read_procs(rel).unwrap_or_default()
+    }
+
+    fn read_procs(&self, rel: &str) -> std::io::Result<Vec<u32>> {
         std::fs::read_to_string(self.abs(rel).join("cgroup.procs"))
             .map(|text| text.lines().filter_map(|l| l.trim().parse().ok()).collect())
-            .unwrap_or_default()
+    }
+
+    /// Whether `pid` lives in cgroup `rel` or below it, read so that "no" is proven: every
+    /// `cgroup.procs` at and below `rel` read (a cgroup removed meanwhile holds no one), at most
+    /// `budget` cgroups. `Err` says why it cannot tell (a read error, out of budget): the caller
+    /// keeps what it would have dropped on "no".
+    pub fn holds(&self, rel: &str, pid: u32, budget: usize) -> std::result::Result<bool, String> {
+        let mut stack = vec![rel.to_owned()];
+        let mut left = budget;
+        while let Some(rel) = stack.pop() {
+            let Some(l) = left.checked_sub(1) else {
+                return Err(format!("more than {budget} cgroups below the one pid {pid} was held in"));
+            };
+            left = l;
+            match self.read_procs(&rel) {
+                Ok(pids) if pids.contains(&pid) => return Ok(true),
+                Ok(_) => {}
+                // Removed meanwhile (its directory is then gone too): it holds no one.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(format!("read {rel}/cgroup.procs: {e}")),
+            }
+            match std::fs::read_dir(self.abs(&rel)) {
+                Ok(entries) => {
+                    for e in entries {
+                        let e = e.map_err(|e| format!("read the cgroups below {rel}: {e}"))?;
+                        if e.file_type().map_err(|e| format!("read the cgroups below {rel}: {e}"))?.is_dir()
+                            && let Ok(name) = e.file_name().into_string()
+                        {
+                            stack.push(format!("{}/{}", rel.trim_end_matches('/'), name));
+                        }
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(format!("read the cgroups below {rel}: {e}")),
+            }
+        }
+        Ok(false)
     }
 
     /// A container's processes: those of its cgroup, else those below it. runc puts them in the
@@ -227,6 +268,38 @@ pub fn cgroup_of_pid(host_proc: &Path, pid: u32) -> Option<String> {
     text.lines().find_map(|l| l.strip_prefix("0::").map(str::to_owned))
 }
 
+/// A throwaway directory tree standing in for a cgroup2 root (`CgroupFs` only reads
+/// directories, their inode numbers and `cgroup.procs` files).
+#[cfg(test)]
+pub(crate) struct TempTree(pub(crate) PathBuf);
+
+#[cfg(test)]
+impl TempTree {
+    pub(crate) fn new(name: &str) -> TempTree {
+        let dir = std::env::temp_dir().join(format!("valet-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("mkdir temp root");
+        TempTree(dir)
+    }
+
+    pub(crate) fn mkdir(&self, rel: &str) {
+        std::fs::create_dir_all(self.0.join(rel.trim_start_matches('/'))).expect("mkdir");
+    }
+
+    /// Writes `pids` as the `cgroup.procs` of `rel`.
+    pub(crate) fn procs(&self, rel: &str, pids: &[u32]) {
+        let text: String = pids.iter().map(|p| format!("{p}\n")).collect();
+        std::fs::write(self.0.join(rel.trim_start_matches('/')).join("cgroup.procs"), text).expect("cgroup.procs");
+    }
+}
+
+#[cfg(test)]
+impl Drop for TempTree {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -235,29 +308,6 @@ mod tests {
     const REAL_: &str = "0f5c9b6e_3a7d_4e21_9b8a_1c2d3e4f5a6b";
     const ATTACKER_: &str = "11111111_2222_4333_8444_555555555555";
     const CTR: &str = "4d2a7c1f9e8b3a6d5c4b3a29180f7e6d5c4b3a2918f0e7d6c5b4a39281706f5e";
-
-    /// A throwaway directory tree standing in for a cgroup2 root (`CgroupFs` only reads
-    /// directories and their inode numbers).
-    struct TempTree(PathBuf);
-
-    impl TempTree {
-        fn new(name: &str) -> TempTree {
-            let dir = std::env::temp_dir().join(format!("valet-{name}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).expect("mkdir temp root");
-            TempTree(dir)
-        }
-
-        fn mkdir(&self, rel: &str) {
-            std::fs::create_dir_all(self.0.join(rel.trim_start_matches('/'))).expect("mkdir");
-        }
-    }
-
-    impl Drop for TempTree {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
 
     #[test]
     fn a_pod_planted_in_another_pods_cgroup_is_never_found() {

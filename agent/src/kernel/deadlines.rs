@@ -5,10 +5,10 @@
 //! container, which outlives agent crash loops (docs/deadlines.md says why each).
 //!
 //! It reads this version's pin ([`valet_common::PIN_HELD`], deadlines in the record) and the previous one's
-//! ([`PIN_HELD_V1`], no deadline: the record's time plus the default hold timeout), in the pin
+//! ([`PIN_HELD_V1`], no deadline: the record's time plus `--old-record-timeout`), in the pin
 //! directory and in each old one (`--old-pin-dir`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -20,6 +20,7 @@ use valet_common::{HeldRecord, HeldRecordV1, PIN_HELD_V1};
 use crate::cgroup::CgroupFs;
 use crate::cgroup::signal::{Placed, pin_in_cgroup_id};
 use crate::host::clock::monotonic_ns;
+use crate::kernel::held_ledger::{Forgot, HeldMap, forget_if};
 use crate::metrics::{Metrics, ReasonLabels};
 
 /// How long past a deadline the pod loops of a running agent have to release an app
@@ -42,7 +43,8 @@ pub struct KeeperSettings {
     /// that layout.
     pub pins: Vec<PathBuf>,
     pub host_proc: PathBuf,
-    /// Hold timeout of records that carry no deadline ([`PIN_HELD_V1`]).
+    /// Hold timeout of records that carry no deadline ([`PIN_HELD_V1`]): `--old-record-timeout`,
+    /// the same in the agent and in `valet-agent deadlines`.
     pub default_timeout: Duration,
 }
 
@@ -59,29 +61,60 @@ pub struct Pass {
     pub failed: usize,
 }
 
+/// One hold, as a record names it: the pid, and the cgroup and time of its stop. Two holds of
+/// one pid differ in their stop time; the retry state is kept by hold, not by pid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct HoldId {
+    tgid: u32,
+    cgroup_id: u64,
+    ktime_ns: u64,
+}
+
+/// A record read from a pin of either format, with its deadline.
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    id: HoldId,
+    deadline_ns: u64,
+}
+
 /// One pinned map of either format.
 enum Pin {
-    V2(BpfHashMap<MapData, u32, HeldRecord>),
-    V1(BpfHashMap<MapData, u32, HeldRecordV1>),
+    V2(Box<dyn HeldMap<HeldRecord>>),
+    V1(Box<dyn HeldMap<HeldRecordV1>>),
 }
 
 impl Pin {
-    fn records(&self, default_timeout_ns: u64) -> Vec<(u32, u64, u64)> {
+    /// Every record, an old one's deadline its stop plus `old_timeout_ns`.
+    fn records(&self, old_timeout_ns: u64) -> Vec<Held> {
         match self {
-            Pin::V2(m) => m.iter().filter_map(Result::ok).map(|(t, r)| (t, r.cgroup_id, r.deadline_ns)).collect(),
+            Pin::V2(m) => m
+                .snapshot()
+                .into_iter()
+                .map(|(tgid, r)| Held {
+                    id: HoldId { tgid, cgroup_id: r.cgroup_id, ktime_ns: r.ktime_ns },
+                    deadline_ns: r.deadline_ns,
+                })
+                .collect(),
             Pin::V1(m) => m
-                .iter()
-                .filter_map(Result::ok)
-                .map(|(t, r)| (t, r.cgroup_id, r.ktime_ns.saturating_add(default_timeout_ns)))
+                .snapshot()
+                .into_iter()
+                .map(|(tgid, r)| Held {
+                    id: HoldId { tgid, cgroup_id: r.cgroup_id, ktime_ns: r.ktime_ns },
+                    deadline_ns: r.ktime_ns.saturating_add(old_timeout_ns),
+                })
                 .collect(),
         }
     }
 
-    fn forget(&mut self, tgid: u32) {
-        let _ = match self {
-            Pin::V2(m) => m.remove(&tgid),
-            Pin::V1(m) => m.remove(&tgid),
-        };
+    /// Drops the record of `held` if the pid's record is still that one.
+    fn forget(&mut self, held: &Held) -> Forgot {
+        let HoldId { tgid, cgroup_id, ktime_ns } = held.id;
+        match self {
+            Pin::V2(m) => {
+                forget_if(m.as_mut(), tgid, &HeldRecord { cgroup_id, ktime_ns, deadline_ns: held.deadline_ns })
+            }
+            Pin::V1(m) => forget_if(m.as_mut(), tgid, &HeldRecordV1 { cgroup_id, ktime_ns }),
+        }
     }
 }
 
@@ -98,7 +131,11 @@ fn open_pin(path: &Path, v1: bool) -> Option<Pin> {
         }
     };
     let map = Map::HashMap(data);
-    let pin = if v1 { BpfHashMap::try_from(map).map(Pin::V1) } else { BpfHashMap::try_from(map).map(Pin::V2) };
+    let pin = if v1 {
+        BpfHashMap::<MapData, u32, HeldRecordV1>::try_from(map).map(|m| Pin::V1(Box::new(m)))
+    } else {
+        BpfHashMap::<MapData, u32, HeldRecord>::try_from(map).map(|m| Pin::V2(Box::new(m)))
+    };
     match pin {
         Ok(pin) => Some(pin),
         Err(e) => {
@@ -115,8 +152,11 @@ pub struct Keeper {
     /// Open pins by path (opened again when they appear: a first agent makes its pin after the
     /// keeper's first pass).
     pins: HashMap<PathBuf, Pin>,
-    /// Failures in a row and the time of the next try, by pid.
-    retry: HashMap<u32, (u32, u64)>,
+    /// Failures in a row and the time of the next try, by hold (a pid held again is tried at
+    /// once, whatever its earlier hold's backoff).
+    retry: HashMap<HoldId, (u32, u64)>,
+    /// Most cgroup directories one record's search looks at.
+    search_budget: usize,
     /// The agent's metrics: failed SIGCONTs and releases at the deadline are counted there.
     metrics: Option<Arc<Metrics>>,
     /// How long past a deadline to leave the release to the pod loops, now.
@@ -132,7 +172,15 @@ impl Keeper {
         metrics: Option<Arc<Metrics>>,
         defer: impl Fn() -> Duration + Send + 'static,
     ) -> Keeper {
-        Keeper { settings, cgroups, pins: HashMap::new(), retry: HashMap::new(), metrics, defer: Box::new(defer) }
+        Keeper {
+            settings,
+            cgroups,
+            pins: HashMap::new(),
+            retry: HashMap::new(),
+            search_budget: SEARCH_BUDGET,
+            metrics,
+            defer: Box::new(defer),
+        }
     }
 
     fn open_pins(&mut self) {
@@ -151,62 +199,72 @@ impl Keeper {
         }
     }
 
-    /// Releases every record past its deadline `now` (`CLOCK_MONOTONIC`).
+    /// Releases every record past its deadline `now` (`CLOCK_MONOTONIC`). A record is dropped
+    /// only once its process is released or proven gone, and only if the pid's record is still
+    /// the one read ([`forget_if`]): a read error keeps it, and so does a newer hold of its pid.
     pub fn pass(&mut self, now: u64) -> Pass {
         self.open_pins();
-        let default_ns = u64::try_from(self.settings.default_timeout.as_nanos()).unwrap_or(u64::MAX);
+        let old_ns = u64::try_from(self.settings.default_timeout.as_nanos()).unwrap_or(u64::MAX);
         let mut pass = Pass::default();
         let defer = u64::try_from((self.defer)().as_nanos()).unwrap_or(u64::MAX);
+        let mut seen = HashSet::new();
         for (path, pin) in &mut self.pins {
-            for (tgid, cgroup_id, deadline) in pin.records(default_ns) {
+            for held in pin.records(old_ns) {
                 pass.records += 1;
-                if deadline.saturating_add(defer) > now {
+                let id = held.id;
+                seen.insert(id);
+                if held.deadline_ns.saturating_add(defer) > now {
                     continue;
                 }
-                if self.retry.get(&tgid).is_some_and(|(_, at)| *at > now) {
+                if self.retry.get(&id).is_some_and(|(_, at)| *at > now) {
                     continue;
                 }
-                match pin_in_cgroup_id(&self.cgroups, &self.settings.host_proc, tgid, cgroup_id, SEARCH_BUDGET) {
+                let tgid = id.tgid;
+                let placed =
+                    pin_in_cgroup_id(&self.cgroups, &self.settings.host_proc, tgid, id.cgroup_id, self.search_budget);
+                let failed = match placed {
                     Placed::In(pinned) => match pinned.signal(libc::SIGCONT) {
                         Ok(()) => {
-                            pin.forget(tgid);
-                            self.retry.remove(&tgid);
+                            pin.forget(&held);
                             pass.released += 1;
                             if let Some(m) = &self.metrics {
                                 m.releases.get_or_create(&ReasonLabels { reason: "deadline" }).inc();
                             }
                             info!(
                                 pid = tgid,
-                                late_ms = now.saturating_sub(deadline) / 1_000_000,
+                                late_ms = now.saturating_sub(held.deadline_ns) / 1_000_000,
                                 pin = %path.display(),
                                 "released a held app at its deadline"
                             );
+                            None
                         }
+                        // Gone before its release: nothing failed, its record names no one.
+                        Err(_) if pinned.exited() => gone(pin, &held, "it exited", &mut pass),
                         Err(e) => {
                             if let Some(m) = &self.metrics {
                                 m.release_failures.inc();
                             }
-                            pass.failed += 1;
-                            let tries = self.retry.get(&tgid).map_or(1, |(n, _)| n + 1);
-                            self.retry.insert(tgid, (tries, now.saturating_add(backoff(tries))));
-                            warn!(pid = tgid, tries, "SIGCONT at the deadline failed (retried): {}", e.chain());
+                            Some(format!("SIGCONT at the deadline failed: {}", e.chain()))
                         }
                     },
-                    Placed::Elsewhere => {
-                        debug!(pid = tgid, "held record of a process that is gone: dropped");
-                        pin.forget(tgid);
-                        self.retry.remove(&tgid);
-                        pass.dropped += 1;
+                    Placed::Elsewhere(why) => gone(pin, &held, &why, &mut pass),
+                    Placed::Unsure(why) => Some(format!("cannot place a held app past its deadline: {why}")),
+                };
+                match failed {
+                    None => {
+                        self.retry.remove(&id);
                     }
-                    Placed::Unsure(why) => {
+                    Some(why) => {
                         pass.failed += 1;
-                        let tries = self.retry.get(&tgid).map_or(1, |(n, _)| n + 1);
-                        self.retry.insert(tgid, (tries, now.saturating_add(backoff(tries))));
-                        warn!(pid = tgid, tries, "cannot place a held app past its deadline (kept, retried): {why}");
+                        let tries = self.retry.get(&id).map_or(1, |(n, _)| n + 1);
+                        self.retry.insert(id, (tries, now.saturating_add(backoff(tries))));
+                        warn!(pid = tgid, tries, "{why} (kept, retried)");
                     }
                 }
             }
         }
+        // Holds no pin names any more (released by the agent, or by a pass) need no retry.
+        self.retry.retain(|id, _| seen.contains(id));
         pass
     }
 
@@ -253,14 +311,31 @@ impl Keeper {
     /// Releases every record, whatever its deadline (the pod is being deleted).
     pub fn release_all(&mut self) -> Pass {
         self.open_pins();
-        let default_ns = u64::try_from(self.settings.default_timeout.as_nanos()).unwrap_or(u64::MAX);
-        let latest =
-            self.pins.values().flat_map(|p| p.records(default_ns)).map(|(_, _, deadline)| deadline).max().unwrap_or(0);
+        let old_ns = u64::try_from(self.settings.default_timeout.as_nanos()).unwrap_or(u64::MAX);
+        let latest = self.pins.values().flat_map(|p| p.records(old_ns)).map(|h| h.deadline_ns).max().unwrap_or(0);
         let kept = std::mem::replace(&mut self.defer, Box::new(|| Duration::ZERO));
         self.retry.clear();
         let pass = self.pass(latest.max(monotonic_ns()));
         self.defer = kept;
         pass
+    }
+}
+
+/// Drops the record of `held`, whose process is gone (`why`), unless its pid was held again
+/// since it was read. `Some`: it could not be dropped (kept, retried).
+fn gone(pin: &mut Pin, held: &Held, why: &str, pass: &mut Pass) -> Option<String> {
+    let tgid = held.id.tgid;
+    match pin.forget(held) {
+        Forgot::Dropped | Forgot::Absent => {
+            debug!(pid = tgid, "held record of a process that is gone ({why}): dropped");
+            pass.dropped += 1;
+            None
+        }
+        Forgot::Newer => {
+            debug!(pid = tgid, "held record of a process that is gone ({why}); its pid is held again: kept");
+            None
+        }
+        Forgot::Failed => Some(format!("cannot drop the held record of a process that is gone ({why})")),
     }
 }
 
@@ -272,7 +347,207 @@ fn backoff(tries: u32) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+
     use super::*;
+    use crate::act::release::process_stopped;
+    use crate::act::release::tests::stopped_child;
+    use crate::cgroup::tree::TempTree;
+
+    /// The record map the keeper reads, standing in for the pinned BPF map (the same lookup,
+    /// delete and walk). `later`: a record the kernel writes after the pass's snapshot (the pid
+    /// held again), there from the pass's first lookup or delete on.
+    #[derive(Clone, Default)]
+    struct Records {
+        map: Arc<Mutex<BTreeMap<u32, HeldRecord>>>,
+        later: Arc<Mutex<Option<(u32, HeldRecord)>>>,
+    }
+
+    impl Records {
+        fn put(&self, tgid: u32, r: HeldRecord) {
+            self.map.lock().expect("records").insert(tgid, r);
+        }
+
+        fn get(&self, tgid: u32) -> Option<HeldRecord> {
+            self.map.lock().expect("records").get(&tgid).copied()
+        }
+
+        fn kernel_writes(&self) {
+            if let Some((tgid, r)) = self.later.lock().expect("later").take() {
+                self.put(tgid, r);
+            }
+        }
+    }
+
+    impl HeldMap<HeldRecord> for Records {
+        fn snapshot(&self) -> Vec<(u32, HeldRecord)> {
+            self.map.lock().expect("records").iter().map(|(t, r)| (*t, *r)).collect()
+        }
+
+        fn lookup(&self, tgid: u32) -> Result<Option<HeldRecord>, String> {
+            self.kernel_writes();
+            Ok(self.get(tgid))
+        }
+
+        fn delete(&mut self, tgid: u32) -> Result<(), String> {
+            self.kernel_writes();
+            self.map.lock().expect("records").remove(&tgid);
+            Ok(())
+        }
+    }
+
+    /// A process stopped as a held app is, killed when the test ends.
+    struct Stopped(std::process::Child);
+
+    impl Stopped {
+        fn new() -> Stopped {
+            Stopped(stopped_child())
+        }
+
+        fn pid(&self) -> u32 {
+            self.0.id()
+        }
+
+        fn stopped(&self) -> bool {
+            process_stopped(Path::new("/proc"), self.pid())
+        }
+    }
+
+    impl Drop for Stopped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    const NOW: u64 = 1_000_000_000_000;
+
+    /// A record of a hold in `cgroup_id` stopped at `ktime_ns`, due `timeout_ns` later.
+    fn hold(cgroup_id: u64, ktime_ns: u64, timeout_ns: u64) -> HeldRecord {
+        HeldRecord { cgroup_id, ktime_ns, deadline_ns: ktime_ns + timeout_ns }
+    }
+
+    /// A keeper of `records` over the cgroup tree `tree`, nothing deferred.
+    fn keeper(tree: &TempTree, records: &Records) -> Keeper {
+        let settings =
+            KeeperSettings { pins: Vec::new(), host_proc: PathBuf::from("/proc"), default_timeout: Duration::ZERO };
+        let mut keeper = Keeper::new(settings, CgroupFs::new(&tree.0), None, || Duration::ZERO);
+        keeper.pins.insert(PathBuf::from("held_v2"), Pin::V2(Box::new(records.clone())));
+        keeper
+    }
+
+    /// A container cgroup holding `pids`, and its id.
+    fn container(tree: &TempTree, rel: &str, pids: &[u32]) -> u64 {
+        tree.mkdir(rel);
+        tree.procs(rel, pids);
+        CgroupFs::new(&tree.0).id_of(rel).expect("id")
+    }
+
+    #[test]
+    fn a_pass_releases_an_app_in_its_cgroup_and_drops_what_is_proven_elsewhere() {
+        let tree = TempTree::new("keeper-pass");
+        let (app, stranger, early) = (Stopped::new(), Stopped::new(), Stopped::new());
+        let c = container(&tree, "/kubepods/pod1/app", &[app.pid(), early.pid()]);
+        // A pid no process has: a child run to its end and reaped.
+        let gone = std::process::Command::new("true").spawn().expect("spawn true");
+        let gone_pid = gone.id();
+        let _ = { gone }.wait();
+        let records = Records::default();
+        records.put(app.pid(), hold(c, 1, 10));
+        // The stranger's pid was held in the app's cgroup once; it lives elsewhere now (a reused pid).
+        records.put(stranger.pid(), hold(c, 2, 10));
+        records.put(gone_pid, hold(c, 3, 10));
+        records.put(early.pid(), hold(c, 4, NOW));
+        let pass = keeper(&tree, &records).pass(NOW);
+        let (app_stopped, stranger_stopped, early_stopped) = (app.stopped(), stranger.stopped(), early.stopped());
+        assert!(!app_stopped, "the app in its cgroup past its deadline was not released");
+        assert!(stranger_stopped, "a process outside the recorded cgroup was signalled");
+        assert!(early_stopped, "an app was released before its deadline");
+        assert_eq!(pass, Pass { records: 4, released: 1, dropped: 2, failed: 0 });
+        assert_eq!(records.snapshot(), vec![(early.pid(), hold(c, 4, NOW))], "only the record not due is left");
+    }
+
+    #[test]
+    fn a_membership_that_cannot_be_read_keeps_the_record_and_is_retried() {
+        let tree = TempTree::new("keeper-read-error");
+        let app = Stopped::new();
+        let rel = "/kubepods/pod1/app";
+        tree.mkdir(rel);
+        let c = CgroupFs::new(&tree.0).id_of(rel).expect("id");
+        // cgroup.procs that cannot be read (a directory: EISDIR, even for root).
+        let procs = tree.0.join("kubepods/pod1/app/cgroup.procs");
+        std::fs::create_dir(&procs).expect("mkdir cgroup.procs");
+        let records = Records::default();
+        records.put(app.pid(), hold(c, 1, 10));
+        let mut keeper = keeper(&tree, &records);
+        let first = keeper.pass(NOW);
+        assert_eq!(first, Pass { records: 1, released: 0, dropped: 0, failed: 1 });
+        assert!(records.get(app.pid()).is_some(), "a read error dropped the record");
+        assert!(app.stopped());
+        // Within the backoff: not tried again.
+        assert_eq!(keeper.pass(NOW + 1), Pass { records: 1, ..Pass::default() });
+        // Readable again, past the backoff: released.
+        std::fs::remove_dir(&procs).expect("rmdir");
+        tree.procs(rel, &[app.pid()]);
+        let later = keeper.pass(NOW + backoff(1));
+        assert_eq!(later, Pass { records: 1, released: 1, dropped: 0, failed: 0 });
+        assert!(!app.stopped(), "not released once its cgroup could be read");
+        assert!(records.get(app.pid()).is_none());
+    }
+
+    #[test]
+    fn a_search_that_cannot_finish_keeps_the_record() {
+        let tree = TempTree::new("keeper-unsure");
+        let stray = Stopped::new();
+        for i in 0..4 {
+            tree.mkdir(&format!("/kubepods/pod{i}/c"));
+        }
+        let records = Records::default();
+        // Its cgroup is gone, but a search within too small a budget cannot tell.
+        records.put(stray.pid(), hold(u64::MAX, 1, 10));
+        let mut keeper = keeper(&tree, &records);
+        keeper.search_budget = 2;
+        assert_eq!(keeper.pass(NOW), Pass { records: 1, released: 0, dropped: 0, failed: 1 });
+        assert!(records.get(stray.pid()).is_some(), "a search that could not finish dropped the record");
+        // With the budget to look everywhere, the cgroup is proven gone: dropped, never signalled.
+        keeper.search_budget = SEARCH_BUDGET;
+        assert_eq!(keeper.pass(NOW + RETRY_MAX.as_nanos() as u64), Pass { records: 1, dropped: 1, ..Pass::default() });
+        assert!(records.get(stray.pid()).is_none());
+        assert!(stray.stopped(), "a process outside the recorded cgroup was signalled");
+    }
+
+    #[test]
+    fn a_pid_held_again_keeps_its_new_record_and_its_own_retry_state() {
+        let tree = TempTree::new("keeper-reuse");
+        let (reused, other) = (Stopped::new(), Stopped::new());
+        let old = container(&tree, "/kubepods/pod1/app", &[]);
+        let new = container(&tree, "/kubepods/pod2/app", &[reused.pid()]);
+        let records = Records::default();
+        // The pid's old hold, in a cgroup it no longer lives in; the kernel holds the pid again
+        // (its new container's first exec) between the pass's snapshot and its delete.
+        records.put(reused.pid(), hold(old, 1, 10));
+        let newer = hold(new, 5, NOW);
+        *records.later.lock().expect("later") = Some((reused.pid(), newer));
+        let pass = keeper(&tree, &records).pass(NOW);
+        assert_eq!(records.get(reused.pid()), Some(newer), "the newer hold's record was deleted: {pass:?}");
+        assert!(reused.stopped(), "the newer hold was released before its deadline");
+        // The retry state goes by hold: a hold that could not be placed (its cgroup unreadable)
+        // backs off, and the pid's next hold is tried at once.
+        let unreadable = "/kubepods/pod3/app";
+        tree.mkdir(unreadable);
+        std::fs::create_dir(tree.0.join("kubepods/pod3/app/cgroup.procs")).expect("mkdir cgroup.procs");
+        let unreadable = CgroupFs::new(&tree.0).id_of(unreadable).expect("id");
+        let records = Records::default();
+        records.put(other.pid(), hold(unreadable, 1, 10));
+        let mut keeper = keeper(&tree, &records);
+        assert_eq!(keeper.pass(NOW).failed, 1);
+        let next = container(&tree, "/kubepods/pod4/app", &[other.pid()]);
+        records.put(other.pid(), hold(next, 7, 10));
+        let pass = keeper.pass(NOW + 1);
+        assert_eq!(pass.released, 1, "the pid's new hold waited for its old hold's backoff: {pass:?}");
+        assert!(!other.stopped());
+    }
 
     #[test]
     fn backoff_doubles_up_to_its_cap() {

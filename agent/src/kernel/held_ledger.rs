@@ -17,6 +17,74 @@ use valet_common::{HeldRecord, HeldRecordV1, PIN_HELD, PIN_HELD_V1};
 /// `statfs(2)`'s `f_type` of bpffs.
 const BPF_FS_MAGIC: FsType = FsType(0xcafe_4a11);
 
+/// What a keeper of held records needs of a map of them: a BPF hash map's lookup, delete and
+/// walk, nothing more (tests stand in a map of their own).
+pub trait HeldMap<V>: Send {
+    /// Every record, by thread-group id (those that can be read).
+    fn snapshot(&self) -> Vec<(u32, V)>;
+    /// The record of `tgid` now; `Ok(None)`: there is none.
+    fn lookup(&self, tgid: u32) -> std::result::Result<Option<V>, String>;
+    /// Deletes the record of `tgid`, whatever it is.
+    fn delete(&mut self, tgid: u32) -> std::result::Result<(), String>;
+}
+
+impl<V: aya::Pod + Send> HeldMap<V> for HashMap<MapData, u32, V> {
+    fn snapshot(&self) -> Vec<(u32, V)> {
+        self.iter().filter_map(Result::ok).collect()
+    }
+
+    fn lookup(&self, tgid: u32) -> std::result::Result<Option<V>, String> {
+        match self.get(&tgid, 0) {
+            Ok(v) => Ok(Some(v)),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn delete(&mut self, tgid: u32) -> std::result::Result<(), String> {
+        match self.remove(&tgid) {
+            Ok(()) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+/// What [`forget_if`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Forgot {
+    /// The record read was there and is deleted.
+    Dropped,
+    /// Another record has the pid now (the pid held again since it was read): kept.
+    Newer,
+    /// No record has the pid any more (someone else dropped it).
+    Absent,
+    /// The map could not be read or written: kept.
+    Failed,
+}
+
+/// Deletes `tgid`'s record only if it is still `read`, the one a decision was taken on: the
+/// kernel overwrites a record when the pid is held again, and that newer record must stay. BPF
+/// hash maps have no compare-and-delete from user space: the record is read again right before
+/// the delete. What is left is the time between the two calls (docs/deadlines.md, "Records").
+pub fn forget_if<V: PartialEq>(map: &mut dyn HeldMap<V>, tgid: u32, read: &V) -> Forgot {
+    match map.lookup(tgid) {
+        Ok(Some(now)) if now == *read => match map.delete(tgid) {
+            Ok(()) => Forgot::Dropped,
+            Err(e) => {
+                warn!(pid = tgid, "cannot drop a held record (kept): {e}");
+                Forgot::Failed
+            }
+        },
+        Ok(Some(_)) => Forgot::Newer,
+        Ok(None) => Forgot::Absent,
+        Err(e) => {
+            warn!(pid = tgid, "cannot read a held record again before dropping it (kept): {e}");
+            Forgot::Failed
+        }
+    }
+}
+
 /// The held-process map, shared by the loop (which reads it) and the release thread (which
 /// drops an entry once its SIGCONT is sent).
 pub struct HeldLedger {
@@ -114,10 +182,23 @@ impl HeldLedger {
         moved
     }
 
-    /// Drops `tgid`'s record (released, gone, or another process by now).
-    pub fn forget(&self, tgid: u32) {
-        if let Ok(mut map) = self.map.lock() {
-            let _ = map.remove(&tgid);
+    /// Drops `tgid`'s record if it is still `read` (released, gone, or another process by now):
+    /// see [`forget_if`].
+    pub fn forget(&self, tgid: u32, read: &HeldRecord) -> Forgot {
+        match self.map.lock() {
+            Ok(mut map) => forget_if(&mut *map, tgid, read),
+            Err(_) => Forgot::Failed,
+        }
+    }
+
+    /// Drops the record of `tgid`, a process the caller pinned (a pidfd) and just released: read
+    /// now, its record is that process's own (or an older one's, stale): no other process can
+    /// have the pid while it lives, and a pid freed is given again only once the kernel's pid
+    /// numbers have gone round (they are handed out cyclically).
+    pub fn forget_released(&self, tgid: u32) -> Forgot {
+        match self.get(tgid) {
+            Some(read) => self.forget(tgid, &read),
+            None => Forgot::Absent,
         }
     }
 }

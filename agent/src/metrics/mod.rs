@@ -119,8 +119,11 @@ pub struct Metrics {
     pub holds: Counter,
     pub releases: Family<ReasonLabels, Counter>,
     pub fail_opens: Counter,
-    /// SIGCONTs to held apps that failed (retried with backoff; the record is kept).
+    /// Releases of held apps that failed: a SIGCONT refused, or a process that could not be
+    /// placed (retried; the record is kept). Not apps gone before their release.
     pub release_failures: Counter,
+    /// Held apps gone (exited, killed, or their pid another process's) when their release came.
+    pub gone_before_release: Counter,
     /// Pods whose apps were not held because the record of holds is not pinned.
     pub holds_refused: Counter,
     pub hold_duration: Histogram,
@@ -198,6 +201,7 @@ impl Metrics {
             releases: Family::default(),
             fail_opens: Counter::default(),
             release_failures: Counter::default(),
+            gone_before_release: Counter::default(),
             holds_refused: Counter::default(),
             hold_duration: Histogram::new(hold_buckets()),
             condition_patches: Family::default(),
@@ -255,8 +259,14 @@ impl Metrics {
         );
         registry.register(
             "release_failures",
-            "SIGCONTs to held apps that failed; each is retried with backoff and its record kept",
+            "Releases of held apps that failed (a SIGCONT refused, a process that could not be placed); \
+             each is retried with backoff and its record kept",
             m.release_failures.clone(),
+        );
+        registry.register(
+            "app_gone_before_release",
+            "Held apps gone (exited, killed, or their pid another process's) when their release came",
+            m.gone_before_release.clone(),
         );
         registry.register(
             "app_holds_refused",
@@ -609,6 +619,7 @@ mod tests {
                 "valet_app_releases_total",
                 "valet_app_hold_fail_opens_total",
                 "valet_release_failures_total",
+                "valet_app_gone_before_release_total",
                 "valet_app_holds_refused_total",
                 "valet_app_hold_duration_seconds",
                 "valet_condition_patches_total",
