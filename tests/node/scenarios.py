@@ -1078,11 +1078,14 @@ def envoy_job(api, agent, tag="", driver="systemd"):
         sc.teardown()
 
 
-def onfailure_restart(api, agent, tag="", driver="systemd"):
+def restarted_once(api, name, first_code, driver, restart="Never", app_extra=None):
+    """A pod whose app's first run exits `first_code`, which the kubelet answers with a restart (a
+    new container through the CRI): no quit after it; the proxy is quit after the rerun's exit 0.
+    Returns the figures."""
     app = ("if [ ! -e /events/failed-once ]; then touch /events/failed-once; "
-           f"{WAIT_GO}; cat /proc/uptime > /events/first-exit; exit 3; fi; "
+           f"{WAIT_GO}; cat /proc/uptime > /events/first-exit; exit {first_code}; fi; "
            "while [ ! -e /events/rerun-go ]; do sleep 0.2; done; cat /proc/uptime > /events/app-exit; exit 0")
-    sc = Scenario(api, "onfailure_restart" + tag, app, restart="OnFailure", driver=driver)
+    sc = Scenario(api, name, app, restart=restart, driver=driver, app_extra=app_extra)
     try:
         sc.start()
         sc.proxy_ready()
@@ -1091,56 +1094,36 @@ def onfailure_restart(api, agent, tag="", driver="systemd"):
         first_exit = uptime_ns(sc.path("first-exit"))
         early = sc.quits()
         if early:
-            raise Failed(f"the proxy was quit {(early[0] - first_exit) / 1e6:.0f} ms after the failed run "
-                         "that the kubelet restarts")
+            raise Failed(f"{name}: the proxy was quit {(early[0] - first_exit) / 1e6:.0f} ms after the run that "
+                         f"exited {first_code}, which the kubelet restarts")
         # The rerun ends only now: under load StartContainer can answer seconds after the
         # process started, and a rerun that had already ended would pass its quit off as early.
         sc.touch("rerun-go")
         sc.finish()
         app = sc.run.containers["app"]
         if app["status"].exit_code != 0 or app["attempt"] != 1:
-            raise Failed(f"attempt {app['attempt']} exited {app['status'].exit_code}")
+            raise Failed(f"{name}: attempt {app['attempt']} exited {app['status'].exit_code}")
         delay = quit_after(sc, uptime_ns(sc.path("app-exit")), "the restarted app's exit")
-        return f"no quit after the failed run (exit 3, restarted as a new container); quit {delay:.0f} ms after the rerun's exit"
+        return (f"no quit after the run that exited {first_code} (restarted as a new container); quit {delay:.0f} ms "
+                "after the rerun's exit")
     finally:
         sc.teardown()
 
 
+def onfailure_restart(api, agent, tag="", driver="systemd"):
+    return restarted_once(api, "onfailure_restart" + tag, 3, driver, restart="OnFailure")
+
+
 def restart_rules(api, agent, tag="", driver="systemd"):
     """Container restart rules (KEP-5307, on by default from 1.35) in a `restartPolicy: Never` pod:
-    an app whose rule restarts exit 42, and an app whose own restartPolicy is OnFailure. Each first
-    run fails (42, 3), which the kubelet answers with a restart: no quit then; the proxy is quit
-    after the restarted app's exit 0."""
-    figures = []
-    for name, first_code, extra in [
-        ("restart_rule_42", 42, {"restartPolicy": "Never", "restartPolicyRules": [
-            {"action": "Restart", "exitCodes": {"operator": "In", "values": [42]}}]}),
-        ("restart_own_onfailure", 3, {"restartPolicy": "OnFailure"}),
-    ]:
-        app = ("if [ ! -e /events/failed-once ]; then touch /events/failed-once; "
-               f"{WAIT_GO}; cat /proc/uptime > /events/first-exit; exit {first_code}; fi; "
-               "while [ ! -e /events/rerun-go ]; do sleep 0.2; done; cat /proc/uptime > /events/app-exit; exit 0")
-        sc = Scenario(api, name + tag, app, restart="Never", driver=driver, app_extra=extra)
-        try:
-            sc.start()
-            sc.proxy_ready()
-            sc.touch("go")
-            sc.sync_until("the app's restart", lambda: sc.run.containers["app"]["attempt"] >= 1)
-            first_exit = uptime_ns(sc.path("first-exit"))
-            early = sc.quits()
-            if early:
-                raise Failed(f"{name}: the proxy was quit {(early[0] - first_exit) / 1e6:.0f} ms after the run "
-                             f"that exited {first_code}, which the kubelet restarts")
-            sc.touch("rerun-go")
-            sc.finish()
-            app_st = sc.run.containers["app"]
-            if app_st["status"].exit_code != 0 or app_st["attempt"] != 1:
-                raise Failed(f"{name}: attempt {app_st['attempt']} exited {app_st['status'].exit_code}")
-            delay = quit_after(sc, uptime_ns(sc.path("app-exit")), "the restarted app's exit")
-            figures.append(f"{name}: no quit after exit {first_code}, quit {delay:.0f} ms after the rerun's exit 0")
-        finally:
-            sc.teardown()
-    return "; ".join(figures)
+    an app whose rule restarts exit 42, and an app whose own restartPolicy is OnFailure."""
+    rule = {"restartPolicy": "Never",
+            "restartPolicyRules": [{"action": "Restart", "exitCodes": {"operator": "In", "values": [42]}}]}
+    return "; ".join([
+        "rule 42: " + restarted_once(api, "restart_rule_42" + tag, 42, driver, app_extra=rule),
+        "own OnFailure: " + restarted_once(api, "restart_own_onfailure" + tag, 3, driver,
+                                           app_extra={"restartPolicy": "OnFailure"}),
+    ])
 
 
 def oom_killed(api, agent, tag="", driver="systemd"):

@@ -462,6 +462,15 @@ impl Node {
         self.api.get_pod("jobs", &job.name)
     }
 
+    /// Whether the pod shows the agent's `valet.dev/ProxyReady` condition True: the agent saw its
+    /// proxy ready (and keeps a connection to its quit endpoint).
+    pub fn proxy_ready_condition(&self, job: &JobPod) -> bool {
+        let pod = self.pod(job).unwrap_or_default();
+        pod["status"]["conditions"]
+            .as_array()
+            .is_some_and(|cs| cs.iter().any(|c| c["type"] == "valet.dev/ProxyReady" && c["status"] == "True"))
+    }
+
     /// Events the agent posted about a pod (both API groups), as the API stores them.
     pub fn events_about(&self, job: &JobPod) -> Vec<Value> {
         self.api

@@ -193,13 +193,7 @@ fn a_real_envoy_as_a_native_sidecar_exits_0_and_is_never_restarted() {
     );
     agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     // valet quits a proxy it has seen ready through the connection it keeps: wait for its probe.
-    assert!(
-        eventually(HANG_GUARD, || node.pod(&job).is_some_and(|p| p["status"]["conditions"]
-            .as_array()
-            .is_some_and(|c| c.iter().any(|c| c["type"] == "valet.dev/ProxyReady" && c["status"] == "True")))),
-        "{}",
-        agent.log_text()
-    );
+    assert!(eventually(HANG_GUARD, || node.proxy_ready_condition(&job)), "{}", agent.log_text());
     let (code, after) = app_then_proxy(&mut job, "exit 0");
     println!("native Envoy exited {code:?} {after:?} after the app");
     assert_eq!(code, Some(0), "Envoy exits 0 on valet's quit or the kubelet's SIGTERM\n{}", agent.log_text());
@@ -227,13 +221,7 @@ fn a_native_proxy_is_not_restarted_when_the_runtime_records_the_apps_end_late() 
             .record_lags(Duration::from_millis(400), Duration::from_millis(5));
         let mut job = node.job_pod(spec).expect("pod");
         agent.wait_tracked(1, HANG_GUARD).expect("tracked");
-        assert!(
-            eventually(HANG_GUARD, || node.pod(&job).is_some_and(|p| p["status"]["conditions"]
-                .as_array()
-                .is_some_and(|c| c.iter().any(|c| c["type"] == "valet.dev/ProxyReady" && c["status"] == "True")))),
-            "{}",
-            agent.log_text()
-        );
+        assert!(eventually(HANG_GUARD, || node.proxy_ready_condition(&job)), "{}", agent.log_text());
         let (code, after) = app_then_proxy(&mut job, "exit 0");
         println!("native istio-proxy (app's exit recorded 400 ms late) exited {code:?} {after:?} after the app");
         assert_eq!(code, Some(0), "{}", agent.log_text());

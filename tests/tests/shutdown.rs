@@ -234,7 +234,7 @@ fn on_failure_policy_quits_only_after_success() {
     // ahead from the kernel event on it. Only the success calls for one.
     for job in [&failing, &ok] {
         assert!(
-            eventually(HANG_GUARD, || proxy_ready_condition(&node, job)),
+            eventually(HANG_GUARD, || node.proxy_ready_condition(job)),
             "{} seen ready\n{}",
             job.name,
             agent.log_text()
@@ -316,12 +316,7 @@ fn an_exit_the_apps_restart_rule_restarts_keeps_the_proxy() {
     agent.wait_tracked(2, HANG_GUARD).expect("tracked");
     for (job, go, _, first_code) in &jobs {
         // Seen ready first, so that a quit would be armed ahead of the exit, were it judged an end.
-        assert!(
-            eventually(HANG_GUARD, || proxy_ready_condition(&node, job)),
-            "{} ready\n{}",
-            job.name,
-            agent.log_text()
-        );
+        assert!(eventually(HANG_GUARD, || node.proxy_ready_condition(job)), "{} ready\n{}", job.name, agent.log_text());
         let first = job.process("app").expect("the app runs");
         std::fs::write(go, b"").expect("go");
         let status = first.wait_timeout(HANG_GUARD).expect("wait").expect("the first instance exited");
@@ -366,13 +361,6 @@ fn an_exit_the_apps_restart_rule_restarts_keeps_the_proxy() {
         println!("{}: proxy exited {:?} after the restarted app's exit 0 was seen here", job.name, ended.elapsed());
         assert_eq!(job.quits().len(), 1, "{}: one quit", job.name);
     }
-}
-
-fn proxy_ready_condition(node: &Node, job: &JobPod) -> bool {
-    let pod = node.pod(job).unwrap_or_default();
-    pod["status"]["conditions"]
-        .as_array()
-        .is_some_and(|cs| cs.iter().any(|c| c["type"] == "valet.dev/ProxyReady" && c["status"] == "True"))
 }
 
 /// Several app containers: the proxy is quit only after the last one, exactly once.
