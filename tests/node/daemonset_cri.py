@@ -27,6 +27,9 @@ KNOWN_SECURITY_KEYS = {"privileged", "runAsUser", "runAsGroup", "runAsNonRoot", 
                        "allowPrivilegeEscalation", "capabilities", "seccompProfile"}
 
 
+# The name of the agent's pod this translation makes (its downward API's metadata.name).
+POD_NAME = "valet-agent-x1"
+
 def quantity(value, binary=True):
     units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30} if binary else {}
     value = str(value)
@@ -63,13 +66,15 @@ def translate_container(c, spec, meta, node, image, ns_opts):
     pod_sc = spec.get("securityContext", {})
     apparmor = meta.get("annotations", {}).get(f"container.apparmor.security.beta.kubernetes.io/{c['name']}")
     env = []
+    # The downward API fields the kubelet fills in, from the pod this translation makes.
+    fields = {"spec.nodeName": node, "metadata.name": POD_NAME, "metadata.namespace": meta.get("namespace", "")}
     for e in c.get("env", []):
         if "value" in e:
             env.append({"key": e["name"], "value": str(e["value"])})
-        elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
-            env.append({"key": e["name"], "value": node})
+        elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") in fields:
+            env.append({"key": e["name"], "value": fields[e["valueFrom"]["fieldRef"]["fieldPath"]]})
         else:
-            raise ValueError(f"env {e['name']}: only values and spec.nodeName are translated")
+            raise ValueError(f"env {e['name']}: only values and the fieldRefs {sorted(fields)} are translated")
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
     mounts, host_dirs = [], []
     for m in c.get("volumeMounts", []):
@@ -116,7 +121,7 @@ def translate(ds, node, image):
     """The pod, its first container (the agent, whose metrics port the scenarios scrape) as
     `container`, the others (the deadline keeper) as `more_containers`, in the DaemonSet's order."""
     tmpl = ds["spec"]["template"]
-    spec, meta = tmpl["spec"], tmpl["metadata"]
+    spec, meta = tmpl["spec"], dict(tmpl["metadata"], namespace=ds["metadata"]["namespace"])
     if spec.get("initContainers"):
         raise ValueError("init containers are not translated")
     ns_opts = {"network": "NODE" if spec.get("hostNetwork") else "POD",
@@ -135,7 +140,7 @@ def translate(ds, node, image):
         t["qos"] = qos
     first = spec["containers"][0]
     return {
-        "pod": {"name": "valet-agent-x1", "namespace": ds["metadata"]["namespace"], "uid": "d5e7a9e2-0000-4000-8000-0000000000a1",
+        "pod": {"name": POD_NAME, "namespace": ds["metadata"]["namespace"], "uid": "d5e7a9e2-0000-4000-8000-0000000000a1",
                 "labels": dict(meta.get("labels", {})), "annotations": dict(meta.get("annotations", {})),
                 "namespace_options": ns_opts,
                 "seccomp": seccomp(pod_sc.get("seccompProfile"))},
