@@ -35,7 +35,6 @@ in that window sees "sidecar exited, app running" and restarts the native sideca
 
 Prints `node lag ...` lines (the tables) and writes every run's moments to <out>/lag.jsonl.
 """
-import glob
 import json
 import os
 import select
@@ -46,9 +45,9 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# grpc and kubelet (which compiles the CRI's proto at import) only where the runs are made: the
-# kernel watcher and `--table` need neither.
-grpc = kubelet = pb = None
+# grpc, kubelet (which compiles the CRI's proto at import) and scenarios.py's helpers only where
+# the runs are made: the kernel watcher and `--table` need none of them.
+grpc = kubelet = pb = scenarios = None
 WAYS = ("kernel", "status_file", "cri")
 WORK = "/run/valet-lag"
 STATE = os.environ.get("VALET_NODE_STATE", "/run/containerd")
@@ -72,20 +71,6 @@ class NoApi:
 
     def patch_status(self, pod, status):
         pass
-
-
-def cri_config(cri):
-    """containerd's CRI config (verbose Status), once the runtime and its network are ready."""
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
-        try:
-            status = cri.runtime("Status", {"verbose": True}, timeout=5)
-            if all(c.status for c in status.status.conditions):
-                return json.loads(status.info["config"])
-        except grpc.RpcError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("containerd's CRI not ready in 120 s")
 
 
 class Events(threading.Thread):
@@ -120,7 +105,7 @@ class Watch:
         info = json.loads(cri.runtime("ContainerStatus", {"container_id": cid, "verbose": True}).info["info"])
         self.pid = info["pid"]
         self.pidfd = os.pidfd_open(self.pid)
-        self.cgroup = container_cgroup_dir(cid)
+        self.cgroup = scenarios.container_cgroup_dir(cid)
         if self.cgroup is None:
             raise RuntimeError(f"no cgroup found for {cid[:12]}")
         self.bundle = f"{STATE}/io.containerd.runtime.v2.task/k8s.io/{cid}"
@@ -130,13 +115,6 @@ class Watch:
         if not os.path.exists(self.status_file):
             raise RuntimeError(f"no CRI status file at {self.status_file}")
         self.at = {}
-
-
-def container_cgroup_dir(cid):
-    root = kubelet.CGROUP_ROOT
-    found = glob.glob(f"{root}/kubepods.slice/**/cri-containerd-{cid}.scope", recursive=True) or \
-        glob.glob(f"{root}/kubepods/**/{cid}", recursive=True)
-    return found[0] if found else None
 
 
 def status_file_exited(path):
@@ -153,6 +131,7 @@ class Run:
     def __init__(self, cri, pod, index, way, root, events):
         self.cri, self.pod, self.index, self.way, self.root, self.events = cri, pod, index, way, root, events
         self.quit_lock = threading.Lock()
+        self.checks = []
         self.done = threading.Event()
 
     def quit_sidecar(self):
@@ -206,10 +185,18 @@ class Run:
                         w.at["status_file"] = now()
                         if w is self.app and self.way == "status_file":
                             self.quit_sidecar()
+                        # What the signal promises: a ContainerStatus asked after it says EXITED.
+                        check = threading.Thread(target=self.state_after_file, args=(w,), daemon=True)
+                        check.start()
+                        self.checks.append(check)
                     last[w.cid] = key
             if all(k in w.at for w in watches for k in ("cgroup", "bundle", "status_file")):
                 return
             time.sleep(POLL_S)
+
+    def state_after_file(self, w):
+        st = self.cri.runtime("ContainerStatus", {"container_id": w.cid}, timeout=30).status
+        w.at["after_file"] = pb.ContainerState.Name(st.state)
 
     def cri_poll(self, w):
         """ContainerStatus every 1 ms from the main process's exit on (a CRI record of the exit
@@ -232,6 +219,7 @@ class Run:
                 if w is self.app and self.way == "cri":
                     self.quit_sidecar()
                 return
+            w.at["cri_running_sent"] = sent
             time.sleep(POLL_S)
 
     def go(self):
@@ -243,7 +231,8 @@ class Run:
         run = self.pod.run
         run.start_container(self.pod.sidecar, run.sandbox_cfg, attempt=self.index, native=True)
         side_id = run.containers["sidecar"]["id"]
-        wait_for(f"the sidecar of run {self.index} ready", lambda: os.path.exists(f"{self.pod.dir}/sidecar-ready"))
+        scenarios.wait_for(f"the sidecar of run {self.index} ready",
+                           lambda: os.path.exists(f"{self.pod.dir}/sidecar-ready"), 60, step=0.01)
         run.start_container(self.pod.app, run.sandbox_cfg, attempt=self.index)
         app_id = run.containers["app"]["id"]
         self.side, self.app = Watch(self.cri, side_id, self.root), Watch(self.cri, app_id, self.root)
@@ -280,9 +269,13 @@ class Run:
         files.join(5)
         self.done.set()
         files.join()
-        # The events of both containers may come a little after the status.
-        wait_for("", lambda: all(w.cid in self.events.stopped for w in (self.app, self.side))
-                 or self.events.available is not True, 2, fail=False)
+        for check in self.checks:
+            check.join(30)
+        # The events of both containers may come a little after the status (2 s at most).
+        end = time.monotonic() + 2
+        while self.events.available is True and time.monotonic() < end and \
+                not all(w.cid in self.events.stopped for w in (self.app, self.side)):
+            time.sleep(0.01)
         os.close(self.app.pidfd)
         os.close(self.side.pidfd)
         out = {"run": self.index, "way": self.way, "released": released}
@@ -292,17 +285,6 @@ class Run:
                 at["event"] = self.events.stopped[w.cid]
             out[name] = {"id": w.cid, "exit_code": getattr(w, "exit_code", None), **at}
         return out
-
-
-def wait_for(what, cond, deadline_s=60, fail=True):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    if fail:
-        raise RuntimeError(f"{what} not within {deadline_s} s")
-    return False
 
 
 class Pod:
@@ -374,16 +356,25 @@ def table(runs, way, events_available):
                                                                       ("sidecar", "kernel"))))
     gap = diffs(complete, ("app", "cri"), ("sidecar", "cri"))
     lines.append(row("app CRI EXITED -> sidecar CRI EXITED", gap, True))
-    # The CRI polls' answers can straddle: an inversion is counted where the sidecar's EXITED
-    # answer came before the app's EXITED call was even sent (certain), and where it merely came
-    # first (the answers' order).
-    certain = sum(1 for r in complete if r["sidecar"]["cri"] < r["app"]["cri_sent"])
+    # The two containers' polls run apart, so their answers can straddle the records: counted
+    # are the runs whose sidecar EXITED answer came before the app's (the answers' order), before
+    # the app's first EXITED call was even sent, and (certain) before the sending of a call that
+    # the CRI then answered with the app still RUNNING.
     first = sum(1 for r in complete if r["sidecar"]["cri"] < r["app"]["cri"])
+    before_sent = sum(1 for r in complete if r["sidecar"]["cri"] < r["app"]["cri_sent"])
+    certain = [r for r in complete if "cri_running_sent" in r["app"] or "after_file" in r["app"]]
+    certain_n = sum(1 for r in certain if r["sidecar"]["cri"] < r["app"].get("cri_running_sent", 0))
     ev = [r for r in complete if "event" in r["app"] and "event" in r["sidecar"]]
     by_events = sum(1 for r in ev if r["sidecar"]["event"] < r["app"]["event"])
+    checked = [r[c]["after_file"] for r in complete for c in ("app", "sidecar") if "after_file" in r[c]]
+    if checked:
+        lines.append(f"  ContainerStatus asked right after the status file showed the exit: "
+                     f"{sum(s == 'CONTAINER_EXITED' for s in checked)} of {len(checked)} EXITED")
     codes = sum(1 for r in complete if r["app"].get("exit_code") == 0 and r["sidecar"].get("exit_code") == 0)
     lines.append(f"  INVERSIONS (sidecar EXITED in the CRI before the app): {first} of {len(complete)} by the "
-                 f"answers' order, {certain} certain (its answer before the app's EXITED call was sent)"
+                 f"answers' order, {before_sent} before the app's EXITED call was sent"
+                 + (f", {certain_n} of {len(certain)} certain (before a call answered RUNNING for the app was sent)"
+                    if certain else "")
                  + (f"; by GetContainerEvents {by_events} of {len(ev)}" if events_available else "")
                  + f"; both exited 0 in {codes}")
     return lines
@@ -411,10 +402,11 @@ def kernel_watch(app_pid, side_pid, quit_pid):
 
 
 def import_cri():
-    global grpc, kubelet, pb
+    global grpc, kubelet, pb, scenarios
     sys.path.insert(0, HERE)
     import grpc
     import kubelet
+    import scenarios
     pb = kubelet.pb
 
 
@@ -439,7 +431,8 @@ def main():
         subprocess.run(["ctr", "-n", "k8s.io", "images", "import", f"{images}/{name}"], check=True,
                        stdout=subprocess.DEVNULL)
     cri = kubelet.Cri()
-    config = cri_config(cri)
+    status = scenarios.wait_for("containerd's CRI ready", lambda: scenarios.cri_ready(cri), 120, step=0.5)
+    config = json.loads(status.info["config"])
     root = config["rootDir"]
     log(f"images imported in {time.monotonic() - t0:.1f}s; CRI root {root}, state {config.get('stateDir')}, "
         f"cgroup {kubelet.CGROUP_MODE}")
