@@ -75,6 +75,11 @@ enum Task {
         cells: Vec<String>,
         /// Only these scenarios (tests/node/scenarios.py), e.g. `job hold_app`.
         only: Vec<String>,
+        /// Instead of the scenarios: measure when the runtime records a container's exit against
+        /// the kernel's moment (tests/node/runtime_lag.py), this many runs per way of quitting a
+        /// native sidecar, in each cell named.
+        #[arg(long, value_name = "RUNS", conflicts_with = "only")]
+        lag: Option<u32>,
     },
     /// Run the agent against a simulated node on this host and print a timeline.
     Demo {
@@ -118,7 +123,7 @@ fn main() -> Result<()> {
         }
         Task::Image => image::build(&root).map(|_| ()),
         Task::Kernels { only } => test::kernels(&root, &only),
-        Task::Node { matrix, cells, only } => test::node(&root, matrix, &cells, &only),
+        Task::Node { matrix, cells, only, lag } => test::node(&root, matrix, &cells, &only, lag),
         Task::Fuzz { target, seconds } => fuzz::run(&root, target.as_deref(), seconds),
         Task::Demo { args } => sim::demo(&root, &args),
         Task::Bench { args } => sim::bench(&root, &args),

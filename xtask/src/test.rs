@@ -88,7 +88,7 @@ pub fn kernels(root: &Path, only: &[String]) -> Result<()> {
 
 /// `cargo xtask node`: valet on a real node (a Debian VM with containerd driven through the CRI),
 /// in the default cell, the named cells, or every cell of the matrix.
-pub fn node(root: &Path, matrix: bool, cells: &[String], only: &[String]) -> Result<()> {
+pub fn node(root: &Path, matrix: bool, cells: &[String], only: &[String], lag: Option<u32>) -> Result<()> {
     if !is_root() {
         bail!("the node VM needs root (mmdebstrap, qemu): run it as root");
     }
@@ -99,6 +99,10 @@ pub fn node(root: &Path, matrix: bool, cells: &[String], only: &[String]) -> Res
     } else {
         cells.iter().map(|c| crate::node::Cell::parse(c)).collect::<Result<Vec<_>>>()?
     };
+    if let Some(runs) = lag {
+        // No agent, no Envoy: containerd, busybox and pause only.
+        return crate::node::lag(root, &cells, runs);
+    }
     setup::setup(root, true)?;
     let plan: Vec<_> = cells.into_iter().map(|c| (c, only.to_vec())).collect();
     let (_, failed) = crate::node::run(root, &plan)?;
