@@ -826,13 +826,13 @@ async fn containers_made_after_a_held_pod_is_watched_are_classified_before_they_
     kill(waiting);
 }
 
-#[tokio::test]
-async fn shutdown_releases_everything_held() {
-    let node = TempNode::new("shutdown");
+/// A held Job pod on `node` (sandbox, app, istio-proxy) whose app process is stopped and counted
+/// held by the loop.
+async fn holding_an_app(node: &TempNode) -> (Loop, Child) {
     node.container(1, "POD");
     let app = node.container(2, "app");
     node.container(3, "istio-proxy");
-    let lp = start(&node, Duration::from_secs(120));
+    let lp = start(node, Duration::from_secs(120));
     lp.apply(job_pod(json!({"valet.dev/hold-app": "true"})));
     let pod_cg = node.pod_id();
     lp.until("the pod watched", |l| lock(&l.kernel.0).watched.contains_key(&pod_cg)).await;
@@ -840,6 +840,13 @@ async fn shutdown_releases_everything_held() {
     node.add_process(2, child.id());
     lp.held(pod_cg, app, child.id());
     lp.until("the hold counted", |l| metric(&l.metrics, "valet_app_holds_total") == 1.0).await;
+    (lp, child)
+}
+
+#[tokio::test]
+async fn shutdown_releases_everything_held() {
+    let node = TempNode::new("shutdown");
+    let (lp, child) = holding_an_app(&node).await;
     assert_eq!(state(child.id()), Some('T'), "released before the shutdown");
     let (kernel, _) = lp.stop().await;
     assert!(wait_state(child.id(), 'S').await, "released on shutdown");
@@ -857,17 +864,7 @@ async fn shutdown_with_a_successor_or_no_answer_leaves_the_held_app_stopped() {
         ("unanswered", Stop::Keep("no answer within 2s".into())),
     ] {
         let node = TempNode::new(&format!("handover-{tag}"));
-        node.container(1, "POD");
-        let app = node.container(2, "app");
-        node.container(3, "istio-proxy");
-        let lp = start(&node, Duration::from_secs(120));
-        lp.apply(job_pod(json!({"valet.dev/hold-app": "true"})));
-        let pod_cg = node.pod_id();
-        lp.until("the pod watched", |l| lock(&l.kernel.0).watched.contains_key(&pod_cg)).await;
-        let child = stopped_child().await;
-        node.add_process(2, child.id());
-        lp.held(pod_cg, app, child.id());
-        lp.until("the hold counted", |l| metric(&l.metrics, "valet_app_holds_total") == 1.0).await;
+        let (lp, child) = holding_an_app(&node).await;
         let metrics = lp.metrics.clone();
         let (kernel, _, done) = lp.stop_with(why.clone()).await;
         assert_eq!(done, Some(why), "{tag}: the loop returned what it was told");
