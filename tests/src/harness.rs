@@ -353,6 +353,9 @@ impl Node {
         }
         let proxy_name = spec.sidecar.as_ref().map_or("istio-proxy", |(name, _)| name.as_str());
         opts = opts.container(proxy_name);
+        for (name, _) in &spec.natives_after {
+            opts = opts.container(name);
+        }
         let sim = Arc::new(SimPod::create(opts)?);
         let events = self.scratch.path(&format!("{name}.proxy-events"));
         let mut standin = StandinOptions::new(ProxyKind::Istio);
@@ -413,6 +416,10 @@ impl Node {
                 proxy = proxy.startup(HttpProbe::istio_startup());
             }
             containers.insert(0, proxy);
+            for (i, (name, script)) in spec.natives_after.iter().enumerate() {
+                let c = ContainerSpec::new(name).command(&["/bin/sh", "-c", script]).kind(ContainerKind::NativeSidecar);
+                containers.insert(1 + i, c);
+            }
         } else {
             containers.push(proxy);
         }
@@ -556,6 +563,8 @@ pub struct JobSpec {
     /// The runtime records the apps' and the proxy's exits these long after them (None: the
     /// kubelet's [`KubeletOptions::exit_record_lag`]).
     pub record_lags: Option<(Duration, Duration)>,
+    /// More native sidecars, declared after the proxy (a native one): (name, `/bin/sh -c` script).
+    pub natives_after: Vec<(String, String)>,
 }
 
 impl JobSpec {
@@ -589,6 +598,7 @@ impl JobSpec {
             app_restart_policies: Vec::new(),
             app_restart_rules: Vec::new(),
             record_lags: None,
+            natives_after: Vec::new(),
         }
     }
     /// The runtime records the apps' exits `app` after them, the proxy's `proxy` after.
@@ -609,6 +619,13 @@ impl JobSpec {
     /// The pod's cgroups in this hierarchy's root (a cgroup v1 controller's mount).
     pub fn cgroup_root(mut self, root: impl Into<PathBuf>) -> Self {
         self.cgroup_root = Some(root.into());
+        self
+    }
+    /// One more native sidecar, declared after the proxy (and any added before it), running this
+    /// `/bin/sh -c` script; the proxy is made native too.
+    pub fn native_after(mut self, name: &str, script: &str) -> Self {
+        self.native = true;
+        self.natives_after.push((name.into(), script.into()));
         self
     }
     /// The proxy as a native sidecar (see [`JobSpec::native`]).

@@ -244,3 +244,71 @@ fn a_native_proxy_is_not_restarted_when_the_runtime_records_the_apps_end_late() 
     }
     summary("valet: native istio-proxy exit after the app's, the app's end recorded 400 ms late", delays);
 }
+
+/// Two native sidecars, the proxy declared first and a log shipper after it: the kubelet stops
+/// them last first, each once the one declared after it has exited, so that the shipper can still
+/// send through the proxy while it flushes. valet keeps that order: it ends the shipper once the
+/// kubelet reported the app's end, and quits the proxy only after the shipper has exited (it takes
+/// 0.5 s to flush on SIGTERM). Quitting both at once would have the proxy gone while the shipper
+/// still flushes.
+#[test]
+fn two_native_sidecars_are_ended_last_first() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let term = node.scratch.path("last-first-term");
+    let bye = node.scratch.path("last-first-bye");
+    let script = format!(
+        "trap 'trap \"\" TERM; touch {t}; sleep 0.5; touch {b}; exit 0' TERM; while true; do sleep 0.05; done",
+        t = term.display(),
+        b = bye.display()
+    );
+    let spec = JobSpec::new("last-first")
+        .annotation("valet.dev/sidecars", "istio-proxy,shipper")
+        .annotation("valet.dev/sidecar-kind.shipper", "signal")
+        .native_after("shipper", &script);
+    let mut job = node.job_pod(spec).expect("pod");
+    let pod = node.pod(&job).expect("pod object");
+    let inits: Vec<_> =
+        pod["spec"]["initContainers"].as_array().expect("init containers").iter().map(|c| c["name"].clone()).collect();
+    assert_eq!(inits, ["istio-proxy", "shipper"], "{pod}");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
+    assert!(eventually(HANG_GUARD, || node.proxy_ready_condition(&job)), "{}", agent.log_text());
+    assert!(eventually(HANG_GUARD, || job.api_status("shipper").is_some_and(|s| s["containerID"].is_string())));
+
+    let (code, after) = app_then_proxy(&mut job, "exit 0");
+    println!("last first: istio-proxy exited {code:?} {after:?} after the app");
+    assert_eq!(code, Some(0), "valet's quit ends pilot-agent with 0, not the kubelet's drain\n{}", agent.log_text());
+    assert!(after < DRAIN, "the proxy exited {after:?} after the app: not quit\n{}", agent.log_text());
+    let quits = job.loopback_quits();
+    assert_eq!(quits.len(), 1, "one quit: {:?}\n{}", job.requests(), agent.log_text());
+
+    // The shipper had its SIGTERM, flushed, and exited before the proxy's quit came: the proxy
+    // stayed up all the while. Its files' times are CLOCK_REALTIME, the stand-in's CLOCK_MONOTONIC.
+    let mtime = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let (Some(termed), Some(flushed)) = (mtime(&term), mtime(&bye)) else {
+        panic!("the shipper never had its SIGTERM or never finished its flush\n{}", agent.log_text())
+    };
+    let mono_to_real = |mono_ns: u64| {
+        let now_mono = valet_sim::util::monotonic_ns();
+        std::time::SystemTime::now() - Duration::from_nanos(now_mono.saturating_sub(mono_ns))
+    };
+    let quit_at = mono_to_real(quits[0].mono_ns);
+    // File times are taken from the coarse clock (a tick, up to 10 ms, behind).
+    let slack = Duration::from_millis(20);
+    assert!(
+        quit_at + slack >= flushed,
+        "the proxy was quit {:?} before the shipper had exited (SIGTERM at {termed:?}, exit at {flushed:?})\n{}",
+        flushed.duration_since(quit_at).unwrap_or_default(),
+        agent.log_text()
+    );
+    assert!(
+        eventually(HANG_GUARD, || node.pod(&job).is_some_and(|p| p["status"]["phase"] == "Succeeded")),
+        "{:?}",
+        node.pod(&job)
+    );
+    for c in ["istio-proxy", "shipper"] {
+        let st = job.api_status(c).expect("status");
+        assert_eq!(st["restartCount"], 0, "{c}: {st}");
+        assert_eq!(st["state"]["terminated"]["exitCode"], 0, "{c}: {st}");
+    }
+}
