@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 
 use crate::error::{Error, Result};
+use crate::kernel::programs::AncestorMode;
 
 /// Default of `--old-record-timeout`: the `--hold-timeout` default of the version that wrote
 /// `held_v1` records ([`valet_common::HELD_DEFAULT_TIMEOUT_MS`]), shared by the agent and the
@@ -59,33 +60,47 @@ pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
 #[derive(Clone, Debug, Parser)]
 #[command(name = "valet-agent", version, about, long_about = None)]
 pub struct Config {
+    /// This node's name (the DaemonSet sets it).
+    ///
     /// This node's name (the DaemonSet sets NODE_NAME from spec.nodeName).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: String,
 
+    /// Address of `/metrics`, `/healthz` and `/readyz`.
+    ///
     /// Address for /metrics, /healthz and /readyz.
     #[arg(long, env = "VALET_METRICS_ADDR", default_value = "0.0.0.0:9090")]
     pub metrics_addr: SocketAddr,
 
+    /// Where the host's `/proc` is.
+    ///
     /// Where the host's /proc is visible (the agent finds pod processes and namespaces there).
     #[arg(long, env = "VALET_HOST_PROC", default_value = "/proc")]
     pub host_proc: PathBuf,
 
+    /// One cgroup hierarchy (cgroup2 or a v1 controller), when not found by looking.
+    ///
     /// The root of the cgroup hierarchy the kubelet's cgroups are read from: the cgroup2 mount,
     /// or a v1 controller's mount (`/sys/fs/cgroup/memory`). When not given, found by looking
     /// at `--cgroup-mount`.
     #[arg(long, env = "VALET_CGROUP_ROOT")]
     pub cgroup_root: Option<PathBuf>,
 
+    /// Where the host's `/sys/fs/cgroup` is (hierarchies are found there).
+    ///
     /// Where the host's `/sys/fs/cgroup` is visible: the cgroup2 mount on a v2 node; on a v1 or
     /// hybrid node, the directory of the v1 controllers' mounts (and of `unified`).
     #[arg(long, env = "VALET_CGROUP_MOUNT", default_value = "/sys/fs/cgroup")]
     pub cgroup_mount: PathBuf,
 
+    /// Where the host's `/sys` is found.
+    ///
     /// Where the host's /sys is visible under (tracefs and BTF are looked up below it).
     #[arg(long, env = "VALET_HOST_ROOT", default_value = "/")]
     pub host_root: PathBuf,
 
+    /// A BTF file for a kernel without one of its own.
+    ///
     /// The kernel's BTF, where the kernel programs' struct offsets are read (default: the host's
     /// /sys/kernel/btf/vmlinux). For a kernel without BTF of its own, a BTF file made for it
     /// (e.g. from BTFHub). Where the programs cannot load (no BTF, lockdown, BPF denied...), the
@@ -93,6 +108,8 @@ pub struct Config {
     #[arg(long, env = "VALET_KERNEL_BTF")]
     pub kernel_btf: Option<PathBuf>,
 
+    /// Degraded-mode reasons that still leave the node ready (`all`, `none`).
+    ///
     /// The reasons for degraded mode (valet_node_info's `reason`) that the operator expects on
     /// some nodes: a node degraded for one of them is ready; one degraded for any other is not
     /// (`/readyz` says why), so that a rollout that degrades its nodes stops at the first ones.
@@ -107,6 +124,8 @@ pub struct Config {
     )]
     pub degraded_ok: Vec<String>,
 
+    /// runtimeClassNames of sandboxed pods (ends from the API, no holds).
+    ///
     /// runtimeClassNames whose pods run out of the node's kernel's sight (VM or user-space
     /// kernel sandboxes: Kata, gVisor, GKE Sandbox). Their ends are taken from the API and their
     /// apps are never held. A trailing `*` matches any suffix.
@@ -118,6 +137,8 @@ pub struct Config {
     )]
     pub sandboxed_runtime_classes: Vec<String>,
 
+    /// The bpffs directory of the record of held apps.
+    ///
     /// A directory on bpffs (the host's, shared with the agent's successors) where the record of
     /// the processes the kernel stopped at exec is pinned: an agent that dies while holding
     /// apps leaves its successor every one of them to release. `/sys/fs/bpf` is mounted as
@@ -125,11 +146,15 @@ pub struct Config {
     #[arg(long, env = "VALET_PIN_DIR", default_value = "/sys/fs/bpf/valet")]
     pub pin_dir: PathBuf,
 
+    /// A previous version's pin directories, read and moved.
+    ///
     /// Pin directories an earlier version used (an upgrade that changes `--pin-dir`): the
     /// records of holds found there are released at their deadline, and moved into `--pin-dir`.
     #[arg(long = "old-pin-dir", env = "VALET_OLD_PIN_DIRS", value_delimiter = ',')]
     pub old_pin_dirs: Vec<PathBuf>,
 
+    /// Container names that are sidecars by default.
+    ///
     /// Container names treated as sidecars unless a pod's valet.dev/sidecars annotation says otherwise.
     #[arg(
         long,
@@ -139,37 +164,53 @@ pub struct Config {
     )]
     pub sidecar_names: Vec<String>,
 
+    /// Time for one quit request, connect included.
+    ///
     /// Total time for one quit request (connect included).
     #[arg(long, env = "VALET_QUIT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     pub quit_timeout: Duration,
 
+    /// Retry a failing quit this long, then escalate.
+    ///
     /// How long to keep retrying a quit that fails (with backoff) before escalating.
     #[arg(long, env = "VALET_QUIT_RETRY_FOR", default_value = "20s", value_parser = parse_duration)]
     pub quit_retry_for: Duration,
 
+    /// SIGTERM a sidecar still running this long after its quit.
+    ///
     /// Send SIGTERM to a sidecar still running this long after it accepted a quit.
     #[arg(long, env = "VALET_ESCALATE_AFTER", default_value = "15s", value_parser = parse_duration)]
     pub escalate_after: Duration,
 
+    /// Never signal sidecars, only ask them to quit.
+    ///
     /// Never signal sidecars; only ask them to quit.
     #[arg(long, env = "VALET_NO_ESCALATION")]
     pub no_escalation: bool,
 
+    /// Interval of readiness probes until the proxy is ready.
+    ///
     /// Interval between readiness probes of a proxy that is not ready yet.
     #[arg(long, env = "VALET_PROBE_INTERVAL", default_value = "100ms", value_parser = parse_duration)]
     pub probe_interval: Duration,
 
+    /// Interval of probes once the proxy was ready.
+    ///
     /// Interval between probes of a proxy once it was seen ready: they keep the ProxyReady
     /// condition and the connection to the quit endpoint current, and are a full node's idle cost.
     #[arg(long, env = "VALET_READY_PROBE_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub ready_probe_interval: Duration,
 
+    /// How often, at most, a held app's proxy is asked.
+    ///
     /// How often, at most, the proxy of a pod whose app is held is asked whether it is ready.
     /// A proxy that turns ready with no listen the kernel sees is released about half of this
     /// after (or half of the longer period the CPU budget below sets).
     #[arg(long, env = "VALET_HELD_PROBE_INTERVAL", default_value = "10ms", value_parser = parse_duration)]
     pub held_probe_interval: Duration,
 
+    /// CPU of the held pods' prober, at most, in % of one core.
+    ///
     /// The held pods' prober's CPU, at most, in percent of one core: it measures its own CPU and
     /// asks the held pods less often than --held-probe-interval when that would cost more (a
     /// burst of held pods on a busy node). Releases set off by a listen in the pod are not
@@ -177,6 +218,8 @@ pub struct Config {
     #[arg(long, env = "VALET_HELD_PROBE_CPU", default_value_t = 4.0)]
     pub held_probe_cpu: f64,
 
+    /// Real-time priority of the release thread (0: none).
+    ///
     /// The release thread's real-time priority (SCHED_FIFO, 1-99; 0: it stays in the normal
     /// class). It sends the SIGCONTs of held apps whose proxies turned ready: the apps it wakes
     /// take its CPU otherwise, and on a busy node the last of a batch waited tens of
@@ -185,11 +228,15 @@ pub struct Config {
     #[arg(long, env = "VALET_RELEASE_PRIORITY", default_value_t = 1)]
     pub release_priority: u8,
 
+    /// With `--held-prober false`: probes a second, at most.
+    ///
     /// With --held-prober false: probes per second, at most, across the pods whose app is held,
     /// each on its own loop (at the default, up to 15 held pods every 10 ms, 20 every 13.3 ms).
     #[arg(long, env = "VALET_HELD_PROBE_BUDGET", default_value_t = 1500)]
     pub held_probe_budget: u32,
 
+    /// Held pods' proxies asked from one thread (`false`: a loop per pod).
+    ///
     /// Probe the held pods' proxies from one thread of their own: every request of a slot
     /// written back to back on kept connections made in the pods' namespaces, the answers read
     /// as they come, the slot's news sent together (on the runtime, each probe cost wake-ups of
@@ -199,16 +246,22 @@ pub struct Config {
     #[arg(long, env = "VALET_HELD_PROBER", default_value_t = true, action = clap::ArgAction::Set)]
     pub held_prober: bool,
 
+    /// Default `valet.dev/hold-timeout`: how long an app is held at most.
+    ///
     /// Default time an app is held before it is released anyway (valet.dev/hold-timeout overrides).
     #[arg(long, env = "VALET_HOLD_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub hold_timeout: Duration,
 
+    /// Hold timeout of a previous version's records.
+    ///
     /// Hold timeout of the records an earlier version wrote without a deadline (`held_v1`):
     /// they run again at their stop plus this. The deadline keeper (`valet-agent deadlines`)
     /// reads the same setting: set it once for both (the manifest does).
     #[arg(long, env = "VALET_OLD_RECORD_TIMEOUT", default_value = OLD_RECORD_TIMEOUT, value_parser = parse_duration)]
     pub old_record_timeout: Duration,
 
+    /// Length of one pod watch request.
+    ///
     /// How long one pod watch request lasts (its `timeoutSeconds`, whole seconds): the API server
     /// then ends it and the agent watches on from where it was, without a re-list. It also bounds
     /// a watch that goes silent without closing (a dead connection, a stalled server): kube's
@@ -217,6 +270,9 @@ pub struct Config {
     #[arg(long, env = "VALET_WATCH_TIMEOUT", default_value = "290s", value_parser = parse_duration)]
     pub watch_timeout: Duration,
 
+    /// Runtime state directories where containers' bundles are looked for first (unset:
+    /// containerd's, k3s's and CRI-O's).
+    ///
     /// Container runtime state directories holding the containers' OCI bundles (config.json),
     /// to know a container by name before the API reports its id (about a second later), tried
     /// first. By default the well-known ones under --host-root: containerd's
@@ -227,29 +283,47 @@ pub struct Config {
     #[arg(long, env = "VALET_RUNTIME_STATE_DIRS", value_delimiter = ',')]
     pub runtime_state_dirs: Vec<PathBuf>,
 
+    /// Act on labelled pods (`false`: act on no pod, only observe).
+    ///
     /// Act on the pods labelled valet.dev/enabled=true (quit their sidecars, hold their apps,
     /// write their condition and Events). `false`: a look-only install; every pod is only
     /// observed.
     #[arg(long, env = "VALET_ACT", default_value_t = true, action = clap::ArgAction::Set)]
     pub act: bool,
 
+    /// Observe unlabelled pods too (`false`: watch and probe labelled pods only).
+    ///
     /// Observe every pod on the node that has a sidecar valet knows, labelled or not, and export
     /// what its sidecars cost (valet_pods_waiting_on_sidecars, valet_sidecar_tax_seconds,
     /// valet_app_started_before_proxy_ready_total). Observing never acts on a pod.
     #[arg(long, env = "VALET_OBSERVE", default_value_t = true, action = clap::ArgAction::Set)]
     pub observe: bool,
 
+    /// Give observed pods' series a `namespace` label (`false`: an empty one).
+    ///
     /// Give the observed pods' series a `namespace` label (`false`: an empty one, for clusters
     /// with very many namespaces).
     #[arg(long, env = "VALET_OBSERVE_NAMESPACE_LABEL", default_value_t = true, action = clap::ArgAction::Set)]
     pub observe_namespace_label: bool,
 
+    /// How many namespaces have series of their own.
+    ///
     /// How many namespaces the observed pods' series name at a time; pods of namespaces beyond
     /// it share `namespace="_other"`. A namespace with no observed pod for an hour gives its
     /// place back and its series are dropped.
     #[arg(long, env = "VALET_OBSERVE_MAX_NAMESPACES", default_value_t = 50)]
     pub observe_max_namespaces: usize,
 
+    /// How the kernel programs find a process's pod cgroup: `auto`, `helper` or `walk`.
+    ///
+    /// `auto`: the helper (`bpf_get_current_ancestor_cgroup_id`) where the kernel allows it
+    /// (5.11+), else a walk up the cgroup tree with offsets from BTF (5.10). `helper` or `walk`
+    /// force one; a forced helper on a kernel or hierarchy that cannot use it is an error.
+    #[arg(long, env = "VALET_CGROUP_ANCESTORS", value_enum, default_value = "auto")]
+    pub cgroup_ancestors: AncestorMode,
+
+    /// Log format: `text` or `json` (the DaemonSet sets `json`).
+    ///
     /// Log format.
     #[arg(long, env = "VALET_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -327,9 +401,64 @@ impl Config {
     }
 }
 
+/// The README's table of the agent's flags, made from their definitions: the flag, its
+/// environment variable, its default and its short help.
+pub fn flag_table() -> String {
+    use clap::CommandFactory;
+    let mut out = String::from("| flag | environment | default | what |\n|---|---|---|---|\n");
+    for arg in Config::command().get_arguments() {
+        let Some(long) = arg.get_long().filter(|l| !matches!(*l, "help" | "version")) else { continue };
+        let env = arg.get_env().map_or("(none)".to_owned(), |e| format!("`{}`", e.to_string_lossy()));
+        let defaults: Vec<String> = arg.get_default_values().iter().map(|v| v.to_string_lossy().into_owned()).collect();
+        let default = if !defaults.is_empty() {
+            format!("`{}`", defaults.join(","))
+        } else if arg.is_required_set() {
+            "required".to_owned()
+        } else if !arg.get_action().takes_values() {
+            "off".to_owned()
+        } else {
+            "unset".to_owned()
+        };
+        let what = arg.get_help().map(|h| h.to_string()).unwrap_or_default().replace('|', "\\|");
+        out.push_str(&format!("| `--{long}` | {env} | {default} | {what} |\n"));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const FLAGS_BEGIN: &str =
+        "<!-- flags: made by `VALET_BLESS=1 cargo test -p valet-agent flag_table`; edit config.rs -->\n";
+    const FLAGS_END: &str = "<!-- end of flags -->";
+
+    /// The README's flag table is the one `valet-agent --help` describes: made from the same
+    /// definitions. `VALET_BLESS=1` writes it.
+    #[test]
+    fn flag_table_in_the_readme_is_the_flags() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md");
+        let readme = std::fs::read_to_string(&path).expect("README.md");
+        let (Some(begin), Some(end)) = (readme.find(FLAGS_BEGIN), readme.find(FLAGS_END)) else {
+            panic!("README.md has no flag table between {FLAGS_BEGIN:?} and {FLAGS_END:?}")
+        };
+        let table = flag_table();
+        let current = &readme[begin + FLAGS_BEGIN.len()..end];
+        if std::env::var_os("VALET_BLESS").is_some() {
+            let written = format!("{}{table}{}", &readme[..begin + FLAGS_BEGIN.len()], &readme[end..]);
+            std::fs::write(&path, written).expect("write README.md");
+            return;
+        }
+        assert_eq!(
+            current, table,
+            "README.md's flag table differs from the flags: VALET_BLESS=1 cargo test -p valet-agent flag_table"
+        );
+        for (env, flag) in
+            [("`VALET_HOLD_TIMEOUT`", "`--hold-timeout`"), ("`VALET_CGROUP_ANCESTORS`", "`--cgroup-ancestors`")]
+        {
+            assert!(table.lines().any(|l| l.contains(env) && l.contains(flag)), "{env}: {table}");
+        }
+    }
 
     #[test]
     fn durations() {

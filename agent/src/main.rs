@@ -26,7 +26,6 @@ use valet_agent::host::resident;
 use valet_agent::kernel::deadlines::{DEFER, Keeper, KeeperSettings};
 use valet_agent::kernel::held_ledger::pin_paths;
 use valet_agent::kernel::mode::{self, NoKernel, NodeEvents, NodeFacts, NodeKernel};
-use valet_agent::kernel::programs::AncestorMode;
 use valet_agent::kernel::{Attach, EventReader, Programs};
 use valet_agent::metrics::Metrics;
 use valet_agent::observe::{NetnsProbe, Observer};
@@ -123,10 +122,7 @@ async fn run(
         kube::client::ClientBuilder::try_from(config).context("Kubernetes client (in-cluster or KUBECONFIG)")?,
     );
 
-    // VALET_CGROUP_ANCESTORS=auto|helper|walk: how the kernel programs find a process's pod
-    // cgroup (auto: the helper where the kernel allows it, else a walk up the cgroup tree).
-    let attach =
-        Attach { ancestors: AncestorMode::from_env()?, hierarchy: node_cgroups.hierarchy, ..Attach::default() };
+    let attach = Attach { ancestors: cfg.cgroup_ancestors, hierarchy: node_cgroups.hierarchy, ..Attach::default() };
     resident::note("before loading the kernel programs");
     let btf = cfg.btf_path();
     let (mut kernel, mode) = match Programs::load_with_btf(&cfg.host_root, attach, Some(&cfg.pin_dir), &btf) {

@@ -22,8 +22,23 @@ def prose(path: Path) -> list[tuple[int, str]]:
     return lines
 
 
+def generated_flag_table(path: Path) -> set[int]:
+    """Line numbers of the flag table made from the agent's flag definitions (a table's rows
+    cannot wrap; `cargo test -p valet-agent flag_table` checks it against the flags)."""
+    lines = path.read_text().splitlines()
+    begin = next((n for n, line in enumerate(lines, 1) if line.startswith("<!-- flags: made by")), None)
+    end = next((n for n, line in enumerate(lines, 1) if line.startswith("<!-- end of flags -->")), None)
+    assert begin and end and begin < end, "README.md lost its generated flag table's markers"
+    return set(range(begin, end + 1))
+
+
 def test_readme_lines_fit_120_columns() -> None:
-    wide = [f"README.md:{n}: {len(line)} characters" for n, line in prose(ROOT / "README.md") if len(line) > 120]
+    table = generated_flag_table(ROOT / "README.md")
+    wide = [
+        f"README.md:{n}: {len(line)} characters"
+        for n, line in prose(ROOT / "README.md")
+        if len(line) > 120 and n not in table
+    ]
     assert not wide, "\n".join(wide)
 
 

@@ -121,8 +121,8 @@ fn v1_subsys_id(btf: &Btf, layout: &KernelLayout, controller: Controller) -> Res
     Ok(id)
 }
 
-/// How the kernel programs find the pod cgroup above a process's own cgroup.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How the kernel programs find the pod cgroup above a process's own cgroup (`--cgroup-ancestors`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum AncestorMode {
     /// The helper variant when the kernel allows it (5.11+ for tracepoints), else the walk.
     Auto,
@@ -130,18 +130,6 @@ pub enum AncestorMode {
     Helper,
     /// A walk up `cgroup->kn->parent` with probe reads and offsets from BTF (5.10).
     Walk,
-}
-
-impl AncestorMode {
-    /// `VALET_CGROUP_ANCESTORS=walk|helper|auto`, the operator's override; `Auto` when unset.
-    pub fn from_env() -> Result<AncestorMode> {
-        match std::env::var("VALET_CGROUP_ANCESTORS").as_deref() {
-            Err(_) | Ok("") | Ok("auto") => Ok(AncestorMode::Auto),
-            Ok("helper") => Ok(AncestorMode::Helper),
-            Ok("walk") => Ok(AncestorMode::Walk),
-            Ok(other) => Err(Error::Config(format!("VALET_CGROUP_ANCESTORS={other}: expected auto, helper or walk"))),
-        }
-    }
 }
 
 /// Where the kernel's own BTF is, below the host root.
@@ -312,7 +300,7 @@ impl Programs {
         let candidates: &[AncestorMode] = match (attach.ancestors, attach.hierarchy) {
             (AncestorMode::Helper, Hierarchy::V1(_)) => {
                 return Err(Error::Config(
-                    "VALET_CGROUP_ANCESTORS=helper: the helper reads only the cgroup v2 hierarchy, and this node's \
+                    "--cgroup-ancestors helper: the helper reads only the cgroup v2 hierarchy, and this node's \
                      pods are in a v1 one (the programs walk it)"
                         .into(),
                 ));
