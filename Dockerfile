@@ -28,7 +28,7 @@
 #
 # Written for linux/amd64; both base images and llvm-22-dev also exist for arm64 (this Dockerfile
 # is untried there). The multi-arch image that is tested, linux/amd64 and linux/arm64 with one BPF
-# object, is `cargo xtask image`'s (docs/testing.md).
+# object, is `cargo xtask image`'s (docs/dev/testing.md).
 #
 # Not built by the tests (no container engine there); deploy/tests/test_checkov.py scans it
 # statically with checkov, and the two findings accepted are suppressed in place below.

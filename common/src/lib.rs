@@ -35,7 +35,7 @@ pub const MAP_HELD: &str = "HELD";
 pub const PIN_HELD: &str = "held_v2";
 /// File name of the previous version's pinned record ([`HeldRecordV1`]). Version N reads version
 /// N−1's records: an agent finds them at start, releases those past their deadline and moves the
-/// rest into [`PIN_HELD`], then removes this pin (docs/deadlines.md, "Upgrades").
+/// rest into [`PIN_HELD`], then removes this pin (docs/dev/deadlines.md, "Upgrades").
 pub const PIN_HELD_V1: &str = "held_v1";
 
 /// Name of the exit tracepoint program (`sched/sched_process_exit`) that finds a cgroup's

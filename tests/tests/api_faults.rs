@@ -1,7 +1,7 @@
 //! End to end, issue 26 "API faults": the API server answers 500 or 429 for 30 s, the pod watch
 //! stalls without closing, PATCHes hang, reads (lists, the start of watches) hang. The real agent
 //! binary, real kernel programs, cgroups and network namespaces, the simulated node; only the API
-//! server misbehaves. `docs/api-faults.md` says what the agent does behind its bounds.
+//! server misbehaves. `docs/dev/api-faults.md` says what the agent does behind its bounds.
 //!
 //! In each case, on one node:
 //! - a Job whose app ends during the fault is quit (the kernel path needs no API);

@@ -1,7 +1,7 @@
 //! End to end with native sidecars (init containers with `restartPolicy: Always`, KEP-753): the
 //! real agent, real kernel programs, and the simulated kubelet that starts the sidecar before the
 //! app, restarts it while the app runs and, once the app has ended, stops it with SIGTERM on its
-//! next relist (see `docs/native-sidecars.md`). The stand-in pilot-agent drains 5 s on SIGTERM,
+//! next relist (see `docs/dev/native-sidecars.md`). The stand-in pilot-agent drains 5 s on SIGTERM,
 //! as pilot-agent's default `terminationDrainDuration`: left to the kubelet, the proxy exits more
 //! than 5 s after the app. valet quits it once the kubelet reports the app's end (a native sidecar
 //! that exits while the kubelet still sees the app running is restarted): it exits about a second

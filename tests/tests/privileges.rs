@@ -193,7 +193,7 @@ fn spawn(node: &Node, memlock: Option<u64>, caps: &[&str]) -> Agent {
 }
 
 /// Issue 28: the agent's resident memory from its start, loading included (`VmHWM`), at most
-/// this. The DaemonSet's memory limit is sized from it (deploy/README.md, docs/memory.md).
+/// this. The DaemonSet's memory limit is sized from it (deploy/README.md, docs/dev/memory.md).
 const PEAK_RESIDENT_KIB: u64 = 24 << 10;
 
 /// The agent's peak resident memory so far, loading included, fits [`PEAK_RESIDENT_KIB`], and

@@ -47,7 +47,7 @@ const CRIO_SUITES: [&str; 1] = ["sid"];
 /// RHEL 8's mode) under the cgroupfs driver, and the newest on cgroup v2 (crun one level below its
 /// scope, k3s's paths) under systemd's, so CI sees both cgroup versions, both drivers and both
 /// runtimes. Both drivers in both cells would take CI from a fresh machine past 45 minutes
-/// (docs/testing.md); `cargo xtask node`, `--cell` and `--matrix` run both, and the hybrid and
+/// (docs/dev/testing.md); `cargo xtask node`, `--cell` and `--matrix` run both, and the hybrid and
 /// CRI-O cells.
 pub const CI_CELLS: [Cell; 2] = [
     Cell {

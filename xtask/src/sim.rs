@@ -39,7 +39,7 @@ fn run_driver(root: &Path, bin: &str, args: &[String]) -> Result<()> {
         "valet-sim",
     ]))?;
     let release = root.join("target/release");
-    // From the workspace root: `--table docs/bench-table.md` names the file there.
+    // From the workspace root: `--table docs/dev/bench-table.md` names the file there.
     run(Command::new(release.join(bin))
         .current_dir(root)
         .args(args)

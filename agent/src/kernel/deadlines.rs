@@ -2,7 +2,7 @@
 //! passed, with nothing but bpffs, `/proc` and the cgroup tree. No API, no kernel programs, no
 //! pod: it runs first thing at every agent start (before anything that can fail), then on a
 //! thread of the agent for its whole life, and as `valet-deadlines`, the DaemonSet pod's second
-//! container, which outlives agent crash loops (docs/deadlines.md says why each).
+//! container, which outlives agent crash loops (docs/dev/deadlines.md says why each).
 //!
 //! It reads this version's pin ([`valet_common::PIN_HELD`], deadlines in the record) and the previous one's
 //! ([`PIN_HELD_V1`], no deadline: the record's time plus `--old-record-timeout`), in the pin

@@ -66,7 +66,7 @@ pub enum Forgot {
 /// Deletes `tgid`'s record only if it is still `read`, the one a decision was taken on: the
 /// kernel overwrites a record when the pid is held again, and that newer record must stay. BPF
 /// hash maps have no compare-and-delete from user space: the record is read again right before
-/// the delete. What is left is the time between the two calls (docs/deadlines.md, "Records").
+/// the delete. What is left is the time between the two calls (docs/dev/deadlines.md, "Records").
 pub fn forget_if<V: PartialEq>(map: &mut dyn HeldMap<V>, tgid: u32, read: &V) -> Forgot {
     match map.lookup(tgid) {
         Ok(Some(now)) if now == *read => match map.delete(tgid) {

@@ -23,7 +23,7 @@
 //!   than the real kubelet's 10 s** (a test can set 10 s).
 //! - native sidecars (init containers with `restartPolicy: Always`, KEP-753) as
 //!   `computePodActions` runs them, deciding on what the last relist saw (the rules and their
-//!   sources: `docs/native-sidecars.md`): each starts in spec order and holds the next container
+//!   sources: `docs/dev/native-sidecars.md`): each starts in spec order and holds the next container
 //!   until a sync saw it running and its startupProbe passed; one seen exited while a regular
 //!   container runs (or is to be restarted) is restarted; once a sync sees every regular
 //!   container done (Never, or OnFailure after exit 0), the pod is killed: no sidecar is

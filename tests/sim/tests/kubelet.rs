@@ -369,7 +369,7 @@ fn init_containers_run_to_completion_before_the_containers() {
 }
 
 // Native sidecars (init containers with `restartPolicy: Always`): the rules modelled and their
-// sources are in docs/native-sidecars.md.
+// sources are in docs/dev/native-sidecars.md.
 
 use valet_sim::kubelet::ContainerKind;
 

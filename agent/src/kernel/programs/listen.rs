@@ -5,7 +5,7 @@
 //! text on every CPU (`text_poke_bp`, three rounds of IPIs); on a node VM under QEMU's
 //! multi-threaded TCG, a flip at a hold's start raced the prober's own `connect` on the other
 //! vCPU and the guest kernel died (`Oops: int3` in `inet_sk_state_store`). Attached once, the
-//! key flips at start like the exit and exec programs' do (docs/design-notes.md).
+//! key flips at start like the exit and exec programs' do (docs/dev/design-notes.md).
 
 use aya::Ebpf;
 use aya::programs::TracePoint;
