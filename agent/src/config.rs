@@ -401,7 +401,7 @@ impl Config {
     }
 }
 
-/// The README's table of the agent's flags, made from their definitions: the flag, its
+/// docs/configure.md's table of the agent's flags, made from their definitions: the flag, its
 /// environment variable, its default and its short help.
 pub fn flag_table() -> String {
     use clap::CommandFactory;
@@ -433,25 +433,25 @@ mod tests {
         "<!-- flags: made by `VALET_BLESS=1 cargo test -p valet-agent flag_table`; edit config.rs -->\n";
     const FLAGS_END: &str = "<!-- end of flags -->";
 
-    /// The README's flag table is the one `valet-agent --help` describes: made from the same
+    /// docs/configure.md's flag table is the one `valet-agent --help` describes: made from the same
     /// definitions. `VALET_BLESS=1` writes it.
     #[test]
     fn flag_table_in_the_readme_is_the_flags() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md");
-        let readme = std::fs::read_to_string(&path).expect("README.md");
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/configure.md");
+        let readme = std::fs::read_to_string(&path).expect("docs/configure.md");
         let (Some(begin), Some(end)) = (readme.find(FLAGS_BEGIN), readme.find(FLAGS_END)) else {
-            panic!("README.md has no flag table between {FLAGS_BEGIN:?} and {FLAGS_END:?}")
+            panic!("docs/configure.md has no flag table between {FLAGS_BEGIN:?} and {FLAGS_END:?}")
         };
         let table = flag_table();
         let current = &readme[begin + FLAGS_BEGIN.len()..end];
         if std::env::var_os("VALET_BLESS").is_some() {
             let written = format!("{}{table}{}", &readme[..begin + FLAGS_BEGIN.len()], &readme[end..]);
-            std::fs::write(&path, written).expect("write README.md");
+            std::fs::write(&path, written).expect("write docs/configure.md");
             return;
         }
         assert_eq!(
             current, table,
-            "README.md's flag table differs from the flags: VALET_BLESS=1 cargo test -p valet-agent flag_table"
+            "docs/configure.md's flag table differs from the flags: VALET_BLESS=1 cargo test -p valet-agent flag_table"
         );
         for (env, flag) in
             [("`VALET_HOLD_TIMEOUT`", "`--hold-timeout`"), ("`VALET_CGROUP_ANCESTORS`", "`--cgroup-ancestors`")]

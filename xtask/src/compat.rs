@@ -1,4 +1,4 @@
-//! The README's compatibility table, checked against the matrix the qemu suites run: every
+//! The compatibility table (docs/compatibility.md), checked against the matrix the qemu suites run: every
 //! kernel, cgroup mode, runtime and layout the table says was verified is one the suites boot,
 //! and every one they boot is in the table.
 #[cfg(test)]
@@ -7,10 +7,11 @@ mod tests {
 
     use crate::node::{Cgroups, matrix};
 
-    /// The README's `## Compatibility` table: first column → the other columns' text.
+    /// docs/compatibility.md's first table: first column → the other columns' text.
     fn table() -> Vec<(String, String)> {
-        let readme = std::fs::read_to_string(crate::cmd::workspace_root().join("README.md")).expect("README.md");
-        let section = readme.split("\n## Compatibility\n").nth(1).expect("a Compatibility section");
+        let page = crate::cmd::workspace_root().join("docs/compatibility.md");
+        let text = std::fs::read_to_string(&page).expect("docs/compatibility.md");
+        let section = text.split("# Compatibility\n").nth(1).expect("a Compatibility section");
         section
             .lines()
             .take_while(|l| !l.starts_with("## "))
@@ -43,8 +44,8 @@ mod tests {
         // The host's own kernel is named too (the host suites run on it); every other version
         // named must be one the kernel matrix boots, and every one it boots is named.
         let host: BTreeSet<String> = named.difference(&booted).cloned().collect();
-        assert!(host.len() <= 1, "kernels named but never booted: {host:?} (README: {kernel})");
-        assert!(booted.is_subset(&named), "kernels booted but not named: {booted:?} (README: {kernel})");
+        assert!(host.len() <= 1, "kernels named but never booted: {host:?} (docs/compatibility.md: {kernel})");
+        assert!(booted.is_subset(&named), "kernels booted but not named: {booted:?} (docs/compatibility.md: {kernel})");
     }
 
     #[test]
@@ -54,15 +55,24 @@ mod tests {
         for (mode, name) in [(Cgroups::V2, "v2"), (Cgroups::V1, "v1"), (Cgroups::Hybrid, "hybrid")] {
             let run = cells.iter().any(|c| c.cgroups == mode);
             let verified = cgroups.split(" | ").nth(1).expect("a verified column").contains(name);
-            assert_eq!(run, verified, "cgroup mode {name}: in the node matrix {run}, in the README {verified}");
+            assert_eq!(
+                run, verified,
+                "cgroup mode {name}: in the node matrix {run}, in docs/compatibility.md {verified}"
+            );
         }
         let runtime = row("runtime");
         for r in cells.iter().map(|c| c.runtime).collect::<BTreeSet<_>>() {
-            assert!(runtime.contains(r), "runtime {r} runs in the node matrix but the README does not name it");
+            assert!(
+                runtime.contains(r),
+                "runtime {r} runs in the node matrix but docs/compatibility.md does not name it"
+            );
         }
         let layout = row("layout");
         for l in cells.iter().map(|c| c.layout).collect::<BTreeSet<_>>() {
-            assert!(layout.contains(l), "layout {l} runs in the node matrix but the README does not name it");
+            assert!(
+                layout.contains(l),
+                "layout {l} runs in the node matrix but docs/compatibility.md does not name it"
+            );
         }
     }
 
