@@ -30,7 +30,7 @@ are CLOCK_REALTIME nanoseconds in the VM (containerd's FinishedAt is on that clo
 An inversion is a run in which the CRI reported the sidecar EXITED before the app: a kubelet sync
 in that window sees "sidecar exited, app running" and restarts the native sidecar.
 
-    runtime_lag.py <images dir> <out dir> <runs per way>
+    runtime_lag.py <images dir> <out dir> <runs per way> [way,way]
     runtime_lag.py --table <lag.jsonl>      (the tables again, from a run's moments)
 
 Prints `node lag ...` lines (the tables) and writes every run's moments to <out>/lag.jsonl.
@@ -424,6 +424,11 @@ def main():
         return 0
     import_cri()
     images, out, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    # Only these ways (VALET_LAG_WAYS on the host, e.g. "kernel,cri": today's quit and one after
+    # the record), else all three in turn.
+    ways = tuple(w for w in sys.argv[4].split(",") if w in WAYS) if len(sys.argv) > 4 else WAYS
+    if not ways:
+        raise SystemExit(f"no known way in {sys.argv[4]!r}: {', '.join(WAYS)}")
     os.makedirs(WORK, exist_ok=True)
     sys.setswitchinterval(0.0002)
     t0 = time.monotonic()
@@ -439,12 +444,12 @@ def main():
     events = Events(kubelet.Cri())
     pod = Pod(cri)
     log(f"sandbox {pod.run.sandbox_id[:12]} in {time.monotonic() - t0:.1f}s")
-    results = {w: [] for w in WAYS}
+    results = {w: [] for w in ways}
     failures = 0
     t_all = time.monotonic()
     with open(f"{out}/lag.jsonl", "w") as jsonl:
-        for i in range(runs * len(WAYS)):
-            way = WAYS[i % len(WAYS)]
+        for i in range(runs * len(ways)):
+            way = ways[i % len(ways)]
             try:
                 r = Run(cri, pod, i, way, root, events).go()
             except Exception as e:
@@ -467,7 +472,7 @@ def main():
     available = events.available is True
     log(f"{sum(len(v) for v in results.values())} runs in {time.monotonic() - t_all:.0f}s, {failures} failed; "
         f"GetContainerEvents: {'followed' if available else 'not available (' + str(events.error) + ')'}")
-    for way in WAYS:
+    for way in ways:
         for line in table(results[way], way, available):
             print(line if line.startswith("node lag") else f"node lag {line}", flush=True)
     print(f"node lag done: {sum(len(v) for v in results.values())} runs, {failures} failed", flush=True)
