@@ -150,7 +150,7 @@ pub struct Config {
     ///
     /// Pin directories an earlier version used (an upgrade that changes `--pin-dir`): the
     /// records of holds found there are released at their deadline, and moved into `--pin-dir`.
-    #[arg(long = "old-pin-dir", env = "VALET_OLD_PIN_DIRS", value_delimiter = ',')]
+    #[arg(long = "old-pin-dirs", visible_alias = "old-pin-dir", env = "VALET_OLD_PIN_DIRS", value_delimiter = ',')]
     pub old_pin_dirs: Vec<PathBuf>,
 
     /// Container names that are sidecars by default.

@@ -261,7 +261,7 @@ async fn run(
 struct DeadlineArgs {
     #[arg(long, env = "VALET_PIN_DIR", default_value = "/sys/fs/bpf/valet")]
     pin_dir: PathBuf,
-    #[arg(long = "old-pin-dir", env = "VALET_OLD_PIN_DIRS", value_delimiter = ',')]
+    #[arg(long = "old-pin-dirs", visible_alias = "old-pin-dir", env = "VALET_OLD_PIN_DIRS", value_delimiter = ',')]
     old_pin_dirs: Vec<PathBuf>,
     #[arg(long, env = "VALET_HOST_PROC", default_value = "/proc")]
     host_proc: PathBuf,

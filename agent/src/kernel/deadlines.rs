@@ -6,7 +6,7 @@
 //!
 //! It reads this version's pin ([`valet_common::PIN_HELD`], deadlines in the record) and the previous one's
 //! ([`PIN_HELD_V1`], no deadline: the record's time plus `--old-record-timeout`), in the pin
-//! directory and in each old one (`--old-pin-dir`).
+//! directory and in each old one (`--old-pin-dirs`).
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
