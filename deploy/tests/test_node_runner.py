@@ -257,3 +257,21 @@ def test_the_translation_does_not_change_the_manifest():
     before = copy.deepcopy(ds)
     translate(ds)
     assert ds == before
+
+
+def test_the_shipped_manifest_starts_on_a_node_without_btf_or_bpffs(tmp_path):
+    # No /sys/kernel/btf at all, and /sys/fs/bpf the kernel's empty sysfs directory (no bpffs).
+    root = _node(tmp_path, btf=False, bpffs_dir=True)
+    mounts = _start(daemonset(), root)
+    assert not (tmp_path / "sys/kernel/btf").exists() and not (tmp_path / "sys/fs/bpf/valet").exists(), \
+        "nothing is made in the host's sysfs"
+    keeper = {m["container_path"]: m for m in mounts["valet-deadlines"]}
+    assert keeper["/host/sys/fs/bpf"]["readonly"], "the keeper cannot make or remove pins"
+    agent = {m["container_path"]: m for m in mounts["valet-agent"]}
+    assert not agent["/host/sys/fs/bpf"]["readonly"], "the agent pins its record there"
+    assert agent["/host/var/lib/valet/btf"]["readonly"]
+    assert (tmp_path / "var/lib/valet/btf").is_dir(), "the --kernel-btf directory, made by the kubelet"
+
+
+def test_the_shipped_manifest_starts_on_a_node_with_btf_and_bpffs(tmp_path):
+    _start(daemonset(), _node(tmp_path, btf=True, bpffs_dir=True), rro=True)
