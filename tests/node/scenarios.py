@@ -22,6 +22,9 @@ Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FA
 - agent_restart_held: the agent is killed (SIGKILL) while it holds an app, a new agent starts:
   the app stays held until the proxy is ready;
 - daemonset_agent: job and hold_app again with the agent run from its image, as its DaemonSet says;
+- cgroup_read_only: the DaemonSet's pod again: from each of its containers, a write into every mount
+  of the host's cgroup fs (a directory made, cgroup.procs and release_agent opened for writing)
+  fails;
 - share_pidns: `shareProcessNamespace`: the app's entrypoint is not pid 1 of the pod's pid namespace
   (the sandbox's pause is); its exit is still seen in the kernel and quit within the bound;
 - hostpid_nested: a `hostPID` app sandboxes a child in a nested pid namespace: no quit at the
@@ -1264,6 +1267,68 @@ def daemonset_agent(api, agent, tag="", driver="systemd"):
         agent.start()
 
 
+def cgroup_writes(pid, top="/host/sys/fs/cgroup"):
+    """Write attempts into every mount of the host's cgroup fs as the container with host pid `pid`
+    sees it (through /proc/<pid>/root, which resolves in the container's own mounts, each with its
+    own read-only flag): a directory made at each mount's root (a cgroup, on a cgroup fs) and each
+    of its cgroup.procs and release_agent opened for writing. Returns (mounts, [what succeeded]); a
+    write that succeeds is undone (nothing is written to a file, a directory made is removed)."""
+    mounts = sorted({line.split()[4] for line in open(f"/proc/{pid}/mountinfo")
+                     if line.split()[4] == top or line.split()[4].startswith(top + "/")})
+    wrote = []
+    for m in mounts:
+        probe = f"/proc/{pid}/root{m}/valet-rw-probe"
+        try:
+            os.mkdir(probe)
+            wrote.append(f"mkdir {m}/valet-rw-probe")
+            os.rmdir(probe)
+        except OSError:
+            pass
+        for name in ("cgroup.procs", "release_agent"):
+            path = f"/proc/{pid}/root{m}/{name}"
+            if not os.path.exists(path):
+                continue
+            try:
+                os.close(os.open(path, os.O_WRONLY))
+                wrote.append(f"open {m}/{name} for writing")
+            except OSError:
+                pass
+    return mounts, wrote
+
+
+def cgroup_read_only(api, agent, tag="", driver="systemd"):
+    """The DaemonSet's pod as the kubelet runs it: from each of its containers, every write attempt
+    into the host's cgroup fs (each of its mounts: v2's one, v1's tmpfs and controllers, hybrid's
+    unified/) fails. Where the runtime has no recursive read-only mounts (the DaemonSet asks for
+    IfPossible), a v1 or hybrid node fails here: deploy/README.md, "Read-only cgroup fs"."""
+    agent.stop()
+    boxed = ContainerAgent(f"{OUT}/agent-pod.json", api.url, driver)
+    try:
+        boxed.start()
+        names = [boxed.spec["container"]["name"]] + [m["name"] for m in boxed.spec["more_containers"]]
+        found, bad = [], []
+        for name, cid in zip(names, [boxed.container_id] + boxed.more_ids):
+            pids = container_pids(cid)
+            if not pids:
+                raise Failed(f"{name}: no process")
+            mounts, wrote = cgroup_writes(pids[0])
+            if not mounts:
+                raise Failed(f"{name}: no mount of the host's cgroup fs at /host/sys/fs/cgroup")
+            found.append(f"{name} {len(mounts)} mount(s)")
+            bad += [f"{name}: {w}" for w in wrote]
+        if bad:
+            raise Failed(f"writable from the pod ({kubelet.CGROUP_MODE}, recursive read-only "
+                         f"{'supported' if boxed.rro_supported() else 'not supported'} by the runtime): "
+                         + "; ".join(bad))
+        return f"{kubelet.CGROUP_MODE}: every write refused in " + ", ".join(found)
+    except Failed:
+        boxed.dump()
+        raise
+    finally:
+        boxed.stop()
+        agent.start()
+
+
 def cgroupfs_twin(scenario):
     """The scenario again under the kubelet's cgroupfs driver."""
     def twin(api, agent):
@@ -1274,11 +1339,11 @@ def cgroupfs_twin(scenario):
 
 
 BASE = [job, hold_app, nested_pidns, short_app, onfailure_restart, restart_rules, oom_killed, agent_restart_held,
-        daemonset_agent, share_pidns, hostpid_nested, native_sidecar, dind_subcgroup, envoy_job]
+        daemonset_agent, cgroup_read_only, share_pidns, hostpid_nested, native_sidecar, dind_subcgroup, envoy_job]
 if kubelet.CRI_RUNTIME == "crio":
     # daemonset_agent runs the agent's pod through containerd's CRI (ContainerAgent): in the CRI-O
     # layout's cell the agent is the node's process, as in every other scenario.
-    BASE = [s for s in BASE if s is not daemonset_agent]
+    BASE = [s for s in BASE if s not in (daemonset_agent, cgroup_read_only)]
 if os.environ.get("VALET_NODE_ARCH", "amd64") != "amd64":
     # Envoy 1.40's build on PyPI is x86_64 only: no Envoy image on an arm64 node.
     BASE = [s for s in BASE if s is not envoy_job]
