@@ -229,7 +229,7 @@ def test_image_and_dockerfile_agree(renders: dict[str, Render]) -> None:
 
     dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
     _, c = agent(renders["base"])
-    stages = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("FROM ")]
+    stages = [line.split()[-3 if " AS " in line else -1] for line in dockerfile.splitlines() if line.startswith("FROM ")]
     assert stages[0] == "rust:${RUST_VERSION}-bookworm"
     assert stages[-1].startswith("gcr.io/distroless/cc-debian12")
     assert f'ENTRYPOINT ["{c["command"][0]}"]' in dockerfile
