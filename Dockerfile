@@ -4,7 +4,13 @@
 #
 # Build from the repository root (needs BuildKit, for the cache mounts):
 #
-#   docker buildx build --platform linux/amd64 -t ghcr.io/valet-dev/valet-agent:0.1.0 .
+#   docker buildx build --platform linux/amd64,linux/arm64 -t ghcr.io/valet-dev/valet-agent:0.1.0 .
+#
+# One image index of both architectures the DaemonSet selects. The build stage runs on the build
+# machine's own platform (BUILDPLATFORM, no emulation) and cross-compiles for each TARGETARCH with
+# Debian's cross gcc and glibc, as `cargo xtask image` does (.cargo/config.toml names the aarch64
+# linker); the BPF object is the same for both (agent/build.rs builds it once). The final stage is
+# distroless's image of the target platform.
 #
 # Stages:
 #   build  rust:<RUST_VERSION>-bookworm builds the agent. agent/build.rs (as aya-build would) also
@@ -26,24 +32,41 @@
 #   RUST_VERSION        Rust release of the build image (default 1.95; keep its LLVM at 22)
 #   BPF_LINKER_VERSION  bpf-linker from crates.io (default 0.13.0, built with feature llvm-22)
 #
-# Written for linux/amd64; both base images and llvm-22-dev also exist for arm64 (this Dockerfile
-# is untried there). The multi-arch image that is tested, linux/amd64 and linux/arm64 with one BPF
-# object, is `cargo xtask image`'s (docs/dev/testing.md).
+# The multi-arch image that the tests build and run is `cargo xtask image`'s (docs/dev/testing.md):
+# no container engine runs this file there.
 #
 # Not built by the tests (no container engine there); deploy/tests/test_checkov.py scans it
 # statically with checkov, and the two findings accepted are suppressed in place below.
 
 ARG RUST_VERSION=1.95
 
-FROM rust:${RUST_VERSION}-bookworm AS build
+FROM --platform=$BUILDPLATFORM rust:${RUST_VERSION}-bookworm AS build
 
 ARG BPF_LINKER_VERSION=0.13.0
+# Set by BuildKit from --platform: the image's architecture, and the build machine's.
+ARG TARGETARCH
+ARG BUILDARCH
 
 # LLVM 22 (headers, libraries, llvm-config) for bpf-linker.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
       llvm-22-dev libpolly-22-dev libzstd-dev zlib1g-dev \
  && rm -rf /var/lib/apt/lists/*
+
+# The target's Rust standard library, and its cross gcc and glibc where it is not the build
+# machine's: only amd64 and arm64 (the DaemonSet's affinity).
+RUN case "${TARGETARCH}" in \
+      amd64) triple=x86_64-unknown-linux-gnu; cross=gcc-x86-64-linux-gnu; libc=libc6-dev-amd64-cross ;; \
+      arm64) triple=aarch64-unknown-linux-gnu; cross=gcc-aarch64-linux-gnu; libc=libc6-dev-arm64-cross ;; \
+      *) echo "TARGETARCH ${TARGETARCH}: valet is built for amd64 and arm64 only" >&2; exit 1 ;; \
+    esac \
+ && echo "${triple}" > /target-triple \
+ && rustup target add "${triple}" \
+ && if [ "${TARGETARCH}" != "${BUILDARCH}" ]; then \
+      apt-get update \
+      && apt-get install -y --no-install-recommends "${cross}" "${libc}" \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
 
 # The BPF toolchain: rust-src for -Z build-std=core, and the BPF linker.
 RUN rustup component add rust-src \
@@ -57,12 +80,16 @@ WORKDIR /src
 COPY . .
 
 # target/ is a cache mount, so the binary is copied out in the same step. The BPF build uses
-# the image's own toolchain (its rustup name, e.g. 1.95.0-x86_64-unknown-linux-gnu).
+# the image's own toolchain (its rustup name, e.g. 1.95.0-x86_64-unknown-linux-gnu). Each
+# target's linker is its gcc (Debian's triplet names, native or cross).
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    VALET_EBPF_TOOLCHAIN="$(rustup show active-toolchain | cut -d' ' -f1)" \
-    cargo build --release --locked -p valet-agent \
- && install -D -m 0755 target/release/valet-agent /out/valet-agent
+    triple="$(cat /target-triple)" \
+ && VALET_EBPF_TOOLCHAIN="$(rustup show active-toolchain | cut -d' ' -f1)" \
+    CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER=x86_64-linux-gnu-gcc \
+    CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
+    cargo build --release --locked -p valet-agent --target "${triple}" \
+ && install -D -m 0755 "target/${triple}/release/valet-agent" /out/valet-agent
 
 # checkov:skip=CKV_DOCKER_7: distroless publishes no version tags (latest, nonroot, debug); pin the digest for releases
 # checkov:skip=CKV_DOCKER_2: no HEALTHCHECK - Kubernetes ignores it and probes /healthz and /readyz instead (deploy/base/daemonset.yaml), and distroless has no shell or client to run one

@@ -87,3 +87,51 @@ def test_every_docs_path_named_anywhere_exists() -> None:
                 if not (ROOT / page).exists():
                     missing.append(f"{path.relative_to(ROOT)}:{n}: {page}")
     assert not missing, "\n".join(missing)
+
+
+ARCH_ROW = re.compile(r"^\| architecture \| ([a-z0-9, ]+?)(?: \(one image\))? \|", re.M)
+KERNEL_FLOOR = re.compile(r"kernel\W{1,5}(\d+\.\d+) or later")
+
+
+def architectures(text: str) -> set[str]:
+    rows = ARCH_ROW.findall(text)
+    assert len(rows) == 1, f"one architecture row, found {rows}"
+    return {a.strip() for a in rows[0].split(",")}
+
+
+def test_one_set_of_architectures_everywhere() -> None:
+    """docs/compatibility.md, docs/dev/portability.md, the DaemonSet's affinity, `cargo xtask image` and the
+    Dockerfile name the same architectures."""
+    import yaml
+
+    image = re.search(r"pub const ARCHITECTURES: \[&str; \d+\] = \[([^\]]*)\];",
+                      (ROOT / "xtask/src/image.rs").read_text())
+    assert image, "xtask/src/image.rs names no ARCHITECTURES"
+    built = set(re.findall(r'"([^"]+)"', image.group(1)))
+    readme = (ROOT / "docs/compatibility.md").read_text()
+    portability = (ROOT / "docs/dev/portability.md").read_text()
+    ds = next(d for d in yaml.safe_load_all((ROOT / "deploy/base/daemonset.yaml").read_text())
+              if d and d.get("kind") == "DaemonSet")
+    terms = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    selected = {v for t in terms for e in t["matchExpressions"] if e["key"] == "kubernetes.io/arch"
+                for v in e["values"]}
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    docker = set(re.findall(r"^\s+([a-z0-9]+)\) triple=", dockerfile, re.M))
+    assert "ARG TARGETARCH" in dockerfile and "FROM --platform=$BUILDPLATFORM" in dockerfile
+    found = {"docs/compatibility.md": architectures(readme), "docs/dev/portability.md": architectures(portability),
+             "the DaemonSet's affinity": selected, "cargo xtask image": built, "Dockerfile": docker}
+    assert all(v == {"amd64", "arm64"} for v in found.values()), found
+    assert not re.search(r"amd64 (only|today)", readme + portability), "a page says amd64 alone"
+
+
+def test_one_kernel_floor_everywhere() -> None:
+    """docs/compatibility.md, docs/dev/portability.md and the DaemonSet state one minimum kernel, the oldest the
+    kernel tests run (`cargo xtask kernels`)."""
+    found = {}
+    for name in ("docs/compatibility.md", "docs/dev/portability.md", "deploy/base/daemonset.yaml"):
+        found[name] = set(KERNEL_FLOOR.findall((ROOT / name).read_text()))
+        assert found[name], f"{name} states no minimum kernel"
+    assert set.union(*found.values()) == {"5.10"}, found
+    kernels = (ROOT / "xtask/src/kernels.rs").read_text()
+    assert '"5.10"' in kernels, "the floor is a kernel `cargo xtask kernels` runs"

@@ -19,16 +19,27 @@ ENV = {
     # What records of the previous format (no deadline) get: the keeper's is the same entry.
     "VALET_OLD_RECORD_TIMEOUT": "120s",
 }
-# hostPath -> mount path, in the base. All read-only.
+# hostPath -> mount path, in the base. All read-only but one. No /sys/kernel/btf: the container's
+# own /sys shows the kernel's BTF, and a hostPath of it keeps the pod from starting where it is
+# missing.
 HOST_PATHS = {
     "/sys/fs/cgroup": "/host/sys/fs/cgroup",
     "/sys/kernel/tracing": "/sys/kernel/tracing",
-    "/sys/kernel/btf": "/sys/kernel/btf",
+    # --kernel-btf's file, for a kernel without BTF of its own.
+    "/var/lib/valet/btf": "/host/var/lib/valet/btf",
     # No runtime state directory: bundles are read through the runtime's own processes.
-    # The one writable host path: the agent's pin directory on the host's bpffs.
-    "/sys/fs/bpf/valet": "/host/sys/fs/bpf/valet",
+    # The one writable host path: the host's bpffs, where the agent makes valet/.
+    "/sys/fs/bpf": "/host/sys/fs/bpf",
 }
-WRITABLE_HOST_PATHS = {"/sys/fs/bpf/valet"}
+WRITABLE_HOST_PATHS = {"/sys/fs/bpf"}
+# hostPath -> its type: each one passes the kubelet's check on a node without BTF and without
+# bpffs (deploy/tests/test_node_runner.py runs the check).
+HOST_PATH_TYPES = {
+    "/sys/fs/cgroup": "Directory",
+    "/sys/kernel/tracing": "Directory",
+    "/var/lib/valet/btf": "DirectoryOrCreate",
+    "/sys/fs/bpf": "Directory",
+}
 RUNTIME_STATE = ("/run/containerd", "/var/run/containerd", "/run/containers", "/var/run/crio", "/run/crio",
                  "/run/k3s", "/var/snap")
 CLUSTER_SCOPED = (
@@ -73,10 +84,11 @@ def test_the_deadline_keeper_has_less_than_the_agent(renders: dict[str, Render],
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     host_volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    # Nothing writable: the pinned map is opened and changed through bpf(2), which a read-only
+    # mount allows; no pin is made or removed.
     for m in k["volumeMounts"]:
-        if host_volumes[m["name"]] not in WRITABLE_HOST_PATHS:
-            assert m.get("readOnly") is True, m
-    assert {host_volumes[m["name"]] for m in k["volumeMounts"]} == {"/sys/fs/cgroup", "/sys/fs/bpf/valet"}
+        assert m.get("readOnly") is True, m
+    assert {host_volumes[m["name"]] for m in k["volumeMounts"]} == {"/sys/fs/cgroup", "/sys/fs/bpf"}
 
 
 def test_the_old_record_timeout_is_set_once_for_both_containers() -> None:
@@ -131,6 +143,21 @@ def test_base_host_paths(renders: dict[str, Render]) -> None:
     by_name = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
     mounts = {by_name[m["name"]]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts == HOST_PATHS
+    assert {v["hostPath"]["path"]: v["hostPath"].get("type", "") for v in pod["volumes"]} == HOST_PATH_TYPES
+
+
+@pytest.mark.parametrize("name", AGENT_RENDERS)
+def test_the_cgroup_fs_is_read_only_below_its_top_too(renders: dict[str, Render], name: str) -> None:
+    """readOnly makes only the top mount read-only; recursiveReadOnly the v1 controllers' and
+    hybrid's unified/ below it, where the runtime can (IfPossible: Enabled keeps the pod from
+    starting on runtimes that cannot). Not before 1.30, whose API has no such field."""
+    pod, _ = agent(renders[name])
+    host_volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
+    for c in pod["containers"]:
+        for m in c["volumeMounts"]:
+            if host_volumes[m["name"]] == "/sys/fs/cgroup":
+                want = None if name == "before-1.30" else "IfPossible"
+                assert m.get("readOnly") is True and m.get("recursiveReadOnly") == want, (name, c["name"], m)
 
 
 def test_scheduling(renders: dict[str, Render]) -> None:
@@ -202,7 +229,7 @@ def test_image_and_dockerfile_agree(renders: dict[str, Render]) -> None:
 
     dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
     _, c = agent(renders["base"])
-    stages = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("FROM ")]
+    stages = [line.split()[-3 if " AS " in line else -1] for line in dockerfile.splitlines() if line.startswith("FROM ")]
     assert stages[0] == "rust:${RUST_VERSION}-bookworm"
     assert stages[-1].startswith("gcr.io/distroless/cc-debian12")
     assert f'ENTRYPOINT ["{c["command"][0]}"]' in dockerfile

@@ -22,6 +22,9 @@ Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FA
 - agent_restart_held: the agent is killed (SIGKILL) while it holds an app, a new agent starts:
   the app stays held until the proxy is ready;
 - daemonset_agent: job and hold_app again with the agent run from its image, as its DaemonSet says;
+- cgroup_read_only: the DaemonSet's pod again: from each of its containers, a write into every mount
+  of the host's cgroup fs (a directory made, cgroup.procs and release_agent opened for writing)
+  fails;
 - share_pidns: `shareProcessNamespace`: the app's entrypoint is not pid 1 of the pod's pid namespace
   (the sandbox's pause is); its exit is still seen in the kernel and quit within the bound;
 - hostpid_nested: a `hostPID` app sandboxes a child in a nested pid namespace: no quit at the
@@ -78,6 +81,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc  # noqa: E402
 import kubelet  # noqa: E402
+import pod_rules  # noqa: E402
 
 CRIO = None  # the CRI-O layout's runtime (crio.py), in a cell whose VALET_NODE_CRI is crio
 
@@ -110,13 +114,13 @@ def wait_for(what, cond, deadline_s, step=0.1):
     raise Failed(f"{what} not within {deadline_s} s")
 
 
-def wait_readyz(addr, exited, step, deadline_s=240):
+def wait_readyz(addr, exited, step, deadline_s=240, path="/readyz"):
     """Polls the agent's /readyz at `addr` until it answers 200 (True), the agent exited
     (`exited()` is not None) or the deadline passed (False)."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end and exited() is None:
         try:
-            with urllib.request.urlopen(f"http://{addr}/readyz", timeout=2) as r:
+            with urllib.request.urlopen(f"http://{addr}{path}", timeout=2) as r:
                 if r.status == 200:
                     return True
         except Exception:
@@ -260,6 +264,7 @@ class ContainerAgent:
         self.cri = kubelet.Cri()
         self.sandbox_id = self.container_id = self.pod_ip = None
         self.more_ids = []
+        self.probing = threading.Event()
         self.api_url = api_url
         self.metrics = None
         self.log_path = None
@@ -276,11 +281,37 @@ class ContainerAgent:
     def returncode(self):
         return self.poll()
 
+    def rro_supported(self):
+        """Whether the runtime's default handler reports recursive read-only mounts (CRI
+        RuntimeStatus `runtime_handlers`, containerd >= 2.0): what the kubelet reads from it."""
+        st = self.cri.runtime("Status", {"verbose": False})
+        return any(h.name == "" and h.features.recursive_read_only_mounts for h in st.runtime_handlers)
+
+    def container_config(self, c, attempt, extra_envs=(), extra_mounts=()):
+        pod, uid = self.spec["pod"], self.spec["pod"]["uid"]
+        return {
+            "metadata": {"name": c["name"], "attempt": attempt},
+            "image": {"image": c["image"]},
+            "command": c["command"], "args": c["args"],
+            "envs": kubelet.env_values(c["envs"] + list(extra_envs)),
+            "mounts": self.cri_mounts[c["name"]] + list(extra_mounts),
+            "labels": {"io.kubernetes.container.name": c["name"], "io.kubernetes.pod.name": pod["name"],
+                       "io.kubernetes.pod.namespace": pod["namespace"], "io.kubernetes.pod.uid": uid},
+            "log_path": f"{c['name']}/{attempt}.log",
+            "linux": {"resources": node_resources(c["resources"]), "security_context": c["security_context"]},
+        }
+
     def start(self):
         t = time.monotonic()
         pod, c = self.spec["pod"], self.spec["container"]
-        for d in self.spec["host_dirs"]:
-            os.makedirs(d, exist_ok=True)
+        everyone = [c] + self.spec.get("more_containers", [])
+        # What the kubelet and the runtime check before any container runs (pod_rules.py): each
+        # hostPath's type, each missing source, each recursive read-only mount.
+        try:
+            self.cri_mounts = pod_rules.start_pod(self.spec["volumes"], {m["name"]: m["mounts"] for m in everyone},
+                                                  rro_supported=self.rro_supported())
+        except pod_rules.PodWouldNotStart as e:
+            raise Failed(f"the kubelet would not start the agent's pod: {e}") from e
         uid = pod["uid"]
         log_dir = f"/var/log/pods/{pod['namespace']}_{pod['name']}_{uid}"
         os.makedirs(log_dir, exist_ok=True)
@@ -300,6 +331,7 @@ class ContainerAgent:
             "linux": {"cgroup_parent": parent,
                       "security_context": {"namespace_options": pod["namespace_options"], "seccomp": pod["seccomp"]}},
         }
+        self.sandbox = sandbox
         self.sandbox_id = self.cri.runtime("RunPodSandbox", {"config": sandbox}).pod_sandbox_id
         self.pod_ip = self.cri.runtime("PodSandboxStatus", {"pod_sandbox_id": self.sandbox_id}).status.network.ip
         # The fake API server, reachable from the pod at the bridge's address.
@@ -313,52 +345,63 @@ class ContainerAgent:
         os.makedirs(kube_dir, exist_ok=True)
         text = open(f"{WORK}/kubeconfig").read().replace("127.0.0.1", gateway)
         open(f"{kube_dir}/kubeconfig", "w").write(text)
-        config = {
-            "metadata": {"name": c["name"], "attempt": 0},
-            "image": {"image": c["image"]},
-            "command": c["command"], "args": c["args"],
-            "envs": kubelet.env_values(c["envs"] + [{"key": "KUBECONFIG", "value": "/var/run/valet-kubeconfig/kubeconfig"}]),
-            "mounts": c["mounts"] + [{"container_path": "/var/run/valet-kubeconfig", "host_path": kube_dir,
-                                      "readonly": True}],
-            "labels": {"io.kubernetes.container.name": c["name"], "io.kubernetes.pod.name": pod["name"],
-                       "io.kubernetes.pod.namespace": pod["namespace"], "io.kubernetes.pod.uid": uid},
-            "log_path": f"{c['name']}/0.log",
-            "linux": {"resources": node_resources(c["resources"]), "security_context": c["security_context"]},
-        }
-        self.container_id = self.cri.runtime(
-            "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": config, "sandbox_config": sandbox}
-        ).container_id
-        self.cri.runtime("StartContainer", {"container_id": self.container_id})
+        self.kube_env = [{"key": "KUBECONFIG", "value": "/var/run/valet-kubeconfig/kubeconfig"}]
+        self.kube_mount = [{"container_path": "/var/run/valet-kubeconfig", "host_path": kube_dir, "readonly": True}]
+        self.container_id = self.create(c, 0)
         # The pod's other containers (the deadline keeper), as the kubelet starts them: in order,
         # each once the one before has started.
-        self.more_ids = []
-        for m in self.spec.get("more_containers", []):
-            more = {
-                "metadata": {"name": m["name"], "attempt": 0},
-                "image": {"image": m["image"]},
-                "command": m["command"], "args": m["args"],
-                "envs": kubelet.env_values(m["envs"]),
-                "mounts": m["mounts"],
-                "labels": {"io.kubernetes.container.name": m["name"], "io.kubernetes.pod.name": pod["name"],
-                           "io.kubernetes.pod.namespace": pod["namespace"], "io.kubernetes.pod.uid": uid},
-                "log_path": f"{m['name']}/0.log",
-                "linux": {"resources": node_resources(m["resources"]), "security_context": m["security_context"]},
-            }
-            cid = self.cri.runtime(
-                "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": more, "sandbox_config": sandbox}
-            ).container_id
-            self.cri.runtime("StartContainer", {"container_id": cid})
-            self.more_ids.append(cid)
+        self.more_ids = [self.create(m, 0) for m in self.spec.get("more_containers", [])]
         self.log_path = f"{log_dir}/{c['name']}/0.log"
         self.metrics = f"{self.pod_ip}:{self.spec['metrics_port']}"
         log(f"agent container {self.container_id[:12]} started, pod IP {self.pod_ip}")
-        if wait_readyz(self.metrics, self.poll, 0.5):
+        # The kubelet's liveness workers, one per container with a liveness probe.
+        self.probing.clear()
+        for i, m in enumerate(everyone):
+            if m.get("liveness"):
+                threading.Thread(target=self.liveness, args=(i, m), daemon=True).start()
+        ready = c.get("readiness") or {"path": "/readyz", "port": self.spec["metrics_port"]}
+        if wait_readyz(f"{self.pod_ip}:{ready['port']}", self.poll, 0.5, path=ready["path"]):
             return time.monotonic() - t
         raise Failed(f"the agent's container never became ready (exit status {self.poll()})")
+
+    def create(self, c, attempt):
+        """CreateContainer and StartContainer of one of the pod's containers (the kubeconfig added
+        to the agent's); its id."""
+        first = c is self.spec["container"]
+        config = self.container_config(c, attempt, self.kube_env if first else (), self.kube_mount if first else ())
+        cid = self.cri.runtime("CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": config,
+                                                   "sandbox_config": self.sandbox}).container_id
+        self.cri.runtime("StartContainer", {"container_id": cid})
+        return cid
+
+    def liveness(self, index, c):
+        """The kubelet's liveness worker (pod_rules.Liveness): the container killed with the pod's
+        grace period and started again (restartPolicy Always) after failureThreshold failures."""
+        probe, state, attempt = c["liveness"], pod_rules.Liveness(c["liveness"]["failure_threshold"]), 0
+        while not self.probing.wait(probe["period_s"]):
+            try:
+                with urllib.request.urlopen(f"http://{self.pod_ip}:{probe['port']}{probe['path']}",
+                                            timeout=probe["timeout_s"]) as r:
+                    ok = 200 <= r.status < 400
+            except Exception:
+                ok = False
+            if not state.result(ok) or self.probing.is_set():
+                continue
+            attempt += 1
+            cid = self.container_id if index == 0 else self.more_ids[index - 1]
+            log(f"{c['name']} failed its liveness probe, will be restarted (attempt {attempt})")
+            self.cri.runtime("StopContainer", {"container_id": cid, "timeout": self.spec["pod"]["termination_grace_s"]},
+                             timeout=120)
+            new = self.create(c, attempt)
+            if index == 0:
+                self.container_id = new
+            else:
+                self.more_ids[index - 1] = new
 
     def stop(self, sig=signal.SIGTERM):
         if self.sandbox_id is None:
             return
+        self.probing.set()
         try:
             # The kubelet stops a deleted pod's containers at once, each with its grace period.
             for cid in [self.container_id] + self.more_ids:
@@ -1224,6 +1267,68 @@ def daemonset_agent(api, agent, tag="", driver="systemd"):
         agent.start()
 
 
+def cgroup_writes(pid, top="/host/sys/fs/cgroup"):
+    """Write attempts into every mount of the host's cgroup fs as the container with host pid `pid`
+    sees it (through /proc/<pid>/root, which resolves in the container's own mounts, each with its
+    own read-only flag): a directory made at each mount's root (a cgroup, on a cgroup fs) and each
+    of its cgroup.procs and release_agent opened for writing. Returns (mounts, [what succeeded]); a
+    write that succeeds is undone (nothing is written to a file, a directory made is removed)."""
+    mounts = sorted({line.split()[4] for line in open(f"/proc/{pid}/mountinfo")
+                     if line.split()[4] == top or line.split()[4].startswith(top + "/")})
+    wrote = []
+    for m in mounts:
+        probe = f"/proc/{pid}/root{m}/valet-rw-probe"
+        try:
+            os.mkdir(probe)
+            wrote.append(f"mkdir {m}/valet-rw-probe")
+            os.rmdir(probe)
+        except OSError:
+            pass
+        for name in ("cgroup.procs", "release_agent"):
+            path = f"/proc/{pid}/root{m}/{name}"
+            if not os.path.exists(path):
+                continue
+            try:
+                os.close(os.open(path, os.O_WRONLY))
+                wrote.append(f"open {m}/{name} for writing")
+            except OSError:
+                pass
+    return mounts, wrote
+
+
+def cgroup_read_only(api, agent, tag="", driver="systemd"):
+    """The DaemonSet's pod as the kubelet runs it: from each of its containers, every write attempt
+    into the host's cgroup fs (each of its mounts: v2's one, v1's tmpfs and controllers, hybrid's
+    unified/) fails. Where the runtime has no recursive read-only mounts (the DaemonSet asks for
+    IfPossible), a v1 or hybrid node fails here: deploy/README.md, "Read-only cgroup fs"."""
+    agent.stop()
+    boxed = ContainerAgent(f"{OUT}/agent-pod.json", api.url, driver)
+    try:
+        boxed.start()
+        names = [boxed.spec["container"]["name"]] + [m["name"] for m in boxed.spec["more_containers"]]
+        found, bad = [], []
+        for name, cid in zip(names, [boxed.container_id] + boxed.more_ids):
+            pids = container_pids(cid)
+            if not pids:
+                raise Failed(f"{name}: no process")
+            mounts, wrote = cgroup_writes(pids[0])
+            if not mounts:
+                raise Failed(f"{name}: no mount of the host's cgroup fs at /host/sys/fs/cgroup")
+            found.append(f"{name} {len(mounts)} mount(s)")
+            bad += [f"{name}: {w}" for w in wrote]
+        if bad:
+            raise Failed(f"writable from the pod ({kubelet.CGROUP_MODE}, recursive read-only "
+                         f"{'supported' if boxed.rro_supported() else 'not supported'} by the runtime): "
+                         + "; ".join(bad))
+        return f"{kubelet.CGROUP_MODE}: every write refused in " + ", ".join(found)
+    except Failed:
+        boxed.dump()
+        raise
+    finally:
+        boxed.stop()
+        agent.start()
+
+
 def cgroupfs_twin(scenario):
     """The scenario again under the kubelet's cgroupfs driver."""
     def twin(api, agent):
@@ -1234,11 +1339,11 @@ def cgroupfs_twin(scenario):
 
 
 BASE = [job, hold_app, nested_pidns, short_app, onfailure_restart, restart_rules, oom_killed, agent_restart_held,
-        daemonset_agent, share_pidns, hostpid_nested, native_sidecar, dind_subcgroup, envoy_job]
+        daemonset_agent, cgroup_read_only, share_pidns, hostpid_nested, native_sidecar, dind_subcgroup, envoy_job]
 if kubelet.CRI_RUNTIME == "crio":
     # daemonset_agent runs the agent's pod through containerd's CRI (ContainerAgent): in the CRI-O
     # layout's cell the agent is the node's process, as in every other scenario.
-    BASE = [s for s in BASE if s is not daemonset_agent]
+    BASE = [s for s in BASE if s not in (daemonset_agent, cgroup_read_only)]
 if os.environ.get("VALET_NODE_ARCH", "amd64") != "amd64":
     # Envoy 1.40's build on PyPI is x86_64 only: no Envoy image on an arm64 node.
     BASE = [s for s in BASE if s is not envoy_job]

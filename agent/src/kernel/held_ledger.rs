@@ -216,17 +216,20 @@ fn fs_type(path: &Path) -> Option<FsType> {
     nix::sys::statfs::statfs(path).ok().map(|s| s.filesystem_type())
 }
 
-/// Makes `dir` a directory on bpffs, mounting bpffs on its parent when that is the kernel's
-/// empty `/sys/fs/bpf` (a host whose init did not mount it; in a DaemonSet the host's
-/// `/sys/fs/bpf/valet` is mounted at `dir` itself). `None`, with the reason logged, when it cannot be had: holds then do not survive the
-/// agent.
+/// Makes `dir` a directory on bpffs, mounting bpffs on its parent when that is the host's own
+/// empty `/sys/fs/bpf` (an agent run as a host process, on a host whose init did not mount it).
+/// In a DaemonSet the parent is the host's `/sys/fs/bpf` mounted into the container
+/// (`/host/sys/fs/bpf`): a bpffs mounted over it would be the container's alone (a new instance,
+/// in its mount namespace), its pins lost with the container and never seen by the deadline
+/// keeper, so none is mounted there. `None`, with the reason logged, when it cannot be had: holds
+/// then do not survive the agent.
 pub fn prepare_pin_dir(dir: &Path) -> Option<PathBuf> {
-    // The DaemonSet mounts the host's directory itself here.
+    // A directory on bpffs already (made by an earlier agent, or mounted here).
     if fs_type(dir) == Some(BPF_FS_MAGIC) {
         return Some(dir.to_path_buf());
     }
     let parent = dir.parent()?;
-    if fs_type(parent) != Some(BPF_FS_MAGIC) && parent.ends_with("sys/fs/bpf") {
+    if fs_type(parent) != Some(BPF_FS_MAGIC) && parent == Path::new("/sys/fs/bpf") {
         match nix::mount::mount(
             Some("bpf"),
             parent,
@@ -258,5 +261,22 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("valet-pin-test-{}", std::process::id()));
         assert_eq!(prepare_pin_dir(&dir.join("valet")), None, "a tmp directory is no bpffs");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_hosts_sys_fs_bpf_mounted_elsewhere_gets_no_bpffs_of_its_own() {
+        // A DaemonSet's view of a node without bpffs: the host's /sys/fs/bpf (here a plain
+        // directory) at /host/sys/fs/bpf. A bpffs mounted there would be the container's alone.
+        let dir = std::env::temp_dir().join(format!("valet-pin-host-{}", std::process::id()));
+        let parent = dir.join("host/sys/fs/bpf");
+        std::fs::create_dir_all(&parent).expect("mkdir");
+        let got = prepare_pin_dir(&parent.join("valet"));
+        let mounted = fs_type(&parent) == Some(BPF_FS_MAGIC);
+        if mounted {
+            let _ = nix::mount::umount(&parent);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(!mounted, "bpffs was mounted over the host's directory");
+        assert_eq!(got, None, "a pin directory off bpffs");
     }
 }
