@@ -21,39 +21,7 @@ pub enum LogFormat {
     Json,
 }
 
-/// Parses Go-style durations as Kubernetes users write them: `500ms`, `2s`, `1m30s`, `1h`.
-pub fn parse_duration(text: &str) -> std::result::Result<Duration, String> {
-    let text = text.trim();
-    if text.is_empty() {
-        return Err("empty duration".into());
-    }
-    let mut total = Duration::ZERO;
-    let mut rest = text;
-    while !rest.is_empty() {
-        let digits = rest.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(rest.len());
-        if digits == 0 {
-            return Err(format!("{text:?}: expected a number"));
-        }
-        let value: f64 = rest[..digits].parse().map_err(|_| format!("{text:?}: bad number"))?;
-        rest = &rest[digits..];
-        let unit_len = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
-        let unit = &rest[..unit_len];
-        rest = &rest[unit_len..];
-        let seconds = match unit {
-            "ms" => value / 1000.0,
-            "s" => value,
-            "m" => value * 60.0,
-            "h" => value * 3600.0,
-            "" => return Err(format!("{text:?}: missing unit (ms, s, m, h)")),
-            other => return Err(format!("{text:?}: unknown unit {other:?}")),
-        };
-        if !seconds.is_finite() || seconds > 1e9 {
-            return Err(format!("{text:?}: out of range"));
-        }
-        total += Duration::from_secs_f64(seconds);
-    }
-    Ok(total)
-}
+pub use crate::vocab::parse_duration;
 
 /// valet node agent: ends sidecar proxies when a pod's work is done and holds apps until the
 /// proxy is ready, for pods labelled valet.dev/enabled=true on this node.

@@ -1,11 +1,46 @@
 //! The words every part of the agent shares, and nothing else: what a sidecar is and where it
-//! is reached, how a process or a quit ended, what condition a pod should carry. A leaf: it
-//! imports no module of the agent's, so the decisions (`pod`), the effects they return
+//! is reached, how a process or a quit ended, what condition a pod should carry, a duration as
+//! flags and annotations spell it. A leaf: it imports no module of the agent's, so the decisions (`pod`), the effects they return
 //! (`effect`) and the parts that carry them out (`sidecar`, `api`, `act`) can all speak it
 //! without depending on each other.
 
 use std::fmt;
 use std::str::FromStr;
+use std::time::Duration;
+
+/// Parses Go-style durations as Kubernetes users write them: `500ms`, `2s`, `1m30s`, `1h`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Err("empty duration".into());
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(rest.len());
+        if digits == 0 {
+            return Err(format!("{text:?}: expected a number"));
+        }
+        let value: f64 = rest[..digits].parse().map_err(|_| format!("{text:?}: bad number"))?;
+        rest = &rest[digits..];
+        let unit_len = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
+        let unit = &rest[..unit_len];
+        rest = &rest[unit_len..];
+        let seconds = match unit {
+            "ms" => value / 1000.0,
+            "s" => value,
+            "m" => value * 60.0,
+            "h" => value * 3600.0,
+            "" => return Err(format!("{text:?}: missing unit (ms, s, m, h)")),
+            other => return Err(format!("{text:?}: unknown unit {other:?}")),
+        };
+        if !seconds.is_finite() || seconds > 1e9 {
+            return Err(format!("{text:?}: out of range"));
+        }
+        total += Duration::from_secs_f64(seconds);
+    }
+    Ok(total)
+}
 
 /// The sidecars valet knows how to quit and probe: proxies and agents with known endpoints (each
 /// one's source is named in docs/sidecars.md), any helper with an HTTP quit endpoint the pod names

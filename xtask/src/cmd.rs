@@ -31,15 +31,15 @@ pub fn target_dir(root: &Path) -> Result<PathBuf> {
 /// Builds the release binaries every privileged suite runs (the agent, the stand-in proxy, the
 /// fake API server) and returns the directory they are in.
 pub fn build_release_bins(root: &Path) -> Result<PathBuf> {
-    build_release_bins_for(root, crate::kernels::Arch::host())
+    build_release_bins_for(root, crate::arch::Arch::host())
 }
 
 /// [`build_release_bins`] for `arch`: cross-built (`--target`) when it is not the host's, into
 /// `<target>/<triple>/release`.
-pub fn build_release_bins_for(root: &Path, arch: crate::kernels::Arch) -> Result<PathBuf> {
+pub fn build_release_bins_for(root: &Path, arch: crate::arch::Arch) -> Result<PathBuf> {
     let mut cmd = cargo();
     cmd.current_dir(root).args(["build", "--release", "-p", "valet-agent", "-p", "valet-sim", "--bins"]);
-    if arch == crate::kernels::Arch::host() {
+    if arch == crate::arch::Arch::host() {
         run(&mut cmd)?;
         return Ok(target_dir(root)?.join("release"));
     }

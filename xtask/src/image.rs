@@ -14,7 +14,7 @@ use std::process::Command;
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::kernels::Arch;
+use crate::arch::Arch;
 
 /// The image's name, as deploy/base/daemonset.yaml refers to it.
 pub const NAME: &str = "ghcr.io/valet-dev/valet-agent:0.1.0";

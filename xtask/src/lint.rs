@@ -1,12 +1,13 @@
-//! `cargo xtask lint`: formatting, clippy on the host crates and the fuzz targets, and clippy on
-//! the kernel programs for the BPF target. Every step runs; each ends with a one-line verdict.
+//! `cargo xtask lint`: formatting, clippy on the host crates and the fuzz targets, clippy on the
+//! kernel programs for the BPF target, and no import circle among the modules of the agent or of
+//! xtask ([`imports`]). Every step runs; each ends with a one-line verdict.
 use std::path::Path;
 use std::process::Command;
 
 use anyhow::{Result, bail};
 
 use crate::cmd::cargo;
-use crate::setup;
+use crate::{imports, setup};
 
 pub fn lint(root: &Path) -> Result<()> {
     // Clippy on the agent runs its build script, which builds the BPF object: same tools as a build.
@@ -60,6 +61,20 @@ pub fn lint(root: &Path) -> Result<()> {
     let verdict = format!("xtask lint: {:<6} {name}", if found.is_empty() { "ok" } else { "FAILED" });
     println!("{verdict}");
     verdicts.push((found.is_empty(), verdict));
+    let name = "no import circle between the modules of the agent, nor of xtask";
+    let mut circles = 0;
+    for src in ["agent/src", "xtask/src"] {
+        for circle in imports::circles(&root.join(src))? {
+            circles += 1;
+            println!("xtask lint: {src}: modules that import each other round:");
+            for import in circle {
+                println!("    {import}");
+            }
+        }
+    }
+    let verdict = format!("xtask lint: {:<6} {name}", if circles == 0 { "ok" } else { "FAILED" });
+    println!("{verdict}");
+    verdicts.push((circles == 0, verdict));
     for (name, cmd) in [
         ("rustfmt", &mut fmt),
         ("rustfmt, fuzz targets", &mut fuzz_fmt),

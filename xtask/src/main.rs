@@ -9,17 +9,20 @@
 //! * `cargo xtask fuzz`   runs the fuzz targets for a bounded time (also part of `test`).
 //! * `cargo xtask image`  builds the agent's OCI image (no Docker, no registry).
 //! * `cargo xtask kernels`, `cargo xtask node`: the qemu suites (Debian kernels, a real node).
+mod arch;
 mod chaos;
 mod cmd;
 mod compat;
 mod fuzz;
 mod image;
+mod imports;
 mod kernels;
 mod lint;
 mod node;
 mod setup;
 mod sim;
 mod test;
+mod vm;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};

@@ -23,7 +23,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail};
 
-use crate::kernels::{Apt, Arch, CACHE, qemu};
+use crate::arch::Arch;
+use crate::vm::apt::Apt;
+use crate::vm::kernel::Kernel;
+use crate::vm::qemu::qemu;
+use crate::vm::{CACHE, fnv};
 
 /// Packages of the node image on top of `--variant=minbase`; each suite adds its OCI runtimes.
 const PACKAGES: &str = "systemd,systemd-sysv,dbus,containerd,containernetworking-plugins,iproute2,apparmor,\
@@ -384,7 +388,7 @@ fn run_cell(
         Ok(k) => crate::kernels::suites(&[k])?.first().map(|(s, _)| *s).unwrap_or(cell.kernel_suite()),
         Err(_) => cell.kernel_suite(),
     };
-    let kernel = apt.kernel(kernel_suite, cell.arch, busybox)?;
+    let kernel = Kernel::prepare(apt, kernel_suite, cell.arch, busybox)?;
     let t = Instant::now();
     let image = node_image(root, &apt.mirror, cell.suite, cell.arch)?;
     println!("node {}: image {} ready in {:.0?}", cell.name(), image.display(), t.elapsed());
@@ -451,7 +455,7 @@ fn run_cell(
             this_boot.push(line.clone());
         }
         let finished = !this_boot.is_empty() && lines.iter().any(|l| l.starts_with("VALET-NODE-EXIT"));
-        let panic = if finished || timed_out { None } else { crate::kernels::foreign_panic(&lines) };
+        let panic = if finished || timed_out { None } else { crate::vm::qemu::foreign_panic(&lines) };
         let left: Vec<String> = only.iter().filter(|n| !reported.contains(n)).cloned().collect();
         let rerun = boot == 1 && panic.is_some() && (asked_all || !left.is_empty());
         if let (true, Some(panic)) = (rerun, &panic) {
@@ -520,7 +524,7 @@ pub fn lag(root: &Path, cells: &[Cell], runs: u32) -> Result<()> {
         // The cell's own (6 MB): another run may be writing the scenarios' images.
         let images = dir.join("images");
         base_images(root, &apt, cell.arch, &busybox, &images)?;
-        let kernel = apt.kernel(cell.kernel_suite(), cell.arch, &busybox)?;
+        let kernel = Kernel::prepare(&apt, cell.kernel_suite(), cell.arch, &busybox)?;
         let image = node_image(root, &apt.mirror, cell.suite, cell.arch)?;
         println!("node lag {}: kernel and image ready in {:.0?}", cell.name(), t.elapsed());
         let out = dir.join("out");
@@ -643,17 +647,6 @@ fn kernel_append(cell: Cell, script: &Path) -> String {
     )
 }
 
-/// A small stable hash (FNV-1a) for cache keys.
-pub(crate) fn fnv(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for p in parts {
-        for b in *p {
-            h = (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    h
-}
-
 /// The node's root disk: mmdebstrap (its .debs cached), tests/node/customize.sh, mke2fs.
 /// A foreign architecture's image runs its maintainer scripts under qemu-user (binfmt_misc,
 /// [`crate::setup::binfmt_aarch64`]).
@@ -774,7 +767,7 @@ fn build_image(
 /// userland's on arm64) and a pause of our own.
 fn base_images(root: &Path, apt: &Apt, arch: Arch, busybox: &Path, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir)?;
-    let userland = if arch != Arch::host() { Some(crate::kernels::arm64_rootfs(apt)?) } else { None };
+    let userland = if arch != Arch::host() { Some(crate::vm::apt::arm64_rootfs(apt)?) } else { None };
     let unshare = match &userland {
         Some(rootfs) => rootfs.join("usr/bin/unshare"),
         None => PathBuf::from("/usr/bin/unshare"),

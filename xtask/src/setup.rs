@@ -47,7 +47,7 @@ pub fn binfmt_aarch64() -> Result<()> {
 /// qemu-system-aarch64 (the arm64 kernels).
 pub fn arm64_tools() -> Result<()> {
     apt_install(&["gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross", "qemu-user-static", "qemu-system-arm"])?;
-    let target = crate::kernels::Arch::Arm64.triple();
+    let target = crate::arch::Arch::Arm64.triple();
     let installed = Command::new("rustup").args(["target", "list", "--installed"]).output()?;
     if !String::from_utf8_lossy(&installed.stdout).lines().any(|l| l.trim() == target) {
         did(&format!("rustup target add {target}"));

@@ -12,6 +12,7 @@ use tracing::{debug, info, warn};
 use crate::cgroup::signal::{Pinned, Placed, pin_in_cgroup, pin_in_cgroup_id, pin_pid_placed, place_in_cgroup};
 use crate::cgroup::{CgroupFs, Search};
 use crate::effect::{LeftHeld, Nanos};
+use crate::host::proc::{nspid, process_stopped, stopped};
 use crate::kernel::held_ledger::HeldLedger;
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::sidecar::Pending;
@@ -520,28 +521,13 @@ impl Releases {
     }
 }
 
-/// Whether a process is stopped (state `T` in /proc/<pid>/stat). `Err`: its state cannot be
-/// read (`NotFound`: it is gone).
-fn stopped(host_proc: &Path, pid: u32) -> std::io::Result<bool> {
-    let stat = std::fs::read_to_string(host_proc.join(pid.to_string()).join("stat"))?;
-    Ok(stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T"))
-}
-
-/// [`stopped`], a process whose state cannot be read taken for not stopped.
-pub(crate) fn process_stopped(host_proc: &Path, pid: u32) -> bool {
-    stopped(host_proc, pid).unwrap_or(false)
-}
-
 /// Whether a process is pid 1 of a pid namespace below the host's (the last `NSpid` entry is 1),
 /// that is a container's init, the only kind of process the kernel holds.
 fn is_ns_init(host_proc: &Path, pid: u32) -> bool {
     std::fs::read_to_string(host_proc.join(pid.to_string()).join("status"))
         .ok()
-        .and_then(|s| {
-            let ids: Vec<&str> = s.lines().find_map(|l| l.strip_prefix("NSpid:"))?.split_whitespace().collect();
-            Some(ids.len() > 1 && ids.last() == Some(&"1"))
-        })
-        .unwrap_or(false)
+        .and_then(|s| nspid(&s))
+        .is_some_and(|ids| ids.len() > 1 && ids.last() == Some(&1))
 }
 
 /// Whether a process looks held at exec: a container's init, stopped. A killed agent leaves
@@ -565,10 +551,11 @@ fn stopped_since(host_proc: &Path, pid: u32, now: Nanos) -> Nanos {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
+    use crate::host::proc::tests::stopped_child;
 
     /// Only a guard against a hang: the tests wait for events, never for a time.
     const HANG_GUARD: Duration = Duration::from_secs(30);
@@ -623,18 +610,6 @@ pub(crate) mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(since, 500 * 1_000_000_000 / ticks);
         assert_eq!(missing, 7, "unknown start: now");
-    }
-
-    pub(crate) fn stopped_child() -> std::process::Child {
-        let child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
-        // SAFETY: plain syscall to our own child.
-        unsafe { libc::kill(child.id() as i32, libc::SIGSTOP) };
-        let deadline = std::time::Instant::now() + HANG_GUARD;
-        while !process_stopped(Path::new("/proc"), child.id()) {
-            assert!(std::time::Instant::now() < deadline, "child {} never stopped", child.id());
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        child
     }
 
     #[test]

@@ -3,4 +3,5 @@
 //! and the agent's own resident memory.
 pub mod clock;
 pub mod container_main;
+pub mod proc;
 pub mod resident;

@@ -351,9 +351,9 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::act::release::process_stopped;
-    use crate::act::release::tests::stopped_child;
     use crate::cgroup::tree::TempTree;
+    use crate::host::proc::process_stopped;
+    use crate::host::proc::tests::stopped_child;
 
     /// The record map the keeper reads, standing in for the pinned BPF map (the same lookup,
     /// delete and walk). `later`: a record the kernel writes after the pass's snapshot (the pid

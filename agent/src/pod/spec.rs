@@ -561,7 +561,7 @@ fn port(key: &str, value: &str) -> Result<u16, SpecError> {
 }
 
 fn hold_timeout(text: &str) -> Result<Duration, SpecError> {
-    let d = crate::config::parse_duration(text).map_err(|why| SpecError::malformed(HOLD_TIMEOUT, text, why))?;
+    let d = crate::vocab::parse_duration(text).map_err(|why| SpecError::malformed(HOLD_TIMEOUT, text, why))?;
     if !(MIN_HOLD_TIMEOUT..=MAX_HOLD_TIMEOUT).contains(&d) {
         return Err(SpecError::malformed(HOLD_TIMEOUT, text, "must be between 1s and 1h"));
     }
