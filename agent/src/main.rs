@@ -114,7 +114,13 @@ async fn run(
     let listener = server::bind(cfg.metrics_addr).await?;
     tokio::spawn(server::serve(listener, metrics.clone(), health.clone()));
 
-    let config = kube::Config::infer().await.context("Kubernetes client config (in-cluster or KUBECONFIG)")?;
+    let mut config = kube::Config::infer().await.context("Kubernetes client config (in-cluster or KUBECONFIG)")?;
+    // kube's client names itself to nobody: the API server's audit log and the cluster owner's
+    // per-client figures see valet by this.
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static(concat!("valet-agent/", env!("CARGO_PKG_VERSION"))),
+    ));
     let client = valet_agent::api::watch_client(
         kube::client::ClientBuilder::try_from(config.clone())
             .context("Kubernetes client (in-cluster or KUBECONFIG)")?,

@@ -127,7 +127,7 @@ impl Node {
         let runtime_dir = scratch.path("run/containerd/io.containerd.runtime.v2.task/k8s.io");
         std::fs::create_dir_all(&runtime_dir)?;
         opts.runtime_state_dir = Some(runtime_dir.clone());
-        let kubelet = Kubelet::start(api.handle(), opts)?;
+        let kubelet = Kubelet::start(api.kubelet_handle(), opts)?;
         let name = format!("node-{}", valet_sim::util::random_hex(3));
         let pin_dir = PathBuf::from(format!("/sys/fs/bpf/valet-test-{}-{name}", std::process::id()));
         Ok(Node { api, kubelet, name, scratch, kubeconfig, runtime_dir, pin_dir })
