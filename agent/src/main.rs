@@ -238,6 +238,7 @@ async fn run(
         escalate_after: (!cfg.no_escalation).then_some(cfg.escalate_after),
         mode,
         sandboxed_classes: cfg.sandboxed_runtime_classes.iter().map(|c| c.trim().to_owned()).collect(),
+        quit_events: cfg.quit_events,
     };
     let controller = Controller::new(&cfg.node_name, rules, act, reports_rx, health);
     // Leave time within the usual 30 s grace period (after the lookup at SIGTERM, at most

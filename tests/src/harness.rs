@@ -206,6 +206,10 @@ impl Node {
         if !extra.iter().any(|a| a.starts_with("--runtime-state-dirs")) {
             command.arg("--runtime-state-dirs").arg(&self.runtime_dir);
         }
+        // The end-to-end tests read each quit's Event (off by default: a second write per Job).
+        if !extra.iter().any(|a| a.starts_with("--quit-events")) {
+            command.arg("--quit-events=true");
+        }
         if !extra.iter().any(|a| a.starts_with("--pin-dir")) {
             command.arg("--pin-dir").arg(&self.pin_dir);
         }
