@@ -113,7 +113,13 @@ async fn run(
     let listener = server::bind(cfg.metrics_addr).await?;
     tokio::spawn(server::serve(listener, metrics.clone(), health.clone()));
 
-    let config = kube::Config::infer().await.context("Kubernetes client config (in-cluster or KUBECONFIG)")?;
+    let mut config = kube::Config::infer().await.context("Kubernetes client config (in-cluster or KUBECONFIG)")?;
+    // kube's client names itself to nobody: the API server's audit log and the cluster owner's
+    // per-client figures see valet by this.
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static(concat!("valet-agent/", env!("CARGO_PKG_VERSION"))),
+    ));
     let client = valet_agent::api::watch_client(
         kube::client::ClientBuilder::try_from(config.clone())
             .context("Kubernetes client (in-cluster or KUBECONFIG)")?,
@@ -228,6 +234,7 @@ async fn run(
         escalate_after: (!cfg.no_escalation).then_some(cfg.escalate_after),
         mode,
         sandboxed_classes: cfg.sandboxed_runtime_classes.iter().map(|c| c.trim().to_owned()).collect(),
+        quit_events: cfg.quit_events,
     };
     let controller = Controller::new(&cfg.node_name, rules, act, reports_rx, health);
     // Leave time within the usual 30 s grace period (after the lookup at SIGTERM, at most

@@ -127,7 +127,7 @@ impl Node {
         let runtime_dir = scratch.path("run/containerd/io.containerd.runtime.v2.task/k8s.io");
         std::fs::create_dir_all(&runtime_dir)?;
         opts.runtime_state_dir = Some(runtime_dir.clone());
-        let kubelet = Kubelet::start(api.handle(), opts)?;
+        let kubelet = Kubelet::start(api.kubelet_handle(), opts)?;
         let name = format!("node-{}", valet_sim::util::random_hex(3));
         let pin_dir = PathBuf::from(format!("/sys/fs/bpf/valet-test-{}-{name}", std::process::id()));
         Ok(Node { api, kubelet, name, scratch, kubeconfig, runtime_dir, pin_dir })
@@ -205,6 +205,10 @@ impl Node {
         command.args(["--metrics-addr", &metrics.to_string()]).args(extra);
         if !extra.iter().any(|a| a.starts_with("--runtime-state-dirs")) {
             command.arg("--runtime-state-dirs").arg(&self.runtime_dir);
+        }
+        // The end-to-end tests read each quit's Event (off by default: a second write per Job).
+        if !extra.iter().any(|a| a.starts_with("--quit-events")) {
+            command.arg("--quit-events=true");
         }
         if !extra.iter().any(|a| a.starts_with("--pin-dir")) {
             command.arg("--pin-dir").arg(&self.pin_dir);

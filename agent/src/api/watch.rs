@@ -84,6 +84,13 @@ pub fn all_pods_on_node(
 }
 
 /// The pods `config` selects, each watch request ended by the server after `timeout`.
+///
+/// Lists ask for `resourceVersion=0`, as client-go's informers do: the API server answers them
+/// from its watch cache instead of reading every pod of the node from etcd (a quorum read). A
+/// DaemonSet's rollout re-lists on every node at once; from the cache that costs etcd nothing.
+/// The list may then be a moment behind the latest write; the watch that follows catches up.
+/// Without a page size: kube sends `resourceVersion=0` only on a list without `limit` (the
+/// watch cache ignores it anyway), and with its default of 500 the list is a quorum read again.
 fn bounded(
     client: Client,
     config: watcher::Config,
@@ -91,7 +98,12 @@ fn bounded(
 ) -> impl Stream<Item = Result<watcher::Event<Pod>, watcher::Error>> + Send + 'static {
     let api: Api<Pod> = Api::all(client);
     let seconds = u32::try_from(timeout.as_secs()).unwrap_or(u32::MAX).max(1);
-    watcher(api, config.timeout(seconds)).default_backoff()
+    watcher(api, from_watch_cache(config).timeout(seconds)).default_backoff()
+}
+
+/// `config` with its lists read from the API server's watch cache ([`bounded`]).
+fn from_watch_cache(config: watcher::Config) -> watcher::Config {
+    watcher::Config { page_size: None, ..config.any_semantic() }
 }
 
 #[cfg(test)]
@@ -105,6 +117,13 @@ mod tests {
 
     fn with_uid(uid: &str) -> Pod {
         serde_json::from_value(serde_json::json!({"metadata": {"name": uid, "uid": uid}})).expect("a pod from JSON")
+    }
+
+    #[test]
+    fn lists_ask_for_the_watch_cache() {
+        // What kube sends: resourceVersion=0 only on a list without a limit.
+        let config = from_watch_cache(watcher::Config::default().labels(&label_selector()));
+        assert_eq!((config.list_semantic.clone(), config.page_size), (watcher::ListSemantic::Any, None));
     }
 
     #[test]

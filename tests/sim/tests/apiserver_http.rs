@@ -514,3 +514,67 @@ fn hung_reads_answer_nothing_while_open_watches_go_on() {
     s.clear_faults();
     assert_eq!(client::get(s.addr(), "/api/v1/pods", T).expect("request").status, 200);
 }
+
+#[test]
+fn each_flow_is_counted_with_its_bytes_events_and_where_its_list_is_read() {
+    use valet_sim::apiserver::{Flow, ListRead};
+    let s = server(50);
+    s.create_pod(pod("a", json!({"app": "web"}), "n1")).expect("create");
+    let cached = client::get(s.addr(), "/api/v1/pods?resourceVersion=0", T).expect("list");
+    let quorum = client::get(s.addr(), "/api/v1/namespaces/ns/pods?limit=500", T).expect("list");
+    let mut w = client::watch(
+        s.addr(),
+        &format!("/api/v1/pods?watch=1&allowWatchBookmarks=true&resourceVersion={}", s.resource_version()),
+        T,
+    )
+    .expect("watch");
+    s.modify_pod("ns", "a", |p| p["status"]["phase"] = json!("Succeeded")).expect("modify");
+    let mut lines = 0;
+    loop {
+        let e = w.next_event(T).expect("read").expect("event");
+        lines += 1;
+        if e["type"] == "MODIFIED" {
+            break;
+        }
+    }
+    let t = s.traffic();
+    let flow = |verb: &str, resource: &str, read| Flow {
+        user_agent: String::new(),
+        verb: verb.into(),
+        resource: resource.into(),
+        read,
+    };
+    let list = |read| t.0.get(&flow("list", "pods", read)).copied().unwrap_or_default();
+    assert_eq!(list(ListRead::WatchCache).requests, 1, "{t:?}");
+    assert_eq!(list(ListRead::WatchCache).response_bytes, cached.body.len() as u64);
+    assert_eq!(list(ListRead::Quorum).requests, 1, "{t:?}");
+    assert_eq!(list(ListRead::Quorum).response_bytes, quorum.body.len() as u64);
+    let watch = t.0.get(&flow("watch", "pods", ListRead::NotAList)).copied().expect("the watch is counted");
+    assert_eq!(watch.requests, 1);
+    assert_eq!(watch.watch_events, 1, "one MODIFIED: {watch:?}");
+    // Bookmarks go on every 50 ms: one may be sent and counted before the client reads it.
+    assert!(watch.watch_events + watch.bookmarks >= lines, "every line read is counted ({lines}): {watch:?}");
+    assert!(watch.response_bytes > 0);
+    // The kubelet's writes are counted as its status syncs; test control's are not.
+    s.kubelet_handle().modify_pod("ns", "a", |p| p["status"]["podIP"] = json!("10.0.0.9")).expect("modify");
+    let t = s.traffic().since(&t);
+    let kubelet = t.total(|f| f.user_agent == "kubelet");
+    assert_eq!(kubelet.requests, 2, "a get and a status patch: {t:?}");
+    let patch = t.total(|f| f.user_agent == "kubelet" && f.resource == "pods/status");
+    assert!(patch.request_bytes > 0 && patch.request_bytes < patch.response_bytes, "{patch:?}");
+    assert_eq!(t.total(|f| f.verb == "create").requests, 0, "test control is not counted");
+    // Over HTTP, with the user agent a client names.
+    let r = client::request(s.addr(), "GET", "/debug/counters", None, b"", T).expect("counters");
+    let served = r.json().expect("json");
+    let rows = served.as_array().expect("an array");
+    assert!(
+        rows.iter().any(|r| r["verb"] == "list"
+            && r["read"] == "quorum"
+            && r["requests"] == 1
+            && r["responseBytes"] == quorum.body.len()),
+        "{served}"
+    );
+    let before = s.traffic();
+    client::request(s.addr(), "GET", "/debug/counters", None, b"", T).expect("counters");
+    assert_eq!(s.traffic().since(&before).total(|_| true).requests, 0, "reading the counters is not counted");
+}

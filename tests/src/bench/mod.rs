@@ -17,7 +17,11 @@
 //! 9. soak: 10,000 short Jobs through one node in batches: RSS, open fds and kernel map entries at
 //!    the start and the end;
 //! 10. observe mode on a full node: 110 pods, a tenth opted in and the rest only observed, every
-//!     app running: RSS and idle CPU against [8]'s targets.
+//!     app running: RSS and idle CPU against [8]'s targets;
+//! 11. the API's bill, from the fake API server's counters: requests, bytes and watch events per
+//!     Job (labelled and unlabelled) beside the kubelet's, per node-hour at rest with a full node,
+//!     and for an agent's restart (its re-list read from the watch cache or from etcd);
+//! 12. a node at 250 pods (the most some providers allow), all opted in: RSS and idle CPU.
 //!
 //! `--quick` runs every section small (a smoke test for CI, not figures for the README).
 //! Pods run on the simulated node's kubelet as unhelpful as a real one (container ids and exits
@@ -27,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 
+mod bill;
 mod exit;
 mod kernel;
 mod node;
@@ -39,7 +44,10 @@ mod stall;
 mod storm;
 mod table;
 mod together;
+mod wide;
 
+#[allow(clippy::wildcard_imports)]
+pub(crate) use bill::*;
 #[allow(clippy::wildcard_imports)]
 pub(crate) use exit::*;
 #[allow(clippy::wildcard_imports)]
@@ -64,8 +72,10 @@ pub(crate) use storm::*;
 pub(crate) use table::*;
 #[allow(clippy::wildcard_imports)]
 pub(crate) use together::*;
+#[allow(clippy::wildcard_imports)]
+pub(crate) use wide::*;
 
-pub(crate) const SECTIONS: &str = "exit|quit|release|storm|kernel|together|node|soak|observe";
+pub(crate) const SECTIONS: &str = "exit|quit|release|storm|kernel|together|node|soak|observe|bill|wide";
 
 pub(crate) struct Args {
     pub(crate) runs: Option<usize>,
@@ -231,7 +241,7 @@ pub fn main() -> Result<()> {
     let started = Instant::now();
     let mut table = Table::default();
     type Section<'a> = &'a dyn Fn(&mut Table) -> Result<()>;
-    let sections: [(&str, Section); 9] = [
+    let sections: [(&str, Section); 11] = [
         ("exit", &|t| exit_latency(if plan.quick { 50 } else { 500 }, t)),
         ("quit", &|t| quit_latency(plan.runs, t)),
         ("release", &|t| release_latency(&plan, t)),
@@ -247,6 +257,8 @@ pub fn main() -> Result<()> {
         ("node", &|t| full_node(&plan, t)),
         ("soak", &|t| soak(&plan, t)),
         ("observe", &|t| observed_node(&plan, t)),
+        ("bill", &|t| api_bill(&plan, t)),
+        ("wide", &|t| widest_node(&plan, t)),
     ];
     for (name, section) in sections {
         if want(name) {

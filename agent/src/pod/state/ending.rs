@@ -249,12 +249,12 @@ impl PodState {
                     sent_ns,
                     "sidecar accepted quit"
                 );
-                fx.push(Effect::Publish {
+                fx.extend(rules.quit_events.then(|| Effect::Publish {
                     warning: false,
                     reason: "SidecarQuit",
                     action: "Quit",
                     note: format!("asked {sidecar} to quit: HTTP {status}{after_text}"),
-                });
+                }));
             }
             QuitOutcome::Rejected { status, body } => {
                 let note = format!("{sidecar} refused to quit: HTTP {status} {body}");

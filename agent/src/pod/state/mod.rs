@@ -49,6 +49,9 @@ pub struct Rules {
     pub mode: NodeMode,
     /// `runtimeClassName`s whose pods run out of the node's kernel's sight (`--sandboxed-runtime-classes`).
     pub sandboxed_classes: Vec<String>,
+    /// Whether each quit a sidecar accepted gets a Normal `SidecarQuit` Event (`--quit-events`):
+    /// one more API write per Job. Warnings are published either way.
+    pub quit_events: bool,
 }
 
 impl Rules {
@@ -611,7 +614,7 @@ impl PodState {
                 } else if signal_quit {
                     info!(pod = %self.name(), %sidecar, signal, signalled, "signalled sidecar to quit: its quit endpoint is off");
                     fx.push(Effect::Count(Count::Quit { kind, result: if signalled > 0 { "ok" } else { "gone" } }));
-                    fx.push(Effect::Publish {
+                    fx.extend(rules.quit_events.then(|| Effect::Publish {
                         warning: false,
                         reason: "SidecarQuit",
                         action: "Quit",
@@ -619,7 +622,7 @@ impl PodState {
                             "sent SIGTERM to {sidecar} ({signalled} process(es)), Linkerd's proxy's own way out: \
                              its /shutdown endpoint is off, as Linkerd ships it"
                         ),
-                    });
+                    }));
                 } else if signalled > 0 {
                     warn!(pod = %self.name(), %sidecar, signalled, "sidecar still running: sent SIGTERM");
                     fx.push(Effect::Count(Count::Escalation { kind }));

@@ -21,6 +21,7 @@ use super::patch::PatchKind;
 use super::selector::{FieldKind, FieldSelector, LabelSelector};
 use super::status::ApiError;
 use super::store::{EventGroup, Filter, Kind, ListParams, Subresource};
+use super::traffic::{self, Flow, ListRead, Meter};
 use super::{RecordedRequest, Shared, WriteSpan, lock, watch};
 
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -35,6 +36,35 @@ impl hyper::body::Body for ChannelBody {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.0.poll_recv(cx).map(|o| o.map(|r| r.map(Frame::data)))
+    }
+}
+
+/// A response body whose bytes are counted to its flow as they are sent.
+struct CountedBody {
+    inner: Body,
+    meter: Arc<Meter>,
+}
+
+impl hyper::body::Body for CountedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(data) = frame.data_ref()
+        {
+            self.meter.response(data.len());
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -96,6 +126,8 @@ fn text_response(code: u16, text: &'static str) -> Response<Body> {
 /// A parsed request, handed to the route handlers.
 pub(crate) struct Req {
     pub method: Method,
+    /// The counters of this request's flow (a watch counts its lines there).
+    pub meter: Arc<Meter>,
     pub query: HashMap<String, String>,
     pub content_type: String,
     pub body: Bytes,
@@ -137,6 +169,9 @@ async fn answer(
     };
     let path = parts.uri.path().to_string();
     let raw_query = parts.uri.query().unwrap_or("").to_string();
+    if path == "/debug/counters" {
+        return Ok(json_response(200, &shared.traffic.snapshot().to_json()));
+    }
     let content_type = parts.headers.get(hyper::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).map(str::to_string);
     *in_flight = InFlight::start(shared, &parts.method);
     let recorded = RecordedRequest {
@@ -147,17 +182,41 @@ async fn answer(
         body: String::from_utf8_lossy(&body).into_owned(),
     };
     let verb = verb(&parts.method, &path, recorded.is_watch());
+    let user_agent = parts.headers.get(hyper::header::USER_AGENT).and_then(|v| v.to_str().ok()).unwrap_or_default();
+    let meter = shared.traffic.meter(Flow {
+        user_agent: traffic::product(user_agent),
+        verb: verb.to_owned(),
+        resource: traffic::resource(&path),
+        read: ListRead::of(verb, |k| recorded.query_param(k)),
+    });
+    meter.request(body.len());
     lock(&shared.requests).push(recorded);
+    let response = respond(shared, parts.method, &path, &raw_query, content_type, body, verb, meter.clone()).await;
+    Ok(response.map(|inner| CountedBody { inner, meter }.boxed()))
+}
+
+/// The answer to a request, faults first.
+#[allow(clippy::too_many_arguments)]
+async fn respond(
+    shared: &Arc<Shared>,
+    method: Method,
+    path: &str,
+    raw_query: &str,
+    content_type: Option<String>,
+    body: Bytes,
+    verb: &'static str,
+    meter: Arc<Meter>,
+) -> Response<Body> {
     {
         let mut fail = lock(&shared.fail);
         if fail.0 > 0 {
             fail.0 -= 1;
-            return Ok(error_response(&ApiError::injected(fail.1)));
+            return error_response(&ApiError::injected(fail.1));
         }
     }
     let (refusal, hang) = {
         let mut faults = lock(&shared.faults);
-        let hang = match parts.method {
+        let hang = match method {
             Method::PATCH => faults.hang_patches,
             Method::GET => faults.hang_reads,
             _ => false,
@@ -170,15 +229,15 @@ async fn answer(
         if code == 429 {
             resp.headers_mut().insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from_static("1"));
         }
-        return Ok(resp);
+        return resp;
     }
     if hang {
         shared.fault_counters.hung.fetch_add(1, Ordering::SeqCst);
         return std::future::pending().await;
     }
     let query: HashMap<String, String> = form_urlencoded::parse(raw_query.as_bytes()).into_owned().collect();
-    let r = Req { method: parts.method, query, content_type: content_type.unwrap_or_default(), body };
-    Ok(route(shared, &path, r).unwrap_or_else(|e| error_response(&e)))
+    let r = Req { method, meter, query, content_type: content_type.unwrap_or_default(), body };
+    route(shared, path, r).unwrap_or_else(|e| error_response(&e))
 }
 
 /// The Kubernetes verb of a request, as RBAC and API Priority and Fairness name it.

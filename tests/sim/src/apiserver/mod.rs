@@ -10,6 +10,7 @@ pub mod patch;
 pub mod selector;
 pub mod status;
 pub mod store;
+pub mod traffic;
 mod watch;
 
 use std::net::SocketAddr;
@@ -26,6 +27,7 @@ pub use patch::{PatchKind, Schema};
 pub use selector::{FieldSelector, LabelSelector};
 pub use status::ApiError;
 pub use store::{ChangeType, EventGroup, Filter, Kind, ListParams, Propagation, Subresource};
+pub use traffic::{Cost, Flow, ListRead, Traffic};
 
 use store::Store;
 
@@ -208,6 +210,8 @@ pub(crate) struct Shared {
     /// Whether watches stall ([`Fault::StallWatches`]); open streams learn it here.
     pub stall_tx: tokio::sync::watch::Sender<bool>,
     pub fault_counters: FaultCounters,
+    /// What each client's requests cost ([`FakeApiServer::traffic`]).
+    pub traffic: traffic::Meters,
     pub watch_count: AtomicU64,
     pub opts: ServerOptions,
     pub addr: SocketAddr,
@@ -263,6 +267,7 @@ impl FakeApiServer {
             faults: Mutex::new(Faults::default()),
             stall_tx: tokio::sync::watch::Sender::new(false),
             fault_counters: FaultCounters::default(),
+            traffic: traffic::Meters::default(),
             watch_count: AtomicU64::new(0),
             opts: opts.clone(),
             addr,
@@ -443,6 +448,13 @@ impl FakeApiServer {
         }
     }
 
+    /// What the requests so far cost, per user agent, verb and resource (also served at
+    /// `/debug/counters`). Test-control calls are not counted, except the writes of a
+    /// [`FakeApiServer::kubelet_handle`].
+    pub fn traffic(&self) -> Traffic {
+        self.shared.traffic.snapshot()
+    }
+
     /// How many watch streams were started.
     pub fn watch_count(&self) -> u64 {
         self.shared.watch_count.load(Ordering::SeqCst)
@@ -462,6 +474,8 @@ impl FakeApiServer {
 #[derive(Clone)]
 pub struct ApiHandle {
     shared: Arc<Shared>,
+    /// Counts each [`ApiHandle::modify_pod`] as the kubelet's status sync of the pod.
+    kubelet: bool,
 }
 
 impl ApiHandle {
@@ -469,16 +483,55 @@ impl ApiHandle {
     pub fn create_pod(&self, pod: Value) -> Result<Value> {
         self.shared.mutate(|st| st.create_pod(None, pod, false)).map_err(|e| anyhow!(e))
     }
-    /// See [`FakeApiServer::modify_pod`].
+    /// See [`FakeApiServer::modify_pod`]. From a [`FakeApiServer::kubelet_handle`], counted as
+    /// the kubelet's status manager syncs a pod: a `get` of the pod, then a `patch` of
+    /// `pods/status` carrying the status fields that changed.
     pub fn modify_pod(&self, namespace: &str, name: &str, f: impl FnOnce(&mut Value)) -> Result<Value> {
-        self.shared
+        let (pod, before) = self
+            .shared
             .mutate(|st| {
                 let mut pod = st.get_pod(namespace, name).ok_or_else(|| ApiError::not_found("pods", name))?;
+                let before = self.kubelet.then(|| pod.clone());
                 f(&mut pod);
-                st.update_pod(namespace, name, pod, Subresource::Control, None)
+                st.update_pod(namespace, name, pod, Subresource::Control, None).map(|p| (p, before))
             })
-            .map_err(|e| anyhow!(e))
+            .map_err(|e| anyhow!(e))?;
+        if let Some(before) = before {
+            self.count_status_sync(&before, &pod);
+        }
+        Ok(pod)
     }
+
+    /// The kubelet's GET and status PATCH of a pod that went from `before` to `after`.
+    fn count_status_sync(&self, before: &Value, after: &Value) {
+        let flow = |verb: &str, resource: &str| Flow {
+            user_agent: "kubelet".into(),
+            verb: verb.into(),
+            resource: resource.into(),
+            read: ListRead::NotAList,
+        };
+        let pod_bytes = |p: &Value| p.to_string().len();
+        let get = self.shared.traffic.meter(flow("get", "pods"));
+        get.request(0);
+        get.response(pod_bytes(before));
+        let mut changed = serde_json::Map::new();
+        let (old, new) = (&before["status"], &after["status"]);
+        for (k, v) in new.as_object().into_iter().flatten() {
+            if old.get(k) != Some(v) {
+                changed.insert(k.clone(), v.clone());
+            }
+        }
+        for k in old.as_object().into_iter().flatten().map(|(k, _)| k) {
+            if new.get(k).is_none() {
+                changed.insert(k.clone(), Value::Null);
+            }
+        }
+        let patch = serde_json::json!({"metadata": {"uid": after["metadata"]["uid"]}, "status": changed});
+        let write = self.shared.traffic.meter(flow("patch", "pods/status"));
+        write.request(patch.to_string().len());
+        write.response(pod_bytes(after));
+    }
+
     pub fn get_pod(&self, namespace: &str, name: &str) -> Option<Value> {
         lock(&self.shared.store).get_pod(namespace, name)
     }
@@ -487,7 +540,13 @@ impl ApiHandle {
 impl FakeApiServer {
     /// A cloneable handle for other threads.
     pub fn handle(&self) -> ApiHandle {
-        ApiHandle { shared: self.shared.clone() }
+        ApiHandle { shared: self.shared.clone(), kubelet: false }
+    }
+
+    /// A handle for the simulated kubelet: its pod writes are counted in [`FakeApiServer::traffic`]
+    /// as the real kubelet's status syncs (user agent `kubelet`).
+    pub fn kubelet_handle(&self) -> ApiHandle {
+        ApiHandle { shared: self.shared.clone(), kubelet: true }
     }
 }
 

@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 use super::http::{Body, BoxError, ChannelBody, Req, count_watch};
 use super::status::ApiError;
 use super::store::Filter;
+use super::traffic::Meter;
 use super::{Shared, lock};
 
 struct WatchParams {
@@ -67,19 +68,27 @@ pub(crate) fn start(shared: &Arc<Shared>, filter: Filter, r: &Req) -> Result<Res
     };
     count_watch(shared);
     let (tx, rx) = mpsc::channel(256);
-    tokio::spawn(run(shared.clone(), filter, params, tx));
+    tokio::spawn(run(shared.clone(), filter, params, Lines { tx, meter: r.meter.clone() }));
     let mut resp = Response::new(ChannelBody(rx).boxed());
     *resp.status_mut() = StatusCode::OK;
     resp.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
     Ok(resp)
 }
 
-type Tx = mpsc::Sender<Result<Bytes, BoxError>>;
+/// A watch's response: its lines, each counted to the watch's flow.
+struct Lines {
+    tx: mpsc::Sender<Result<Bytes, BoxError>>,
+    meter: std::sync::Arc<Meter>,
+}
 
-fn line(ty: &str, object: &Value) -> Bytes {
-    let mut s = json!({"type": ty, "object": object}).to_string();
-    s.push('\n');
-    Bytes::from(s)
+impl Lines {
+    /// Sends one line; false when the client has gone.
+    async fn send(&self, ty: &str, object: &Value) -> bool {
+        let mut s = json!({"type": ty, "object": object}).to_string();
+        s.push('\n');
+        self.meter.watch_line(ty);
+        self.tx.send(Ok(Bytes::from(s))).await.is_ok()
+    }
 }
 
 fn bookmark(rv: u64, initial_end: bool) -> Value {
@@ -90,24 +99,19 @@ fn bookmark(rv: u64, initial_end: bool) -> Value {
     json!({"kind": "Pod", "apiVersion": "v1", "metadata": meta})
 }
 
-/// Sends one line; false when the client has gone.
-async fn send(tx: &Tx, bytes: Bytes) -> bool {
-    tx.send(Ok(bytes)).await.is_ok()
-}
-
 /// A stalled stream ([`crate::apiserver::Fault::StallWatches`]): nothing more is sent, and the
 /// response stays open until the client goes or the test drops the watches.
-async fn stall(shared: &Shared, tx: &Tx, drop_rx: &mut tokio::sync::watch::Receiver<u64>) {
+async fn stall(shared: &Shared, tx: &Lines, drop_rx: &mut tokio::sync::watch::Receiver<u64>) {
     shared.fault_counters.stalled_watches.fetch_add(1, Ordering::SeqCst);
     tokio::select! {
         _ = drop_rx.changed() => {
-            let _ = tx.send(Err("watch dropped by the test".into())).await;
+            let _ = tx.tx.send(Err("watch dropped by the test".into())).await;
         }
-        _ = tx.closed() => {}
+        _ = tx.tx.closed() => {}
     }
 }
 
-async fn run(shared: Arc<Shared>, filter: Filter, p: WatchParams, tx: Tx) {
+async fn run(shared: Arc<Shared>, filter: Filter, p: WatchParams, tx: Lines) {
     let mut rv_rx = shared.rv_tx.subscribe();
     let mut drop_rx = shared.drop_tx.subscribe();
     let mut stall_rx = shared.stall_tx.subscribe();
@@ -120,16 +124,16 @@ async fn run(shared: Arc<Shared>, filter: Filter, p: WatchParams, tx: Tx) {
     let mut last_rv = match start {
         Err(e) => {
             // The real server answers 200 and reports expiry as an ERROR event, then closes.
-            let _ = send(&tx, line("ERROR", &e.to_status())).await;
+            let _ = tx.send("ERROR", &e.to_status()).await;
             return;
         }
         Ok((initial, rv)) => {
             for obj in initial {
-                if !send(&tx, line("ADDED", &obj)).await {
+                if !tx.send("ADDED", &obj).await {
                     return;
                 }
             }
-            if p.send_initial && !send(&tx, line("BOOKMARK", &bookmark(rv, true))).await {
+            if p.send_initial && !tx.send("BOOKMARK", &bookmark(rv, true)).await {
                 return;
             }
             rv
@@ -144,12 +148,12 @@ async fn run(shared: Arc<Shared>, filter: Filter, p: WatchParams, tx: Tx) {
         let drained = lock(&shared.store).watch_drain(&filter, last_rv);
         match drained {
             Err(e) => {
-                let _ = send(&tx, line("ERROR", &e.to_status())).await;
+                let _ = tx.send("ERROR", &e.to_status()).await;
                 return;
             }
             Ok((events, rv)) => {
                 for (ty, obj) in events {
-                    if !send(&tx, line(ty.as_str(), &obj)).await {
+                    if !tx.send(ty.as_str(), &obj).await {
                         return;
                     }
                 }
@@ -166,10 +170,10 @@ async fn run(shared: Arc<Shared>, filter: Filter, p: WatchParams, tx: Tx) {
             biased;
             _ = drop_rx.changed() => {
                 // Abort mid-stream: hyper cuts the connection without the final chunk.
-                let _ = tx.send(Err("watch dropped by the test".into())).await;
+                let _ = tx.tx.send(Err("watch dropped by the test".into())).await;
                 return;
             }
-            _ = tx.closed() => return,
+            _ = tx.tx.closed() => return,
             _ = stall_rx.changed() => {
                 if *stall_rx.borrow_and_update() {
                     return stall(&shared, &tx, &mut drop_rx).await;
@@ -182,7 +186,7 @@ async fn run(shared: Arc<Shared>, filter: Filter, p: WatchParams, tx: Tx) {
                 }
             }
             _ = ticker.tick(), if p.bookmarks => {
-                if !send(&tx, line("BOOKMARK", &bookmark(last_rv, false))).await {
+                if !tx.send("BOOKMARK", &bookmark(last_rv, false)).await {
                     return;
                 }
             }

@@ -461,3 +461,14 @@ fn linkerd_with_its_shutdown_endpoint_off_is_sigtermed_without_a_warning() {
     assert!(signals(&fx).is_empty(), "{fx:?}");
     assert!(fx.iter().any(|e| matches!(e, Effect::Publish { reason: "SidecarQuitFailed", warning: true, .. })));
 }
+
+#[test]
+fn an_accepted_quit_is_published_only_with_quit_events_on() {
+    let mut d = Drive::with_rules(Rules { quit_events: false, ..rules(true) });
+    d.found(pod("Never", &[], &[]));
+    let fx = d.exit(APP, 0);
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))]);
+    let fx = d.feed(Feedback::QuitDone { sidecar: "istio-proxy".into(), outcome: accepted() });
+    assert!(has(&fx, &Effect::Count(Count::Quit { kind: "istio", result: "ok" })), "still counted: {fx:?}");
+    assert!(!fx.iter().any(|e| matches!(e, Effect::Publish { .. })), "no Event, no API write: {fx:?}");
+}
