@@ -159,7 +159,7 @@ pub struct Config {
     /// Publish a Normal `SidecarQuit` Event for each quit a sidecar accepted (one more write a Job).
     ///
     /// Publish a Normal Event `SidecarQuit` on the pod for each quit a sidecar accepted. Off by
-    /// default: it is a second API write per Job beside the `valet.dev/ProxyReady` condition,
+    /// default: it is one more API write per Job beside the `valet.dev/ProxyReady` condition's,
     /// and the quits are counted in `valet_sidecar_quits_total` either way. Warnings (a quit
     /// refused, a sidecar signalled) are always published.
     #[arg(long, env = "VALET_QUIT_EVENTS", default_value_t = false, action = clap::ArgAction::Set)]
@@ -490,7 +490,7 @@ mod tests {
         assert_eq!(cfg.held_probe_budget, 1500);
         assert!(cfg.held_prober);
         assert!(cfg.act && cfg.observe && cfg.observe_namespace_label, "acting and observing by default");
-        assert!(!cfg.quit_events, "no Normal Event per quit by default: the condition is the one write per Job");
+        assert!(!cfg.quit_events, "no Normal Event per quit by default: the condition is what a Job needs written");
         let events = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--quit-events=true"]).expect("parse");
         assert!(events.quit_events);
         let look_only = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--act=false"]).expect("parse");

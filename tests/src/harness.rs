@@ -206,7 +206,7 @@ impl Node {
         if !extra.iter().any(|a| a.starts_with("--runtime-state-dirs")) {
             command.arg("--runtime-state-dirs").arg(&self.runtime_dir);
         }
-        // The end-to-end tests read each quit's Event (off by default: a second write per Job).
+        // The end-to-end tests read each quit's Event (off by default: one more write per Job).
         if !extra.iter().any(|a| a.starts_with("--quit-events")) {
             command.arg("--quit-events=true");
         }

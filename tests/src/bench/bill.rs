@@ -107,6 +107,21 @@ fn wait_finished(node: &Node, jobs: &[valet_tests::harness::JobPod]) -> Result<(
     Ok(())
 }
 
+/// Waits until the pods are at rest: the kubelet has reported every app running and every
+/// proxy ready, and the agent has written each pod's condition True.
+pub(crate) fn wait_at_rest(node: &Node, pods: &[valet_tests::harness::JobPod]) -> Result<()> {
+    let running = |j: &valet_tests::harness::JobPod, c: &str| {
+        j.api_status(c).is_some_and(|s| s["state"]["running"].is_object() && (c == "app" || s["ready"] == true))
+    };
+    let rest = |j: &valet_tests::harness::JobPod| {
+        running(j, "app") && running(j, "istio-proxy") && node.proxy_ready_condition(j)
+    };
+    if !eventually(Duration::from_secs(120), || pods.iter().all(rest)) {
+        bail!("{} of {} pods never came to rest", pods.iter().filter(|j| !rest(j)).count(), pods.len());
+    }
+    Ok(())
+}
+
 /// Waits until the agent's two watches have seen `tracked` opted-in and `observed` pods.
 fn wait_seen(agent: &Agent, tracked: usize, observed: usize) -> Result<()> {
     agent.wait_tracked(tracked, Duration::from_secs(120))?;
@@ -154,7 +169,7 @@ pub(crate) fn api_bill(plan: &Plan, table: &mut Table) -> Result<()> {
         pod.start_app("app", &["/bin/sleep", "3600"], &SpawnOptions::default())?;
     }
     wait_seen(&agent, pods, pods)?;
-    std::thread::sleep(Duration::from_secs(3));
+    wait_at_rest(&node, &services)?;
     let window = plan.idle;
     let before = node.api.traffic();
     let t = Instant::now();

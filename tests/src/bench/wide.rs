@@ -25,9 +25,9 @@ pub(crate) fn widest_node(plan: &Plan, table: &mut Table) -> Result<()> {
     }
     agent.wait_tracked(pods, Duration::from_secs(300))?;
     println!("  {pods} pods up and tracked in {:.1} s", t.elapsed().as_secs_f64());
-    // Idle: the kubelet has reported every app started (about a second after), and the proxies
-    // were seen ready; the agent keeps the conditions current, one probe round per interval.
-    std::thread::sleep(Duration::from_secs(8));
+    // Idle: the kubelet has reported every app started and every proxy ready, and the agent has
+    // written the conditions; it keeps them current, one probe round per interval.
+    wait_at_rest(&node, &services)?;
     let idle_mc = cpu_share(pid, plan.idle) * 1e3;
     let (rss, peak) = (rss_kib(pid), peak_rss_kib(pid));
     println!(
