@@ -565,8 +565,7 @@ mod tests {
         let role = bundles.role(&app, UID);
         let _ = shim.kill();
         let _ = shim.wait();
-        // SAFETY: plain syscall to the shell's child, ended with it.
-        unsafe { libc::kill(child as i32, libc::SIGKILL) };
+        let _ = crate::host::sys::kill(child, libc::SIGKILL);
         assert!(found, "the shim, the child's parent");
         assert_eq!(role, Some(BundleRole::Container("report".into())));
         assert_eq!(bundles.role(&app, UID), None, "the shim is gone: not read through any more");

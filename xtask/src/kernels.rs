@@ -58,14 +58,14 @@ const LOCKDOWN: &str = "lockdown=confidentiality";
 const DEADLINE: Duration = Duration::from_secs(40 * 60);
 
 /// The matrix: Debian suite and the kernel series it ships.
-pub const MATRIX: [(&str, &str); 3] = [("bullseye", "5.10"), ("bookworm", "6.1"), ("trixie", "6.12")];
+pub(crate) const MATRIX: [(&str, &str); 3] = [("bullseye", "5.10"), ("bookworm", "6.1"), ("trixie", "6.12")];
 /// The arm64 kernel of a default run (CI's): the other two run with `cargo xtask kernels arm64`.
-pub const DEFAULT_ARM64: &str = "trixie";
+pub(crate) const DEFAULT_ARM64: &str = "trixie";
 
 /// The kernels named by `only`: suite names or kernel series (amd64), the same after `arm64/`
 /// (`arm64/trixie`, `arm64/6.12`), or `amd64`/`arm64` for the whole series of one architecture.
 /// When empty: every amd64 kernel and arm64's [`DEFAULT_ARM64`].
-pub fn suites(only: &[String]) -> Result<Vec<(&'static str, Arch)>> {
+pub(crate) fn suites(only: &[String]) -> Result<Vec<(&'static str, Arch)>> {
     if only.is_empty() {
         let mut all: Vec<_> = MATRIX.iter().map(|(s, _)| (*s, Arch::Amd64)).collect();
         all.push((DEFAULT_ARM64, Arch::Arm64));
@@ -98,7 +98,7 @@ pub fn suites(only: &[String]) -> Result<Vec<(&'static str, Arch)>> {
 /// Boots each suite's kernel, runs the tests in it and prints `kernel <uname -r>: N passed, N failed`
 /// per kernel. Returns the summed (passed, failed) counts; an error only when the matrix could not
 /// be run at all (no mirror, no download, no qemu).
-pub fn run(root: &Path, suites: &[(&str, Arch)]) -> Result<(u64, u64)> {
+pub(crate) fn run(root: &Path, suites: &[(&str, Arch)]) -> Result<(u64, u64)> {
     let started = Instant::now();
     let apt = Apt::new()?;
     let mut kernels = Vec::new();

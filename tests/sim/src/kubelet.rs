@@ -1383,7 +1383,7 @@ fn terminated_json(inst: &Instance, exit: &Exit, scheme: &str) -> Value {
 /// `failure_threshold` failures in a row. A startup probe (`once`) stops at its first success.
 /// (A startup probe's `failure_threshold` failures, which make the kubelet restart the
 /// container, are not modelled: it keeps probing.)
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, reason = "the probe and the container's shared state, each its own")]
 fn probe_loop(
     probe: HttpProbe,
     ip: Option<Ipv4Addr>,

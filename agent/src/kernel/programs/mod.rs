@@ -43,8 +43,7 @@ fn calibrate(layout: &KernelLayout, inum: u32, memlock_limit: Option<u64>) -> Re
     // Loading the object creates every map in it, and this program uses none of the big ones:
     // the smallest of each, so that the calibration does not double what kernels before 5.11
     // charge to RLIMIT_MEMLOCK (its maps are freed only after it, by a kernel worker).
-    // SAFETY: sysconf has no preconditions.
-    let page = u32::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    let page = crate::host::sys::page_size();
     for map in [MAP_WATCHED, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_CONTAINERS, MAP_HELD] {
         loader.map_max_entries(map, 1);
     }
@@ -570,8 +569,7 @@ impl Programs {
 
 /// Drains the kernel log channel into our log until the task is dropped.
 pub async fn drain_kernel_log(logger: aya_log::EbpfLogger<&'static dyn log::Log>) {
-    // SAFETY: the logger owns its ring buffer fd and keeps it open while registered.
-    let registered = unsafe { tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE) };
+    let registered = crate::host::sys::readable(logger);
     let Ok(mut fd) = registered else {
         warn!("kernel log channel cannot be polled");
         return;
