@@ -184,7 +184,7 @@ pub fn state_dir_of_bundle(bundle: &Path) -> Option<PathBuf> {
 fn parent_and_depth(host_proc: &Path, pid: u32) -> Option<(u32, usize)> {
     let status = std::fs::read_to_string(host_proc.join(pid.to_string()).join("status")).ok()?;
     let ppid = status.lines().find_map(|l| l.strip_prefix("PPid:"))?.trim().parse().ok()?;
-    let depth = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?.split_whitespace().count();
+    let depth = crate::host::proc::nspid(&status)?.len();
     Some((ppid, depth))
 }
 

@@ -55,11 +55,7 @@ fn calibrate(layout: &KernelLayout, inum: u32, memlock_limit: Option<u64>) -> Re
         .load(OBJECT)
         .map_err(|e| Error::ebpf_object(format!("load object (calibration){}", memlock_hint(memlock_limit)), e))?;
     resident::note("calibration object loaded");
-    let program: &mut TracePoint = ebpf
-        .program_mut(PROG_CALIBRATE)
-        .ok_or_else(|| Error::Ebpf(format!("program {PROG_CALIBRATE} missing from object")))?
-        .try_into()
-        .map_err(|e| Error::ebpf_program(format!("program {PROG_CALIBRATE}"), e))?;
+    let program = tracepoint(&mut ebpf, PROG_CALIBRATE)?;
     program.load().map_err(|e| Error::ebpf_program(format!("load {PROG_CALIBRATE}"), e))?;
     let link = program
         .attach("sched", "sched_process_exit")
@@ -94,6 +90,14 @@ fn new_loader() -> EbpfLoader<'static> {
         warn!("the BPF loader parsed the kernel's BTF ({why}): the agent's memory peaks ~20 MiB higher while loading");
     }
     loader
+}
+
+/// The tracepoint program `prog` of the object (an error when the object has none by that name).
+fn tracepoint<'a>(ebpf: &'a mut Ebpf, prog: &str) -> Result<&'a mut TracePoint> {
+    ebpf.program_mut(prog)
+        .ok_or_else(|| Error::Ebpf(format!("program {prog} missing from object")))?
+        .try_into()
+        .map_err(|e| Error::ebpf_program(format!("program {prog}"), e))
 }
 
 /// How many pid namespaces below our procfs's the process `pid` lives (NSpid entries − 1).
@@ -338,11 +342,7 @@ impl Programs {
             }
             let mut loaded = Ok(());
             for (prog, _) in wanted(mode) {
-                let program: &mut TracePoint = ebpf
-                    .program_mut(prog)
-                    .ok_or_else(|| Error::Ebpf(format!("program {prog} missing from object")))?
-                    .try_into()
-                    .map_err(|e| Error::ebpf_program(format!("program {prog}"), e))?;
+                let program = tracepoint(&mut ebpf, prog)?;
                 if let Err(e) = program.load() {
                     loaded = Err(format!("load {prog}: {e}"));
                     break;
@@ -367,11 +367,7 @@ impl Programs {
 
         let mut links = Vec::new();
         for (prog, name) in wanted(ancestors) {
-            let program: &mut TracePoint = ebpf
-                .program_mut(prog)
-                .ok_or_else(|| Error::Ebpf(format!("program {prog} missing from object")))?
-                .try_into()
-                .map_err(|e| Error::ebpf_program(format!("program {prog}"), e))?;
+            let program = tracepoint(&mut ebpf, prog)?;
             let link = program
                 .attach("sched", name)
                 .map_err(|e| Error::ebpf_program(format!("attach {prog} to sched/{name}"), e))?;
