@@ -1,5 +1,5 @@
 //! A simulated kubelet and container runtime for [`SimPod`]s, as unhelpful as the real ones by
-//! default (see `/work/shared/notes/real-node.md`):
+//! default:
 //!
 //! - it starts a pod's containers like the kubelet: the sandbox first, then the init containers
 //!   one after another, then the containers in spec order (a container without a command is left
