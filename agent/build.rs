@@ -1,5 +1,5 @@
 //! Builds the kernel programs (`agent-ebpf`) for the BPF target and leaves the object in
-//! `OUT_DIR`, where `src/kernel/programs.rs` embeds it: `target/release/valet-agent` is one
+//! `OUT_DIR`, where `src/kernel/programs/mod.rs` embeds it: `target/release/valet-agent` is one
 //! self-contained binary.
 //!
 //! It runs the BPF cargo build the way aya-build 0.2.0 does (same arguments, flags and

@@ -37,6 +37,10 @@
 //! global `LAYOUT`; nothing here hard-codes a kernel layout.
 #![no_std]
 #![no_main]
+#![allow(
+    unreachable_pub,
+    reason = "aya-ebpf's program attributes take a `pub fn` (its documented form); the object exports them by name"
+)]
 
 use aya_ebpf::{
     helpers::{

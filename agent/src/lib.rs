@@ -8,6 +8,10 @@
 //! a process or a quit ended) and imports none of them.
 //! `observe` watches every pod with a known sidecar, labelled or not, and only counts what the
 //! sidecars cost.
+//!
+//! Unsafe code and libc calls live in one module, `host::sys`, behind safe functions: the crate
+//! denies `unsafe_code` everywhere else.
+#![deny(unsafe_code)]
 
 pub mod act;
 pub mod acted;

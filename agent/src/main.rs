@@ -1,5 +1,6 @@
 //! valet-agent: wires configuration, telemetry, the kernel programs, the API client, the metrics
 //! server and the controller loop together.
+#![forbid(unsafe_code)]
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -177,8 +178,7 @@ async fn run(
     }
     // Loading parsed the kernel's BTF (megabytes, freed since): give that memory back to the
     // node rather than keep it in the allocator's free lists for the agent's lifetime.
-    // SAFETY: glibc's malloc_trim only releases free memory.
-    unsafe { libc::malloc_trim(0) };
+    resident::trim_heap();
     let resident = resident::Resident::now();
     info!(rss_kib = resident.rss_kib, peak_kib = resident.peak_kib, "resident memory after loading");
 

@@ -184,7 +184,7 @@ pub fn state_dir_of_bundle(bundle: &Path) -> Option<PathBuf> {
 fn parent_and_depth(host_proc: &Path, pid: u32) -> Option<(u32, usize)> {
     let status = std::fs::read_to_string(host_proc.join(pid.to_string()).join("status")).ok()?;
     let ppid = status.lines().find_map(|l| l.strip_prefix("PPid:"))?.trim().parse().ok()?;
-    let depth = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?.split_whitespace().count();
+    let depth = crate::host::proc::nspid(&status)?.len();
     Some((ppid, depth))
 }
 
@@ -565,8 +565,7 @@ mod tests {
         let role = bundles.role(&app, UID);
         let _ = shim.kill();
         let _ = shim.wait();
-        // SAFETY: plain syscall to the shell's child, ended with it.
-        unsafe { libc::kill(child as i32, libc::SIGKILL) };
+        let _ = crate::host::sys::kill(child, libc::SIGKILL);
         assert!(found, "the shim, the child's parent");
         assert_eq!(role, Some(BundleRole::Container("report".into())));
         assert_eq!(bundles.role(&app, UID), None, "the shim is gone: not read through any more");

@@ -522,15 +522,14 @@ fn now_ns() -> u64 {
 /// A real process, stopped as the kernel would stop a held app.
 async fn stopped_child() -> Child {
     let child = Command::new("sleep").arg("30").spawn().expect("spawn sleep");
-    // SAFETY: plain syscall on our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGSTOP) };
+    valet_agent::host::sys::kill(child.id(), libc::SIGSTOP).expect("stop our own child");
     assert!(wait_state(child.id(), 'T').await, "child stopped");
     child
 }
 
 fn state(pid: u32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit(')').next()?.split_whitespace().next()?.chars().next()
+    valet_agent::host::proc::stat_field(&stat, 3)?.chars().next()
 }
 
 /// Polls (without blocking the runtime the loop runs on) until `pid` is in state `want`.

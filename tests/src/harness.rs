@@ -3,7 +3,7 @@
 //! is a stand-in proxy. Used by the end-to-end tests, the demo and the benchmarks.
 
 use std::io::Read as _;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -47,10 +47,6 @@ pub fn locate_standin() {
             return;
         }
     }
-}
-
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// A scratch directory removed on drop, on a tmpfs like a node's `/run` where the host has one
@@ -1043,7 +1039,7 @@ pub const HANG_GUARD: Duration = Duration::from_secs(30);
 /// The state letter of a process (`R`, `S`, `T`, `Z`, ...), None once it is gone.
 pub fn process_state(pid: u32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit(')').next()?.split_whitespace().next()?.chars().next()
+    valet_agent::host::proc::stat_field(&stat, 3)?.chars().next()
 }
 
 /// Polls every 200 µs (fine enough to print a release latency) until `path` exists; how long
@@ -1059,16 +1055,5 @@ pub fn wait_file(path: &Path, timeout: Duration) -> Option<Duration> {
     None
 }
 
-/// Polls `f` every 10 ms until it returns true or `timeout` passes.
-pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
+pub use valet_test_support::eventually;
+use valet_test_support::free_port;

@@ -41,7 +41,7 @@ use valet_common::{HELD_CAPACITY, HeldRecord, HeldRecordV1, PIN_HELD, PIN_HELD_V
 use valet_sim::apiserver::Fault;
 use valet_sim::node::SpawnOptions;
 use valet_sim::util::monotonic_ns;
-use valet_tests::harness::{Agent, DeadlineKeeper, JobPod, JobSpec, Node, eventually};
+use valet_tests::harness::{Agent, DeadlineKeeper, JobPod, JobSpec, Node, eventually, process_state as state};
 use valet_tests::pins;
 
 const HOLD: &str = "valet.dev/hold-app";
@@ -99,12 +99,6 @@ impl Rng {
 fn env_u64(name: &str) -> Option<u64> {
     let v = std::env::var(name).ok()?;
     Some(v.trim().parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a number")))
-}
-
-/// The state letter of a process (`R`, `S`, `T`, `Z`, ...), None once it is gone.
-fn state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit(')').next()?.split_whitespace().next()?.chars().next()
 }
 
 /// Whether the process' cgroup is frozen (cgroup v2 `cgroup.events`).

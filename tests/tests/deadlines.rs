@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use valet_common::{HeldRecord, HeldRecordV1, PIN_HELD, PIN_HELD_V1};
 use valet_sim::apiserver::Fault;
-use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually};
+use valet_test_support::monotonic_ns;
+use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually, process_state as state};
 use valet_tests::pins;
 
 const HOLD: &str = "valet.dev/hold-app";
@@ -30,16 +31,6 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn monotonic_ns() -> u64 {
-    valet_agent::host::clock::monotonic_ns()
-}
-
-/// The state letter of a process, None once it is gone.
-fn state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit(')').next()?.split_whitespace().next()?.chars().next()
 }
 
 /// A held Job pod whose proxy never turns ready.

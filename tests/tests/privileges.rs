@@ -36,7 +36,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use valet_sim::node::SpawnOptions;
-use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually};
+use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually, process_state as state};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -286,11 +286,6 @@ fn run_app_as_other_uid(job: &mut JobPod, marker: &Path) {
     let opts = SpawnOptions { uid: Some(APP_UID), ..SpawnOptions::default() };
     let script = format!("echo ran > {}; sleep 0.2", marker.display());
     job.start_app("app", &["/bin/sh", "-c", &script], &opts).expect("app");
-}
-
-fn state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit(')').next()?.split_whitespace().next()?.chars().next()
 }
 
 /// The app exits; whether its proxy got a quit (from inside the pod) and exited 0.

@@ -11,9 +11,9 @@ use anyhow::{Result, bail};
 use crate::cmd::{build_release_bins, cargo, is_root, run};
 use crate::setup;
 
-pub const DEFAULT_KILLS: u32 = 200;
+pub(crate) const DEFAULT_KILLS: u32 = 200;
 
-pub fn chaos(root: &Path, kills: u32, seed: Option<u64>) -> Result<()> {
+pub(crate) fn chaos(root: &Path, kills: u32, seed: Option<u64>) -> Result<()> {
     if !is_root() {
         bail!("the crash test loads eBPF programs and makes cgroups and namespaces: run it as root");
     }

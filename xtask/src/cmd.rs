@@ -5,13 +5,13 @@ use std::process::{Command, Stdio};
 use anyhow::{Context as _, Result, bail};
 
 /// The workspace root (xtask lives one level below it).
-pub fn workspace_root() -> PathBuf {
+pub(crate) fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
 }
 
 /// Cargo's target directory for the workspace (`CARGO_TARGET_DIR` or `build.target-dir` when set,
 /// else `<root>/target`), as `cargo metadata` reports it.
-pub fn target_dir(root: &Path) -> Result<PathBuf> {
+pub(crate) fn target_dir(root: &Path) -> Result<PathBuf> {
     let out = cargo()
         .current_dir(root)
         .args(["metadata", "--no-deps", "--format-version", "1"])
@@ -30,13 +30,13 @@ pub fn target_dir(root: &Path) -> Result<PathBuf> {
 
 /// Builds the release binaries every privileged suite runs (the agent, the stand-in proxy, the
 /// fake API server) and returns the directory they are in.
-pub fn build_release_bins(root: &Path) -> Result<PathBuf> {
+pub(crate) fn build_release_bins(root: &Path) -> Result<PathBuf> {
     build_release_bins_for(root, crate::arch::Arch::host())
 }
 
 /// [`build_release_bins`] for `arch`: cross-built (`--target`) when it is not the host's, into
 /// `<target>/<triple>/release`.
-pub fn build_release_bins_for(root: &Path, arch: crate::arch::Arch) -> Result<PathBuf> {
+pub(crate) fn build_release_bins_for(root: &Path, arch: crate::arch::Arch) -> Result<PathBuf> {
     let mut cmd = cargo();
     cmd.current_dir(root).args(["build", "--release", "-p", "valet-agent", "-p", "valet-sim", "--bins"]);
     if arch == crate::arch::Arch::host() {
@@ -48,12 +48,12 @@ pub fn build_release_bins_for(root: &Path, arch: crate::arch::Arch) -> Result<Pa
 }
 
 /// The cargo that runs xtask, so every step uses the same toolchain.
-pub fn cargo() -> Command {
+pub(crate) fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
 /// Runs a command with inherited output; fails unless it exits 0.
-pub fn run(cmd: &mut Command) -> Result<()> {
+pub(crate) fn run(cmd: &mut Command) -> Result<()> {
     let status = cmd.status().with_context(|| format!("spawn {cmd:?}"))?;
     if !status.success() {
         bail!("{cmd:?} failed: {status}");
@@ -62,14 +62,14 @@ pub fn run(cmd: &mut Command) -> Result<()> {
 }
 
 /// Whether a command runs and exits 0, its output discarded.
-pub fn succeeds(cmd: &mut Command) -> bool {
+pub(crate) fn succeeds(cmd: &mut Command) -> bool {
     cmd.stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
 }
 
-pub fn is_root() -> bool {
+pub(crate) fn is_root() -> bool {
     Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
 }
 
-pub fn on_path(bin: &str) -> bool {
+pub(crate) fn on_path(bin: &str) -> bool {
     succeeds(Command::new("sh").args(["-c", &format!("command -v {bin}")]))
 }

@@ -16,17 +16,17 @@ use std::time::Instant;
 use anyhow::{Context as _, Result, bail};
 
 /// Every fuzz target (`fuzz/fuzz_targets/<name>.rs`).
-pub const TARGETS: [&str; 7] =
+pub(crate) const TARGETS: [&str; 7] =
     ["btf", "tracepoint_format", "http_response", "cgroup_path", "pod_annotations", "oci_config", "mountinfo"];
 /// Seconds per target when none is given: 7 targets take about a minute and a half, after a build of
 /// about four minutes on a 2-core machine.
-pub const DEFAULT_SECONDS: u64 = 10;
+pub(crate) const DEFAULT_SECONDS: u64 = 10;
 const CARGO_FUZZ_VERSION: &str = "0.13.2";
 /// The build flags, identical for `build` and `run` so that `run` does not rebuild.
 const BUILD_FLAGS: [&str; 4] = ["--dev", "--sanitizer", "none", "--debug-assertions"];
 
 /// `cargo xtask fuzz` as a command (what `cargo xtask test` runs and counts).
-pub fn command() -> Result<Command> {
+pub(crate) fn command() -> Result<Command> {
     let mut cmd = Command::new(std::env::current_exe().context("own executable")?);
     cmd.arg("fuzz");
     Ok(cmd)
@@ -111,7 +111,7 @@ fn run_target(fuzz_dir: &Path, target: &str, seconds: u64) -> Result<Outcome> {
 /// Builds the targets and runs `target` (all when `None`) for `seconds` each. Prints a line
 /// per target and a summary that `cargo xtask test`'s tally counts; fails if any target
 /// crashed or could not run.
-pub fn run(root: &Path, target: Option<&str>, seconds: u64) -> Result<()> {
+pub(crate) fn run(root: &Path, target: Option<&str>, seconds: u64) -> Result<()> {
     let targets: Vec<&str> = match target {
         Some(t) if TARGETS.contains(&t) => vec![t],
         Some(t) => bail!("unknown fuzz target {t:?}; targets: {}", TARGETS.join(", ")),

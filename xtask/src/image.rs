@@ -17,17 +17,17 @@ use anyhow::{Context as _, Result, bail};
 use crate::arch::Arch;
 
 /// The image's name, as deploy/base/daemonset.yaml refers to it.
-pub const NAME: &str = "ghcr.io/valet-dev/valet-agent:0.1.0";
+pub(crate) const NAME: &str = "ghcr.io/valet-dev/valet-agent:0.1.0";
 
 /// The architectures the image index holds. The DaemonSet selects exactly these
 /// (deploy/tests/test_manifest.py reads this list).
-pub const ARCHITECTURES: [&str; 2] = ["amd64", "arm64"];
+pub(crate) const ARCHITECTURES: [&str; 2] = ["amd64", "arm64"];
 
 /// Debian's cross sysroot for arm64 (libc6-arm64-cross, libgcc-s1-arm64-cross).
-pub const ARM64_SYSROOT: &str = "/usr/aarch64-linux-gnu";
+pub(crate) const ARM64_SYSROOT: &str = "/usr/aarch64-linux-gnu";
 
 /// Where the image is written: (layout directory, tar archive).
-pub fn paths(root: &Path) -> Result<(PathBuf, PathBuf)> {
+pub(crate) fn paths(root: &Path) -> Result<(PathBuf, PathBuf)> {
     let dir = crate::cmd::target_dir(root)?.join("oci");
     Ok((dir.join("valet-agent"), dir.join("valet-agent.tar")))
 }
@@ -38,7 +38,7 @@ fn arch(name: &str) -> Arch {
 
 /// Builds the release agent for every architecture and the image index; checks each platform's
 /// agent runs. Returns (layout directory, tar archive).
-pub fn build(root: &Path) -> Result<(PathBuf, PathBuf)> {
+pub(crate) fn build(root: &Path) -> Result<(PathBuf, PathBuf)> {
     crate::setup::build_tools()?;
     crate::setup::arm64_tools()?;
     let target = crate::cmd::target_dir(root)?;
@@ -64,7 +64,7 @@ pub fn build(root: &Path) -> Result<(PathBuf, PathBuf)> {
 }
 
 /// The single-platform image of an agent binary already built for `arch` (a node VM's).
-pub fn from_binary(root: &Path, arch: Arch, agent: &Path) -> Result<(PathBuf, PathBuf)> {
+pub(crate) fn from_binary(root: &Path, arch: Arch, agent: &Path) -> Result<(PathBuf, PathBuf)> {
     let (layout, tar) = paths(root)?;
     let name = arch.deb();
     let single =
@@ -120,7 +120,7 @@ fn index(root: &Path, agents: &[(&str, PathBuf)]) -> Result<(PathBuf, PathBuf)> 
 
 /// Unpacks the index's image for `arch_name` and runs its agent's `--version` there, under its
 /// architecture: the image must hold everything the binary loads.
-pub fn check(layout: &Path, arch_name: &str) -> Result<()> {
+pub(crate) fn check(layout: &Path, arch_name: &str) -> Result<()> {
     let read = |digest: &str| -> Result<serde_json::Value> {
         let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
         let path = layout.join("blobs/sha256").join(hex);

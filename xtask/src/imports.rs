@@ -330,8 +330,9 @@ fn strongly_connected(modules: &BTreeSet<Module>, edges: &BTreeSet<Edge>) -> Vec
 mod tests {
     use super::*;
 
-    /// A crate of its own in a scratch directory: `files` as (path below src, text).
-    fn tree(name: &str, files: &[(&str, &str)]) -> Result<PathBuf> {
+    /// The circles of a crate of its own, written to a scratch directory: `files` as (path below
+    /// src, text).
+    fn circles_of(name: &str, files: &[(&str, &str)]) -> Result<Vec<Vec<String>>> {
         let src = std::env::temp_dir().join(format!("valet-imports-{name}-{}", std::process::id()));
         if src.exists() {
             std::fs::remove_dir_all(&src)?;
@@ -341,12 +342,14 @@ mod tests {
             std::fs::create_dir_all(file.parent().unwrap_or(&src))?;
             std::fs::write(file, text)?;
         }
-        Ok(src)
+        let found = circles(&src);
+        std::fs::remove_dir_all(&src)?;
+        found
     }
 
     #[test]
     fn finds_a_circle_through_use_code_and_macros() -> Result<()> {
-        let src = tree(
+        let found = circles_of(
             "circle",
             &[
                 ("lib.rs", "pub mod a; pub mod b; pub mod c; pub mod low;"),
@@ -357,8 +360,6 @@ mod tests {
                 ("low.rs", "pub struct L; #[cfg(test)] mod tests { use super::*; use std::io; }"),
             ],
         )?;
-        let found = circles(&src)?;
-        std::fs::remove_dir_all(&src)?;
         assert_eq!(
             found,
             [vec![
@@ -382,7 +383,7 @@ mod tests {
 
     #[test]
     fn a_tree_of_floors_has_none() -> Result<()> {
-        let src = tree(
+        let found = circles_of(
             "floors",
             &[
                 ("main.rs", "mod a; mod b; use a::A; fn main() {}"),
@@ -390,8 +391,6 @@ mod tests {
                 ("b.rs", "pub struct B; use std::fmt;"),
             ],
         )?;
-        let found = circles(&src)?;
-        std::fs::remove_dir_all(&src)?;
         assert!(found.is_empty(), "{found:?}");
         Ok(())
     }

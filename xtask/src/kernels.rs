@@ -49,7 +49,7 @@ const TEST_BINARIES: [&str; 4] = ["kernel", "shutdown", "privileges", "degraded"
 const GUEST_TEST_THREADS: u32 = 2;
 /// Issue 34's degraded nodes: every guest also runs the degraded test with an empty tmpfs over
 /// `/sys/kernel/btf` (a kernel without BTF), and the newest kernel boots once more with
-/// `lockdown=confidentiality` to run it alone ([`boot_locked_down`]).
+/// `lockdown=confidentiality` to run it alone ([`boot`]).
 const LOCKDOWN: &str = "lockdown=confidentiality";
 /// A guest that has not powered off by then is killed and its kernel counted as failed: a hang
 /// guard, not a pace. One kernel's suites take about 5 minutes under TCG on an idle 2-core
@@ -58,14 +58,14 @@ const LOCKDOWN: &str = "lockdown=confidentiality";
 const DEADLINE: Duration = Duration::from_secs(40 * 60);
 
 /// The matrix: Debian suite and the kernel series it ships.
-pub const MATRIX: [(&str, &str); 3] = [("bullseye", "5.10"), ("bookworm", "6.1"), ("trixie", "6.12")];
+pub(crate) const MATRIX: [(&str, &str); 3] = [("bullseye", "5.10"), ("bookworm", "6.1"), ("trixie", "6.12")];
 /// The arm64 kernel of a default run (CI's): the other two run with `cargo xtask kernels arm64`.
-pub const DEFAULT_ARM64: &str = "trixie";
+pub(crate) const DEFAULT_ARM64: &str = "trixie";
 
 /// The kernels named by `only`: suite names or kernel series (amd64), the same after `arm64/`
 /// (`arm64/trixie`, `arm64/6.12`), or `amd64`/`arm64` for the whole series of one architecture.
 /// When empty: every amd64 kernel and arm64's [`DEFAULT_ARM64`].
-pub fn suites(only: &[String]) -> Result<Vec<(&'static str, Arch)>> {
+pub(crate) fn suites(only: &[String]) -> Result<Vec<(&'static str, Arch)>> {
     if only.is_empty() {
         let mut all: Vec<_> = MATRIX.iter().map(|(s, _)| (*s, Arch::Amd64)).collect();
         all.push((DEFAULT_ARM64, Arch::Arm64));
@@ -98,7 +98,7 @@ pub fn suites(only: &[String]) -> Result<Vec<(&'static str, Arch)>> {
 /// Boots each suite's kernel, runs the tests in it and prints `kernel <uname -r>: N passed, N failed`
 /// per kernel. Returns the summed (passed, failed) counts; an error only when the matrix could not
 /// be run at all (no mirror, no download, no qemu).
-pub fn run(root: &Path, suites: &[(&str, Arch)]) -> Result<(u64, u64)> {
+pub(crate) fn run(root: &Path, suites: &[(&str, Arch)]) -> Result<(u64, u64)> {
     let started = Instant::now();
     let apt = Apt::new()?;
     let mut kernels = Vec::new();
@@ -141,13 +141,13 @@ pub fn run(root: &Path, suites: &[(&str, Arch)]) -> Result<(u64, u64)> {
     for kernel in &kernels {
         let t = Instant::now();
         let (bins, userland) = &guests[kernel.arch.deb()];
-        tally(kernel.release.clone(), t, boot(root, kernel, bins, userland)?);
+        tally(kernel.release.clone(), t, boot(root, kernel, bins, userland, false)?);
     }
     // The newest kernel of the first architecture run boots once more, locked down.
     if let Some(kernel) = kernels.iter().rfind(|k| k.arch == kernels[0].arch) {
         let t = Instant::now();
         let (bins, userland) = &guests[kernel.arch.deb()];
-        tally(format!("{} {LOCKDOWN}", kernel.release), t, boot_locked_down(root, kernel, bins, userland)?);
+        tally(format!("{} {LOCKDOWN}", kernel.release), t, boot(root, kernel, bins, userland, true)?);
     }
     println!("\nkernel matrix ({:.0?}):", started.elapsed());
     for line in lines {
@@ -218,14 +218,25 @@ struct Outcome {
 /// The guest's script: the test binaries, their summaries on the console, then power off. The
 /// tests' output is not captured: a panic (a verifier log) reaches the console when it happens,
 /// not at the end of a run the deadline may cut short. `VALET_KERNEL_TESTS` (a test name filter)
-/// narrows the kernel tests.
-fn guest_script(root: &Path, bins: &Binaries, busybox: &Path) -> String {
-    let filter = std::env::var("VALET_KERNEL_TESTS").unwrap_or_default();
-    format!(
-        r#"export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root RUST_BACKTRACE=1
-export VALET_AGENT_BIN={agent} VALET_STANDIN_PROXY={standin}
-ip link set lo up
-echo "VALET-VM-UNAME $(uname -r)"
+/// narrows the kernel tests. Locked down (`lockdown`): the degraded test alone, under the
+/// kernel's lockdown, which the script reads back.
+fn guest_script(root: &Path, bins: &Binaries, busybox: &Path, lockdown: bool) -> String {
+    let tests = if lockdown {
+        format!(
+            r#"mount -t securityfs securityfs /sys/kernel/security
+echo "VALET-VM-UNAME $(uname -r) $(cat /sys/kernel/security/lockdown)"
+cd {tests}
+echo "VALET-VM-BEGIN degraded"
+VALET_DEGRADED_NODE=lockdown {degraded} --test-threads=1 --nocapture --color=never 2>&1
+echo "VALET-VM-END degraded $?"
+"#,
+            tests = root.join("tests").display(),
+            degraded = bins.degraded_test.display(),
+        )
+    } else {
+        let filter = std::env::var("VALET_KERNEL_TESTS").unwrap_or_default();
+        format!(
+            r#"echo "VALET-VM-UNAME $(uname -r)"
 cd {tests}
 echo "VALET-VM-BEGIN kernel"
 {kernel} --test-threads={threads} --nocapture --color=never {filter} 2>&1
@@ -241,20 +252,27 @@ mount -t tmpfs -o size=64k,mode=755 nobtf /sys/kernel/btf && VALET_DEGRADED_NODE
 code=$?
 umount /sys/kernel/btf
 echo "VALET-VM-END degraded $code"
-sync
+"#,
+            tests = root.join("tests").display(),
+            kernel = bins.kernel_test.display(),
+            shutdown = bins.shutdown_test.display(),
+            privileges = bins.privileges_test.display(),
+            degraded = bins.degraded_test.display(),
+            scenario = SCENARIO,
+            threads = GUEST_TEST_THREADS,
+            filter = filter.split_whitespace().collect::<Vec<_>>().join(" "),
+        )
+    };
+    format!(
+        r#"export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root RUST_BACKTRACE=1
+export VALET_AGENT_BIN={agent} VALET_STANDIN_PROXY={standin}
+ip link set lo up
+{tests}sync
 echo "VALET-VM-DONE"
 {busybox} poweroff -f
 "#,
         agent = bins.agent.display(),
         standin = bins.standin.display(),
-        tests = root.join("tests").display(),
-        kernel = bins.kernel_test.display(),
-        shutdown = bins.shutdown_test.display(),
-        privileges = bins.privileges_test.display(),
-        degraded = bins.degraded_test.display(),
-        scenario = SCENARIO,
-        threads = GUEST_TEST_THREADS,
-        filter = filter.split_whitespace().collect::<Vec<_>>().join(" "),
         busybox = busybox.display(),
     )
 }
@@ -314,53 +332,18 @@ fn arm64_userland(apt: &Apt) -> Result<Userland> {
     Ok(Userland::Disk(image))
 }
 
-fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, userland: &Userland) -> Result<Outcome> {
-    let dir = Path::new(CACHE).join("run").join(&kernel.release);
+/// Boots `kernel` with `userland`, runs the guest's script ([`guest_script`]) and judges its
+/// console. Locked down (`lockdown`): with `lockdown=confidentiality` (no `bpf_probe_read_kernel`,
+/// no tracefs reads), the degraded test alone: valet's programs cannot run there.
+fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, userland: &Userland, lockdown: bool) -> Result<Outcome> {
+    let name = if lockdown { format!("{}-lockdown", kernel.release) } else { kernel.release.clone() };
+    let dir = Path::new(CACHE).join("run").join(name);
     std::fs::create_dir_all(&dir)?;
     let script = dir.join("run.sh");
-    std::fs::write(&script, guest_script(root, bins, &userland.busybox()))?;
+    std::fs::write(&script, guest_script(root, bins, &userland.busybox(), lockdown))?;
     let (append, extra) = userland.boot_args(root, bins, &dir, &script)?;
+    let append = if lockdown { format!("{LOCKDOWN} {append}") } else { append };
     let (lines, timed_out) = qemu_guest(kernel, &append, &extra, &dir)?;
-    let mut outcome = judge(&lines);
-    if timed_out {
-        outcome.failed += 1;
-        outcome.note = Some(format!("killed after {DEADLINE:?}; console: {}", dir.join("console.log").display()));
-    }
-    Ok(outcome)
-}
-
-/// Boots `kernel` locked down (`lockdown=confidentiality`: no `bpf_probe_read_kernel`, no
-/// tracefs reads) and runs the degraded test alone: valet's programs cannot run there.
-fn boot_locked_down(root: &Path, kernel: &Kernel, bins: &Binaries, userland: &Userland) -> Result<Outcome> {
-    let busybox = userland.busybox();
-    let dir = Path::new(CACHE).join("run").join(format!("{}-lockdown", kernel.release));
-    std::fs::create_dir_all(&dir)?;
-    let script = dir.join("run.sh");
-    std::fs::write(
-        &script,
-        format!(
-            r#"export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root RUST_BACKTRACE=1
-export VALET_AGENT_BIN={agent} VALET_STANDIN_PROXY={standin}
-ip link set lo up
-mount -t securityfs securityfs /sys/kernel/security
-echo "VALET-VM-UNAME $(uname -r) $(cat /sys/kernel/security/lockdown)"
-cd {tests}
-echo "VALET-VM-BEGIN degraded"
-VALET_DEGRADED_NODE=lockdown {degraded} --test-threads=1 --nocapture --color=never 2>&1
-echo "VALET-VM-END degraded $?"
-sync
-echo "VALET-VM-DONE"
-{busybox} poweroff -f
-"#,
-            agent = bins.agent.display(),
-            standin = bins.standin.display(),
-            tests = root.join("tests").display(),
-            degraded = bins.degraded_test.display(),
-            busybox = busybox.display(),
-        ),
-    )?;
-    let (append, extra) = userland.boot_args(root, bins, &dir, &script)?;
-    let (lines, timed_out) = qemu_guest(kernel, &format!("{LOCKDOWN} {append}"), &extra, &dir)?;
     let mut outcome = judge(&lines);
     if timed_out {
         outcome.failed += 1;

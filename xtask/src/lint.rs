@@ -9,7 +9,7 @@ use anyhow::{Result, bail};
 use crate::cmd::cargo;
 use crate::{imports, setup};
 
-pub fn lint(root: &Path) -> Result<()> {
+pub(crate) fn lint(root: &Path) -> Result<()> {
     // Clippy on the agent runs its build script, which builds the BPF object: same tools as a build.
     setup::build_tools()?;
     let bpf = setup::bpf_toolchain()?;

@@ -9,6 +9,8 @@
 //! * `cargo xtask fuzz`   runs the fuzz targets for a bounded time (also part of `test`).
 //! * `cargo xtask image`  builds the agent's OCI image (no Docker, no registry).
 //! * `cargo xtask kernels`, `cargo xtask node`: the qemu suites (Debian kernels, a real node).
+#![forbid(unsafe_code)]
+
 mod arch;
 mod chaos;
 mod cmd;

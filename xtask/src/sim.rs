@@ -8,14 +8,14 @@ use anyhow::{Result, bail};
 use crate::cmd::{cargo, is_root, run};
 use crate::setup;
 
-pub fn demo(root: &Path, args: &[String]) -> Result<()> {
+pub(crate) fn demo(root: &Path, args: &[String]) -> Result<()> {
     if !is_root() {
         bail!("the demo creates cgroups and network namespaces: run it as root");
     }
     run_driver(root, "valet-demo", args)
 }
 
-pub fn bench(root: &Path, args: &[String]) -> Result<()> {
+pub(crate) fn bench(root: &Path, args: &[String]) -> Result<()> {
     if !is_root() {
         bail!("the benchmarks load eBPF programs: run them as root");
     }

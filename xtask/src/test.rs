@@ -11,7 +11,7 @@ use crate::setup;
 /// `cpu_hog`: that many busy loops run beside the tests, from the build's end to the run's end
 /// (failed or not), to show that no test depends on the machine's pace (`--cpu-hog 2` keeps a
 /// 2-core machine's cores busy, as a CI neighbour would).
-pub fn test(root: &Path, filter: Option<&str>, vm: bool, kernels: &[String], cpu_hog: usize) -> Result<()> {
+pub(crate) fn test(root: &Path, filter: Option<&str>, vm: bool, kernels: &[String], cpu_hog: usize) -> Result<()> {
     if !is_root() {
         bail!("the test suite has privileged tests (eBPF, cgroups, namespaces): run it as root");
     }
@@ -73,7 +73,7 @@ pub fn test(root: &Path, filter: Option<&str>, vm: bool, kernels: &[String], cpu
 }
 
 /// `cargo xtask kernels`: the kernel tests and one end-to-end scenario on every kernel of the matrix.
-pub fn kernels(root: &Path, only: &[String]) -> Result<()> {
+pub(crate) fn kernels(root: &Path, only: &[String]) -> Result<()> {
     if !is_root() {
         bail!("the kernel matrix boots qemu guests that load eBPF programs: run it as root");
     }
@@ -88,7 +88,7 @@ pub fn kernels(root: &Path, only: &[String]) -> Result<()> {
 
 /// `cargo xtask node`: valet on a real node (a Debian VM with containerd driven through the CRI),
 /// in the default cell, the named cells, or every cell of the matrix.
-pub fn node(root: &Path, matrix: bool, cells: &[String], only: &[String], lag: Option<u32>) -> Result<()> {
+pub(crate) fn node(root: &Path, matrix: bool, cells: &[String], only: &[String], lag: Option<u32>) -> Result<()> {
     if !is_root() {
         bail!("the node VM needs root (mmdebstrap, qemu): run it as root");
     }

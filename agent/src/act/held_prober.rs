@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{ErrorKind, Read as _, Write as _};
 use std::net::TcpStream;
-use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+use std::os::fd::AsRawFd as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -71,12 +71,7 @@ impl CpuPace {
 
 /// The calling thread's CPU time (zero if the clock cannot be read: no budget then).
 fn thread_cpu() -> Duration {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid timespec for the call to fill; no other pointer is passed.
-    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
-        return Duration::ZERO;
-    }
-    Duration::new(u64::try_from(ts.tv_sec).unwrap_or(0), u32::try_from(ts.tv_nsec).unwrap_or(0))
+    crate::host::sys::thread_cpu()
 }
 
 /// A pod as handed over.
@@ -155,14 +150,13 @@ impl HeldProber {
     /// Starts the thread; its news goes to `tx`. It ends once `tx` is closed. None: no thread
     /// (the held pods are probed by their loops).
     pub fn start<L: SidecarLink>(link: Arc<L>, tx: mpsc::UnboundedSender<Report>) -> Option<Arc<HeldProber>> {
-        // SAFETY: eventfd takes no pointers; a non-negative result is a new descriptor, owned here.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            warn!("no held-pod prober: eventfd: {}", std::io::Error::last_os_error());
-            return None;
-        }
-        // SAFETY: `fd` was just made and nothing else owns it.
-        let wake = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        let wake = match crate::host::sys::eventfd() {
+            Ok(fd) => File::from(fd),
+            Err(e) => {
+                warn!("no held-pod prober: eventfd: {e}");
+                return None;
+            }
+        };
         let prober = Arc::new(HeldProber {
             registry: Mutex::new(Registry { pods: HashMap::new(), now: Vec::new(), version: 0, ended: false }),
             wake,
@@ -409,14 +403,7 @@ impl HeldProber {
                 }
             }
             let left = until.saturating_duration_since(now);
-            let ts = libc::timespec {
-                tv_sec: libc::time_t::try_from(left.as_secs()).unwrap_or(libc::time_t::MAX),
-                tv_nsec: libc::c_long::from(left.subsec_nanos()),
-            };
-            // SAFETY: `fds` is a valid array of pollfds and `ts` a valid timespec for the call;
-            // no signal mask.
-            let n = unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
-            if n <= 0 {
+            if !crate::host::sys::ppoll(&mut fds, left).is_ok_and(|n| n > 0) {
                 continue;
             }
             if fds[0].revents != 0 {

@@ -185,18 +185,13 @@ fn real_time(priority: u8) {
     if priority == 0 {
         return;
     }
-    let param = libc::sched_param { sched_priority: i32::from(priority) };
-    // SAFETY: `param` is a valid sched_param for the call; pid 0 is the calling thread.
-    let r = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &param) };
-    if r == 0 {
-        info!(priority, "the release thread runs SCHED_FIFO");
-    } else {
-        warn!(
+    match crate::host::sys::real_time(priority) {
+        Ok(()) => info!(priority, "the release thread runs SCHED_FIFO"),
+        Err(e) => warn!(
             priority,
             "the release thread stays in the normal class (releases may wait for a CPU on a busy node): \
-             SCHED_FIFO: {} (it needs CAP_SYS_NICE)",
-            std::io::Error::last_os_error()
-        );
+             SCHED_FIFO: {e} (it needs CAP_SYS_NICE)"
+        ),
     }
 }
 
@@ -540,13 +535,9 @@ pub fn held_at_exec(host_proc: &Path, pid: u32) -> bool {
 /// after it starts, so its start time (boot-relative, as the monotonic clock on a node that never
 /// suspends) stands for it. Unknown: now.
 fn stopped_since(host_proc: &Path, pid: u32, now: Nanos) -> Nanos {
-    // SAFETY: sysconf has no preconditions.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let Some(ticks) = crate::host::sys::clock_ticks() else { return now };
     let Some(start) = crate::host::container_main::start_time(host_proc, pid) else { return now };
-    if ticks <= 0 {
-        return now;
-    }
-    let started = start.saturating_mul(1_000_000_000) / ticks as u64;
+    let started = start.saturating_mul(1_000_000_000) / ticks;
     started.min(now)
 }
 
@@ -603,8 +594,7 @@ mod tests {
         // Field 22 (start time) = 500 ticks.
         let fields: Vec<String> = (3..=22).map(|i| if i == 22 { "500".into() } else { "0".into() }).collect();
         std::fs::write(dir.join("42/stat"), format!("42 (a (b) c) {}", fields.join(" "))).expect("write");
-        // SAFETY: as above.
-        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+        let ticks = crate::host::sys::clock_ticks().expect("clock ticks");
         let since = stopped_since(&dir, 42, u64::MAX);
         let missing = stopped_since(&dir, 43, 7);
         let _ = std::fs::remove_dir_all(&dir);

@@ -10,21 +10,13 @@
 //! kernel still holds an unclassified container's first exec and the agent judges it then.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd as _, AsRawFd, RawFd};
 use std::path::Path;
 
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
 use tokio::io::unix::AsyncFd;
 use tracing::{debug, warn};
 
-/// The inotify instance, as tokio's reactor wants it.
-struct Fd(Inotify);
-
-impl AsRawFd for Fd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.as_fd().as_raw_fd()
-    }
-}
+use crate::host::sys::Inotify as Fd;
 
 /// Watches pod cgroup directories for new children.
 pub struct Creations {
@@ -40,11 +32,9 @@ impl Creations {
         let inotify = if tokio::runtime::Handle::try_current().is_err() {
             Err("no tokio runtime".to_owned())
         } else {
-            Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).map_err(|e| e.to_string()).and_then(|i| {
-                // SAFETY: the inotify instance owns its fd and keeps it open while registered.
-                unsafe { AsyncFd::register_with_interest(Fd(i), tokio::io::Interest::READABLE) }
-                    .map_err(|e| e.to_string())
-            })
+            Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
+                .map_err(|e| e.to_string())
+                .and_then(|i| crate::host::sys::readable(Fd(i)).map_err(|e| e.to_string()))
         };
         let inotify = match inotify {
             Ok(i) => Some(i),

@@ -86,13 +86,7 @@ pub struct NodeCgroups {
 
 /// The file system type of `path` (`statfs(2)`'s `f_type`).
 fn fs_magic(path: &Path) -> Option<i64> {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
-    // SAFETY: a zeroed statfs is a valid out-buffer; the path is NUL-terminated.
-    let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    let rc = unsafe { libc::statfs(c.as_ptr(), &mut buf) };
-    #[allow(clippy::unnecessary_cast)] // f_type's width differs between targets.
-    (rc == 0).then_some(buf.f_type as i64)
+    crate::host::sys::fs_magic(path)
 }
 
 /// Whether a kubelet root (either driver's) is a child of `dir`.

@@ -3,29 +3,10 @@
 
 use super::tree::{CgroupFs, Search, cgroup_of_pid};
 use crate::error::{Error, Result};
-use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+use std::os::fd::{AsFd as _, OwnedFd};
 use std::path::Path;
 
-fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
-    // SAFETY: plain syscall; a non-negative return is a new fd we own.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: fd is valid and owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-fn pidfd_send_signal(fd: &OwnedFd, signal: i32) -> std::io::Result<()> {
-    // SAFETY: plain syscall on a valid pidfd.
-    let r = unsafe {
-        libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), signal, std::ptr::null::<libc::siginfo_t>(), 0)
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
+use crate::host::sys::{pidfd_open, pidfd_send_signal};
 
 /// Sends `signal` to `pid` only if it (still) lives in cgroup `rel` or below.
 ///
@@ -45,13 +26,12 @@ pub struct Pinned {
 impl Pinned {
     /// Whether the process has exited (its pidfd turns readable).
     pub fn exited(&self) -> bool {
-        let mut poll = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd, no wait.
-        unsafe { libc::poll(&mut poll, 1, 0) == 1 }
+        crate::host::sys::ready_now(self.fd.as_fd(), libc::POLLIN)
     }
 
     pub fn signal(&self, signal: i32) -> Result<()> {
-        pidfd_send_signal(&self.fd, signal).map_err(|e| Error::io(format!("signal {signal} to pid {}", self.pid), e))
+        pidfd_send_signal(self.fd.as_fd(), signal)
+            .map_err(|e| Error::io(format!("signal {signal} to pid {}", self.pid), e))
     }
 }
 

@@ -61,21 +61,14 @@ pub fn choose_main(procs: &[ProcInfo]) -> Option<MainProcess> {
 /// A process's start time (`/proc/<pid>/stat` field 22, clock ticks since boot).
 pub fn start_time(host_proc: &Path, pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(host_proc.join(pid.to_string()).join("stat")).ok()?;
-    // Fields after the command (which may contain spaces and parentheses) start at field 3.
-    stat.rsplit_once(')')?.1.split_whitespace().nth(22 - 3)?.parse().ok()
+    super::proc::stat_field(&stat, 22)?.parse().ok()
 }
 
 /// Reads one process from procfs; `None` when it is gone or unreadable (it raced its exit).
 pub fn read_process(host_proc: &Path, pid: u32) -> Option<ProcInfo> {
     let dir = host_proc.join(pid.to_string());
     let status = std::fs::read_to_string(dir.join("status")).ok()?;
-    let nspid: Vec<u32> = status
-        .lines()
-        .find_map(|l| l.strip_prefix("NSpid:"))?
-        .split_whitespace()
-        .map(str::parse)
-        .collect::<std::result::Result<_, _>>()
-        .ok()?;
+    let nspid = super::proc::nspid(&status)?;
     if nspid.first() != Some(&pid) {
         return None;
     }

@@ -5,3 +5,5 @@ pub mod clock;
 pub mod container_main;
 pub mod proc;
 pub mod resident;
+#[allow(unsafe_code, reason = "the one module of libc calls and unsafe blocks, behind safe functions")]
+pub mod sys;

@@ -36,8 +36,7 @@ pub(crate) mod tests {
     /// A `sleep` child, stopped (SIGSTOP) as a held app is; the caller kills it.
     pub(crate) fn stopped_child() -> std::process::Child {
         let child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
-        // SAFETY: plain syscall to our own child.
-        unsafe { libc::kill(child.id() as i32, libc::SIGSTOP) };
+        crate::host::sys::kill(child.id(), libc::SIGSTOP).expect("stop our own child");
         // Only a guard against a hang: the loop waits for the stop itself.
         let deadline = Instant::now() + Duration::from_secs(30);
         while !process_stopped(Path::new("/proc"), child.id()) {

@@ -36,8 +36,7 @@ pub fn note(step: &str) {
 
 /// Gives freed heap back to the node (glibc keeps it otherwise).
 pub fn trim_heap() {
-    // SAFETY: glibc's malloc_trim only releases free memory.
-    unsafe { libc::malloc_trim(0) };
+    super::sys::malloc_trim();
 }
 
 #[cfg(test)]

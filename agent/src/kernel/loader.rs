@@ -66,17 +66,7 @@ fn deny_open_filter(arch: u32) -> Vec<libc::sock_filter> {
 fn deny_open_on_this_thread() -> std::io::Result<()> {
     let arch = AUDIT_ARCH.ok_or_else(|| std::io::Error::other("no seccomp architecture known for this build"))?;
     let filter = deny_open_filter(arch);
-    let prog = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_ptr() as *mut _ };
-    // SAFETY: prctl with these options reads only `prog`, which outlives the call. Without
-    // SECCOMP_FILTER_FLAG_TSYNC both settings apply to the calling thread alone;
-    // no_new_privs is what lets a process without CAP_SYS_ADMIN install a filter.
-    unsafe {
-        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
-            || libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &prog as *const libc::sock_fprog) != 0
-        {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
+    crate::host::sys::seccomp_this_thread(&filter)?;
     // The filter is in force if the file aya would parse no longer opens.
     match std::fs::File::open("/sys/kernel/btf/vmlinux") {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

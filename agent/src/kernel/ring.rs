@@ -102,12 +102,7 @@ fn cgroup_name(bytes: &[u8]) -> Option<String> {
 impl Event {
     /// Decodes one ring buffer record; `None` for records of unknown kind or size.
     pub fn decode(bytes: &[u8]) -> Option<Event> {
-        if bytes.len() < size_of::<KernelEvent>() {
-            return None;
-        }
-        // SAFETY: size checked; KernelEvent is plain data valid for any bit pattern; the read is
-        // unaligned-safe.
-        let raw: KernelEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+        let raw: KernelEvent = crate::host::sys::read_pod(bytes)?;
         match raw.kind {
             event_kind::EXIT => Some(Event::Exit(ProcessExit {
                 cgroup_name: cgroup_name(bytes),
@@ -157,9 +152,7 @@ pub struct EventStream {
 
 impl EventStream {
     pub fn new(ring: RingBuf<MapData>) -> Result<EventStream> {
-        // SAFETY: the ring buffer owns its fd and keeps it open while registered.
-        let fd = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
-            .map_err(|e| Error::io("poll ring buffer", e.into()))?;
+        let fd = crate::host::sys::readable(ring).map_err(|e| Error::io("poll ring buffer", e))?;
         Ok(EventStream { fd, undecodable: 0 })
     }
 
@@ -233,14 +226,11 @@ fn read_events(mut ring: RingBuf<MapData>, tx: &tokio::sync::mpsc::Sender<Vec<Ev
     let fd = ring.as_raw_fd();
     short_slice();
     loop {
-        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, READER_CHECK) };
+        let polled = crate::host::sys::poll(&mut [libc::pollfd { fd, events: libc::POLLIN, revents: 0 }], READER_CHECK);
         if tx.is_closed() {
             return;
         }
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
+        if let Err(e) = polled {
             if e.kind() != std::io::ErrorKind::Interrupted {
                 tracing::warn!("poll the kernel event ring buffer: {e}");
                 std::thread::sleep(std::time::Duration::from_millis(100));
@@ -271,31 +261,8 @@ fn read_events(mut ring: RingBuf<MapData>, tx: &tokio::sync::mpsc::Sender<Vec<Ev
 /// nice unchanged). The reader runs for microseconds per wake-up; older kernels ignore or refuse
 /// it, and the thread runs as any other.
 fn short_slice() {
-    #[repr(C)]
-    struct SchedAttr {
-        size: u32,
-        policy: u32,
-        flags: u64,
-        nice: i32,
-        priority: u32,
-        runtime: u64,
-        deadline: u64,
-        period: u64,
-    }
-    let attr = SchedAttr {
-        size: size_of::<SchedAttr>() as u32,
-        policy: libc::SCHED_OTHER as u32,
-        flags: 0,
-        nice: 0,
-        priority: 0,
-        runtime: 100_000,
-        deadline: 0,
-        period: 0,
-    };
-    // SAFETY: a valid sched_attr of the size it declares, for the calling thread (pid 0).
-    let r = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
-    if r != 0 {
-        tracing::debug!("event reader: no short scheduler slice: {}", std::io::Error::last_os_error());
+    if let Err(e) = crate::host::sys::short_slice(std::time::Duration::from_micros(100)) {
+        tracing::debug!("event reader: no short scheduler slice: {e}");
     }
 }
 
@@ -321,9 +288,7 @@ mod tests {
         raw.exit_status = 3 << 8;
         raw.tgid = 77;
         raw.comm[..4].copy_from_slice(b"app\0");
-        // SAFETY: plain data viewed as bytes.
-        let bytes =
-            unsafe { std::slice::from_raw_parts((&raw as *const KernelEvent).cast::<u8>(), size_of::<KernelEvent>()) };
+        let bytes = crate::host::sys::pod_bytes(&raw);
         match Event::decode(bytes) {
             Some(Event::Exit(exit)) => {
                 assert_eq!(exit.end, Some(ProcessEnd::Exited(3)));
@@ -339,10 +304,7 @@ mod tests {
         assert_eq!(Event::decode(&bytes[..10]), None);
         let mut unknown = raw;
         unknown.kind = 99;
-        // SAFETY: as above.
-        let bytes = unsafe {
-            std::slice::from_raw_parts((&unknown as *const KernelEvent).cast::<u8>(), size_of::<KernelEvent>())
-        };
+        let bytes = crate::host::sys::pod_bytes(&unknown);
         assert_eq!(Event::decode(bytes), None);
     }
 
@@ -357,11 +319,7 @@ mod tests {
     fn an_exit_record_carries_its_container_cgroups_name() {
         let mut rec = ExitRecord { event: KernelEvent::zeroed(), cgroup_name: [0; valet_common::CGROUP_NAME_BYTES] };
         rec.event.kind = event_kind::EXIT;
-        let as_bytes = |rec: &ExitRecord| {
-            // SAFETY: plain data viewed as bytes.
-            unsafe { std::slice::from_raw_parts((rec as *const ExitRecord).cast::<u8>(), size_of::<ExitRecord>()) }
-                .to_vec()
-        };
+        let as_bytes = |rec: &ExitRecord| crate::host::sys::pod_bytes(rec).to_vec();
         let name = format!("cri-containerd-{}.scope", "ab".repeat(32));
         rec.cgroup_name[..name.len()].copy_from_slice(name.as_bytes());
         assert_eq!(exit_name(&as_bytes(&rec)), Some(name));

@@ -305,7 +305,7 @@ pub(crate) mod tests {
     use serde_json::{Value, json};
 
     /// An Istio Job pod; `app`/`proxy`: the containers' `state` objects, `ready`: the proxy's.
-    pub fn pod(app: Value, proxy: Value, ready: bool) -> Pod {
+    pub(crate) fn pod(app: Value, proxy: Value, ready: bool) -> Pod {
         serde_json::from_value(json!({
             "metadata": {
                 "name": "p", "namespace": "jobs", "uid": "u1", "creationTimestamp": "2026-01-01T00:00:00Z",
@@ -322,7 +322,7 @@ pub(crate) mod tests {
     }
 
     /// An Istio Job pod whose proxy is a native sidecar (Istio 1.27's injection on a 1.33 node).
-    pub fn native_pod(app: Value, proxy: Value, ready: bool) -> Pod {
+    pub(crate) fn native_pod(app: Value, proxy: Value, ready: bool) -> Pod {
         let mut p = serde_json::to_value(pod(app.clone(), proxy.clone(), ready)).expect("json");
         p["spec"]["containers"] = json!([{"name": "app"}]);
         p["spec"]["initContainers"] = json!([
@@ -339,19 +339,19 @@ pub(crate) mod tests {
         serde_json::from_value(p).expect("pod")
     }
 
-    pub fn started(at: &str) -> Value {
+    pub(crate) fn started(at: &str) -> Value {
         json!({"running": {"startedAt": at}})
     }
 
-    pub fn ended(at: &str) -> Value {
+    pub(crate) fn ended(at: &str) -> Value {
         json!({"terminated": {"exitCode": 0, "finishedAt": at}})
     }
 
-    pub fn running() -> Value {
+    pub(crate) fn running() -> Value {
         json!({"running": {"startedAt": "2026-01-01T00:00:00Z"}})
     }
 
-    pub fn waiting() -> Value {
+    pub(crate) fn waiting() -> Value {
         json!({"waiting": {"reason": "ContainerCreating"}})
     }
 
@@ -446,7 +446,7 @@ pub(crate) mod tests {
     }
 
     /// `native_pod` whose `Initialized` condition is `status`, turned so at `at`.
-    pub fn initialized(mut p: Pod, status: &str, at: &str) -> Pod {
+    pub(crate) fn initialized(mut p: Pod, status: &str, at: &str) -> Pod {
         let condition = json!({"type": "Initialized", "status": status, "lastTransitionTime": at});
         let conditions = vec![
             serde_json::from_value(json!({"type": "PodScheduled", "status": "True",

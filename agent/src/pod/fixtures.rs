@@ -4,11 +4,11 @@
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
-pub const UID: &str = "6b1f2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
+pub(super) const UID: &str = "6b1f2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
 
 /// A pod from JSON (`apiVersion` and `kind` added when absent); panics (test only) when the
 /// JSON is not a pod.
-pub fn from_json(mut value: Value) -> Pod {
+pub(super) fn from_json(mut value: Value) -> Pod {
     if let Some(object) = value.as_object_mut() {
         object.entry("apiVersion").or_insert_with(|| json!("v1"));
         object.entry("kind").or_insert_with(|| json!("Pod"));
@@ -20,7 +20,7 @@ pub fn from_json(mut value: Value) -> Pod {
 }
 
 /// A minimal pod around a `spec`.
-pub fn pod(spec: Value) -> Pod {
+pub(super) fn pod(spec: Value) -> Pod {
     from_json(json!({
         "apiVersion": "v1",
         "kind": "Pod",
@@ -30,7 +30,7 @@ pub fn pod(spec: Value) -> Pod {
 }
 
 /// The pod with these annotations added (or replaced).
-pub fn with_annotations(mut pod: Pod, annotations: &[(&str, &str)]) -> Pod {
+pub(super) fn with_annotations(mut pod: Pod, annotations: &[(&str, &str)]) -> Pod {
     let map = pod.metadata.annotations.get_or_insert_default();
     for (k, v) in annotations {
         map.insert((*k).to_owned(), (*v).to_owned());
@@ -39,7 +39,7 @@ pub fn with_annotations(mut pod: Pod, annotations: &[(&str, &str)]) -> Pod {
 }
 
 /// A CronJob's pod in an Istio-injected namespace (Istio 1.22, sidecar as a regular container).
-pub fn istio_job() -> Pod {
+pub(super) fn istio_job() -> Pod {
     from_json(json!({
         "apiVersion": "v1",
         "kind": "Pod",
@@ -157,7 +157,7 @@ pub fn istio_job() -> Pod {
 }
 
 /// A Job pod meshed by Linkerd (proxy injected first, with its linkerd-await postStart hook).
-pub fn linkerd_job() -> Pod {
+pub(super) fn linkerd_job() -> Pod {
     from_json(json!({
         "metadata": {
             "name": "migrate-4hq9z",
@@ -201,7 +201,7 @@ pub fn linkerd_job() -> Pod {
 
 /// A Job pod with Google's Cloud SQL Auth Proxy v2 (quit endpoint enabled), two app containers,
 /// and valet's hold annotations.
-pub fn cloud_sql_job() -> Pod {
+pub(super) fn cloud_sql_job() -> Pod {
     from_json(json!({
         "metadata": {
             "name": "etl-nightly-b2m4v",
@@ -232,7 +232,7 @@ pub fn cloud_sql_job() -> Pod {
 
 /// A pod that names its own sidecars (`valet.dev/sidecars`, spaces included), with kinds from an
 /// annotation and from images, and port overrides.
-pub fn override_job() -> Pod {
+pub(super) fn override_job() -> Pod {
     from_json(json!({
         "metadata": {
             "name": "worker-0",
@@ -259,7 +259,7 @@ pub fn override_job() -> Pod {
 }
 
 /// Istio 1.27 on Kubernetes 1.33: istio-proxy is a native sidecar (init container, restartPolicy Always).
-pub fn native_sidecar_job() -> Pod {
+pub(super) fn native_sidecar_job() -> Pod {
     from_json(json!({
         "metadata": {"name": "train-5t6zq", "namespace": "ml", "uid": UID},
         "spec": {
@@ -283,7 +283,7 @@ pub fn native_sidecar_job() -> Pod {
 
 /// Istio with holdApplicationUntilProxyStarts: istio-proxy moved first, `pilot-agent wait` hook,
 /// and the per-pod ProxyConfig annotation that asked for it.
-pub fn istio_hold_job() -> Pod {
+pub(super) fn istio_hold_job() -> Pod {
     from_json(json!({
         "metadata": {
             "name": "report-hold-9xk3d",

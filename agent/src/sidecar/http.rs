@@ -114,10 +114,8 @@ pub fn connect(addr: SocketAddr, limits: Limits) -> Result<TcpStream, Failure> {
 /// Whether a kept connection can carry another request: nothing has arrived on it (a server
 /// that closed it, or sent something unasked, makes it readable).
 pub fn idle_and_open(stream: &impl std::os::fd::AsRawFd) -> bool {
-    let mut pfd = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN | libc::POLLRDHUP, revents: 0 };
-    // SAFETY: one valid pollfd, zero timeout.
-    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
-    n == 0
+    let mut pfd = [libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN | libc::POLLRDHUP, revents: 0 }];
+    crate::host::sys::poll(&mut pfd, 0).is_ok_and(|n| n == 0)
 }
 
 /// One request on an open connection; `keep`: ask the server to keep it open. Returns the
@@ -194,7 +192,7 @@ pub fn request_text(addr: SocketAddr, method: &str, path: &str, keep: bool) -> S
 
 /// [`exchange`] on the agent's runtime, for a kept connection (no thread hop): the same request,
 /// deadline, cap and reuse rule.
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, reason = "the same request properties as `exchange`")]
 pub async fn exchange_async(
     stream: &mut tokio::net::TcpStream,
     addr: SocketAddr,

@@ -87,7 +87,7 @@ pub trait SidecarLink: Send + Sync + 'static {
     }
     /// One request to `127.0.0.1:port` in the pod's network namespace; `fresh` enters it anew
     /// (a retry); `pod_ip_fallback` sends it to the pod IP while the namespace cannot be entered.
-    #[allow(clippy::too_many_arguments)] // each is one plain property of the request
+    #[allow(clippy::too_many_arguments, reason = "each is one plain property of the request")]
     fn request(
         &self,
         target: PodTarget,

@@ -1,5 +1,5 @@
 //! A simulated kubelet and container runtime for [`SimPod`]s, as unhelpful as the real ones by
-//! default (see `/work/shared/notes/real-node.md`):
+//! default:
 //!
 //! - it starts a pod's containers like the kubelet: the sandbox first, then the init containers
 //!   one after another, then the containers in spec order (a container without a command is left
@@ -1383,7 +1383,7 @@ fn terminated_json(inst: &Instance, exit: &Exit, scheme: &str) -> Value {
 /// `failure_threshold` failures in a row. A startup probe (`once`) stops at its first success.
 /// (A startup probe's `failure_threshold` failures, which make the kubelet restart the
 /// container, are not modelled: it keeps probing.)
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, reason = "the probe and the container's shared state, each its own")]
 fn probe_loop(
     probe: HttpProbe,
     ip: Option<Ipv4Addr>,

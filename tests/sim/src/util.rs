@@ -79,14 +79,8 @@ pub fn now_rfc3339_micro() -> String {
     chrono::Utc::now().format("%Y-%m-%dT%H:%M:%S%.6fZ").to_string()
 }
 
-/// CLOCK_MONOTONIC in nanoseconds: the clock the stand-in proxies stamp requests with, so
-/// tests and benchmarks in other processes can compare times.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `ts` is a valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
-}
+/// CLOCK_MONOTONIC in nanoseconds: the clock the stand-in proxies stamp requests with.
+pub use valet_test_support::monotonic_ns;
 
 /// A binary built beside the running executable: in its directory (`target/<profile>/`) or the
 /// one above (from `target/<profile>/deps/`, where tests run).

@@ -485,15 +485,8 @@ fn a_hung_patch_is_held_until_its_client_gives_up() {
 }
 
 /// Polls until `f` holds, with a generous hang guard.
-fn eventually(mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    false
+fn eventually(f: impl FnMut() -> bool) -> bool {
+    valet_test_support::eventually(Duration::from_secs(10), f)
 }
 
 #[test]

@@ -11,6 +11,7 @@ use valet_sim::node::{PodJsonOptions, SimPod, SimPodOptions, SpawnOptions, cgrou
 use valet_sim::standin::{ProxyKind, StandinOptions};
 use valet_sim::util::require_root;
 use valet_sim::{FakeApiServer, ServerOptions};
+use valet_test_support::wait_for;
 
 struct Setup {
     api: FakeApiServer,
@@ -54,18 +55,6 @@ fn phase(api: &FakeApiServer, sim: &SimPod) -> String {
 
 /// Only a guard against a hang: the waits are for events.
 const HANG_GUARD: Duration = Duration::from_secs(30);
-
-/// Polls every 2 ms; the time it took, None on timeout.
-fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
-    let start = Instant::now();
-    while start.elapsed() < timeout {
-        if f() {
-            return Some(start.elapsed());
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    None
-}
 
 /// Sleeps until just after the kubelet's next relist tick, so the following start has a whole
 /// period before the next one.

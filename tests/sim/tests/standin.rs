@@ -1,7 +1,7 @@
 //! The stand-in proxy's behaviour switches, run directly on the host loopback (no root needed).
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -12,7 +12,7 @@ use valet_sim::standin::read_events;
 const T: Duration = Duration::from_secs(30);
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    valet_test_support::free_port().expect("a free port")
 }
 
 struct Proxy {

@@ -5,7 +5,7 @@ use valet_sim::apiserver::{Flow, ListRead, Traffic};
 use valet_sim::node::SpawnOptions;
 use valet_tests::harness::{Agent, Node, eventually};
 
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
 
 /// The agent's user agent (its `User-Agent` product), and the simulated kubelet's.

@@ -8,7 +8,7 @@ use valet_agent::kernel::{Attach, Event, EventStream, Programs};
 use valet_common::watch_flags;
 use valet_tests::cgroups::TestCgroups;
 
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
 
 /// 1. Exit events: kernel timestamp to user-space receipt.

@@ -6,7 +6,7 @@ use valet_agent::kernel::{Attach, Programs};
 use valet_common::watch_flags;
 use valet_tests::cgroups::TestCgroups;
 
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
 
 /// Ids of the loaded BPF programs whose name starts with `valet_`.

@@ -46,33 +46,33 @@ mod table;
 mod together;
 mod wide;
 
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use bill::*;
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use exit::*;
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use kernel::*;
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use node::*;
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use pods::*;
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use procfs::*;
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use quit::*;
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use release::*;
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use soak::*;
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use stall::*;
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use storm::*;
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use table::*;
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use together::*;
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use wide::*;
 
 pub(crate) const SECTIONS: &str = "exit|quit|release|storm|kernel|together|node|soak|observe|bill|wide";
@@ -195,9 +195,7 @@ pub(crate) fn bin(name: &str) -> Result<std::path::PathBuf> {
 
 /// Whether `pid` is stopped (state `T`): held by the kernel before its first instruction.
 pub(crate) fn stopped(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T"))
-        .unwrap_or(false)
+    valet_tests::harness::process_state(pid) == Some('T')
 }
 
 pub(crate) fn read_stamp(path: &Path) -> Option<u64> {
@@ -226,12 +224,9 @@ pub(crate) const WRAPPER_ARGS: [&str; 3] = ["15020", "/quitquitquit", "--"];
 /// the round's cost not at all or several times over, depending on whether a round falls in it.
 pub(crate) const READY_PROBE_INTERVAL: Duration = Duration::from_secs(30);
 
-/// A free TCP port on the host's loopback.
-pub(crate) fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
+pub(crate) use valet_test_support::free_port;
 
-pub fn main() -> Result<()> {
+pub(crate) fn main() -> Result<()> {
     let args = parse_args()?;
     valet_tests::cgroups::require_root();
     let plan = Plan::new(&args);

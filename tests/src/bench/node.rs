@@ -4,7 +4,7 @@ use anyhow::{Context as _, Result, bail};
 use valet_sim::node::SpawnOptions;
 use valet_tests::harness::{Node, eventually};
 
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
 
 /// Section 8, a full node: the kubelet's default maximum of pods, all opted in, 50 Jobs starting

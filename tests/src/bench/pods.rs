@@ -5,7 +5,7 @@ use anyhow::{Context as _, Result, bail};
 use valet_sim::node::SpawnOptions;
 use valet_tests::harness::{Agent, JobPod, JobSpec, Node};
 
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
 
 /// Waits until the agent's `valet_pods_tracked` is `n`, polling its metrics as fast as it

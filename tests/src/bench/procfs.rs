@@ -20,13 +20,10 @@ pub(crate) fn print_resources(pid: u32, wall: Duration, pods: usize) {
 /// CPU time (user + system) of a process so far.
 pub(crate) fn cpu_time(pid: u32) -> Duration {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or_default().split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the command name.
-    let ticks: u64 = fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0)
-        + fields.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
-    // SAFETY: plain sysconf query.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    Duration::from_secs_f64(ticks as f64 / hz)
+    // utime and stime are fields 14 and 15 of stat.
+    let field = |n| valet_agent::host::proc::stat_field(&stat, n).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let hz = valet_agent::host::sys::clock_ticks().unwrap_or(100) as f64;
+    Duration::from_secs_f64((field(14) + field(15)) as f64 / hz)
 }
 
 /// The CPU share (of one core) process `pid` used over `window`, from each thread's

@@ -7,7 +7,7 @@ use valet_agent::host::clock::monotonic_ns;
 use valet_sim::node::SpawnOptions;
 use valet_tests::harness::{JobSpec, Node};
 
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
 
 /// The stand-in proxy's own part of a quit figure: from the client's first byte (a kept

@@ -17,7 +17,7 @@ use valet_sim::node::{SimPod, SpawnOptions};
 use valet_tests::envoy;
 use valet_tests::harness::{Agent, JobSpec, Node, eventually};
 
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
 
 /// The ready moment is drawn uniformly over this long after the hold.

@@ -9,7 +9,7 @@ use valet_agent::host::clock::monotonic_ns;
 use valet_sim::node::SpawnOptions;
 use valet_tests::harness::{Agent, Node};
 
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
 
 /// How long the API's reports of the ends are held after the agent resumed: a quit later than

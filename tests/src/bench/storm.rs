@@ -4,7 +4,7 @@ use anyhow::{Context as _, Result};
 use valet_sim::node::SpawnOptions;
 use valet_tests::harness::{Agent, JobSpec, Node};
 
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
 
 /// A row of [5]'s stall: the agent's send times of its quits after the resume (`sent`), the

@@ -5,7 +5,7 @@ use valet_agent::host::clock::monotonic_ns;
 use valet_sim::node::SpawnOptions;
 use valet_tests::harness::{JobSpec, Node, eventually};
 
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
 
 /// How the proxies of [7] turn ready.

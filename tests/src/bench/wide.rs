@@ -4,7 +4,7 @@ use anyhow::{Context as _, Result};
 use valet_sim::node::SpawnOptions;
 use valet_tests::harness::Node;
 
-#[allow(clippy::wildcard_imports)]
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
 
 /// The most pods some providers allow a node (the kubelet's `--max-pods`), beyond its default 110.

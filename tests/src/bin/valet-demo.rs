@@ -108,11 +108,7 @@ fn part2(node: &Node, agent: &valet_tests::harness::Agent, app: &str) -> Result<
     let ran = node.scratch.path("app-ran");
     let ran_s = ran.to_string_lossy().into_owned();
     let pid = job.start_app("app", &[app, &ran_s, "0"], &SpawnOptions::default())?.host_pid();
-    let held = eventually(Duration::from_secs(5), || {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| s.rsplit(')').next().and_then(|r| r.split_whitespace().next()) == Some("T"))
-            .unwrap_or(false)
-    });
+    let held = eventually(Duration::from_secs(5), || valet_tests::harness::process_state(pid) == Some('T'));
     if !held {
         bail!("the app was not held\n{}", agent.log_text());
     }

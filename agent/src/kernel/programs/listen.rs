@@ -8,7 +8,6 @@
 //! key flips at start like the exit and exec programs' do (docs/dev/design-notes.md).
 
 use aya::Ebpf;
-use aya::programs::TracePoint;
 use aya::programs::trace_point::TracePointLinkId;
 use valet_common::{KernelLayout, PROG_LISTEN, PROG_LISTEN_WALK};
 
@@ -24,11 +23,7 @@ pub(super) fn attach_listen(
         return Err("no sock/inet_sock_set_state tracepoint format (kernel before 4.16?)".into());
     }
     let prog = if mode == AncestorMode::Walk { PROG_LISTEN_WALK } else { PROG_LISTEN };
-    let program: &mut TracePoint = ebpf
-        .program_mut(prog)
-        .ok_or_else(|| format!("program {prog} missing from object"))?
-        .try_into()
-        .map_err(|e| format!("program {prog}: {e}"))?;
+    let program = super::tracepoint(ebpf, prog).map_err(|e| e.chain().to_string())?;
     program.load().map_err(|e| format!("load {prog}: {e}"))?;
     let link = program.attach("sock", "inet_sock_set_state").map_err(|e| format!("attach {prog}: {e}"))?;
     Ok((prog, link))

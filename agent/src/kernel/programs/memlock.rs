@@ -1,31 +1,8 @@
 //! What BPF objects cost in locked memory, and the RLIMIT_MEMLOCK kernels before 5.11 charge
 //! them to.
 
-use tracing::debug;
-
-/// BPF maps and programs are charged to the memlock rlimit on kernels before 5.11; lift it
-/// (needs CAP_SYS_RESOURCE to go above the hard limit). Returns the soft limit in effect after,
-/// `None` for unlimited.
-pub(super) fn raise_memlock_limit() -> Option<u64> {
-    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
-    // SAFETY: plain syscalls with valid pointers.
-    unsafe {
-        if libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) != 0 {
-            debug!("setrlimit(RLIMIT_MEMLOCK, unlimited) failed: {}", std::io::Error::last_os_error());
-            // Up to the hard limit needs no capability.
-            let mut have = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-            if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut have) == 0 && have.rlim_cur < have.rlim_max {
-                have.rlim_cur = have.rlim_max;
-                let _ = libc::setrlimit(libc::RLIMIT_MEMLOCK, &have);
-            }
-        }
-        let mut now = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut now) != 0 || now.rlim_cur == libc::RLIM_INFINITY {
-            return None;
-        }
-        Some(now.rlim_cur)
-    }
-}
+/// BPF maps and programs are charged to the memlock rlimit on kernels before 5.11: lifted.
+pub(super) use crate::host::sys::raise_memlock_limit;
 
 /// Said with a failed load when RLIMIT_MEMLOCK is finite on a kernel before 5.11: there a map
 /// the limit cannot hold fails with EPERM, which reads like a missing capability.

@@ -225,7 +225,7 @@ pub fn asks_hold(plan: &PodPlan) -> bool {
 /// the proxy, or there is no proxy to wait for or no app to hold. A native proxy holds the apps
 /// only with a startupProbe (the kubelet starts the containers after it once the probe passed,
 /// else as soon as it started); a regular proxy beside native helpers holds nothing.
-pub fn hold_needless(plan: &PodPlan) -> Option<HoldNeedless> {
+pub(super) fn hold_needless(plan: &PodPlan) -> Option<HoldNeedless> {
     let probed = || plan.sidecars.iter().filter(|s| s.ready.is_some());
     if plan.istio_holds_app {
         Some(HoldNeedless::IstioHolds)
@@ -242,7 +242,7 @@ pub fn hold_needless(plan: &PodPlan) -> Option<HoldNeedless> {
 
 /// Why a hold asked for is not made ([`hold_needless`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HoldNeedless {
+pub(super) enum HoldNeedless {
     IstioHolds,
     NoApps,
     NoReadiness,
@@ -251,11 +251,11 @@ pub enum HoldNeedless {
 
 impl HoldNeedless {
     /// Whether the pod loses something it asked for (else another part of it holds the app).
-    pub fn is_loss(self) -> bool {
+    pub(super) fn is_loss(self) -> bool {
         matches!(self, HoldNeedless::NoReadiness)
     }
 
-    pub fn explain(self) -> &'static str {
+    pub(super) fn explain(self) -> &'static str {
         match self {
             HoldNeedless::IstioHolds => {
                 "Istio already holds the app until its proxy starts (holdApplicationUntilProxyStarts)"

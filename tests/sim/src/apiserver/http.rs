@@ -196,7 +196,7 @@ async fn answer(
 }
 
 /// The answer to a request, faults first.
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, reason = "each is one part of the request as the server read it")]
 async fn respond(
     shared: &Arc<Shared>,
     method: Method,

@@ -174,7 +174,7 @@ pub(crate) struct Faults {
 
 impl Faults {
     /// The code to refuse a request of `verb` with now, if any; an expired fault is forgotten.
-    pub fn refusal(&mut self, verb: &str) -> Option<u16> {
+    pub(crate) fn refusal(&mut self, verb: &str) -> Option<u16> {
         let (code, verbs, until) = self.status.as_ref()?;
         if until.is_some_and(|u| Instant::now() >= u) {
             self.status = None;
@@ -224,7 +224,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Shared {
     /// Runs `f` on the store and wakes the watches if the RV moved.
-    pub fn mutate<T>(&self, f: impl FnOnce(&mut Store) -> T) -> T {
+    pub(crate) fn mutate<T>(&self, f: impl FnOnce(&mut Store) -> T) -> T {
         let (out, rv) = {
             let mut st = lock(&self.store);
             let out = f(&mut st);

@@ -172,7 +172,7 @@ pub fn qos_class(pod: &Value) -> &'static str {
 }
 
 impl Store {
-    pub fn new(history_limit: usize, schema: Schema) -> Store {
+    pub(crate) fn new(history_limit: usize, schema: Schema) -> Store {
         Store {
             rv: 1,
             pods: BTreeMap::new(),
@@ -204,22 +204,22 @@ impl Store {
 
     /// Forgets the history, like a compaction plus a restart of the watch cache: every RV handed
     /// out so far becomes too old to resume from; watches that are caught up keep going.
-    pub fn expire_history(&mut self) {
+    pub(crate) fn expire_history(&mut self) {
         self.live_floor = self.rv;
         self.history.clear();
         let rv = self.bump();
         self.floor = rv;
     }
 
-    pub fn pods(&self) -> Vec<Value> {
+    pub(crate) fn pods(&self) -> Vec<Value> {
         self.pods.values().map(|p| (**p).clone()).collect()
     }
 
-    pub fn get_pod(&self, ns: &str, name: &str) -> Option<Value> {
+    pub(crate) fn get_pod(&self, ns: &str, name: &str) -> Option<Value> {
         self.pods.get(&key_of(ns, name)).map(|p| (**p).clone())
     }
 
-    pub fn events(&self) -> Vec<Value> {
+    pub(crate) fn events(&self) -> Vec<Value> {
         self.events.values().cloned().collect()
     }
 
@@ -243,7 +243,12 @@ impl Store {
 
     /// Creates a pod. `from_api` applies what the real server does to a POST (status reset to
     /// Pending); test control keeps the given status, as a kubelet would have written it.
-    pub fn create_pod(&mut self, path_ns: Option<&str>, mut obj: Value, from_api: bool) -> Result<Value, ApiError> {
+    pub(crate) fn create_pod(
+        &mut self,
+        path_ns: Option<&str>,
+        mut obj: Value,
+        from_api: bool,
+    ) -> Result<Value, ApiError> {
         let ns = {
             let meta = meta_mut(&mut obj)?;
             let body_ns = meta.get("namespace").and_then(Value::as_str).map(str::to_string);
@@ -312,7 +317,7 @@ impl Store {
 
     /// Replaces a pod (PUT, or the result of a PATCH, or test control). `precondition_rv` is the
     /// resourceVersion the writer based its change on, if it sent one.
-    pub fn update_pod(
+    pub(crate) fn update_pod(
         &mut self,
         ns: &str,
         name: &str,
@@ -387,7 +392,7 @@ impl Store {
     }
 
     /// Applies a PATCH body to a pod (or creates it for a server-side apply of a missing pod).
-    pub fn patch_pod(
+    pub(crate) fn patch_pod(
         &mut self,
         ns: &str,
         name: &str,
@@ -419,7 +424,7 @@ impl Store {
 
     /// DELETE with the pod strategy's graceful deletion: a scheduled, non-terminal pod only gets
     /// `deletionTimestamp` (the kubelet deletes it for good); `grace = Some(0)` removes it now.
-    pub fn delete_pod(
+    pub(crate) fn delete_pod(
         &mut self,
         ns: &str,
         name: &str,
@@ -480,7 +485,7 @@ impl Store {
     }
 
     /// Removes a pod now (what the kubelet's final grace-0 delete does).
-    pub fn remove_pod(&mut self, ns: &str, name: &str) -> Result<Value, ApiError> {
+    pub(crate) fn remove_pod(&mut self, ns: &str, name: &str) -> Result<Value, ApiError> {
         let key = key_of(ns, name);
         let old = self.pods.get(&key).cloned().ok_or_else(|| ApiError::not_found("pods", name))?;
         let out = self.commit_pod(key, ChangeType::Deleted, (*old).clone(), Some(old));
@@ -507,7 +512,7 @@ impl Store {
     }
 
     /// A PodList, with the real server's resourceVersion/limit/continue semantics.
-    pub fn list_pods(&self, filter: &Filter, p: &ListParams) -> Result<Value, ApiError> {
+    pub(crate) fn list_pods(&self, filter: &Filter, p: &ListParams) -> Result<Value, ApiError> {
         let rv_param = p.resource_version.as_deref().filter(|s| !s.is_empty());
         let rv_match = p.resource_version_match.as_deref().filter(|s| !s.is_empty());
         let (snapshot_rv, start_after, limit) = if let Some(token) =
@@ -625,7 +630,7 @@ impl Store {
     }
 
     /// Where a new watch starts: the synthetic ADDED objects and the RV after which changes follow.
-    pub fn watch_start(
+    pub(crate) fn watch_start(
         &self,
         filter: &Filter,
         rv_param: Option<&str>,
@@ -659,7 +664,7 @@ impl Store {
 
     /// The events a watch that has seen everything up to `last_rv` must get next, and the RV it
     /// has then seen. A pod that stops matching is sent as DELETED, one that starts as ADDED.
-    pub fn watch_drain(&self, filter: &Filter, last_rv: u64) -> Result<(Vec<WatchEvent>, u64), ApiError> {
+    pub(crate) fn watch_drain(&self, filter: &Filter, last_rv: u64) -> Result<(Vec<WatchEvent>, u64), ApiError> {
         if last_rv < self.live_floor {
             return Err(ApiError::expired(format!("too old resource version: {last_rv} ({})", self.floor)));
         }
@@ -685,7 +690,7 @@ impl Store {
 
     // ---- events ----
 
-    pub fn create_event(&mut self, group: EventGroup, path_ns: &str, mut obj: Value) -> Result<Value, ApiError> {
+    pub(crate) fn create_event(&mut self, group: EventGroup, path_ns: &str, mut obj: Value) -> Result<Value, ApiError> {
         {
             let meta = meta_mut(&mut obj)?;
             match meta.get("namespace").and_then(Value::as_str) {
@@ -711,7 +716,7 @@ impl Store {
         Ok(obj)
     }
 
-    pub fn get_event(&self, group: EventGroup, ns: &str, name: &str) -> Result<Value, ApiError> {
+    pub(crate) fn get_event(&self, group: EventGroup, ns: &str, name: &str) -> Result<Value, ApiError> {
         self.events
             .get(&(group, key_of(ns, name)))
             .cloned()
@@ -719,7 +724,7 @@ impl Store {
     }
 
     /// PUT (`replace = Some(body)`) or PATCH of an event.
-    pub fn write_event(
+    pub(crate) fn write_event(
         &mut self,
         group: EventGroup,
         ns: &str,
@@ -756,7 +761,7 @@ impl Store {
         Ok(new)
     }
 
-    pub fn delete_event(&mut self, group: EventGroup, ns: &str, name: &str) -> Result<Value, ApiError> {
+    pub(crate) fn delete_event(&mut self, group: EventGroup, ns: &str, name: &str) -> Result<Value, ApiError> {
         let out = self
             .events
             .remove(&(group, key_of(ns, name)))
@@ -765,7 +770,7 @@ impl Store {
         Ok(out)
     }
 
-    pub fn list_events(&self, group: EventGroup, filter: &Filter) -> Value {
+    pub(crate) fn list_events(&self, group: EventGroup, filter: &Filter) -> Value {
         let items: Vec<Value> = self
             .events
             .iter()
@@ -1178,7 +1183,7 @@ impl Store {
     /// new object gets a uid, creationTimestamp and generation 1; a replaced one keeps its uid
     /// and creation time, and its generation moves when its spec changed. Each write gets the
     /// next resourceVersion.
-    pub fn put_object(&mut self, kind: Kind, mut obj: Value) -> Result<Value, ApiError> {
+    pub(crate) fn put_object(&mut self, kind: Kind, mut obj: Value) -> Result<Value, ApiError> {
         let name = meta_str(&obj, "name").filter(|n| !n.is_empty()).map(str::to_owned).ok_or_else(|| {
             ApiError::invalid(kind.resource(), "", "metadata.name: Required value: name or generateName is required")
         })?;
@@ -1218,12 +1223,12 @@ impl Store {
         Ok(obj)
     }
 
-    pub fn get_object(&self, kind: Kind, ns: Option<&str>, name: &str) -> Result<Value, ApiError> {
+    pub(crate) fn get_object(&self, kind: Kind, ns: Option<&str>, name: &str) -> Result<Value, ApiError> {
         self.objects.get(&Store::object_key(kind, ns, name)).cloned().ok_or_else(|| kind.not_found(name))
     }
 
     /// The objects of a kind (in `ns` when namespaced and given) matching `labels`, as a list.
-    pub fn list_objects(&self, kind: Kind, ns: Option<&str>, labels: &LabelSelector) -> Value {
+    pub(crate) fn list_objects(&self, kind: Kind, ns: Option<&str>, labels: &LabelSelector) -> Value {
         let items: Vec<Value> = self
             .objects
             .iter()
@@ -1240,7 +1245,7 @@ impl Store {
     }
 
     /// Deletes a DaemonSet or Node as `kubectl delete` would, with `propagation`.
-    pub fn delete_object(
+    pub(crate) fn delete_object(
         &mut self,
         kind: Kind,
         ns: Option<&str>,

@@ -106,17 +106,17 @@ pub(crate) struct Meter {
 }
 
 impl Meter {
-    pub fn request(&self, body_bytes: usize) {
+    pub(crate) fn request(&self, body_bytes: usize) {
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.request_bytes.fetch_add(body_bytes as u64, Ordering::Relaxed);
     }
 
-    pub fn response(&self, bytes: usize) {
+    pub(crate) fn response(&self, bytes: usize) {
         self.response_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 
     /// One watch line of `ty` sent.
-    pub fn watch_line(&self, ty: &str) {
+    pub(crate) fn watch_line(&self, ty: &str) {
         let counter = if ty == "BOOKMARK" { &self.bookmarks } else { &self.watch_events };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -138,11 +138,11 @@ impl Meter {
 pub(crate) struct Meters(std::sync::Mutex<BTreeMap<Flow, Arc<Meter>>>);
 
 impl Meters {
-    pub fn meter(&self, flow: Flow) -> Arc<Meter> {
+    pub(crate) fn meter(&self, flow: Flow) -> Arc<Meter> {
         lock(&self.0).entry(flow).or_default().clone()
     }
 
-    pub fn snapshot(&self) -> Traffic {
+    pub(crate) fn snapshot(&self) -> Traffic {
         Traffic(lock(&self.0).iter().map(|(f, m)| (f.clone(), m.cost())).collect())
     }
 }

@@ -43,8 +43,7 @@ fn calibrate(layout: &KernelLayout, inum: u32, memlock_limit: Option<u64>) -> Re
     // Loading the object creates every map in it, and this program uses none of the big ones:
     // the smallest of each, so that the calibration does not double what kernels before 5.11
     // charge to RLIMIT_MEMLOCK (its maps are freed only after it, by a kernel worker).
-    // SAFETY: sysconf has no preconditions.
-    let page = u32::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    let page = crate::host::sys::page_size();
     for map in [MAP_WATCHED, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_CONTAINERS, MAP_HELD] {
         loader.map_max_entries(map, 1);
     }
@@ -56,11 +55,7 @@ fn calibrate(layout: &KernelLayout, inum: u32, memlock_limit: Option<u64>) -> Re
         .load(OBJECT)
         .map_err(|e| Error::ebpf_object(format!("load object (calibration){}", memlock_hint(memlock_limit)), e))?;
     resident::note("calibration object loaded");
-    let program: &mut TracePoint = ebpf
-        .program_mut(PROG_CALIBRATE)
-        .ok_or_else(|| Error::Ebpf(format!("program {PROG_CALIBRATE} missing from object")))?
-        .try_into()
-        .map_err(|e| Error::ebpf_program(format!("program {PROG_CALIBRATE}"), e))?;
+    let program = tracepoint(&mut ebpf, PROG_CALIBRATE)?;
     program.load().map_err(|e| Error::ebpf_program(format!("load {PROG_CALIBRATE}"), e))?;
     let link = program
         .attach("sched", "sched_process_exit")
@@ -95,6 +90,14 @@ fn new_loader() -> EbpfLoader<'static> {
         warn!("the BPF loader parsed the kernel's BTF ({why}): the agent's memory peaks ~20 MiB higher while loading");
     }
     loader
+}
+
+/// The tracepoint program `prog` of the object (an error when the object has none by that name).
+fn tracepoint<'a>(ebpf: &'a mut Ebpf, prog: &str) -> Result<&'a mut TracePoint> {
+    ebpf.program_mut(prog)
+        .ok_or_else(|| Error::Ebpf(format!("program {prog} missing from object")))?
+        .try_into()
+        .map_err(|e| Error::ebpf_program(format!("program {prog}"), e))
 }
 
 /// How many pid namespaces below our procfs's the process `pid` lives (NSpid entries − 1).
@@ -327,11 +330,7 @@ impl Programs {
             }
             let mut loaded = Ok(());
             for (prog, _) in wanted(mode) {
-                let program: &mut TracePoint = ebpf
-                    .program_mut(prog)
-                    .ok_or_else(|| Error::Ebpf(format!("program {prog} missing from object")))?
-                    .try_into()
-                    .map_err(|e| Error::ebpf_program(format!("program {prog}"), e))?;
+                let program = tracepoint(&mut ebpf, prog)?;
                 if let Err(e) = program.load() {
                     loaded = Err(format!("load {prog}: {e}"));
                     break;
@@ -356,11 +355,7 @@ impl Programs {
 
         let mut links = Vec::new();
         for (prog, name) in wanted(ancestors) {
-            let program: &mut TracePoint = ebpf
-                .program_mut(prog)
-                .ok_or_else(|| Error::Ebpf(format!("program {prog} missing from object")))?
-                .try_into()
-                .map_err(|e| Error::ebpf_program(format!("program {prog}"), e))?;
+            let program = tracepoint(&mut ebpf, prog)?;
             let link = program
                 .attach("sched", name)
                 .map_err(|e| Error::ebpf_program(format!("attach {prog} to sched/{name}"), e))?;
@@ -558,8 +553,7 @@ impl Programs {
 
 /// Drains the kernel log channel into our log until the task is dropped.
 pub async fn drain_kernel_log(logger: aya_log::EbpfLogger<&'static dyn log::Log>) {
-    // SAFETY: the logger owns its ring buffer fd and keeps it open while registered.
-    let registered = unsafe { tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE) };
+    let registered = crate::host::sys::readable(logger);
     let Ok(mut fd) = registered else {
         warn!("kernel log channel cannot be polled");
         return;

@@ -1,0 +1,297 @@
+//! Every libc call of the agent and every `unsafe` block, behind safe functions: the one module
+//! allowed `unsafe_code` (the crate denies it everywhere else). Each function names what it does
+//! (open a pidfd, poll descriptors, read a kernel record); its SAFETY comment says why the call is
+//! sound for every input the safe signature admits.
+//!
+//! The kernel loader's needs from aya are here too: reading a ring buffer record as the plain
+//! struct it is ([`read_pod`]), and registering aya's descriptors (the event ring buffer, the
+//! kernel log) with tokio's reactor ([`readable`]).
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd as _, OwnedFd, RawFd};
+use std::path::Path;
+use std::time::Duration;
+
+use tokio::io::unix::AsyncFd;
+
+/// Sends `signal` to process `pid` (kill(2)): only for processes the agent made or pinned itself.
+pub fn kill(pid: u32, signal: i32) -> io::Result<()> {
+    let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+    // SAFETY: kill takes no pointers.
+    if unsafe { libc::kill(pid, signal) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A pidfd for `pid` (pidfd_open(2)): signals through it reach that process or none.
+pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall; a non-negative return is a new fd we own.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is valid and owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Sends `signal` through a pidfd (pidfd_send_signal(2)).
+pub fn pidfd_send_signal(fd: BorrowedFd<'_>, signal: i32) -> io::Result<()> {
+    // SAFETY: plain syscall on a valid pidfd, no siginfo.
+    let r = unsafe {
+        libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), signal, std::ptr::null::<libc::siginfo_t>(), 0)
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// poll(2) on `fds` for at most `timeout_ms` (0: no wait, negative: no limit). Returns how many
+/// have events (their `revents` set).
+pub fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> io::Result<usize> {
+    // SAFETY: `fds` is a valid array of pollfds of the length passed.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+    usize::try_from(n).map_err(|_| io::Error::last_os_error())
+}
+
+/// Whether `fd` has events among `events` now (poll(2) with no wait).
+pub fn ready_now(fd: BorrowedFd<'_>, events: i16) -> bool {
+    poll(&mut [libc::pollfd { fd: fd.as_raw_fd(), events, revents: 0 }], 0).is_ok_and(|n| n == 1)
+}
+
+/// ppoll(2) on `fds` for at most `timeout`, no signal mask. Returns how many have events.
+pub fn ppoll(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<usize> {
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos()),
+    };
+    // SAFETY: `fds` is a valid array of pollfds and `ts` a valid timespec for the call;
+    // no signal mask.
+    let n = unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+    usize::try_from(n).map_err(|_| io::Error::last_os_error())
+}
+
+/// A new non-blocking, close-on-exec eventfd(2), counter 0.
+pub fn eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: eventfd takes no pointers; a non-negative result is a new descriptor, owned here.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just made and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `clock`'s time now (clock_gettime(2)); `None` when it cannot be read.
+fn clock(clock: libc::clockid_t) -> Option<Duration> {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid timespec for the call to fill; no other pointer is passed.
+    if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
+        return None;
+    }
+    Some(Duration::new(u64::try_from(ts.tv_sec).ok()?, u32::try_from(ts.tv_nsec).ok()?))
+}
+
+/// CLOCK_MONOTONIC now, the clock `bpf_ktime_get_ns` stamps kernel events with.
+pub fn monotonic() -> Duration {
+    clock(libc::CLOCK_MONOTONIC).unwrap_or_default()
+}
+
+/// The calling thread's CPU time (zero if the clock cannot be read).
+pub fn thread_cpu() -> Duration {
+    clock(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or_default()
+}
+
+/// The kernel's clock ticks per second (`_SC_CLK_TCK`, the unit of `/proc/<pid>/stat`'s times).
+pub fn clock_ticks() -> Option<u64> {
+    // SAFETY: sysconf has no preconditions.
+    u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).ok().filter(|t| *t > 0)
+}
+
+/// The page size (`_SC_PAGESIZE`), 4096 when it cannot be read.
+pub fn page_size() -> u32 {
+    // SAFETY: sysconf has no preconditions.
+    u32::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096)
+}
+
+/// The file system type of `path` (`statfs(2)`'s `f_type`).
+pub fn fs_magic(path: &Path) -> Option<i64> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: a zeroed statfs is a valid out-buffer.
+    let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the path is NUL-terminated, `buf` a valid statfs to fill.
+    let rc = unsafe { libc::statfs(c.as_ptr(), &mut buf) };
+    #[allow(clippy::unnecessary_cast, reason = "f_type's width differs between targets")]
+    (rc == 0).then_some(buf.f_type as i64)
+}
+
+/// Gives freed heap back to the node (glibc keeps it otherwise).
+pub fn malloc_trim() {
+    // SAFETY: glibc's malloc_trim only releases free memory.
+    unsafe { libc::malloc_trim(0) };
+}
+
+/// Lifts RLIMIT_MEMLOCK, which kernels before 5.11 charge BPF maps and programs to (above the
+/// hard limit it needs CAP_SYS_RESOURCE; short of that, up to the hard limit). Returns the soft
+/// limit in effect after, `None` for unlimited.
+pub fn raise_memlock_limit() -> Option<u64> {
+    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: plain syscalls with valid pointers.
+    unsafe {
+        if libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) != 0 {
+            tracing::debug!("setrlimit(RLIMIT_MEMLOCK, unlimited) failed: {}", io::Error::last_os_error());
+            // Up to the hard limit needs no capability.
+            let mut have = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut have) == 0 && have.rlim_cur < have.rlim_max {
+                have.rlim_cur = have.rlim_max;
+                let _ = libc::setrlimit(libc::RLIMIT_MEMLOCK, &have);
+            }
+        }
+        let mut now = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut now) != 0 || now.rlim_cur == libc::RLIM_INFINITY {
+            return None;
+        }
+        Some(now.rlim_cur)
+    }
+}
+
+/// Puts the calling thread in SCHED_FIFO at `priority`, its children back in the normal class
+/// (SCHED_RESET_ON_FORK). Needs CAP_SYS_NICE.
+pub fn real_time(priority: u8) -> io::Result<()> {
+    let param = libc::sched_param { sched_priority: i32::from(priority) };
+    // SAFETY: `param` is a valid sched_param for the call; pid 0 is the calling thread.
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &param) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Asks the scheduler for a slice of `slice` for the calling thread (sched_setattr(2)'s
+/// `sched_runtime` under SCHED_OTHER: Linux 6.12+, EEVDF; unprivileged, nice unchanged).
+pub fn short_slice(slice: Duration) -> io::Result<()> {
+    #[repr(C)]
+    struct SchedAttr {
+        size: u32,
+        policy: u32,
+        flags: u64,
+        nice: i32,
+        priority: u32,
+        runtime: u64,
+        deadline: u64,
+        period: u64,
+    }
+    let attr = SchedAttr {
+        size: size_of::<SchedAttr>() as u32,
+        policy: libc::SCHED_OTHER as u32,
+        flags: 0,
+        nice: 0,
+        priority: 0,
+        runtime: u64::try_from(slice.as_nanos()).unwrap_or(u64::MAX),
+        deadline: 0,
+        period: 0,
+    };
+    // SAFETY: a valid sched_attr of the size it declares, for the calling thread (pid 0).
+    if unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sets no_new_privs and installs the classic BPF seccomp `filter` on the calling thread alone
+/// (no SECCOMP_FILTER_FLAG_TSYNC), for the rest of its life.
+pub fn seccomp_this_thread(filter: &[libc::sock_filter]) -> io::Result<()> {
+    let len = u16::try_from(filter.len()).map_err(|_| io::Error::other("seccomp filter too long"))?;
+    let prog = libc::sock_fprog { len, filter: filter.as_ptr() as *mut _ };
+    // SAFETY: prctl with these options reads only `prog` (and the filter it points to), which
+    // outlive the call; no_new_privs is what lets a process without CAP_SYS_ADMIN install it.
+    unsafe {
+        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+            || libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &prog as *const libc::sock_fprog) != 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// A plain struct read from the start of `bytes` (a ring buffer record), unaligned; `None` when
+/// `bytes` is too short.
+pub fn read_pod<T: aya::Pod>(bytes: &[u8]) -> Option<T> {
+    if bytes.len() < size_of::<T>() {
+        return None;
+    }
+    // SAFETY: length checked; `aya::Pod` types are plain data valid for any bit pattern; the read
+    // is unaligned-safe.
+    Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) })
+}
+
+/// A plain struct's bytes, as the kernel writes it into a ring buffer.
+pub fn pod_bytes<T: aya::Pod>(value: &T) -> &[u8] {
+    // SAFETY: `aya::Pod` types are plain data that may be viewed as bytes; the slice borrows it.
+    unsafe { std::slice::from_raw_parts((value as *const T).cast::<u8>(), size_of::<T>()) }
+}
+
+/// A descriptor owner whose descriptor stays open and the same for as long as it lives: what
+/// tokio's reactor may watch ([`readable`]). Implemented here, for the owners the agent has.
+pub trait OwnsFd: AsRawFd + sealed::Sealed {}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// An inotify instance as tokio's reactor wants it.
+pub struct Inotify(pub nix::sys::inotify::Inotify);
+
+impl AsRawFd for Inotify {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_fd().as_raw_fd()
+    }
+}
+
+impl sealed::Sealed for Inotify {}
+impl OwnsFd for Inotify {}
+impl sealed::Sealed for aya::maps::RingBuf<aya::maps::MapData> {}
+impl OwnsFd for aya::maps::RingBuf<aya::maps::MapData> {}
+impl sealed::Sealed for aya_log::EbpfLogger<&'static dyn log::Log> {}
+impl OwnsFd for aya_log::EbpfLogger<&'static dyn log::Log> {}
+
+/// Registers `inner`'s descriptor with the current tokio runtime's reactor, for reading.
+pub fn readable<T: OwnsFd>(inner: T) -> io::Result<AsyncFd<T>> {
+    // SAFETY: `OwnsFd` is implemented only for owners whose descriptor stays open and the same
+    // while they live: the inotify instance, aya's ring buffer and its logger own theirs.
+    unsafe { AsyncFd::register_with_interest(inner, tokio::io::Interest::READABLE) }.map_err(|e| e.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clocks_and_sizes_read() {
+        assert!(monotonic() > Duration::ZERO);
+        assert!(clock_ticks().is_some_and(|t| t > 0));
+        assert!(page_size() >= 4096);
+        assert_eq!(fs_magic(Path::new("/proc")), Some(libc::PROC_SUPER_MAGIC));
+        assert_eq!(fs_magic(Path::new("/no/such/path")), None);
+    }
+
+    #[test]
+    fn pidfd_of_a_gone_process_and_of_ourselves() {
+        let me = pidfd_open(std::process::id()).expect("our own pidfd");
+        assert!(!ready_now(me.as_fd(), libc::POLLIN), "we have not exited");
+        assert!(pidfd_send_signal(me.as_fd(), 0).is_ok(), "signal 0 checks the target");
+        assert!(pidfd_open(u32::MAX).is_err());
+        assert!(kill(u32::MAX, 0).is_err());
+    }
+
+    #[test]
+    fn records_read_back_and_short_ones_do_not() {
+        let mut raw = valet_common::KernelEvent::zeroed();
+        raw.tgid = 77;
+        let read: Option<valet_common::KernelEvent> = read_pod(pod_bytes(&raw));
+        assert_eq!(read.map(|r| r.tgid), Some(77));
+        assert!(read_pod::<valet_common::KernelEvent>(&pod_bytes(&raw)[..3]).is_none());
+    }
+}
