@@ -182,7 +182,7 @@ def image_architectures() -> list[str]:
     from pathlib import Path
 
     source = (Path(__file__).resolve().parents[2] / "xtask/src/image.rs").read_text()
-    found = re.search(r"pub const ARCHITECTURES: \[&str; \d+\] = \[([^\]]*)\];", source)
+    found = re.search(r"pub(?:\(crate\))? const ARCHITECTURES: \[&str; \d+\] = \[([^\]]*)\];", source)
     assert found, "xtask/src/image.rs names no ARCHITECTURES"
     return re.findall(r'"([^"]+)"', found.group(1))
 
