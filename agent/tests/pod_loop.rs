@@ -438,6 +438,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
         escalate_after: Some(Duration::from_secs(15)),
         mode: valet_agent::vocab::NodeMode::Kernel,
         sandboxed_classes: vec!["kata*".into(), "gvisor".into()],
+        runtime_handlers: Default::default(),
     };
     let ahead = act.quits_ahead();
     let health = Arc::new(Health::new(STALL));

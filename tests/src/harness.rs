@@ -378,6 +378,7 @@ impl Node {
         for (k, v) in &spec.annotations {
             json_opts = json_opts.annotation(k, v);
         }
+        json_opts.runtime_class = spec.runtime_class.clone();
         let mut containers = Vec::new();
         for app in &spec.apps {
             let mut c = ContainerSpec::new(app);
@@ -556,6 +557,8 @@ pub struct JobSpec {
     /// The runtime records the apps' and the proxy's exits these long after them (None: the
     /// kubelet's [`KubeletOptions::exit_record_lag`]).
     pub record_lags: Option<(Duration, Duration)>,
+    /// `spec.runtimeClassName`.
+    pub runtime_class: Option<String>,
 }
 
 impl JobSpec {
@@ -589,6 +592,7 @@ impl JobSpec {
             app_restart_policies: Vec::new(),
             app_restart_rules: Vec::new(),
             record_lags: None,
+            runtime_class: None,
         }
     }
     /// The runtime records the apps' exits `app` after them, the proxy's `proxy` after.
@@ -643,6 +647,11 @@ impl JobSpec {
     }
     pub fn annotation(mut self, k: &str, v: &str) -> Self {
         self.annotations.push((k.into(), v.into()));
+        self
+    }
+    /// The pod's `spec.runtimeClassName`.
+    pub fn runtime_class(mut self, class: &str) -> Self {
+        self.runtime_class = Some(class.into());
         self
     }
     /// A kinder kubelet than any real one: statuses (ids, running, terminated) are written the

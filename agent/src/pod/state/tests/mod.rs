@@ -28,6 +28,7 @@ pub(super) fn rules(escalate: bool) -> Rules {
         escalate_after: escalate.then_some(Duration::from_secs(15)),
         mode: NodeMode::Kernel,
         sandboxed_classes: vec!["kata".into(), "kata-*".into(), "gvisor".into(), "runsc".into()],
+        runtime_handlers: Default::default(),
     }
 }
 
