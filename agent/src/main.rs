@@ -315,7 +315,7 @@ fn deadlines_main() -> std::process::ExitCode {
     let cgroups = CgroupFs::new(root);
     // Beside a running agent: its pod loops release first (the agent's own thread does the
     // same once the pods are listed).
-    Keeper::new(settings.clone(), cgroups.clone(), None, || DEFER).start();
+    Keeper::new(settings.clone(), cgroups.clone(), None, || DEFER).exit_when_refused().start();
     match stop.wait() {
         Ok(signal) => info!("{signal:?} received"),
         Err(e) => error!("waiting for SIGTERM: {e}"),

@@ -245,10 +245,33 @@ impl Node {
         self.start_deadline_keeper_env(&[], &pod_env(pod))
     }
 
+    /// Like [`Node::start_deadline_keeper`], run through `wrapper` (e.g. `setpriv` with other
+    /// capabilities), which execs the agent binary given as its last argument.
+    pub fn start_deadline_keeper_under(&self, wrapper: &[String]) -> Result<DeadlineKeeper> {
+        self.start_deadline_keeper_full(wrapper, &[], &[])
+    }
+
     fn start_deadline_keeper_env(&self, extra: &[&str], env: &[(&str, &str)]) -> Result<DeadlineKeeper> {
+        self.start_deadline_keeper_full(&[], extra, env)
+    }
+
+    fn start_deadline_keeper_full(
+        &self,
+        wrapper: &[String],
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<DeadlineKeeper> {
         let log = self.scratch.path(&format!("deadlines-{}.log", free_port()?));
         let file = std::fs::File::create(&log)?;
-        let child = Command::new(agent_binary()?)
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(agent_binary()?);
+                c
+            }
+            None => Command::new(agent_binary()?),
+        };
+        let child = command
             .arg("deadlines")
             .arg("--pin-dir")
             .arg(&self.pin_dir)
@@ -1006,6 +1029,19 @@ impl DeadlineKeeper {
     /// SIGTERM (its pod deleted), then its exit status.
     pub fn stop(&mut self) -> Result<Option<std::process::ExitStatus>> {
         stop_child(&mut self.child, libc::SIGTERM, HANG_GUARD, "valet-agent deadlines")
+    }
+
+    /// Its exit status once it has exited on its own, waiting at most `timeout` (None: still running).
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let child = self.child.as_mut()?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => return Some(status),
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                _ => return None,
+            }
+        }
     }
 }
 
