@@ -92,7 +92,7 @@ pub struct Config {
     )]
     pub degraded_ok: Vec<String>,
 
-    /// runtimeClassNames of sandboxed pods (ends from the API, no holds).
+    /// RuntimeClass names or handlers of sandboxed pods (ends from the API, no holds).
     ///
     /// runtimeClassNames whose pods run out of the node's kernel's sight (VM or user-space
     /// kernel sandboxes: Kata, gVisor, GKE Sandbox). Their ends are taken from the API and their

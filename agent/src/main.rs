@@ -15,6 +15,7 @@ use tracing::{error, info, warn};
 use tracing_subscriber::EnvFilter;
 use valet_agent::act::{Actuators, Parts, Settings};
 use valet_agent::api::events::EventSink;
+use valet_agent::api::runtime_classes::RuntimeHandlers;
 use valet_agent::api::successor::{self, Stop};
 use valet_agent::cgroup::CgroupFs;
 use valet_agent::cgroup::root::{NodeCgroups, find_node_cgroups};
@@ -229,12 +230,16 @@ async fn run(
         Some(ring) => NodeEvents::Reader(EventReader::spawn(ring, act.quits_ahead())?),
         None => NodeEvents::None,
     };
+    // The RuntimeClasses (sandboxes known by their handler), listed before the first pod.
+    let runtime_handlers = RuntimeHandlers::default();
+    runtime_handlers.start(client.clone()).await;
     let rules = Rules {
         defaults: SidecarDefaults { names: cfg.sidecar_names.clone(), hold_timeout: cfg.hold_timeout },
         escalate_after: (!cfg.no_escalation).then_some(cfg.escalate_after),
         mode,
         sandboxed_classes: cfg.sandboxed_runtime_classes.iter().map(|c| c.trim().to_owned()).collect(),
         quit_events: cfg.quit_events,
+        runtime_handlers: runtime_handlers.clone(),
     };
     let controller = Controller::new(&cfg.node_name, rules, act, reports_rx, health);
     // Leave time within the usual 30 s grace period (after the lookup at SIGTERM, at most
@@ -313,7 +318,7 @@ fn deadlines_main() -> std::process::ExitCode {
     let cgroups = CgroupFs::new(root);
     // Beside a running agent: its pod loops release first (the agent's own thread does the
     // same once the pods are listed).
-    Keeper::new(settings.clone(), cgroups.clone(), None, || DEFER).start();
+    Keeper::new(settings.clone(), cgroups.clone(), None, || DEFER).exit_when_refused().start();
     match stop.wait() {
         Ok(signal) => info!("{signal:?} received"),
         Err(e) => error!("waiting for SIGTERM: {e}"),

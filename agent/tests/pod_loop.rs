@@ -439,6 +439,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
         mode: valet_agent::vocab::NodeMode::Kernel,
         sandboxed_classes: vec!["kata*".into(), "gvisor".into()],
         quit_events: true,
+        runtime_handlers: Default::default(),
     };
     let ahead = act.quits_ahead();
     let health = Arc::new(Health::new(STALL));

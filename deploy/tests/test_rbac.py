@@ -19,6 +19,9 @@ ALLOWED: dict[tuple[str, str], set[str]] = {
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
     ("", "nodes"): {"get"},
+    # The RuntimeClasses' handlers (a sandbox known by its handler, not only its name): listed
+    # at start and every 30 s (agent/src/api/runtime_classes.rs); no get, no watch.
+    ("node.k8s.io", "runtimeclasses"): {"list"},
 }
 # role.yaml: get of the agent's own DaemonSet, by name only, in its namespace.
 OWN_DAEMONSET = (("apps", "daemonsets"), {"get"}, ["valet-agent"])

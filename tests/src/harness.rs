@@ -245,10 +245,33 @@ impl Node {
         self.start_deadline_keeper_env(&[], &pod_env(pod))
     }
 
+    /// Like [`Node::start_deadline_keeper`], run through `wrapper` (e.g. `setpriv` with other
+    /// capabilities), which execs the agent binary given as its last argument.
+    pub fn start_deadline_keeper_under(&self, wrapper: &[String]) -> Result<DeadlineKeeper> {
+        self.start_deadline_keeper_full(wrapper, &[], &[])
+    }
+
     fn start_deadline_keeper_env(&self, extra: &[&str], env: &[(&str, &str)]) -> Result<DeadlineKeeper> {
+        self.start_deadline_keeper_full(&[], extra, env)
+    }
+
+    fn start_deadline_keeper_full(
+        &self,
+        wrapper: &[String],
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<DeadlineKeeper> {
         let log = self.scratch.path(&format!("deadlines-{}.log", free_port()?));
         let file = std::fs::File::create(&log)?;
-        let child = Command::new(agent_binary()?)
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(agent_binary()?);
+                c
+            }
+            None => Command::new(agent_binary()?),
+        };
+        let child = command
             .arg("deadlines")
             .arg("--pin-dir")
             .arg(&self.pin_dir)
@@ -381,6 +404,7 @@ impl Node {
         for (k, v) in &spec.annotations {
             json_opts = json_opts.annotation(k, v);
         }
+        json_opts.runtime_class = spec.runtime_class.clone();
         let mut containers = Vec::new();
         for app in &spec.apps {
             let mut c = ContainerSpec::new(app);
@@ -565,6 +589,8 @@ pub struct JobSpec {
     pub record_lags: Option<(Duration, Duration)>,
     /// More native sidecars, declared after the proxy (a native one): (name, `/bin/sh -c` script).
     pub natives_after: Vec<(String, String)>,
+    /// `spec.runtimeClassName`.
+    pub runtime_class: Option<String>,
 }
 
 impl JobSpec {
@@ -599,6 +625,7 @@ impl JobSpec {
             app_restart_rules: Vec::new(),
             record_lags: None,
             natives_after: Vec::new(),
+            runtime_class: None,
         }
     }
     /// The runtime records the apps' exits `app` after them, the proxy's `proxy` after.
@@ -660,6 +687,11 @@ impl JobSpec {
     }
     pub fn annotation(mut self, k: &str, v: &str) -> Self {
         self.annotations.push((k.into(), v.into()));
+        self
+    }
+    /// The pod's `spec.runtimeClassName`.
+    pub fn runtime_class(mut self, class: &str) -> Self {
+        self.runtime_class = Some(class.into());
         self
     }
     /// A kinder kubelet than any real one: statuses (ids, running, terminated) are written the
@@ -1014,6 +1046,19 @@ impl DeadlineKeeper {
     /// SIGTERM (its pod deleted), then its exit status.
     pub fn stop(&mut self) -> Result<Option<std::process::ExitStatus>> {
         stop_child(&mut self.child, libc::SIGTERM, HANG_GUARD, "valet-agent deadlines")
+    }
+
+    /// Its exit status once it has exited on its own, waiting at most `timeout` (None: still running).
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let child = self.child.as_mut()?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            match child.try_wait() {
+                Ok(Some(status)) => return Some(status),
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                _ => return None,
+            }
+        }
     }
 }
 

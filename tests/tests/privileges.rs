@@ -552,3 +552,43 @@ fn without_sys_resource_the_inherited_memlock_limit_holds_the_maps_only_from_5_1
     }
     drop(other);
 }
+
+/// Whether process `pid` holds a BPF map's file descriptor (the pin it opened).
+fn holds_a_bpf_map(pid: u32) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|target| target.to_string_lossy() == "anon_inode:bpf-map"))
+}
+
+/// The deadline keeper with exactly the DaemonSet's capabilities for it (BPF, KILL) opens the
+/// agent's pinned record. Where the kernel refuses that bpf(2) (here the pin's mode: 0000, and the
+/// keeper has no CAP_DAC_OVERRIDE; on a node, a seccomp profile that allows bpf(2) only with
+/// CAP_SYS_ADMIN, or an LSM), the keeper exits saying why rather than keep no deadline while it
+/// looks alive (its container restarted, the pod not ready).
+#[test]
+fn a_deadline_keeper_refused_bpf_exits_and_says_why() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let pin = node.pin_dir().join("held_v2");
+    assert!(eventually(START, || pin.exists()), "the agent pinned no record\n{}", agent.log_text());
+    let caps = ["BPF", "KILL"];
+
+    std::fs::set_permissions(&pin, std::fs::Permissions::from_mode(0o000)).expect("chmod the pin");
+    let mut refused = node.start_deadline_keeper_under(&with_capabilities(&caps)).expect("keeper");
+    let status = refused.wait_exit(START);
+    std::fs::set_permissions(&pin, std::fs::Permissions::from_mode(0o600)).expect("chmod the pin back");
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "{status:?}\n{}", refused.log_text());
+    assert!(
+        refused.log_text().contains("bpf(2) on the pinned record of held apps is refused"),
+        "it says why:\n{}",
+        refused.log_text()
+    );
+
+    let keeper = node.start_deadline_keeper_under(&with_capabilities(&caps)).expect("keeper");
+    let pid = keeper.pid().expect("pid");
+    assert!(eventually(START, || holds_a_bpf_map(pid)), "the pin never opened\n{}", keeper.log_text());
+    assert!(!keeper.log_text().contains("refused"), "{}", keeper.log_text());
+}

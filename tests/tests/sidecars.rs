@@ -226,3 +226,26 @@ fn linkerd_with_shutdown_off_is_sigtermed_without_a_warning() {
     assert!(warnings.is_empty(), "{warnings:?}");
     quit_told_and_counted(&node, &agent, &job, "linkerd");
 }
+
+/// A RuntimeClass named otherwise whose handler is a sandbox's (`secure`, handler `kata`): its
+/// pods take their ends from the API, as a `kata` class's do, once the agent has listed the
+/// RuntimeClasses from the API server; a class whose handler is runc keeps the kernel path.
+#[test]
+fn a_sandbox_is_known_by_its_runtime_class_handler() {
+    use valet_sim::apiserver::Kind;
+    let node = Node::new().expect("node");
+    for (name, handler) in [("secure", "kata"), ("plain", "runc")] {
+        let class = serde_json::json!({"metadata": {"name": name}, "handler": handler});
+        node.api.put_object(Kind::RuntimeClass, class).expect("a RuntimeClass");
+    }
+    let agent = node.start_agent(&[]).expect("agent");
+    let sandboxed = node.job_pod(JobSpec::new("secure-job").runtime_class("secure")).expect("pod");
+    let note = wait_event(&node, &sandboxed, "EndsFromApi");
+    assert!(note.contains("runtimeClassName secure, handler kata"), "{note}");
+    assert_eq!(agent.metric("valet_pods_api_path_total{reason=\"sandboxed\"} "), 1.0);
+    // The runc class's pod is tracked on the kernel path: counted nowhere, told nothing.
+    let plain = node.job_pod(JobSpec::new("plain-job").runtime_class("plain")).expect("pod");
+    agent.wait_tracked(2, HANG_GUARD).expect("both pods tracked");
+    assert_eq!(agent.metric("valet_pods_api_path_total{reason=\"sandboxed\"} "), 1.0, "{}", agent.log_text());
+    assert!(!node.events_for(&plain).iter().any(|(r, _)| r == "EndsFromApi"), "{:?}", node.events_for(&plain));
+}

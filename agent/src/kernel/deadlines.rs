@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use std::sync::Arc;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 use valet_common::{HeldRecord, HeldRecordV1, PIN_HELD_V1};
 
 use crate::cgroup::CgroupFs;
@@ -118,16 +118,32 @@ impl Pin {
     }
 }
 
-/// Opens the pinned map at `path` if there is one. `None`: none there (or unreadable, logged).
-fn open_pin(path: &Path, v1: bool) -> Option<Pin> {
+/// Whether `e` (or an error it wraps) is the kernel's refusal of the call (EPERM, EACCES): no
+/// capability for bpf(2), a seccomp profile or an LSM denying it. The caller cannot do better
+/// by trying again.
+fn refused(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut at = Some(e);
+    while let Some(err) = at {
+        if err.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied) {
+            return true;
+        }
+        at = err.source();
+    }
+    false
+}
+
+/// Opens the pinned map at `path` if there is one. `Ok(None)`: none there (or unreadable,
+/// logged); `Err`: bpf(2) refused, and why.
+fn open_pin(path: &Path, v1: bool) -> Result<Option<Pin>, String> {
     if !path.exists() {
-        return None;
+        return Ok(None);
     }
     let data = match MapData::from_pin(path) {
         Ok(data) => data,
+        Err(e) if refused(&e) => return Err(format!("{}: {e}", path.display())),
         Err(e) => {
             warn!(path = %path.display(), "cannot open the pinned record of held apps: {e}");
-            return None;
+            return Ok(None);
         }
     };
     let map = Map::HashMap(data);
@@ -137,10 +153,10 @@ fn open_pin(path: &Path, v1: bool) -> Option<Pin> {
         BpfHashMap::<MapData, u32, HeldRecord>::try_from(map).map(|m| Pin::V2(Box::new(m)))
     };
     match pin {
-        Ok(pin) => Some(pin),
+        Ok(pin) => Ok(Some(pin)),
         Err(e) => {
             warn!(path = %path.display(), "the pinned record of held apps has another layout: {e}");
-            None
+            Ok(None)
         }
     }
 }
@@ -161,6 +177,10 @@ pub struct Keeper {
     metrics: Option<Arc<Metrics>>,
     /// How long past a deadline to leave the release to the pod loops, now.
     defer: Box<dyn Fn() -> Duration + Send>,
+    /// bpf(2) on a pin refused, and why (cleared when a pin opens).
+    refused: Option<String>,
+    /// Exit (status 1) once bpf(2) is refused ([`Keeper::exit_when_refused`]).
+    exit_when_refused: bool,
 }
 
 impl Keeper {
@@ -180,6 +200,34 @@ impl Keeper {
             search_budget: SEARCH_BUDGET,
             metrics,
             defer: Box::new(defer),
+            refused: None,
+            exit_when_refused: false,
+        }
+    }
+
+    /// The deadline keeper's container: a keeper that cannot open the pinned record (bpf(2)
+    /// refused: a seccomp profile that allows it only with CAP_SYS_ADMIN, a missing CAP_BPF, an
+    /// LSM) would keep no deadline while looking alive. It exits instead, saying why, so that
+    /// the kubelet restarts it and the pod is not ready (CrashLoopBackOff, the container's
+    /// restarts counted by kube-state-metrics) and a rollout stops there.
+    pub fn exit_when_refused(mut self) -> Keeper {
+        self.exit_when_refused = true;
+        self
+    }
+
+    /// Why bpf(2) on a pin was refused, if it was at the last try.
+    pub fn refused(&self) -> Option<&str> {
+        self.refused.as_deref()
+    }
+
+    fn give_up_if_refused(&self) {
+        if let (true, Some(why)) = (self.exit_when_refused, &self.refused) {
+            error!(
+                "bpf(2) on the pinned record of held apps is refused ({why}): no deadline can be kept on this \
+                 node; the container needs CAP_BPF and a seccomp profile that allows bpf(2) with it (the \
+                 runtime's default profile of containerd >= 1.7 or CRI-O does). Exiting"
+            );
+            std::process::exit(1);
         }
     }
 
@@ -191,10 +239,21 @@ impl Keeper {
                 continue;
             }
             let v1 = path.file_name().is_some_and(|n| n == PIN_HELD_V1);
-            if !self.pins.contains_key(path)
-                && let Some(pin) = open_pin(path, v1)
-            {
-                self.pins.insert(path.clone(), pin);
+            if self.pins.contains_key(path) {
+                continue;
+            }
+            match open_pin(path, v1) {
+                Ok(Some(pin)) => {
+                    self.refused = None;
+                    self.pins.insert(path.clone(), pin);
+                }
+                Ok(None) => {}
+                Err(why) => {
+                    if self.refused.as_ref() != Some(&why) {
+                        warn!("bpf(2) refused on the pinned record of held apps: {why}");
+                    }
+                    self.refused = Some(why);
+                }
             }
         }
     }
@@ -272,6 +331,7 @@ impl Keeper {
     pub fn run(mut self, stop: impl Fn() -> bool) {
         loop {
             let _ = self.pass(monotonic_ns());
+            self.give_up_if_refused();
             if stop() {
                 return;
             }
@@ -284,6 +344,7 @@ impl Keeper {
     /// start releases what is past its deadline before it does anything that can fail or wait.
     pub fn start(mut self) -> Pass {
         let first = self.pass_now(0);
+        self.give_up_if_refused();
         if first.records > 0 {
             info!(
                 records = first.records,
@@ -547,6 +608,28 @@ mod tests {
         let pass = keeper.pass(NOW + 1);
         assert_eq!(pass.released, 1, "the pid's new hold waited for its old hold's backoff: {pass:?}");
         assert!(!other.stopped());
+    }
+
+    #[test]
+    fn a_refusal_is_told_from_other_errors_through_their_sources() {
+        #[derive(Debug)]
+        struct Wrapped(std::io::Error);
+        impl std::fmt::Display for Wrapped {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "bpf_obj_get failed")
+            }
+        }
+        impl std::error::Error for Wrapped {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        for errno in [nix::libc::EPERM, nix::libc::EACCES] {
+            assert!(refused(&Wrapped(std::io::Error::from_raw_os_error(errno))), "{errno}");
+        }
+        for errno in [nix::libc::ENOENT, nix::libc::EINVAL, nix::libc::EMFILE] {
+            assert!(!refused(&Wrapped(std::io::Error::from_raw_os_error(errno))), "{errno}");
+        }
     }
 
     #[test]

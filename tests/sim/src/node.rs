@@ -1043,6 +1043,9 @@ impl SimPod {
                 {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
                 {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300}],
         });
+        if let Some(class) = &o.runtime_class {
+            spec["runtimeClassName"] = json!(class);
+        }
         if !init.is_empty() {
             spec["initContainers"] = init.iter().map(|c| spec_of(c, is_sidecar(c))).collect();
             status["initContainerStatuses"] = init.iter().map(|c| status_of(c)).collect();
@@ -1071,6 +1074,8 @@ pub struct PodJsonOptions {
     pub init_containers: Vec<String>,
     /// Report containerIDs in the statuses (false: the kubelet has not synced them yet).
     pub container_ids: bool,
+    /// `spec.runtimeClassName`.
+    pub runtime_class: Option<String>,
 }
 
 impl Default for PodJsonOptions {
@@ -1086,6 +1091,7 @@ impl Default for PodJsonOptions {
             native_sidecars: Vec::new(),
             init_containers: Vec::new(),
             container_ids: true,
+            runtime_class: None,
         }
     }
 }

@@ -20,6 +20,7 @@ use super::decide::{AppState, Decision, ExitOutcome, IgnoreReason, Observed, Sid
 use super::spec::{Endpoint, PodPlan, SidecarDefaults, plan};
 use super::status::{self, hex_id, pod_name};
 use crate::api::condition;
+use crate::api::runtime_classes::RuntimeHandlers;
 use crate::effect::{ContainerSeen, Count, Effect, ExitSeen, Feedback, HeldSeen, LeftHeld, Nanos, Pace, RuntimeName};
 use crate::vocab::{ApiPath, NodeMode, ProcessEnd, ProxyReady, QuitOutcome, SkipReason};
 
@@ -47,11 +48,14 @@ pub struct Rules {
     pub escalate_after: Option<Duration>,
     /// Whether the node's kernel programs run (else every pod's ends come from the API).
     pub mode: NodeMode,
-    /// `runtimeClassName`s whose pods run out of the node's kernel's sight (`--sandboxed-runtime-classes`).
+    /// `runtimeClassName`s whose pods run out of the node's kernel's sight (`--sandboxed-runtime-classes`),
+    /// matched against a class's name and against its runtime handler.
     pub sandboxed_classes: Vec<String>,
     /// Whether each quit a sidecar accepted gets a Normal `SidecarQuit` Event (`--quit-events`):
     /// one more API write per Job. Warnings are published either way.
     pub quit_events: bool,
+    /// The cluster's RuntimeClasses: the handler each name stands for.
+    pub runtime_handlers: RuntimeHandlers,
 }
 
 impl Rules {
@@ -60,8 +64,15 @@ impl Rules {
         if plan.host_pid {
             return Some(ApiPath::HostPid);
         }
-        if let Some(class) = plan.runtime_class.as_deref().filter(|c| sandboxed(&self.sandboxed_classes, c)) {
-            return Some(ApiPath::Sandboxed { runtime_class: class.to_owned() });
+        if let Some(class) = plan.runtime_class.as_deref() {
+            // By its name, or by the handler it names (a class `secure` with handler `kata`).
+            let handler = self.runtime_handlers.handler(class);
+            if sandboxed(&self.sandboxed_classes, class) {
+                return Some(ApiPath::Sandboxed { runtime_class: class.to_owned() });
+            }
+            if let Some(handler) = handler.filter(|h| sandboxed(&self.sandboxed_classes, h)) {
+                return Some(ApiPath::Sandboxed { runtime_class: format!("{class}, handler {handler}") });
+            }
         }
         match self.mode {
             NodeMode::Kernel => None,

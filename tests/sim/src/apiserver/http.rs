@@ -247,7 +247,7 @@ fn verb(method: &Method, path: &str, watch: bool) -> &'static str {
         Method::GET
             if matches!(
                 path.trim_end_matches('/').rsplit('/').next(),
-                Some("pods" | "events" | "daemonsets" | "nodes")
+                Some("pods" | "events" | "daemonsets" | "nodes" | "runtimeclasses")
             ) =>
         {
             "list"
@@ -354,6 +354,10 @@ fn route(shared: &Arc<Shared>, path: &str, r: Req) -> Result<Response<Body>, Api
             object_item(shared, Kind::DaemonSet, Some(ns), name, &r)
         }
         ["api", "v1", "nodes"] => objects_collection(shared, Kind::Node, None, &r),
+        ["apis", "node.k8s.io", "v1", "runtimeclasses"] => objects_collection(shared, Kind::RuntimeClass, None, &r),
+        ["apis", "node.k8s.io", "v1", "runtimeclasses", name] => {
+            object_item(shared, Kind::RuntimeClass, None, name, &r)
+        }
         ["api", "v1", "nodes", name] => object_item(shared, Kind::Node, None, name, &r),
         ["apis", "events.k8s.io"] => {
             get_only(&r)?;

@@ -1112,11 +1112,13 @@ mod tests {
 }
 
 /// The kinds besides pods and events the server keeps, read-mostly: what a node agent reads of
-/// its own DaemonSet (apps/v1) and of its node (v1), with no watch and no change history.
+/// its own DaemonSet (apps/v1), of its node (v1) and of the cluster's RuntimeClasses
+/// (node.k8s.io/v1), with no watch and no change history.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Kind {
     DaemonSet,
     Node,
+    RuntimeClass,
 }
 
 impl Kind {
@@ -1124,12 +1126,14 @@ impl Kind {
         match self {
             Kind::DaemonSet => "apps/v1",
             Kind::Node => "v1",
+            Kind::RuntimeClass => "node.k8s.io/v1",
         }
     }
     pub fn kind(self) -> &'static str {
         match self {
             Kind::DaemonSet => "DaemonSet",
             Kind::Node => "Node",
+            Kind::RuntimeClass => "RuntimeClass",
         }
     }
     /// The resource's plural name.
@@ -1137,12 +1141,14 @@ impl Kind {
         match self {
             Kind::DaemonSet => "daemonsets",
             Kind::Node => "nodes",
+            Kind::RuntimeClass => "runtimeclasses",
         }
     }
     pub fn group(self) -> &'static str {
         match self {
             Kind::DaemonSet => "apps",
             Kind::Node => "",
+            Kind::RuntimeClass => "node.k8s.io",
         }
     }
     pub fn namespaced(self) -> bool {

@@ -104,6 +104,28 @@ fn a_sandboxed_pod_takes_its_ends_from_the_api_and_says_so() {
 }
 
 #[test]
+fn a_runtime_class_is_known_by_its_handler_too() {
+    use crate::api::runtime_classes::RuntimeHandlers;
+    let handlers = RuntimeHandlers::of(&[("secure", "kata"), ("isolated", "runsc"), ("plain", "runc")]);
+    let r = Rules { runtime_handlers: handlers, ..rules(true) };
+    for (class, want) in [("secure", "secure, handler kata"), ("isolated", "isolated, handler runsc")] {
+        let mut d = Drive::with_rules(r.clone());
+        let fx = d.found(with_class(pod("Never", &[], &[HOLD]), class));
+        assert_eq!(counted(&fx), ["sandboxed"], "{class}: {fx:?}");
+        assert_eq!(publishes(&fx), [(true, "HoldUnavailable")], "{class}: {fx:?}");
+        assert!(never_held(&fx), "{class}: {fx:?}");
+        let p = plan(&with_class(pod("Never", &[], &[]), class), &r.defaults).expect("plan");
+        assert_eq!(r.api_path(&p), Some(ApiPath::Sandboxed { runtime_class: want.into() }));
+    }
+    // A class whose handler is no sandbox keeps the kernel path; so does an unlisted one.
+    for class in ["plain", "unlisted"] {
+        let mut d = Drive::with_rules(r.clone());
+        let fx = d.found(with_class(pod("Never", &[], &[HOLD]), class));
+        assert!(counted(&fx).is_empty() && publishes(&fx).is_empty(), "{class:?}: {fx:?}");
+    }
+}
+
+#[test]
 fn other_runtime_classes_keep_the_kernel_path() {
     for class in ["runc", "crun", "nvidia", "katana", ""] {
         let mut d = Drive::new(true);

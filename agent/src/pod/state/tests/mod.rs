@@ -29,6 +29,7 @@ pub(super) fn rules(escalate: bool) -> Rules {
         mode: NodeMode::Kernel,
         sandboxed_classes: vec!["kata".into(), "kata-*".into(), "gvisor".into(), "runsc".into()],
         quit_events: true,
+        runtime_handlers: Default::default(),
     }
 }
 
