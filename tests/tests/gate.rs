@@ -909,12 +909,15 @@ fn the_condition_follows_a_readiness_seen_before_the_api_says_running() {
 fn the_condition_lands_once_the_kubelet_publishes_running_at_its_own_pace() {
     // As measured from outside: the proxy is ready at once, the kubelet publishes the pod
     // Running after its relist (about a second later, as a real one). The condition must be on
-    // the pod once the API names it Running, with and without a hold. Prints how long after the
-    // API named the pod Running the condition was seen (the target: within 1 s).
+    // the pod once the API names it Running, with and without a hold, and stay True through the
+    // kubelet's writes. The ready proxy's probe is made an hour apart: the condition cannot come
+    // from a later probe, only from the readiness seen and the pod's own updates. How long after
+    // the API named the pod Running the condition was seen is printed, not asserted: the 1 s
+    // target is a latency, the bench's to measure; here the wait is a hang guard.
     let _serial = serial();
     for hold in [false, true] {
         let node = Node::new().expect("node");
-        let agent = node.start_agent(&[]).expect("agent");
+        let agent = node.start_agent(&["--ready-probe-interval", "1h"]).expect("agent");
         let marker = node.scratch.path("marker");
         let spec = running_app_spec(&node, "paced", hold, &marker);
         let job = node.job_pod(spec).expect("pod");
@@ -941,7 +944,25 @@ fn the_condition_lands_once_the_kubelet_publishes_running_at_its_own_pace() {
         );
         assert!(running_at.is_some(), "the kubelet never published Running");
         assert!(ready_at.is_some(), "no ProxyReady=True on the pod\n{}", agent.log_text());
-        wait_condition(&node, &job, &agent, "True", "ProxyReady");
+        // Once Running the pod still shows it, and the agent never wrote anything but True after
+        // its first True (the kubelet's writes kept it, or the agent wrote it again).
+        assert!(
+            eventually(HANG_GUARD, || phase(&node, &job).as_deref() == Some("Running")
+                && condition(&node, &job) == Some(("True".into(), "ProxyReady".into()))),
+            "the pod Running without ProxyReady=True: {:?}\n{}",
+            node.pod(&job).map(|p| p["status"].clone()),
+            agent.log_text()
+        );
+        let statuses: Vec<String> = status_patches(&node, &job)
+            .iter()
+            .filter_map(|p| p.json().and_then(|b| b["status"]["conditions"][0]["status"].as_str().map(str::to_owned)))
+            .collect();
+        let first_true = statuses.iter().position(|s| s == "True");
+        assert!(
+            first_true.is_some_and(|i| statuses[i..].iter().all(|s| s == "True")),
+            "hold={hold}: the condition writes {statuses:?}\n{}",
+            agent.log_text()
+        );
     }
 }
 
