@@ -317,19 +317,49 @@ fn found_without_the_app(d: &mut Drive, apps: &[&str]) {
 }
 
 #[test]
-fn an_end_read_after_a_stall_is_matched_by_the_cgroup_name_the_kernel_kept() {
-    // The end of a container the agent never named (it started and ended while the
-    // agent was stopped, and the runtime removed its cgroup) is the app's: everything else of
-    // the pod is known.
+fn an_end_read_after_a_stall_waits_for_the_api_to_name_the_container() {
+    // The end of a container the agent never named (it started and ended while the agent was
+    // stopped, and the runtime removed its cgroup) is kept by the id in the cgroup name the
+    // kernel read. Though everything else of the pod is known and one app is not, it is not
+    // taken for that app: a container the spec does not list ends the same way. Once the API
+    // names the id, the end is the app's (the kernel saw it before the API says so).
     let mut d = Drive::new(true);
     found_without_the_app(&mut d, &["report"]);
     let name = format!("cri-containerd-{}.scope", id(APP));
     let fx = d.s.exit(late_end(APP, Some(name), d.now), d.now);
+    assert!(quits(&fx).is_empty(), "an unnamed end taken for the app: {fx:?}");
+    assert!(has(&fx, &Effect::Count(Count::ContainerEnd(Some(ProcessEnd::Exited(0))))), "{fx:?}");
+    let fx = d.pod(pod("Never", &[("report", APP, running()), ("istio-proxy", PROXY, running())], &[]));
     assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
-    assert!(has(&fx, &Effect::Count(Count::ContainerEnd(Some(ProcessEnd::Exited(0))))));
     // Its kernel record is freed with the pod's.
     let fx = d.exit(PROXY, 0);
     assert!(has(&fx, &Effect::ForgetContainer { container_cgroup: APP }), "{fx:?}");
+}
+
+#[test]
+fn the_end_of_a_debug_container_unseen_is_never_the_apps() {
+    // `kubectl debug` adds an ephemeral container: not in the spec's containers, its own pid
+    // namespace, its pid 1 an init the kernel reports at its end. It ended while the agent was
+    // stopped, with the one app of the pod still unknown to the agent: no quit, also once the
+    // API lists it among the ephemeral containers; the app's own end quits the proxy.
+    const DEBUG: u64 = 107;
+    let mut d = Drive::new(true);
+    found_without_the_app(&mut d, &["report"]);
+    let name = format!("cri-containerd-{}.scope", id(DEBUG));
+    let fx = d.s.exit(late_end(DEBUG, Some(name), d.now), d.now);
+    assert!(quits(&fx).is_empty() && signals(&fx).is_empty(), "the debug container's end quit the proxy: {fx:?}");
+    let mut api = pod("Never", &[("istio-proxy", PROXY, running())], &[]);
+    let debug = json!([{"name": "debugger-x1", "ready": false, "restartCount": 0, "image": "busybox", "imageID": "",
+                        "containerID": format!("containerd://{}", id(DEBUG)), "state": terminated(0)}]);
+    api.status.as_mut().expect("status").ephemeral_container_statuses =
+        Some(serde_json::from_value(debug).expect("ephemeral statuses"));
+    let fx = d.pod(api);
+    assert!(quits(&fx).is_empty(), "the API's ephemeral container taken for an app: {fx:?}");
+    let scan =
+        vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(APP, named("report")), seen(PROXY, named("istio-proxy"))];
+    assert!(quits(&d.feed(Feedback::Containers(scan))).is_empty());
+    let fx = d.exit(APP, 0);
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
 }
 
 #[test]
