@@ -371,6 +371,7 @@ impl Node {
 
         let mut json_opts = PodJsonOptions::node(spec.node.as_deref().unwrap_or(&self.name))
             .restart_policy(&spec.restart_policy)
+            .share_process_namespace(spec.share_process_namespace)
             .job(&spec.name);
         if spec.labelled {
             json_opts = json_opts.label("valet.dev/enabled", "true");
@@ -505,6 +506,9 @@ pub struct JobSpec {
     /// the proxy. Apps without one wait until the test starts them ([`JobPod::run_app`]).
     pub app_commands: Vec<(String, String)>,
     pub restart_policy: String,
+    /// `spec.shareProcessNamespace` in the pod's JSON (the test starts its apps in the
+    /// sandbox's pid namespace).
+    pub share_process_namespace: bool,
     pub labelled: bool,
     pub node: Option<String>,
     pub annotations: Vec<(String, String)>,
@@ -571,6 +575,7 @@ impl JobSpec {
             already_exited: Vec::new(),
             ready_file: None,
             listen_when_ready: None,
+            share_process_namespace: false,
             proxy_hangs: false,
             proxy_ignores_quit: false,
             proxy_floods: false,

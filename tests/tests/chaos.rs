@@ -508,6 +508,7 @@ impl Chaos<'_> {
         let mut spec = JobSpec::new(&format!("chaos-{tag}"))
             .annotation(HOLD, "true")
             .annotation("valet.dev/hold-timeout", &format!("{}s", timeout.as_secs()));
+        spec.share_process_namespace = pidns == Pidns::Shared;
         spec.ready_file = Some(ready_file.clone());
         let job = self.node.job_pod(spec).expect("pod");
         self.tally.pods += 1;

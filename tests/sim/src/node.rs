@@ -1043,6 +1043,9 @@ impl SimPod {
                 {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
                 {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300}],
         });
+        if o.share_process_namespace {
+            spec["shareProcessNamespace"] = json!(true);
+        }
         if !init.is_empty() {
             spec["initContainers"] = init.iter().map(|c| spec_of(c, is_sidecar(c))).collect();
             status["initContainerStatuses"] = init.iter().map(|c| status_of(c)).collect();
@@ -1071,6 +1074,9 @@ pub struct PodJsonOptions {
     pub init_containers: Vec<String>,
     /// Report containerIDs in the statuses (false: the kubelet has not synced them yet).
     pub container_ids: bool,
+    /// `spec.shareProcessNamespace`: the containers' processes are started in the sandbox's pid
+    /// namespace ([`SpawnOptions::join_pid_namespace`]).
+    pub share_process_namespace: bool,
 }
 
 impl Default for PodJsonOptions {
@@ -1086,6 +1092,7 @@ impl Default for PodJsonOptions {
             native_sidecars: Vec::new(),
             init_containers: Vec::new(),
             container_ids: true,
+            share_process_namespace: false,
         }
     }
 }
@@ -1093,6 +1100,10 @@ impl Default for PodJsonOptions {
 impl PodJsonOptions {
     pub fn node(node_name: &str) -> PodJsonOptions {
         PodJsonOptions { node_name: node_name.to_string(), ..Default::default() }
+    }
+    pub fn share_process_namespace(mut self, on: bool) -> Self {
+        self.share_process_namespace = on;
+        self
     }
     pub fn label(mut self, k: &str, v: &str) -> Self {
         self.labels.insert(k.into(), v.into());

@@ -8,6 +8,13 @@ impl PodState {
     /// effects are applied, so that a quit is on its way before the log line's write.
     pub fn exit(&mut self, exit: ExitSeen, now: Nanos) -> Vec<Effect> {
         self.settled = false;
+        if exit.ns_child && self.plan.as_ref().is_some_and(|p| !p.shares_pid_namespace) {
+            // Each container's main process is pid 1 of its own namespace here: the kernel took a
+            // later exec (a child's, an exec probe's) for the main process of a container that
+            // started before its pod was watched. Its init's exit, always reported, is the end.
+            debug!(pod = %self.name(), pid = exit.tgid, cgroup = exit.container_cgroup, "exit of a process the kernel took for its container's main one; not its pid 1: not the container's end");
+            return Vec::new();
+        }
         if !self.containers.contains_key(&exit.container_cgroup) && (self.is_released() || !self.identify_ended(&exit))
         {
             // A pod already let go of, or nothing tells which container it was (the API's report
@@ -106,6 +113,7 @@ impl PodState {
             container_cgroup,
             on_success,
             on_failure,
+            init_only: !plan.shares_pid_namespace,
         })
     }
 

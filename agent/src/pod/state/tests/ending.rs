@@ -70,7 +70,8 @@ fn the_quit_armed_ahead_is_the_quit_the_end_then_decides() {
             let on_failure = if policy == "Never" { istio.clone() } else { Vec::new() };
             assert_eq!(arm.on_failure, on_failure, "{policy}: the kubelet restarts a failed app");
             let armed = if end == Some(ProcessEnd::Exited(0)) { &arm.on_success } else { &arm.on_failure };
-            let exit = ExitSeen { container_cgroup: APP, tgid: 7, end, ktime: d.now, cgroup_name: None };
+            let exit =
+                ExitSeen { container_cgroup: APP, tgid: 7, end, ktime: d.now, cgroup_name: None, ns_child: false };
             let fx = d.s.exit(exit, d.now);
             assert_eq!(&quit_endpoints(&fx), armed, "{policy} {end:?}: {fx:?}");
             if !armed.is_empty() {
@@ -150,7 +151,7 @@ fn the_api_has_the_last_word_on_an_instance_it_reports_terminated() {
     let mut d = Drive::new(true);
     d.found(pod("OnFailure", &[("report", APP, running()), ("istio-proxy", PROXY, running())], &[]));
     // The kernel could not read the exit code (255, never success)...
-    let exit = ExitSeen { container_cgroup: APP, tgid: 7, end: None, ktime: d.now, cgroup_name: None };
+    let exit = ExitSeen { container_cgroup: APP, tgid: 7, end: None, ktime: d.now, cgroup_name: None, ns_child: false };
     assert!(quits(&d.s.exit(exit, d.now)).is_empty());
     // ...the API says it exited 0: the work is done.
     let fx = d.pod(pod("OnFailure", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &[]));
@@ -295,7 +296,14 @@ fn real_pod_rel() -> String {
 /// An end read late: the container's cgroup is gone and was never seen; only the kernel's event
 /// names it (`cgroup_name`).
 fn late_end(cg: u64, name: Option<String>, now: Nanos) -> ExitSeen {
-    ExitSeen { container_cgroup: cg, tgid: 7, end: Some(ProcessEnd::Exited(0)), ktime: now, cgroup_name: name }
+    ExitSeen {
+        container_cgroup: cg,
+        tgid: 7,
+        end: Some(ProcessEnd::Exited(0)),
+        ktime: now,
+        cgroup_name: name,
+        ns_child: false,
+    }
 }
 
 /// A pod the API knows nothing of yet (Pending, no ids), found on the node with its sandbox
@@ -334,6 +342,37 @@ fn an_end_read_after_a_stall_waits_for_the_api_to_name_the_container() {
     // Its kernel record is freed with the pod's.
     let fx = d.exit(PROXY, 0);
     assert!(has(&fx, &Effect::ForgetContainer { container_cgroup: APP }), "{fx:?}");
+}
+
+#[test]
+fn a_child_taken_for_the_main_process_ends_its_container_only_in_a_shared_pid_namespace() {
+    // The app's container started before its pod was watched and was not adopted: the kernel
+    // recorded a later exec (a child of its pid 1) as its main process and reports the child's
+    // exit. With a pid namespace per container the main process is pid 1 there: no end, no quit
+    // until the init's own exit. With shareProcessNamespace no main process is pid 1: it ends.
+    for shared in [false, true] {
+        let mut d = Drive::new(true);
+        let mut api = pod("Never", &[], &[]);
+        api.spec.as_mut().expect("spec").share_process_namespace = Some(shared);
+        d.found(api);
+        let child = ExitSeen {
+            container_cgroup: APP,
+            tgid: 8,
+            end: Some(ProcessEnd::Exited(0)),
+            ktime: d.now,
+            cgroup_name: None,
+            ns_child: true,
+        };
+        let fx = d.s.exit(child, d.now);
+        if shared {
+            assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "shared: {fx:?}");
+            continue;
+        }
+        assert!(fx.is_empty(), "a child's exit taken for the container's end: {fx:?}");
+        assert!(d.s.quit_ahead().is_some_and(|a| a.init_only), "the arm waits for the init too");
+        let fx = d.exit(APP, 0);
+        assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "the init's exit: {fx:?}");
+    }
 }
 
 #[test]
