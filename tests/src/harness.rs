@@ -353,6 +353,9 @@ impl Node {
         }
         let proxy_name = spec.sidecar.as_ref().map_or("istio-proxy", |(name, _)| name.as_str());
         opts = opts.container(proxy_name);
+        for extra in &spec.extra_containers {
+            opts = opts.container(extra);
+        }
         let sim = Arc::new(SimPod::create(opts)?);
         let events = self.scratch.path(&format!("{name}.proxy-events"));
         let mut standin = StandinOptions::new(ProxyKind::Istio);
@@ -509,6 +512,9 @@ pub struct JobSpec {
     /// `spec.shareProcessNamespace` in the pod's JSON (the test starts its apps in the
     /// sandbox's pid namespace).
     pub share_process_namespace: bool,
+    /// Containers of the pod on the node that its spec does not list (as `kubectl debug` adds an
+    /// ephemeral one): their cgroups are the pod's, the kubelet starts nothing in them.
+    pub extra_containers: Vec<String>,
     pub labelled: bool,
     pub node: Option<String>,
     pub annotations: Vec<(String, String)>,
@@ -576,6 +582,7 @@ impl JobSpec {
             ready_file: None,
             listen_when_ready: None,
             share_process_namespace: false,
+            extra_containers: Vec::new(),
             proxy_hangs: false,
             proxy_ignores_quit: false,
             proxy_floods: false,
