@@ -433,6 +433,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
             end: exit.end,
             ktime: exit.ktime_ns,
             cgroup_name: exit.cgroup_name.clone(),
+            ns_child: exit.child_pid_ns && !exit.ns_init,
         };
         let seen_before = self.pods.get(&uid).is_some_and(|s| s.container_ended(exit.cgroup_id));
         self.transition(&uid, |state, now| state.exit(seen, now));

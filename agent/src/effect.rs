@@ -64,6 +64,10 @@ pub struct ExitSeen {
     pub ktime: Nanos,
     /// The container cgroup's name the kernel read at the end (it holds the container's id).
     pub cgroup_name: Option<String>,
+    /// The process lived in a pid namespace below the host's and was not its pid 1: in a pod
+    /// whose containers each have a pid namespace of their own, never a container's main process
+    /// (the kernel took a later exec for it: the container started before its pod was watched).
+    pub ns_child: bool,
 }
 
 /// A process the kernel stopped at its first exec.

@@ -379,6 +379,9 @@ impl Node {
         for (name, _) in &spec.natives_after {
             opts = opts.container(name);
         }
+        for extra in &spec.extra_containers {
+            opts = opts.container(extra);
+        }
         let sim = Arc::new(SimPod::create(opts)?);
         let events = self.scratch.path(&format!("{name}.proxy-events"));
         let mut standin = StandinOptions::new(ProxyKind::Istio);
@@ -397,6 +400,7 @@ impl Node {
 
         let mut json_opts = PodJsonOptions::node(spec.node.as_deref().unwrap_or(&self.name))
             .restart_policy(&spec.restart_policy)
+            .share_process_namespace(spec.share_process_namespace)
             .job(&spec.name);
         if spec.labelled {
             json_opts = json_opts.label("valet.dev/enabled", "true");
@@ -536,6 +540,12 @@ pub struct JobSpec {
     /// the proxy. Apps without one wait until the test starts them ([`JobPod::run_app`]).
     pub app_commands: Vec<(String, String)>,
     pub restart_policy: String,
+    /// `spec.shareProcessNamespace` in the pod's JSON (the test starts its apps in the
+    /// sandbox's pid namespace).
+    pub share_process_namespace: bool,
+    /// Containers of the pod on the node that its spec does not list (as `kubectl debug` adds an
+    /// ephemeral one): their cgroups are the pod's, the kubelet starts nothing in them.
+    pub extra_containers: Vec<String>,
     pub labelled: bool,
     pub node: Option<String>,
     pub annotations: Vec<(String, String)>,
@@ -606,6 +616,8 @@ impl JobSpec {
             already_exited: Vec::new(),
             ready_file: None,
             listen_when_ready: None,
+            share_process_namespace: false,
+            extra_containers: Vec::new(),
             proxy_hangs: false,
             proxy_ignores_quit: false,
             proxy_floods: false,

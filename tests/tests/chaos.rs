@@ -16,8 +16,10 @@
 //!
 //! Second version (issue 36): every pod has a short hold timeout (3–8 s), so deadlines fall
 //! while the agent is down, and the test also counts apps left stopped more than 2 s past their
-//! deadline (the deadline read from the kernel's pinned record) and early releases (an app that
-//! ran before its proxy was ready, its pod stopped holding it, and its deadline). The agent runs
+//! deadline (the kernel's stop time, read from its pinned record, plus the pod's hold timeout)
+//! and early releases (an app that ran before the test made its proxy ready, before its pod
+//! stopped holding it, and before its start plus its pod's hold timeout: judged against what the
+//! test did, never against a deadline the agent or the kernel wrote). The agent runs
 //! beside `valet-agent deadlines`, as in its DaemonSet pod. Besides the kills, in turn every
 //! `VALET_CHAOS_SPECIAL_EVERY` turns (default 6; each at least once): a restart into a 30 s API outage (every request
 //! answered 503); a crash loop (the agent killed before ready 5 times, its restarts delayed
@@ -202,7 +204,8 @@ struct Pod {
     timeout: Duration,
     /// CLOCK_MONOTONIC just before the app started (its hold began after it).
     started_ns: Option<u64>,
-    /// Its hold's deadline, from the kernel's record, once read.
+    /// Its hold's deadline: the kernel's stop time in its record, once read, plus its own hold
+    /// timeout (not the deadline the record carries: a deadline written wrong is what is judged).
     deadline_ns: Option<u64>,
     /// The earliest moment a release was allowed before the deadline: its proxy turned ready,
     /// or its pod stopped holding it (deleted, relabelled, stripped of its hold).
@@ -257,9 +260,10 @@ impl Pod {
         let now = monotonic_ns();
         self.allowed_ns = Some(self.allowed_ns.map_or(now, |a| a.min(now)));
     }
-    /// The hold's deadline: the kernel's record's, or at least the app's start plus the timeout.
+    /// The earliest its hold's deadline can be: the app's start plus its pod's hold timeout (the
+    /// kernel stopped it after the start). Nothing the agent or the kernel wrote moves it.
     fn deadline_at_least(&self) -> Option<u64> {
-        self.deadline_ns.or_else(|| self.started_ns.map(|s| s + self.timeout.as_nanos() as u64))
+        self.started_ns.map(|s| s + self.timeout.as_nanos() as u64)
     }
     fn make_ready(&mut self) {
         self.allow_release();
@@ -498,6 +502,7 @@ impl Chaos<'_> {
         let mut spec = JobSpec::new(&format!("chaos-{tag}"))
             .annotation(HOLD, "true")
             .annotation("valet.dev/hold-timeout", &format!("{}s", timeout.as_secs()));
+        spec.share_process_namespace = pidns == Pidns::Shared;
         spec.ready_file = Some(ready_file.clone());
         let job = self.node.job_pod(spec).expect("pod");
         self.tally.pods += 1;
@@ -890,7 +895,7 @@ impl Chaos<'_> {
                 && state(pid) == Some('T')
                 && let Some(r) = record(&pin_dir, pid)
             {
-                pod.deadline_ns = Some(r.deadline_ns);
+                pod.deadline_ns = Some(r.ktime_ns + pod.timeout.as_nanos() as u64);
                 self.tally.deadlines_known += 1;
             }
             if !pod.late_counted
@@ -920,11 +925,10 @@ impl Chaos<'_> {
                     self.tally.early_releases += 1;
                     println!(
                         "VIOLATION early release: {} ({:?} pid namespace): app {pid} ran {:?} before its proxy was \
-                         ready, its pod let it go or its deadline (deadline from the record: {})",
+                         ready, its pod let it go or its app's start plus its hold timeout",
                         pod.name(),
                         pod.pidns,
                         Duration::from_nanos(allowed - ran),
-                        pod.deadline_ns.is_some()
                     );
                 } else if pod.allowed_ns.is_none_or(|a| a > deadline) {
                     self.tally.deadline_releases += 1;

@@ -91,16 +91,22 @@ impl Stranger {
     /// app's container), due now: a keeper that signals a record's pid without checking its
     /// cgroup releases it.
     fn recorded_in(pin_dir: &Path, cgroup_id: u64) -> Stranger {
-        let child = std::process::Command::new("sleep").arg("600").spawn().expect("spawn sleep");
-        let stranger = Stranger(child);
-        // SAFETY: plain syscall to the test's own child.
-        unsafe { libc::kill(stranger.pid() as i32, libc::SIGSTOP) };
-        assert!(eventually(HANG_GUARD, || state(stranger.pid()) == Some('T')), "the stranger stopped");
+        let stranger = Stranger::stopped();
         let data = MapData::from_pin(pin_dir.join(PIN_HELD)).expect("open the pinned record");
         let mut map: BpfHashMap<MapData, u32, HeldRecord> =
             BpfHashMap::try_from(Map::HashMap(data)).expect("the record map");
         let now = monotonic_ns();
         map.insert(stranger.pid(), HeldRecord { cgroup_id, ktime_ns: now, deadline_ns: now }, 0).expect("record");
+        stranger
+    }
+
+    /// Starts it and stops it.
+    fn stopped() -> Stranger {
+        let child = std::process::Command::new("sleep").arg("600").spawn().expect("spawn sleep");
+        let stranger = Stranger(child);
+        // SAFETY: plain syscall to the test's own child.
+        unsafe { libc::kill(stranger.pid() as i32, libc::SIGSTOP) };
+        assert!(eventually(HANG_GUARD, || state(stranger.pid()) == Some('T')), "the stranger stopped");
         stranger
     }
 
@@ -217,6 +223,11 @@ fn deadline_of_a_record_in_the_previous_format_is_kept_across_an_upgrade() {
     let mut v1 = pins::pin_held_v1(&node.pin_dir().join(PIN_HELD_V1));
     let ktime_ns = monotonic_ns();
     v1.insert(pid, HeldRecordV1 { cgroup_id, ktime_ns }, 0).expect("v1 record");
+    // Beside it, an old record due at once (stopped 8 s ago) naming a process outside the app's
+    // cgroup: a keeper that signals an old record's pid with no cgroup check releases it.
+    let stranger = Stranger::stopped();
+    let stale = HeldRecordV1 { cgroup_id, ktime_ns: ktime_ns.saturating_sub(8_000_000_000) };
+    v1.insert(stranger.pid(), stale, 0).expect("the stranger's v1 record");
     drop(v1);
     // The new version starts with the API down, and the pod's 8 s hold timeout as the one old
     // records get (they carry none).
@@ -232,6 +243,7 @@ fn deadline_of_a_record_in_the_previous_format_is_kept_across_an_upgrade() {
     assert_eq!(moved, Some(HeldRecord { cgroup_id, ktime_ns, deadline_ns }), "{}", agent.log_text());
     assert_runs_at_deadline(pid, deadline_ns, "v1 record", || agent.log_text());
     assert!(eventually(HANG_GUARD, || marker.exists()), "the app ran");
+    stranger.assert_left_alone(node.pin_dir(), || agent.log_text());
     node.api.clear_faults();
 }
 

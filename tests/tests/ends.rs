@@ -6,6 +6,7 @@
 
 use std::time::{Duration, Instant};
 
+use valet_sim::node::SpawnOptions;
 use valet_tests::harness::{HANG_GUARD, JobSpec, Node, eventually};
 
 #[test]
@@ -45,4 +46,38 @@ fn an_app_that_ended_while_the_agent_was_stopped_is_quit_at_its_resume() {
     assert!(job.api_status("app").is_some_and(|s| s["state"]["running"].is_object()), "the API still says running");
     assert!(agent.log_text().contains("container ended unseen"), "{}", agent.log_text());
     println!("quit {:?} after the stop began (the agent was stopped 4 s)", stopped.elapsed());
+}
+
+#[test]
+fn the_end_of_a_debug_container_quits_nothing_and_the_apps_end_does() {
+    // `kubectl debug` adds an ephemeral container to a running pod: one the pod's spec does not
+    // list, in a cgroup of the pod, pid 1 of a pid namespace of its own, whose end the kernel
+    // reports as a container init's. Its end quits nothing; the app's own end quits the proxy.
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let stop = node.scratch.path("stop");
+    let script = format!("while [ ! -e {} ]; do sleep 0.05; done", stop.display());
+    let mut spec = JobSpec::new("debugged").app_command("app", &script);
+    spec.extra_containers = vec!["debugger".into()];
+    let job = node.job_pod(spec).expect("pod");
+    assert!(eventually(HANG_GUARD, || node.proxy_ready_condition(&job)), "the pod was placed\n{}", agent.log_text());
+    let exits = "valet_container_exits_total{outcome=\"Success\"} ";
+    let before = agent.metric(exits);
+    let debugger = job.sim.container("debugger").expect("the debug container");
+    job.sim.make_container_cgroup(&debugger).expect("its cgroup");
+    let mut shell = job.sim.spawn("debugger", &["/bin/sh", "-c", "exit 0"], &SpawnOptions::default()).expect("spawn");
+    assert!(shell.wait_timeout(HANG_GUARD).expect("wait").is_some(), "the debug shell ended");
+    // The kernel's report of its end reached the pod's state (counted as a container's end).
+    assert!(
+        agent.wait_metric(exits, before + 1.0),
+        "the debug container's end was never handled\n{}",
+        agent.log_text()
+    );
+    assert!(job.quits().is_empty(), "the debug container's end quit the proxy\n{}", agent.log_text());
+    std::fs::write(&stop, "").expect("stop file");
+    assert!(
+        eventually(HANG_GUARD, || !job.loopback_quits().is_empty()),
+        "the app's end did not quit the proxy\n{}",
+        agent.log_text()
+    );
 }

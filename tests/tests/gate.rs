@@ -710,40 +710,38 @@ fn the_pod_sandbox_is_released_at_once() {
 
 #[test]
 fn a_proxy_that_starts_listening_after_the_hold_is_probed_when_it_listens() {
-    // The app is held before its proxy exists; the proxy is ready as soon as it listens. The
-    // kernel reports its listening socket, and the held pod is probed then, not at its next poll
-    // (the bench times it: [4], the late listener).
+    // The app is held; its proxy turns ready when it binds its listener (as Envoy binds the
+    // listeners its configuration brings). The kernel reports the listening socket, and the held
+    // pod is probed then, not at its next poll (the bench times it: [4], the late listener). The
+    // held pods' poll is made an hour here, and the pod does not change once Running: with the
+    // listen → probe wiring cut, nothing asks the proxy again and the app stays held.
     let _serial = serial();
     let node = Node::new().expect("node");
-    let agent = node.start_agent(&[]).expect("agent");
-    let marker = node.scratch.path("marker");
-    let spec = JobSpec::new("listens-late").annotation(HOLD, "true").app_command("app", &marker_script(&marker));
-    let job = node
-        .job_pod_proxy_later(spec, || {
-            anyhow::ensure!(
-                eventually(HANG_GUARD, || agent.metric("valet_app_holds_total ") == 1.0),
-                "the app was not held"
-            );
-            anyhow::ensure!(!marker.exists(), "the app ran with no proxy at all");
-            // The held pod was probed (nothing listens): the agent is past the hold's decisions,
-            // the listen program's attach among them.
-            let probed = eventually(HANG_GUARD, || {
-                node.api.pods().iter().any(|p| {
-                    p["status"]["conditions"]
-                        .as_array()
-                        .is_some_and(|cs| cs.iter().any(|c| c["type"] == CONDITION && c["reason"] == "ProxyNotReady"))
-                })
-            });
-            anyhow::ensure!(probed, "the held pod was never probed");
-            anyhow::ensure!(agent.metric("valet_proxy_listens_total ") == 0.0, "a listen before the proxy");
-            Ok(())
-        })
-        .expect("pod");
-    assert!(wait_file(&marker, HANG_GUARD).is_some(), "the app never ran\n{}", agent.log_text());
+    let agent = node.start_agent(&["--held-probe-interval", "1h"]).expect("agent");
+    let (ready, marker) = (node.scratch.path("ready"), node.scratch.path("marker"));
+    let mut spec = held_spec("listens-late", &ready).app_command("app", &marker_script(&marker));
+    spec.listen_when_ready = Some(15006);
+    let job = node.job_pod(spec).expect("pod");
+    wait_held(&job, &marker, &agent, 1.0, "held before its proxy listens");
+    assert!(
+        eventually(HANG_GUARD, || phase(&node, &job).as_deref() == Some("Running")),
+        "the kubelet published Running\n{}",
+        agent.log_text()
+    );
+    // The held pod was probed (not ready: nothing listens on the proxy's port yet).
+    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    let listens = agent.metric("valet_proxy_listens_total ");
+    std::fs::write(&ready, "").expect("ready file");
+    assert!(
+        wait_file(&marker, HANG_GUARD).is_some(),
+        "the app never ran once its proxy listened\n{}",
+        agent.log_text()
+    );
+    assert!(job.proxy_ready_at().is_some(), "the proxy bound its listener\n{}", agent.log_text());
     // Counted once the signal is out, which may be after the app ran.
     assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 1.0), "{}", agent.log_text());
     assert!(
-        agent.metric("valet_proxy_listens_total ") >= 1.0,
+        agent.metric("valet_proxy_listens_total ") > listens,
         "the proxy's listening socket was seen in the held pod\n{}",
         agent.log_text()
     );
@@ -911,12 +909,15 @@ fn the_condition_follows_a_readiness_seen_before_the_api_says_running() {
 fn the_condition_lands_once_the_kubelet_publishes_running_at_its_own_pace() {
     // As measured from outside: the proxy is ready at once, the kubelet publishes the pod
     // Running after its relist (about a second later, as a real one). The condition must be on
-    // the pod once the API names it Running, with and without a hold. Prints how long after the
-    // API named the pod Running the condition was seen (the target: within 1 s).
+    // the pod once the API names it Running, with and without a hold, and stay True through the
+    // kubelet's writes. The ready proxy's probe is made an hour apart: the condition cannot come
+    // from a later probe, only from the readiness seen and the pod's own updates. How long after
+    // the API named the pod Running the condition was seen is printed, not asserted: the 1 s
+    // target is a latency, the bench's to measure; here the wait is a hang guard.
     let _serial = serial();
     for hold in [false, true] {
         let node = Node::new().expect("node");
-        let agent = node.start_agent(&[]).expect("agent");
+        let agent = node.start_agent(&["--ready-probe-interval", "1h"]).expect("agent");
         let marker = node.scratch.path("marker");
         let spec = running_app_spec(&node, "paced", hold, &marker);
         let job = node.job_pod(spec).expect("pod");
@@ -943,7 +944,25 @@ fn the_condition_lands_once_the_kubelet_publishes_running_at_its_own_pace() {
         );
         assert!(running_at.is_some(), "the kubelet never published Running");
         assert!(ready_at.is_some(), "no ProxyReady=True on the pod\n{}", agent.log_text());
-        wait_condition(&node, &job, &agent, "True", "ProxyReady");
+        // Once Running the pod still shows it, and the agent never wrote anything but True after
+        // its first True (the kubelet's writes kept it, or the agent wrote it again).
+        assert!(
+            eventually(HANG_GUARD, || phase(&node, &job).as_deref() == Some("Running")
+                && condition(&node, &job) == Some(("True".into(), "ProxyReady".into()))),
+            "the pod Running without ProxyReady=True: {:?}\n{}",
+            node.pod(&job).map(|p| p["status"].clone()),
+            agent.log_text()
+        );
+        let statuses: Vec<String> = status_patches(&node, &job)
+            .iter()
+            .filter_map(|p| p.json().and_then(|b| b["status"]["conditions"][0]["status"].as_str().map(str::to_owned)))
+            .collect();
+        let first_true = statuses.iter().position(|s| s == "True");
+        assert!(
+            first_true.is_some_and(|i| statuses[i..].iter().all(|s| s == "True")),
+            "hold={hold}: the condition writes {statuses:?}\n{}",
+            agent.log_text()
+        );
     }
 }
 

@@ -60,7 +60,10 @@ impl<L: SidecarLink> QuitsAhead<L> {
         let arm = {
             let mut arms = self.arms.lock().unwrap_or_else(PoisonError::into_inner);
             match arms.get(&exit.cgroup_id) {
-                Some(a) if a.pod_cgroup == exit.watched_cgroup_id => arms.remove(&exit.cgroup_id),
+                // Not a child the kernel took for the main process (see `QuitAhead::init_only`).
+                Some(a) if a.pod_cgroup == exit.watched_cgroup_id && (exit.ns_init || !a.init_only) => {
+                    arms.remove(&exit.cgroup_id)
+                }
                 _ => None,
             }
         };
@@ -111,6 +114,7 @@ mod tests {
             container_cgroup,
             on_success: istio.clone(),
             on_failure: if on_failure { istio } else { Vec::new() },
+            init_only: true,
         }
     }
 
@@ -175,6 +179,22 @@ mod tests {
         ahead.set("b", None);
         assert_eq!(ahead.fire(&end(20, 22, Some(ProcessEnd::Exited(0)))), 0, "disarmed");
         assert!(link.sent_ahead.lock().unwrap_or_else(PoisonError::into_inner).is_empty());
+    }
+
+    #[test]
+    fn a_child_the_kernel_took_for_the_main_process_fires_only_where_the_pod_shares_its_pid_namespace() {
+        let link = Arc::new(TestLink::default());
+        let ahead = QuitsAhead::new(link.clone(), Arc::new(Metrics::new()));
+        let ok = Some(ProcessEnd::Exited(0));
+        let child = |pod, container| ProcessExit { ns_pid: 7, ns_init: false, ..end(pod, container, ok) };
+        // Its own pid namespace: the child's end is not the container's; the init's is.
+        ahead.set("a", Some(arm("a", 10, 11, true)));
+        assert_eq!(ahead.fire(&child(10, 11)), 0, "a child's exit sent the quit ahead");
+        assert_eq!(ahead.armed(), 1, "still armed for the init's exit");
+        assert_eq!(ahead.fire(&end(10, 11, ok)), 1);
+        // shareProcessNamespace: the main process is never pid 1 there.
+        ahead.set("b", Some(QuitAhead { init_only: false, ..arm("b", 20, 21, true) }));
+        assert_eq!(ahead.fire(&child(20, 21)), 1);
     }
 
     #[test]

@@ -232,6 +232,7 @@ mod tests {
             hold_timeout: DEFAULT_HOLD_TIMEOUT,
             istio_holds_app: false,
             host_pid: false,
+            shares_pid_namespace: false,
             runtime_class: None,
             pod_ip: None,
             deleting: false,

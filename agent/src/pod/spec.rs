@@ -86,6 +86,9 @@ pub struct PodPlan {
     /// (whose pid 1 then sits right below the node's namespace, where a container's init would).
     /// The kernel reports nothing for such a pod and holds nothing: its ends come from the API.
     pub host_pid: bool,
+    /// `spec.shareProcessNamespace`: its containers' processes live in the sandbox's pid
+    /// namespace. Otherwise each container's main process is pid 1 of a namespace of its own.
+    pub shares_pid_namespace: bool,
     /// `spec.runtimeClassName` (a sandboxed one hides the app from the node's kernel).
     pub runtime_class: Option<String>,
 }
@@ -326,6 +329,7 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
         pod_ip: pod.status.as_ref().and_then(|s| s.pod_ip.clone()).filter(|ip| !ip.is_empty()),
         deleting: meta.deletion_timestamp.is_some(),
         host_pid: spec.host_pid.unwrap_or(false),
+        shares_pid_namespace: spec.share_process_namespace.unwrap_or(false),
         runtime_class: spec.runtime_class_name.clone().filter(|c| !c.is_empty()),
     })
 }

@@ -1481,6 +1481,14 @@ fn initial_pod(sim: &SimPod, spec: &KubeletPod) -> Value {
         }
     }
     let mut pod = sim.pod_json(&json_opts);
+    // A container of the node's pod that the spec does not list (an ephemeral one, as `kubectl
+    // debug` adds, started by the test) is not in the object.
+    let listed = |c: &Value| spec.containers.iter().any(|s| c["name"].as_str() == Some(s.name.as_str()));
+    for (part, list) in [("spec", "containers"), ("spec", "initContainers"), ("status", "containerStatuses")] {
+        if let Some(items) = pod[part][list].as_array_mut() {
+            items.retain(listed);
+        }
+    }
     for list in ["containers", "initContainers"] {
         for c in pod["spec"][list].as_array_mut().into_iter().flatten() {
             let name = c["name"].as_str().unwrap_or_default().to_string();

@@ -1046,6 +1046,9 @@ impl SimPod {
         if let Some(class) = &o.runtime_class {
             spec["runtimeClassName"] = json!(class);
         }
+        if o.share_process_namespace {
+            spec["shareProcessNamespace"] = json!(true);
+        }
         if !init.is_empty() {
             spec["initContainers"] = init.iter().map(|c| spec_of(c, is_sidecar(c))).collect();
             status["initContainerStatuses"] = init.iter().map(|c| status_of(c)).collect();
@@ -1076,6 +1079,9 @@ pub struct PodJsonOptions {
     pub container_ids: bool,
     /// `spec.runtimeClassName`.
     pub runtime_class: Option<String>,
+    /// `spec.shareProcessNamespace`: the containers' processes are started in the sandbox's pid
+    /// namespace ([`SpawnOptions::join_pid_namespace`]).
+    pub share_process_namespace: bool,
 }
 
 impl Default for PodJsonOptions {
@@ -1092,6 +1098,7 @@ impl Default for PodJsonOptions {
             init_containers: Vec::new(),
             container_ids: true,
             runtime_class: None,
+            share_process_namespace: false,
         }
     }
 }
@@ -1099,6 +1106,10 @@ impl Default for PodJsonOptions {
 impl PodJsonOptions {
     pub fn node(node_name: &str) -> PodJsonOptions {
         PodJsonOptions { node_name: node_name.to_string(), ..Default::default() }
+    }
+    pub fn share_process_namespace(mut self, on: bool) -> Self {
+        self.share_process_namespace = on;
+        self
     }
     pub fn label(mut self, k: &str, v: &str) -> Self {
         self.labels.insert(k.into(), v.into());

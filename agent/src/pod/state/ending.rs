@@ -8,6 +8,13 @@ impl PodState {
     /// effects are applied, so that a quit is on its way before the log line's write.
     pub fn exit(&mut self, exit: ExitSeen, now: Nanos) -> Vec<Effect> {
         self.settled = false;
+        if exit.ns_child && self.plan.as_ref().is_some_and(|p| !p.shares_pid_namespace) {
+            // Each container's main process is pid 1 of its own namespace here: the kernel took a
+            // later exec (a child's, an exec probe's) for the main process of a container that
+            // started before its pod was watched. Its init's exit, always reported, is the end.
+            debug!(pod = %self.name(), pid = exit.tgid, cgroup = exit.container_cgroup, "exit of a process the kernel took for its container's main one; not its pid 1: not the container's end");
+            return Vec::new();
+        }
         if !self.containers.contains_key(&exit.container_cgroup) && (self.is_released() || !self.identify_ended(&exit))
         {
             // A pod already let go of, or nothing tells which container it was (the API's report
@@ -31,9 +38,10 @@ impl PodState {
 
     /// A container the agent never saw ended (read after a stall of the agent, its cgroup
     /// already removed by the runtime): it is known from then on by the id in its cgroup's name,
-    /// as the kernel read it at the end. Its name is the API's once the API reports that id; until
-    /// then, when every container of the pod but one app is known, it is that app (the sandbox,
-    /// the sidecars and the init containers are all accounted for). Whether it could be recorded.
+    /// as the kernel read it at the end. Its name is the API's once the API reports that id, and
+    /// only then does its end count: an unseen container is never taken for the one app the
+    /// agent does not know yet (a `kubectl debug` container, an ephemeral one the pod's spec does
+    /// not list, ends the same way). Whether it could be recorded.
     pub(super) fn identify_ended(&mut self, exit: &ExitSeen) -> bool {
         let (Some(name), Some((pod_rel, _))) = (exit.cgroup_name.as_deref(), self.pod_cgroup.as_ref()) else {
             return false;
@@ -45,30 +53,12 @@ impl PodState {
         if c.pod.uid != self.uid || self.containers.values().any(|k| k.id == c.id) {
             return false;
         }
-        let runtime_name = match (self.pod.as_ref().and_then(|p| status::name_of_id(p, &c.id)), &self.plan) {
-            (Some(_), _) => None,
-            (None, Some(plan)) => self.only_unknown_app(plan).map(RuntimeName::Container),
-            (None, None) => None,
-        };
-        debug!(pod = %self.name(), cgroup = exit.container_cgroup, id = %c.id, guessed = ?runtime_name, "end of a container never seen");
+        debug!(pod = %self.name(), cgroup = exit.container_cgroup, id = %c.id, "end of a container never seen (its name waits for the API)");
         self.containers.insert(
             exit.container_cgroup,
-            Container { id: c.id, rel, runtime_name, classified: true, exec_done: true, end: None },
+            Container { id: c.id, rel, runtime_name: None, classified: true, exec_done: true, end: None },
         );
         true
-    }
-
-    /// The one app a container that ended unseen can be: every other container of the pod is
-    /// known (the sandbox, each sidecar and init container) and exactly one app is not.
-    fn only_unknown_app(&self, plan: &PodPlan) -> Option<String> {
-        let others_known = self.containers.values().any(|c| c.runtime_name == Some(RuntimeName::Sandbox))
-            && plan.sidecars.iter().all(|s| self.current(&s.name).is_some())
-            && plan.init_containers.iter().all(|n| self.current(n).is_some());
-        let mut unknown = plan.apps.iter().filter(|a| self.current(a).is_none());
-        match (others_known, unknown.next(), unknown.next()) {
-            (true, Some(app), None) => Some(app.clone()),
-            _ => None,
-        }
     }
 
     /// The quit this pod's state machine would send the moment one more container ends, when
@@ -123,6 +113,7 @@ impl PodState {
             container_cgroup,
             on_success,
             on_failure,
+            init_only: !plan.shares_pid_namespace,
         })
     }
 

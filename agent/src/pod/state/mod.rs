@@ -102,6 +102,9 @@ pub struct QuitAhead {
     pub on_success: Vec<Endpoint>,
     /// The endpoints to quit when it ends any other way (a code, a signal, or unknown).
     pub on_failure: Vec<Endpoint>,
+    /// Only the exit of pid 1 of the container's own pid namespace ends it (the pod does not
+    /// share its process namespace): a child the kernel took for the main process does not.
+    pub init_only: bool,
 }
 
 /// A container cgroup of the pod.

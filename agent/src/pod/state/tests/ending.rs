@@ -70,7 +70,8 @@ fn the_quit_armed_ahead_is_the_quit_the_end_then_decides() {
             let on_failure = if policy == "Never" { istio.clone() } else { Vec::new() };
             assert_eq!(arm.on_failure, on_failure, "{policy}: the kubelet restarts a failed app");
             let armed = if end == Some(ProcessEnd::Exited(0)) { &arm.on_success } else { &arm.on_failure };
-            let exit = ExitSeen { container_cgroup: APP, tgid: 7, end, ktime: d.now, cgroup_name: None };
+            let exit =
+                ExitSeen { container_cgroup: APP, tgid: 7, end, ktime: d.now, cgroup_name: None, ns_child: false };
             let fx = d.s.exit(exit, d.now);
             assert_eq!(&quit_endpoints(&fx), armed, "{policy} {end:?}: {fx:?}");
             if !armed.is_empty() {
@@ -150,7 +151,7 @@ fn the_api_has_the_last_word_on_an_instance_it_reports_terminated() {
     let mut d = Drive::new(true);
     d.found(pod("OnFailure", &[("report", APP, running()), ("istio-proxy", PROXY, running())], &[]));
     // The kernel could not read the exit code (255, never success)...
-    let exit = ExitSeen { container_cgroup: APP, tgid: 7, end: None, ktime: d.now, cgroup_name: None };
+    let exit = ExitSeen { container_cgroup: APP, tgid: 7, end: None, ktime: d.now, cgroup_name: None, ns_child: false };
     assert!(quits(&d.s.exit(exit, d.now)).is_empty());
     // ...the API says it exited 0: the work is done.
     let fx = d.pod(pod("OnFailure", &[("report", APP, terminated(0)), ("istio-proxy", PROXY, running())], &[]));
@@ -295,7 +296,14 @@ fn real_pod_rel() -> String {
 /// An end read late: the container's cgroup is gone and was never seen; only the kernel's event
 /// names it (`cgroup_name`).
 fn late_end(cg: u64, name: Option<String>, now: Nanos) -> ExitSeen {
-    ExitSeen { container_cgroup: cg, tgid: 7, end: Some(ProcessEnd::Exited(0)), ktime: now, cgroup_name: name }
+    ExitSeen {
+        container_cgroup: cg,
+        tgid: 7,
+        end: Some(ProcessEnd::Exited(0)),
+        ktime: now,
+        cgroup_name: name,
+        ns_child: false,
+    }
 }
 
 /// A pod the API knows nothing of yet (Pending, no ids), found on the node with its sandbox
@@ -317,19 +325,80 @@ fn found_without_the_app(d: &mut Drive, apps: &[&str]) {
 }
 
 #[test]
-fn an_end_read_after_a_stall_is_matched_by_the_cgroup_name_the_kernel_kept() {
-    // The end of a container the agent never named (it started and ended while the
-    // agent was stopped, and the runtime removed its cgroup) is the app's: everything else of
-    // the pod is known.
+fn an_end_read_after_a_stall_waits_for_the_api_to_name_the_container() {
+    // The end of a container the agent never named (it started and ended while the agent was
+    // stopped, and the runtime removed its cgroup) is kept by the id in the cgroup name the
+    // kernel read. Though everything else of the pod is known and one app is not, it is not
+    // taken for that app: a container the spec does not list ends the same way. Once the API
+    // names the id, the end is the app's (the kernel saw it before the API says so).
     let mut d = Drive::new(true);
     found_without_the_app(&mut d, &["report"]);
     let name = format!("cri-containerd-{}.scope", id(APP));
     let fx = d.s.exit(late_end(APP, Some(name), d.now), d.now);
+    assert!(quits(&fx).is_empty(), "an unnamed end taken for the app: {fx:?}");
+    assert!(has(&fx, &Effect::Count(Count::ContainerEnd(Some(ProcessEnd::Exited(0))))), "{fx:?}");
+    let fx = d.pod(pod("Never", &[("report", APP, running()), ("istio-proxy", PROXY, running())], &[]));
     assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
-    assert!(has(&fx, &Effect::Count(Count::ContainerEnd(Some(ProcessEnd::Exited(0))))));
     // Its kernel record is freed with the pod's.
     let fx = d.exit(PROXY, 0);
     assert!(has(&fx, &Effect::ForgetContainer { container_cgroup: APP }), "{fx:?}");
+}
+
+#[test]
+fn a_child_taken_for_the_main_process_ends_its_container_only_in_a_shared_pid_namespace() {
+    // The app's container started before its pod was watched and was not adopted: the kernel
+    // recorded a later exec (a child of its pid 1) as its main process and reports the child's
+    // exit. With a pid namespace per container the main process is pid 1 there: no end, no quit
+    // until the init's own exit. With shareProcessNamespace no main process is pid 1: it ends.
+    for shared in [false, true] {
+        let mut d = Drive::new(true);
+        let mut api = pod("Never", &[], &[]);
+        api.spec.as_mut().expect("spec").share_process_namespace = Some(shared);
+        d.found(api);
+        let child = ExitSeen {
+            container_cgroup: APP,
+            tgid: 8,
+            end: Some(ProcessEnd::Exited(0)),
+            ktime: d.now,
+            cgroup_name: None,
+            ns_child: true,
+        };
+        let fx = d.s.exit(child, d.now);
+        if shared {
+            assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "shared: {fx:?}");
+            continue;
+        }
+        assert!(fx.is_empty(), "a child's exit taken for the container's end: {fx:?}");
+        assert!(d.s.quit_ahead().is_some_and(|a| a.init_only), "the arm waits for the init too");
+        let fx = d.exit(APP, 0);
+        assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "the init's exit: {fx:?}");
+    }
+}
+
+#[test]
+fn the_end_of_a_debug_container_unseen_is_never_the_apps() {
+    // `kubectl debug` adds an ephemeral container: not in the spec's containers, its own pid
+    // namespace, its pid 1 an init the kernel reports at its end. It ended while the agent was
+    // stopped, with the one app of the pod still unknown to the agent: no quit, also once the
+    // API lists it among the ephemeral containers; the app's own end quits the proxy.
+    const DEBUG: u64 = 107;
+    let mut d = Drive::new(true);
+    found_without_the_app(&mut d, &["report"]);
+    let name = format!("cri-containerd-{}.scope", id(DEBUG));
+    let fx = d.s.exit(late_end(DEBUG, Some(name), d.now), d.now);
+    assert!(quits(&fx).is_empty() && signals(&fx).is_empty(), "the debug container's end quit the proxy: {fx:?}");
+    let mut api = pod("Never", &[("istio-proxy", PROXY, running())], &[]);
+    let debug = json!([{"name": "debugger-x1", "ready": false, "restartCount": 0, "image": "busybox", "imageID": "",
+                        "containerID": format!("containerd://{}", id(DEBUG)), "state": terminated(0)}]);
+    api.status.as_mut().expect("status").ephemeral_container_statuses =
+        Some(serde_json::from_value(debug).expect("ephemeral statuses"));
+    let fx = d.pod(api);
+    assert!(quits(&fx).is_empty(), "the API's ephemeral container taken for an app: {fx:?}");
+    let scan =
+        vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(APP, named("report")), seen(PROXY, named("istio-proxy"))];
+    assert!(quits(&d.feed(Feedback::Containers(scan))).is_empty());
+    let fx = d.exit(APP, 0);
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
 }
 
 #[test]

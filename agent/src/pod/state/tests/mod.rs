@@ -105,6 +105,7 @@ impl Drive {
             end: Some(ProcessEnd::Exited(code)),
             ktime: self.now,
             cgroup_name: None,
+            ns_child: false,
         };
         self.s.exit(exit, self.now)
     }
