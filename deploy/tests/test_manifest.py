@@ -25,6 +25,8 @@ ENV = {
 HOST_PATHS = {
     "/sys/fs/cgroup": "/host/sys/fs/cgroup",
     "/sys/kernel/tracing": "/sys/kernel/tracing",
+    # The lockdown level, read where securityfs says it.
+    "/sys/kernel/security": "/sys/kernel/security",
     # --kernel-btf's file, for a kernel without BTF of its own.
     "/var/lib/valet/btf": "/host/var/lib/valet/btf",
     # No runtime state directory: bundles are read through the runtime's own processes.
@@ -37,6 +39,7 @@ WRITABLE_HOST_PATHS = {"/sys/fs/bpf"}
 HOST_PATH_TYPES = {
     "/sys/fs/cgroup": "Directory",
     "/sys/kernel/tracing": "Directory",
+    "/sys/kernel/security": "Directory",
     "/var/lib/valet/btf": "DirectoryOrCreate",
     "/sys/fs/bpf": "Directory",
 }

@@ -222,7 +222,7 @@ def test_values_not_translated_are_refused():
 def _node(tmp_path: Path, *, btf: bool, bpffs_dir: bool) -> str:
     """A fake node root: what the kernel and systemd make on every node, and BTF or /sys/fs/bpf
     only when asked."""
-    for d in ("sys/fs/cgroup", "sys/kernel/tracing", "var/lib"):
+    for d in ("sys/fs/cgroup", "sys/kernel/tracing", "sys/kernel/security", "var/lib"):
         (tmp_path / d).mkdir(parents=True)
     if btf:
         (tmp_path / "sys/kernel/btf").mkdir()
