@@ -104,3 +104,15 @@ def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Render]:
 @pytest.fixture(scope="session")
 def all_docs(renders: dict[str, Render]) -> list[tuple[str, dict]]:
     return [(r.name, d) for r in renders.values() for d in r.docs]
+
+
+def prose(path: Path) -> list[tuple[int, str]]:
+    """(line number, line) of every line outside fenced code blocks."""
+    lines, fenced = [], False
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append((n, line))
+    return lines

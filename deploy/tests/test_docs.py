@@ -5,6 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import prose
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [
@@ -16,18 +17,6 @@ PAGES = [
     *sorted((ROOT / "docs/dev").glob("*.md")),
 ]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-
-
-def prose(path: Path) -> list[tuple[int, str]]:
-    """(line number, line) of every line outside fenced code blocks."""
-    lines, fenced = [], False
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.startswith("```"):
-            fenced = not fenced
-            continue
-        if not fenced:
-            lines.append((n, line))
-    return lines
 
 
 OPERATOR_PAGES = [

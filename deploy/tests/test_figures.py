@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import prose
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ROOT / "docs/figures.md"
@@ -34,17 +35,6 @@ def rows() -> dict[str, tuple[str, str, str]]:
         words = cells[4].strip("`").replace("\\|", "|").replace("\\`", "`")
         out[fid] = (cells[2], source, words)
     return out
-
-
-def prose(path: Path) -> list[tuple[int, str]]:
-    lines, fenced = [], False
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.startswith("```"):
-            fenced = not fenced
-            continue
-        if not fenced:
-            lines.append((n, line))
-    return lines
 
 
 def test_the_figures_page_has_figures() -> None:
