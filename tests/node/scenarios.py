@@ -65,6 +65,7 @@ own config is checked against them before any scenario runs.
 The out dir is shared with the host (writable 9p): the agent's whole log and each scenario's
 events end up there; the console gets the outcome lines and, on failure, the log's key lines.
 """
+import contextlib
 import glob
 import json
 import os
@@ -1235,14 +1236,28 @@ def agent_restart_held(api, agent, tag="", driver="systemd"):
         sc.teardown()
 
 
+@contextlib.contextmanager
+def agent_in_its_pod(api, agent, driver):
+    """The agent's DaemonSet pod (a `ContainerAgent`, not yet started) in place of the host agent,
+    which is stopped meanwhile and started again after; the pod's containers are dumped on a
+    failure and stopped in any case."""
+    agent.stop()
+    boxed = ContainerAgent(f"{OUT}/agent-pod.json", api.url, driver)
+    try:
+        yield boxed
+    except Failed:
+        boxed.dump()
+        raise
+    finally:
+        boxed.stop()
+        agent.start()
+
+
 def daemonset_agent(api, agent, tag="", driver="systemd"):
     """The job and hold_app scenarios again, with the agent run from its image under exactly its
     DaemonSet's privileges (the host agent is stopped meanwhile)."""
-    spec = f"{OUT}/agent-pod.json"
-    agent.stop()
-    boxed = ContainerAgent(spec, api.url, driver)
     figures = []
-    try:
+    with agent_in_its_pod(api, agent, driver) as boxed:
         try:
             figures.append(f"agent container ready in {boxed.start():.1f}s")
         finally:
@@ -1259,12 +1274,6 @@ def daemonset_agent(api, agent, tag="", driver="systemd"):
         figures.append("job: " + job(api, boxed, tag="-ds" + tag, driver=driver))
         figures.append("hold_app: " + hold_app(api, boxed, tag="-ds" + tag, driver=driver))
         return "; ".join(figures)
-    except Failed:
-        boxed.dump()
-        raise
-    finally:
-        boxed.stop()
-        agent.start()
 
 
 def cgroup_writes(pid, top="/host/sys/fs/cgroup"):
@@ -1301,9 +1310,7 @@ def cgroup_read_only(api, agent, tag="", driver="systemd"):
     into the host's cgroup fs (each of its mounts: v2's one, v1's tmpfs and controllers, hybrid's
     unified/) fails. Where the runtime has no recursive read-only mounts (the DaemonSet asks for
     IfPossible), a v1 or hybrid node fails here: deploy/README.md, "Read-only cgroup fs"."""
-    agent.stop()
-    boxed = ContainerAgent(f"{OUT}/agent-pod.json", api.url, driver)
-    try:
+    with agent_in_its_pod(api, agent, driver) as boxed:
         boxed.start()
         names = [boxed.spec["container"]["name"]] + [m["name"] for m in boxed.spec["more_containers"]]
         found, bad = [], []
@@ -1321,12 +1328,6 @@ def cgroup_read_only(api, agent, tag="", driver="systemd"):
                          f"{'supported' if boxed.rro_supported() else 'not supported'} by the runtime): "
                          + "; ".join(bad))
         return f"{kubelet.CGROUP_MODE}: every write refused in " + ", ".join(found)
-    except Failed:
-        boxed.dump()
-        raise
-    finally:
-        boxed.stop()
-        agent.start()
 
 
 def cgroupfs_twin(scenario):
