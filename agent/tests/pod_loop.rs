@@ -368,21 +368,7 @@ fn job_pod(annotations: Value) -> Pod {
 
 /// A container's end as the kernel reports it.
 fn end_of(pod_cg: u64, cg: u64, code: i32) -> ProcessExit {
-    ProcessExit {
-        ktime_ns: now_ns(),
-        cgroup_id: cg,
-        watched_cgroup_id: pod_cg,
-        tgid: 4242,
-        pid: 4242,
-        ns_pid: 1,
-        end: Some(ProcessEnd::Exited(code)),
-        ns_init: true,
-        child_pid_ns: true,
-        container_main: true,
-        comm: "app".into(),
-        cgroup_name: None,
-        quits_sent_ahead: 0,
-    }
+    ProcessExit::of_container_main(pod_cg, cg, Some(ProcessEnd::Exited(code)), now_ns())
 }
 
 /// The running loop and its stand-ins.
@@ -410,18 +396,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
     let metrics = Arc::new(Metrics::new());
     let (reports_tx, reports_rx) = mpsc::unbounded_channel();
     let act = Actuators::new(Parts {
-        settings: Settings {
-            host_proc: node.dir.join("proc"),
-            quit_timeout: Duration::from_secs(1),
-            quit_retry_for: Duration::from_secs(1),
-            probe_interval: Duration::from_millis(20),
-            ready_probe_interval: Duration::from_secs(5),
-            held_probe_interval: Duration::from_millis(10),
-            held_probe_cpu: 0.03,
-            held_probe_budget: 2000,
-            held_prober: false,
-            release_priority: 0,
-        },
+        settings: Settings::quick(node.dir.join("proc")),
         cgroups: node.cgroups.clone(),
         bundles: RuntimeBundles::new(vec![node.dir.join("bundles")], None),
         kernel: kernel.clone(),

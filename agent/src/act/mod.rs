@@ -75,6 +75,25 @@ pub struct Settings {
     pub release_priority: u8,
 }
 
+impl Settings {
+    /// Settings for loops run without a node (the pod loops' tests): quits of a second, probes
+    /// every 20 ms, held pods on their own loops, the release thread in the normal class.
+    pub fn quick(host_proc: PathBuf) -> Settings {
+        Settings {
+            host_proc,
+            quit_timeout: Duration::from_secs(1),
+            quit_retry_for: Duration::from_secs(1),
+            probe_interval: Duration::from_millis(20),
+            ready_probe_interval: Duration::from_secs(5),
+            held_probe_interval: Duration::from_millis(10),
+            held_probe_cpu: 0.03,
+            held_probe_budget: 2000,
+            held_prober: false,
+            release_priority: 0,
+        }
+    }
+}
+
 /// What the actuators are made of: the node, the kernel, the sidecars' network, the API, and
 /// where they count and report.
 pub struct Parts<K, L> {

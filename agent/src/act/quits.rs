@@ -156,18 +156,7 @@ mod tests {
     use crate::sidecar::testing::TestLink;
 
     fn settings() -> Settings {
-        Settings {
-            host_proc: "/proc".into(),
-            quit_timeout: Duration::from_secs(1),
-            quit_retry_for: Duration::from_secs(1),
-            probe_interval: Duration::from_millis(20),
-            ready_probe_interval: Duration::from_secs(5),
-            held_probe_interval: Duration::from_millis(10),
-            held_probe_cpu: 0.03,
-            held_probe_budget: 2000,
-            held_prober: false,
-            release_priority: 0,
-        }
+        Settings::quick("/proc".into())
     }
 
     #[test]
