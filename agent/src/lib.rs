@@ -19,6 +19,7 @@ pub mod api;
 pub mod cgroup;
 pub mod config;
 pub mod controller;
+pub mod deadline_keeper;
 pub mod effect;
 pub mod error;
 pub mod host;

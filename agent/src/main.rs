@@ -25,7 +25,7 @@ use valet_agent::controller::Controller;
 use valet_agent::error::Chain;
 use valet_agent::host::clock::monotonic_ns;
 use valet_agent::host::resident;
-use valet_agent::kernel::deadlines::{DEFER, Keeper, KeeperSettings};
+use valet_agent::deadline_keeper::{DEFER, Keeper, KeeperSettings};
 use valet_agent::kernel::held_ledger::pin_paths;
 use valet_agent::kernel::mode::{self, NoKernel, NodeEvents, NodeFacts, NodeKernel};
 use valet_agent::kernel::{Attach, EventReader, Programs};

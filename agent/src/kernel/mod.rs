@@ -1,7 +1,6 @@
 //! The kernel side seen from user space: layout discovery (BTF), program loading, event stream,
 //! and the two traits the controller works through, so its loop can run against a stand-in.
 pub mod btf;
-pub mod deadlines;
 pub mod held_ledger;
 pub mod loader;
 pub mod mode;
