@@ -14,13 +14,13 @@
 #![deny(unsafe_code)]
 
 pub mod act;
-pub mod acted;
 pub mod api;
 pub mod cgroup;
 pub mod config;
 pub mod controller;
 pub mod deadline_keeper;
 pub mod effect;
+pub mod ended_by_valet;
 pub mod error;
 pub mod host;
 pub mod kernel;

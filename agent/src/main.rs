@@ -19,7 +19,7 @@ use valet_agent::api::runtime_classes::RuntimeHandlers;
 use valet_agent::api::successor::{self, Stop};
 use valet_agent::cgroup::CgroupFs;
 use valet_agent::cgroup::root::{Hierarchy, NodeCgroups, find_node_cgroups};
-use valet_agent::acted::QuitPods;
+use valet_agent::ended_by_valet::EndedByValet;
 use valet_agent::config::{Config, HostPaths, KeeperConfig, LogFormat, NodeFlags, PinFlags};
 use valet_agent::controller::Controller;
 use valet_agent::error::Chain;
@@ -180,7 +180,7 @@ fn sidecar_defaults(cfg: &Config) -> SidecarDefaults {
 }
 
 /// Observes every pod on the node with a known sidecar (`--observe`), on a task of its own.
-fn start_observer(cfg: &Config, client: kube::Client, metrics: Arc<Metrics>, cgroups: CgroupFs, quit_pods: Arc<QuitPods>) {
+fn start_observer(cfg: &Config, client: kube::Client, metrics: Arc<Metrics>, cgroups: CgroupFs, ended_by_valet: Arc<EndedByValet>) {
     let settings = valet_agent::observe::Settings {
         node: cfg.node.node_name.clone(),
         defaults: sidecar_defaults(cfg),
@@ -189,7 +189,7 @@ fn start_observer(cfg: &Config, client: kube::Client, metrics: Arc<Metrics>, cgr
         act: cfg.observe.act,
     };
     let probe = NetnsProbe { host_proc: cfg.host.host_proc.clone(), cgroups };
-    let observer = Observer::new(settings, metrics, Arc::new(probe), quit_pods);
+    let observer = Observer::new(settings, metrics, Arc::new(probe), ended_by_valet);
     tokio::spawn(observer.run(valet_agent::api::watch::all_pods_on_node(
         client,
         &cfg.node.node_name,
@@ -259,9 +259,9 @@ async fn run(
     info!(rss_kib = resident.rss_kib, peak_kib = resident.peak_kib, "resident memory after loading");
 
     let cgroups = CgroupFs::new(node_cgroups.root);
-    let quit_pods = Arc::new(QuitPods::default());
+    let ended_by_valet = Arc::new(EndedByValet::default());
     if cfg.observe.observe {
-        start_observer(&cfg, client.clone(), metrics.clone(), cgroups.clone(), quit_pods.clone());
+        start_observer(&cfg, client.clone(), metrics.clone(), cgroups.clone(), ended_by_valet.clone());
     }
     let (reports_tx, reports_rx) = tokio::sync::mpsc::unbounded_channel();
     let act = Actuators::new(Parts {
@@ -274,7 +274,7 @@ async fn run(
         events: EventSink::new(writes, &cfg.node.node_name),
         metrics,
         reports: reports_tx,
-        quit_pods,
+        ended_by_valet,
     });
     // The ring buffer's reader thread sends the quits armed ahead the moment it reads an end.
     let events = match ring {

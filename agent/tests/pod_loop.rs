@@ -406,7 +406,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
         metrics: metrics.clone(),
         reports: reports_tx,
         // No observer here: a record of the pods quit that nothing reads.
-        quit_pods: Arc::default(),
+        ended_by_valet: Arc::default(),
     });
     let rules = Rules {
         defaults: SidecarDefaults { hold_timeout, ..SidecarDefaults::default() },

@@ -27,7 +27,7 @@ use kube::Client;
 use tokio::sync::mpsc;
 use tracing::warn;
 
-use crate::acted::QuitPods;
+use crate::ended_by_valet::EndedByValet;
 use crate::api::events::EventSink;
 use crate::cgroup::CgroupFs;
 use crate::cgroup::created::Creations;
@@ -109,7 +109,7 @@ pub struct Parts<K, L> {
     pub reports: mpsc::UnboundedSender<Report>,
     /// Where each pod a quit or a signal is sent to is recorded (the observer's; anything else keeps it for
     /// no one).
-    pub quit_pods: Arc<QuitPods>,
+    pub ended_by_valet: Arc<EndedByValet>,
 }
 
 /// Everything that acts on the world, for every pod: each effect goes to its executor.
@@ -124,7 +124,7 @@ pub struct Actuators<K, L> {
 
 impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     pub fn new(parts: Parts<K, L>) -> Actuators<K, L> {
-        let Parts { settings, cgroups, bundles, kernel, link, client, events, metrics, reports, quit_pods } = parts;
+        let Parts { settings, cgroups, bundles, kernel, link, client, events, metrics, reports, ended_by_valet } = parts;
         let ledger = kernel.held_ledger();
         Actuators {
             releases: Releases::new(
@@ -134,7 +134,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 ledger,
                 settings.release_priority,
             ),
-            quits: Quits::new(link.clone(), cgroups.clone(), reports.clone(), metrics.clone(), quit_pods, &settings),
+            quits: Quits::new(link.clone(), cgroups.clone(), reports.clone(), metrics.clone(), ended_by_valet, &settings),
             probes: Probes::new(link, reports.clone(), &settings),
             api: ApiWrites::new(client, events, reports),
             pod_cgroups: PodCgroups::new(cgroups, bundles, kernel, settings.host_proc),

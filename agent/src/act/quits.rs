@@ -12,7 +12,7 @@ use tracing::debug;
 
 use super::ahead::QuitsAhead;
 use super::{Report, Settings};
-use crate::acted::QuitPods;
+use crate::ended_by_valet::EndedByValet;
 use crate::cgroup::CgroupFs;
 use crate::cgroup::signal::signal_cgroup;
 use crate::effect::Feedback;
@@ -39,17 +39,17 @@ pub struct Quits<L> {
     /// Each pod's arm as last set in `ahead` (set again only when it changes).
     armed: HashMap<String, QuitAhead>,
     /// The pods a quit or a signal was sent to, for observe mode.
-    quit_pods: Arc<QuitPods>,
+    ended_by_valet: Arc<EndedByValet>,
 }
 
 impl<L: SidecarLink> Quits<L> {
-    /// Each pod a quit or a signal is sent to is recorded in `quit_pods` (the observer's).
+    /// Each pod a quit or a signal is sent to is recorded in `ended_by_valet` (the observer's).
     pub fn new(
         link: Arc<L>,
         cgroups: CgroupFs,
         reports: mpsc::UnboundedSender<Report>,
         metrics: Arc<Metrics>,
-        quit_pods: Arc<QuitPods>,
+        ended_by_valet: Arc<EndedByValet>,
         settings: &Settings,
     ) -> Quits<L> {
         Quits {
@@ -60,7 +60,7 @@ impl<L: SidecarLink> Quits<L> {
             timeout: settings.quit_timeout,
             retry_for: settings.quit_retry_for,
             armed: HashMap::new(),
-            quit_pods,
+            ended_by_valet,
         }
     }
 
@@ -113,7 +113,7 @@ impl<L: SidecarLink> Quits<L> {
         pod_ip: Option<&str>,
     ) {
         // For observe mode's tax: this pod's sidecars end because valet acted.
-        self.quit_pods.record(uid);
+        self.ended_by_valet.record(uid);
         // A sandboxed pod's quit goes to its IP (no pod cgroup to enter: see `quit`).
         let target = match pod_ip.and_then(|ip| ip.parse::<IpAddr>().ok()) {
             Some(ip) => PodTarget { uid: uid.to_owned(), pod_rel: None, pod_ip: Some(ip) },
@@ -142,7 +142,7 @@ impl<L: SidecarLink> Quits<L> {
         // (a helper whose quit is a signal, or an escalation). One that reached no process found
         // the sidecar already gone: something else ended it.
         if signalled > 0 {
-            self.quit_pods.record(uid);
+            self.ended_by_valet.record(uid);
         }
         Feedback::Signalled { sidecar, signal, signalled }
     }
@@ -171,15 +171,15 @@ mod tests {
         let mut helper = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
         std::fs::write(dir.join("kubepods/pod1/logs/cgroup.procs"), format!("{}\n", helper.id())).expect("procs");
         std::fs::write(dir.join("kubepods/pod2/logs/cgroup.procs"), "").expect("procs");
-        let quit_pods = Arc::new(QuitPods::default());
-        quit_pods.start();
+        let ended_by_valet = Arc::new(EndedByValet::default());
+        ended_by_valet.start();
         let (reports, _keep) = mpsc::unbounded_channel();
         let quits = Quits::new(
             Arc::new(TestLink::default()),
             CgroupFs::new(&dir),
             reports,
             Arc::new(Metrics::new()),
-            quit_pods.clone(),
+            ended_by_valet.clone(),
             &settings(),
         );
 
@@ -189,8 +189,8 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(status.signal(), Some(libc::SIGTERM), "the helper got the signal");
         assert!(matches!(signalled, Feedback::Signalled { signalled: 1, .. }), "{signalled:?}");
-        assert!(quit_pods.contains("pod1"), "valet ended the helper: acted");
+        assert!(ended_by_valet.contains("pod1"), "valet ended the helper: acted");
         assert!(matches!(gone, Feedback::Signalled { signalled: 0, .. }), "{gone:?}");
-        assert!(!quit_pods.contains("pod2"), "a signal that reached no one is not valet acting");
+        assert!(!ended_by_valet.contains("pod2"), "a signal that reached no one is not valet acting");
     }
 }

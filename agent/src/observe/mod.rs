@@ -35,7 +35,7 @@ use tracing::{debug, info, warn};
 
 use self::look::{OwnerKind, SidecarMode};
 use self::tally::{Note, PodKey, Tally, Uncounted};
-use crate::acted::QuitPods;
+use crate::ended_by_valet::EndedByValet;
 use crate::api::watch::Relist;
 use crate::cgroup::CgroupFs;
 use crate::metrics::{Metrics, NamespaceLabels, ObservedLabels, ReasonLabels, TaxLabels};
@@ -117,19 +117,19 @@ pub struct Observer {
     /// Pods whose annotations could not be read, reported once each.
     unreadable: HashSet<String>,
     relist: Relist,
-    quit_pods: Arc<QuitPods>,
+    ended_by_valet: Arc<EndedByValet>,
 }
 
 impl Observer {
-    /// `quit_pods` is the record the actuators keep of the pods they quit (for the tax's
+    /// `ended_by_valet` is the record the actuators keep of the pods they quit (for the tax's
     /// `acted` label); the observer turns it on.
     pub fn new(
         settings: Settings,
         metrics: Arc<Metrics>,
         probe: Arc<dyn ReadyProbe>,
-        quit_pods: Arc<QuitPods>,
+        ended_by_valet: Arc<EndedByValet>,
     ) -> Observer {
-        quit_pods.start();
+        ended_by_valet.start();
         // Known in advance: start at 0, so that rates see 0 rather than nothing.
         for reason in Uncounted::ALL {
             let _ = metrics.uncounted.get_or_create(&ReasonLabels { reason: reason.as_str() });
@@ -138,7 +138,7 @@ impl Observer {
             tally: Tally::new(settings.namespace_label, settings.max_namespaces),
             settings,
             metrics,
-            quit_pods,
+            ended_by_valet,
             probe,
             answers: mpsc::unbounded_channel(),
             watches: HashMap::new(),
@@ -206,7 +206,7 @@ impl Observer {
             Ok(Some(mut seen)) => {
                 // An app valet holds cannot start before its proxy is ready.
                 seen.hold_app &= seen.labelled && self.settings.act;
-                let acted = self.quit_pods.contains(uid);
+                let acted = self.ended_by_valet.contains(uid);
                 let notes = self.tally.look(seen, acted);
                 self.count(notes);
                 self.metrics.pods_observed.set(self.tally.len() as i64);
@@ -224,7 +224,7 @@ impl Observer {
     }
 
     fn gone(&mut self, uid: &str, deleted_at: Option<DateTime<Utc>>) {
-        let acted = self.quit_pods.contains(uid);
+        let acted = self.ended_by_valet.contains(uid);
         let notes = self.tally.gone(uid, acted, Utc::now(), deleted_at);
         self.forget(uid, notes);
     }
@@ -235,7 +235,7 @@ impl Observer {
             watch.abort();
         }
         self.metrics.pods_observed.set(self.tally.len() as i64);
-        self.quit_pods.forget(uid);
+        self.ended_by_valet.forget(uid);
         self.unreadable.remove(uid);
     }
 
