@@ -5,7 +5,7 @@
 //!
 //! One executor per kind of effect, each owning only what it uses: [`PodCgroups`] (a pod's
 //! cgroups and the kernel's watch), [`Releases`] (held apps, pinned and released),
-//! [`Quits`] (quits, signals, quits armed ahead), [`Probes`] (readiness probes) and
+//! [`QuitSender`] (quits, signals, quits armed ahead), [`Probes`] (readiness probes) and
 //! [`ApiWrites`] (condition, Events). [`Actuators`] hands each effect to its executor.
 
 pub mod ahead;
@@ -14,7 +14,7 @@ mod api_writes;
 pub mod held_prober;
 mod pod_cgroups;
 pub mod probe;
-mod quits;
+mod quit_sender;
 pub(crate) mod release;
 
 use std::collections::HashSet;
@@ -41,7 +41,7 @@ use crate::sidecar::SidecarLink;
 pub use api_writes::ApiWrites;
 pub use pod_cgroups::PodCgroups;
 pub use probe::Probes;
-pub use quits::Quits;
+pub use quit_sender::QuitSender;
 pub use release::{Releases, held_at_exec};
 
 /// Feedback for one pod, from a task.
@@ -116,7 +116,7 @@ pub struct Parts<K, L> {
 pub struct Actuators<K, L> {
     pod_cgroups: PodCgroups<K>,
     releases: Releases,
-    quits: Quits<L>,
+    quit_sender: QuitSender<L>,
     probes: Probes<L>,
     api: ApiWrites,
     metrics: Arc<Metrics>,
@@ -134,7 +134,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 ledger,
                 settings.release_priority,
             ),
-            quits: Quits::new(link.clone(), cgroups.clone(), reports.clone(), metrics.clone(), ended_by_valet, &settings),
+            quit_sender: QuitSender::new(link.clone(), cgroups.clone(), reports.clone(), metrics.clone(), ended_by_valet, &settings),
             probes: Probes::new(link, reports.clone(), &settings),
             api: ApiWrites::new(client, events, reports),
             pod_cgroups: PodCgroups::new(cgroups, bundles, kernel, settings.host_proc),
@@ -144,18 +144,18 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
 
     /// The quits armed for the kernel event reader ([`ahead`]).
     pub fn quits_ahead(&self) -> Arc<ahead::QuitsAhead<L>> {
-        self.quits.ahead()
+        self.quit_sender.ahead()
     }
 
     /// Sets pod `uid`'s quit ahead (after each of its transitions; `None` disarms).
     pub fn arm_ahead(&mut self, uid: &str, arm: Option<QuitAhead>) {
-        self.quits.arm_ahead(uid, arm);
+        self.quit_sender.arm_ahead(uid, arm);
     }
 
     /// After a container end's transition: requests sent ahead to the pod that it did not take
     /// over (dropped and counted), how many.
     pub fn unclaimed_ahead(&self, uid: &str) -> usize {
-        self.quits.unclaimed_ahead(uid)
+        self.quit_sender.unclaimed_ahead(uid)
     }
 
     /// Probes held pod `uid`'s proxies at once (a socket started listening there), if the held
@@ -245,17 +245,17 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 self.pod_cgroups.forget_container(container_cgroup);
                 None
             }
-            Effect::OpenNetwork { pod_rel } => Some(self.quits.open_network(uid, &pod_rel)),
+            Effect::OpenNetwork { pod_rel } => Some(self.quit_sender.open_network(uid, &pod_rel)),
             Effect::CloseNetwork => {
-                self.quits.close_network(uid);
+                self.quit_sender.close_network(uid);
                 None
             }
             Effect::Quit { sidecar, instance, endpoint, pod_rel, pod_ip } => {
-                self.quits.quit(uid, sidecar, instance, endpoint, pod_rel, pod_ip.as_deref());
+                self.quit_sender.quit(uid, sidecar, instance, endpoint, pod_rel, pod_ip.as_deref());
                 None
             }
             Effect::Signal { sidecar, container_rel, signal } => {
-                Some(self.quits.signal(uid, sidecar, &container_rel, signal))
+                Some(self.quit_sender.signal(uid, sidecar, &container_rel, signal))
             }
             Effect::StartProbe { sidecars, pod_rel, pod_ip, pace } => {
                 self.probes.start(uid, sidecars, pod_rel, pod_ip.as_deref(), pace);

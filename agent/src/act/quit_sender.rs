@@ -19,13 +19,13 @@ use crate::effect::Feedback;
 use crate::metrics::Metrics;
 use crate::pod::state::QuitAhead;
 use crate::sidecar::http::Limits;
-use crate::sidecar::quit::{first_attempt, quit};
+use crate::sidecar::quit_request::{first_attempt, quit};
 use crate::sidecar::{PodTarget, SidecarLink};
 use crate::vocab::Endpoint;
 
-/// The quits of every pod (effects `OpenNetwork`, `CloseNetwork`, `Quit`, `Signal`), and their
-/// arms for the kernel event reader.
-pub struct Quits<L> {
+/// Sends the quits and signals that end every pod's sidecars (effects `OpenNetwork`,
+/// `CloseNetwork`, `Quit`, `Signal`), and arms quits for the kernel event reader.
+pub struct QuitSender<L> {
     link: Arc<L>,
     /// For the sidecars quit by a signal.
     cgroups: CgroupFs,
@@ -42,7 +42,7 @@ pub struct Quits<L> {
     ended_by_valet: Arc<EndedByValet>,
 }
 
-impl<L: SidecarLink> Quits<L> {
+impl<L: SidecarLink> QuitSender<L> {
     /// Each pod a quit or a signal is sent to is recorded in `ended_by_valet` (the observer's).
     pub fn new(
         link: Arc<L>,
@@ -51,8 +51,8 @@ impl<L: SidecarLink> Quits<L> {
         metrics: Arc<Metrics>,
         ended_by_valet: Arc<EndedByValet>,
         settings: &Settings,
-    ) -> Quits<L> {
-        Quits {
+    ) -> QuitSender<L> {
+        QuitSender {
             ahead: Arc::new(QuitsAhead::new(link.clone(), metrics)),
             link,
             cgroups,
@@ -174,7 +174,7 @@ mod tests {
         let ended_by_valet = Arc::new(EndedByValet::default());
         ended_by_valet.start();
         let (reports, _keep) = mpsc::unbounded_channel();
-        let quits = Quits::new(
+        let sender = QuitSender::new(
             Arc::new(TestLink::default()),
             CgroupFs::new(&dir),
             reports,
@@ -183,9 +183,9 @@ mod tests {
             &settings(),
         );
 
-        let signalled = quits.signal("pod1", "logs".into(), rel, libc::SIGTERM);
+        let signalled = sender.signal("pod1", "logs".into(), rel, libc::SIGTERM);
         let status = helper.wait().expect("wait");
-        let gone = quits.signal("pod2", "logs".into(), gone_rel, libc::SIGTERM);
+        let gone = sender.signal("pod2", "logs".into(), gone_rel, libc::SIGTERM);
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(status.signal(), Some(libc::SIGTERM), "the helper got the signal");
         assert!(matches!(signalled, Feedback::Signalled { signalled: 1, .. }), "{signalled:?}");
