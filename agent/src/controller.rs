@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 use valet_common::Counter;
 
-use crate::act::{Actuators, Report};
+use crate::act::{Actuators, PodFeedback};
 use crate::api::successor::{Stop, Uninstall};
 use crate::api::watch::{Relist, opted_in};
 use crate::effect::{Effect, ExitSeen, Feedback, HeldSeen, Nanos};
@@ -48,7 +48,7 @@ pub struct Controller<K, L> {
     /// Watched pod cgroup id → pod uid.
     by_cgroup: HashMap<u64, String>,
     act: Actuators<K, L>,
-    reports: mpsc::UnboundedReceiver<Report>,
+    reports: mpsc::UnboundedReceiver<PodFeedback>,
     health: Arc<Health>,
     /// Pods seen during a re-list, to drop the ones that vanished meanwhile.
     relist: Relist,
@@ -68,7 +68,7 @@ impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
         node: &str,
         rules: Rules,
         act: Actuators<K, L>,
-        reports: mpsc::UnboundedReceiver<Report>,
+        reports: mpsc::UnboundedReceiver<PodFeedback>,
         health: Arc<Health>,
     ) -> Controller<K, L> {
         Controller {

@@ -263,7 +263,7 @@ async fn run(
     if cfg.observe.observe {
         start_observer(&cfg, client.clone(), metrics.clone(), cgroups.clone(), ended_by_valet.clone());
     }
-    let (reports_tx, reports_rx) = tokio::sync::mpsc::unbounded_channel();
+    let (feedback_tx, feedback_rx) = tokio::sync::mpsc::unbounded_channel();
     let act = Actuators::new(Parts {
         settings: act_settings(&cfg),
         cgroups: cgroups.clone(),
@@ -273,7 +273,7 @@ async fn run(
         client: writes.clone(),
         events: EventSink::new(writes, &cfg.node.node_name),
         metrics,
-        reports: reports_tx,
+        feedback: feedback_tx,
         ended_by_valet,
     });
     // The ring buffer's reader thread sends the quits armed ahead the moment it reads an end.
@@ -284,7 +284,7 @@ async fn run(
     // The RuntimeClasses (sandboxes known by their handler), listed before the first pod.
     let runtime_handlers = RuntimeHandlers::default();
     runtime_handlers.start(client.clone()).await;
-    let controller = Controller::new(&cfg.node.node_name, rules(&cfg, mode, runtime_handlers), act, reports_rx, health);
+    let controller = Controller::new(&cfg.node.node_name, rules(&cfg, mode, runtime_handlers), act, feedback_rx, health);
     // Leave time within the usual 30 s grace period (after the lookup at SIGTERM, at most
     // `successor::LOOKUP_BUDGET`) for in-flight quits to finish.
     let drain = Duration::from_secs(10);

@@ -394,7 +394,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
     let kernel = FakeKernel::default();
     let link = FakeLink::default();
     let metrics = Arc::new(Metrics::new());
-    let (reports_tx, reports_rx) = mpsc::unbounded_channel();
+    let (feedback_tx, feedback_rx) = mpsc::unbounded_channel();
     let act = Actuators::new(Parts {
         settings: Settings::quick(node.dir.join("proc")),
         cgroups: node.cgroups.clone(),
@@ -404,7 +404,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
         client: client.clone(),
         events: EventSink::new(client, NODE),
         metrics: metrics.clone(),
-        reports: reports_tx,
+        feedback: feedback_tx,
         // No observer here: a record of the pods quit that nothing reads.
         ended_by_valet: Arc::default(),
     });
@@ -418,7 +418,7 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
     };
     let ahead = act.quits_ahead();
     let health = Arc::new(Health::new(STALL));
-    let controller = Controller::new(NODE, rules, act, reports_rx, health.clone());
+    let controller = Controller::new(NODE, rules, act, feedback_rx, health.clone());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (watch_tx, watch_rx) = mpsc::unbounded_channel();
     let watch = tokio_stream_of(watch_rx);

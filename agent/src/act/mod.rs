@@ -27,11 +27,11 @@ use kube::Client;
 use tokio::sync::mpsc;
 use tracing::warn;
 
-use crate::ended_by_valet::EndedByValet;
 use crate::api::events::EventSink;
 use crate::cgroup::CgroupFs;
 use crate::cgroup::created::Creations;
 use crate::effect::{Count, Effect, Feedback, Nanos};
+use crate::ended_by_valet::EndedByValet;
 use crate::kernel::KernelControl;
 use crate::metrics::{self, KindLabels, Metrics, QuitLabels, ReasonLabels, ResultLabels};
 use crate::pod::state::QuitAhead;
@@ -44,8 +44,8 @@ pub use probe::Probes;
 pub use quit_sender::QuitSender;
 pub use release::{Releases, held_at_exec};
 
-/// Feedback for one pod, from a task.
-pub type Report = (String, Feedback);
+/// Feedback addressed to one pod (its uid), from a task.
+pub type PodFeedback = (String, Feedback);
 
 /// The next multiple of `period` after `elapsed` (on a clock started at 0): where the probe
 /// loops and the held pods' prober put their next slot.
@@ -106,7 +106,7 @@ pub struct Parts<K, L> {
     pub events: EventSink,
     pub metrics: Arc<Metrics>,
     /// Where tasks send their feedback.
-    pub reports: mpsc::UnboundedSender<Report>,
+    pub feedback: mpsc::UnboundedSender<PodFeedback>,
     /// Where each pod a quit or a signal is sent to is recorded (the observer's; anything else keeps it for
     /// no one).
     pub ended_by_valet: Arc<EndedByValet>,
@@ -124,7 +124,8 @@ pub struct Actuators<K, L> {
 
 impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     pub fn new(parts: Parts<K, L>) -> Actuators<K, L> {
-        let Parts { settings, cgroups, bundles, kernel, link, client, events, metrics, reports, ended_by_valet } = parts;
+        let Parts { settings, cgroups, bundles, kernel, link, client, events, metrics, feedback, ended_by_valet } =
+            parts;
         let ledger = kernel.held_ledger();
         Actuators {
             releases: Releases::new(
@@ -134,9 +135,16 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 ledger,
                 settings.release_priority,
             ),
-            quit_sender: QuitSender::new(link.clone(), cgroups.clone(), reports.clone(), metrics.clone(), ended_by_valet, &settings),
-            probes: Probes::new(link, reports.clone(), &settings),
-            api: ApiWrites::new(client, events, reports),
+            quit_sender: QuitSender::new(
+                link.clone(),
+                cgroups.clone(),
+                feedback.clone(),
+                metrics.clone(),
+                ended_by_valet,
+                &settings,
+            ),
+            probes: Probes::new(link, feedback.clone(), &settings),
+            api: ApiWrites::new(client, events, feedback),
             pod_cgroups: PodCgroups::new(cgroups, bundles, kernel, settings.host_proc),
             metrics,
         }

@@ -11,11 +11,11 @@ use tokio::sync::mpsc;
 use tracing::debug;
 
 use super::ahead::QuitsAhead;
-use super::{Report, Settings};
-use crate::ended_by_valet::EndedByValet;
+use super::{PodFeedback, Settings};
 use crate::cgroup::CgroupFs;
 use crate::cgroup::signal::signal_cgroup;
 use crate::effect::Feedback;
+use crate::ended_by_valet::EndedByValet;
 use crate::metrics::Metrics;
 use crate::pod::state::QuitAhead;
 use crate::sidecar::http::Limits;
@@ -30,7 +30,7 @@ pub struct QuitSender<L> {
     /// For the sidecars quit by a signal.
     cgroups: CgroupFs,
     /// Where each quit's outcome goes.
-    reports: mpsc::UnboundedSender<Report>,
+    reports: mpsc::UnboundedSender<PodFeedback>,
     /// One quit request's time limit.
     timeout: Duration,
     /// How long a quit is tried again.
@@ -47,7 +47,7 @@ impl<L: SidecarLink> QuitSender<L> {
     pub fn new(
         link: Arc<L>,
         cgroups: CgroupFs,
-        reports: mpsc::UnboundedSender<Report>,
+        reports: mpsc::UnboundedSender<PodFeedback>,
         metrics: Arc<Metrics>,
         ended_by_valet: Arc<EndedByValet>,
         settings: &Settings,
