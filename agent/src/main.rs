@@ -1,5 +1,5 @@
 //! valet-agent: wires configuration, telemetry, the kernel programs, the API client, the metrics
-//! server and the controller loop together.
+//! server and the pod router's loop together.
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
@@ -19,13 +19,12 @@ use valet_agent::api::runtime_classes::RuntimeHandlers;
 use valet_agent::api::successor::{self, Stop};
 use valet_agent::cgroup::CgroupFs;
 use valet_agent::cgroup::root::{Hierarchy, NodeCgroups, find_node_cgroups};
-use valet_agent::ended_by_valet::EndedByValet;
 use valet_agent::config::{Config, HostPaths, KeeperConfig, LogFormat, NodeFlags, PinFlags};
-use valet_agent::controller::Controller;
+use valet_agent::deadline_keeper::{DEFER, Keeper, KeeperSettings};
+use valet_agent::ended_by_valet::EndedByValet;
 use valet_agent::error::Chain;
 use valet_agent::host::clock::monotonic_ns;
 use valet_agent::host::resident;
-use valet_agent::deadline_keeper::{DEFER, Keeper, KeeperSettings};
 use valet_agent::kernel::held_ledger::pin_paths;
 use valet_agent::kernel::mode::{self, NoKernel, NodeEvents, NodeFacts, NodeKernel};
 use valet_agent::kernel::{Attach, EventReader, Programs};
@@ -33,6 +32,7 @@ use valet_agent::metrics::Metrics;
 use valet_agent::observe::{NetnsProbe, Observer};
 use valet_agent::pod::spec::SidecarDefaults;
 use valet_agent::pod::state::Rules;
+use valet_agent::pod_router::PodRouter;
 use valet_agent::runtime::RuntimeBundles;
 use valet_agent::server::{self, Health};
 use valet_agent::sidecar::netns::PodNetwork;
@@ -107,9 +107,8 @@ async fn clients() -> anyhow::Result<(kube::Client, kube::Client)> {
         http::header::USER_AGENT,
         http::HeaderValue::from_static(concat!("valet-agent/", env!("CARGO_PKG_VERSION"))),
     ));
-    let builder = |config| {
-        kube::client::ClientBuilder::try_from(config).context("Kubernetes client (in-cluster or KUBECONFIG)")
-    };
+    let builder =
+        |config| kube::client::ClientBuilder::try_from(config).context("Kubernetes client (in-cluster or KUBECONFIG)");
     let watches = valet_agent::api::watch_client(builder(config.clone())?);
     let writes = valet_agent::api::writes_client(builder(config)?);
     Ok((watches, writes))
@@ -180,7 +179,13 @@ fn sidecar_defaults(cfg: &Config) -> SidecarDefaults {
 }
 
 /// Observes every pod on the node with a known sidecar (`--observe`), on a task of its own.
-fn start_observer(cfg: &Config, client: kube::Client, metrics: Arc<Metrics>, cgroups: CgroupFs, ended_by_valet: Arc<EndedByValet>) {
+fn start_observer(
+    cfg: &Config,
+    client: kube::Client,
+    metrics: Arc<Metrics>,
+    cgroups: CgroupFs,
+    ended_by_valet: Arc<EndedByValet>,
+) {
     let settings = valet_agent::observe::Settings {
         node: cfg.node.node_name.clone(),
         defaults: sidecar_defaults(cfg),
@@ -284,20 +289,20 @@ async fn run(
     // The RuntimeClasses (sandboxes known by their handler), listed before the first pod.
     let runtime_handlers = RuntimeHandlers::default();
     runtime_handlers.start(client.clone()).await;
-    let controller = Controller::new(&cfg.node.node_name, rules(&cfg, mode, runtime_handlers), act, feedback_rx, health);
+    let router = PodRouter::new(&cfg.node.node_name, rules(&cfg, mode, runtime_handlers), act, feedback_rx, health);
     // Leave time within the usual 30 s grace period (after the lookup at SIGTERM, at most
     // `successor::LOOKUP_BUDGET`) for in-flight quits to finish.
     let drain = Duration::from_secs(10);
     let shutdown = shutdown_signal(cfg.node.clone());
     let stop = if cfg.observe.act {
         let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node.node_name, cfg.pods.watch_timeout);
-        controller.run(events, watch, shutdown, drain).await
+        router.run(events, watch, shutdown, drain).await
     } else {
-        // Look-only: the controller is given no pod (an empty list, then nothing), so it acts on none.
+        // Look-only: the router is given no pod (an empty list, then nothing), so it acts on none.
         info!("--act=false: no pod is acted on; labelled pods are only observed");
         let none = futures::stream::iter([Ok(watcher::Event::Init), Ok(watcher::Event::InitDone)])
             .chain(futures::stream::pending());
-        controller.run(events, none, shutdown, drain).await
+        router.run(events, none, shutdown, drain).await
     };
     info!("stopped");
     Ok(stop)
@@ -322,7 +327,8 @@ fn deadlines_main() -> std::process::ExitCode {
         error!("cannot block SIGTERM: {e}");
         return std::process::ExitCode::FAILURE;
     }
-    let root = match find_node_cgroups(args.host.cgroup_root.as_deref(), &args.host.cgroup_mount, &args.host.host_proc) {
+    let root = match find_node_cgroups(args.host.cgroup_root.as_deref(), &args.host.cgroup_mount, &args.host.host_proc)
+    {
         Ok(found) => found.root,
         Err(e) => {
             error!("{}", e.chain());

@@ -1,4 +1,4 @@
-//! Scenario tests of the whole loop, without root: the real controller and actuators against a
+//! Scenario tests of the whole loop, without root: the real pod router and actuators against a
 //! mocked API (`tower-test`), a stand-in for the kernel programs and for the pod's network, a
 //! kubelet-shaped cgroup tree in a temporary directory, and real (unprivileged) child processes
 //! for the holds. Every wait has a timeout, so a missing or an extra action fails the test; the
@@ -24,11 +24,11 @@ use valet_agent::act::{Actuators, Parts, Settings};
 use valet_agent::api::events::EventSink;
 use valet_agent::api::successor::{Stop, Successor, Uninstall};
 use valet_agent::cgroup::CgroupFs;
-use valet_agent::controller::Controller;
 use valet_agent::kernel::{Event, EventSource, HeldProcess, KernelControl, ProcessEnd, ProcessExit};
 use valet_agent::metrics::Metrics;
 use valet_agent::pod::spec::SidecarDefaults;
 use valet_agent::pod::state::Rules;
+use valet_agent::pod_router::PodRouter;
 use valet_agent::runtime::RuntimeBundles;
 use valet_agent::server::Health;
 use valet_agent::sidecar::http::{Limits, Response as HttpResponse};
@@ -418,12 +418,12 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
     };
     let ahead = act.quits_ahead();
     let health = Arc::new(Health::new(STALL));
-    let controller = Controller::new(NODE, rules, act, feedback_rx, health.clone());
+    let router = PodRouter::new(NODE, rules, act, feedback_rx, health.clone());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (watch_tx, watch_rx) = mpsc::unbounded_channel();
     let watch = tokio_stream_of(watch_rx);
     let (stop_tx, stop_rx) = oneshot::channel::<Stop>();
-    let done = tokio::spawn(controller.run(
+    let done = tokio::spawn(router.run(
         FakeEvents(events_rx),
         watch,
         async move { stop_rx.await.unwrap_or(Stop::Release(Uninstall::NotInPod)) },
