@@ -469,9 +469,10 @@ impl ProbeFlags {
     }
 }
 
+/// Releases held apps at their deadline (see the agent's flags of the same names).
+///
 /// The deadline keeper's flags (`valet-agent deadlines`): the agent's records it shares, the same
-/// flags and variables. Releases held apps at their deadline (see the agent's flags of the same
-/// names).
+/// flags and variables.
 #[derive(Clone, Debug, Parser)]
 #[command(name = "valet-agent deadlines", version)]
 pub struct KeeperConfig {
@@ -619,7 +620,9 @@ mod tests {
         assert!(expected.unready(NodeMode::Degraded(DegradedReason::KernelUnsupported)).is_some());
         let none = parse(&["--degraded-ok="]);
         assert!(none.validate().is_ok());
-        assert!(none.kernel.expected_degraded().expect("none").unready(NodeMode::Degraded(DegradedReason::NoBtf)).is_some());
+        assert!(
+            none.kernel.expected_degraded().expect("none").unready(NodeMode::Degraded(DegradedReason::NoBtf)).is_some()
+        );
         let bad = parse(&["--degraded-ok", "no_btf,old_kernel"]);
         let err = bad.validate().expect_err("an unknown reason is refused at start").to_string();
         assert!(err.contains("--degraded-ok") && err.contains("old_kernel"), "{err}");
@@ -645,8 +648,14 @@ mod tests {
         assert!(bad.validate().is_err());
         assert_eq!(cfg.probes.held_probe_budget, 1500);
         assert!(cfg.probes.held_prober);
-        assert!(cfg.observe.act && cfg.observe.observe && cfg.observe.observe_namespace_label, "acting and observing by default");
-        assert!(!cfg.quits.quit_events, "no Normal Event per quit by default: the condition is what a Job needs written");
+        assert!(
+            cfg.observe.act && cfg.observe.observe && cfg.observe.observe_namespace_label,
+            "acting and observing by default"
+        );
+        assert!(
+            !cfg.quits.quit_events,
+            "no Normal Event per quit by default: the condition is what a Job needs written"
+        );
         let events = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--quit-events=true"]).expect("parse");
         assert!(events.quits.quit_events);
         let look_only = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--act=false"]).expect("parse");
