@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::{Args, Parser, ValueEnum};
 
 use crate::error::{Error, Result};
 use crate::kernel::programs::AncestorMode;
@@ -23,23 +23,82 @@ pub enum LogFormat {
 
 pub use crate::vocab::parse_duration;
 
+/// Default of `--sidecar-names`: the proxies and agents valet knows by their container's name.
+const DEFAULT_SIDECAR_NAMES: &str =
+    "istio-proxy,linkerd-proxy,cloud-sql-proxy,vault-agent,consul-dataplane,kuma-sidecar";
+
+/// Default of `--sandboxed-runtime-classes`: Kata's and gVisor's.
+const SANDBOXED_CLASSES: &str = "kata,kata-*,gvisor,gvisor-*,runsc,runsc-*";
+
 /// valet node agent: ends sidecar proxies when a pod's work is done and holds apps until the
 /// proxy is ready, for pods labelled valet.dev/enabled=true on this node.
+///
+/// Each setting is declared once, in the small record of the part it configures; the deadline
+/// keeper (`valet-agent deadlines`) reads the records it shares ([`NodeFlags`], [`HostPaths`],
+/// [`PinFlags`]) from the same definitions.
 #[derive(Clone, Debug, Parser)]
 #[command(name = "valet-agent", version, about, long_about = None)]
 pub struct Config {
+    #[command(flatten)]
+    pub node: NodeFlags,
+    #[command(flatten)]
+    pub server: ServerFlags,
+    #[command(flatten)]
+    pub host: HostPaths,
+    #[command(flatten)]
+    pub kernel: KernelFlags,
+    #[command(flatten)]
+    pub pins: PinFlags,
+    #[command(flatten)]
+    pub pods: PodFlags,
+    #[command(flatten)]
+    pub quits: QuitFlags,
+    #[command(flatten)]
+    pub probes: ProbeFlags,
+    #[command(flatten)]
+    pub holds: HoldFlags,
+    #[command(flatten)]
+    pub observe: ObserveFlags,
+}
+
+/// This node, and the agent's own pod on it (the downward API).
+#[derive(Clone, Debug, Args)]
+pub struct NodeFlags {
     /// This node's name (the DaemonSet sets it).
     ///
     /// This node's name (the DaemonSet sets NODE_NAME from spec.nodeName).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: String,
 
+    /// The agent's own pod (the DaemonSet sets POD_NAME): at SIGTERM, whether a successor comes.
+    /// Unset outside a pod.
+    #[arg(long, env = "POD_NAME", hide = true)]
+    pub pod_name: Option<String>,
+
+    /// The own pod's namespace (the DaemonSet sets POD_NAMESPACE); unset: the API client's.
+    #[arg(long, env = "POD_NAMESPACE", hide = true)]
+    pub pod_namespace: Option<String>,
+}
+
+/// The metrics and health server, and the log.
+#[derive(Clone, Debug, Args)]
+pub struct ServerFlags {
     /// Address of `/metrics`, `/healthz` and `/readyz`.
     ///
     /// Address for /metrics, /healthz and /readyz.
     #[arg(long, env = "VALET_METRICS_ADDR", default_value = "0.0.0.0:9090")]
     pub metrics_addr: SocketAddr,
 
+    /// Log format: `text` or `json` (the DaemonSet sets `json`).
+    ///
+    /// Log format.
+    #[arg(long, env = "VALET_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// Where the host's processes and cgroups are seen.
+#[derive(Clone, Debug, Args)]
+pub struct HostPaths {
     /// Where the host's `/proc` is.
     ///
     /// Where the host's /proc is visible (the agent finds pod processes and namespaces there).
@@ -60,7 +119,12 @@ pub struct Config {
     /// hybrid node, the directory of the v1 controllers' mounts (and of `unified`).
     #[arg(long, env = "VALET_CGROUP_MOUNT", default_value = "/sys/fs/cgroup")]
     pub cgroup_mount: PathBuf,
+}
 
+/// The kernel programs: where their inputs are, how they find pod cgroups, and which reasons for
+/// running without them leave the node ready.
+#[derive(Clone, Debug, Args)]
+pub struct KernelFlags {
     /// Where the host's `/sys` is found.
     ///
     /// Where the host's /sys is visible under (tracefs and BTF are looked up below it).
@@ -92,19 +156,18 @@ pub struct Config {
     )]
     pub degraded_ok: Vec<String>,
 
-    /// RuntimeClass names or handlers of sandboxed pods (ends from the API, no holds).
+    /// How the kernel programs find a process's pod cgroup: `auto`, `helper` or `walk`.
     ///
-    /// runtimeClassNames whose pods run out of the node's kernel's sight (VM or user-space
-    /// kernel sandboxes: Kata, gVisor, GKE Sandbox). Their ends are taken from the API and their
-    /// apps are never held. A trailing `*` matches any suffix.
-    #[arg(
-        long,
-        env = "VALET_SANDBOXED_RUNTIME_CLASSES",
-        value_delimiter = ',',
-        default_value = "kata,kata-*,gvisor,gvisor-*,runsc,runsc-*"
-    )]
-    pub sandboxed_runtime_classes: Vec<String>,
+    /// `auto`: the helper (`bpf_get_current_ancestor_cgroup_id`) where the kernel allows it
+    /// (5.11+), else a walk up the cgroup tree with offsets from BTF (5.10). `helper` or `walk`
+    /// force one; a forced helper on a kernel or hierarchy that cannot use it is an error.
+    #[arg(long, env = "VALET_CGROUP_ANCESTORS", value_enum, default_value = "auto")]
+    pub cgroup_ancestors: AncestorMode,
+}
 
+/// The pinned record of held apps, this version's and earlier ones'.
+#[derive(Clone, Debug, Args)]
+pub struct PinFlags {
     /// The bpffs directory of the record of held apps.
     ///
     /// A directory on bpffs (the host's, shared with the agent's successors) where the record of
@@ -121,17 +184,59 @@ pub struct Config {
     #[arg(long = "old-pin-dirs", visible_alias = "old-pin-dir", env = "VALET_OLD_PIN_DIRS", value_delimiter = ',')]
     pub old_pin_dirs: Vec<PathBuf>,
 
+    /// Hold timeout of a previous version's records.
+    ///
+    /// Hold timeout of the records an earlier version wrote without a deadline (`held_v1`):
+    /// they run again at their stop plus this. The deadline keeper (`valet-agent deadlines`)
+    /// reads the same setting: set it once for both (the manifest does).
+    #[arg(long, env = "VALET_OLD_RECORD_TIMEOUT", default_value = OLD_RECORD_TIMEOUT, value_parser = parse_duration)]
+    pub old_record_timeout: Duration,
+}
+
+/// Which pods are watched, and how their containers are known.
+#[derive(Clone, Debug, Args)]
+pub struct PodFlags {
     /// Container names that are sidecars by default.
     ///
     /// Container names treated as sidecars unless a pod's valet.dev/sidecars annotation says otherwise.
-    #[arg(
-        long,
-        env = "VALET_SIDECAR_NAMES",
-        value_delimiter = ',',
-        default_value = "istio-proxy,linkerd-proxy,cloud-sql-proxy,vault-agent,consul-dataplane,kuma-sidecar"
-    )]
+    #[arg(long, env = "VALET_SIDECAR_NAMES", value_delimiter = ',', default_value = DEFAULT_SIDECAR_NAMES)]
     pub sidecar_names: Vec<String>,
 
+    /// RuntimeClass names or handlers of sandboxed pods (ends from the API, no holds).
+    ///
+    /// runtimeClassNames whose pods run out of the node's kernel's sight (VM or user-space
+    /// kernel sandboxes: Kata, gVisor, GKE Sandbox). Their ends are taken from the API and their
+    /// apps are never held. A trailing `*` matches any suffix.
+    #[arg(long, env = "VALET_SANDBOXED_RUNTIME_CLASSES", value_delimiter = ',', default_value = SANDBOXED_CLASSES)]
+    pub sandboxed_runtime_classes: Vec<String>,
+
+    /// Runtime state directories where containers' bundles are looked for first (unset:
+    /// containerd's, k3s's and CRI-O's).
+    ///
+    /// Container runtime state directories holding the containers' OCI bundles (config.json),
+    /// to know a container by name before the API reports its id (about a second later), tried
+    /// first. By default the well-known ones under --host-root: containerd's
+    /// /run/containerd/io.containerd.runtime.v2.task/k8s.io (and k3s's and microk8s's
+    /// equivalents) and CRI-O's /run/containers/storage/overlay-containers. A bundle in none of
+    /// them is read through the runtime process that started the pod (containerd's shim, CRI-O's
+    /// conmon, found up from the pod's processes in --host-proc), wherever the runtime keeps it.
+    #[arg(long, env = "VALET_RUNTIME_STATE_DIRS", value_delimiter = ',')]
+    pub runtime_state_dirs: Vec<PathBuf>,
+
+    /// Length of one pod watch request.
+    ///
+    /// How long one pod watch request lasts (its `timeoutSeconds`, whole seconds): the API server
+    /// then ends it and the agent watches on from where it was, without a re-list. It also bounds
+    /// a watch that goes silent without closing (a dead connection, a stalled server): kube's
+    /// watcher gives it up after this plus 5 s without an event or a bookmark and watches again,
+    /// so pods created meanwhile are seen by then.
+    #[arg(long, env = "VALET_WATCH_TIMEOUT", default_value = "290s", value_parser = parse_duration)]
+    pub watch_timeout: Duration,
+}
+
+/// Quitting sidecars: the request, its retries, the signal after it, and its Event.
+#[derive(Clone, Debug, Args)]
+pub struct QuitFlags {
     /// Time for one quit request, connect included.
     ///
     /// Total time for one quit request (connect included).
@@ -164,7 +269,11 @@ pub struct Config {
     /// refused, a sidecar signalled) are always published.
     #[arg(long, env = "VALET_QUIT_EVENTS", default_value_t = false, action = clap::ArgAction::Set)]
     pub quit_events: bool,
+}
 
+/// Readiness probes of proxies: before and after ready, and of held apps' proxies.
+#[derive(Clone, Debug, Args)]
+pub struct ProbeFlags {
     /// Interval of readiness probes until the proxy is ready.
     ///
     /// Interval between readiness probes of a proxy that is not ready yet.
@@ -195,16 +304,6 @@ pub struct Config {
     #[arg(long, env = "VALET_HELD_PROBE_CPU", default_value_t = 4.0)]
     pub held_probe_cpu: f64,
 
-    /// Real-time priority of the release thread (0: none).
-    ///
-    /// The release thread's real-time priority (SCHED_FIFO, 1-99; 0: it stays in the normal
-    /// class). It sends the SIGCONTs of held apps whose proxies turned ready: the apps it wakes
-    /// take its CPU otherwise, and on a busy node the last of a batch waited tens of
-    /// milliseconds for it. It runs for microseconds per release. Needs CAP_SYS_NICE; without,
-    /// the thread keeps the normal class and the log says so.
-    #[arg(long, env = "VALET_RELEASE_PRIORITY", default_value_t = 1)]
-    pub release_priority: u8,
-
     /// With `--held-prober false`: probes a second, at most.
     ///
     /// With --held-prober false: probes per second, at most, across the pods whose app is held,
@@ -222,44 +321,31 @@ pub struct Config {
     /// fallback). `false`: every pod is probed by its own loop on the runtime.
     #[arg(long, env = "VALET_HELD_PROBER", default_value_t = true, action = clap::ArgAction::Set)]
     pub held_prober: bool,
+}
 
+/// Holding apps until their proxy is ready: for how long, and how fast they are let go.
+#[derive(Clone, Debug, Args)]
+pub struct HoldFlags {
     /// Default `valet.dev/hold-timeout`: how long an app is held at most.
     ///
     /// Default time an app is held before it is released anyway (valet.dev/hold-timeout overrides).
     #[arg(long, env = "VALET_HOLD_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub hold_timeout: Duration,
 
-    /// Hold timeout of a previous version's records.
+    /// Real-time priority of the release thread (0: none).
     ///
-    /// Hold timeout of the records an earlier version wrote without a deadline (`held_v1`):
-    /// they run again at their stop plus this. The deadline keeper (`valet-agent deadlines`)
-    /// reads the same setting: set it once for both (the manifest does).
-    #[arg(long, env = "VALET_OLD_RECORD_TIMEOUT", default_value = OLD_RECORD_TIMEOUT, value_parser = parse_duration)]
-    pub old_record_timeout: Duration,
+    /// The release thread's real-time priority (SCHED_FIFO, 1-99; 0: it stays in the normal
+    /// class). It sends the SIGCONTs of held apps whose proxies turned ready: the apps it wakes
+    /// take its CPU otherwise, and on a busy node the last of a batch waited tens of
+    /// milliseconds for it. It runs for microseconds per release. Needs CAP_SYS_NICE; without,
+    /// the thread keeps the normal class and the log says so.
+    #[arg(long, env = "VALET_RELEASE_PRIORITY", default_value_t = 1)]
+    pub release_priority: u8,
+}
 
-    /// Length of one pod watch request.
-    ///
-    /// How long one pod watch request lasts (its `timeoutSeconds`, whole seconds): the API server
-    /// then ends it and the agent watches on from where it was, without a re-list. It also bounds
-    /// a watch that goes silent without closing (a dead connection, a stalled server): kube's
-    /// watcher gives it up after this plus 5 s without an event or a bookmark and watches again,
-    /// so pods created meanwhile are seen by then.
-    #[arg(long, env = "VALET_WATCH_TIMEOUT", default_value = "290s", value_parser = parse_duration)]
-    pub watch_timeout: Duration,
-
-    /// Runtime state directories where containers' bundles are looked for first (unset:
-    /// containerd's, k3s's and CRI-O's).
-    ///
-    /// Container runtime state directories holding the containers' OCI bundles (config.json),
-    /// to know a container by name before the API reports its id (about a second later), tried
-    /// first. By default the well-known ones under --host-root: containerd's
-    /// /run/containerd/io.containerd.runtime.v2.task/k8s.io (and k3s's and microk8s's
-    /// equivalents) and CRI-O's /run/containers/storage/overlay-containers. A bundle in none of
-    /// them is read through the runtime process that started the pod (containerd's shim, CRI-O's
-    /// conmon, found up from the pod's processes in --host-proc), wherever the runtime keeps it.
-    #[arg(long, env = "VALET_RUNTIME_STATE_DIRS", value_delimiter = ',')]
-    pub runtime_state_dirs: Vec<PathBuf>,
-
+/// Acting on labelled pods and observing the others.
+#[derive(Clone, Debug, Args)]
+pub struct ObserveFlags {
     /// Act on labelled pods (`false`: act on no pod, only observe).
     ///
     /// Act on the pods labelled valet.dev/enabled=true (quit their sidecars, hold their apps,
@@ -290,32 +376,52 @@ pub struct Config {
     /// place back and its series are dropped.
     #[arg(long, env = "VALET_OBSERVE_MAX_NAMESPACES", default_value_t = 50)]
     pub observe_max_namespaces: usize,
-
-    /// How the kernel programs find a process's pod cgroup: `auto`, `helper` or `walk`.
-    ///
-    /// `auto`: the helper (`bpf_get_current_ancestor_cgroup_id`) where the kernel allows it
-    /// (5.11+), else a walk up the cgroup tree with offsets from BTF (5.10). `helper` or `walk`
-    /// force one; a forced helper on a kernel or hierarchy that cannot use it is an error.
-    #[arg(long, env = "VALET_CGROUP_ANCESTORS", value_enum, default_value = "auto")]
-    pub cgroup_ancestors: AncestorMode,
-
-    /// Log format: `text` or `json` (the DaemonSet sets `json`).
-    ///
-    /// Log format.
-    #[arg(long, env = "VALET_LOG_FORMAT", value_enum, default_value = "text")]
-    pub log_format: LogFormat,
 }
 
 impl Config {
     /// The runtime state directories to read bundles from: the flag's, else the well-known ones
     /// under the host root.
     pub fn runtime_dirs(&self) -> Vec<PathBuf> {
-        if !self.runtime_state_dirs.is_empty() {
-            return self.runtime_state_dirs.clone();
+        if !self.pods.runtime_state_dirs.is_empty() {
+            return self.pods.runtime_state_dirs.clone();
         }
-        crate::runtime::WELL_KNOWN_STATE_DIRS.iter().map(|d| self.host_root.join(d)).collect()
+        crate::runtime::WELL_KNOWN_STATE_DIRS.iter().map(|d| self.kernel.host_root.join(d)).collect()
     }
 
+    /// Checks what clap cannot.
+    pub fn validate(&self) -> Result<()> {
+        self.kernel.expected_degraded()?;
+        if self.node.node_name.trim().is_empty() {
+            return Err(Error::Config("--node-name / NODE_NAME is empty".into()));
+        }
+        if !self.host.host_proc.join("self").exists() {
+            return Err(Error::Config(format!(
+                "--host-proc {} is not a proc file system",
+                self.host.host_proc.display()
+            )));
+        }
+        self.pods.validate()?;
+        self.probes.validate()?;
+        if self.holds.release_priority > 99 {
+            return Err(Error::Config("--release-priority must be 0 (normal) to 99".into()));
+        }
+        for (flag, d) in [
+            ("--quit-timeout", self.quits.quit_timeout),
+            ("--probe-interval", self.probes.probe_interval),
+            ("--ready-probe-interval", self.probes.ready_probe_interval),
+            ("--held-probe-interval", self.probes.held_probe_interval),
+            ("--hold-timeout", self.holds.hold_timeout),
+            ("--old-record-timeout", self.pins.old_record_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(Error::Config(format!("{flag} must be greater than zero")));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl KernelFlags {
     /// Where the kernel programs' BTF is read from.
     pub fn btf_path(&self) -> PathBuf {
         self.kernel_btf.clone().unwrap_or_else(|| self.host_root.join(crate::kernel::programs::KERNEL_BTF))
@@ -326,16 +432,10 @@ impl Config {
         crate::kernel::mode::ExpectedDegraded::parse(&self.degraded_ok)
             .map_err(|e| Error::Config(format!("--degraded-ok: {e}")))
     }
+}
 
-    /// Checks what clap cannot.
-    pub fn validate(&self) -> Result<()> {
-        self.expected_degraded()?;
-        if self.node_name.trim().is_empty() {
-            return Err(Error::Config("--node-name / NODE_NAME is empty".into()));
-        }
-        if !self.host_proc.join("self").exists() {
-            return Err(Error::Config(format!("--host-proc {} is not a proc file system", self.host_proc.display())));
-        }
+impl PodFlags {
+    fn validate(&self) -> Result<()> {
         if let Some(dir) = self.runtime_state_dirs.iter().find(|d| !d.is_dir()) {
             return Err(Error::Config(format!("--runtime-state-dirs: {} is not a directory", dir.display())));
         }
@@ -343,15 +443,6 @@ impl Config {
         if self.watch_timeout < Duration::from_secs(1) || self.watch_timeout > Duration::from_secs(u64::from(u32::MAX))
         {
             return Err(Error::Config("--watch-timeout must be at least 1s".into()));
-        }
-        if self.held_probe_budget == 0 {
-            return Err(Error::Config("--held-probe-budget must be greater than zero".into()));
-        }
-        if self.release_priority > 99 {
-            return Err(Error::Config("--release-priority must be 0 (normal) to 99".into()));
-        }
-        if !(self.held_probe_cpu > 0.0 && self.held_probe_cpu <= 100.0) {
-            return Err(Error::Config("--held-probe-cpu must be a percentage above 0 and at most 100".into()));
         }
         if self.sandboxed_runtime_classes.iter().any(|n| n.trim().is_empty() || n.trim() == "*") {
             return Err(Error::Config(
@@ -362,19 +453,57 @@ impl Config {
         if self.sidecar_names.iter().any(|n| n.trim().is_empty()) {
             return Err(Error::Config("--sidecar-names has an empty entry".into()));
         }
-        for (flag, d) in [
-            ("--quit-timeout", self.quit_timeout),
-            ("--probe-interval", self.probe_interval),
-            ("--ready-probe-interval", self.ready_probe_interval),
-            ("--held-probe-interval", self.held_probe_interval),
-            ("--hold-timeout", self.hold_timeout),
-            ("--old-record-timeout", self.old_record_timeout),
-        ] {
-            if d.is_zero() {
-                return Err(Error::Config(format!("{flag} must be greater than zero")));
-            }
+        Ok(())
+    }
+}
+
+impl ProbeFlags {
+    fn validate(&self) -> Result<()> {
+        if self.held_probe_budget == 0 {
+            return Err(Error::Config("--held-probe-budget must be greater than zero".into()));
+        }
+        if !(self.held_probe_cpu > 0.0 && self.held_probe_cpu <= 100.0) {
+            return Err(Error::Config("--held-probe-cpu must be a percentage above 0 and at most 100".into()));
         }
         Ok(())
+    }
+}
+
+/// Releases held apps at their deadline (see the agent's flags of the same names).
+///
+/// The deadline keeper's flags (`valet-agent deadlines`): the agent's records it shares, the same
+/// flags and variables.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "valet-agent deadlines", version)]
+pub struct KeeperConfig {
+    #[command(flatten)]
+    pub node: NodeFlags,
+    #[command(flatten)]
+    pub host: HostPaths,
+    #[command(flatten)]
+    pub pins: PinFlags,
+}
+
+impl KeeperConfig {
+    /// Parses `args` (the first the program's name), exiting with clap's message on an error.
+    /// The node's name is optional here (empty: whether the node still fits the DaemonSet is not
+    /// asked at SIGTERM).
+    pub fn parse_from_args<I, T>(args: I) -> KeeperConfig
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        KeeperConfig::try_parse_from_args(args).unwrap_or_else(|e| e.exit())
+    }
+
+    fn try_parse_from_args<I, T>(args: I) -> std::result::Result<KeeperConfig, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        use clap::{CommandFactory as _, FromArgMatches as _};
+        let command = KeeperConfig::command().mut_arg("node_name", |a| a.required(false).default_value(""));
+        KeeperConfig::from_arg_matches(&command.try_get_matches_from(args)?)
     }
 }
 
@@ -383,7 +512,8 @@ impl Config {
 pub fn flag_table() -> String {
     use clap::CommandFactory;
     let mut out = String::from("| flag | environment | default | what |\n|---|---|---|---|\n");
-    for arg in Config::command().get_arguments() {
+    // Hidden: the downward API's names of the own pod, set by the manifest, no operator's setting.
+    for arg in Config::command().get_arguments().filter(|a| !a.is_hide_set()) {
         let Some(long) = arg.get_long().filter(|l| !matches!(*l, "help" | "version")) else { continue };
         let env = arg.get_env().map_or("(none)".to_owned(), |e| format!("`{}`", e.to_string_lossy()));
         let defaults: Vec<String> = arg.get_default_values().iter().map(|v| v.to_string_lossy().into_owned()).collect();
@@ -437,6 +567,33 @@ mod tests {
         }
     }
 
+    /// The keeper reads the agent's flags of the same names (declared once), with the node's name
+    /// optional.
+    #[test]
+    fn the_keeper_shares_the_agents_flags() {
+        let keeper = KeeperConfig::try_parse_from_args(["valet-agent deadlines", "--old-pin-dir", "/a,/b"])
+            .expect("no node name needed");
+        assert_eq!(keeper.node.node_name, "");
+        assert_eq!(keeper.pins.old_pin_dirs, [PathBuf::from("/a"), PathBuf::from("/b")]);
+        assert_eq!(keeper.pins.pin_dir, PathBuf::from("/sys/fs/bpf/valet"));
+        assert_eq!(keeper.pins.old_record_timeout, Duration::from_secs(120));
+        assert_eq!(keeper.host.host_proc, PathBuf::from("/proc"));
+        let keeper = KeeperConfig::try_parse_from_args([
+            "valet-agent deadlines",
+            "--node-name",
+            "n1",
+            "--cgroup-root",
+            "/r",
+            "--old-record-timeout",
+            "5s",
+        ])
+        .expect("parse");
+        assert_eq!(keeper.node.node_name, "n1");
+        assert_eq!(keeper.host.cgroup_root, Some(PathBuf::from("/r")));
+        assert_eq!(keeper.pins.old_record_timeout, Duration::from_secs(5));
+        assert!(KeeperConfig::try_parse_from_args(["valet-agent deadlines", "--hold-timeout", "5s"]).is_err());
+    }
+
     #[test]
     fn durations() {
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
@@ -457,13 +614,15 @@ mod tests {
             Config::try_parse_from(args).expect("parse")
         };
         let default = parse(&[]);
-        assert_eq!(default.degraded_ok, ["no_btf", "lockdown"]);
-        let expected = default.expected_degraded().expect("the default is valid");
+        assert_eq!(default.kernel.degraded_ok, ["no_btf", "lockdown"]);
+        let expected = default.kernel.expected_degraded().expect("the default is valid");
         assert_eq!(expected.unready(NodeMode::Degraded(DegradedReason::Lockdown)), None);
         assert!(expected.unready(NodeMode::Degraded(DegradedReason::KernelUnsupported)).is_some());
         let none = parse(&["--degraded-ok="]);
         assert!(none.validate().is_ok());
-        assert!(none.expected_degraded().expect("none").unready(NodeMode::Degraded(DegradedReason::NoBtf)).is_some());
+        assert!(
+            none.kernel.expected_degraded().expect("none").unready(NodeMode::Degraded(DegradedReason::NoBtf)).is_some()
+        );
         let bad = parse(&["--degraded-ok", "no_btf,old_kernel"]);
         let err = bad.validate().expect_err("an unknown reason is refused at start").to_string();
         assert!(err.contains("--degraded-ok") && err.contains("old_kernel"), "{err}");
@@ -480,48 +639,54 @@ mod tests {
         let cfg = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--metrics-addr", "127.0.0.1:0"])
             .expect("parse");
         // The same names a pod plan falls back on.
-        assert_eq!(cfg.sidecar_names, crate::pod::spec::DEFAULT_SIDECAR_NAMES);
+        assert_eq!(cfg.pods.sidecar_names, crate::pod::spec::DEFAULT_SIDECAR_NAMES);
         assert!(cfg.validate().is_ok());
         assert!(Config::try_parse_from(["valet-agent", "--node-name", "n1", "--metrics-addr", "nope"]).is_err());
         assert!(Config::try_parse_from(["valet-agent", "--node-name", "n1", "--quit-timeout", "forever"]).is_err());
         let mut bad = cfg.clone();
-        bad.host_proc = "/nonexistent".into();
+        bad.host.host_proc = "/nonexistent".into();
         assert!(bad.validate().is_err());
-        assert_eq!(cfg.held_probe_budget, 1500);
-        assert!(cfg.held_prober);
-        assert!(cfg.act && cfg.observe && cfg.observe_namespace_label, "acting and observing by default");
-        assert!(!cfg.quit_events, "no Normal Event per quit by default: the condition is what a Job needs written");
+        assert_eq!(cfg.probes.held_probe_budget, 1500);
+        assert!(cfg.probes.held_prober);
+        assert!(
+            cfg.observe.act && cfg.observe.observe && cfg.observe.observe_namespace_label,
+            "acting and observing by default"
+        );
+        assert!(
+            !cfg.quits.quit_events,
+            "no Normal Event per quit by default: the condition is what a Job needs written"
+        );
         let events = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--quit-events=true"]).expect("parse");
-        assert!(events.quit_events);
+        assert!(events.quits.quit_events);
         let look_only = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--act=false"]).expect("parse");
-        assert!(!look_only.act && look_only.observe);
+        assert!(!look_only.observe.act && look_only.observe.observe);
         let blind = Config::try_parse_from(["valet-agent", "--node-name", "n1", "--observe", "false"]).expect("parse");
-        assert!(blind.act && !blind.observe);
+        assert!(blind.observe.act && !blind.observe.observe);
         let off =
             Config::try_parse_from(["valet-agent", "--node-name", "n1", "--held-prober", "false"]).expect("parse");
-        assert!(!off.held_prober);
+        assert!(!off.probes.held_prober);
         let mut bad = cfg.clone();
-        bad.held_probe_budget = 0;
+        bad.probes.held_probe_budget = 0;
         assert!(bad.validate().is_err());
         assert!(Config::try_parse_from(["valet-agent", "--node-name", "n1", "--held-probe-budget", "-1"]).is_err());
-        assert_eq!((cfg.held_probe_interval, cfg.held_probe_cpu), (Duration::from_millis(10), 4.0));
+        assert_eq!((cfg.probes.held_probe_interval, cfg.probes.held_probe_cpu), (Duration::from_millis(10), 4.0));
         for cpu in [0.0, -1.0, 100.5, f64::NAN] {
             let mut bad = cfg.clone();
-            bad.held_probe_cpu = cpu;
+            bad.probes.held_probe_cpu = cpu;
             assert!(bad.validate().is_err(), "--held-probe-cpu {cpu}");
         }
         let mut bad = cfg.clone();
-        bad.held_probe_interval = Duration::ZERO;
+        bad.probes.held_probe_interval = Duration::ZERO;
         assert!(bad.validate().is_err(), "--held-probe-interval 0");
-        assert_eq!(cfg.release_priority, 1);
+        assert_eq!(cfg.holds.release_priority, 1);
         for (priority, ok) in [(0, true), (99, true), (100, false)] {
             let mut c = cfg.clone();
-            c.release_priority = priority;
+            c.holds.release_priority = priority;
             assert_eq!(c.validate().is_ok(), ok, "--release-priority {priority}");
         }
-        assert_eq!(cfg.watch_timeout, Duration::from_secs(290));
-        assert_eq!(cfg.sandboxed_runtime_classes, ["kata", "kata-*", "gvisor", "gvisor-*", "runsc", "runsc-*"]);
-        assert_eq!(cfg.btf_path(), PathBuf::from("/sys/kernel/btf/vmlinux"));
+        assert_eq!(cfg.pods.watch_timeout, Duration::from_secs(290));
+        assert_eq!(cfg.pods.sandboxed_runtime_classes, ["kata", "kata-*", "gvisor", "gvisor-*", "runsc", "runsc-*"]);
+        assert_eq!(cfg.kernel.btf_path(), PathBuf::from("/sys/kernel/btf/vmlinux"));
         let custom = Config::try_parse_from([
             "valet-agent",
             "--node-name",
@@ -532,13 +697,13 @@ mod tests {
             "x,y*",
         ])
         .expect("parse");
-        assert_eq!(custom.btf_path(), PathBuf::from("/b"));
-        assert_eq!(custom.sandboxed_runtime_classes, ["x", "y*"]);
+        assert_eq!(custom.kernel.btf_path(), PathBuf::from("/b"));
+        assert_eq!(custom.pods.sandboxed_runtime_classes, ["x", "y*"]);
         let mut bad = cfg.clone();
-        bad.sandboxed_runtime_classes = vec!["*".into()];
+        bad.pods.sandboxed_runtime_classes = vec!["*".into()];
         assert!(bad.validate().is_err());
         let mut bad = cfg.clone();
-        bad.watch_timeout = Duration::from_millis(500);
+        bad.pods.watch_timeout = Duration::from_millis(500);
         assert!(bad.validate().is_err());
     }
 }

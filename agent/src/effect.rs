@@ -1,6 +1,7 @@
-//! The vocabulary between a pod's state machine (`pod::state`) and the code that carries out what
-//! it decides (`act`): effects going out, feedback coming back. Plain data only; this module
-//! imports no caller, so neither side depends on the other.
+//! The messages between a pod's state machine (`pod::state`) and the actuators (`act`): the
+//! effects a transition asks for, and the feedback their results come back as. Plain data only;
+//! this module imports no caller, so neither side depends on the other. (The words every part
+//! shares, such as a sidecar or an endpoint, are `vocab`'s.)
 
 use crate::vocab::{Endpoint, ProcessEnd, ProxyReady, QuitOutcome, Sidecar, SkipReason};
 

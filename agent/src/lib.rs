@@ -1,6 +1,6 @@
 //! valet's node agent as a library: the binary in `main.rs` only wires these parts together.
 //!
-//! Data flow: kernel events (`kernel`) and API events (`api`) come in; the `controller` routes
+//! Data flow: kernel events (`kernel`) and API events (`api`) come in; the `pod_router` routes
 //! each to one pod's state machine (`pod::state`, pure: it decides with `pod::decide` and returns
 //! `effect`s); small actuators (`act`) carry the effects out — ask a sidecar to quit (`sidecar`),
 //! release a held app, write the readiness condition — and feed their results back; `metrics`
@@ -14,18 +14,19 @@
 #![deny(unsafe_code)]
 
 pub mod act;
-pub mod acted;
 pub mod api;
 pub mod cgroup;
 pub mod config;
-pub mod controller;
+pub mod deadline_keeper;
 pub mod effect;
+pub mod ended_by_valet;
 pub mod error;
 pub mod host;
 pub mod kernel;
 pub mod metrics;
 pub mod observe;
 pub mod pod;
+pub mod pod_router;
 pub mod runtime;
 pub mod server;
 pub mod sidecar;

@@ -1,16 +1,16 @@
 //! valet-agent: wires configuration, telemetry, the kernel programs, the API client, the metrics
-//! server and the controller loop together.
+//! server and the pod router's loop together.
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use aya::maps::{MapData, RingBuf};
 use clap::Parser as _;
 use futures::StreamExt as _;
 use kube::runtime::watcher;
 use nix::sys::signal::{SigSet, Signal};
-use std::path::PathBuf;
 use tracing::{error, info, warn};
 use tracing_subscriber::EnvFilter;
 use valet_agent::act::{Actuators, Parts, Settings};
@@ -18,14 +18,13 @@ use valet_agent::api::events::EventSink;
 use valet_agent::api::runtime_classes::RuntimeHandlers;
 use valet_agent::api::successor::{self, Stop};
 use valet_agent::cgroup::CgroupFs;
-use valet_agent::cgroup::root::{NodeCgroups, find_node_cgroups};
-use valet_agent::config::{Config, LogFormat};
-use valet_agent::config::{OLD_RECORD_TIMEOUT, parse_duration};
-use valet_agent::controller::Controller;
+use valet_agent::cgroup::root::{Hierarchy, NodeCgroups, find_node_cgroups};
+use valet_agent::config::{Config, HostPaths, KeeperConfig, LogFormat, NodeFlags, PinFlags};
+use valet_agent::deadline_keeper::{DEFER, Keeper, KeeperSettings};
+use valet_agent::ended_by_valet::EndedByValet;
 use valet_agent::error::Chain;
 use valet_agent::host::clock::monotonic_ns;
 use valet_agent::host::resident;
-use valet_agent::kernel::deadlines::{DEFER, Keeper, KeeperSettings};
 use valet_agent::kernel::held_ledger::pin_paths;
 use valet_agent::kernel::mode::{self, NoKernel, NodeEvents, NodeFacts, NodeKernel};
 use valet_agent::kernel::{Attach, EventReader, Programs};
@@ -33,6 +32,7 @@ use valet_agent::metrics::Metrics;
 use valet_agent::observe::{NetnsProbe, Observer};
 use valet_agent::pod::spec::SidecarDefaults;
 use valet_agent::pod::state::Rules;
+use valet_agent::pod_router::PodRouter;
 use valet_agent::runtime::RuntimeBundles;
 use valet_agent::server::{self, Health};
 use valet_agent::sidecar::netns::PodNetwork;
@@ -51,7 +51,7 @@ fn init_logging(format: LogFormat) {
 
 /// Resolves on SIGTERM (the kubelet stopping the container) or SIGINT, once it is known whether
 /// a successor takes the holds over ([`successor::at_sigterm_from_env`]).
-async fn shutdown_signal(node: String) -> Stop {
+async fn shutdown_signal(node: NodeFlags) -> Stop {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
         return std::future::pending().await;
@@ -65,6 +65,16 @@ async fn shutdown_signal(node: String) -> Stop {
     stop
 }
 
+/// Where the deadline keeper reads the holds, and an old record's deadline: the same flags in the
+/// agent and in `valet-agent deadlines`.
+fn keeper_settings(host: &HostPaths, pins: &PinFlags) -> KeeperSettings {
+    KeeperSettings {
+        pins: pin_paths(&pins.pin_dir, &pins.old_pin_dirs),
+        host_proc: host.host_proc.clone(),
+        default_timeout: pins.old_record_timeout,
+    }
+}
+
 /// Releases the held apps past their deadline in the pinned record of holds, first thing (before
 /// anything that can fail or wait for the API), then keeps doing so on a thread of its own for
 /// the agent's life: a crash loop or an API outage leaves no app stopped past its deadline.
@@ -76,20 +86,148 @@ fn keep_deadlines(
 ) {
     match found {
         Ok(found) => {
-            let root = found.root.clone();
-            let settings = KeeperSettings {
-                pins: pin_paths(&cfg.pin_dir, &cfg.old_pin_dirs),
-                host_proc: cfg.host_proc.clone(),
-                default_timeout: cfg.old_record_timeout,
-            };
+            let settings = keeper_settings(&cfg.host, &cfg.pins);
             // Until the pods are listed no pod loop can release; from then on they release first.
             let health = health.clone();
             let defer = move || {
                 if health.pods_listed.load(std::sync::atomic::Ordering::Relaxed) { DEFER } else { Duration::ZERO }
             };
-            Keeper::new(settings, CgroupFs::new(root), Some(metrics.clone()), defer).start();
+            Keeper::new(settings, CgroupFs::new(found.root.clone()), Some(metrics.clone()), defer).start();
         }
         Err(e) => error!("no cgroup hierarchy, so no release of held apps at their deadline: {}", e.chain()),
+    }
+}
+
+/// The API clients: one for the watches, one for the writes, both named `valet-agent/<version>`.
+async fn clients() -> anyhow::Result<(kube::Client, kube::Client)> {
+    let mut config = kube::Config::infer().await.context("Kubernetes client config (in-cluster or KUBECONFIG)")?;
+    // kube's client names itself to nobody: the API server's audit log and the cluster owner's
+    // per-client figures see valet by this.
+    config.headers.push((
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static(concat!("valet-agent/", env!("CARGO_PKG_VERSION"))),
+    ));
+    let builder =
+        |config| kube::client::ClientBuilder::try_from(config).context("Kubernetes client (in-cluster or KUBECONFIG)");
+    let watches = valet_agent::api::watch_client(builder(config.clone())?);
+    let writes = valet_agent::api::writes_client(builder(config)?);
+    Ok((watches, writes))
+}
+
+/// The kernel programs, loaded, or the reason the node runs without them (degraded).
+fn load_kernel(cfg: &Config, hierarchy: Hierarchy) -> (NodeKernel, NodeMode) {
+    let attach = Attach { ancestors: cfg.kernel.cgroup_ancestors, hierarchy, ..Attach::default() };
+    resident::note("before loading the kernel programs");
+    let btf = cfg.kernel.btf_path();
+    match Programs::load_with_btf(&cfg.kernel.host_root, attach, Some(&cfg.pins.pin_dir), &btf) {
+        Ok(programs) => (NodeKernel::Loaded(Box::new(programs)), NodeMode::Kernel),
+        Err(e) => {
+            // A node valet cannot watch in the kernel is still served, from the API: a crash
+            // loop would help no pod on it.
+            let why = e.chain().to_string();
+            let reason = mode::classify(&why, &NodeFacts::read(&cfg.kernel.host_root, &btf));
+            warn!(
+                mode = "degraded",
+                reason = reason.as_str(),
+                "kernel programs not loaded: {}. Running degraded: containers' ends are taken from the API \
+                 (about a second after the kubelet sees them, not as they happen) and no app is held \
+                 (pods asking for a hold run unheld, with an Event). Cause: {why}",
+                reason.explain()
+            );
+            (NodeKernel::Degraded(NoKernel), NodeMode::Degraded(reason))
+        }
+    }
+}
+
+/// Readiness by the node's mode: a rollout that degrades its nodes for a reason the operator does
+/// not expect stops there.
+fn judge_mode(cfg: &Config, mode: NodeMode, metrics: &Metrics, health: &Health) -> anyhow::Result<()> {
+    metrics.set_node_mode(mode);
+    if let Some(why) = cfg.kernel.expected_degraded()?.unready(mode) {
+        warn!(
+            mode = "degraded",
+            reason = mode.reason_label(),
+            "not ready: {why}. The node is still served degraded; /readyz fails so that a DaemonSet rollout \
+             stops at this node (expect this reason with --degraded-ok to make the node ready)"
+        );
+        health.degraded_unexpectedly(why);
+    }
+    Ok(())
+}
+
+/// With the programs loaded: their log drained, an earlier version's records of holds moved into
+/// this version's pin, and the kernel's event ring handed out.
+fn take_kernel_outputs(cfg: &Config, kernel: &mut NodeKernel) -> anyhow::Result<Option<RingBuf<MapData>>> {
+    let NodeKernel::Loaded(programs) = kernel else { return Ok(None) };
+    if let Some(logger) = programs.take_logger() {
+        tokio::spawn(valet_agent::kernel::programs::drain_kernel_log(logger));
+    }
+    // Version N reads version N−1's records: they move into this version's pin.
+    let own_pin = cfg.pins.pin_dir.join(valet_common::PIN_HELD);
+    let old_pins: Vec<_> =
+        pin_paths(&cfg.pins.pin_dir, &cfg.pins.old_pin_dirs).into_iter().filter(|p| *p != own_pin).collect();
+    let moved = programs.held_ledger().migrate(&old_pins, cfg.pins.old_record_timeout);
+    if moved > 0 {
+        info!(moved, "records of holds taken over from an earlier version");
+    }
+    Ok(Some(programs.take_events().context("kernel event ring buffer")?))
+}
+
+/// The sidecar names and hold timeout a pod without annotations gets.
+fn sidecar_defaults(cfg: &Config) -> SidecarDefaults {
+    SidecarDefaults { names: cfg.pods.sidecar_names.clone(), hold_timeout: cfg.holds.hold_timeout }
+}
+
+/// Observes every pod on the node with a known sidecar (`--observe`), on a task of its own.
+fn start_observer(
+    cfg: &Config,
+    client: kube::Client,
+    metrics: Arc<Metrics>,
+    cgroups: CgroupFs,
+    ended_by_valet: Arc<EndedByValet>,
+) {
+    let settings = valet_agent::observe::Settings {
+        node: cfg.node.node_name.clone(),
+        defaults: sidecar_defaults(cfg),
+        namespace_label: cfg.observe.observe_namespace_label,
+        max_namespaces: cfg.observe.observe_max_namespaces,
+        act: cfg.observe.act,
+    };
+    let probe = NetnsProbe { host_proc: cfg.host.host_proc.clone(), cgroups };
+    let observer = Observer::new(settings, metrics, Arc::new(probe), ended_by_valet);
+    tokio::spawn(observer.run(valet_agent::api::watch::all_pods_on_node(
+        client,
+        &cfg.node.node_name,
+        cfg.pods.watch_timeout,
+    )));
+}
+
+/// What the actuators need from the flags.
+fn act_settings(cfg: &Config) -> Settings {
+    let probes = &cfg.probes;
+    Settings {
+        host_proc: cfg.host.host_proc.clone(),
+        quit_timeout: cfg.quits.quit_timeout,
+        quit_retry_for: cfg.quits.quit_retry_for,
+        probe_interval: probes.probe_interval,
+        ready_probe_interval: probes.ready_probe_interval,
+        held_probe_interval: probes.held_probe_interval,
+        held_probe_cpu: probes.held_probe_cpu / 100.0,
+        held_probe_budget: probes.held_probe_budget,
+        held_prober: probes.held_prober,
+        release_priority: cfg.holds.release_priority,
+    }
+}
+
+/// The pod loops' rules: the flags', the node's mode, and the RuntimeClasses the API lists.
+fn rules(cfg: &Config, mode: NodeMode, runtime_handlers: RuntimeHandlers) -> Rules {
+    Rules {
+        defaults: sidecar_defaults(cfg),
+        escalate_after: (!cfg.quits.no_escalation).then_some(cfg.quits.escalate_after),
+        mode,
+        sandboxed_classes: cfg.pods.sandboxed_runtime_classes.iter().map(|c| c.trim().to_owned()).collect(),
+        quit_events: cfg.quits.quit_events,
+        runtime_handlers,
     }
 }
 
@@ -104,7 +242,7 @@ async fn run(
     let cfg = Arc::new(cfg);
     let node_cgroups = node_cgroups?;
     info!(
-        node = %cfg.node_name,
+        node = %cfg.node.node_name,
         cgroup_root = %node_cgroups.root.display(),
         hierarchy = ?node_cgroups.hierarchy,
         "starting valet-agent {}",
@@ -112,71 +250,13 @@ async fn run(
     );
 
     // Bind first: a bad or busy address is a configuration error, reported before anything else.
-    let listener = server::bind(cfg.metrics_addr).await?;
+    let listener = server::bind(cfg.server.metrics_addr).await?;
     tokio::spawn(server::serve(listener, metrics.clone(), health.clone()));
+    let (client, writes) = clients().await?;
 
-    let mut config = kube::Config::infer().await.context("Kubernetes client config (in-cluster or KUBECONFIG)")?;
-    // kube's client names itself to nobody: the API server's audit log and the cluster owner's
-    // per-client figures see valet by this.
-    config.headers.push((
-        http::header::USER_AGENT,
-        http::HeaderValue::from_static(concat!("valet-agent/", env!("CARGO_PKG_VERSION"))),
-    ));
-    let client = valet_agent::api::watch_client(
-        kube::client::ClientBuilder::try_from(config.clone())
-            .context("Kubernetes client (in-cluster or KUBECONFIG)")?,
-    );
-    let writes = valet_agent::api::writes_client(
-        kube::client::ClientBuilder::try_from(config).context("Kubernetes client (in-cluster or KUBECONFIG)")?,
-    );
-
-    let attach = Attach { ancestors: cfg.cgroup_ancestors, hierarchy: node_cgroups.hierarchy, ..Attach::default() };
-    resident::note("before loading the kernel programs");
-    let btf = cfg.btf_path();
-    let (mut kernel, mode) = match Programs::load_with_btf(&cfg.host_root, attach, Some(&cfg.pin_dir), &btf) {
-        Ok(programs) => (NodeKernel::Loaded(Box::new(programs)), NodeMode::Kernel),
-        Err(e) => {
-            // A node valet cannot watch in the kernel is still served, from the API: a crash
-            // loop would help no pod on it.
-            let why = e.chain().to_string();
-            let reason = mode::classify(&why, &NodeFacts::read(&cfg.host_root, &btf));
-            warn!(
-                mode = "degraded",
-                reason = reason.as_str(),
-                "kernel programs not loaded: {}. Running degraded: containers' ends are taken from the API \
-                 (about a second after the kubelet sees them, not as they happen) and no app is held \
-                 (pods asking for a hold run unheld, with an Event). Cause: {why}",
-                reason.explain()
-            );
-            (NodeKernel::Degraded(NoKernel), NodeMode::Degraded(reason))
-        }
-    };
-    metrics.set_node_mode(mode);
-    // A rollout that degrades its nodes for a reason the operator does not expect stops there.
-    if let Some(why) = cfg.expected_degraded()?.unready(mode) {
-        warn!(
-            mode = "degraded",
-            reason = mode.reason_label(),
-            "not ready: {why}. The node is still served degraded; /readyz fails so that a DaemonSet rollout \
-             stops at this node (expect this reason with --degraded-ok to make the node ready)"
-        );
-        health.degraded_unexpectedly(why);
-    }
-    let mut ring = None;
-    if let NodeKernel::Loaded(programs) = &mut kernel {
-        if let Some(logger) = programs.take_logger() {
-            tokio::spawn(valet_agent::kernel::programs::drain_kernel_log(logger));
-        }
-        // Version N reads version N−1's records: they move into this version's pin.
-        let own_pin = cfg.pin_dir.join(valet_common::PIN_HELD);
-        let old_pins: Vec<_> =
-            pin_paths(&cfg.pin_dir, &cfg.old_pin_dirs).into_iter().filter(|p| *p != own_pin).collect();
-        let moved = programs.held_ledger().migrate(&old_pins, cfg.old_record_timeout);
-        if moved > 0 {
-            info!(moved, "records of holds taken over from an earlier version");
-        }
-        ring = Some(programs.take_events().context("kernel event ring buffer")?);
-    }
+    let (mut kernel, mode) = load_kernel(&cfg, node_cgroups.hierarchy);
+    judge_mode(&cfg, mode, &metrics, &health)?;
+    let ring = take_kernel_outputs(&cfg, &mut kernel)?;
     // Loading parsed the kernel's BTF (megabytes, freed since): give that memory back to the
     // node rather than keep it in the allocator's free lists for the agent's lifetime.
     resident::trim_heap();
@@ -184,46 +264,22 @@ async fn run(
     info!(rss_kib = resident.rss_kib, peak_kib = resident.peak_kib, "resident memory after loading");
 
     let cgroups = CgroupFs::new(node_cgroups.root);
-    let quit_pods = Arc::new(valet_agent::acted::QuitPods::default());
-    if cfg.observe {
-        let settings = valet_agent::observe::Settings {
-            node: cfg.node_name.clone(),
-            defaults: SidecarDefaults { names: cfg.sidecar_names.clone(), hold_timeout: cfg.hold_timeout },
-            namespace_label: cfg.observe_namespace_label,
-            max_namespaces: cfg.observe_max_namespaces,
-            act: cfg.act,
-        };
-        let probe = NetnsProbe { host_proc: cfg.host_proc.clone(), cgroups: cgroups.clone() };
-        let observer = Observer::new(settings, metrics.clone(), Arc::new(probe), quit_pods.clone());
-        tokio::spawn(observer.run(valet_agent::api::watch::all_pods_on_node(
-            client.clone(),
-            &cfg.node_name,
-            cfg.watch_timeout,
-        )));
+    let ended_by_valet = Arc::new(EndedByValet::default());
+    if cfg.observe.observe {
+        start_observer(&cfg, client.clone(), metrics.clone(), cgroups.clone(), ended_by_valet.clone());
     }
-    let (reports_tx, reports_rx) = tokio::sync::mpsc::unbounded_channel();
+    let (feedback_tx, feedback_rx) = tokio::sync::mpsc::unbounded_channel();
     let act = Actuators::new(Parts {
-        settings: Settings {
-            host_proc: cfg.host_proc.clone(),
-            quit_timeout: cfg.quit_timeout,
-            quit_retry_for: cfg.quit_retry_for,
-            probe_interval: cfg.probe_interval,
-            ready_probe_interval: cfg.ready_probe_interval,
-            held_probe_interval: cfg.held_probe_interval,
-            held_probe_cpu: cfg.held_probe_cpu / 100.0,
-            held_probe_budget: cfg.held_probe_budget,
-            held_prober: cfg.held_prober,
-            release_priority: cfg.release_priority,
-        },
+        settings: act_settings(&cfg),
         cgroups: cgroups.clone(),
-        bundles: RuntimeBundles::new(cfg.runtime_dirs(), Some(cfg.host_proc.clone())),
+        bundles: RuntimeBundles::new(cfg.runtime_dirs(), Some(cfg.host.host_proc.clone())),
         kernel,
-        link: Arc::new(PodNetwork::new(cfg.host_proc.clone(), cgroups)),
+        link: Arc::new(PodNetwork::new(cfg.host.host_proc.clone(), cgroups)),
         client: writes.clone(),
-        events: EventSink::new(writes, &cfg.node_name),
+        events: EventSink::new(writes, &cfg.node.node_name),
         metrics,
-        reports: reports_tx,
-        quit_pods,
+        feedback: feedback_tx,
+        ended_by_valet,
     });
     // The ring buffer's reader thread sends the quits armed ahead the moment it reads an end.
     let events = match ring {
@@ -233,28 +289,20 @@ async fn run(
     // The RuntimeClasses (sandboxes known by their handler), listed before the first pod.
     let runtime_handlers = RuntimeHandlers::default();
     runtime_handlers.start(client.clone()).await;
-    let rules = Rules {
-        defaults: SidecarDefaults { names: cfg.sidecar_names.clone(), hold_timeout: cfg.hold_timeout },
-        escalate_after: (!cfg.no_escalation).then_some(cfg.escalate_after),
-        mode,
-        sandboxed_classes: cfg.sandboxed_runtime_classes.iter().map(|c| c.trim().to_owned()).collect(),
-        quit_events: cfg.quit_events,
-        runtime_handlers: runtime_handlers.clone(),
-    };
-    let controller = Controller::new(&cfg.node_name, rules, act, reports_rx, health);
+    let router = PodRouter::new(&cfg.node.node_name, rules(&cfg, mode, runtime_handlers), act, feedback_rx, health);
     // Leave time within the usual 30 s grace period (after the lookup at SIGTERM, at most
     // `successor::LOOKUP_BUDGET`) for in-flight quits to finish.
     let drain = Duration::from_secs(10);
-    let shutdown = shutdown_signal(cfg.node_name.clone());
-    let stop = if cfg.act {
-        let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node_name, cfg.watch_timeout);
-        controller.run(events, watch, shutdown, drain).await
+    let shutdown = shutdown_signal(cfg.node.clone());
+    let stop = if cfg.observe.act {
+        let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node.node_name, cfg.pods.watch_timeout);
+        router.run(events, watch, shutdown, drain).await
     } else {
-        // Look-only: the controller is given no pod (an empty list, then nothing), so it acts on none.
+        // Look-only: the router is given no pod (an empty list, then nothing), so it acts on none.
         info!("--act=false: no pod is acted on; labelled pods are only observed");
         let none = futures::stream::iter([Ok(watcher::Event::Init), Ok(watcher::Event::InitDone)])
             .chain(futures::stream::pending());
-        controller.run(events, none, shutdown, drain).await
+        router.run(events, none, shutdown, drain).await
     };
     info!("stopped");
     Ok(stop)
@@ -267,31 +315,8 @@ async fn run(
 /// running), so a held app runs again at its deadline even while no agent does. At SIGTERM (its
 /// pod deleted) it releases every app still held only when no successor will come (an
 /// uninstall: the same decision as the agent's, [`successor::at_sigterm_from_env`]).
-/// Releases held apps at their deadline (see the agent's flags of the same names).
-#[derive(clap::Parser, Debug)]
-#[command(name = "valet-agent deadlines", version)]
-struct DeadlineArgs {
-    #[arg(long, env = "VALET_PIN_DIR", default_value = "/sys/fs/bpf/valet")]
-    pin_dir: PathBuf,
-    #[arg(long = "old-pin-dirs", visible_alias = "old-pin-dir", env = "VALET_OLD_PIN_DIRS", value_delimiter = ',')]
-    old_pin_dirs: Vec<PathBuf>,
-    #[arg(long, env = "VALET_HOST_PROC", default_value = "/proc")]
-    host_proc: PathBuf,
-    #[arg(long, env = "VALET_CGROUP_ROOT")]
-    cgroup_root: Option<PathBuf>,
-    #[arg(long, env = "VALET_CGROUP_MOUNT", default_value = "/sys/fs/cgroup")]
-    cgroup_mount: PathBuf,
-    /// Hold timeout of records that carry no deadline (an older version's): the agent's setting
-    /// of the same name, which must be the same.
-    #[arg(long, env = "VALET_OLD_RECORD_TIMEOUT", default_value = OLD_RECORD_TIMEOUT, value_parser = parse_duration)]
-    old_record_timeout: Duration,
-    /// This node's name: whether it still fits the DaemonSet, at SIGTERM.
-    #[arg(long, env = "NODE_NAME", default_value = "")]
-    node_name: String,
-}
-
 fn deadlines_main() -> std::process::ExitCode {
-    let args = DeadlineArgs::parse_from(std::env::args().skip(1));
+    let args = KeeperConfig::parse_from_args(std::env::args().skip(1));
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     tracing_subscriber::fmt().with_env_filter(filter).with_ansi(false).init();
     // Blocked before any thread starts (threads inherit the mask): this thread waits for them.
@@ -302,18 +327,15 @@ fn deadlines_main() -> std::process::ExitCode {
         error!("cannot block SIGTERM: {e}");
         return std::process::ExitCode::FAILURE;
     }
-    let root = match find_node_cgroups(args.cgroup_root.as_deref(), &args.cgroup_mount, &args.host_proc) {
+    let root = match find_node_cgroups(args.host.cgroup_root.as_deref(), &args.host.cgroup_mount, &args.host.host_proc)
+    {
         Ok(found) => found.root,
         Err(e) => {
             error!("{}", e.chain());
             return std::process::ExitCode::FAILURE;
         }
     };
-    let settings = KeeperSettings {
-        pins: pin_paths(&args.pin_dir, &args.old_pin_dirs),
-        host_proc: args.host_proc,
-        default_timeout: args.old_record_timeout,
-    };
+    let settings = keeper_settings(&args.host, &args.pins);
     info!(pins = ?settings.pins, "releasing held apps at their deadline");
     let cgroups = CgroupFs::new(root);
     // Beside a running agent: its pod loops release first (the agent's own thread does the
@@ -327,7 +349,7 @@ fn deadlines_main() -> std::process::ExitCode {
     let decided = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map(|rt| rt.block_on(successor::at_sigterm_from_env(&args.node_name)))
+        .map(|rt| rt.block_on(successor::at_sigterm_from_env(&args.node)))
         .unwrap_or_else(|e| Stop::Keep(format!("no async runtime: {e}")));
     decided.log("valet-deadlines");
     if decided.releases() {
@@ -344,11 +366,11 @@ fn main() -> std::process::ExitCode {
         return deadlines_main();
     }
     let cfg = Config::parse();
-    init_logging(cfg.log_format);
+    init_logging(cfg.server.log_format);
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::default());
     // Found once: the deadlines' thread, the agent and its last release at shutdown share it.
-    let node_cgroups = find_node_cgroups(cfg.cgroup_root.as_deref(), &cfg.cgroup_mount, &cfg.host_proc);
+    let node_cgroups = find_node_cgroups(cfg.host.cgroup_root.as_deref(), &cfg.host.cgroup_mount, &cfg.host.host_proc);
     keep_deadlines(&cfg, &node_cgroups, &metrics, &health);
     let shutdown_root = node_cgroups.as_ref().ok().map(|found| found.root.clone());
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
@@ -358,11 +380,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    let settings = KeeperSettings {
-        pins: pin_paths(&cfg.pin_dir, &cfg.old_pin_dirs),
-        host_proc: cfg.host_proc.clone(),
-        default_timeout: cfg.old_record_timeout,
-    };
+    let settings = keeper_settings(&cfg.host, &cfg.pins);
     match runtime.block_on(run(cfg, node_cgroups, metrics, health)) {
         Ok(stop) => {
             // Stopped with no successor to come (an uninstall, or run outside a pod): no app

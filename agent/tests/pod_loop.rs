@@ -1,4 +1,4 @@
-//! Scenario tests of the whole loop, without root: the real controller and actuators against a
+//! Scenario tests of the whole loop, without root: the real pod router and actuators against a
 //! mocked API (`tower-test`), a stand-in for the kernel programs and for the pod's network, a
 //! kubelet-shaped cgroup tree in a temporary directory, and real (unprivileged) child processes
 //! for the holds. Every wait has a timeout, so a missing or an extra action fails the test; the
@@ -24,11 +24,11 @@ use valet_agent::act::{Actuators, Parts, Settings};
 use valet_agent::api::events::EventSink;
 use valet_agent::api::successor::{Stop, Successor, Uninstall};
 use valet_agent::cgroup::CgroupFs;
-use valet_agent::controller::Controller;
 use valet_agent::kernel::{Event, EventSource, HeldProcess, KernelControl, ProcessEnd, ProcessExit};
 use valet_agent::metrics::Metrics;
 use valet_agent::pod::spec::SidecarDefaults;
 use valet_agent::pod::state::Rules;
+use valet_agent::pod_router::PodRouter;
 use valet_agent::runtime::RuntimeBundles;
 use valet_agent::server::Health;
 use valet_agent::sidecar::http::{Limits, Response as HttpResponse};
@@ -368,21 +368,7 @@ fn job_pod(annotations: Value) -> Pod {
 
 /// A container's end as the kernel reports it.
 fn end_of(pod_cg: u64, cg: u64, code: i32) -> ProcessExit {
-    ProcessExit {
-        ktime_ns: now_ns(),
-        cgroup_id: cg,
-        watched_cgroup_id: pod_cg,
-        tgid: 4242,
-        pid: 4242,
-        ns_pid: 1,
-        end: Some(ProcessEnd::Exited(code)),
-        ns_init: true,
-        child_pid_ns: true,
-        container_main: true,
-        comm: "app".into(),
-        cgroup_name: None,
-        quits_sent_ahead: 0,
-    }
+    ProcessExit::of_container_main(pod_cg, cg, Some(ProcessEnd::Exited(code)), now_ns())
 }
 
 /// The running loop and its stand-ins.
@@ -408,20 +394,9 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
     let kernel = FakeKernel::default();
     let link = FakeLink::default();
     let metrics = Arc::new(Metrics::new());
-    let (reports_tx, reports_rx) = mpsc::unbounded_channel();
+    let (feedback_tx, feedback_rx) = mpsc::unbounded_channel();
     let act = Actuators::new(Parts {
-        settings: Settings {
-            host_proc: node.dir.join("proc"),
-            quit_timeout: Duration::from_secs(1),
-            quit_retry_for: Duration::from_secs(1),
-            probe_interval: Duration::from_millis(20),
-            ready_probe_interval: Duration::from_secs(5),
-            held_probe_interval: Duration::from_millis(10),
-            held_probe_cpu: 0.03,
-            held_probe_budget: 2000,
-            held_prober: false,
-            release_priority: 0,
-        },
+        settings: Settings::quick(node.dir.join("proc")),
         cgroups: node.cgroups.clone(),
         bundles: RuntimeBundles::new(vec![node.dir.join("bundles")], None),
         kernel: kernel.clone(),
@@ -429,9 +404,9 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
         client: client.clone(),
         events: EventSink::new(client, NODE),
         metrics: metrics.clone(),
-        reports: reports_tx,
+        feedback: feedback_tx,
         // No observer here: a record of the pods quit that nothing reads.
-        quit_pods: Arc::default(),
+        ended_by_valet: Arc::default(),
     });
     let rules = Rules {
         defaults: SidecarDefaults { hold_timeout, ..SidecarDefaults::default() },
@@ -443,12 +418,12 @@ fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
     };
     let ahead = act.quits_ahead();
     let health = Arc::new(Health::new(STALL));
-    let controller = Controller::new(NODE, rules, act, reports_rx, health.clone());
+    let router = PodRouter::new(NODE, rules, act, feedback_rx, health.clone());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (watch_tx, watch_rx) = mpsc::unbounded_channel();
     let watch = tokio_stream_of(watch_rx);
     let (stop_tx, stop_rx) = oneshot::channel::<Stop>();
-    let done = tokio::spawn(controller.run(
+    let done = tokio::spawn(router.run(
         FakeEvents(events_rx),
         watch,
         async move { stop_rx.await.unwrap_or(Stop::Release(Uninstall::NotInPod)) },

@@ -119,21 +119,7 @@ mod tests {
     }
 
     fn end(pod_cgroup: u64, container_cgroup: u64, end: Option<ProcessEnd>) -> ProcessExit {
-        ProcessExit {
-            ktime_ns: 1,
-            cgroup_id: container_cgroup,
-            watched_cgroup_id: pod_cgroup,
-            tgid: 4242,
-            pid: 4242,
-            ns_pid: 1,
-            end,
-            ns_init: true,
-            child_pid_ns: true,
-            container_main: true,
-            comm: "app".into(),
-            cgroup_name: None,
-            quits_sent_ahead: 0,
-        }
+        ProcessExit::of_container_main(pod_cgroup, container_cgroup, end, 1)
     }
 
     fn sent_total(metrics: &Metrics, result: &'static str) -> u64 {

@@ -4,7 +4,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use tokio::sync::mpsc;
 
-use super::Report;
+use super::PodFeedback;
 use crate::api::condition;
 use crate::api::events::{EventSink, pod_reference};
 use crate::effect::Feedback;
@@ -16,11 +16,11 @@ pub struct ApiWrites {
     client: Client,
     events: EventSink,
     /// Where each condition write's outcome goes.
-    reports: mpsc::UnboundedSender<Report>,
+    reports: mpsc::UnboundedSender<PodFeedback>,
 }
 
 impl ApiWrites {
-    pub fn new(client: Client, events: EventSink, reports: mpsc::UnboundedSender<Report>) -> ApiWrites {
+    pub fn new(client: Client, events: EventSink, reports: mpsc::UnboundedSender<PodFeedback>) -> ApiWrites {
         ApiWrites { client, events, reports }
     }
 

@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use super::answer::{Answer, LIMITS, REPEAT, all_ready, detail};
-use super::{Report, next_multiple};
+use super::{PodFeedback, next_multiple};
 use crate::effect::Feedback;
 use crate::sidecar::http::{self, Failure};
 use crate::sidecar::{SidecarLink, SocketError};
@@ -149,7 +149,7 @@ struct Pod {
 impl HeldProber {
     /// Starts the thread; its news goes to `tx`. It ends once `tx` is closed. None: no thread
     /// (the held pods are probed by their loops).
-    pub fn start<L: SidecarLink>(link: Arc<L>, tx: mpsc::UnboundedSender<Report>) -> Option<Arc<HeldProber>> {
+    pub fn start<L: SidecarLink>(link: Arc<L>, tx: mpsc::UnboundedSender<PodFeedback>) -> Option<Arc<HeldProber>> {
         let wake = match crate::host::sys::eventfd() {
             Ok(fd) => File::from(fd),
             Err(e) => {
@@ -299,14 +299,14 @@ impl HeldProber {
     }
 
     /// Probes until the agent is gone (Ok) or this thread may make no other socket (Err).
-    fn run(&self, link: &dyn SidecarLink, tx: &mpsc::UnboundedSender<Report>) -> Result<(), String> {
+    fn run(&self, link: &dyn SidecarLink, tx: &mpsc::UnboundedSender<PodFeedback>) -> Result<(), String> {
         let origin = Instant::now();
         let mut pods: Vec<Pod> = Vec::new();
         let mut seen = 0;
         let mut next_slot = origin;
         // When the open round's requests went out: its news waits a moment for the rest.
         let mut round: Option<Instant> = None;
-        let mut news: Vec<Report> = Vec::new();
+        let mut news: Vec<PodFeedback> = Vec::new();
         let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut polled: Vec<(usize, usize)> = Vec::new();
         let mut pace = CpuPace::new(thread_cpu());
@@ -591,7 +591,7 @@ fn expire(pods: &mut [Pod], now: Instant, deadline: Duration) {
 }
 
 /// The news of every pod whose answers are all in: a changed answer, or the same after a while.
-fn collect(pods: &mut [Pod], news: &mut Vec<Report>) {
+fn collect(pods: &mut [Pod], news: &mut Vec<PodFeedback>) {
     for pod in pods.iter_mut().filter(|p| p.asked && p.endpoints.iter().all(|ep| ep.answer.is_some())) {
         pod.asked = false;
         // Compared in place: an unchanged answer, the common case, costs no allocation.
@@ -672,12 +672,12 @@ mod tests {
         vec![("istio-proxy".into(), port, "/healthz/ready".into())]
     }
 
-    fn prober() -> (Arc<HeldProber>, mpsc::UnboundedReceiver<Report>) {
+    fn prober() -> (Arc<HeldProber>, mpsc::UnboundedReceiver<PodFeedback>) {
         let (tx, rx) = mpsc::unbounded_channel();
         (HeldProber::start(Arc::new(TestLink::default()), tx).expect("a prober thread"), rx)
     }
 
-    async fn next(rx: &mut mpsc::UnboundedReceiver<Report>) -> (String, bool, String) {
+    async fn next(rx: &mut mpsc::UnboundedReceiver<PodFeedback>) -> (String, bool, String) {
         match tokio::time::timeout(HANG_GUARD, rx.recv()).await.ok().flatten() {
             Some((uid, Feedback::Probed { ready, detail })) => (uid, ready, detail),
             other => panic!("no probe news: {other:?}"),
@@ -687,7 +687,7 @@ mod tests {
     /// The next news of `uid` that is not `unchanged` (an unchanged answer is news again after
     /// [`REPEAT`], which a busy machine can reach; other pods' news is passed over).
     async fn next_of(
-        rx: &mut mpsc::UnboundedReceiver<Report>,
+        rx: &mut mpsc::UnboundedReceiver<PodFeedback>,
         uid: &str,
         unchanged: Option<(bool, &str)>,
     ) -> (bool, String) {

@@ -5,7 +5,7 @@
 //!
 //! One executor per kind of effect, each owning only what it uses: [`PodCgroups`] (a pod's
 //! cgroups and the kernel's watch), [`Releases`] (held apps, pinned and released),
-//! [`Quits`] (quits, signals, quits armed ahead), [`Probes`] (readiness probes) and
+//! [`QuitSender`] (quits, signals, quits armed ahead), [`Probes`] (readiness probes) and
 //! [`ApiWrites`] (condition, Events). [`Actuators`] hands each effect to its executor.
 
 pub mod ahead;
@@ -14,7 +14,7 @@ mod api_writes;
 pub mod held_prober;
 mod pod_cgroups;
 pub mod probe;
-mod quits;
+mod quit_sender;
 pub(crate) mod release;
 
 use std::collections::HashSet;
@@ -27,11 +27,11 @@ use kube::Client;
 use tokio::sync::mpsc;
 use tracing::warn;
 
-use crate::acted::QuitPods;
 use crate::api::events::EventSink;
 use crate::cgroup::CgroupFs;
 use crate::cgroup::created::Creations;
 use crate::effect::{Count, Effect, Feedback, Nanos};
+use crate::ended_by_valet::EndedByValet;
 use crate::kernel::KernelControl;
 use crate::metrics::{self, KindLabels, Metrics, QuitLabels, ReasonLabels, ResultLabels};
 use crate::pod::state::QuitAhead;
@@ -41,11 +41,11 @@ use crate::sidecar::SidecarLink;
 pub use api_writes::ApiWrites;
 pub use pod_cgroups::PodCgroups;
 pub use probe::Probes;
-pub use quits::Quits;
+pub use quit_sender::QuitSender;
 pub use release::{Releases, held_at_exec};
 
-/// Feedback for one pod, from a task.
-pub type Report = (String, Feedback);
+/// Feedback addressed to one pod (its uid), from a task.
+pub type PodFeedback = (String, Feedback);
 
 /// The next multiple of `period` after `elapsed` (on a clock started at 0): where the probe
 /// loops and the held pods' prober put their next slot.
@@ -75,6 +75,25 @@ pub struct Settings {
     pub release_priority: u8,
 }
 
+impl Settings {
+    /// Settings for loops run without a node (the pod loops' tests): quits of a second, probes
+    /// every 20 ms, held pods on their own loops, the release thread in the normal class.
+    pub fn quick(host_proc: PathBuf) -> Settings {
+        Settings {
+            host_proc,
+            quit_timeout: Duration::from_secs(1),
+            quit_retry_for: Duration::from_secs(1),
+            probe_interval: Duration::from_millis(20),
+            ready_probe_interval: Duration::from_secs(5),
+            held_probe_interval: Duration::from_millis(10),
+            held_probe_cpu: 0.03,
+            held_probe_budget: 2000,
+            held_prober: false,
+            release_priority: 0,
+        }
+    }
+}
+
 /// What the actuators are made of: the node, the kernel, the sidecars' network, the API, and
 /// where they count and report.
 pub struct Parts<K, L> {
@@ -87,17 +106,17 @@ pub struct Parts<K, L> {
     pub events: EventSink,
     pub metrics: Arc<Metrics>,
     /// Where tasks send their feedback.
-    pub reports: mpsc::UnboundedSender<Report>,
+    pub feedback: mpsc::UnboundedSender<PodFeedback>,
     /// Where each pod a quit or a signal is sent to is recorded (the observer's; anything else keeps it for
     /// no one).
-    pub quit_pods: Arc<QuitPods>,
+    pub ended_by_valet: Arc<EndedByValet>,
 }
 
 /// Everything that acts on the world, for every pod: each effect goes to its executor.
 pub struct Actuators<K, L> {
     pod_cgroups: PodCgroups<K>,
     releases: Releases,
-    quits: Quits<L>,
+    quit_sender: QuitSender<L>,
     probes: Probes<L>,
     api: ApiWrites,
     metrics: Arc<Metrics>,
@@ -105,7 +124,8 @@ pub struct Actuators<K, L> {
 
 impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     pub fn new(parts: Parts<K, L>) -> Actuators<K, L> {
-        let Parts { settings, cgroups, bundles, kernel, link, client, events, metrics, reports, quit_pods } = parts;
+        let Parts { settings, cgroups, bundles, kernel, link, client, events, metrics, feedback, ended_by_valet } =
+            parts;
         let ledger = kernel.held_ledger();
         Actuators {
             releases: Releases::new(
@@ -115,9 +135,16 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 ledger,
                 settings.release_priority,
             ),
-            quits: Quits::new(link.clone(), cgroups.clone(), reports.clone(), metrics.clone(), quit_pods, &settings),
-            probes: Probes::new(link, reports.clone(), &settings),
-            api: ApiWrites::new(client, events, reports),
+            quit_sender: QuitSender::new(
+                link.clone(),
+                cgroups.clone(),
+                feedback.clone(),
+                metrics.clone(),
+                ended_by_valet,
+                &settings,
+            ),
+            probes: Probes::new(link, feedback.clone(), &settings),
+            api: ApiWrites::new(client, events, feedback),
             pod_cgroups: PodCgroups::new(cgroups, bundles, kernel, settings.host_proc),
             metrics,
         }
@@ -125,18 +152,18 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
 
     /// The quits armed for the kernel event reader ([`ahead`]).
     pub fn quits_ahead(&self) -> Arc<ahead::QuitsAhead<L>> {
-        self.quits.ahead()
+        self.quit_sender.ahead()
     }
 
     /// Sets pod `uid`'s quit ahead (after each of its transitions; `None` disarms).
     pub fn arm_ahead(&mut self, uid: &str, arm: Option<QuitAhead>) {
-        self.quits.arm_ahead(uid, arm);
+        self.quit_sender.arm_ahead(uid, arm);
     }
 
     /// After a container end's transition: requests sent ahead to the pod that it did not take
     /// over (dropped and counted), how many.
     pub fn unclaimed_ahead(&self, uid: &str) -> usize {
-        self.quits.unclaimed_ahead(uid)
+        self.quit_sender.unclaimed_ahead(uid)
     }
 
     /// Probes held pod `uid`'s proxies at once (a socket started listening there), if the held
@@ -226,17 +253,17 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 self.pod_cgroups.forget_container(container_cgroup);
                 None
             }
-            Effect::OpenNetwork { pod_rel } => Some(self.quits.open_network(uid, &pod_rel)),
+            Effect::OpenNetwork { pod_rel } => Some(self.quit_sender.open_network(uid, &pod_rel)),
             Effect::CloseNetwork => {
-                self.quits.close_network(uid);
+                self.quit_sender.close_network(uid);
                 None
             }
             Effect::Quit { sidecar, instance, endpoint, pod_rel, pod_ip } => {
-                self.quits.quit(uid, sidecar, instance, endpoint, pod_rel, pod_ip.as_deref());
+                self.quit_sender.quit(uid, sidecar, instance, endpoint, pod_rel, pod_ip.as_deref());
                 None
             }
             Effect::Signal { sidecar, container_rel, signal } => {
-                Some(self.quits.signal(uid, sidecar, &container_rel, signal))
+                Some(self.quit_sender.signal(uid, sidecar, &container_rel, signal))
             }
             Effect::StartProbe { sidecars, pod_rel, pod_ip, pace } => {
                 self.probes.start(uid, sidecars, pod_rel, pod_ip.as_deref(), pace);

@@ -12,7 +12,7 @@ use tokio::sync::{Notify, mpsc, watch};
 
 use super::answer::{Answer, LIMITS, REPEAT, all_ready, detail};
 use super::held_prober::HeldProber;
-use super::{Report, Settings, next_multiple};
+use super::{PodFeedback, Settings, next_multiple};
 use crate::effect::{Feedback, Pace};
 use crate::pod::spec::{Sidecar, SidecarKind};
 use crate::sidecar::{PodTarget, SidecarLink};
@@ -22,7 +22,7 @@ use crate::sidecar::{PodTarget, SidecarLink};
 pub struct Probes<L> {
     link: Arc<L>,
     loops: HashMap<String, Handle>,
-    reports: Arc<Reports>,
+    reports: Arc<ProbeNews>,
     held_prober: Option<Arc<HeldProber>>,
     /// Probe interval until the pod's proxies are ready, and once they are.
     intervals: (Duration, Duration),
@@ -34,7 +34,7 @@ pub struct Probes<L> {
 
 impl<L: SidecarLink> Probes<L> {
     /// The loops' news goes to `reports`.
-    pub fn new(link: Arc<L>, reports: mpsc::UnboundedSender<Report>, settings: &Settings) -> Probes<L> {
+    pub fn new(link: Arc<L>, reports: mpsc::UnboundedSender<PodFeedback>, settings: &Settings) -> Probes<L> {
         let held_prober = settings.held_prober.then(|| HeldProber::start(link.clone(), reports.clone())).flatten();
         if let Some(p) = &held_prober {
             p.set_interval(settings.held_probe_interval);
@@ -43,7 +43,7 @@ impl<L: SidecarLink> Probes<L> {
         Probes {
             link,
             loops: HashMap::new(),
-            reports: Reports::new(reports),
+            reports: ProbeNews::new(reports),
             held_prober,
             intervals: (settings.probe_interval, settings.ready_probe_interval),
             held_budget: settings.held_probe_budget,
@@ -123,8 +123,8 @@ const GATHER_CAP: Duration = Duration::from_millis(3);
 /// after the first news if one is slow. Their releases then go out in one turn of the
 /// controller, before the apps released first take the CPUs from proxies still answering (each
 /// app released early pushed the rest of the slot back by milliseconds on a busy node).
-pub struct Reports {
-    tx: mpsc::UnboundedSender<Report>,
+pub struct ProbeNews {
+    tx: mpsc::UnboundedSender<PodFeedback>,
     gather: Mutex<Gather>,
     all_in: Notify,
     /// The held pods' probe interval, in ns (see [`held_interval`]).
@@ -144,14 +144,14 @@ struct Gather {
     /// Probes of held pods under way.
     in_flight: usize,
     /// News waiting for them.
-    queued: Vec<Report>,
+    queued: Vec<PodFeedback>,
     /// A loop waits (at most `GATHER_CAP`) to send what is queued.
     waiting: bool,
 }
 
-impl Reports {
-    pub fn new(tx: mpsc::UnboundedSender<Report>) -> Arc<Reports> {
-        Arc::new(Reports {
+impl ProbeNews {
+    pub fn new(tx: mpsc::UnboundedSender<PodFeedback>) -> Arc<ProbeNews> {
+        Arc::new(ProbeNews {
             tx,
             gather: Mutex::new(Gather::default()),
             all_in: Notify::new(),
@@ -196,14 +196,14 @@ impl Reports {
 /// A probe of a held pod under way. Dropped without [`InFlight::leave`] (its loop was stopped),
 /// it no longer holds the others back.
 struct InFlight {
-    reports: Arc<Reports>,
+    reports: Arc<ProbeNews>,
     left: bool,
 }
 
 impl InFlight {
     /// The probe has its answer; `news` is queued with the others' and sent with them. Returns
     /// whether the controller still listens.
-    async fn leave(mut self, news: Option<Report>) -> bool {
+    async fn leave(mut self, news: Option<PodFeedback>) -> bool {
         self.left = true;
         let (last, wait) = {
             let mut g = self.reports.gather();
@@ -257,7 +257,7 @@ impl Drop for InFlight {
 }
 
 /// The waiting loop's duty: what is queued is sent when it stops waiting.
-struct FlushOnDrop(Arc<Reports>);
+struct FlushOnDrop(Arc<ProbeNews>);
 
 impl Drop for FlushOnDrop {
     fn drop(&mut self) {
@@ -300,7 +300,7 @@ pub fn start<L: SidecarLink>(
     sidecars: Vec<Sidecar>,
     pace: Pace,
     (normal, relaxed): (Duration, Duration),
-    reports: Arc<Reports>,
+    reports: Arc<ProbeNews>,
     prober: Option<Arc<HeldProber>>,
 ) -> Handle {
     let (tx, mut rx) = watch::channel(pace);
@@ -404,7 +404,7 @@ pub fn start<L: SidecarLink>(
 /// the CPUs from the releases).
 async fn until_next_turn(
     rx: &mut watch::Receiver<Pace>,
-    reports: &Reports,
+    reports: &ProbeNews,
     normal: Duration,
     relaxed: Duration,
 ) -> bool {
@@ -466,7 +466,7 @@ mod tests {
     use crate::pod::spec::Endpoint;
     use crate::sidecar::testing::TestLink;
 
-    fn news(uid: &str) -> Option<Report> {
+    fn news(uid: &str) -> Option<PodFeedback> {
         Some((uid.to_owned(), Feedback::Probed { ready: true, detail: String::new() }))
     }
 
@@ -475,7 +475,7 @@ mod tests {
     async fn a_slower_pace_waits_for_its_slot_and_a_held_app_is_probed_at_once() {
         let link = Arc::new(TestLink::default());
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let reports = Reports::new(tx);
+        let reports = ProbeNews::new(tx);
         let sidecar = Sidecar {
             name: "istio-proxy".into(),
             kind: SidecarKind::Istio,
@@ -526,7 +526,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn news_of_probes_under_way_together_goes_out_with_the_last_answer() {
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let reports = Reports::new(tx);
+        let reports = ProbeNews::new(tx);
         let (a, b, c) = (reports.enter(), reports.enter(), reports.enter());
         // The first news waits for the others (at most the cap).
         let first = tokio::spawn(a.leave(news("a")));
@@ -543,7 +543,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_slow_probe_holds_the_others_news_back_at_most_the_cap() {
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let reports = Reports::new(tx);
+        let reports = ProbeNews::new(tx);
         let (a, slow) = (reports.enter(), reports.enter());
         let started = tokio::time::Instant::now();
         assert!(a.leave(news("a")).await);
@@ -562,7 +562,7 @@ mod tests {
     #[tokio::test]
     async fn a_loop_stopped_while_it_waits_still_sends_the_news() {
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let reports = Reports::new(tx);
+        let reports = ProbeNews::new(tx);
         let (a, _slow) = (reports.enter(), reports.enter());
         let waiting = tokio::spawn(a.leave(news("a")));
         tokio::task::yield_now().await;

@@ -29,9 +29,21 @@ pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// watch stream itself is not bounded by this (its body comes after the answer's head).
 pub const WATCH_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The client the pod watch uses: `builder`'s stack, each request bounded by
-/// [`WATCH_REQUEST_TIMEOUT`] until its answer begins.
-pub fn watch_client<S, B>(builder: ClientBuilder<S>) -> Client
+/// A service stack a [`ClientBuilder`] can build a client of: kube's bounds on its `build`, named
+/// once for the clients below.
+pub trait ApiService:
+    tower::Service<
+        http::Request<kube::client::Body>,
+        Response = http::Response<Self::ResponseBody>,
+        Error: Into<tower::BoxError>,
+        Future: Send + 'static,
+    > + Send
+    + 'static
+{
+    type ResponseBody: http_body::Body<Data = bytes::Bytes, Error: Into<tower::BoxError>> + Send + 'static;
+}
+
+impl<S, B> ApiService for S
 where
     S: tower::Service<http::Request<kube::client::Body>, Response = http::Response<B>> + Send + 'static,
     S::Future: Send + 'static,
@@ -39,20 +51,19 @@ where
     B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<tower::BoxError>,
 {
+    type ResponseBody = B;
+}
+
+/// The client the pod watch uses: `builder`'s stack, each request bounded by
+/// [`WATCH_REQUEST_TIMEOUT`] until its answer begins.
+pub fn watch_client<S: ApiService>(builder: ClientBuilder<S>) -> Client {
     builder.with_layer(&tower::timeout::TimeoutLayer::new(WATCH_REQUEST_TIMEOUT)).build()
 }
 
 /// The client the agent writes with: `builder`'s stack with at most [`MAX_WRITES_IN_FLIGHT`]
 /// requests in flight, each bounded by [`WRITE_TIMEOUT`] (from when it is sent, not queued). The
 /// pod watch has a client of its own, so that writes waiting never delay a re-list.
-pub fn writes_client<S, B>(builder: ClientBuilder<S>) -> Client
-where
-    S: tower::Service<http::Request<kube::client::Body>, Response = http::Response<B>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Into<tower::BoxError>,
-    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
-    B::Error: Into<tower::BoxError>,
-{
+pub fn writes_client<S: ApiService>(builder: ClientBuilder<S>) -> Client {
     builder
         .with_layer(&tower::timeout::TimeoutLayer::new(WRITE_TIMEOUT))
         .with_layer(&tower::limit::ConcurrencyLimitLayer::new(MAX_WRITES_IN_FLIGHT))

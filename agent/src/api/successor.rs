@@ -20,6 +20,8 @@ use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, NodeSelectorTerm
 use kube::{Api, Client};
 use tracing::{info, warn};
 
+use crate::config::NodeFlags;
+
 /// How long the lookup at SIGTERM may take, well inside the pod's grace period (30 s): an API
 /// server that answers none of it within this keeps the holds.
 pub const LOOKUP_BUDGET: Duration = Duration::from_secs(2);
@@ -34,15 +36,13 @@ pub struct OwnPod {
 }
 
 impl OwnPod {
-    /// From `POD_NAME`, `POD_NAMESPACE` (the client's namespace when unset) and `node`; `None`
-    /// outside a pod (no `POD_NAME`).
-    pub fn from_env(node: &str, client_namespace: &str) -> Option<OwnPod> {
-        let name = std::env::var("POD_NAME").ok().filter(|n| !n.trim().is_empty())?;
-        let namespace = std::env::var("POD_NAMESPACE")
-            .ok()
-            .filter(|n| !n.trim().is_empty())
-            .unwrap_or_else(|| client_namespace.to_owned());
-        Some(OwnPod { namespace, name, node: node.to_owned() })
+    /// From `POD_NAME`, `POD_NAMESPACE` (the client's namespace when unset) and `NODE_NAME`;
+    /// `None` outside a pod (no `POD_NAME`).
+    pub fn of(node: &NodeFlags, client_namespace: &str) -> Option<OwnPod> {
+        let name = node.pod_name.clone().filter(|n| !n.trim().is_empty())?;
+        let namespace =
+            node.pod_namespace.clone().filter(|n| !n.trim().is_empty()).unwrap_or_else(|| client_namespace.to_owned());
+        Some(OwnPod { namespace, name, node: node.node_name.clone() })
     }
 }
 
@@ -134,9 +134,10 @@ impl Stop {
 }
 
 /// [`at_sigterm`] with a client made from the environment (in the pod: its service account;
-/// else `KUBECONFIG`), all within [`LOOKUP_BUDGET`]. `node`: `NODE_NAME`.
-pub async fn at_sigterm_from_env(node: &str) -> Stop {
-    if std::env::var_os("POD_NAME").is_none_or(|n| n.is_empty()) {
+/// else `KUBECONFIG`), all within [`LOOKUP_BUDGET`]. `node`: the downward API's names of this
+/// node and of the own pod.
+pub async fn at_sigterm_from_env(node: &NodeFlags) -> Stop {
+    if node.pod_name.as_deref().is_none_or(str::is_empty) {
         return Stop::Release(Uninstall::NotInPod);
     }
     let started = tokio::time::Instant::now();
@@ -145,7 +146,7 @@ pub async fn at_sigterm_from_env(node: &str) -> Stop {
         Ok(Err(e)) => return Stop::Keep(format!("no API client: {e}")),
         Err(_) => return Stop::Keep(format!("no API client within {LOOKUP_BUDGET:?}")),
     };
-    let own = OwnPod::from_env(node, &config.default_namespace);
+    let own = OwnPod::of(node, &config.default_namespace);
     let client = match Client::try_from(config) {
         Ok(client) => client,
         Err(e) => return Stop::Keep(format!("no API client: {e}")),

@@ -1,4 +1,4 @@
-//! The controller's watch on the opted-in pods of this node, and the observer's on all of them.
+//! The pod router's watch on the opted-in pods of this node, and the observer's on all of them.
 //! Each is one watch per agent (list, then watch; re-list on `410 Gone`
 //! and after dropped connections, with backoff), through kube-runtime's watcher.
 
@@ -14,13 +14,13 @@ use kube::{Api, Client};
 pub const ENABLED_LABEL: &str = "valet.dev/enabled";
 
 /// Whether `pod` carries the opt-in label (`valet.dev/enabled: "true"`): the one check the
-/// controller, the observer and its looks share, so that the server's label filter is checked
+/// pod router, the observer and its looks share, so that the server's label filter is checked
 /// again on our side.
 pub fn opted_in(pod: &Pod) -> bool {
     pod.metadata.labels.as_ref().and_then(|l| l.get(ENABLED_LABEL)).map(String::as_str) == Some("true")
 }
 
-/// A re-list's bookkeeping, for the controller and the observer alike: the pods a list named,
+/// A re-list's bookkeeping, for the pod router and the observer alike: the pods a list named,
 /// so that the pods known before it and absent from it are found gone when it ends.
 #[derive(Debug, Default)]
 pub struct Relist(Option<HashSet<String>>);

@@ -1,7 +1,6 @@
 //! The kernel side seen from user space: layout discovery (BTF), program loading, event stream,
-//! and the two traits the controller works through, so its loop can run against a stand-in.
+//! and the two traits the pod router works through, so its loop can run against a stand-in.
 pub mod btf;
-pub mod deadlines;
 pub mod held_ledger;
 pub mod loader;
 pub mod mode;
@@ -19,7 +18,7 @@ pub use ring::{Event, EventReader, EventStream, HeldProcess, Listening, ProcessE
 
 use crate::error::Result;
 
-/// What the controller tells the loaded kernel programs and reads back from them.
+/// What the pod router tells the loaded kernel programs and reads back from them.
 pub trait KernelControl: Send {
     /// Starts watching a pod cgroup with [`valet_common::watch_flags`].
     fn watch(&mut self, cgroup_id: u64, flags: u32) -> Result<()>;

@@ -50,6 +50,29 @@ pub struct ProcessExit {
     pub quits_sent_ahead: usize,
 }
 
+impl ProcessExit {
+    /// The end of a container's recorded main process (`comm` `app`, pid 1 of its namespace,
+    /// host pid 4242) in `container_cgroup` of the pod cgroup `pod_cgroup` at `ktime_ns`: the
+    /// exit tests of the loops and of the quits ahead feed without a kernel.
+    pub fn of_container_main(pod_cgroup: u64, container_cgroup: u64, end: Option<ProcessEnd>, ktime_ns: u64) -> Self {
+        ProcessExit {
+            ktime_ns,
+            cgroup_id: container_cgroup,
+            watched_cgroup_id: pod_cgroup,
+            tgid: 4242,
+            pid: 4242,
+            ns_pid: 1,
+            end,
+            ns_init: true,
+            child_pid_ns: true,
+            container_main: true,
+            comm: "app".into(),
+            cgroup_name: None,
+            quits_sent_ahead: 0,
+        }
+    }
+}
+
 /// A process stopped at exec, waiting for user space to release it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HeldProcess {

@@ -14,7 +14,7 @@
 //! then, is seen ready: it was starting, so the app started first. A proxy that ends instead was
 //! as likely stopping (an app may quit its own proxy), and nothing is counted: the count is a
 //! lower bound and never a guess. For the startup tax it asks a native proxy until it is ready.
-//! It runs on its own task: the controller's loop neither waits for it nor knows it.
+//! It runs on its own task: the pod router's loop neither waits for it nor knows it.
 
 pub mod look;
 pub mod namespaces;
@@ -35,9 +35,9 @@ use tracing::{debug, info, warn};
 
 use self::look::{OwnerKind, SidecarMode};
 use self::tally::{Note, PodKey, Tally, Uncounted};
-use crate::acted::QuitPods;
 use crate::api::watch::Relist;
 use crate::cgroup::CgroupFs;
+use crate::ended_by_valet::EndedByValet;
 use crate::metrics::{Metrics, NamespaceLabels, ObservedLabels, ReasonLabels, TaxLabels};
 use crate::pod::spec::{Endpoint, SidecarDefaults};
 use crate::sidecar::Pending;
@@ -50,7 +50,7 @@ pub trait ReadyProbe: Send + Sync + 'static {
     fn ready(&self, uid: &str, endpoint: &Endpoint) -> Pending<Option<bool>>;
 }
 
-/// The production probe: one GET from inside the pod's network namespace, as the controller's
+/// The production probe: one GET from inside the pod's network namespace, as the pod router's
 /// probes make, on a connection of its own that is closed at once.
 pub struct NetnsProbe {
     pub host_proc: PathBuf,
@@ -117,19 +117,19 @@ pub struct Observer {
     /// Pods whose annotations could not be read, reported once each.
     unreadable: HashSet<String>,
     relist: Relist,
-    quit_pods: Arc<QuitPods>,
+    ended_by_valet: Arc<EndedByValet>,
 }
 
 impl Observer {
-    /// `quit_pods` is the record the actuators keep of the pods they quit (for the tax's
+    /// `ended_by_valet` is the record the actuators keep of the pods they quit (for the tax's
     /// `acted` label); the observer turns it on.
     pub fn new(
         settings: Settings,
         metrics: Arc<Metrics>,
         probe: Arc<dyn ReadyProbe>,
-        quit_pods: Arc<QuitPods>,
+        ended_by_valet: Arc<EndedByValet>,
     ) -> Observer {
-        quit_pods.start();
+        ended_by_valet.start();
         // Known in advance: start at 0, so that rates see 0 rather than nothing.
         for reason in Uncounted::ALL {
             let _ = metrics.uncounted.get_or_create(&ReasonLabels { reason: reason.as_str() });
@@ -138,7 +138,7 @@ impl Observer {
             tally: Tally::new(settings.namespace_label, settings.max_namespaces),
             settings,
             metrics,
-            quit_pods,
+            ended_by_valet,
             probe,
             answers: mpsc::unbounded_channel(),
             watches: HashMap::new(),
@@ -197,7 +197,7 @@ impl Observer {
 
     fn on_pod(&mut self, pod: &Pod) {
         let Some(uid) = pod.metadata.uid.as_deref() else { return };
-        // The server filters by node; checked again, as the controller does.
+        // The server filters by node; checked again, as the pod router does.
         if pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(self.settings.node.as_str()) {
             self.gone(uid, None);
             return;
@@ -206,7 +206,7 @@ impl Observer {
             Ok(Some(mut seen)) => {
                 // An app valet holds cannot start before its proxy is ready.
                 seen.hold_app &= seen.labelled && self.settings.act;
-                let acted = self.quit_pods.contains(uid);
+                let acted = self.ended_by_valet.contains(uid);
                 let notes = self.tally.look(seen, acted);
                 self.count(notes);
                 self.metrics.pods_observed.set(self.tally.len() as i64);
@@ -214,7 +214,7 @@ impl Observer {
             Ok(None) => {}
             Err(e) => {
                 let labelled = crate::api::watch::opted_in(pod);
-                // A labelled pod valet acts on has its error reported by the controller.
+                // A labelled pod valet acts on has its error reported by the pod router.
                 if self.unreadable.insert(uid.to_owned()) && !(labelled && self.settings.act) {
                     info!(pod = %crate::pod::status::pod_name(pod), "not observed: {e}");
                     self.metrics.skip(SkipReason::BadAnnotation);
@@ -224,7 +224,7 @@ impl Observer {
     }
 
     fn gone(&mut self, uid: &str, deleted_at: Option<DateTime<Utc>>) {
-        let acted = self.quit_pods.contains(uid);
+        let acted = self.ended_by_valet.contains(uid);
         let notes = self.tally.gone(uid, acted, Utc::now(), deleted_at);
         self.forget(uid, notes);
     }
@@ -235,7 +235,7 @@ impl Observer {
             watch.abort();
         }
         self.metrics.pods_observed.set(self.tally.len() as i64);
-        self.quit_pods.forget(uid);
+        self.ended_by_valet.forget(uid);
         self.unreadable.remove(uid);
     }
 

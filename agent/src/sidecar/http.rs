@@ -458,22 +458,24 @@ mod tests {
     // in, so the answer can only have come at the deadline, not at the close.
     #[test]
     fn a_status_line_then_silence_is_still_an_answer() {
-        let (addr, let_go, server) = serve_and_hold(b"HTTP/1.1 403 Forbidden\r\n\r\nOnly requests from localhost");
-        let limits = Limits { total_timeout: Duration::from_millis(300), ..Limits::default() };
-        let r = request(addr, "POST", "/quitquitquit", limits);
-        let _ = let_go.send(());
-        assert!(server.join().expect("server"), "answered only when the server closed the connection");
+        let r = request_held_open(b"HTTP/1.1 403 Forbidden\r\n\r\nOnly requests from localhost", 300);
         assert_eq!(r.expect("answer").status, 403);
     }
 
     #[test]
     fn a_hung_endpoint_times_out() {
-        let (addr, let_go, server) = serve_and_hold(b"");
-        let limits = Limits { total_timeout: Duration::from_millis(200), ..Limits::default() };
-        let r = request(addr, "POST", "/q", limits);
+        assert_eq!(request_held_open(b"", 200), Err(Failure::Timeout));
+    }
+
+    /// A quit of `timeout_ms` to a server that writes `answer` and holds the connection open until
+    /// the request returned: the request returned at its deadline, not at the close.
+    fn request_held_open(answer: &'static [u8], timeout_ms: u64) -> Result<Response, Failure> {
+        let (addr, let_go, server) = serve_and_hold(answer);
+        let limits = Limits { total_timeout: Duration::from_millis(timeout_ms), ..Limits::default() };
+        let r = request(addr, "POST", "/quitquitquit", limits);
         let _ = let_go.send(());
         assert!(server.join().expect("server"), "returned only when the server closed the connection");
-        assert_eq!(r, Err(Failure::Timeout));
+        r
     }
 
     #[test]

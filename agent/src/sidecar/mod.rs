@@ -2,7 +2,7 @@
 //! loopback callers only, so every request is made from inside the pod's own network namespace.
 pub mod http;
 pub mod netns;
-pub mod quit;
+pub mod quit_request;
 
 use std::future::Future;
 use std::net::IpAddr;

@@ -3,26 +3,25 @@
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
+    maps::{HashMap, MapData, PerCpuArray, RingBuf},
     programs::{TracePoint, trace_point::TracePointLinkId},
 };
 use tracing::{debug, info, warn};
 use valet_common::{
-    ContainerMain, Counter, EXEC_CLASS_HOLD, EXEC_CLASS_PASS, GLOBAL_LAYOUT, KernelLayout, MAP_CALIBRATION,
-    MAP_CONTAINERS, MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_HELD, MAP_WATCHED,
-    MAX_HOST_PIDNS_LEVEL, PIN_HELD, PROG_CALIBRATE, PROG_EXEC, PROG_EXEC_WALK, PROG_EXIT, PROG_EXIT_WALK,
-    container_flags,
+    ContainerMain, Counter, EXEC_CLASS_HOLD, EXEC_CLASS_PASS, GLOBAL_LAYOUT, KernelLayout, MAP_CONTAINERS,
+    MAP_COUNTERS, MAP_EVENTS, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_HELD, MAP_WATCHED, PIN_HELD, PROG_EXEC,
+    PROG_EXEC_WALK, PROG_EXIT, PROG_EXIT_WALK, container_flags,
 };
 
-use super::btf::Btf;
 use super::held_ledger::{HeldLedger, prepare_pin_dir};
 use super::loader::loader_without_kernel_btf;
-use super::offsets::{find_tracefs, pidns_inum, read_layout, supports_ancestor_walk};
-use crate::cgroup::root::{Controller, Hierarchy};
+use super::offsets::supports_ancestor_walk;
+use crate::cgroup::root::Hierarchy;
 use crate::error::{Error, Result};
 use crate::host::container_main::MainProcess;
 use crate::host::resident;
 
+mod layout;
 mod listen;
 mod memlock;
 use listen::attach_listen;
@@ -31,56 +30,6 @@ use memlock::{memlock_hint, raise_memlock_limit};
 
 /// The BPF object built from `agent-ebpf`, aligned for the loader.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/valet-agent-ebpf"));
-
-/// The absolute level of the pid namespace whose inode number is `inum`, which this process
-/// lives in: the calibration program records it from one of our own threads' exit.
-fn calibrate(layout: &KernelLayout, inum: u32, memlock_limit: Option<u64>) -> Result<u32> {
-    let mut l = *layout;
-    l.host_pidns_inum = inum;
-    let mut loader = new_loader();
-    resident::note("calibration loader made");
-    loader.btf(None).override_global(GLOBAL_LAYOUT, &l, true);
-    // Loading the object creates every map in it, and this program uses none of the big ones:
-    // the smallest of each, so that the calibration does not double what kernels before 5.11
-    // charge to RLIMIT_MEMLOCK (its maps are freed only after it, by a kernel worker).
-    let page = crate::host::sys::page_size();
-    for map in [MAP_WATCHED, MAP_EXEC_CLASS, MAP_EXEC_SEEN, MAP_CONTAINERS, MAP_HELD] {
-        loader.map_max_entries(map, 1);
-    }
-    // Ring buffers: at least a page (a power of two).
-    for map in [MAP_EVENTS, "AYA_LOGS"] {
-        loader.map_max_entries(map, page);
-    }
-    let mut ebpf = loader
-        .load(OBJECT)
-        .map_err(|e| Error::ebpf_object(format!("load object (calibration){}", memlock_hint(memlock_limit)), e))?;
-    resident::note("calibration object loaded");
-    let program = tracepoint(&mut ebpf, PROG_CALIBRATE)?;
-    program.load().map_err(|e| Error::ebpf_program(format!("load {PROG_CALIBRATE}"), e))?;
-    let link = program
-        .attach("sched", "sched_process_exit")
-        .map_err(|e| Error::ebpf_program(format!("attach {PROG_CALIBRATE}"), e))?;
-    let mut seen = 0;
-    {
-        let map = ebpf.map(MAP_CALIBRATION).ok_or_else(|| Error::Ebpf(format!("map {MAP_CALIBRATION} missing")))?;
-        let array: Array<&MapData, u32> = Array::try_from(map).map_err(map_err(MAP_CALIBRATION))?;
-        for _ in 0..20 {
-            // A thread's exit fires the tracepoint in this process's namespace.
-            let _ = std::thread::spawn(|| {}).join();
-            seen = array.get(&0, 0).map_err(map_err(MAP_CALIBRATION))?;
-            if seen > 0 {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-    }
-    if let Some(p) = ebpf.program_mut(PROG_CALIBRATE)
-        && let Ok(p) = <&mut TracePoint>::try_from(p)
-    {
-        let _ = p.detach(link);
-    }
-    seen.checked_sub(1).ok_or_else(|| Error::Ebpf("the calibration program saw no exit of ours".into()))
-}
 
 /// A loader for [`OBJECT`], made without aya parsing the kernel's BTF where this process can
 /// (see [`loader_without_kernel_btf`]).
@@ -98,30 +47,6 @@ fn tracepoint<'a>(ebpf: &'a mut Ebpf, prog: &str) -> Result<&'a mut TracePoint> 
         .ok_or_else(|| Error::Ebpf(format!("program {prog} missing from object")))?
         .try_into()
         .map_err(|e| Error::ebpf_program(format!("program {prog}"), e))
-}
-
-/// How many pid namespaces below our procfs's the process `pid` lives (NSpid entries − 1).
-fn nspid_depth(pid: u32) -> Result<u32> {
-    crate::host::container_main::read_process(std::path::Path::new("/proc"), pid)
-        .map(|p| p.nspid.len().saturating_sub(1) as u32)
-        .ok_or_else(|| Error::Ebpf(format!("/proc/{pid}: no such process or no NSpid line")))
-}
-
-/// The id of a v1 controller (`enum cgroup_subsys_id` in the kernel's BTF: it depends on the
-/// kernel's configuration), checked usable by the programs.
-fn v1_subsys_id(btf: &Btf, layout: &KernelLayout, controller: Controller) -> Result<u32> {
-    if !super::offsets::supports_v1_hierarchy(layout) {
-        return Err(Error::Ebpf(
-            "cgroup v1: the kernel's BTF lacks the css_set/cgroup_subsys_state/kernfs_node offsets the programs \
-             read a v1 hierarchy with"
-                .into(),
-        ));
-    }
-    let id = btf.enum_value(&controller.subsys_enumerator())?;
-    if id > valet_common::MAX_CGROUP_SUBSYS {
-        return Err(Error::Ebpf(format!("cgroup v1: controller {} has id {id}", controller.name())));
-    }
-    Ok(id)
 }
 
 /// How the kernel programs find the pod cgroup above a process's own cgroup (`--cgroup-ancestors`).
@@ -196,6 +121,127 @@ fn map_err(what: &str) -> impl FnOnce(aya::maps::MapError) -> Error + '_ {
     move |e| Error::ebpf_map(format!("map {what}"), e)
 }
 
+/// What loading made beside the maps: the kernel log channel, the layout the programs read, the
+/// way they find pod cgroups and their links.
+struct Loaded {
+    logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+    layout: KernelLayout,
+    ancestors: AncestorMode,
+    links: Vec<(&'static str, TracePointLinkId)>,
+}
+
+/// The object loaded with `layout`, its record of held apps pinned at `pin` where it can be (the
+/// pin it got: `None` when it could not be pinned, which is logged).
+fn load_object(
+    layout: &KernelLayout,
+    pin: Option<std::path::PathBuf>,
+    memlock_limit: Option<u64>,
+) -> Result<(Ebpf, Option<std::path::PathBuf>)> {
+    let load = |pin: Option<&std::path::Path>| {
+        let mut loader = new_loader();
+        resident::note("loader made");
+        // The programs read the kernel through offsets in LAYOUT (from our own BTF reader):
+        // no CO-RE relocation needs the kernel's BTF.
+        loader.btf(None).override_global(GLOBAL_LAYOUT, layout, true);
+        if let Some(pin) = pin {
+            loader.map_pin_path(MAP_HELD, pin);
+        }
+        loader.load(OBJECT)
+    };
+    let failed = |e| Error::ebpf_object(format!("load object{}", memlock_hint(memlock_limit)), e);
+    match load(pin.as_deref()) {
+        Ok(ebpf) => Ok((ebpf, pin)),
+        Err(e) if pin.is_some() => {
+            // Holds that do not survive the agent beat no holds at all.
+            warn!("cannot pin the record of held apps ({e}): apps held when this agent dies stay stopped");
+            Ok((load(None).map_err(failed)?, None))
+        }
+        Err(e) => Err(failed(e)),
+    }
+}
+
+/// The exit and exec programs of one way to find pod cgroups, with their tracepoints, as far as
+/// `attach` asks for them.
+fn wanted(attach: &Attach, mode: AncestorMode) -> Vec<(&'static str, &'static str)> {
+    let (exit, exec) =
+        if mode == AncestorMode::Walk { (PROG_EXIT_WALK, PROG_EXEC_WALK) } else { (PROG_EXIT, PROG_EXEC) };
+    [(attach.exits, exit, "sched_process_exit"), (attach.execs, exec, "sched_process_exec")]
+        .into_iter()
+        .filter(|(enabled, ..)| *enabled)
+        .map(|(_, prog, tp)| (prog, tp))
+        .collect()
+}
+
+/// Loads the programs of the first way to find pod cgroups that `attach` allows and the kernel
+/// accepts; that way.
+fn load_programs(ebpf: &mut Ebpf, attach: &Attach, layout: &KernelLayout) -> Result<AncestorMode> {
+    let walk_possible = supports_ancestor_walk(layout);
+    let candidates: &[AncestorMode] = match (attach.ancestors, attach.hierarchy) {
+        (AncestorMode::Helper, Hierarchy::V1(_)) => {
+            return Err(Error::Config(
+                "--cgroup-ancestors helper: the helper reads only the cgroup v2 hierarchy, and this node's \
+                 pods are in a v1 one (the programs walk it)"
+                    .into(),
+            ));
+        }
+        (_, Hierarchy::V1(_)) | (AncestorMode::Walk, _) => &[AncestorMode::Walk],
+        (AncestorMode::Auto, Hierarchy::V2) => &[AncestorMode::Helper, AncestorMode::Walk],
+        (AncestorMode::Helper, Hierarchy::V2) => &[AncestorMode::Helper],
+    };
+    let mut refusals = Vec::new();
+    for &mode in candidates {
+        if mode == AncestorMode::Walk && !walk_possible {
+            refusals.push("cgroup walk: the kernel's BTF lacks css_set/cgroup/kernfs_node offsets".to_owned());
+            continue;
+        }
+        let mut loaded = Ok(());
+        for (prog, _) in wanted(attach, mode) {
+            let program = tracepoint(ebpf, prog)?;
+            if let Err(e) = program.load() {
+                loaded = Err(format!("load {prog}: {e}"));
+                break;
+            }
+        }
+        match loaded {
+            Ok(()) => return Ok(mode),
+            Err(e) => {
+                if candidates.len() > 1 {
+                    info!("{e}; trying the next way to find pod cgroups");
+                }
+                refusals.push(e);
+            }
+        }
+    }
+    Err(Error::Ebpf(format!("no program variant loads on this kernel: {}", refusals.join("; "))))
+}
+
+/// Attaches the loaded programs of `ancestors` to their tracepoints, and the listen program.
+fn attach_programs(
+    ebpf: &mut Ebpf,
+    attach: &Attach,
+    layout: &KernelLayout,
+    ancestors: AncestorMode,
+) -> Result<Vec<(&'static str, TracePointLinkId)>> {
+    let mut links = Vec::new();
+    for (prog, name) in wanted(attach, ancestors) {
+        let program = tracepoint(ebpf, prog)?;
+        let link = program
+            .attach("sched", name)
+            .map_err(|e| Error::ebpf_program(format!("attach {prog} to sched/{name}"), e))?;
+        links.push((prog, link));
+    }
+    // Listening sockets of held pods: attached for the agent's life (listen.rs says why not
+    // only while a pod holds). An addition to the probes' poll, so a kernel that refuses it
+    // costs only that (logged).
+    if attach.execs {
+        match attach_listen(ebpf, layout, ancestors) {
+            Ok(link) => links.push(link),
+            Err(e) => warn!("no listen events (held apps are released by the 10 ms probe alone): {e}"),
+        }
+    }
+    Ok(links)
+}
+
 impl Programs {
     /// Reads the kernel layout and the host's pid namespace (the agent's own: it runs with
     /// hostPID), loads the object and attaches the requested tracepoints.
@@ -224,71 +270,9 @@ impl Programs {
         btf_path: &std::path::Path,
     ) -> Result<Programs> {
         let memlock_limit = raise_memlock_limit();
-        let tracefs = match find_tracefs(host_root) {
-            Ok(path) => path,
-            Err(e) => mount_tracefs(host_root).ok_or(e)?,
-        };
-        resident::note("before reading the kernel's BTF");
-        let btf = Btf::from_file(btf_path)?;
-        resident::note("kernel BTF read");
-        let mut layout = read_layout(&btf, &tracefs)?;
-        if let Hierarchy::V1(controller) = attach.hierarchy {
-            layout.cgroup_v1_subsys = v1_subsys_id(&btf, &layout, controller)?;
-        }
-        // Megabytes, needed no more: given back before the maps and programs are made.
-        drop(btf);
-        resident::trim_heap();
-        resident::note("kernel BTF dropped");
-        let host_ns = match attach.host_pidns_of {
-            Some(pid) => format!("/proc/{pid}/ns/pid"),
-            None => "/proc/self/ns/pid".to_owned(),
-        };
-        layout.host_pidns_inum = pidns_inum(std::path::Path::new(&host_ns))?;
-        // The host's absolute level: the agent's own, from the kernel, plus how much deeper the
-        // namespace standing in for the host is (tests), from its NSpid in our procfs.
-        let own = pidns_inum(std::path::Path::new("/proc/self/ns/pid"))?;
-        let deeper = match attach.host_pidns_of {
-            Some(pid) => nspid_depth(pid)?,
-            None => 0,
-        };
-        layout.host_pidns_level = match calibrate(&layout, own, memlock_limit) {
-            Ok(level) => level + deeper,
-            Err(e) => {
-                warn!("cannot tell the host's pid namespace level ({}): taking the kernel's initial one", e.chain());
-                deeper
-            }
-        };
-        if layout.host_pidns_level > MAX_HOST_PIDNS_LEVEL {
-            return Err(Error::Ebpf(format!(
-                "the host's pid namespace is {} levels deep (at most {MAX_HOST_PIDNS_LEVEL} supported)",
-                layout.host_pidns_level
-            )));
-        }
-        debug!(?layout, "kernel layout from BTF");
-
-        let mut pinned = pin_dir.and_then(prepare_pin_dir).map(|dir| dir.join(PIN_HELD));
-        let load = |pin: Option<&std::path::Path>| {
-            let mut loader = new_loader();
-            resident::note("loader made");
-            // The programs read the kernel through offsets in LAYOUT (from our own BTF reader):
-            // no CO-RE relocation needs the kernel's BTF.
-            loader.btf(None).override_global(GLOBAL_LAYOUT, &layout, true);
-            if let Some(pin) = pin {
-                loader.map_pin_path(MAP_HELD, pin);
-            }
-            loader.load(OBJECT)
-        };
-        let mut ebpf = match load(pinned.as_deref()) {
-            Ok(ebpf) => ebpf,
-            Err(e) if pinned.is_some() => {
-                // Holds that do not survive the agent beat no holds at all.
-                warn!("cannot pin the record of held apps ({e}): apps held when this agent dies stay stopped");
-                pinned = None;
-                load(None).map_err(|e| Error::ebpf_object(format!("load object{}", memlock_hint(memlock_limit)), e))?
-            }
-            Err(e) => return Err(Error::ebpf_object(format!("load object{}", memlock_hint(memlock_limit)), e)),
-        };
-
+        let layout = layout::kernel_layout(host_root, &attach, btf_path, memlock_limit)?;
+        let pin = pin_dir.and_then(prepare_pin_dir).map(|dir| dir.join(PIN_HELD));
+        let (mut ebpf, pinned) = load_object(&layout, pin, memlock_limit)?;
         resident::note("object loaded");
         // Kernel-side diagnostics go to our log; the logger must outlive the programs.
         let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
@@ -298,80 +282,16 @@ impl Programs {
                 None
             }
         };
-
-        let walk_possible = supports_ancestor_walk(&layout);
-        let candidates: &[AncestorMode] = match (attach.ancestors, attach.hierarchy) {
-            (AncestorMode::Helper, Hierarchy::V1(_)) => {
-                return Err(Error::Config(
-                    "--cgroup-ancestors helper: the helper reads only the cgroup v2 hierarchy, and this node's \
-                     pods are in a v1 one (the programs walk it)"
-                        .into(),
-                ));
-            }
-            (_, Hierarchy::V1(_)) | (AncestorMode::Walk, _) => &[AncestorMode::Walk],
-            (AncestorMode::Auto, Hierarchy::V2) => &[AncestorMode::Helper, AncestorMode::Walk],
-            (AncestorMode::Helper, Hierarchy::V2) => &[AncestorMode::Helper],
-        };
-        let wanted = |mode: AncestorMode| {
-            let (exit, exec) =
-                if mode == AncestorMode::Walk { (PROG_EXIT_WALK, PROG_EXEC_WALK) } else { (PROG_EXIT, PROG_EXEC) };
-            [(attach.exits, exit, "sched_process_exit"), (attach.execs, exec, "sched_process_exec")]
-                .into_iter()
-                .filter(|(enabled, ..)| *enabled)
-                .map(|(_, prog, tp)| (prog, tp))
-                .collect::<Vec<_>>()
-        };
-        let mut chosen = None;
-        let mut refusals = Vec::new();
-        for &mode in candidates {
-            if mode == AncestorMode::Walk && !walk_possible {
-                refusals.push("cgroup walk: the kernel's BTF lacks css_set/cgroup/kernfs_node offsets".to_owned());
-                continue;
-            }
-            let mut loaded = Ok(());
-            for (prog, _) in wanted(mode) {
-                let program = tracepoint(&mut ebpf, prog)?;
-                if let Err(e) = program.load() {
-                    loaded = Err(format!("load {prog}: {e}"));
-                    break;
-                }
-            }
-            match loaded {
-                Ok(()) => {
-                    chosen = Some(mode);
-                    break;
-                }
-                Err(e) => {
-                    if candidates.len() > 1 {
-                        info!("{e}; trying the next way to find pod cgroups");
-                    }
-                    refusals.push(e);
-                }
-            }
-        }
-        let Some(ancestors) = chosen else {
-            return Err(Error::Ebpf(format!("no program variant loads on this kernel: {}", refusals.join("; "))));
-        };
-
-        let mut links = Vec::new();
-        for (prog, name) in wanted(ancestors) {
-            let program = tracepoint(&mut ebpf, prog)?;
-            let link = program
-                .attach("sched", name)
-                .map_err(|e| Error::ebpf_program(format!("attach {prog} to sched/{name}"), e))?;
-            links.push((prog, link));
-        }
-        // Listening sockets of held pods: attached for the agent's life (listen.rs says why not
-        // only while a pod holds). An addition to the probes' poll, so a kernel that refuses it
-        // costs only that (logged).
-        if attach.execs {
-            match attach_listen(&mut ebpf, &layout, ancestors) {
-                Ok(link) => links.push(link),
-                Err(e) => warn!("no listen events (held apps are released by the 10 ms probe alone): {e}"),
-            }
-        }
-
+        let ancestors = load_programs(&mut ebpf, &attach, &layout)?;
+        let links = attach_programs(&mut ebpf, &attach, &layout, ancestors)?;
         resident::note("programs attached");
+        let programs = Programs::with_maps(ebpf, pinned, Loaded { logger, layout, ancestors, links })?;
+        programs.log_attached(&attach, memlock_limit);
+        Ok(programs)
+    }
+
+    /// The loaded object's maps taken out, typed.
+    fn with_maps(mut ebpf: Ebpf, pinned: Option<std::path::PathBuf>, loaded: Loaded) -> Result<Programs> {
         let take = |ebpf: &mut Ebpf, name: &str| {
             ebpf.take_map(name).ok_or_else(|| Error::Ebpf(format!("map {name} missing from object")))
         };
@@ -383,26 +303,6 @@ impl Programs {
         let events = RingBuf::try_from(take(&mut ebpf, MAP_EVENTS)?).map_err(map_err(MAP_EVENTS))?;
         let held = HashMap::try_from(take(&mut ebpf, MAP_HELD)?).map_err(map_err(MAP_HELD))?;
         let held = std::sync::Arc::new(HeldLedger::new(held, pinned));
-        let memlock = BpfMemlock::of_this_process();
-        info!(
-            maps = memlock.maps,
-            map_kib = memlock.map_bytes / 1024,
-            programs = memlock.programs,
-            program_kib = memlock.program_bytes / 1024,
-            rlimit_memlock_kib = ?memlock_limit.map(|b| b / 1024),
-            "BPF memory (fdinfo memlock; kernels before 5.11 charge it to RLIMIT_MEMLOCK)"
-        );
-        info!(
-            attached = ?links.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
-            group_dead_field = layout.tp_exit_group_dead != valet_common::OFFSET_UNKNOWN,
-            host_pidns_inum = layout.host_pidns_inum,
-            host_pidns_level = layout.host_pidns_level,
-            ?ancestors,
-            hierarchy = ?attach.hierarchy,
-            held_pinned = ?held.pinned(),
-            held_left = held.records().len(),
-            "kernel programs attached"
-        );
         Ok(Programs {
             ebpf,
             watched,
@@ -412,11 +312,36 @@ impl Programs {
             counters,
             held,
             events: Some(events),
-            logger,
-            layout,
-            ancestors,
-            links,
+            logger: loaded.logger,
+            layout: loaded.layout,
+            ancestors: loaded.ancestors,
+            links: loaded.links,
         })
+    }
+
+    /// What was loaded and attached, and the BPF memory it takes.
+    fn log_attached(&self, attach: &Attach, memlock_limit: Option<u64>) {
+        let memlock = BpfMemlock::of_this_process();
+        info!(
+            maps = memlock.maps,
+            map_kib = memlock.map_bytes / 1024,
+            programs = memlock.programs,
+            program_kib = memlock.program_bytes / 1024,
+            rlimit_memlock_kib = ?memlock_limit.map(|b| b / 1024),
+            "BPF memory (fdinfo memlock; kernels before 5.11 charge it to RLIMIT_MEMLOCK)"
+        );
+        let layout = &self.layout;
+        info!(
+            attached = ?self.attached(),
+            group_dead_field = layout.tp_exit_group_dead != valet_common::OFFSET_UNKNOWN,
+            host_pidns_inum = layout.host_pidns_inum,
+            host_pidns_level = layout.host_pidns_level,
+            ancestors = ?self.ancestors,
+            hierarchy = ?attach.hierarchy,
+            held_pinned = ?self.held.pinned(),
+            held_left = self.held.records().len(),
+            "kernel programs attached"
+        );
     }
 
     /// How the loaded programs find pod cgroups: [`AncestorMode::Helper`] or

@@ -1,6 +1,7 @@
-//! The pods valet sent a quit or a quitting signal to, for observe mode's sidecar tax (its `acted` label): the
-//! actuators record, the observer asks and forgets. One `QuitPods` is made in `main` and handed
-//! to both; it imports nothing of the crate, so neither side imports the other.
+//! The pods whose sidecars valet ended (it sent them a quit or a quitting signal), for observe
+//! mode's sidecar tax (its `acted` label): the actuators record, the observer asks and forgets.
+//! One `EndedByValet` is made in `main` and handed to both; it imports nothing of the crate, so
+//! neither side imports the other.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -8,12 +9,12 @@ use std::sync::{Mutex, PoisonError};
 
 /// Nothing is kept until an observer starts (no one would forget it).
 #[derive(Debug, Default)]
-pub struct QuitPods {
+pub struct EndedByValet {
     on: AtomicBool,
     uids: Mutex<HashSet<String>>,
 }
 
-impl QuitPods {
+impl EndedByValet {
     /// valet asked one of this pod's sidecars to quit, or signalled it.
     pub fn record(&self, uid: &str) {
         if self.on.load(Ordering::Relaxed) {
@@ -41,7 +42,7 @@ mod tests {
 
     #[test]
     fn kept_only_while_an_observer_runs_and_until_forgotten() {
-        let q = QuitPods::default();
+        let q = EndedByValet::default();
         q.record("a");
         assert!(!q.contains("a"), "no observer: nothing kept");
         q.start();

@@ -1,4 +1,4 @@
-//! The agent's event loop. It only routes: kernel events, pod watch events, actuator feedback
+//! The agent's event loop, the pod router. It only routes: kernel events, pod watch events, actuator feedback
 //! and a timer come in; each is turned into a transition of one pod's state machine
 //! (`pod::state`), found by uid or cgroup id; the effects the transition returns go to the
 //! actuators (`act`), whose immediate results are fed straight back.
@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 use valet_common::Counter;
 
-use crate::act::{Actuators, Report};
+use crate::act::{Actuators, PodFeedback};
 use crate::api::successor::{Stop, Uninstall};
 use crate::api::watch::{Relist, opted_in};
 use crate::effect::{Effect, ExitSeen, Feedback, HeldSeen, Nanos};
@@ -41,14 +41,14 @@ const STALL: Duration = Duration::from_secs(1);
 const REPORT_BATCH: usize = 256;
 
 /// The running agent: every tracked pod's state, and the actuators.
-pub struct Controller<K, L> {
+pub struct PodRouter<K, L> {
     node: String,
     rules: Rules,
     pods: HashMap<String, PodState>,
     /// Watched pod cgroup id → pod uid.
     by_cgroup: HashMap<u64, String>,
     act: Actuators<K, L>,
-    reports: mpsc::UnboundedReceiver<Report>,
+    reports: mpsc::UnboundedReceiver<PodFeedback>,
     health: Arc<Health>,
     /// Pods seen during a re-list, to drop the ones that vanished meanwhile.
     relist: Relist,
@@ -63,15 +63,15 @@ pub struct Controller<K, L> {
     last_tick: Option<u64>,
 }
 
-impl<K: KernelControl, L: SidecarLink> Controller<K, L> {
+impl<K: KernelControl, L: SidecarLink> PodRouter<K, L> {
     pub fn new(
         node: &str,
         rules: Rules,
         act: Actuators<K, L>,
-        reports: mpsc::UnboundedReceiver<Report>,
+        reports: mpsc::UnboundedReceiver<PodFeedback>,
         health: Arc<Health>,
-    ) -> Controller<K, L> {
-        Controller {
+    ) -> PodRouter<K, L> {
+        PodRouter {
             node: node.to_owned(),
             rules,
             pods: HashMap::new(),

@@ -1,4 +1,4 @@
-//! Quitting a sidecar through its own admin endpoint, from inside the pod's network namespace,
+//! One quit request: a sidecar asked to quit through its own admin endpoint, from inside the pod's network namespace,
 //! with bounded retries.
 
 use std::time::{Duration, Instant};

@@ -39,7 +39,7 @@ const RETRY_MAX: Duration = Duration::from_secs(5);
 /// Where to look and what an old record's deadline is.
 #[derive(Clone, Debug)]
 pub struct KeeperSettings {
-    /// The pins to read ([`super::held_ledger::pin_paths`]); a [`PIN_HELD_V1`] file name is read in
+    /// The pins to read ([`crate::kernel::held_ledger::pin_paths`]); a [`PIN_HELD_V1`] file name is read in
     /// that layout.
     pub pins: Vec<PathBuf>,
     pub host_proc: PathBuf,

@@ -11,26 +11,26 @@ use tokio::sync::mpsc;
 use tracing::debug;
 
 use super::ahead::QuitsAhead;
-use super::{Report, Settings};
-use crate::acted::QuitPods;
+use super::{PodFeedback, Settings};
 use crate::cgroup::CgroupFs;
 use crate::cgroup::signal::signal_cgroup;
 use crate::effect::Feedback;
+use crate::ended_by_valet::EndedByValet;
 use crate::metrics::Metrics;
 use crate::pod::state::QuitAhead;
 use crate::sidecar::http::Limits;
-use crate::sidecar::quit::{first_attempt, quit};
+use crate::sidecar::quit_request::{first_attempt, quit};
 use crate::sidecar::{PodTarget, SidecarLink};
 use crate::vocab::Endpoint;
 
-/// The quits of every pod (effects `OpenNetwork`, `CloseNetwork`, `Quit`, `Signal`), and their
-/// arms for the kernel event reader.
-pub struct Quits<L> {
+/// Sends the quits and signals that end every pod's sidecars (effects `OpenNetwork`,
+/// `CloseNetwork`, `Quit`, `Signal`), and arms quits for the kernel event reader.
+pub struct QuitSender<L> {
     link: Arc<L>,
     /// For the sidecars quit by a signal.
     cgroups: CgroupFs,
     /// Where each quit's outcome goes.
-    reports: mpsc::UnboundedSender<Report>,
+    reports: mpsc::UnboundedSender<PodFeedback>,
     /// One quit request's time limit.
     timeout: Duration,
     /// How long a quit is tried again.
@@ -39,20 +39,20 @@ pub struct Quits<L> {
     /// Each pod's arm as last set in `ahead` (set again only when it changes).
     armed: HashMap<String, QuitAhead>,
     /// The pods a quit or a signal was sent to, for observe mode.
-    quit_pods: Arc<QuitPods>,
+    ended_by_valet: Arc<EndedByValet>,
 }
 
-impl<L: SidecarLink> Quits<L> {
-    /// Each pod a quit or a signal is sent to is recorded in `quit_pods` (the observer's).
+impl<L: SidecarLink> QuitSender<L> {
+    /// Each pod a quit or a signal is sent to is recorded in `ended_by_valet` (the observer's).
     pub fn new(
         link: Arc<L>,
         cgroups: CgroupFs,
-        reports: mpsc::UnboundedSender<Report>,
+        reports: mpsc::UnboundedSender<PodFeedback>,
         metrics: Arc<Metrics>,
-        quit_pods: Arc<QuitPods>,
+        ended_by_valet: Arc<EndedByValet>,
         settings: &Settings,
-    ) -> Quits<L> {
-        Quits {
+    ) -> QuitSender<L> {
+        QuitSender {
             ahead: Arc::new(QuitsAhead::new(link.clone(), metrics)),
             link,
             cgroups,
@@ -60,7 +60,7 @@ impl<L: SidecarLink> Quits<L> {
             timeout: settings.quit_timeout,
             retry_for: settings.quit_retry_for,
             armed: HashMap::new(),
-            quit_pods,
+            ended_by_valet,
         }
     }
 
@@ -113,7 +113,7 @@ impl<L: SidecarLink> Quits<L> {
         pod_ip: Option<&str>,
     ) {
         // For observe mode's tax: this pod's sidecars end because valet acted.
-        self.quit_pods.record(uid);
+        self.ended_by_valet.record(uid);
         // A sandboxed pod's quit goes to its IP (no pod cgroup to enter: see `quit`).
         let target = match pod_ip.and_then(|ip| ip.parse::<IpAddr>().ok()) {
             Some(ip) => PodTarget { uid: uid.to_owned(), pod_rel: None, pod_ip: Some(ip) },
@@ -142,7 +142,7 @@ impl<L: SidecarLink> Quits<L> {
         // (a helper whose quit is a signal, or an escalation). One that reached no process found
         // the sidecar already gone: something else ended it.
         if signalled > 0 {
-            self.quit_pods.record(uid);
+            self.ended_by_valet.record(uid);
         }
         Feedback::Signalled { sidecar, signal, signalled }
     }
@@ -156,18 +156,7 @@ mod tests {
     use crate::sidecar::testing::TestLink;
 
     fn settings() -> Settings {
-        Settings {
-            host_proc: "/proc".into(),
-            quit_timeout: Duration::from_secs(1),
-            quit_retry_for: Duration::from_secs(1),
-            probe_interval: Duration::from_millis(20),
-            ready_probe_interval: Duration::from_secs(5),
-            held_probe_interval: Duration::from_millis(10),
-            held_probe_cpu: 0.03,
-            held_probe_budget: 2000,
-            held_prober: false,
-            release_priority: 0,
-        }
+        Settings::quick("/proc".into())
     }
 
     #[test]
@@ -182,26 +171,26 @@ mod tests {
         let mut helper = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
         std::fs::write(dir.join("kubepods/pod1/logs/cgroup.procs"), format!("{}\n", helper.id())).expect("procs");
         std::fs::write(dir.join("kubepods/pod2/logs/cgroup.procs"), "").expect("procs");
-        let quit_pods = Arc::new(QuitPods::default());
-        quit_pods.start();
+        let ended_by_valet = Arc::new(EndedByValet::default());
+        ended_by_valet.start();
         let (reports, _keep) = mpsc::unbounded_channel();
-        let quits = Quits::new(
+        let sender = QuitSender::new(
             Arc::new(TestLink::default()),
             CgroupFs::new(&dir),
             reports,
             Arc::new(Metrics::new()),
-            quit_pods.clone(),
+            ended_by_valet.clone(),
             &settings(),
         );
 
-        let signalled = quits.signal("pod1", "logs".into(), rel, libc::SIGTERM);
+        let signalled = sender.signal("pod1", "logs".into(), rel, libc::SIGTERM);
         let status = helper.wait().expect("wait");
-        let gone = quits.signal("pod2", "logs".into(), gone_rel, libc::SIGTERM);
+        let gone = sender.signal("pod2", "logs".into(), gone_rel, libc::SIGTERM);
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(status.signal(), Some(libc::SIGTERM), "the helper got the signal");
         assert!(matches!(signalled, Feedback::Signalled { signalled: 1, .. }), "{signalled:?}");
-        assert!(quit_pods.contains("pod1"), "valet ended the helper: acted");
+        assert!(ended_by_valet.contains("pod1"), "valet ended the helper: acted");
         assert!(matches!(gone, Feedback::Signalled { signalled: 0, .. }), "{gone:?}");
-        assert!(!quit_pods.contains("pod2"), "a signal that reached no one is not valet acting");
+        assert!(!ended_by_valet.contains("pod2"), "a signal that reached no one is not valet acting");
     }
 }
