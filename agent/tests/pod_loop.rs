@@ -31,8 +31,8 @@ use valet_agent::pod::state::Rules;
 use valet_agent::pod_router::PodRouter;
 use valet_agent::runtime::RuntimeBundles;
 use valet_agent::server::Health;
-use valet_agent::sidecar::http::{Limits, Response as HttpResponse};
-use valet_agent::sidecar::{Failed, Pending, PodTarget, SidecarLink};
+use valet_agent::sidecar::http::Response as HttpResponse;
+use valet_agent::sidecar::{Failed, Pending, PodRequest, SidecarLink};
 use valet_common::{Counter, watch_flags};
 
 const UID: &str = "6b1f2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
@@ -173,16 +173,8 @@ impl SidecarLink for FakeLink {
         s.ahead.retain(|(u, _)| u != uid);
         before - s.ahead.len()
     }
-    fn request(
-        &self,
-        target: PodTarget,
-        port: u16,
-        method: &'static str,
-        path: String,
-        _: Limits,
-        _: bool,
-        _: bool,
-    ) -> Pending<Result<HttpResponse, Failed>> {
+    fn request(&self, request: PodRequest) -> Pending<Result<HttpResponse, Failed>> {
+        let PodRequest { target, port, method, path, .. } = request;
         let mut s = lock(&self.0);
         let key = (target.uid.clone(), port);
         if method == "POST" && s.ahead.contains(&key) {

@@ -300,43 +300,22 @@ impl HeldProber {
 
     /// Probes until the agent is gone (Ok) or this thread may make no other socket (Err).
     fn run(&self, link: &dyn SidecarLink, tx: &mpsc::UnboundedSender<PodFeedback>) -> Result<(), String> {
-        let origin = Instant::now();
+        let mut clock = SlotClock::new(Instant::now());
         let mut pods: Vec<Pod> = Vec::new();
         let mut seen = 0;
-        let mut next_slot = origin;
         // When the open round's requests went out: its news waits a moment for the rest.
         let mut round: Option<Instant> = None;
         let mut news: Vec<PodFeedback> = Vec::new();
-        let mut fds: Vec<libc::pollfd> = Vec::new();
-        let mut polled: Vec<(usize, usize)> = Vec::new();
-        let mut pace = CpuPace::new(thread_cpu());
-        let mut period = Duration::ZERO;
+        let mut poll = PollSet::default();
         loop {
             if tx.is_closed() {
                 return Ok(());
             }
             self.sync(&mut pods, &mut seen);
             let now = Instant::now();
-            let slot = !pods.is_empty() && now >= next_slot;
-            if slot {
-                // The next slot of the prober's clock, as often as the interval and the CPU
-                // budget allow.
-                let floor = Duration::from_nanos(self.interval_ns.load(Ordering::Relaxed));
-                let share = f64::from_bits(self.cpu_share.load(Ordering::Relaxed));
-                let next = pace.period(thread_cpu(), floor, share);
-                if next > floor && (next > period * 2 || period > next * 2) {
-                    debug!(?next, ?floor, held = pods.len(), "the held pods' probe period, within the CPU budget");
-                }
-                period = next;
-                // On the prober's clock at its interval; a period the budget lengthened counts
-                // from this slot (a multiple of a period that changes from slot to slot can fall
-                // right after it, and the slots come faster than the budget allows).
-                next_slot = if period > floor {
-                    now + period
-                } else {
-                    origin + next_multiple(now.duration_since(origin), period)
-                };
-            }
+            let floor = Duration::from_nanos(self.interval_ns.load(Ordering::Relaxed));
+            let share = f64::from_bits(self.cpu_share.load(Ordering::Relaxed));
+            let slot = !pods.is_empty() && clock.slot(now, floor, share, pods.len());
             let burst_due = |p: &Pod| p.burst_next.is_some_and(|at| now >= at);
             for pod in pods.iter_mut().filter(|p| slot || p.fresh || burst_due(p)) {
                 round.get_or_insert(now);
@@ -350,15 +329,7 @@ impl HeldProber {
             let deadline = self.deadline();
             expire(&mut pods, Instant::now(), deadline);
             collect(&mut pods, &mut news);
-            // A burst goes on while the pod's answers are in and not ready yet.
-            let now = Instant::now();
-            for pod in pods.iter_mut().filter(|p| p.burst > 0 && !p.asked && p.burst_next.is_none()) {
-                if pod.last.as_ref().is_some_and(|(answers, _)| all_ready(answers)) {
-                    pod.burst = 0;
-                } else {
-                    pod.burst_next = Some(now + BURST_GAP);
-                }
-            }
+            go_on_bursting(&mut pods, Instant::now());
             // The round's news, once its answers are in or it waited long enough.
             let waiting = |at: Instant| in_flight(&pods).any(|since| since >= at);
             if let Some(at) = round
@@ -377,7 +348,7 @@ impl HeldProber {
             let now = Instant::now();
             let mut until = now + IDLE_WAIT;
             if !pods.is_empty() {
-                until = until.min(next_slot);
+                until = until.min(clock.next);
             }
             if let Some(at) = round {
                 until = until.min(at + ROUND_WAIT);
@@ -388,36 +359,100 @@ impl HeldProber {
             if let Some(first) = in_flight(&pods).min() {
                 until = until.min(first + deadline);
             }
-            fds.clear();
-            polled.clear();
-            fds.push(libc::pollfd { fd: self.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-            for (i, pod) in pods.iter().enumerate() {
-                for (j, ep) in pod.endpoints.iter().enumerate() {
-                    let (fd, events) = match &ep.conn {
-                        Conn::Connecting { stream, .. } => (stream.as_raw_fd(), libc::POLLOUT),
-                        Conn::Waiting { stream, .. } => (stream.as_raw_fd(), libc::POLLIN),
-                        Conn::None | Conn::Idle(_) => continue,
-                    };
-                    fds.push(libc::pollfd { fd, events, revents: 0 });
-                    polled.push((i, j));
-                }
+            self.wait(link, &mut pods, &mut poll, until.saturating_duration_since(now))?;
+        }
+    }
+
+    /// Waits up to `left` for the wake-up or for a connection to move, and moves those that did.
+    /// Err: this thread may make no other socket.
+    fn wait(&self, link: &dyn SidecarLink, pods: &mut [Pod], poll: &mut PollSet, left: Duration) -> Result<(), String> {
+        let PollSet { fds, polled } = poll;
+        fds.clear();
+        polled.clear();
+        fds.push(libc::pollfd { fd: self.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        for (i, pod) in pods.iter().enumerate() {
+            for (j, ep) in pod.endpoints.iter().enumerate() {
+                let (fd, events) = match &ep.conn {
+                    Conn::Connecting { stream, .. } => (stream.as_raw_fd(), libc::POLLOUT),
+                    Conn::Waiting { stream, .. } => (stream.as_raw_fd(), libc::POLLIN),
+                    Conn::None | Conn::Idle(_) => continue,
+                };
+                fds.push(libc::pollfd { fd, events, revents: 0 });
+                polled.push((i, j));
             }
-            let left = until.saturating_duration_since(now);
-            if !crate::host::sys::ppoll(&mut fds, left).is_ok_and(|n| n > 0) {
-                continue;
+        }
+        if !crate::host::sys::ppoll(fds, left).is_ok_and(|n| n > 0) {
+            return Ok(());
+        }
+        if fds[0].revents != 0 {
+            let _ = (&self.wake).read(&mut [0u8; 8]);
+        }
+        let now = Instant::now();
+        for (pfd, &(i, j)) in fds[1..].iter().zip(polled.iter()) {
+            let Some(Pod { uid, endpoints, .. }) = pods.get_mut(i) else { continue };
+            if pfd.revents != 0
+                && let Some(ep) = endpoints.get_mut(j)
+            {
+                progress(link, uid, ep, now)?;
             }
-            if fds[0].revents != 0 {
-                let _ = (&self.wake).read(&mut [0u8; 8]);
-            }
-            let now = Instant::now();
-            for (pfd, &(i, j)) in fds[1..].iter().zip(&polled) {
-                let Some(Pod { uid, endpoints, .. }) = pods.get_mut(i) else { continue };
-                if pfd.revents != 0
-                    && let Some(ep) = endpoints.get_mut(j)
-                {
-                    progress(link, uid, ep, now)?;
-                }
-            }
+        }
+        Ok(())
+    }
+}
+
+/// The prober's slots: at its interval on its own clock, further apart when the CPU budget asks.
+struct SlotClock {
+    origin: Instant,
+    /// When the next slot is due.
+    next: Instant,
+    pace: CpuPace,
+    period: Duration,
+}
+
+impl SlotClock {
+    fn new(origin: Instant) -> SlotClock {
+        SlotClock { origin, next: origin, pace: CpuPace::new(thread_cpu()), period: Duration::ZERO }
+    }
+
+    /// Whether a slot is due at `now` (the interval `floor`, the CPU `share`; `held`: the pods,
+    /// for the log); when it is, the next one is set, as often as the interval and the CPU budget
+    /// allow.
+    fn slot(&mut self, now: Instant, floor: Duration, share: f64, held: usize) -> bool {
+        if now < self.next {
+            return false;
+        }
+        let next = self.pace.period(thread_cpu(), floor, share);
+        if next > floor && (next > self.period * 2 || self.period > next * 2) {
+            debug!(?next, ?floor, held, "the held pods' probe period, within the CPU budget");
+        }
+        self.period = next;
+        // On the prober's clock at its interval; a period the budget lengthened counts from this
+        // slot (a multiple of a period that changes from slot to slot can fall right after it, and
+        // the slots come faster than the budget allows).
+        self.next = if self.period > floor {
+            now + self.period
+        } else {
+            self.origin + next_multiple(now.duration_since(self.origin), self.period)
+        };
+        true
+    }
+}
+
+/// What one wait polls (kept across waits): the wake-up first, then each connection in flight,
+/// with its pod's and endpoint's places.
+#[derive(Default)]
+struct PollSet {
+    fds: Vec<libc::pollfd>,
+    polled: Vec<(usize, usize)>,
+}
+
+/// A burst goes on while the pod's answers are in and not ready yet.
+fn go_on_bursting(pods: &mut [Pod], now: Instant) {
+    for pod in pods.iter_mut().filter(|p| p.burst > 0 && !p.asked && p.burst_next.is_none()) {
+        if pod.last.as_ref().is_some_and(|(answers, _)| all_ready(answers)) {
+            pod.burst = 0;
+        } else {
+            pod.burst_next = Some(now + BURST_GAP);
         }
     }
 }

@@ -15,7 +15,7 @@ use super::held_prober::HeldProber;
 use super::{PodFeedback, Settings, next_multiple};
 use crate::effect::{Feedback, Pace};
 use crate::pod::spec::{Sidecar, SidecarKind};
-use crate::sidecar::{PodTarget, SidecarLink};
+use crate::sidecar::{PodRequest, PodTarget, SidecarLink};
 
 /// The readiness probes of every pod (effects `StartProbe`, `SetPace`, `StopProbe`): one loop
 /// each, and the held pods' prober, which probes the pods whose app is held in their stead.
@@ -303,99 +303,132 @@ pub fn start<L: SidecarLink>(
     reports: Arc<ProbeNews>,
     prober: Option<Arc<HeldProber>>,
 ) -> Handle {
-    let (tx, mut rx) = watch::channel(pace);
-    let task = tokio::spawn(async move {
-        let mut last: Option<(Vec<Answer>, tokio::time::Instant)> = None;
-        let mut standby_at: Option<tokio::time::Instant> = None;
+    let (tx, rx) = watch::channel(pace);
+    let pod = PodProbe { link, target, sidecars, reports, prober, normal, relaxed, last: None, standby_at: None };
+    let task = tokio::spawn(pod.run(rx, pace));
+    Handle { pace: tx, task }
+}
+
+/// One pod's probe loop: what it probes, and what it remembers from turn to turn.
+struct PodProbe<L> {
+    link: Arc<L>,
+    target: PodTarget,
+    sidecars: Vec<Sidecar>,
+    reports: Arc<ProbeNews>,
+    prober: Option<Arc<HeldProber>>,
+    normal: Duration,
+    relaxed: Duration,
+    /// The last answer reported, and when.
+    last: Option<(Vec<Answer>, tokio::time::Instant)>,
+    /// When the quit connections were last opened ahead.
+    standby_at: Option<tokio::time::Instant>,
+}
+
+impl<L: SidecarLink> PodProbe<L> {
+    async fn run(mut self, mut rx: watch::Receiver<Pace>, pace: Pace) {
         // The prober ended and gave the pod back: this loop probes it from now on.
         let mut own = false;
         // The pace of the last turn: a pod that turns held reports its next answer whatever the
         // last one was (the app just stopped waits for an answer that came after it).
         let mut was = pace;
-        // A connection to each quit endpoint, opened ahead (see `SidecarLink::standby`).
-        let standby = || {
-            for endpoint in sidecars.iter().filter_map(|sc| sc.quit.as_ref()) {
-                link.standby(&target, endpoint.port);
-            }
-        };
         loop {
             let now_pace = *rx.borrow();
             if now_pace == Pace::Urgent && was != Pace::Urgent {
-                last = None;
+                self.last = None;
             }
             was = now_pace;
             // Held, with the prober: it probes the pod until the pace changes.
             if *rx.borrow() == Pace::Urgent
                 && !own
-                && let Some(prober) = &prober
-                && link.netns_open(&target.uid)
+                && let Some(prober) = self.prober.clone()
+                && self.link.netns_open(&self.target.uid)
             {
-                let endpoints = sidecars
-                    .iter()
-                    .filter_map(|sc| sc.ready.as_ref().map(|e| (sc.name.clone(), e.port, e.path.clone())))
-                    .collect();
-                let token = prober.hold(&target.uid, endpoints);
-                let guard = Unhold(prober.clone(), target.uid.clone(), token);
-                loop {
-                    tokio::select! {
-                        changed = rx.changed() => {
-                            if changed.is_err() { return }
-                            if *rx.borrow_and_update() != Pace::Urgent { break }
-                        }
-                        () = tokio::time::sleep(STANDBY_EARLY) => {
-                            if !prober.probes(&target.uid, token) {
-                                own = true;
-                                break;
-                            }
-                            standby();
-                        }
-                    }
-                }
-                drop(guard);
-                standby();
-                last = None;
+                let Some(given_back) = self.lend_to(&prober, &mut rx).await else { return };
+                own = given_back;
                 // Given back by a pace change: the next probe at the pace's next slot.
                 if !own {
-                    if !until_next_turn(&mut rx, &reports, normal, relaxed).await {
+                    if !until_next_turn(&mut rx, &self.reports, self.normal, self.relaxed).await {
                         return;
                     }
                     continue;
                 }
             }
-            let held = (*rx.borrow() == Pace::Urgent).then(|| reports.enter());
-            let answers = probe_all(link.as_ref(), &target, &sidecars).await;
-            let ready = all_ready(&answers);
-            // Have a connection to each quit endpoint open before the work is done, so the quit
-            // is one write: once the proxy serves, and already before (at most every second:
-            // pilot-agent's status port listens well before Envoy is ready), so a burst of
-            // proxies turning ready does not also open a burst of connections.
-            if ready || standby_at.is_none_or(|at| at.elapsed() >= STANDBY_EARLY) {
-                standby_at = Some(tokio::time::Instant::now());
-                standby();
-            }
-            // Only news goes to the pod's state machine (the loop runs every 10 ms while an app is
-            // held): a changed answer, or the same one after a while.
-            let repeat = if *rx.borrow() == Pace::Relaxed { REPEAT_READY } else { REPEAT };
-            let news = last.as_ref().is_none_or(|(a, at)| *a != answers || at.elapsed() >= repeat);
-            let news = news.then(|| {
-                let probed = sidecars.iter().filter(|sc| sc.ready.is_some()).map(|sc| sc.name.as_str());
-                let detail = detail(probed, &answers);
-                last = Some((answers, tokio::time::Instant::now()));
-                (target.uid.clone(), Feedback::Probed { ready, detail })
-            });
-            let listening = match held {
-                Some(held) => held.leave(news).await,
-                None => news.is_none_or(|news| reports.tx.send(news).is_ok()),
-            };
-            if !listening {
+            if !self.probe(&rx).await {
                 return;
             }
-            if !until_next_turn(&mut rx, &reports, normal, relaxed).await {
+            if !until_next_turn(&mut rx, &self.reports, self.normal, self.relaxed).await {
                 return;
             }
         }
-    });
-    Handle { pace: tx, task }
+    }
+
+    /// Lets the held pods' prober probe the pod until the pace changes (`Some(false)`) or the
+    /// prober gives the pod back (`Some(true)`: this loop probes it from now on). None: the
+    /// handle is gone.
+    async fn lend_to(&mut self, prober: &Arc<HeldProber>, rx: &mut watch::Receiver<Pace>) -> Option<bool> {
+        let endpoints = self
+            .sidecars
+            .iter()
+            .filter_map(|sc| sc.ready.as_ref().map(|e| (sc.name.clone(), e.port, e.path.clone())))
+            .collect();
+        let token = prober.hold(&self.target.uid, endpoints);
+        let guard = Unhold(prober.clone(), self.target.uid.clone(), token);
+        let given_back = loop {
+            tokio::select! {
+                changed = rx.changed() => {
+                    if changed.is_err() { return None }
+                    if *rx.borrow_and_update() != Pace::Urgent { break false }
+                }
+                () = tokio::time::sleep(STANDBY_EARLY) => {
+                    if !prober.probes(&self.target.uid, token) {
+                        break true;
+                    }
+                    self.standby();
+                }
+            }
+        };
+        drop(guard);
+        self.standby();
+        self.last = None;
+        Some(given_back)
+    }
+
+    /// Probes the pod once and reports the news (an app held at the urgent pace waits for this
+    /// answer). False once nobody listens.
+    async fn probe(&mut self, rx: &watch::Receiver<Pace>) -> bool {
+        let held = (*rx.borrow() == Pace::Urgent).then(|| self.reports.enter());
+        let answers = probe_all(self.link.as_ref(), &self.target, &self.sidecars).await;
+        let ready = all_ready(&answers);
+        // Have a connection to each quit endpoint open before the work is done, so the quit
+        // is one write: once the proxy serves, and already before (at most every second:
+        // pilot-agent's status port listens well before Envoy is ready), so a burst of
+        // proxies turning ready does not also open a burst of connections.
+        if ready || self.standby_at.is_none_or(|at| at.elapsed() >= STANDBY_EARLY) {
+            self.standby_at = Some(tokio::time::Instant::now());
+            self.standby();
+        }
+        // Only news goes to the pod's state machine (the loop runs every 10 ms while an app is
+        // held): a changed answer, or the same one after a while.
+        let repeat = if *rx.borrow() == Pace::Relaxed { REPEAT_READY } else { REPEAT };
+        let news = self.last.as_ref().is_none_or(|(a, at)| *a != answers || at.elapsed() >= repeat);
+        let news = news.then(|| {
+            let probed = self.sidecars.iter().filter(|sc| sc.ready.is_some()).map(|sc| sc.name.as_str());
+            let detail = detail(probed, &answers);
+            self.last = Some((answers, tokio::time::Instant::now()));
+            (self.target.uid.clone(), Feedback::Probed { ready, detail })
+        });
+        match held {
+            Some(held) => held.leave(news).await,
+            None => news.is_none_or(|news| self.reports.tx.send(news).is_ok()),
+        }
+    }
+
+    /// A connection to each quit endpoint, opened ahead (see `SidecarLink::standby`).
+    fn standby(&self) {
+        for endpoint in self.sidecars.iter().filter_map(|sc| sc.quit.as_ref()) {
+            self.link.standby(&self.target, endpoint.port);
+        }
+    }
 }
 
 /// Waits until the next slot of the pace; false once the handle is gone. An app held meanwhile
@@ -450,8 +483,17 @@ async fn probe_all(link: &dyn SidecarLink, target: &PodTarget, sidecars: &[Sidec
         // (Envoy's admin, cloud-sql-proxy's default) answer there. The pod IP, as the kubelet
         // probes, until the pod's processes are found — never for Envoy's loopback-only admin.
         let fallback = !matches!(sc.kind, SidecarKind::Envoy);
-        let answer =
-            link.request(target.clone(), endpoint.port, "GET", endpoint.path.clone(), LIMITS, false, fallback).await;
+        let answer = link
+            .request(PodRequest {
+                target: target.clone(),
+                port: endpoint.port,
+                method: "GET",
+                path: endpoint.path.clone(),
+                limits: LIMITS,
+                fresh: false,
+                pod_ip_fallback: fallback,
+            })
+            .await;
         answers.push(match answer {
             Ok(r) => Answer::Status(r.status),
             Err((why, _)) => Answer::Failed(why),

@@ -22,69 +22,66 @@ pub enum ExitOutcome {
     Signal,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ExitLabels {
-    pub outcome: ExitOutcome,
+/// Label sets, each a struct whose fields are a series' labels (names and values), with the
+/// derives every one needs.
+macro_rules! label_sets {
+    ($($(#[$meta:meta])* $name:ident { $($(#[$field_meta:meta])* $field:ident: $ty:ty,)+ })+) => {
+        $(
+            $(#[$meta])*
+            #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+            pub struct $name {
+                $($(#[$field_meta])* pub $field: $ty,)+
+            }
+        )+
+    };
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct QuitLabels {
-    /// Sidecar kind (`SidecarKind::as_str`).
-    pub kind: &'static str,
-    /// ok, or a failure label (refused, timeout, rejected, no_netns, ...).
-    pub result: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct KindLabels {
-    pub kind: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabels {
-    pub reason: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ResultLabels {
-    pub result: &'static str,
-}
-
-/// An observed pod's series: its namespace (empty when the agent drops it) and owner kind (Job,
-/// CronJob, other).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ObservedLabels {
-    pub namespace: String,
-    pub owner_kind: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TaxLabels {
-    pub namespace: String,
-    pub owner_kind: &'static str,
-    /// "true": valet quit one of the pod's sidecars.
-    pub acted: &'static str,
-    /// "native" (init containers with `restartPolicy: Always`) or "classic".
-    pub sidecar_mode: &'static str,
-}
-
-/// The observed pods of one namespace (its bounded label value).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct NamespaceLabels {
-    pub namespace: String,
-}
-
-/// How the node is served: `mode` kernel or degraded, and why (`none` in kernel mode; else a
-/// [`DegradedReason`] label).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct NodeLabels {
-    pub mode: &'static str,
-    pub reason: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct BuildLabels {
-    pub version: &'static str,
+label_sets! {
+    ExitLabels {
+        outcome: ExitOutcome,
+    }
+    QuitLabels {
+        /// Sidecar kind (`SidecarKind::as_str`).
+        kind: &'static str,
+        /// ok, or a failure label (refused, timeout, rejected, no_netns, ...).
+        result: &'static str,
+    }
+    KindLabels {
+        kind: &'static str,
+    }
+    ReasonLabels {
+        reason: &'static str,
+    }
+    ResultLabels {
+        result: &'static str,
+    }
+    /// An observed pod's series: its namespace (empty when the agent drops it) and owner kind (Job,
+    /// CronJob, other).
+    ObservedLabels {
+        namespace: String,
+        owner_kind: &'static str,
+    }
+    TaxLabels {
+        namespace: String,
+        owner_kind: &'static str,
+        /// "true": valet quit one of the pod's sidecars.
+        acted: &'static str,
+        /// "native" (init containers with `restartPolicy: Always`) or "classic".
+        sidecar_mode: &'static str,
+    }
+    /// The observed pods of one namespace (its bounded label value).
+    NamespaceLabels {
+        namespace: String,
+    }
+    /// How the node is served: `mode` kernel or degraded, and why (`none` in kernel mode; else a
+    /// [`DegradedReason`] label).
+    NodeLabels {
+        mode: &'static str,
+        reason: &'static str,
+    }
+    BuildLabels {
+        version: &'static str,
+    }
 }
 
 /// A labelled family that is exposed (`# HELP`, `# TYPE`) even before its first series:
@@ -223,158 +220,186 @@ impl Metrics {
             classic_on_native: Family::default(),
             uncounted: Family::default(),
         };
-        registry.register("pods_tracked", "Opted-in pods on this node that valet tracks", m.pods_tracked.clone());
+        m.register_pod_work(&mut registry);
+        m.register_holds(&mut registry);
+        m.register_node(&mut registry);
+        m.register_observer(&mut registry);
+        m.start_known_series();
+        Metrics { registry, ..m }
+    }
+
+    /// The pods valet acts on: how many, their containers' ends, the quits of their sidecars.
+    fn register_pod_work(&self, registry: &mut Registry) {
+        registry.register("pods_tracked", "Opted-in pods on this node that valet tracks", self.pods_tracked.clone());
         registry.register(
             "container_exits",
             "Container ends (app and sidecar) seen in the kernel, by outcome",
-            Declared(m.exits.clone()),
+            Declared(self.exits.clone()),
         );
         registry.register(
             "sidecar_quits",
             "Quit requests to sidecars, by sidecar kind and result",
-            Declared(m.quits.clone()),
+            Declared(self.quits.clone()),
         );
         registry.register(
             "sidecar_escalations",
             "Sidecars sent SIGTERM because a quit did not end them",
-            Declared(m.escalations.clone()),
+            Declared(self.escalations.clone()),
         );
         registry.register(
             "quit_latency_seconds",
             "From the last app container's exit to the sidecar acknowledging the quit",
-            m.quit_latency.clone(),
+            self.quit_latency.clone(),
         );
         registry.register(
             "quits_sent_ahead",
             "Quit requests sent by the kernel event reader as soon as it read the last app's end, \
              before the loop's transition (sent; unclaimed: the pod's state had changed and did not quit)",
-            Declared(m.quits_ahead.clone()),
+            Declared(self.quits_ahead.clone()),
         );
-        registry.register("app_holds", "App processes held at exec until the proxy is ready", m.holds.clone());
-        registry.register("app_releases", "Held app processes released, by reason", Declared(m.releases.clone()));
+    }
+
+    /// The holds of apps at exec until their proxy is ready, and their releases.
+    fn register_holds(&self, registry: &mut Registry) {
+        registry.register("app_holds", "App processes held at exec until the proxy is ready", self.holds.clone());
+        registry.register("app_releases", "Held app processes released, by reason", Declared(self.releases.clone()));
         registry.register(
             "app_hold_fail_opens",
             "Held apps released because the proxy was not ready in time",
-            m.fail_opens.clone(),
+            self.fail_opens.clone(),
         );
         registry.register(
             "release_failures",
             "Releases of held apps that failed (a SIGCONT refused, a process that could not be placed); \
              each is retried with backoff and its record kept",
-            m.release_failures.clone(),
+            self.release_failures.clone(),
         );
         registry.register(
             "app_gone_before_release",
             "Held apps gone (exited, killed, or their pid another process's) when their release came",
-            m.gone_before_release.clone(),
+            self.gone_before_release.clone(),
         );
         registry.register(
             "app_holds_refused",
             "Pods whose apps ran without a hold: the record of holds could not be pinned (no bpffs)",
-            m.holds_refused.clone(),
+            self.holds_refused.clone(),
         );
-        registry.register("app_hold_duration_seconds", "How long app processes were held", m.hold_duration.clone());
+        registry.register("app_hold_duration_seconds", "How long app processes were held", self.hold_duration.clone());
+    }
+
+    /// What the node and the API did: condition writes, the kernel's losses, watches, skips, how the node is served.
+    fn register_node(&self, registry: &mut Registry) {
         registry.register(
             "condition_patches",
             "Writes of the valet.dev/ProxyReady pod condition, by result",
-            Declared(m.condition_patches.clone()),
+            Declared(self.condition_patches.clone()),
         );
         registry.register(
             "kernel_events_lost",
             "Kernel events dropped because the ring buffer was full",
-            m.events_lost.clone(),
+            self.events_lost.clone(),
         );
         registry.register(
             "kernel_map_full",
             "Container records the kernel could not make because its map was full",
-            m.map_full.clone(),
+            self.map_full.clone(),
         );
         registry.register(
             "proxy_listens",
             "Sockets that started listening in pods holding an app, each a probe of the pod at once",
-            m.proxy_listens.clone(),
+            self.proxy_listens.clone(),
         );
-        registry.register("watch_restarts", "Restarts of the pod watch (errors, re-lists)", m.watch_restarts.clone());
-        registry.register("pod_skips", "Pods or actions skipped, by reason", Declared(m.skips.clone()));
-        registry.register("build_info", "Build information", Declared(m.build_info.clone()));
+        registry.register(
+            "watch_restarts",
+            "Restarts of the pod watch (errors, re-lists)",
+            self.watch_restarts.clone(),
+        );
+        registry.register("pod_skips", "Pods or actions skipped, by reason", Declared(self.skips.clone()));
+        registry.register("build_info", "Build information", Declared(self.build_info.clone()));
         registry.register(
             "node_info",
             "How valet serves this node: mode kernel (ends as they happen, holds) or degraded (the kernel \
              programs could not run: ends from the API, no holds), and why (reason)",
-            Declared(m.node_info.clone()),
+            Declared(self.node_info.clone()),
         );
         registry.register(
             "pods_api_path",
             "Opted-in pods the node's kernel cannot see, served from the API's container status without \
              holds, by reason (host_pid, sandboxed, node_degraded)",
-            Declared(m.api_path.clone()),
+            Declared(self.api_path.clone()),
         );
+    }
+
+    /// What the observer saw of every pod with a known sidecar, acted on or not.
+    fn register_observer(&self, registry: &mut Registry) {
         registry.register(
             "pods_observed",
             "Pods on this node with a sidecar valet knows, labelled or not, that the observer keeps",
-            m.pods_observed.clone(),
+            self.pods_observed.clone(),
         );
         registry.register(
             "pods_waiting_on_sidecars",
             "Pods on this node whose app containers have all ended while a sidecar still runs (labelled or not)",
-            Declared(m.pods_waiting.clone()),
+            Declared(self.pods_waiting.clone()),
         );
         registry.register(
             "sidecar_tax_seconds",
             "From a pod's apps' end to its last sidecar's end, observed when the sidecars end \
              (acted: valet quit or signalled one of them; sidecar_mode: native or classic sidecars)",
-            Declared(m.sidecar_tax.clone()),
+            Declared(self.sidecar_tax.clone()),
         );
         registry.register(
             "app_started_before_proxy_ready",
             "App containers that started while their pod's proxy was not ready (its proxy, asked \
              when the API first showed the app started, was not ready yet)",
-            Declared(m.started_before_ready.clone()),
+            Declared(self.started_before_ready.clone()),
         );
         registry.register(
             "pods_waiting_longest_seconds",
             "How long the pod waiting longest on its sidecars has waited so far, from its apps' end",
-            Declared(m.waiting_longest.clone()),
+            Declared(self.waiting_longest.clone()),
         );
         registry.register(
             "sidecar_startup_tax_seconds",
             "What a native proxy cost its pod's start: from its readiness (found by asking it) to the \
              kubelet's move to the apps (the pod's Initialized condition)",
-            Declared(m.startup_tax.clone()),
+            Declared(self.startup_tax.clone()),
         );
         registry.register(
             "app_container_start_seconds",
             "Pods with a native proxy: from the kubelet's move to the apps (the pod's Initialized \
              condition) to the first app's start (its image pull, container creation and start)",
-            Declared(m.app_start.clone()),
+            Declared(self.app_start.clone()),
         );
         registry.register(
             "classic_sidecar_pods_on_native_node",
             "New pods whose mesh proxy runs as a regular container on a node where native sidecars run",
-            Declared(m.classic_on_native.clone()),
+            Declared(self.classic_on_native.clone()),
         );
         registry.register(
             "observe_uncounted",
             "What the observer saw but could not count, by reason",
-            Declared(m.uncounted.clone()),
+            Declared(self.uncounted.clone()),
         );
-        m.build_info.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION") }).set(1);
-        // Series whose label values are known in advance start at 0, so rates and alerts on them
-        // see 0 rather than nothing until the first event.
+    }
+
+    /// `valet_build_info` at 1; series whose label values are known in advance at 0, so rates
+    /// and alerts on them see 0 rather than nothing until the first event.
+    fn start_known_series(&self) {
+        self.build_info.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION") }).set(1);
         for outcome in [ExitOutcome::Success, ExitOutcome::Failure, ExitOutcome::Signal] {
-            let _ = m.exits.get_or_create(&ExitLabels { outcome });
+            let _ = self.exits.get_or_create(&ExitLabels { outcome });
         }
         for reason in ["host_pid", "sandboxed", "node_degraded"] {
-            let _ = m.api_path.get_or_create(&ReasonLabels { reason });
+            let _ = self.api_path.get_or_create(&ReasonLabels { reason });
         }
         for result in ["sent", "unclaimed"] {
-            let _ = m.quits_ahead.get_or_create(&ResultLabels { result });
+            let _ = self.quits_ahead.get_or_create(&ResultLabels { result });
         }
         for kind in SidecarKind::ALL.map(|k| k.as_str()) {
-            let _ = m.quits.get_or_create(&QuitLabels { kind, result: "ok" });
-            let _ = m.escalations.get_or_create(&KindLabels { kind });
+            let _ = self.quits.get_or_create(&QuitLabels { kind, result: "ok" });
+            let _ = self.escalations.get_or_create(&KindLabels { kind });
         }
-        Metrics { registry, ..m }
     }
 
     /// The OpenMetrics text exposition (empty if encoding fails).

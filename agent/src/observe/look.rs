@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 
 use crate::api::watch::opted_in;
 use crate::pod::decide::ExitOutcome;
-use crate::pod::spec::{self, Endpoint, SidecarDefaults, SpecError};
+use crate::pod::spec::{self, Endpoint, PodPlan, SidecarDefaults, SpecError};
 use crate::vocab::{Sidecar, SidecarKind};
 
 /// What owns the pod, as the `owner_kind` label says it: bounded to three values.
@@ -114,21 +114,10 @@ pub struct Look {
     pub mode: SidecarMode,
     /// Carries the opt-in label.
     pub labelled: bool,
-    /// Every app container has ended for good (a Job's pod: `restartPolicy` Never, or OnFailure
-    /// and exit code 0): the latest end. None while one runs or may run again, and always for
-    /// `restartPolicy: Always`.
-    pub apps_ended: Option<DateTime<Utc>>,
-    /// Every sidecar has ended (the regular containers valet knows as sidecars, and every native
-    /// sidecar): the latest end.
-    pub sidecars_ended: Option<DateTime<Utc>>,
-    /// One of those sidecars runs now.
-    pub sidecar_running: bool,
-    /// App containers the API shows started at least once.
-    pub apps_started: BTreeSet<String>,
-    /// App containers the API shows running now.
-    pub apps_running: BTreeSet<String>,
-    /// The earliest start of an app container the API shows (`startedAt`, whole seconds).
-    pub apps_first_started: Option<DateTime<Utc>>,
+    pub apps: AppsSeen,
+    pub sidecars: SidecarsSeen,
+    /// The first sidecar with a readiness endpoint (a regular one first).
+    pub proxy: Option<ProxySeen>,
     /// When the kubelet moved on to the apps: the pod's `Initialized` condition turned True
     /// (its `lastTransitionTime`, whole seconds). The kubelet's `GeneratePodInitializedCondition`
     /// makes it True once every regular init container has succeeded and every native sidecar
@@ -136,29 +125,65 @@ pub struct Look {
     /// the status at the top of the pod's sync, before that sync pulls, creates and starts the
     /// app containers. None while False or absent.
     pub initialized_at: Option<DateTime<Utc>>,
-    /// A run-to-completion init container is declared after the native proxy: it runs between
-    /// the proxy's readiness and the kubelet's move to the apps, so that wait is not the proxy's.
-    pub init_after_proxy: bool,
-    /// The first sidecar with a readiness endpoint (a regular one first): its name and endpoint.
-    pub proxy: Option<(String, Endpoint)>,
-    /// The kubelet reports that proxy ready.
-    pub proxy_ready: bool,
-    /// That proxy runs now.
-    pub proxy_running: bool,
-    /// A mesh's proxy (Istio's or Linkerd's) runs as a regular container: injected classic.
-    pub mesh_classic: bool,
-    /// A native sidecar runs now: this node's kubelet supports them.
-    pub native_running: bool,
     /// `metadata.deletionTimestamp`: the pod is gone by then at the latest.
     pub deleted_at: Option<DateTime<Utc>>,
     /// `valet.dev/hold-app: "true"` (the observer keeps it only where valet acts).
     pub hold_app: bool,
 }
 
+/// The pod's app containers, as the API shows them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AppsSeen {
+    /// Every app container has ended for good (a Job's pod: `restartPolicy` Never, or OnFailure
+    /// and exit code 0): the latest end. None while one runs or may run again, and always for
+    /// `restartPolicy: Always`.
+    pub ended: Option<DateTime<Utc>>,
+    /// App containers the API shows started at least once.
+    pub started: BTreeSet<String>,
+    /// App containers the API shows running now.
+    pub running: BTreeSet<String>,
+    /// The earliest start of an app container the API shows (`startedAt`, whole seconds).
+    pub first_started: Option<DateTime<Utc>>,
+}
+
+/// The pod's sidecars, as the API shows them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SidecarsSeen {
+    /// Every sidecar has ended (the regular containers valet knows as sidecars, and every native
+    /// sidecar): the latest end.
+    pub ended: Option<DateTime<Utc>>,
+    /// One of those sidecars runs now.
+    pub running: bool,
+    /// A mesh's proxy (Istio's or Linkerd's) runs as a regular container: injected classic.
+    pub mesh_classic: bool,
+    /// A native sidecar runs now: this node's kubelet supports them.
+    pub native_running: bool,
+}
+
+/// The pod's proxy: the first sidecar with a readiness endpoint, as the API shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProxySeen {
+    pub name: String,
+    pub endpoint: Endpoint,
+    /// The kubelet reports it ready.
+    pub ready: bool,
+    /// It runs now.
+    pub running: bool,
+    /// A run-to-completion init container is declared after it (a native proxy): it runs
+    /// between the proxy's readiness and the kubelet's move to the apps, so that wait is not the
+    /// proxy's.
+    pub init_after: bool,
+}
+
 impl Look {
     /// The apps have ended and a sidecar still runs: the pod waits on its sidecars.
     pub fn waiting(&self) -> bool {
-        self.apps_ended.is_some() && self.sidecar_running
+        self.apps.ended.is_some() && self.sidecars.running
+    }
+
+    /// The kubelet reports the proxy ready (false: not, or no proxy).
+    pub fn proxy_ready(&self) -> bool {
+        self.proxy.as_ref().is_some_and(|p| p.ready)
     }
 }
 
@@ -217,86 +242,92 @@ pub fn look(pod: &Pod, defaults: &SidecarDefaults) -> Result<Option<Look>, SpecE
         return Ok(None);
     }
     let native: Vec<&str> = if known_native { native.into_iter().collect() } else { Vec::new() };
+    Ok(Some(Look {
+        owner_kind: owner_kind(pod),
+        mode: if native.is_empty() { SidecarMode::Classic } else { SidecarMode::Native },
+        labelled: opted_in(pod),
+        apps: apps_seen(pod, &plan),
+        sidecars: sidecars_seen(pod, &plan, &classic, &native),
+        proxy: proxy_seen(pod, &plan, &classic, &native),
+        initialized_at: initialized_at(pod),
+        deleted_at: deleted_at(pod),
+        hold_app: plan.hold_app,
+        uid: plan.uid,
+        namespace: plan.namespace,
+    }))
+}
+
+fn apps_seen(pod: &Pod, plan: &PodPlan) -> AppsSeen {
     let runs_to_completion = !plan.apps_never_end();
-    let mut apps_ended = (runs_to_completion && !plan.apps.is_empty()).then_some(DateTime::<Utc>::MIN_UTC);
-    let (mut apps_started, mut apps_running, mut apps_first_started) = (BTreeSet::new(), BTreeSet::new(), None);
+    let mut seen = AppsSeen {
+        ended: (runs_to_completion && !plan.apps.is_empty()).then_some(DateTime::<Utc>::MIN_UTC),
+        ..AppsSeen::default()
+    };
     for app in &plan.apps {
         let s = status(pod, app);
         let state = s.and_then(|s| s.state.as_ref());
         let started = state.is_some_and(|st| st.running.is_some() || st.terminated.is_some())
             || s.is_some_and(|s| s.restart_count > 0);
         if started {
-            apps_started.insert(app.clone());
+            seen.started.insert(app.clone());
         }
         if running(s) {
-            apps_running.insert(app.clone());
+            seen.running.insert(app.clone());
         }
         if let Some(at) = s.and_then(started_at) {
-            apps_first_started = Some(apps_first_started.map_or(at, |first: DateTime<Utc>| first.min(at)));
+            seen.first_started = Some(seen.first_started.map_or(at, |first: DateTime<Utc>| first.min(at)));
         }
         let code = state.and_then(|st| st.terminated.as_ref()).map(|t| t.exit_code);
         let for_good = code.is_some_and(|c| plan.after_exit(app, ExitOutcome::Code(c)).stays());
-        apps_ended = match (apps_ended, s.and_then(finished)) {
+        seen.ended = match (seen.ended, s.and_then(finished)) {
             (Some(latest), Some(end)) if for_good => Some(latest.max(end)),
             _ => None,
         };
     }
-    let sidecar_statuses = classic
-        .iter()
-        .map(|s| status(pod, &s.name))
-        .chain(native.iter().map(|n| init_status(pod, n)))
-        .collect::<Vec<_>>();
-    let mut sidecars_ended = Some(DateTime::<Utc>::MIN_UTC);
-    let mut sidecar_running = false;
-    for s in &sidecar_statuses {
-        sidecar_running |= running(*s);
-        sidecars_ended = match (sidecars_ended, s.and_then(finished)) {
+    seen
+}
+
+/// `classic`: the regular containers valet knows as sidecars; `native`: the native sidecars
+/// that count.
+fn sidecars_seen(pod: &Pod, plan: &PodPlan, classic: &[&Sidecar], native: &[&str]) -> SidecarsSeen {
+    let statuses = classic.iter().map(|s| status(pod, &s.name)).chain(native.iter().map(|n| init_status(pod, n)));
+    let mut ended = Some(DateTime::<Utc>::MIN_UTC);
+    let mut running_now = false;
+    for s in statuses {
+        running_now |= running(s);
+        ended = match (ended, s.and_then(finished)) {
             (Some(latest), Some(end)) => Some(latest.max(end)),
             _ => None,
         };
     }
-    let native_proxy = native.iter().find_map(|n| {
-        let endpoint = spec::kind_from_name(n)?.ready_endpoint()?;
-        Some(((*n).to_owned(), endpoint, init_status(pod, n)))
-    });
-    let (proxy, proxy_status) = match classic.iter().find_map(|s| s.ready.clone().map(|e| (s.name.clone(), e))) {
+    SidecarsSeen {
+        ended,
+        running: running_now,
+        mesh_classic: classic.iter().any(|s| matches!(s.kind, SidecarKind::Istio | SidecarKind::Linkerd)),
+        native_running: plan.native_sidecars.iter().any(|n| running(init_status(pod, n))),
+    }
+}
+
+/// The first sidecar with a readiness endpoint: a regular one first, else a native one of a
+/// kind whose readiness valet knows.
+fn proxy_seen(pod: &Pod, plan: &PodPlan, classic: &[&Sidecar], native: &[&str]) -> Option<ProxySeen> {
+    let native_proxy = || {
+        native.iter().find_map(|n| {
+            let endpoint = spec::kind_from_name(n)?.ready_endpoint()?;
+            Some(((*n).to_owned(), endpoint, init_status(pod, n)))
+        })
+    };
+    let (name, endpoint, s) = match classic.iter().find_map(|s| s.ready.clone().map(|e| (s.name.clone(), e))) {
         Some((name, e)) => {
             let s = status(pod, &name);
-            (Some((name, e)), s)
+            (name, e, s)
         }
-        None => match native_proxy {
-            Some((name, e, s)) => (Some((name, e)), s),
-            None => (None, None),
-        },
+        None => native_proxy()?,
     };
     // Only a native proxy's startup is measured (a classic one starts beside the apps).
-    let init_after_proxy = proxy.as_ref().is_some_and(|(name, _)| {
-        plan.init_containers.iter().skip_while(|c| *c != name).skip(1).any(|c| !plan.native_sidecars.contains(c))
-    });
-    let mesh_classic = classic.iter().any(|s| matches!(s.kind, SidecarKind::Istio | SidecarKind::Linkerd));
-    let native_running = plan.native_sidecars.iter().any(|n| running(init_status(pod, n)));
-    Ok(Some(Look {
-        uid: plan.uid,
-        namespace: plan.namespace,
-        owner_kind: owner_kind(pod),
-        mode: if native.is_empty() { SidecarMode::Classic } else { SidecarMode::Native },
-        labelled: opted_in(pod),
-        apps_ended,
-        sidecars_ended,
-        sidecar_running,
-        apps_started,
-        apps_running,
-        apps_first_started,
-        initialized_at: initialized_at(pod),
-        init_after_proxy,
-        proxy,
-        proxy_ready: proxy_status.is_some_and(|s| s.ready),
-        proxy_running: running(proxy_status),
-        mesh_classic,
-        native_running,
-        deleted_at: deleted_at(pod),
-        hold_app: plan.hold_app,
-    }))
+    let init_after =
+        plan.init_containers.iter().skip_while(|c| **c != name).skip(1).any(|c| !plan.native_sidecars.contains(c));
+    Some(ProxySeen { ready: s.is_some_and(|s| s.ready), running: running(s), init_after, name, endpoint })
 }
 
 #[cfg(test)]
@@ -364,19 +395,19 @@ pub(crate) mod tests {
         let d = SidecarDefaults::default();
         let l = look(&pod(ended("2026-01-01T00:01:00Z"), running(), true), &d).expect("ok").expect("observed");
         assert!(l.waiting());
-        assert_eq!(l.apps_ended, Some(at("2026-01-01T00:01:00Z")));
-        assert_eq!(l.sidecars_ended, None);
+        assert_eq!(l.apps.ended, Some(at("2026-01-01T00:01:00Z")));
+        assert_eq!(l.sidecars.ended, None);
         assert_eq!(l.owner_kind, OwnerKind::Job);
         assert!(!l.labelled);
-        assert!(l.proxy_ready);
-        assert_eq!(l.proxy.as_ref().map(|(n, e)| (n.as_str(), e.port)), Some(("istio-proxy", 15021)));
-        assert_eq!(l.apps_started.iter().collect::<Vec<_>>(), ["app"]);
+        assert!(l.proxy_ready());
+        assert_eq!(l.proxy.as_ref().map(|p| (p.name.as_str(), p.endpoint.port)), Some(("istio-proxy", 15021)));
+        assert_eq!(l.apps.started.iter().collect::<Vec<_>>(), ["app"]);
 
         let done = look(&pod(ended("2026-01-01T00:01:00Z"), ended("2026-01-01T00:11:30Z"), false), &d)
             .expect("ok")
             .expect("observed");
         assert!(!done.waiting());
-        assert_eq!(done.sidecars_ended, Some(at("2026-01-01T00:11:30Z")));
+        assert_eq!(done.sidecars.ended, Some(at("2026-01-01T00:11:30Z")));
     }
 
     #[test]
@@ -385,8 +416,8 @@ pub(crate) mod tests {
         let l = look(&pod(running(), running(), true), &d).expect("ok").expect("observed");
         assert!(!l.waiting());
         let l = look(&pod(waiting(), running(), false), &d).expect("ok").expect("observed");
-        assert!(l.apps_started.is_empty());
-        assert!(!l.proxy_ready);
+        assert!(l.apps.started.is_empty());
+        assert!(!l.proxy_ready());
 
         // OnFailure and a failed exit: the kubelet starts the app again.
         let mut p = pod(json!({"terminated": {"exitCode": 1, "finishedAt": "2026-01-01T00:01:00Z"}}), running(), true);
@@ -417,27 +448,27 @@ pub(crate) mod tests {
         let d = SidecarDefaults::default();
         let l = look(&native_pod(waiting(), running(), false), &d).expect("ok").expect("observed");
         assert_eq!(l.mode, SidecarMode::Native);
-        assert!(l.native_running && !l.mesh_classic);
-        assert!(l.proxy_running && !l.proxy_ready);
-        assert_eq!(l.proxy.as_ref().map(|(n, e)| (n.as_str(), e.port)), Some(("istio-proxy", 15021)));
-        assert_eq!(l.apps_first_started, None);
+        assert!(l.sidecars.native_running && !l.sidecars.mesh_classic);
+        assert!(l.proxy.as_ref().is_some_and(|p| p.running) && !l.proxy_ready());
+        assert_eq!(l.proxy.as_ref().map(|p| (p.name.as_str(), p.endpoint.port)), Some(("istio-proxy", 15021)));
+        assert_eq!(l.apps.first_started, None);
         // The validation init container ended long ago: not a sidecar, not a sidecar's end.
         let l = look(&native_pod(ended("2026-01-01T00:01:00Z"), running(), true), &d).expect("ok").expect("observed");
         assert!(l.waiting());
-        assert_eq!(l.sidecars_ended, None);
+        assert_eq!(l.sidecars.ended, None);
         let l = look(&native_pod(ended("2026-01-01T00:01:00Z"), ended("2026-01-01T00:01:06Z"), false), &d)
             .expect("ok")
             .expect("observed");
         assert!(!l.waiting());
-        assert_eq!(l.sidecars_ended, Some(at("2026-01-01T00:01:06Z")));
+        assert_eq!(l.sidecars.ended, Some(at("2026-01-01T00:01:06Z")));
         let l = look(&native_pod(started("2026-01-01T00:00:10Z"), running(), true), &d).expect("ok").expect("observed");
-        assert_eq!(l.apps_first_started, Some(at("2026-01-01T00:00:10Z")));
-        assert_eq!(l.apps_running.iter().collect::<Vec<_>>(), ["app"]);
+        assert_eq!(l.apps.first_started, Some(at("2026-01-01T00:00:10Z")));
+        assert_eq!(l.apps.running.iter().collect::<Vec<_>>(), ["app"]);
 
         // A classic Istio pod: a mesh proxy injected as a regular container.
         let l = look(&pod(waiting(), running(), false), &d).expect("ok").expect("observed");
         assert_eq!(l.mode, SidecarMode::Classic);
-        assert!(l.mesh_classic && !l.native_running);
+        assert!(l.sidecars.mesh_classic && !l.sidecars.native_running);
 
         // A native sidecar valet does not know, alone: nothing to observe.
         let mut p = native_pod(waiting(), running(), false);
@@ -468,17 +499,17 @@ pub(crate) mod tests {
         let p = initialized(native_pod(waiting(), running(), true), "True", "2026-01-01T00:00:03Z");
         let l = look(&p, &d).expect("ok").expect("observed");
         assert_eq!(l.initialized_at, Some(at("2026-01-01T00:00:03Z")));
-        assert!(!l.init_after_proxy, "istio-validation runs before the proxy");
+        assert!(!l.proxy.as_ref().expect("a proxy").init_after, "istio-validation runs before the proxy");
 
         // A migration declared after the proxy runs between its readiness and the apps.
         let mut p = native_pod(waiting(), running(), false);
         let init = p.spec.as_mut().expect("spec").init_containers.as_mut().expect("init");
         init.push(serde_json::from_value(json!({"name": "migrate"})).expect("container"));
-        assert!(look(&p, &d).expect("ok").expect("observed").init_after_proxy);
+        assert!(look(&p, &d).expect("ok").expect("observed").proxy.expect("a proxy").init_after);
         // Another native sidecar after it does not run to completion: still measured.
         let init = p.spec.as_mut().expect("spec").init_containers.as_mut().expect("init");
         init[2] = serde_json::from_value(json!({"name": "logs", "restartPolicy": "Always"})).expect("container");
-        assert!(!look(&p, &d).expect("ok").expect("observed").init_after_proxy);
+        assert!(!look(&p, &d).expect("ok").expect("observed").proxy.expect("a proxy").init_after);
     }
 
     #[test]

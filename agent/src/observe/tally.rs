@@ -6,7 +6,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use chrono::{DateTime, Utc};
 
-use super::look::{Look, OwnerKind, SidecarMode};
+use super::look::{Look, OwnerKind, ProxySeen, SidecarMode};
 use super::namespaces::Namespaces;
 use crate::vocab::Endpoint;
 
@@ -189,12 +189,12 @@ impl Tally {
     /// A new look at a pod. `acted`: valet sent one of its sidecars a quit or a signal.
     pub fn look(&mut self, look: Look, acted: bool) -> Vec<Note> {
         let mut notes = Vec::new();
-        self.native_node |= look.native_running;
+        self.native_node |= look.sidecars.native_running;
         let first = !self.pods.contains_key(&look.uid);
         let native_node = self.native_node;
         let namespaces = &mut self.namespaces;
         let seen = self.pods.entry(look.uid.clone()).or_insert_with(|| {
-            let nothing_started = look.apps_started.is_empty();
+            let nothing_started = look.apps.started.is_empty();
             Seen {
                 key: PodKey {
                     namespace: namespaces.admit(&look.namespace),
@@ -205,8 +205,8 @@ impl Tally {
                 apps_ended: None,
                 // Sidecars that had ended before the first look (a finished pod kept until its
                 // Job's TTL, an agent restart): taxed before, or never seen paying; not counted.
-                taxed: look.sidecars_ended.is_some(),
-                race: if look.proxy_ready { Race::Settled } else { Race::open(look.apps_started.clone()) },
+                taxed: look.sidecars.ended.is_some(),
+                race: if look.proxy_ready() { Race::Settled } else { Race::open(look.apps.started.clone()) },
                 startup: Startup::Unmeasured,
                 // Only pods seen before their apps start: an agent restart must not count the
                 // node's pods again.
@@ -215,16 +215,15 @@ impl Tally {
         });
         if first
             && look.mode == SidecarMode::Native
-            && look.apps_started.is_empty()
-            && !look.proxy_ready
+            && look.apps.started.is_empty()
+            && !look.proxy_ready()
             && look.initialized_at.is_none()
-            && !look.init_after_proxy
-            && let Some((_, endpoint)) = &look.proxy
+            && let Some(ProxySeen { endpoint, init_after: false, .. }) = &look.proxy
         {
             seen.startup = Startup::Watching;
             notes.push(Note::WatchReady { uid: look.uid.clone(), endpoint: endpoint.clone() });
         }
-        if !seen.classic_judged && look.mesh_classic && native_node {
+        if !seen.classic_judged && look.sidecars.mesh_classic && native_node {
             seen.classic_judged = true;
             notes.push(Note::ClassicOnNative(seen.key.clone()));
         }
@@ -234,9 +233,9 @@ impl Tally {
             seen.waiting = waiting;
         }
         if seen.apps_ended.is_none() {
-            seen.apps_ended = look.apps_ended;
+            seen.apps_ended = look.apps.ended;
         }
-        if let (Some(apps), Some(sidecars), false) = (seen.apps_ended, look.sidecars_ended, seen.taxed) {
+        if let (Some(apps), Some(sidecars), false) = (seen.apps_ended, look.sidecars.ended, seen.taxed) {
             seen.taxed = true;
             notes.push(Note::Tax { key: seen.key.clone(), seconds: seconds_between(apps, sidecars), acted });
         }
@@ -330,8 +329,11 @@ impl Seen {
             notes.push(Note::StartupTax { key: self.key.clone(), seconds: seconds_between(*ready, initialized) });
             self.startup = Startup::Initialized(initialized);
         }
-        let Some(started) = look.apps_first_started else {
-            if self.startup == Startup::Watching && !look.proxy_running && look.sidecars_ended.is_some() {
+        let Some(started) = look.apps.first_started else {
+            if self.startup == Startup::Watching
+                && !look.proxy.as_ref().is_some_and(|p| p.running)
+                && look.sidecars.ended.is_some()
+            {
                 self.startup = Startup::Unmeasured;
                 notes.push(Note::Unwatch { uid: look.uid.clone() });
             }
@@ -355,15 +357,15 @@ impl Seen {
             self.race = Race::Settled;
         }
         let Race::Open { judged, asking, ready_seen, ended, .. } = &mut self.race else { return };
-        *ready_seen |= look.proxy_ready;
-        *ended |= look.sidecars_ended.is_some();
+        *ready_seen |= look.proxy_ready();
+        *ended |= look.sidecars.ended.is_some();
         match &look.proxy {
             None => *ended = true,
             // Only apps running now are asked about: one that already ended (and may have told
             // its proxy to quit, as apps do without valet) says nothing about the proxy's start.
-            Some((_, endpoint)) if !*ready_seen && !*ended => {
-                let new: Vec<String> = look.apps_started.iter().filter(|a| !judged.contains(*a)).cloned().collect();
-                let apps = new.iter().filter(|a| look.apps_running.contains(*a)).count() as u64;
+            Some(ProxySeen { endpoint, .. }) if !*ready_seen && !*ended => {
+                let new: Vec<String> = look.apps.started.iter().filter(|a| !judged.contains(*a)).cloned().collect();
+                let apps = new.iter().filter(|a| look.apps.running.contains(*a)).count() as u64;
                 judged.extend(new);
                 if apps > 0 {
                     *asking += apps;
@@ -455,7 +457,7 @@ mod tests {
         let mut l = seen(waiting(), running(), false);
         l.hold_app = true;
         t.look(l.clone(), false);
-        l.apps_started.insert("app".into());
+        l.apps.started.insert("app".into());
         assert_eq!(probes(&t.look(l, false)), Vec::<u64>::new());
     }
 
@@ -642,7 +644,7 @@ mod tests {
         // A run-to-completion init container after the proxy: its run is neither part.
         let mut t = Tally::new(true, 50);
         let mut l = native(waiting(), running(), false);
-        l.init_after_proxy = true;
+        l.proxy.as_mut().expect("a proxy").init_after = true;
         assert_eq!(t.look(l, false), []);
         // Classic pods are not asked: their apps start beside the proxy (the race counter's case).
         let mut t = Tally::new(true, 50);

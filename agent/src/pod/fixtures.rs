@@ -39,6 +39,7 @@ pub(super) fn with_annotations(mut pod: Pod, annotations: &[(&str, &str)]) -> Po
 }
 
 /// A CronJob's pod in an Istio-injected namespace (Istio 1.22, sidecar as a regular container).
+// table: one pod object as the API server returns it (JSON data, no logic), kept whole so that it reads as `kubectl get pod -o json` shows it.
 pub(super) fn istio_job() -> Pod {
     from_json(json!({
         "apiVersion": "v1",

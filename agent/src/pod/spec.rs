@@ -10,7 +10,7 @@ use std::time::Duration;
 pub use super::restart::RestartPolicy;
 use super::restart::{self, AfterExit, ContainerRestart, ExitOutcome};
 pub use crate::vocab::{Endpoint, KIND_NAMES, Sidecar, SidecarKind, UnknownKind};
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 
 /// Every valet annotation lives under this prefix; unknown keys under it are errors.
 pub const ANNOTATION_PREFIX: &str = "valet.dev/";
@@ -238,61 +238,12 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
     let Some(spec) = pod.spec.as_ref() else {
         return Err(SpecError::InvalidPod { field: "spec", why: "missing".into() });
     };
-    let restart_policy = match spec.restart_policy.as_deref() {
-        None => RestartPolicy::Always,
-        Some(text) => RestartPolicy::parse(text).ok_or_else(|| SpecError::InvalidPod {
-            field: "spec.restartPolicy",
-            why: format!("unknown value {:?}", shown(text)),
-        })?,
-    };
-    let mut own_restarts = BTreeMap::new();
-    for c in &spec.containers {
-        let own = restart::container_restart(c)
-            .map_err(|why| SpecError::InvalidPod { field: "spec.containers[].restartPolicy", why })?;
-        if let Some(own) = own {
-            own_restarts.insert(c.name.clone(), own);
-        }
-    }
+    let (restart_policy, own_restarts) = restarts(spec)?;
     let init = spec.init_containers.as_deref().unwrap_or_default();
     let empty = BTreeMap::new();
     let annotations = meta.annotations.as_ref().unwrap_or(&empty);
     let valet = ValetAnnotations::parse(annotations)?;
-
-    let sidecar_names = sidecar_names(&valet, &spec.containers, init, defaults)?;
-    for (container, key, value) in valet.per_container() {
-        if !sidecar_names.contains(container) {
-            let why = if spec.containers.iter().chain(init.iter().filter(|c| is_native(c))).any(|c| c.name == container)
-            {
-                "is not a sidecar of this pod (list it in valet.dev/sidecars)"
-            } else {
-                "is neither in spec.containers nor a native sidecar"
-            };
-            return Err(SpecError::UnknownSidecar {
-                key: key.to_owned(),
-                value: shown(value),
-                container: container.to_owned(),
-                why,
-            });
-        }
-    }
-
-    let mut apps = Vec::new();
-    let mut sidecars = Vec::new();
-    // A native sidecar valet quits follows the same rules as a regular one; the kubelet ends the
-    // others once the apps have.
-    for container in init.iter().filter(|c| is_native(c)) {
-        if sidecar_names.contains(container.name.as_str()) {
-            sidecars.push(sidecar(container, &valet, annotations)?);
-        }
-    }
-    for container in &spec.containers {
-        if sidecar_names.contains(container.name.as_str()) {
-            sidecars.push(sidecar(container, &valet, annotations)?);
-        } else {
-            apps.push(container.name.clone());
-        }
-    }
-
+    let (apps, sidecars) = apps_and_sidecars(&valet, annotations, &spec.containers, init, defaults)?;
     let hold_app = match valet.hold_app {
         None => false,
         Some("true") => true,
@@ -332,6 +283,70 @@ pub fn plan(pod: &Pod, defaults: &SidecarDefaults) -> Result<PodPlan, SpecError>
         shares_pid_namespace: spec.share_process_namespace.unwrap_or(false),
         runtime_class: spec.runtime_class_name.clone().filter(|c| !c.is_empty()),
     })
+}
+
+/// The pod's restart policy, and the regular containers' own restart settings.
+fn restarts(spec: &PodSpec) -> Result<(RestartPolicy, BTreeMap<String, ContainerRestart>), SpecError> {
+    let restart_policy = match spec.restart_policy.as_deref() {
+        None => RestartPolicy::Always,
+        Some(text) => RestartPolicy::parse(text).ok_or_else(|| SpecError::InvalidPod {
+            field: "spec.restartPolicy",
+            why: format!("unknown value {:?}", shown(text)),
+        })?,
+    };
+    let mut own_restarts = BTreeMap::new();
+    for c in &spec.containers {
+        let own = restart::container_restart(c)
+            .map_err(|why| SpecError::InvalidPod { field: "spec.containers[].restartPolicy", why })?;
+        if let Some(own) = own {
+            own_restarts.insert(c.name.clone(), own);
+        }
+    }
+    Ok((restart_policy, own_restarts))
+}
+
+/// The app containers' names and the sidecars (native ones first), after checking that every
+/// per-container annotation names a sidecar.
+fn apps_and_sidecars(
+    valet: &ValetAnnotations<'_>,
+    annotations: &BTreeMap<String, String>,
+    containers: &[Container],
+    init: &[Container],
+    defaults: &SidecarDefaults,
+) -> Result<(Vec<String>, Vec<Sidecar>), SpecError> {
+    let sidecar_names = sidecar_names(valet, containers, init, defaults)?;
+    for (container, key, value) in valet.per_container() {
+        if !sidecar_names.contains(container) {
+            let why = if containers.iter().chain(init.iter().filter(|c| is_native(c))).any(|c| c.name == container) {
+                "is not a sidecar of this pod (list it in valet.dev/sidecars)"
+            } else {
+                "is neither in spec.containers nor a native sidecar"
+            };
+            return Err(SpecError::UnknownSidecar {
+                key: key.to_owned(),
+                value: shown(value),
+                container: container.to_owned(),
+                why,
+            });
+        }
+    }
+    let mut apps = Vec::new();
+    let mut sidecars = Vec::new();
+    // A native sidecar valet quits follows the same rules as a regular one; the kubelet ends the
+    // others once the apps have.
+    for container in init.iter().filter(|c| is_native(c)) {
+        if sidecar_names.contains(container.name.as_str()) {
+            sidecars.push(sidecar(container, valet, annotations)?);
+        }
+    }
+    for container in containers {
+        if sidecar_names.contains(container.name.as_str()) {
+            sidecars.push(sidecar(container, valet, annotations)?);
+        } else {
+            apps.push(container.name.clone());
+        }
+    }
+    Ok((apps, sidecars))
 }
 
 impl PodPlan {
@@ -420,29 +435,54 @@ fn sidecar_names<'a>(
     Ok(names)
 }
 
-fn sidecar<'a>(
+fn sidecar(
     container: &Container,
-    valet: &ValetAnnotations<'a>,
+    valet: &ValetAnnotations<'_>,
     annotations: &BTreeMap<String, String>,
 ) -> Result<Sidecar, SpecError> {
     let name = container.name.as_str();
-    let kind =
-        match valet.kinds.get(name) {
-            Some((key, value)) => value
-                .parse::<SidecarKind>()
-                .map_err(|_| SpecError::UnknownSidecarKind { key: (*key).to_owned(), value: shown(value) })?,
-            None => kind_from_name(name).or_else(|| container.image.as_deref().and_then(kind_from_image)).ok_or_else(
-                || SpecError::UndeterminedSidecarKind {
+    let kind = sidecar_kind(container, valet)?;
+    let quit = quit_endpoint(name, kind, valet, annotations)?;
+    let ready = ready_endpoint(name, kind, valet)?;
+    let quit_signal = match valet.quit_signals.get(name).copied() {
+        None => libc::SIGTERM,
+        Some((key, value)) if kind == SidecarKind::Signal => signal(key, value)?,
+        Some((key, value)) => {
+            return Err(SpecError::malformed(key, value, "only a sidecar of kind signal is ended with a signal"));
+        }
+    };
+    Ok(Sidecar { name: name.to_owned(), kind, quit, ready, quit_signal })
+}
+
+/// The kind the pod's annotation gives the sidecar, else the one its name or image tells.
+fn sidecar_kind(container: &Container, valet: &ValetAnnotations<'_>) -> Result<SidecarKind, SpecError> {
+    let name = container.name.as_str();
+    match valet.kinds.get(name) {
+        Some((key, value)) => value
+            .parse::<SidecarKind>()
+            .map_err(|_| SpecError::UnknownSidecarKind { key: (*key).to_owned(), value: shown(value) }),
+        None => {
+            kind_from_name(name).or_else(|| container.image.as_deref().and_then(kind_from_image)).ok_or_else(|| {
+                SpecError::UndeterminedSidecarKind {
                     container: name.to_owned(),
                     image: container.image.clone().unwrap_or_default(),
                     key: format!("{SIDECAR_KIND_PREFIX}{name}"),
-                },
-            )?,
-        };
+                }
+            })
+        }
+    }
+}
+
+/// Where the sidecar is asked to quit: its kind's endpoint, moved by valet's annotations or by
+/// its own project's (Istio's status port, Vault Agent's listener); none for a signal sidecar.
+fn quit_endpoint(
+    name: &str,
+    kind: SidecarKind,
+    valet: &ValetAnnotations<'_>,
+    annotations: &BTreeMap<String, String>,
+) -> Result<Option<Endpoint>, SpecError> {
     let mut quit = kind.quit_endpoint();
-    let mut ready = kind.ready_endpoint();
-    let given = |map: &BTreeMap<&'a str, (&'a str, &'a str)>| map.get(name).copied();
-    match given(&valet.quit_ports) {
+    match valet.quit_ports.get(name).copied() {
         Some((key, value)) => {
             let port = port(key, value)?;
             match (&mut quit, kind) {
@@ -454,17 +494,15 @@ fn sidecar<'a>(
         }
         // pilot-agent serves /quitquitquit on its status port, which this annotation moves.
         None if kind == SidecarKind::Istio => {
-            if let (Some(value), Some(q)) = (annotations.get(ISTIO_STATUS_PORT), quit.as_mut()) {
-                q.port = port(ISTIO_STATUS_PORT, value).map_err(|_| {
-                    SpecError::malformed(
-                        ISTIO_STATUS_PORT,
-                        value,
-                        format!(
-                            "pilot-agent's status port serves /quitquitquit and must be 1..=65535 \
-                             (or set {QUIT_PORT_PREFIX}{name})"
-                        ),
-                    )
-                })?;
+            if let Some(q) = quit.as_mut()
+                && let Some(port) = moved_quit_port(
+                    annotations,
+                    ISTIO_STATUS_PORT,
+                    name,
+                    "pilot-agent's status port serves /quitquitquit",
+                )?
+            {
+                q.port = port;
             }
         }
         // vault-k8s: the quit is served on the agent's listener only with its opt-in; without
@@ -472,17 +510,15 @@ fn sidecar<'a>(
         None if kind == SidecarKind::Vault => match annotations.get(VAULT_ENABLE_QUIT).map(String::as_str) {
             // What vault-k8s's parseutil.ParseBool (Go's strconv.ParseBool) takes for true.
             Some("1" | "t" | "T" | "true" | "TRUE" | "True") => {
-                if let (Some(value), Some(q)) = (annotations.get(VAULT_LISTENER_PORT), quit.as_mut()) {
-                    q.port = port(VAULT_LISTENER_PORT, value).map_err(|_| {
-                        SpecError::malformed(
-                            VAULT_LISTENER_PORT,
-                            value,
-                            format!(
-                                "Vault Agent's listener serves /agent/v1/quit and must be 1..=65535 \
-                                 (or set {QUIT_PORT_PREFIX}{name})"
-                            ),
-                        )
-                    })?;
+                if let Some(q) = quit.as_mut()
+                    && let Some(port) = moved_quit_port(
+                        annotations,
+                        VAULT_LISTENER_PORT,
+                        name,
+                        "Vault Agent's listener serves /agent/v1/quit",
+                    )?
+                {
+                    q.port = port;
                 }
             }
             _ => quit = None,
@@ -496,33 +532,47 @@ fn sidecar<'a>(
         }
         None => {}
     }
-    if let Some((key, value)) = given(&valet.quit_paths) {
+    if let Some((key, value)) = valet.quit_paths.get(name).copied() {
         let Some(q) = quit.as_mut() else {
             return Err(SpecError::malformed(key, value, "a signal sidecar has no quit path"));
         };
         q.path = http_path(key, value)?;
     }
-    if let Some((key, value)) = given(&valet.ready_ports) {
+    Ok(quit)
+}
+
+/// The quit port a sidecar's own project's annotation `key` sets, if the pod has it (`serves`:
+/// what listens there).
+fn moved_quit_port(
+    annotations: &BTreeMap<String, String>,
+    key: &str,
+    name: &str,
+    serves: &str,
+) -> Result<Option<u16>, SpecError> {
+    let Some(value) = annotations.get(key) else { return Ok(None) };
+    port(key, value).map(Some).map_err(|_| {
+        SpecError::malformed(key, value, format!("{serves} and must be 1..=65535 (or set {QUIT_PORT_PREFIX}{name})"))
+    })
+}
+
+/// Where the sidecar is asked whether it is ready: its kind's endpoint, moved or made by the
+/// pod's annotations.
+fn ready_endpoint(name: &str, kind: SidecarKind, valet: &ValetAnnotations<'_>) -> Result<Option<Endpoint>, SpecError> {
+    let mut ready = kind.ready_endpoint();
+    if let Some((key, value)) = valet.ready_ports.get(name).copied() {
         let port = port(key, value)?;
         match ready.as_mut() {
             Some(r) => r.port = port,
             None => ready = Some(Endpoint::new(port, "/")),
         }
     }
-    if let Some((key, value)) = given(&valet.ready_paths) {
+    if let Some((key, value)) = valet.ready_paths.get(name).copied() {
         let Some(r) = ready.as_mut() else {
             return Err(SpecError::malformed(key, value, format!("set {READY_PORT_PREFIX}{name} too")));
         };
         r.path = http_path(key, value)?;
     }
-    let quit_signal = match given(&valet.quit_signals) {
-        None => libc::SIGTERM,
-        Some((key, value)) if kind == SidecarKind::Signal => signal(key, value)?,
-        Some((key, value)) => {
-            return Err(SpecError::malformed(key, value, "only a sidecar of kind signal is ended with a signal"));
-        }
-    };
-    Ok(Sidecar { name: name.to_owned(), kind, quit, ready, quit_signal })
+    Ok(ready)
 }
 
 /// A request path: absolute, printable ASCII, no spaces (it goes into the request line as is).

@@ -85,19 +85,22 @@ pub trait SidecarLink: Send + Sync + 'static {
         let _ = uid;
         Err(SocketError::Failed("this link makes no sockets".into()))
     }
-    /// One request to `127.0.0.1:port` in the pod's network namespace; `fresh` enters it anew
-    /// (a retry); `pod_ip_fallback` sends it to the pod IP while the namespace cannot be entered.
-    #[allow(clippy::too_many_arguments, reason = "each is one plain property of the request")]
-    fn request(
-        &self,
-        target: PodTarget,
-        port: u16,
-        method: &'static str,
-        path: String,
-        limits: Limits,
-        fresh: bool,
-        pod_ip_fallback: bool,
-    ) -> Pending<Result<Response, Failed>>;
+    /// One request to a sidecar of the pod.
+    fn request(&self, request: PodRequest) -> Pending<Result<Response, Failed>>;
+}
+
+/// One request to `127.0.0.1:port` in a pod's network namespace.
+#[derive(Clone, Debug)]
+pub struct PodRequest {
+    pub target: PodTarget,
+    pub port: u16,
+    pub method: &'static str,
+    pub path: String,
+    pub limits: Limits,
+    /// Enter the namespace anew, on a new connection (a retry).
+    pub fresh: bool,
+    /// Send it to the pod IP while the namespace cannot be entered.
+    pub pod_ip_fallback: bool,
 }
 
 /// A link for tests of the loops: every request answers 200 and is counted; the prober's sockets
@@ -137,16 +140,7 @@ pub mod testing {
         fn pod_socket(&self, _: &str) -> Result<std::os::fd::OwnedFd, SocketError> {
             tcp_socket().map_err(|e| SocketError::Failed(e.to_string()))
         }
-        fn request(
-            &self,
-            _: PodTarget,
-            _: u16,
-            _: &'static str,
-            _: String,
-            _: Limits,
-            _: bool,
-            _: bool,
-        ) -> Pending<Result<Response, Failed>> {
+        fn request(&self, _: PodRequest) -> Pending<Result<Response, Failed>> {
             self.requests.fetch_add(1, Ordering::SeqCst);
             let mut failing = self.failing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             if let Some((left, failure)) = failing.as_mut()

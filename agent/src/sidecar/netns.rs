@@ -19,8 +19,8 @@ use std::time::Instant;
 
 use tracing::info;
 
-use super::http::{self, Limits, Response};
-use super::{Failed, Pending, PodTarget, SidecarLink, SocketError};
+use super::http::{self, Response};
+use super::{Failed, Pending, PodRequest, PodTarget, SidecarLink, SocketError};
 use crate::cgroup::CgroupFs;
 use crate::error::{Error, Result};
 use crate::host::clock::monotonic_ns;
@@ -279,33 +279,15 @@ impl SidecarLink for PodNetwork {
         });
     }
 
-    fn request(
-        &self,
-        target: PodTarget,
-        port: u16,
-        method: &'static str,
-        path: String,
-        limits: Limits,
-        fresh: bool,
-        pod_ip_fallback: bool,
-    ) -> Pending<Result<Response, Failed>> {
+    fn request(&self, request: PodRequest) -> Pending<Result<Response, Failed>> {
         // Probes keep their connection; a quit is the connection's last request.
-        let reuse = method == "GET";
-        // A quit the event reader sent ahead on the kept connection: taken over, answer and all.
-        let ahead = match (fresh, reuse) {
-            (false, false) => {
-                self.ahead.lock().unwrap_or_else(PoisonError::into_inner).remove(&(target.uid.clone(), port))
-            }
-            _ => None,
-        };
-        let (kept_conn, ahead_sent) = match ahead {
-            Some((stream, sent)) => (Some(stream), Some(sent)),
-            None => (if fresh { None } else { self.take_kept(&target.uid, port, !reuse) }, None),
-        };
+        let reuse = request.method == "GET";
+        let (kept_conn, ahead_sent) = self.connection_for(&request, reuse);
+        let target = &request.target;
         // The namespace only when there is no connection to use (looked up now: the future
         // cannot borrow this link).
         let netns = if kept_conn.is_none() || !reuse {
-            Some(self.handle(&target.uid, target.pod_rel.as_deref(), fresh))
+            Some(self.handle(&target.uid, target.pod_rel.as_deref(), request.fresh))
         } else {
             None
         };
@@ -315,76 +297,143 @@ impl SidecarLink for PodNetwork {
         let sent = match (&kept_conn, reuse, ahead_sent) {
             (_, _, Some(sent)) => sent,
             (Some(stream), false, None) => {
-                let req = http::request_text(SocketAddr::from((Ipv4Addr::LOCALHOST, port)), method, &path, false);
+                let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, request.port));
+                let req = http::request_text(addr, request.method, &request.path, false);
                 http::Written { bytes: stream.try_write(req.as_bytes()).unwrap_or(0), at_ns: monotonic_ns() }
             }
             _ => http::Written::default(),
         };
         Box::pin(async move {
-            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-            let key = (target.uid.clone(), port);
             let started = Instant::now();
-            if let Some(mut stream) = kept_conn {
-                // On the runtime itself: no thread, no namespace switch.
-                match http::exchange_async(&mut stream, addr, method, &path, limits, started, reuse, sent).await {
-                    Ok((response, again)) => {
-                        if again {
-                            keep(&open, &kept, key, stream);
-                        }
-                        return Ok(response);
-                    }
-                    // Closed by the server since the last look: nothing was answered, so the
-                    // request goes again on a new connection.
-                    Err(http::Failure::Io(_) | http::Failure::Malformed(_)) => {}
-                    Err(failure) => return Err((failure.to_string(), failure.label())),
-                }
+            if let Some(stream) = kept_conn
+                && let Some(answer) = on_kept(stream, &request, reuse, sent, started, &open, &kept).await
+            {
+                return answer;
             }
             // A probe whose kept connection was closed: the namespace it was made in, while open.
             let netns = netns.unwrap_or_else(|| {
                 let open = open.lock().unwrap_or_else(PoisonError::into_inner);
-                open.get(&target.uid).cloned().ok_or_else(|| Error::Endpoint("the pod's network was closed".into()))
+                let open = open.get(&request.target.uid).cloned();
+                open.ok_or_else(|| Error::Endpoint("the pod's network was closed".into()))
             });
-            match (netns, target.pod_ip) {
-                (Ok(netns), _) => {
-                    let answer = netns
-                        .run(move || {
-                            let mut stream = http::connect(addr, limits)?;
-                            let (response, again) =
-                                http::exchange(&mut stream, addr, method, &path, limits, started, reuse)?;
-                            Ok::<_, http::Failure>((response, again.then_some(stream)))
-                        })
-                        .await;
-                    match answer {
-                        Ok(Ok((response, stream))) => {
-                            if let Some(stream) = stream.and_then(on_runtime) {
-                                keep(&open, &kept, key, stream);
-                            }
-                            Ok(response)
-                        }
-                        Ok(Err(failure)) => Err((failure.to_string(), failure.label())),
-                        Err(e) => Err((e.chain().to_string(), "netns")),
-                    }
-                }
-                (Err(_), Some(ip)) if pod_ip_fallback => {
-                    let addr = SocketAddr::new(ip, port);
-                    let answer = tokio::task::spawn_blocking(move || http::request(addr, method, &path, limits)).await;
-                    match answer {
-                        Ok(Ok(response)) => Ok(response),
-                        Ok(Err(failure)) => Err((failure.to_string(), failure.label())),
-                        Err(e) => Err((e.to_string(), "io")),
-                    }
-                }
-                (Err(e), _) => Err((e.chain().to_string(), "no_netns")),
-            }
+            on_new_connection(netns, request, reuse, started, &open, &kept).await
         })
+    }
+}
+
+impl PodNetwork {
+    /// The connection a request goes on, if any: a quit the event reader sent ahead on the kept
+    /// connection (taken over, answer and all: what it wrote comes along), or the connection
+    /// kept to the port (none for a fresh request).
+    fn connection_for(
+        &self,
+        request: &PodRequest,
+        reuse: bool,
+    ) -> (Option<tokio::net::TcpStream>, Option<http::Written>) {
+        let PodRequest { target, port, fresh, .. } = request;
+        let ahead = match (fresh, reuse) {
+            (false, false) => {
+                self.ahead.lock().unwrap_or_else(PoisonError::into_inner).remove(&(target.uid.clone(), *port))
+            }
+            _ => None,
+        };
+        match ahead {
+            Some((stream, sent)) => (Some(stream), Some(sent)),
+            None => (if *fresh { None } else { self.take_kept(&target.uid, *port, !reuse) }, None),
+        }
+    }
+}
+
+/// The request on a kept connection, on the runtime itself: no thread, no namespace switch.
+/// None: the server closed it since the last look and nothing was answered, so the request goes
+/// again on a new connection.
+async fn on_kept(
+    mut stream: tokio::net::TcpStream,
+    request: &PodRequest,
+    reuse: bool,
+    sent: http::Written,
+    started: Instant,
+    open: &Open,
+    kept: &Kept,
+) -> Option<Result<Response, Failed>> {
+    let PodRequest { target, port, method, path, limits, .. } = request;
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, *port));
+    match http::exchange_async(&mut stream, addr, method, path, *limits, started, reuse, sent).await {
+        Ok((response, again)) => {
+            if again {
+                keep(open, kept, (target.uid.clone(), *port), stream);
+            }
+            Some(Ok(response))
+        }
+        Err(http::Failure::Io(_) | http::Failure::Malformed(_)) => None,
+        Err(failure) => Some(Err((failure.to_string(), failure.label()))),
+    }
+}
+
+/// The request on a new connection: made in the pod's network namespace, or else to the pod IP
+/// when the request allows it.
+async fn on_new_connection(
+    netns: Result<Arc<PodNetns>>,
+    request: PodRequest,
+    reuse: bool,
+    started: Instant,
+    open: &Open,
+    kept: &Kept,
+) -> Result<Response, Failed> {
+    let PodRequest { target, port, method, path, limits, pod_ip_fallback, .. } = request;
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    match (netns, target.pod_ip) {
+        (Ok(netns), _) => {
+            let answer = netns
+                .run(move || {
+                    let mut stream = http::connect(addr, limits)?;
+                    let (response, again) = http::exchange(&mut stream, addr, method, &path, limits, started, reuse)?;
+                    Ok::<_, http::Failure>((response, again.then_some(stream)))
+                })
+                .await;
+            match answer {
+                Ok(Ok((response, stream))) => {
+                    if let Some(stream) = stream.and_then(on_runtime) {
+                        keep(open, kept, (target.uid.clone(), port), stream);
+                    }
+                    Ok(response)
+                }
+                Ok(Err(failure)) => Err((failure.to_string(), failure.label())),
+                Err(e) => Err((e.chain().to_string(), "netns")),
+            }
+        }
+        (Err(_), Some(ip)) if pod_ip_fallback => {
+            let addr = SocketAddr::new(ip, port);
+            let answer = tokio::task::spawn_blocking(move || http::request(addr, method, &path, limits)).await;
+            match answer {
+                Ok(Ok(response)) => Ok(response),
+                Ok(Err(failure)) => Err((failure.to_string(), failure.label())),
+                Err(e) => Err((e.to_string(), "io")),
+            }
+        }
+        (Err(e), _) => Err((e.chain().to_string(), "no_netns")),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sidecar::http::Limits;
     use std::io::{Read as _, Write as _};
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A plain request to `port` of the pod, its namespace entered as kept.
+    fn request(target: &PodTarget, port: u16, method: &'static str, path: &str) -> PodRequest {
+        PodRequest {
+            target: target.clone(),
+            port,
+            method,
+            path: path.into(),
+            limits: Limits::default(),
+            fresh: false,
+            pod_ip_fallback: false,
+        }
+    }
 
     /// A pod whose only process is this test, in a cgroup tree and a procfs of its own (no
     /// `1/ns/net` there, so this test's namespace is not taken for the node's).
@@ -494,7 +543,7 @@ mod tests {
         net.open("uid-1", &rel).expect("open");
         let target = PodTarget { uid: "uid-1".into(), pod_rel: Some(rel.clone()), pod_ip: None };
         for round in 1..=3 {
-            let r = net.request(target.clone(), port, "GET", "/ready".into(), Limits::default(), false, false).await;
+            let r = net.request(request(&target, port, "GET", "/ready")).await;
             assert_eq!(r.map(|r| r.status), Ok(200), "probe {round}");
             assert_eq!(net.kept_count(), 1, "kept: the answer said nothing of closing");
             // The server closes it meanwhile: the next probe finds it closed.
@@ -525,7 +574,7 @@ mod tests {
         net.open("uid-1", &rel).expect("open");
         let target = PodTarget { uid: "uid-1".into(), pod_rel: Some(rel.clone()), pod_ip: None };
         for _ in 0..3 {
-            let r = net.request(target.clone(), port, "GET", "/ready".into(), Limits::default(), false, false).await;
+            let r = net.request(request(&target, port, "GET", "/ready")).await;
             assert_eq!(r.map(|r| r.status), Ok(200));
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 1, "three probes, one connection");
@@ -546,7 +595,7 @@ mod tests {
         assert_eq!(tasks(), before + 1, "a standby while open starts a connection");
         until("connected ahead of time", || net.kept_count() == 1).await;
         let before = accepted.load(Ordering::SeqCst);
-        let r = net.request(target.clone(), port, "POST", "/quit".into(), Limits::default(), false, false).await;
+        let r = net.request(request(&target, port, "POST", "/quit")).await;
         assert_eq!(r.map(|r| r.status), Ok(200));
         assert_eq!(accepted.load(Ordering::SeqCst), before, "the quit went on the kept connection");
         assert_eq!(net.kept_count(), 0, "a quit's connection is not kept");
@@ -600,8 +649,7 @@ mod tests {
         assert_eq!(first.len(), 1, "{first:?}");
         assert!(first[0].starts_with("POST /quitquitquit HTTP/1.1\r\n"), "{first:?}");
         // The quit request takes it over: the answer is read, nothing is sent twice.
-        let r =
-            net.request(target.clone(), port, "POST", "/quitquitquit".into(), Limits::default(), false, false).await;
+        let r = net.request(request(&target, port, "POST", "/quitquitquit")).await;
         // Its send time is the write ahead's, not the takeover's.
         assert_eq!(r.as_ref().map(|r| r.status), Ok(200));
         let sent_ns = r.map(|r| r.sent_ns).unwrap_or_default();

@@ -7,7 +7,7 @@ use tracing::debug;
 
 use super::http::Limits;
 use super::http::Response;
-use super::{Failed, Pending, PodTarget, SidecarLink};
+use super::{Failed, Pending, PodRequest, PodTarget, SidecarLink};
 use crate::vocab::Endpoint;
 pub use crate::vocab::QuitOutcome;
 
@@ -21,7 +21,15 @@ pub fn first_attempt(link: &dyn SidecarLink, target: &PodTarget, endpoint: &Endp
 /// a pod cgroup (a sandboxed pod, whose loopback the node cannot reach) is sent to its pod IP.
 fn attempt(link: &dyn SidecarLink, target: &PodTarget, endpoint: &Endpoint, limits: Limits, fresh: bool) -> Attempt {
     let to_pod_ip = target.pod_rel.is_none() && target.pod_ip.is_some();
-    link.request(target.clone(), endpoint.port, "POST", endpoint.path.clone(), limits, fresh, to_pod_ip)
+    link.request(PodRequest {
+        target: target.clone(),
+        port: endpoint.port,
+        method: "POST",
+        path: endpoint.path.clone(),
+        limits,
+        fresh,
+        pod_ip_fallback: to_pod_ip,
+    })
 }
 
 /// How soon a quit is tried again when nothing listens on the endpoint yet: the app ended while

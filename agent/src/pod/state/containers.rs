@@ -10,7 +10,7 @@ impl PodState {
         let Some((rel, id)) = self.pod_cgroup.clone() else {
             return vec![Effect::FindPodCgroup];
         };
-        let exits = self.api_path.is_none();
+        let exits = self.api_path().is_none();
         let sandboxed = self.sandboxed();
         let working = matches!(self.phase, Phase::Working { .. });
         let Some(node) = self.node_mut() else { return fx };

@@ -51,7 +51,7 @@ impl PodState {
         // An app process the kernel stopped: counted even when it runs again at once. Released
         // at once only on a ready answer that came after it was stopped: a restarted app's proxy
         // may have been restarted too, and an older answer was the old proxy's.
-        if self.ready == Some(true) && self.ready_at.is_some_and(|at| at >= held.ktime) {
+        if self.readiness.ready_since(held.ktime) {
             return vec![Effect::Count(Count::Hold), release("ready")];
         }
         if self.failed_open {
@@ -94,7 +94,7 @@ impl PodState {
                 (Some(p), Role::Unnamed) => self.may_be_app(p),
             };
             let working = matches!(self.phase, Phase::Working { .. });
-            let ready = self.ready == Some(true) && self.ready_at.is_some_and(|at| at >= f.since);
+            let ready = self.readiness.ready_since(f.since);
             if !app || self.stopping || !working || ready {
                 let reason = if self.stopping {
                     "shutdown"
@@ -119,27 +119,28 @@ impl PodState {
 
     /// Whether this pod's apps are held: it asks, and the node's kernel sees them.
     pub(super) fn can_hold(&self, plan: &PodPlan) -> bool {
-        wants_hold(plan) && self.api_path.is_none()
+        wants_hold(plan) && self.api_path().is_none()
     }
 
     /// Whether the pod runs in a sandbox (its loopback and processes out of the node's reach).
     pub(super) fn sandboxed(&self) -> bool {
-        matches!(self.api_path, Some(ApiPath::Sandboxed { .. }))
+        matches!(self.api_path(), Some(ApiPath::Sandboxed { .. }))
     }
 
     /// Whether the pod asks for a hold that the node's kernel cannot give it.
     pub(super) fn hold_refused(&self) -> bool {
-        self.api_path.is_some() && self.plan.as_ref().is_some_and(asks_hold)
+        self.api_path().is_some() && self.plan.as_ref().is_some_and(asks_hold)
     }
 
     /// Says once, when a pod is first planned, that its ends come from the API (counted, logged,
     /// and an Event when it is the pod's own doing or it asked for a hold).
     pub(super) fn announce_api_path(&mut self) -> Vec<Effect> {
-        let Some(path) = self.api_path.clone() else { return Vec::new() };
-        if self.api_path_told {
+        let EndsFrom::Api { why, told } = &mut self.ends_from else { return Vec::new() };
+        if *told {
             return Vec::new();
         }
-        self.api_path_told = true;
+        *told = true;
+        let path = why.clone();
         let mut why = path.explain();
         if self.sandboxed() {
             why.push_str(

@@ -26,6 +26,7 @@ use crate::vocab::{ApiPath, NodeMode, ProcessEnd, ProxyReady, QuitOutcome, SkipR
 
 mod containers;
 mod ending;
+mod feedback;
 mod hold;
 mod ready;
 
@@ -257,17 +258,60 @@ struct Instance<'a> {
     api: Option<&'a ContainerStatus>,
 }
 
+/// Where a pod's container ends come from: the node's kernel, or the API (and why, said once).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum EndsFrom {
+    /// The node's kernel sees the pod: its ends as they happen, and holds.
+    Kernel,
+    /// The node's kernel cannot see it: its ends come from the API's container statuses.
+    Api {
+        why: ApiPath,
+        /// That was counted (and published).
+        told: bool,
+    },
+}
+
+/// What the probe of the pod's proxy last answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Readiness {
+    /// No answer yet.
+    Unknown,
+    NotReady,
+    /// Ready. `at`: when the last answer that said so came in: a process held after it waits for
+    /// an answer that came later (its proxy may have been restarted since, and not be ready).
+    Ready {
+        at: Nanos,
+    },
+}
+
+impl Readiness {
+    /// The last answer, if there was one.
+    fn answer(self) -> Option<bool> {
+        match self {
+            Readiness::Unknown => None,
+            Readiness::NotReady => Some(false),
+            Readiness::Ready { .. } => Some(true),
+        }
+    }
+
+    /// Whether the proxy is ready by an answer that came at or after `since`.
+    fn ready_since(self, since: Nanos) -> bool {
+        matches!(self, Readiness::Ready { at } if at >= since)
+    }
+}
+
 /// Everything the agent knows about one opted-in pod.
+///
+/// Its lifecycles are enums ([`Phase`], [`EndsFrom`], [`Readiness`], [`WriteState`], each
+/// quit's [`QuitState`]); the three bools left are independent of them, each said why.
 pub struct PodState {
     uid: String,
     pod: Option<Pod>,
     plan: Option<PodPlan>,
     /// The last spec error reported (reported again only when it changes).
     spec_error: Option<String>,
-    /// Why the node's kernel cannot see this pod (its ends then come from the API).
-    api_path: Option<ApiPath>,
-    /// That was counted (and published).
-    api_path_told: bool,
+    /// Where its ends come from (changes with the plan: a runtime class, `hostPID`).
+    ends_from: EndsFrom,
     /// What was said once for the pod's plan (the Events' reasons): restart rules valet does not
     /// know, a hold asked for and not made.
     announced: std::collections::BTreeSet<&'static str>,
@@ -283,18 +327,20 @@ pub struct PodState {
     /// Where the pod is in valet's work, with what each stage keeps.
     phase: Phase,
     /// A held app was released because its proxy was not ready in time (said by the condition).
+    /// A latch, not a phase: it outlives the work (the condition still says why after the work is
+    /// done, and after a stand-down and return), and a proxy ready later does not undo it.
     failed_open: bool,
-    ready: Option<bool>,
-    /// When the last probe answer that said ready came in: a process held after it waits for an
-    /// answer that came later (its proxy may have been restarted since, and not be ready).
-    ready_at: Option<Nanos>,
+    readiness: Readiness,
     quits: BTreeMap<String, Quit>,
-    /// The agent stops: nothing is held any more, quits already decided still go out.
+    /// The agent stops: nothing is held any more, quits already decided still go out. The
+    /// agent's lifecycle, not the pod's: it comes to a pod in any [`Phase`], and stays when a pod
+    /// that stood down comes back.
     stopping: bool,
     /// The `valet.dev/ProxyReady` condition's writes.
     writes: Writes,
     /// The last tick asked for nothing and nothing has come in since: until something does (or
-    /// a deadline is pending), a tick has nothing to do. A full node's idle pods cost no CPU.
+    /// a deadline is pending), a tick has nothing to do. A full node's idle pods cost no CPU. Not
+    /// a phase: a memo of the last decision, cleared by every input in every phase.
     settled: bool,
 }
 
@@ -305,8 +351,7 @@ impl PodState {
             pod: None,
             plan: None,
             spec_error: None,
-            api_path: None,
-            api_path_told: false,
+            ends_from: EndsFrom::Kernel,
             announced: std::collections::BTreeSet::new(),
             ignored: None,
             pod_cgroup: None,
@@ -314,8 +359,7 @@ impl PodState {
             vanished: std::collections::BTreeSet::new(),
             phase: Phase::working(),
             failed_open: false,
-            ready: None,
-            ready_at: None,
+            readiness: Readiness::Unknown,
             quits: BTreeMap::new(),
             stopping: false,
             writes: Writes::default(),
@@ -378,6 +422,14 @@ impl PodState {
     }
 
     // ---- the phase ----
+
+    /// Why the node's kernel cannot see this pod, if it cannot (its ends then come from the API).
+    fn api_path(&self) -> Option<&ApiPath> {
+        match &self.ends_from {
+            EndsFrom::Kernel => None,
+            EndsFrom::Api { why, .. } => Some(why),
+        }
+    }
 
     /// The processes held now (only a pod whose work is to come holds any).
     fn held_now(&self) -> &[Held] {
@@ -491,10 +543,9 @@ impl PodState {
             Ok(p) => {
                 self.spec_error = None;
                 let path = rules.api_path(&p);
-                if path != self.api_path {
-                    self.api_path_told = false;
+                if path.as_ref() != self.api_path() {
+                    self.ends_from = path.map_or(EndsFrom::Kernel, |why| EndsFrom::Api { why, told: false });
                 }
-                self.api_path = path;
                 fx.extend(self.announce_unknown_rules(&p));
                 fx.extend(self.announce_needless_hold(&p));
                 self.plan = Some(p);
@@ -551,124 +602,6 @@ impl PodState {
         {
             fx.push(Effect::FindLeftHeld { pod_rel: rel.clone() });
         }
-        fx
-    }
-
-    /// The result of an effect.
-    pub fn feedback(&mut self, fb: Feedback, rules: &Rules, now: Nanos) -> Vec<Effect> {
-        if let Feedback::Probed { ready, .. } = &fb
-            && self.settled
-            && (self.ready == Some(*ready) || (self.done().is_some() && !*ready))
-            // A ready answer still releases what was held since the last one.
-            && (!*ready || self.held_now().is_empty())
-        {
-            // The same answer again (an unchanged answer is repeated once a second) to a pod
-            // with nothing left to decide: with 110 held pods, deciding each anyway was most of
-            // the agent's loop. It stays settled.
-            return Vec::new();
-        }
-        self.settled = false;
-        let mut fx = Vec::new();
-        match fb {
-            Feedback::PodCgroup { rel, id } => {
-                if self.pod_cgroup.as_ref().map(|(_, i)| *i) != Some(id) {
-                    debug!(pod = %self.name(), cgroup = %rel, "found pod cgroup");
-                    self.pod_cgroup = Some((rel, id));
-                    if let Some(node) = self.node_mut() {
-                        node.watching = None;
-                        node.network_open = false;
-                    }
-                }
-            }
-            // Found after the pod's resources were let go: what the kernel may hold of them goes
-            // too (the soak left a few container records behind).
-            Feedback::Containers(seen) if self.is_released() => {
-                fx.extend(seen.into_iter().map(|s| Effect::ForgetContainer { container_cgroup: s.cgroup_id }));
-            }
-            Feedback::Containers(seen) => {
-                self.note_vanished(&seen);
-                self.merge_containers(seen);
-            }
-            Feedback::LeftHeld(found) => fx.extend(self.adopt(found)),
-            Feedback::Network { ok, detail } => {
-                if !ok {
-                    debug!(pod = %self.name(), "pod network namespace not open yet: {detail}");
-                }
-                if let Some(node) = self.node_mut() {
-                    node.network_open = ok;
-                }
-                return fx;
-            }
-            Feedback::Probed { ready, detail } => {
-                if self.done().is_some() && !ready {
-                    // The proxy going away after the work is done says nothing about the pod.
-                    return fx;
-                }
-                if self.ready != Some(ready) {
-                    debug!(pod = %self.name(), %detail, ready, "proxy readiness changed");
-                }
-                self.ready = Some(ready);
-                if ready {
-                    self.ready_at = Some(now);
-                    fx.extend(self.release_all("ready"));
-                }
-            }
-            Feedback::QuitDone { sidecar, outcome } => fx.extend(self.quit_done(&sidecar, outcome, rules, now)),
-            Feedback::Signalled { sidecar, signal, signalled } => {
-                let kind = self.sidecar_kind(&sidecar);
-                let is_quit = self
-                    .plan
-                    .as_ref()
-                    .and_then(|p| p.sidecars.iter().find(|s| s.name == sidecar))
-                    .is_some_and(|s| s.quit.is_none());
-                let signal_quit = self.quits.get(&sidecar).is_some_and(|q| q.signal_quit);
-                if is_quit {
-                    info!(pod = %self.name(), %sidecar, signal, signalled, "signalled sidecar to quit");
-                    fx.push(Effect::Count(Count::Quit { kind, result: if signalled > 0 { "ok" } else { "gone" } }));
-                } else if signal_quit {
-                    info!(pod = %self.name(), %sidecar, signal, signalled, "signalled sidecar to quit: its quit endpoint is off");
-                    fx.push(Effect::Count(Count::Quit { kind, result: if signalled > 0 { "ok" } else { "gone" } }));
-                    fx.extend(rules.quit_events.then(|| Effect::Publish {
-                        warning: false,
-                        reason: "SidecarQuit",
-                        action: "Quit",
-                        note: format!(
-                            "sent SIGTERM to {sidecar} ({signalled} process(es)), Linkerd's proxy's own way out: \
-                             its /shutdown endpoint is off, as Linkerd ships it"
-                        ),
-                    }));
-                } else if signalled > 0 {
-                    warn!(pod = %self.name(), %sidecar, signalled, "sidecar still running: sent SIGTERM");
-                    fx.push(Effect::Count(Count::Escalation { kind }));
-                    fx.push(Effect::Publish {
-                        warning: true,
-                        reason: "SidecarTerminated",
-                        action: "Escalate",
-                        note: format!("{sidecar} did not exit after the quit: sent SIGTERM to {signalled} process(es)"),
-                    });
-                }
-                return fx;
-            }
-            Feedback::ConditionWritten { want, error, version } => {
-                let w = &mut self.writes;
-                w.state = WriteState::Idle;
-                w.written_version = version;
-                fx.push(Effect::Count(Count::ConditionPatch { ok: error.is_none() }));
-                if let Some(e) = error {
-                    // Retried after a backoff (never a loop against the API).
-                    if w.written.as_ref() == Some(&want) {
-                        w.written = None;
-                    }
-                    w.failures = w.failures.saturating_add(1);
-                    let backoff = condition::retry_after(w.failures).as_nanos() as u64;
-                    w.state = WriteState::RetryAt(now.saturating_add(backoff));
-                    warn!(pod = %self.name(), "write {} condition: {e}", condition::CONDITION_TYPE);
-                    return fx;
-                }
-                w.failures = 0;
-            }
-        }
-        fx.extend(self.step(now));
         fx
     }
 

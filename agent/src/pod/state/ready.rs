@@ -11,7 +11,7 @@ impl PodState {
         // A sandboxed pod is probed at its IP (no cgroup given: no namespace to enter).
         let pod_rel = if self.sandboxed() { None } else { self.pod_cgroup.as_ref().map(|(r, _)| r.clone()) };
         let target = (pod_rel, plan.pod_ip.clone());
-        let ready = self.ready;
+        let ready = self.readiness.answer();
         // Only a pod whose work is to come is probed.
         let Phase::Working { held, probe, .. } = &mut self.phase else { return Vec::new() };
         let pace = if !held.is_empty() {
@@ -47,10 +47,10 @@ impl PodState {
     /// Writes the condition when what we want differs from what the pod shows and what we
     /// wrote; one write at a time, so writes never overtake each other.
     pub(super) fn sync_condition(&mut self, now: Nanos) -> Vec<Effect> {
-        let want = match (self.ready, self.failed_open) {
+        let want = match (self.readiness.answer(), self.failed_open) {
             // Said whatever the proxy's state: the pod asked for a hold it did not get.
             (ready, _) if self.hold_refused() => {
-                let why = self.api_path.as_ref().map(ApiPath::explain).unwrap_or_default();
+                let why = self.api_path().map(ApiPath::explain).unwrap_or_default();
                 let proxy = if ready == Some(true) { "ready" } else { "not ready yet" };
                 ProxyReady {
                     ready: ready == Some(true),
