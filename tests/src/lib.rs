@@ -2,6 +2,9 @@
 //! `cargo xtask test`): small cgroup and process helpers on top of `valet-sim`.
 
 pub mod cgroups;
+pub mod checks;
 pub mod envoy;
 pub mod harness;
+pub mod held;
+pub mod kernel_suite;
 pub mod pins;

@@ -18,7 +18,7 @@
 use std::time::{Duration, Instant};
 
 use valet_sim::apiserver::{Fault, FaultStats};
-use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually};
+use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually};
 
 const CONDITION: &str = "valet.dev/ProxyReady";
 /// How long a fault lasts.
@@ -277,4 +277,61 @@ fn hanging_patches() {
     // The watch, open all along (longer than a request may take to be answered), was not cut.
     assert_eq!(scene.agent.metric("valet_watch_restarts_total "), restarts, "{}", scene.agent.log_text());
     assert_eq!(stats.peak_patches_in_flight, MAX_WRITES, "the slots were all taken: {stats:?}");
+}
+
+/// The watch is cut and its history expired (the agent must re-list): a pod added afterwards is
+/// still handled, and the restart is counted.
+#[test]
+fn watch_dropped_and_history_expired_pod_added_afterwards_is_handled() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let _before = node.job_pod(JobSpec::new("before")).expect("pod");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
+    let restarts = agent.metric("valet_watch_restarts_total ");
+    let watches = node.api.watch_count();
+
+    node.api.expire_history();
+    node.api.drop_watches();
+    let mut job = node.job_pod(JobSpec::new("after")).expect("pod");
+    job.run_app("app", "sleep 0.2; exit 0").expect("app");
+    assert!(job.apps[0].wait_timeout(HANG_GUARD).expect("wait app").is_some());
+    assert_eq!(job.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(job.quits().len(), 1);
+    assert!(agent.wait_metric("valet_pods_tracked ", 2.0));
+    assert!(node.api.watch_count() > watches, "the agent watched again");
+    assert!(
+        eventually(HANG_GUARD, || agent.metric("valet_watch_restarts_total ") > restarts),
+        "watch restart counted: {} → {}",
+        restarts,
+        agent.metric("valet_watch_restarts_total ")
+    );
+    // It re-listed (the old resourceVersion was gone) rather than resuming.
+    let lists = node.api.requests().into_iter().filter(|r| r.path == "/api/v1/pods" && !r.is_watch()).count();
+    assert!(lists >= 2, "initial list and a re-list: {lists}");
+}
+
+/// API errors (500s) while a pod is handled: the agent keeps running, retries its watch, handles
+/// the pod and a pod created while the API failed.
+#[test]
+fn api_errors_do_not_stop_the_agent() {
+    let node = Node::new().expect("node");
+    let mut agent = node.start_agent(&[]).expect("agent");
+    let mut first = node.job_pod(JobSpec::new("first")).expect("pod");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
+    let restarts = agent.metric("valet_watch_restarts_total ");
+
+    node.api.fail_next(3, 500);
+    node.api.drop_watches();
+    let mut second = node.job_pod(JobSpec::new("second")).expect("pod");
+    first.run_app("app", "exit 0").expect("app");
+    assert_eq!(first.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
+
+    // The watch comes back through the failures (with backoff) and finds the new pod.
+    agent.wait_tracked(2, HANG_GUARD).expect("second pod tracked after the errors");
+    second.run_app("app", "exit 0").expect("app");
+    assert_eq!(second.wait_proxy_exit(HANG_GUARD).expect("wait"), Some(0), "{}", agent.log_text());
+    assert_eq!(first.quits().len() + second.quits().len(), 2);
+    assert!(agent.metric("valet_watch_restarts_total ") > restarts, "the failed watch was counted");
+    agent.wait_ready(HANG_GUARD).expect("the agent is alive and ready");
+    assert!(!agent.log_text().contains("panicked"), "{}", agent.log_text());
 }

@@ -7,6 +7,7 @@
 use std::time::{Duration, Instant};
 
 use valet_sim::node::SpawnOptions;
+use valet_tests::checks::{metric_sum, witness};
 use valet_tests::harness::{HANG_GUARD, JobSpec, Node, eventually};
 
 #[test]
@@ -80,4 +81,80 @@ fn the_end_of_a_debug_container_quits_nothing_and_the_apps_end_does() {
         "the app's end did not quit the proxy\n{}",
         agent.log_text()
     );
+}
+
+/// The app exited while no agent ran: the API shows it terminated, and the agent quits the proxy
+/// soon after it starts.
+#[test]
+fn agent_started_after_the_app_exited_quits_from_the_api_view() {
+    let node = Node::new().expect("node");
+    let mut spec = JobSpec::new("late");
+    spec.already_exited = vec!["app".into()];
+    let mut job = node.job_pod(spec).expect("pod");
+    let agent = node.start_agent(&[]).expect("agent");
+    let code = job.wait_proxy_exit(HANG_GUARD).expect("wait");
+    assert_eq!(code, Some(0), "quit after the agent's start\n{}", agent.log_text());
+    assert_eq!(job.quits().len(), 1, "{:?}", job.quits());
+    // Counted once the agent read the answer (the proxy may exit before).
+    assert!(
+        eventually(HANG_GUARD, || agent.metric("valet_sidecar_quits_total{kind=\"istio\",result=\"ok\"} ") == 1.0),
+        "the quit counted\n{}",
+        agent.log_text()
+    );
+    // The only container end the kernel saw is the proxy's own: the app's came from the API.
+    assert!(
+        eventually(HANG_GUARD, || agent.metric("valet_container_exits_total{outcome=\"Success\"} ") == 1.0),
+        "{}",
+        agent.metrics_text().unwrap_or_default()
+    );
+    assert!(eventually(HANG_GUARD, || metric_sum(&agent, "valet_container_exits_total") == 1.0));
+}
+
+/// With the runtime's state directory, the agent names a container from its OCI bundle: an app
+/// that exits before the API names it is acted on at once, although the runtime removes its
+/// bundle and cgroup as soon as it exited. Here the API never names it (the kubelet writes no
+/// status), so the quit can only have come from the bundle, however long anything took.
+#[test]
+fn runtime_bundles_name_an_app_that_exits_before_the_api_shows_its_id() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut job = node.job_pod(JobSpec::new("bundled").manual_status()).expect("pod");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
+
+    let started = Instant::now();
+    job.run_app("app", "exit 0").expect("app");
+    let code = job.wait_proxy_exit(HANG_GUARD).expect("wait");
+    println!("quit {:?} after the app started", started.elapsed());
+    assert_eq!(code, Some(0), "the proxy was quit\n{}", agent.log_text());
+    assert!(
+        job.api_status("app").is_none_or(|s| s.get("containerID").is_none()),
+        "the API named the app: {:?}",
+        job.api_status("app")
+    );
+    assert_eq!(job.loopback_quits().len(), 1);
+}
+
+/// A bundle of another pod never names a container of this one. (The runtime writes none for this
+/// pod and the API never names its containers: the test writes a foreign bundle under the app's id.)
+#[test]
+fn runtime_bundles_of_another_pod_are_ignored() {
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let mut job = node.job_pod(JobSpec::new("foreign").manual_status().no_bundles()).expect("pod");
+    let app = job.sim.container("app").expect("app");
+    let bundle = node.runtime_state_dir().join(&app.id);
+    std::fs::create_dir_all(&bundle).expect("bundle dir");
+    let config = serde_json::json!({"ociVersion": "1.1.0", "annotations": {
+        "io.kubernetes.cri.container-type": "container",
+        "io.kubernetes.cri.container-name": "app",
+        "io.kubernetes.cri.sandbox-uid": "11111111-2222-4333-8444-555555555555",
+        "io.kubernetes.cri.sandbox-name": job.name,
+        "io.kubernetes.cri.sandbox-namespace": "jobs"}});
+    std::fs::write(bundle.join("config.json"), config.to_string()).expect("write");
+    agent.wait_tracked(1, HANG_GUARD).expect("tracked");
+    job.run_app("app", "exit 0").expect("app");
+    assert!(job.apps[0].wait_timeout(HANG_GUARD).expect("wait app").is_some(), "the app exited");
+    witness(&node, &agent, "witness");
+    assert_eq!(job.wait_proxy_exit(Duration::ZERO).expect("poll"), None, "no quit on a foreign bundle's word");
+    assert!(job.quits().is_empty());
 }

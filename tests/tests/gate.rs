@@ -12,107 +12,22 @@
 //! itself (only a hang guard bounds the wait), and shows that something did not happen by a
 //! later event that would have come after it.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use valet_agent::cgroup::root::Controller;
-use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually, process_state as state, wait_file};
-
-const HOLD: &str = "valet.dev/hold-app";
-const HOLD_TIMEOUT: &str = "valet.dev/hold-timeout";
-const CONDITION: &str = "valet.dev/ProxyReady";
+use valet_tests::harness::{HANG_GUARD, JobSpec, Node, eventually, process_state as state, wait_file};
+use valet_tests::held::{
+    CONDITION, HOLD, HOLD_TIMEOUT, app_pid, assert_held, condition, held_spec, loopback_probes, marker_script,
+    status_patches, wait_condition, wait_held, wait_probes,
+};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// An app script that writes `marker` the moment it runs, then lives a little.
-fn marker_script(marker: &Path) -> String {
-    format!("echo ran > {}; sleep 0.2", marker.display())
-}
-
-/// A held Job pod whose stand-in proxy is ready only once `ready` exists.
-fn held_spec(name: &str, ready: &Path) -> JobSpec {
-    let mut spec = JobSpec::new(name).annotation(HOLD, "true");
-    spec.ready_file = Some(ready.to_path_buf());
-    spec
-}
-
-/// The agent's `valet.dev/ProxyReady` condition on the pod, as (status, reason).
-fn condition(node: &Node, job: &JobPod) -> Option<(String, String)> {
-    let pod = node.pod(job)?;
-    pod["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == CONDITION).map(|c| {
-        (c["status"].as_str().unwrap_or_default().to_owned(), c["reason"].as_str().unwrap_or_default().to_owned())
-    })
-}
-
-fn wait_condition(node: &Node, job: &JobPod, agent: &Agent, status: &str, reason: &str) {
-    let want = Some((status.to_owned(), reason.to_owned()));
-    assert!(
-        eventually(HANG_GUARD, || condition(node, job) == want),
-        "condition {CONDITION} {status}/{reason} on {}: have {:?}\n{}",
-        job.name,
-        condition(node, job),
-        agent.log_text()
-    );
-}
-
-/// PATCH requests to the pod's status subresource (the agent's condition writes).
-fn status_patches(node: &Node, job: &JobPod) -> Vec<valet_sim::RecordedRequest> {
-    let path = format!("/api/v1/namespaces/jobs/pods/{}/status", job.name);
-    node.api.requests().into_iter().filter(|r| r.method == "PATCH" && r.path == path).collect()
-}
-
-/// The app container's main process of a job (its first `run_app`).
-fn app_pid(job: &JobPod) -> u32 {
-    job.apps[0].host_pid()
-}
-
-/// Waits until the app is stopped at exec and the agent counted `holds` holds, then asserts it
-/// is held.
-fn wait_held(job: &JobPod, marker: &Path, agent: &Agent, holds: f64, what: &str) {
-    assert!(eventually(HANG_GUARD, || state(app_pid(job)) == Some('T')), "{what}: never stopped\n{}", agent.log_text());
-    // The kernel stops the process and reports it in one step; the agent counts the report a
-    // moment later.
-    assert!(
-        eventually(HANG_GUARD, || agent.metric("valet_app_holds_total ") == holds),
-        "{what}: {holds} holds counted: {}\n{}",
-        agent.metric("valet_app_holds_total "),
-        agent.log_text()
-    );
-    assert_held(job, marker, agent, what);
-}
-
-/// Readiness probes the stand-in proxy of `job` answered from the pod's own loopback so far.
-fn loopback_probes(job: &JobPod) -> usize {
-    valet_sim::standin::read_events(&job.events)
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|e| e.method == "GET" && e.path == "/healthz/ready" && e.peer.ip().is_loopback())
-        .count()
-}
-
-/// Waits until the agent probed `job`'s proxy `n` more times than `before` (each probe answered
-/// "not ready" is a decision not to release, made after whatever came before it).
-fn wait_probes(job: &JobPod, before: usize, n: usize, agent: &Agent) {
-    assert!(
-        eventually(HANG_GUARD, || loopback_probes(job) >= before + n),
-        "{}: {} probes, want {}\n{}",
-        job.name,
-        loopback_probes(job),
-        before + n,
-        agent.log_text()
-    );
-}
-
-/// Asserts the app is held: stopped at exec and not having run a single line.
-fn assert_held(job: &JobPod, marker: &Path, agent: &Agent, what: &str) {
-    assert!(!marker.exists(), "{what}: the held app must not have run\n{}", agent.log_text());
-    assert_eq!(state(app_pid(job)), Some('T'), "{what}: the app is stopped\n{}", agent.log_text());
 }
 
 #[test]
@@ -304,197 +219,6 @@ fn hold_times_out_and_fails_open() {
     assert!(agent.wait_metric("valet_app_hold_fail_opens_total ", 1.0));
     assert!(agent.wait_metric("valet_app_releases_total{reason=\"timeout\"} ", 1.0));
     assert_eq!(agent.metric("valet_app_releases_total{reason=\"ready\"} "), 0.0);
-}
-
-#[test]
-fn agent_killed_while_holding_leaves_apps_to_its_successor() {
-    let _serial = serial();
-    let node = Node::new().expect("node");
-    let mut agent = node.start_agent(&[]).expect("agent");
-    // a: the proxy turns ready after the restart; c: it turns ready while no agent runs;
-    // b: the API never reports the app's container ID (nor a bundle) and the proxy never turns ready.
-    let paths = |tag: &str| (node.scratch.path(&format!("ready-{tag}")), node.scratch.path(&format!("marker-{tag}")));
-    let ((ready_a, marker_a), (ready_b, marker_b), (ready_c, marker_c)) = (paths("a"), paths("b"), paths("c"));
-    let script = |marker: &PathBuf| format!("echo ran > {}; exec sleep 0.3", marker.display());
-    let mut a = node.job_pod(held_spec("restart-a", &ready_a)).expect("pod a");
-    let mut c = node.job_pod(held_spec("restart-c", &ready_c)).expect("pod c");
-    let spec_b = held_spec("restart-b", &ready_b).annotation(HOLD_TIMEOUT, "3s").manual_status().no_bundles();
-    let mut b = node.job_pod(spec_b).expect("pod b");
-    // The API names the proxy (the app has not started); it never shows more.
-    b.publish_status().expect("b's status");
-    agent.wait_tracked(3, HANG_GUARD).expect("tracked");
-    for job in [&a, &b, &c] {
-        wait_condition(&node, job, &agent, "False", "ProxyNotReady");
-    }
-    // b's hold counts from the kernel's stop, after this instant.
-    let b_started = Instant::now();
-    for (job, marker) in [(&mut a, &marker_a), (&mut b, &marker_b), (&mut c, &marker_c)] {
-        job.run_app("app", &script(marker)).expect("app");
-    }
-    for (job, marker, what) in [(&a, &marker_a, "a"), (&b, &marker_b, "b"), (&c, &marker_c, "c")] {
-        assert!(eventually(HANG_GUARD, || state(app_pid(job)) == Some('T')), "{what} held");
-        assert!(!marker.exists());
-    }
-    // b was stopped by the kernel no later than now.
-    let b_seen_held = Instant::now();
-    // The kernel stops the process and reports it in one step; the agent counts the report a
-    // moment later.
-    assert!(
-        eventually(HANG_GUARD, || agent.metric("valet_app_holds_total ") == 3.0),
-        "three holds counted: {}\n{}",
-        agent.metric("valet_app_holds_total "),
-        agent.log_text()
-    );
-
-    agent.stop(libc::SIGKILL, HANG_GUARD).expect("kill the agent");
-    std::fs::write(&ready_c, "").expect("ready c");
-    // The agent is reaped: nothing releases them now.
-    for (job, marker, what) in [(&a, &marker_a, "a"), (&b, &marker_b, "b"), (&c, &marker_c, "c")] {
-        assert_held(job, marker, &agent, &format!("{what}, the agent killed"));
-    }
-    // The successor starts once b's 3 s hold is over (at least: a later start only widens the
-    // gap): a successor that counted b's hold from its own start would hold b 3 s more, and
-    // report a hold of about 3 s; one that counts from the kernel's stop reports the whole hold.
-    while b_seen_held.elapsed() < Duration::from_millis(3500) {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-
-    let restarted = Instant::now();
-    let agent = node.start_agent(&[]).expect("second agent");
-    // c: its proxy is already ready: released right away.
-    let c_after = wait_file(&marker_c, HANG_GUARD).map(|_| restarted.elapsed());
-    println!("c released {c_after:?} after the new agent was ready");
-    assert!(c_after.is_some(), "c released by the new agent\n{}", agent.log_text());
-    // a: adopted and still held while its proxy is not ready (probed by the new agent).
-    wait_probes(&a, loopback_probes(&a), 3, &agent);
-    assert_held(&a, &marker_a, &agent, "a, adopted by the new agent");
-    std::fs::write(&ready_a, "").expect("ready a");
-    let a_delay = wait_file(&marker_a, HANG_GUARD);
-    println!("a: proxy ready -> app ran after the restart: {a_delay:?}");
-    assert!(a_delay.is_some(), "a released once its proxy is ready\n{}", agent.log_text());
-    // b: in a container the API does not name yet: still released, by the hold timeout, which
-    // counts from when the kernel stopped it: the restart does not extend it.
-    let b_after = wait_file(&marker_b, HANG_GUARD).map(|_| restarted.elapsed());
-    println!("b (container unknown to the API) released {b_after:?} after the restart (hold timeout 3 s)");
-    assert!(b_after.is_some(), "b left stopped\n{}", agent.log_text());
-    // Lower bounds only. b_started is before the stop (the process start, which the successor
-    // takes as the stop, to the clock's 10 ms tick).
-    let b_held_for = b_started.elapsed();
-    assert!(b_held_for >= Duration::from_millis(2500), "b released before its hold timeout: held {b_held_for:?}");
-    let b_pid = app_pid(&b);
-    // b's deadline (from the kernel's stop, not the restart) had passed when the successor
-    // started: its first act, before it needs the API, was to release b.
-    assert!(
-        eventually(HANG_GUARD, || agent
-            .log_text()
-            .lines()
-            .any(|l| l.contains("released a held app at its deadline") && l.contains(&format!("pid={b_pid} ")))),
-        "b released at start by the deadline keeper\n{}",
-        agent.log_text()
-    );
-    let gap = restarted.duration_since(b_seen_held);
-    println!("b: released at the successor's start ({gap:?} after b was held)");
-    assert!(agent.wait_metric("valet_app_releases_total{reason=\"deadline\"} ", 1.0));
-
-    // Every app ran to its end: the released processes' later execs were not held again.
-    for (job, what) in [(&mut a, "a"), (&mut b, "b"), (&mut c, "c")] {
-        let status = job.apps[0].wait_timeout(HANG_GUARD).expect("wait");
-        assert!(status.is_some_and(|s| s.success()), "{what} finished: {status:?}\n{}", agent.log_text());
-    }
-    assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "no new holds after the restart\n{}", agent.log_text());
-    assert!(agent.wait_metric("valet_app_releases_total{reason=\"ready\"} ", 2.0));
-}
-
-#[test]
-fn apps_held_by_a_killed_agent_run_once_their_pod_no_longer_holds_them() {
-    let _serial = serial();
-    let node = Node::new().expect("node");
-    let mut agent = node.start_agent(&[]).expect("agent");
-    // While no agent runs: d loses its opt-in label (the watch no longer shows it at all),
-    // e loses its hold annotation, f keeps both (its proxy never turns ready: still held).
-    let paths = |tag: &str| (node.scratch.path(&format!("ready-{tag}")), node.scratch.path(&format!("marker-{tag}")));
-    let ((ready_d, marker_d), (ready_e, marker_e), (ready_f, marker_f)) = (paths("d"), paths("e"), paths("f"));
-    let mut d = node.job_pod(held_spec("unlabelled", &ready_d)).expect("pod d");
-    let mut e = node.job_pod(held_spec("unheld", &ready_e)).expect("pod e");
-    let mut f = node.job_pod(held_spec("still-held", &ready_f)).expect("pod f");
-    agent.wait_tracked(3, Duration::from_secs(10)).expect("tracked");
-    for job in [&d, &e, &f] {
-        wait_condition(&node, job, &agent, "False", "ProxyNotReady");
-    }
-    for (job, marker) in [(&mut d, &marker_d), (&mut e, &marker_e), (&mut f, &marker_f)] {
-        job.run_app("app", &format!("echo ran > {}; exec sleep 0.3", marker.display())).expect("app");
-    }
-    for (job, what) in [(&d, "d"), (&e, "e"), (&f, "f")] {
-        assert!(eventually(Duration::from_secs(10), || state(app_pid(job)) == Some('T')), "{what} held");
-    }
-    assert!(
-        eventually(Duration::from_secs(10), || agent.metric("valet_app_holds_total ") == 3.0),
-        "three holds counted\n{}",
-        agent.log_text()
-    );
-    agent.stop(libc::SIGKILL, Duration::from_secs(5)).expect("kill the agent");
-    node.api
-        .modify_pod("jobs", &d.name, |p| {
-            p["metadata"]["labels"].as_object_mut().map(|l| l.remove("valet.dev/enabled"));
-        })
-        .expect("relabel d");
-    node.api
-        .modify_pod("jobs", &e.name, |p| {
-            p["metadata"]["annotations"].as_object_mut().map(|a| a.remove(HOLD));
-        })
-        .expect("unhold e");
-    for (job, marker, what) in [(&d, &marker_d, "d"), (&e, &marker_e, "e"), (&f, &marker_f, "f")] {
-        assert_held(job, marker, &agent, &format!("{what}, with no agent running"));
-    }
-
-    let agent = node.start_agent(&[]).expect("second agent");
-    let restarted = Instant::now();
-    // Ready means the pods were listed and what none of them holds was released.
-    for (marker, what) in [(&marker_d, "d (label removed)"), (&marker_e, "e (hold annotation removed)")] {
-        let after = wait_file(marker, Duration::from_secs(10)).map(|_| restarted.elapsed());
-        println!("{what}: its app ran {after:?} after the new agent was ready");
-        assert!(after.is_some(), "{what}: left stopped by the new agent\n{}", agent.log_text());
-    }
-    assert!(
-        eventually(Duration::from_secs(10), || agent.metric("valet_app_releases_total{reason=\"orphaned\"} ") == 2.0),
-        "d and e released as orphans (no pod holds them)\n{}",
-        agent.log_text()
-    );
-    // f is still held, by the new agent, until its proxy is ready.
-    assert_held(&f, &marker_f, &agent, "f, adopted by the new agent");
-    std::fs::write(&ready_f, "").expect("ready f");
-    assert!(wait_file(&marker_f, Duration::from_secs(10)).is_some(), "f released once ready\n{}", agent.log_text());
-    for (job, what) in [(&mut d, "d"), (&mut e, "e"), (&mut f, "f")] {
-        let status = job.apps[0].wait_timeout(Duration::from_secs(10)).expect("wait");
-        assert!(status.is_some_and(|s| s.success()), "{what} finished: {status:?}\n{}", agent.log_text());
-    }
-    assert_eq!(agent.metric("valet_app_holds_total "), 0.0, "no new holds after the restart");
-}
-
-#[test]
-fn sigterm_releases_held_apps_before_the_agent_exits() {
-    let _serial = serial();
-    let node = Node::new().expect("node");
-    let mut agent = node.start_agent(&[]).expect("agent");
-    let ready = node.scratch.path("ready");
-    let marker = node.scratch.path("marker");
-    let mut job = node.job_pod(held_spec("graceful", &ready)).expect("pod");
-    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
-    job.run_app("app", &marker_script(&marker)).expect("app");
-    assert!(eventually(HANG_GUARD, || state(app_pid(&job)) == Some('T')), "held");
-    assert_held(&job, &marker, &agent, "before SIGTERM");
-
-    let status = agent.stop(libc::SIGTERM, HANG_GUARD).expect("agent stops");
-    // Checked the moment the agent is gone: the release happened before its exit.
-    let after_exit = state(app_pid(&job));
-    assert!(status.is_some_and(|s| s.success()), "agent exit status {status:?}\n{}", agent.log_text());
-    assert_ne!(after_exit, Some('T'), "the app was still stopped when the agent exited\n{}", agent.log_text());
-    assert!(wait_file(&marker, HANG_GUARD).is_some(), "the app ran");
-    let log = agent.log_text();
-    assert!(
-        log.lines().any(|l| l.contains("released app") && l.contains("shutdown")),
-        "the agent logged the shutdown release:\n{log}"
-    );
 }
 
 #[test]
@@ -724,7 +448,7 @@ fn a_proxy_that_starts_listening_after_the_hold_is_probed_when_it_listens() {
     let job = node.job_pod(spec).expect("pod");
     wait_held(&job, &marker, &agent, 1.0, "held before its proxy listens");
     assert!(
-        eventually(HANG_GUARD, || phase(&node, &job).as_deref() == Some("Running")),
+        eventually(HANG_GUARD, || node.phase(&job).as_deref() == Some("Running")),
         "the kubelet published Running\n{}",
         agent.log_text()
     );
@@ -867,11 +591,6 @@ fn running_app_spec(node: &Node, name: &str, hold: bool, marker: &Path) -> JobSp
     if hold { spec.annotation(HOLD, "true") } else { spec }
 }
 
-/// The pod's phase as the API shows it.
-fn phase(node: &Node, job: &JobPod) -> Option<String> {
-    node.pod(job)?["status"]["phase"].as_str().map(str::to_owned)
-}
-
 #[test]
 fn the_condition_follows_a_readiness_seen_before_the_api_says_running() {
     // The proxy turns ready while the API still calls the pod Pending (the kubelet
@@ -885,13 +604,13 @@ fn the_condition_follows_a_readiness_seen_before_the_api_says_running() {
         let spec = running_app_spec(&node, "early", hold, &marker).manual_status();
         let job = node.job_pod(spec).expect("pod");
         wait_condition(&node, &job, &agent, "True", "ProxyReady");
-        assert_eq!(phase(&node, &job).as_deref(), Some("Pending"), "the API has not caught up yet");
+        assert_eq!(node.phase(&job).as_deref(), Some("Pending"), "the API has not caught up yet");
         if hold {
             assert!(wait_file(&marker, HANG_GUARD).is_some(), "the held app ran\n{}", agent.log_text());
         }
         job.publish_status().expect("publish Running");
         assert!(
-            eventually(HANG_GUARD, || phase(&node, &job).as_deref() == Some("Running")),
+            eventually(HANG_GUARD, || node.phase(&job).as_deref() == Some("Running")),
             "the API names the pod Running"
         );
         wait_condition(&node, &job, &agent, "True", "ProxyReady");
@@ -947,7 +666,7 @@ fn the_condition_lands_once_the_kubelet_publishes_running_at_its_own_pace() {
         // Once Running the pod still shows it, and the agent never wrote anything but True after
         // its first True (the kubelet's writes kept it, or the agent wrote it again).
         assert!(
-            eventually(HANG_GUARD, || phase(&node, &job).as_deref() == Some("Running")
+            eventually(HANG_GUARD, || node.phase(&job).as_deref() == Some("Running")
                 && condition(&node, &job) == Some(("True".into(), "ProxyReady".into()))),
             "the pod Running without ProxyReady=True: {:?}\n{}",
             node.pod(&job).map(|p| p["status"].clone()),

@@ -1,13 +1,14 @@
 //! `cargo xtask lint`: formatting, clippy on the host crates and the fuzz targets, clippy on the
-//! kernel programs for the BPF target, and no import circle among the modules of the agent or of
-//! xtask ([`imports`]). Every step runs; each ends with a one-line verdict.
+//! kernel programs for the BPF target, no import circle among the modules of the agent or of
+//! xtask ([`imports`]), and no file or function too long to read ([`size`]). Every step runs;
+//! each ends with a one-line verdict.
 use std::path::Path;
 use std::process::Command;
 
 use anyhow::{Result, bail};
 
 use crate::cmd::cargo;
-use crate::{imports, setup};
+use crate::{imports, setup, size};
 
 pub(crate) fn lint(root: &Path) -> Result<()> {
     // Clippy on the agent runs its build script, which builds the BPF object: same tools as a build.
@@ -52,6 +53,34 @@ pub(crate) fn lint(root: &Path) -> Result<()> {
     }
     let kernel_name = format!("clippy, kernel crate for bpfel-unknown-none (toolchain {})", bpf.name);
 
+    let mut verdicts = source_checks(root)?;
+    for (name, cmd) in [
+        ("rustfmt", &mut fmt),
+        ("rustfmt, fuzz targets", &mut fuzz_fmt),
+        ("clippy, host crates", &mut host),
+        ("clippy, fuzz targets", &mut fuzz_clippy),
+        (kernel_name.as_str(), &mut kernel),
+    ] {
+        println!("xtask lint: {name}: {cmd:?}");
+        let ok = cmd.current_dir(root).status().is_ok_and(|s| s.success());
+        let verdict = format!("xtask lint: {:<6} {name}", if ok { "ok" } else { "FAILED" });
+        println!("{verdict}");
+        verdicts.push((ok, verdict));
+    }
+    println!();
+    for (_, verdict) in &verdicts {
+        println!("{verdict}");
+    }
+    let failed = verdicts.iter().filter(|(ok, _)| !ok).count();
+    if failed > 0 {
+        bail!("{failed} lint step(s) failed");
+    }
+    Ok(())
+}
+
+/// The checks that read the sources (no build): the kernel crate's architecture-neutral API, no
+/// import circle, and sizes a reader can hold ([`size`]). Each prints its offenders and verdict.
+fn source_checks(root: &Path) -> Result<Vec<(bool, String)>> {
     let mut verdicts = Vec::new();
     let name = "kernel crate: no architecture-specific API (one BPF object for amd64 and arm64)";
     let found = arch_specific(&root.join("agent-ebpf/src"))?;
@@ -75,28 +104,23 @@ pub(crate) fn lint(root: &Path) -> Result<()> {
     let verdict = format!("xtask lint: {:<6} {name}", if circles == 0 { "ok" } else { "FAILED" });
     println!("{verdict}");
     verdicts.push((circles == 0, verdict));
-    for (name, cmd) in [
-        ("rustfmt", &mut fmt),
-        ("rustfmt, fuzz targets", &mut fuzz_fmt),
-        ("clippy, host crates", &mut host),
-        ("clippy, fuzz targets", &mut fuzz_clippy),
-        (kernel_name.as_str(), &mut kernel),
-    ] {
-        println!("xtask lint: {name}: {cmd:?}");
-        let ok = cmd.current_dir(root).status().is_ok_and(|s| s.success());
-        let verdict = format!("xtask lint: {:<6} {name}", if ok { "ok" } else { "FAILED" });
-        println!("{verdict}");
-        verdicts.push((ok, verdict));
+    let name = format!(
+        "no file over {} code lines, no fn over {} lines but marked tables (`// table: why`)",
+        size::MAX_FILE,
+        size::MAX_FN
+    );
+    let (found, fixed) = size::check(root)?;
+    for o in &found {
+        println!("xtask lint: {o}");
     }
-    println!();
-    for (_, verdict) in &verdicts {
-        println!("{verdict}");
+    for f in &fixed {
+        println!("xtask lint: {f}: fits now; take it out of size::PENDING");
     }
-    let failed = verdicts.iter().filter(|(ok, _)| !ok).count();
-    if failed > 0 {
-        bail!("{failed} lint step(s) failed");
-    }
-    Ok(())
+    let ok = found.is_empty() && fixed.is_empty();
+    let verdict = format!("xtask lint: {:<6} {name}", if ok { "ok" } else { "FAILED" });
+    println!("{verdict}");
+    verdicts.push((ok, verdict));
+    Ok(verdicts)
 }
 
 /// Lines of the kernel crate that use aya-ebpf's architecture-dependent API (`pt_regs` and the

@@ -21,8 +21,10 @@ mod imports;
 mod kernels;
 mod lint;
 mod node;
+mod node_lag;
 mod setup;
 mod sim;
+mod size;
 mod test;
 mod vm;
 

@@ -101,7 +101,7 @@ pub(crate) fn node(root: &Path, matrix: bool, cells: &[String], only: &[String],
     };
     if let Some(runs) = lag {
         // No agent, no Envoy: containerd, busybox and pause only.
-        return crate::node::lag(root, &cells, runs);
+        return crate::node_lag::lag(root, &cells, runs);
     }
     setup::setup(root, true)?;
     let plan: Vec<_> = cells.into_iter().map(|c| (c, only.to_vec())).collect();

@@ -174,13 +174,9 @@ fn errors_discovery_and_injected_failures() {
     assert_eq!(last_patch.json(), Some(json!({"status": {}})));
 }
 
-#[test]
-fn watch_protocol() {
-    let s = server(100);
-    s.create_pod(pod("a", json!({"app": "web"}), "n1")).expect("create");
-    let rv0 = s.resource_version();
-
-    // RV absent: synthetic ADDED for what exists, then changes; bookmarks when allowed.
+/// With no resourceVersion: a synthetic ADDED for what exists, then the changes (a pod leaving
+/// and re-entering the selector, another created, the first deleted); bookmarks when allowed.
+fn watch_sends_what_exists_then_changes(s: &FakeApiServer) {
     let mut w = client::watch(
         s.addr(),
         "/api/v1/namespaces/ns/pods?watch=true&allowWatchBookmarks=true&labelSelector=app%3Dweb",
@@ -219,7 +215,11 @@ fn watch_protocol() {
     };
     assert_eq!(bm["object"]["kind"], "Pod");
     assert!(bm["object"]["metadata"]["resourceVersion"].as_str().is_some_and(|r| !r.is_empty()));
+}
 
+/// From a resourceVersion: exactly the later changes; once the history expired, one ERROR event
+/// with a 410 Status, then the end of the stream.
+fn watch_resumes_from_a_version_until_it_expires(s: &FakeApiServer, rv0: u64) {
     // Resume from an RV: exactly the later changes.
     let mut w = client::watch(s.addr(), &format!("/api/v1/pods?watch=1&resourceVersion={rv0}"), T).expect("watch");
     let mut seen = Vec::new();
@@ -246,6 +246,16 @@ fn watch_protocol() {
                "message": format!("too old resource version: {rv0} ({floor})"), "reason": "Expired", "code": 410})
     );
     assert!(w.next_event(T).expect("clean end").is_none());
+}
+
+#[test]
+fn watch_protocol() {
+    let s = server(100);
+    s.create_pod(pod("a", json!({"app": "web"}), "n1")).expect("create");
+    let rv0 = s.resource_version();
+
+    watch_sends_what_exists_then_changes(&s);
+    watch_resumes_from_a_version_until_it_expires(&s, rv0);
 
     // An unparseable RV fails the request itself.
     assert!(client::watch(s.addr(), "/api/v1/pods?watch=true&resourceVersion=abc", T).is_err());

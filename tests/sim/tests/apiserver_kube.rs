@@ -188,7 +188,11 @@ async fn patch_status_strategic_merges_conditions_by_type() {
     assert_eq!(r.status, 200);
     assert_eq!(api.get_status("p1").await.expect("get").status.and_then(|s| s.phase), Some("Failed".into()));
 
-    // Errors come back as kube::Error::Api with the Status fields.
+    errors_are_kube_api_errors(&server, &api).await;
+}
+
+/// Errors come back as kube::Error::Api with the Status fields: not found, a conflict, a fault.
+async fn errors_are_kube_api_errors(server: &FakeApiServer, api: &Api<Pod>) {
     match api.get("nope").await {
         Err(kube::Error::Api(s)) => {
             assert_eq!(s.code, 404);

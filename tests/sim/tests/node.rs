@@ -46,6 +46,44 @@ fn nspid(pid: u32) -> String {
         .join(" ")
 }
 
+/// The proxy's cgroup as the kubelet lays it out for `driver` and `qos` (the cases covered).
+fn expected_cgroup(pod: &SimPod, driver: CgroupDriver, qos: QosClass, runtime: Runtime, proxy_id: &str) -> String {
+    let uid_ = pod.uid().replace('-', "_");
+    match (driver, qos) {
+        (CgroupDriver::Systemd, QosClass::Burstable) => format!(
+            "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid_}.slice/{}{}.scope",
+            runtime.scope_prefix(),
+            proxy_id
+        ),
+        (CgroupDriver::Systemd, QosClass::Guaranteed) => {
+            format!("/kubepods.slice/kubepods-pod{uid_}.slice/{}{}.scope", runtime.scope_prefix(), proxy_id)
+        }
+        (CgroupDriver::Cgroupfs, QosClass::BestEffort) => {
+            format!("/kubepods/besteffort/pod{}/{}", pod.uid(), proxy_id)
+        }
+        (CgroupDriver::Cgroupfs, QosClass::Guaranteed) => {
+            format!("/kubepods/pod{}/{}", pod.uid(), proxy_id)
+        }
+        other => panic!("case not covered: {other:?}"),
+    }
+}
+
+/// Drops `pod` and checks that what it made is gone: its cgroup, its netns (`netns`), its veth.
+fn drop_removes_everything(pod: SimPod, netns: &Path) {
+    let pod_cg = pod.pod_cgroup_path().to_path_buf();
+    let ns_name = pod.netns_name().expect("ns name").to_string();
+    let host_if = pod.host_interface().expect("if").to_string();
+    drop(pod);
+    assert!(!pod_cg.exists(), "pod cgroup removed");
+    assert!(!netns.exists(), "netns removed");
+    // The kernel removes the pair with the namespace, in its own time.
+    wait_link_gone(&host_if);
+    let links = std::process::Command::new("ip").args(["-o", "link"]).output().expect("ip link");
+    assert!(!String::from_utf8_lossy(&links.stdout).contains(&host_if));
+    let nss = std::process::Command::new("ip").args(["netns", "list"]).output().expect("ip netns");
+    assert!(!String::from_utf8_lossy(&nss.stdout).contains(&ns_name));
+}
+
 /// The whole story for one driver: layout, pid-1 container in cgroup+netns, host reachability,
 /// loopback-only quit.
 fn istio_pod(driver: CgroupDriver, qos: QosClass, runtime: Runtime) {
@@ -59,25 +97,8 @@ fn istio_pod(driver: CgroupDriver, qos: QosClass, runtime: Runtime) {
     assert_eq!(pod.cgroup_root(), root);
 
     // Exactly the kubelet's layout.
-    let uid_ = pod.uid().replace('-', "_");
     let proxy = pod.container("istio-proxy").expect("container").clone();
-    let expected = match (driver, qos) {
-        (CgroupDriver::Systemd, QosClass::Burstable) => format!(
-            "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid_}.slice/{}{}.scope",
-            runtime.scope_prefix(),
-            proxy.id
-        ),
-        (CgroupDriver::Systemd, QosClass::Guaranteed) => {
-            format!("/kubepods.slice/kubepods-pod{uid_}.slice/{}{}.scope", runtime.scope_prefix(), proxy.id)
-        }
-        (CgroupDriver::Cgroupfs, QosClass::BestEffort) => {
-            format!("/kubepods/besteffort/pod{}/{}", pod.uid(), proxy.id)
-        }
-        (CgroupDriver::Cgroupfs, QosClass::Guaranteed) => {
-            format!("/kubepods/pod{}/{}", pod.uid(), proxy.id)
-        }
-        other => panic!("case not covered: {other:?}"),
-    };
+    let expected = expected_cgroup(&pod, driver, qos, runtime, &proxy.id);
     let proxy_cg = pod.container_cgroup_path("istio-proxy").expect("path").to_path_buf();
     assert_eq!(pod.relative_cgroup(&proxy_cg).expect("relative"), expected);
     assert!(proxy_cg.is_dir());
@@ -136,18 +157,7 @@ fn istio_pod(driver: CgroupDriver, qos: QosClass, runtime: Runtime) {
     assert_eq!(json["status"]["containerStatuses"][0]["state"]["terminated"]["reason"], "Error");
 
     // Drop removes everything it made.
-    let pod_cg = pod.pod_cgroup_path().to_path_buf();
-    let ns_name = pod.netns_name().expect("ns name").to_string();
-    let host_if = pod.host_interface().expect("if").to_string();
-    drop(pod);
-    assert!(!pod_cg.exists(), "pod cgroup removed");
-    assert!(!netns.exists(), "netns removed");
-    // The kernel removes the pair with the namespace, in its own time.
-    wait_link_gone(&host_if);
-    let links = std::process::Command::new("ip").args(["-o", "link"]).output().expect("ip link");
-    assert!(!String::from_utf8_lossy(&links.stdout).contains(&host_if));
-    let nss = std::process::Command::new("ip").args(["netns", "list"]).output().expect("ip netns");
-    assert!(!String::from_utf8_lossy(&nss.stdout).contains(&ns_name));
+    drop_removes_everything(pod, &netns);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -1,7 +1,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use valet_sim::apiserver::{Flow, ListRead, Traffic};
+use valet_sim::apiserver::{Cost, Flow, ListRead, Traffic};
 use valet_sim::node::SpawnOptions;
 use valet_tests::harness::{Agent, Node, eventually};
 
@@ -147,6 +147,30 @@ fn jobs_bill(node: &Node, agent: &Agent, tag: &str, n: usize, labelled: bool, ba
     Ok(node.api.traffic().since(&before))
 }
 
+/// [11]'s figures: the Jobs' traffic, the node at rest per hour, and an agent's restart.
+struct Bill {
+    pods: usize,
+    n: usize,
+    labelled: Traffic,
+    unlabelled: Traffic,
+    rest: AtRest,
+    restart: Cost,
+    /// The restart's lists read from the watch cache, and from etcd.
+    cached: u64,
+    quorum: u64,
+}
+
+/// The agent's cost at rest, per node-hour: with a real server's bookmarks and watch renewals.
+struct AtRest {
+    window: Duration,
+    requests: f64,
+    bytes: f64,
+    watch_events: f64,
+    kubelet_requests: f64,
+    renewals: f64,
+    bookmarks: f64,
+}
+
 /// Section 11, the API's bill: requests, bytes and watch events the agent costs the API server,
 /// from the fake server's own counters, beside the kubelet's for the same pods: per Job
 /// (labelled and unlabelled), per node-hour at rest with a full node, and for an agent's restart
@@ -170,7 +194,30 @@ pub(crate) fn api_bill(plan: &Plan, table: &mut Table) -> Result<()> {
     }
     wait_seen(&agent, pods, pods)?;
     wait_at_rest(&node, &services)?;
-    let window = plan.idle;
+    let rest = at_rest(&node, plan.idle, pods)?;
+
+    // A restart: the agent stops and a new one lists every pod of the node again.
+    agent.stop(libc::SIGTERM, Duration::from_secs(30))?;
+    let before = node.api.traffic();
+    let agent2 = node.start_agent(DEFAULTS)?;
+    wait_seen(&agent2, pods, pods)?;
+    let restart = node.api.traffic().since(&before);
+    print_flows(&format!("an agent's restart with {pods} pods, until both watches list them"), &restart);
+    let lists = |read: ListRead| {
+        restart
+            .total(|f| f.user_agent == AGENT && f.read == read && matches!(f.verb.as_str(), "list" | "watch"))
+            .requests
+    };
+    let (cached, quorum) = (lists(ListRead::WatchCache), lists(ListRead::Quorum));
+    let restart = restart.total(|f| f.user_agent == AGENT);
+    remove_jobs(&node, services);
+    drop(agent2);
+    bill_rows(&Bill { pods, n, labelled, unlabelled, rest, restart, cached, quorum }, table);
+    Ok(())
+}
+
+/// The agent's traffic over `window` with `pods` pods at rest, per node-hour (printed).
+fn at_rest(node: &Node, window: Duration, pods: usize) -> Result<AtRest> {
     let before = node.api.traffic();
     let t = Instant::now();
     std::thread::sleep(window);
@@ -205,27 +252,23 @@ pub(crate) fn api_bill(plan: &Plan, table: &mut Table) -> Result<()> {
         rest_agent.watch_events as f64 / hours,
         rest_kubelet.requests as f64 / hours
     );
+    Ok(AtRest {
+        window,
+        requests: rest_requests,
+        bytes: rest_bytes,
+        watch_events: rest_agent.watch_events as f64 / hours,
+        kubelet_requests: rest_kubelet.requests as f64 / hours,
+        renewals: per_hour_renewals,
+        bookmarks: per_hour_bookmarks,
+    })
+}
 
-    // A restart: the agent stops and a new one lists every pod of the node again.
-    agent.stop(libc::SIGTERM, Duration::from_secs(30))?;
-    let before = node.api.traffic();
-    let agent2 = node.start_agent(DEFAULTS)?;
-    wait_seen(&agent2, pods, pods)?;
-    let restart = node.api.traffic().since(&before);
-    print_flows(&format!("an agent's restart with {pods} pods, until both watches list them"), &restart);
-    let restart_agent = restart.total(|f| f.user_agent == AGENT);
-    let lists = |read: ListRead| {
-        restart
-            .total(|f| f.user_agent == AGENT && f.read == read && matches!(f.verb.as_str(), "list" | "watch"))
-            .requests
-    };
-    let (cached, quorum) = (lists(ListRead::WatchCache), lists(ListRead::Quorum));
-    remove_jobs(&node, services);
-    drop(agent2);
-
-    let lab = PerJob::of(&labelled, AGENT, n);
-    let lab_kubelet = PerJob::of(&labelled, KUBELET, n);
-    let unlab = PerJob::of(&unlabelled, AGENT, n);
+/// [11]'s rows: per Job, at rest, a restart, and the cluster they project to.
+fn bill_rows(bill: &Bill, table: &mut Table) {
+    let Bill { pods, n, ref rest, ref restart, cached, quorum, .. } = *bill;
+    let lab = PerJob::of(&bill.labelled, AGENT, n);
+    let lab_kubelet = PerJob::of(&bill.labelled, KUBELET, n);
+    let unlab = PerJob::of(&bill.unlabelled, AGENT, n);
     // The kubelet's own watch of its node's pods gets every change of every pod, as the
     // observer's does; for a labelled pod the controller's watch gets the same events again.
     let kubelet_watch = lab.watch_events / WATCHES;
@@ -243,31 +286,34 @@ pub(crate) fn api_bill(plan: &Plan, table: &mut Table) -> Result<()> {
     table.add(
         "[11] API cost per unlabelled Job, the agent",
         unlab.words(),
-        &format!("the kubelet's status syncs: {}", PerJob::of(&unlabelled, KUBELET, n).request_words()),
+        &format!("the kubelet's status syncs: {}", PerJob::of(&bill.unlabelled, KUBELET, n).request_words()),
         "no write",
         met(unlab.writes == 0.0).into(),
     );
     table.add(
         &format!("[11] API cost per node-hour at rest, {pods} pods, the agent"),
         format!(
-            "{rest_requests:.1} requests, {:.1} KiB received, {:.0} watch events",
-            rest_bytes / 1024.0,
-            rest_agent.watch_events as f64 / hours
+            "{:.1} requests, {:.1} KiB received, {:.0} watch events",
+            rest.requests,
+            rest.bytes / 1024.0,
+            rest.watch_events
         ),
-        &format!("the kubelet's pod status syncs: {:.0} requests", rest_kubelet.requests as f64 / hours),
+        &format!("the kubelet's pod status syncs: {:.0} requests", rest.kubelet_requests),
         "—",
         format!(
-            "measured over {:.0} s; {per_hour_renewals:.1} watch renewals and {per_hour_bookmarks:.0} bookmarks an hour added at a real server's pace",
-            window.as_secs_f64()
+            "measured over {:.0} s; {:.1} watch renewals and {:.0} bookmarks an hour added at a real server's pace",
+            rest.window.as_secs_f64(),
+            rest.renewals,
+            rest.bookmarks
         ),
     );
     table.add(
         &format!("[11] API cost of an agent restart, {pods} pods (the re-list)"),
         format!(
             "{} requests, {:.1} KiB received, {} watch events",
-            restart_agent.requests,
-            restart_agent.response_bytes as f64 / 1024.0,
-            restart_agent.watch_events
+            restart.requests,
+            restart.response_bytes as f64 / 1024.0,
+            restart.watch_events
         ),
         &format!("lists and streaming lists from the watch cache: {cached}, from etcd: {quorum}"),
         "no quorum read",
@@ -282,8 +328,8 @@ pub(crate) fn api_bill(plan: &Plan, table: &mut Table) -> Result<()> {
         format!(
             "{:.1} writes/s, {:.1} requests/s, {:.0} watch events/s",
             lab.writes * jobs_per_s,
-            lab.requests * jobs_per_s + rest_requests * NODES / 3600.0,
-            lab.watch_events * jobs_per_s + rest_agent.watch_events as f64 / hours * NODES / 3600.0
+            lab.requests * jobs_per_s + rest.requests * NODES / 3600.0,
+            lab.watch_events * jobs_per_s + rest.watch_events * NODES / 3600.0
         ),
         &format!(
             "the kubelets: {:.1} writes/s, {:.1} requests/s for the same Jobs",
@@ -293,9 +339,8 @@ pub(crate) fn api_bill(plan: &Plan, table: &mut Table) -> Result<()> {
         "—",
         format!(
             "a DaemonSet rollout (every agent re-lists): {:.0} requests, {:.1} GiB from the watch cache",
-            restart_agent.requests as f64 * NODES,
-            restart_agent.response_bytes as f64 * NODES / (1u64 << 30) as f64
+            restart.requests as f64 * NODES,
+            restart.response_bytes as f64 * NODES / (1u64 << 30) as f64
         ),
     );
-    Ok(())
 }

@@ -109,6 +109,38 @@ pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
     );
     // Keeps the kernel's statistics on while held (as sysctl kernel.bpf_stats_enabled=1).
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enable BPF run-time statistics")?;
+    let costs = measure_costs()?;
+    print_costs(&costs);
+    cost_rows(&costs, table);
+    Ok(())
+}
+
+/// [6]'s figures: each program's ns per run outside and inside a watched (held) pod, and the
+/// storms' rates with the programs attached and detached (the reference: before and after).
+#[derive(Clone, Copy)]
+struct Costs {
+    outside_ns: f64,
+    inside_ns: f64,
+    outside_rate: f64,
+    inside_rate: f64,
+    reference: f64,
+    exec_outside_ns: f64,
+    exec_inside_ns: f64,
+    exec_exit_ns: f64,
+    exec_outside_rate: f64,
+    exec_inside_rate: f64,
+    exec_reference: f64,
+    connect_outside_ns: f64,
+    connect_inside_ns: f64,
+    per_connection: f64,
+    connect_outside_rate: f64,
+    connect_inside_rate: f64,
+    connect_reference: f64,
+}
+
+/// Loads the programs beside 110 watched pods and runs the fork, exec and connection storms
+/// outside and inside a watched pod, and detached before and after.
+fn measure_costs() -> Result<Costs> {
     let mut cgroups = TestCgroups::new()?;
     let pod = format!("kubepods/besteffort/pod{}", valet_sim::util::uuid_v4());
     let container = format!("{pod}/{}", "cd".repeat(32));
@@ -161,6 +193,48 @@ pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
     let reference = (detached + detached_again) / 2.0;
     let exec_reference = (detached_exec + spawn_rate(&cgroups, None, ms, Some(EXEC_PROGRAM))?) / 2.0;
     let connect_reference = (detached_connect + connect_rate(&cgroups, None, ms)?) / 2.0;
+    Ok(Costs {
+        outside_ns,
+        inside_ns,
+        outside_rate,
+        inside_rate,
+        reference,
+        exec_outside_ns,
+        exec_inside_ns,
+        exec_exit_ns,
+        exec_outside_rate,
+        exec_inside_rate,
+        exec_reference,
+        connect_outside_ns,
+        connect_inside_ns,
+        per_connection,
+        connect_outside_rate,
+        connect_inside_rate,
+        connect_reference,
+    })
+}
+
+/// Prints [6]'s figures.
+fn print_costs(costs: &Costs) {
+    let Costs {
+        outside_ns,
+        inside_ns,
+        outside_rate,
+        inside_rate,
+        reference,
+        exec_outside_ns,
+        exec_inside_ns,
+        exec_exit_ns,
+        exec_outside_rate,
+        exec_inside_rate,
+        exec_reference,
+        connect_outside_ns,
+        connect_inside_ns,
+        per_connection,
+        connect_outside_rate,
+        connect_inside_rate,
+        connect_reference,
+    } = *costs;
     println!(
         "  TCP state changes, connection storm outside / inside a held pod: {connect_outside_ns:.0} / \
          {connect_inside_ns:.0} ns per change (listen program), {per_connection:.1} changes per connection"
@@ -189,6 +263,29 @@ pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
         outside_rate / reference,
         inside_rate / reference
     );
+}
+
+/// [6]'s rows.
+fn cost_rows(costs: &Costs, table: &mut Table) {
+    let Costs {
+        outside_ns,
+        inside_ns,
+        outside_rate,
+        inside_rate,
+        reference,
+        exec_outside_ns,
+        exec_inside_ns,
+        exec_exit_ns,
+        exec_outside_rate,
+        exec_inside_rate,
+        exec_reference,
+        connect_outside_ns,
+        connect_inside_ns,
+        per_connection,
+        connect_outside_rate,
+        connect_inside_rate,
+        connect_reference,
+    } = *costs;
     table.add(
         "[6] exit program per exit, outside / inside a watched pod (BPF stats)",
         format!("{outside_ns:.0} / {inside_ns:.0} ns"),
@@ -235,5 +332,4 @@ pub(crate) fn kernel_cost(table: &mut Table) -> Result<()> {
             connect_inside_rate / connect_reference
         ),
     );
-    Ok(())
 }

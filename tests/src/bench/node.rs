@@ -2,10 +2,25 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use valet_sim::node::SpawnOptions;
-use valet_tests::harness::{Node, eventually};
+use valet_tests::harness::{Agent, Node, eventually};
 
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
+
+/// What [8]'s repetitions measured, over all of them.
+struct Reps {
+    wrapper_all: Vec<f64>,
+    valet_all: Vec<f64>,
+    lost: usize,
+    wrapper_lost: usize,
+    /// The slowest quit of each repetition: valet's and the wrapper's (µs).
+    slowest: Vec<(f64, f64)>,
+    /// From the first repetition: the pod-watch latency, idle CPU (millicores) and RSS (KiB)
+    /// with every pod tracked.
+    full_watch: Vec<f64>,
+    idle_mc: f64,
+    rss: u64,
+}
 
 /// Section 8, a full node: the kubelet's default maximum of pods, all opted in, 50 Jobs starting
 /// at once. The reference for their quits is measured on the same node: as many Jobs in the same
@@ -28,66 +43,28 @@ pub(crate) fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
     let peak_at_start = peak_rss_kib(pid);
     // Repetitions: the slowest of 50 quits is one sample, so the comparison of the slowest is
     // made again and again on the same node (the first repetition also holds the idle window).
-    let (mut wrapper_all, mut valet_all, mut lost, mut wrapper_lost) = (Vec::new(), Vec::new(), 0, 0);
-    let mut slowest: Vec<(f64, f64)> = Vec::new();
-    let (mut full_watch, mut idle_mc, mut rss) = (Vec::new(), f64::NAN, 0);
+    let mut reps = Reps {
+        wrapper_all: Vec::new(),
+        valet_all: Vec::new(),
+        lost: 0,
+        wrapper_lost: 0,
+        slowest: Vec::new(),
+        full_watch: Vec::new(),
+        idle_mc: f64::NAN,
+        rss: 0,
+    };
     for rep in 0..plan.node_reps {
-        // The reference first: the same burst with the wrapper quitting each proxy. Its apps run
-        // long enough for the kubelet to have reported them started and ready before they end,
-        // as the Jobs' below have.
-        let mut wrapped = Burst::start(&node, &format!("wrapped-{rep}"), plan.jobs, Duration::from_secs(10), true)?;
-        let (wrapper_quits, w_lost) = wrapped.quits()?;
-        remove_jobs(&node, wrapped.jobs);
-        // The kubelet's reports of their ends (~1 s after), before the opted-in burst.
-        std::thread::sleep(Duration::from_secs(2));
-        // The Jobs: pods made in a burst, then every app started within one second; in the first
-        // repetition each runs past the idle window.
-        let settle = Duration::from_secs(8);
-        let run = if rep == 0 { settle + plan.idle + Duration::from_secs(4) } else { Duration::from_secs(10) };
-        let mut jobs = Burst::start(&node, &format!("burst-{rep}"), plan.jobs, run, false)?;
-        agent.wait_tracked(total, Duration::from_secs(30))?;
-        if rep == 0 {
-            println!("  {total} tracked {:.2} s after the first app", jobs.started.elapsed().as_secs_f64());
-            full_watch = watch_latency(&node, &agent, total as f64, 20)?;
-            // Idle: every proxy ready, every app running, the kubelet done reporting them (ids
-            // ~1 s after the start, ready after the probes); the agent only keeps the
-            // conditions current.
-            std::thread::sleep(settle.saturating_sub(jobs.started.elapsed()));
-            let window = plan.idle;
-            idle_mc = cpu_share(pid, window) * 1e3;
-            rss = rss_kib(pid);
-            if jobs.started.elapsed() >= jobs.run {
-                println!("  (the Jobs' apps ended before the idle window did: the idle figure includes their ends)");
-            }
-            println!(
-                "  idle with {total} pods: CPU {idle_mc:.2} millicores over {:.0} s, RSS {:.1} MiB, {} fds",
-                window.as_secs_f64(),
-                rss as f64 / 1024.0,
-                open_fds(pid)
-            );
-        }
-        // The Jobs end within the same second as they started: their quits.
-        let (quits, v_lost) = jobs.quits()?;
-        remove_jobs(&node, jobs.jobs);
-        agent.wait_tracked(plan.services, Duration::from_secs(30))?;
-        let w = report(
-            &format!("repetition {}: in-pod wrapper, {} Jobs ending together", rep + 1, plan.jobs),
-            wrapper_quits.clone(),
-        );
-        let q = report(&format!("repetition {}: valet, {} Jobs ending together", rep + 1, plan.jobs), quits.clone());
-        slowest.push((q.max, w.max));
-        wrapper_all.extend(wrapper_quits);
-        valet_all.extend(quits);
-        lost += v_lost;
-        wrapper_lost += w_lost;
+        node_rep(plan, &node, &agent, rep, &mut reps)?;
     }
-    let w = report(&format!("in-pod wrapper, all {} repetitions", plan.node_reps), wrapper_all);
-    let q = report(&format!("valet, all {} repetitions", plan.node_reps), valet_all);
+    let w =
+        report(&format!("in-pod wrapper, all {} repetitions", plan.node_reps), std::mem::take(&mut reps.wrapper_all));
+    let q = report(&format!("valet, all {} repetitions", plan.node_reps), std::mem::take(&mut reps.valet_all));
     let qw = report("pod-watch latency, no pods", quiet_watch);
-    let fw = report(&format!("pod-watch latency, {total} pods"), full_watch);
+    let fw = report(&format!("pod-watch latency, {total} pods"), std::mem::take(&mut reps.full_watch));
     if let Some(quiet) = table.wrapper_median {
         println!("  slowest valet quit against [3]'s wrapper median (one Job at a time): {:.1}×", q.max / quiet);
     }
+    let slowest = &reps.slowest;
     let slowest_met = slowest.iter().filter(|(v, w)| v <= w).count();
     let words: Vec<String> = slowest.iter().map(|(v, w)| format!("{:.2}/{:.2}", v / 1e3, w / 1e3)).collect();
     println!(
@@ -103,6 +80,73 @@ pub(crate) fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
         peak as f64 / 1024.0
     );
     drop(services);
+    node_rows(plan, &reps, peak, [&q, &w, &qw, &fw], table);
+    Ok(())
+}
+
+/// One repetition of [8]: the wrapper's burst, then valet's (in the first, the idle window with
+/// every pod tracked), their quits into `reps`.
+fn node_rep(plan: &Plan, node: &Node, agent: &Agent, rep: usize, reps: &mut Reps) -> Result<()> {
+    let total = plan.services + plan.jobs;
+    let pid = agent.pid().context("agent pid")?;
+    // The reference first: the same burst with the wrapper quitting each proxy. Its apps run
+    // long enough for the kubelet to have reported them started and ready before they end,
+    // as the Jobs' below have.
+    let mut wrapped = Burst::start(node, &format!("wrapped-{rep}"), plan.jobs, Duration::from_secs(10), true)?;
+    let (wrapper_quits, w_lost) = wrapped.quits()?;
+    remove_jobs(node, wrapped.jobs);
+    // The kubelet's reports of their ends (~1 s after), before the opted-in burst.
+    std::thread::sleep(Duration::from_secs(2));
+    // The Jobs: pods made in a burst, then every app started within one second; in the first
+    // repetition each runs past the idle window.
+    let settle = Duration::from_secs(8);
+    let run = if rep == 0 { settle + plan.idle + Duration::from_secs(4) } else { Duration::from_secs(10) };
+    let mut jobs = Burst::start(node, &format!("burst-{rep}"), plan.jobs, run, false)?;
+    agent.wait_tracked(total, Duration::from_secs(30))?;
+    if rep == 0 {
+        println!("  {total} tracked {:.2} s after the first app", jobs.started.elapsed().as_secs_f64());
+        reps.full_watch = watch_latency(node, agent, total as f64, 20)?;
+        // Idle: every proxy ready, every app running, the kubelet done reporting them (ids
+        // ~1 s after the start, ready after the probes); the agent only keeps the
+        // conditions current.
+        std::thread::sleep(settle.saturating_sub(jobs.started.elapsed()));
+        let window = plan.idle;
+        reps.idle_mc = cpu_share(pid, window) * 1e3;
+        reps.rss = rss_kib(pid);
+        if jobs.started.elapsed() >= jobs.run {
+            println!("  (the Jobs' apps ended before the idle window did: the idle figure includes their ends)");
+        }
+        println!(
+            "  idle with {total} pods: CPU {:.2} millicores over {:.0} s, RSS {:.1} MiB, {} fds",
+            reps.idle_mc,
+            window.as_secs_f64(),
+            reps.rss as f64 / 1024.0,
+            open_fds(pid)
+        );
+    }
+    // The Jobs end within the same second as they started: their quits.
+    let (quits, v_lost) = jobs.quits()?;
+    remove_jobs(node, jobs.jobs);
+    agent.wait_tracked(plan.services, Duration::from_secs(30))?;
+    let w = report(
+        &format!("repetition {}: in-pod wrapper, {} Jobs ending together", rep + 1, plan.jobs),
+        wrapper_quits.clone(),
+    );
+    let q = report(&format!("repetition {}: valet, {} Jobs ending together", rep + 1, plan.jobs), quits.clone());
+    reps.slowest.push((q.max, w.max));
+    reps.wrapper_all.extend(wrapper_quits);
+    reps.valet_all.extend(quits);
+    reps.lost += v_lost;
+    reps.wrapper_lost += w_lost;
+    Ok(())
+}
+
+/// [8]'s rows, from the repetitions, the agent's peak RSS and the quits' and watches' figures
+/// (valet's quits, the wrapper's, the pod watch with no pods and with every one).
+fn node_rows(plan: &Plan, reps: &Reps, peak: u64, [q, w, qw, fw]: [&Stats; 4], table: &mut Table) {
+    let total = plan.services + plan.jobs;
+    let Reps { lost, wrapper_lost, idle_mc, rss, ref slowest, .. } = *reps;
+    let slowest_met = slowest.iter().filter(|(v, w)| v <= w).count();
     table.add(
         &format!("[8] agent RSS, {total} pods tracked"),
         format!("{:.1} MiB", rss as f64 / 1024.0),
@@ -150,7 +194,6 @@ pub(crate) fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
         "no lag (≤ 1.2× no pods)",
         format!("{:.2}×: {}", fw.median / qw.median, met(fw.median <= 1.2 * qw.median)),
     );
-    Ok(())
 }
 
 /// Section 10, observe mode on a full node: as many pods as [8], a tenth of them opted in and the

@@ -8,6 +8,7 @@
 //! own pace). Istio's `pilot-agent wait` (a 500 ms poller) is the reference, measured beside
 //! each row.
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -95,19 +96,16 @@ fn watch_first_ready(
     })
 }
 
-/// One held pod: its app is held, the proxy turns ready `delay` after the hold; the time from
-/// the ready moment to the app's first instruction (µs), and whether the agent saw a listen in
-/// the pod between the ready moment and the app's run.
-fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: usize) -> Result<(f64, bool)> {
-    let tag = match proxy {
-        Proxy::Flips => "flips",
-        Proxy::ListensLate => "late",
-        Proxy::Envoy => "envoy",
-        Proxy::IstioLike => "xds",
-    };
-    let app = bin("valet-bench-app")?;
+/// The held pod's spec for `proxy`, its proxy gated on the file `ready` where it starts late;
+/// the Istio-like proxy's configuration server, which delivers its listeners; and the address
+/// and path of the proxy's ready answer.
+fn release_spec(
+    node: &Node,
+    proxy: Proxy,
+    ready: &Path,
+    i: usize,
+) -> Result<(JobSpec, Option<envoy::IstioLike>, (SocketAddr, &'static str))> {
     let gate = bin("valet-bench-gate")?;
-    let ready = node.scratch.path(&format!("ready-{tag}-{i}"));
     let mut spec = JobSpec::new("bench-hold").annotation("valet.dev/hold-app", "true");
     let gated = |cmd: Vec<String>| -> Vec<String> {
         let mut c = vec![gate.display().to_string(), ready.display().to_string(), "--".into()];
@@ -117,7 +115,7 @@ fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: us
     let mut delivery = None;
     let (addr, path): (SocketAddr, &'static str) = match proxy {
         Proxy::Flips => {
-            spec.ready_file = Some(ready.clone());
+            spec.ready_file = Some(ready.to_path_buf());
             (([127, 0, 0, 1], 15021).into(), "/healthz/ready")
         }
         Proxy::ListensLate => {
@@ -143,6 +141,22 @@ fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: us
             (([127, 0, 0, 1], envoy::IstioLike::READY_PORT).into(), envoy::IstioLike::READY_PATH)
         }
     };
+    Ok((spec, delivery, (addr, path)))
+}
+
+/// One held pod: its app is held, the proxy turns ready `delay` after the hold; the time from
+/// the ready moment to the app's first instruction (µs), and whether the agent saw a listen in
+/// the pod between the ready moment and the app's run.
+fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: usize) -> Result<(f64, bool)> {
+    let tag = match proxy {
+        Proxy::Flips => "flips",
+        Proxy::ListensLate => "late",
+        Proxy::Envoy => "envoy",
+        Proxy::IstioLike => "xds",
+    };
+    let app = bin("valet-bench-app")?;
+    let ready = node.scratch.path(&format!("ready-{tag}-{i}"));
+    let (spec, delivery, (addr, path)) = release_spec(node, proxy, &ready, i)?;
     let mut job = node.job_pod(spec)?;
     agent.wait_tracked(1, Duration::from_secs(10))?;
     let stamp = node.scratch.path(&format!("ran-{tag}-{i}"));

@@ -2,12 +2,13 @@
 //! under its limit or a paused process would stop it), with the kubelet's reports of them held
 //! past the stall, so that only the kernel path (the ring buffer) can carry them in time.
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use valet_agent::host::clock::monotonic_ns;
 use valet_sim::node::SpawnOptions;
-use valet_tests::harness::{Agent, Node};
+use valet_tests::harness::{Agent, JobPod, Node};
 
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
@@ -75,6 +76,74 @@ pub(crate) fn stall_ends(
         trace.sent();
     }
     let lost_before = agent.metric("valet_kernel_events_lost_total ");
+    let stop = stop_while_apps_end(node, &mut jobs, &app, pid, stall, start_in_stall)?;
+    let resumed = trace.as_ref().and_then(|t| t.sent().get(&pid).copied());
+    let traced = resumed.is_some();
+    let resumed = resumed.unwrap_or(stop.resumed_here);
+    println!(
+        "  agent stopped {:.2} s; {n} apps started in {:.2} s, {} the stop",
+        resumed.saturating_sub(stop.stopped_ns) as f64 / 1e9,
+        stop.all_started.as_secs_f64(),
+        if start_in_stall { "after" } else { "before" }
+    );
+    let reports_ns = stop.stopped_ns + (stall + REPORTS_AFTER_RESUME).as_nanos() as u64;
+    let (mut after_resume, mut lost, mut ends) = (Vec::new(), Vec::new(), 0);
+    for (i, (job, stamp)) in jobs.iter_mut().zip(&stop.stamps).enumerate() {
+        let Some(ended) = read_stamp(stamp) else { bail!("stalled app {i} left no stamp") };
+        if ended >= resumed || ended <= stop.stopped_ns {
+            bail!("stalled app {i} ended outside the stall");
+        }
+        ends += 1;
+        let left = Duration::from_nanos(reports_ns.saturating_sub(monotonic_ns()));
+        let _ = job.wait_proxy_exit(left)?;
+        match job.quits().first() {
+            Some(q) if q.mono_ns < reports_ns => after_resume.push(q.mono_ns.saturating_sub(resumed) as f64 / 1e3),
+            _ => lost.push(i),
+        }
+    }
+    let (sent_after_resume, unsent) = send_times(agent, &jobs, reports_ns, resumed);
+    let events_lost = agent.metric("valet_kernel_events_lost_total ") - lost_before;
+    if !lost.is_empty() {
+        late_quits(&mut jobs, &lost)?;
+    }
+    let lost = lost.len();
+    remove_jobs(node, jobs);
+    agent.wait_tracked(tracked, Duration::from_secs(60))?;
+    Ok(Stalled {
+        ends,
+        after_resume,
+        sent_after_resume,
+        unsent,
+        lost,
+        events_lost,
+        traced,
+        resumed_at: stop.resumed_at,
+        ring_bytes,
+        end_bytes,
+    })
+}
+
+/// The agent's stop: when it began (ns), when it ended (ours: `Instant` and ns), how long the
+/// apps took to start, and each app's stamp (written as it ends).
+struct Stop {
+    stamps: Vec<PathBuf>,
+    stopped_ns: u64,
+    resumed_at: Instant,
+    resumed_here: u64,
+    all_started: Duration,
+}
+
+/// Starts every Job's app (before or after the stop) and stops the agent (SIGSTOP) for `stall`,
+/// the API's reports of the ends held past it; the agent is always let go on (SIGCONT).
+fn stop_while_apps_end(
+    node: &Node,
+    jobs: &mut [JobPod],
+    app: &str,
+    pid: u32,
+    stall: Duration,
+    start_in_stall: bool,
+) -> Result<Stop> {
+    let n = jobs.len();
     let stop = || {
         // SAFETY: plain syscall on our own child.
         unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
@@ -107,7 +176,7 @@ pub(crate) fn stall_ends(
         let stamp = node.scratch.path(&format!("stalled-{start_in_stall}-{i}"));
         let stamp_s = stamp.to_str().context("path")?.to_owned();
         let run_ms = run.as_millis().to_string();
-        if let Err(e) = job.start_app("app", &[&app, &stamp_s, "0", &run_ms], &SpawnOptions::default()) {
+        if let Err(e) = job.start_app("app", &[app, &stamp_s, "0", &run_ms], &SpawnOptions::default()) {
             started = Err(e);
             break;
         }
@@ -123,34 +192,15 @@ pub(crate) fn stall_ends(
     // SAFETY: as above; the agent is never left stopped.
     unsafe { libc::kill(pid as i32, libc::SIGCONT) };
     started?;
-    let resumed = trace.as_ref().and_then(|t| t.sent().get(&pid).copied());
-    let traced = resumed.is_some();
-    let resumed = resumed.unwrap_or(resumed_here);
-    println!(
-        "  agent stopped {:.2} s; {n} apps started in {:.2} s, {} the stop",
-        resumed.saturating_sub(stopped_ns) as f64 / 1e9,
-        all_started.as_secs_f64(),
-        if start_in_stall { "after" } else { "before" }
-    );
-    let reports_ns = stopped_ns + (stall + REPORTS_AFTER_RESUME).as_nanos() as u64;
-    let (mut after_resume, mut lost, mut ends) = (Vec::new(), Vec::new(), 0);
-    for (i, (job, stamp)) in jobs.iter_mut().zip(&stamps).enumerate() {
-        let Some(ended) = read_stamp(stamp) else { bail!("stalled app {i} left no stamp") };
-        if ended >= resumed || ended <= stopped_ns {
-            bail!("stalled app {i} ended outside the stall");
-        }
-        ends += 1;
-        let left = Duration::from_nanos(reports_ns.saturating_sub(monotonic_ns()));
-        let _ = job.wait_proxy_exit(left)?;
-        match job.quits().first() {
-            Some(q) if q.mono_ns < reports_ns => after_resume.push(q.mono_ns.saturating_sub(resumed) as f64 / 1e3),
-            _ => lost.push(i),
-        }
-    }
-    // The agent's own send times, beside the proxies' receipts. A send time is logged when the
-    // agent has read the answer and its loop has taken the outcome in, which may come after the
-    // proxy exited: the log is read again until every quit a proxy received has its send time,
-    // or 5 s passed.
+    Ok(Stop { stamps, stopped_ns, resumed_at, resumed_here, all_started })
+}
+
+/// The agent's own send times of the quits the proxies received before the API's reports, from
+/// the agent's resume (µs), and how many of those have none in its log. A send time is logged
+/// when the agent has read the answer and its loop has taken the outcome in, which may come after
+/// the proxy exited: the log is read again until every quit a proxy received has its send time,
+/// or 5 s passed.
+fn send_times(agent: &Agent, jobs: &[JobPod], reports_ns: u64, resumed: u64) -> (Vec<f64>, usize) {
     let received: Vec<String> = jobs
         .iter()
         .filter(|job| job.quits().first().is_some_and(|q| q.mono_ns < reports_ns))
@@ -170,7 +220,7 @@ pub(crate) fn stall_ends(
     };
     let mut sent_after_resume = Vec::new();
     let mut unsent = 0;
-    for (job, _) in jobs.iter().zip(&stamps) {
+    for job in jobs {
         let uid = job.json["metadata"]["uid"].as_str().unwrap_or_default();
         match (job.quits().first(), sent.get(&job.name).or_else(|| sent.get(uid))) {
             (Some(q), Some(&at)) if q.mono_ns < reports_ns => {
@@ -188,33 +238,20 @@ pub(crate) fn stall_ends(
             _ => {}
         }
     }
-    let events_lost = agent.metric("valet_kernel_events_lost_total ") - lost_before;
-    if !lost.is_empty() {
-        // Whether the API's late reports bring the lost ones' quits at all.
-        let until = Instant::now() + REPORTS_AFTER_RESUME;
-        let mut late = 0;
-        for &i in &lost {
-            if jobs[i].wait_proxy_exit(until.saturating_duration_since(Instant::now()))?.is_some() {
-                late += 1;
-            }
+    (sent_after_resume, unsent)
+}
+
+/// Whether the API's late reports bring the lost ends' quits at all: printed.
+fn late_quits(jobs: &mut [JobPod], lost: &[usize]) -> Result<()> {
+    let until = Instant::now() + REPORTS_AFTER_RESUME;
+    let mut late = 0;
+    for &i in lost {
+        if jobs[i].wait_proxy_exit(until.saturating_duration_since(Instant::now()))?.is_some() {
+            late += 1;
         }
-        println!("  of the {} ends the kernel path lost, {late} were quit within 5 s of the API's reports", lost.len());
     }
-    let lost = lost.len();
-    remove_jobs(node, jobs);
-    agent.wait_tracked(tracked, Duration::from_secs(60))?;
-    Ok(Stalled {
-        ends,
-        after_resume,
-        sent_after_resume,
-        unsent,
-        lost,
-        events_lost,
-        traced,
-        resumed_at,
-        ring_bytes,
-        end_bytes,
-    })
+    println!("  of the {} ends the kernel path lost, {late} were quit within 5 s of the API's reports", lost.len());
+    Ok(())
 }
 
 /// The agent's send time (CLOCK_MONOTONIC ns) of each quit, from its log: by pod name from the

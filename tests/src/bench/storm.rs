@@ -28,6 +28,21 @@ fn add_sent_row(table: &mut Table, what: &str, target: &str, sent: &Stats, recei
     );
 }
 
+/// What [5] measured: the references on a quiet machine, then the same during the storm, and the
+/// two agent stalls in it.
+struct Storm {
+    quiet_watch: Vec<f64>,
+    quiet_quits: Vec<f64>,
+    storm_watch: Vec<f64>,
+    storm_quits: Vec<f64>,
+    ends_lost: usize,
+    lost_during: f64,
+    rate: f64,
+    storm_ms: u64,
+    stalled: Stalled,
+    short: Stalled,
+}
+
 /// 5. A watched pod forks short processes as fast as the machine allows.
 pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
     let jobs = plan.storm_jobs;
@@ -37,11 +52,8 @@ pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
     );
     let app = bin("valet-bench-app")?;
     let app = app.to_str().context("path")?.to_owned();
-    let forker = bin("valet-bench-forker")?;
-    let forker = forker.to_str().context("path")?.to_owned();
     let node = Node::new()?;
     let agent = node.start_agent(&[])?;
-    let events_lost = |a: &Agent| a.metric("valet_kernel_events_lost_total ");
 
     // Quiet machine first: the references.
     let quiet_watch = watch_latency(&node, &agent, 0.0, 30)?;
@@ -51,8 +63,25 @@ pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
             quiet_quits.push(us);
         }
     }
+    let storm = in_storm(plan, &node, &agent, &app, quiet_watch, quiet_quits)?;
+    storm_rows(plan, &storm, table);
+    Ok(())
+}
 
-    // The storm: a labelled pod whose app forks in two processes for long enough.
+/// The storm: a labelled pod whose app forks in two processes for long enough; meanwhile `jobs`
+/// Jobs, the pod-watch latency and two agent stalls.
+fn in_storm(
+    plan: &Plan,
+    node: &Node,
+    agent: &Agent,
+    app: &str,
+    quiet_watch: Vec<f64>,
+    quiet_quits: Vec<f64>,
+) -> Result<Storm> {
+    let jobs = plan.storm_jobs;
+    let forker = bin("valet-bench-forker")?;
+    let forker = forker.to_str().context("path")?.to_owned();
+    let events_lost = |a: &Agent| a.metric("valet_kernel_events_lost_total ");
     let mut busy = node.job_pod(JobSpec::new("busy"))?;
     agent.wait_tracked(1, Duration::from_secs(5))?;
     let count = node.scratch.path("forks");
@@ -61,24 +90,24 @@ pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
     let started = Instant::now();
     busy.start_app("app", &[&forker, &storm_ms.to_string(), "2", &count_s], &SpawnOptions::default())?;
     std::thread::sleep(Duration::from_secs(1));
-    let lost_before = events_lost(&agent);
+    let lost_before = events_lost(agent);
     let mut storm_quits = Vec::new();
     let mut ends_lost = 0;
     for i in 0..jobs {
-        match one_job(&node, &agent, &app, &format!("storm-{i}"), 2, || Ok(()))? {
+        match one_job(node, agent, app, &format!("storm-{i}"), 2, || Ok(()))? {
             Some(us) => storm_quits.push(us),
             None => ends_lost += 1,
         }
     }
-    let storm_watch = watch_latency(&node, &agent, 1.0, 30)?;
+    let storm_watch = watch_latency(node, agent, 1.0, 30)?;
     // The agent stalled while many other pods' apps end, their reports held past the stall.
-    let stalled = stall_ends(&node, &agent, plan.stall_ends, plan.stall, false, 1)?;
+    let stalled = stall_ends(node, agent, plan.stall_ends, plan.stall, false, 1)?;
     // The same with Jobs shorter than the stall: they start and end while the agent is stopped.
-    let short = stall_ends(&node, &agent, plan.stall_ends, plan.stall, true, 1)?;
+    let short = stall_ends(node, agent, plan.stall_ends, plan.stall, true, 1)?;
     if short.resumed_at >= started + plan.storm {
         bail!("the storm ended before the stall did: the stall's figures would be without it");
     }
-    let lost_during = events_lost(&agent) - lost_before;
+    let lost_during = events_lost(agent) - lost_before;
     let left = Duration::from_millis(storm_ms).saturating_sub(started.elapsed());
     if left.is_zero() {
         println!("  (the storm ended before the measurements: figures below are partly without it)");
@@ -91,10 +120,28 @@ pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
         "  storm: {forks:.0} processes in {:.1} s = {rate:.0} exits/s in the watched pod",
         storm_ms as f64 / 1000.0
     );
-    let qw = report("pod-watch latency, quiet", quiet_watch);
-    let sw = report("pod-watch latency, during the storm", storm_watch);
-    let qq = report("exit → quit, 0.3 s Job, quiet", quiet_quits);
-    let sq = report("exit → quit, 0.3 s Job, during the storm", storm_quits);
+    Ok(Storm {
+        quiet_watch,
+        quiet_quits,
+        storm_watch,
+        storm_quits,
+        ends_lost,
+        lost_during,
+        rate,
+        storm_ms,
+        stalled,
+        short,
+    })
+}
+
+/// [5]'s figures, reported and printed, then its rows.
+fn storm_rows(plan: &Plan, storm: &Storm, table: &mut Table) {
+    let Storm { storm_ms, rate, ends_lost, lost_during, ref stalled, ref short, .. } = *storm;
+    let jobs = plan.storm_jobs;
+    let qw = report("pod-watch latency, quiet", storm.quiet_watch.clone());
+    let sw = report("pod-watch latency, during the storm", storm.storm_watch.clone());
+    let qq = report("exit → quit, 0.3 s Job, quiet", storm.quiet_quits.clone());
+    let sq = report("exit → quit, 0.3 s Job, during the storm", storm.storm_quits.clone());
     let resumed = report(
         &format!("quit after the agent resumed (from its SIGCONT{})", if stalled.traced { "" } else { ", our clock" }),
         stalled.after_resume.clone(),
@@ -130,37 +177,7 @@ pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
         "as fast as the machine allows",
         "—".into(),
     );
-    table.add(
-        &format!(
-            "[5] container ends while the agent was stopped {:.0} s in the storm, the API's reports held past it: lost",
-            plan.stall.as_secs_f64()
-        ),
-        format!("{} of {}", stalled.lost, stalled.ends),
-        &format!(
-            "ring buffer: {} ends ({} KiB, {} bytes an end)",
-            stalled.ring_capacity(),
-            stalled.ring_bytes / 1024,
-            stalled.end_bytes
-        ),
-        "0",
-        met(stalled.lost == 0 && stalled.ends >= plan.stall_ends).into(),
-    );
-    add_sent_row(
-        table,
-        ", from its SIGCONT",
-        "right after it resumes: every one ≤ 100 ms, by the agent's send times",
-        &sent,
-        &resumed,
-        &stalled,
-    );
-    table.add(
-        "[5] … the same with Jobs shorter than the stall (started and ended while the agent was stopped): lost",
-        format!("{} of {}", short.lost, short.ends),
-        "—",
-        "0",
-        met(short.lost == 0 && short.ends >= plan.stall_ends).into(),
-    );
-    add_sent_row(table, "", "every one ≤ 100 ms, by the agent's send times", &short_sent, &short_resumed, &short);
+    stall_rows(plan, stalled, short, (&sent, &resumed), (&short_sent, &short_resumed), table);
     table.add(
         &format!("[5] container ends lost, {jobs} Jobs in the storm"),
         format!("{ends_lost} of {jobs}"),
@@ -194,5 +211,47 @@ pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
         "no lag (≤ 1.2× quiet)",
         format!("{:.2}× quiet: {}", sw.median / qw.median, met(sw.median <= 1.2 * qw.median)),
     );
-    Ok(())
+}
+
+/// [5]'s rows of the two stalls: ends lost, and the quits' send times after the agent resumed
+/// (each as (sent, received)).
+fn stall_rows(
+    plan: &Plan,
+    stalled: &Stalled,
+    short: &Stalled,
+    (sent, resumed): (&Stats, &Stats),
+    (short_sent, short_resumed): (&Stats, &Stats),
+    table: &mut Table,
+) {
+    table.add(
+        &format!(
+            "[5] container ends while the agent was stopped {:.0} s in the storm, the API's reports held past it: lost",
+            plan.stall.as_secs_f64()
+        ),
+        format!("{} of {}", stalled.lost, stalled.ends),
+        &format!(
+            "ring buffer: {} ends ({} KiB, {} bytes an end)",
+            stalled.ring_capacity(),
+            stalled.ring_bytes / 1024,
+            stalled.end_bytes
+        ),
+        "0",
+        met(stalled.lost == 0 && stalled.ends >= plan.stall_ends).into(),
+    );
+    add_sent_row(
+        table,
+        ", from its SIGCONT",
+        "right after it resumes: every one ≤ 100 ms, by the agent's send times",
+        sent,
+        resumed,
+        stalled,
+    );
+    table.add(
+        "[5] … the same with Jobs shorter than the stall (started and ended while the agent was stopped): lost",
+        format!("{} of {}", short.lost, short.ends),
+        "—",
+        "0",
+        met(short.lost == 0 && short.ends >= plan.stall_ends).into(),
+    );
+    add_sent_row(table, "", "every one ≤ 100 ms, by the agent's send times", short_sent, short_resumed, short);
 }

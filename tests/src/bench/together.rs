@@ -1,9 +1,10 @@
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use valet_agent::host::clock::monotonic_ns;
 use valet_sim::node::SpawnOptions;
-use valet_tests::harness::{JobSpec, Node, eventually};
+use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually};
 
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
@@ -19,11 +20,60 @@ pub(crate) enum Flip {
     Listens,
 }
 
+/// What [7]'s rounds measured, summed over the rounds.
+#[derive(Default)]
+struct Rounds {
+    /// From each proxy's ready moment to its app's stamp, and to the SIGCONT the agent sent it
+    /// (when traced) (µs).
+    samples: Vec<f64>,
+    released: Vec<f64>,
+    /// The agent's CPU share in each of the first rounds.
+    cpu: Vec<f64>,
+    /// Proxies that bind as they turn ready are ready only once they got the CPU to bind (with
+    /// 110 of them woken at once on two CPUs, up to milliseconds after the file): the app's wait
+    /// counts from each one's own ready moment, and also, for comparison, from the file.
+    from_file: Vec<f64>,
+    binding: Vec<f64>,
+    /// What the apps' own start costs: each app's CPU from its release to its stamp (it reads its
+    /// own thread's CPU time there; the bench reads it while the app is held). And the floor that
+    /// sets: on `cpus` CPUs the k-th app of a round to run cannot have run sooner after the ready
+    /// moment than the CPU its k cheapest apps needed, shared out over every CPU.
+    starts: Vec<f64>,
+    floors: Vec<f64>,
+    /// The poll's cost: the prober thread's CPU and the GETs the proxies logged meanwhile.
+    prober_ns: u64,
+    probes: usize,
+}
+
+/// A held pod of a round: the pod, the stamp its app writes once it runs, the app's host pid.
+type HeldJob = (JobPod, PathBuf, u32);
+
+/// What every round of [7] shares.
+struct Setup<'a> {
+    node: &'a Node,
+    agent: &'a Agent,
+    app: String,
+    pid: u32,
+    trace: Option<SignalTrace>,
+    pods: usize,
+    flip: Flip,
+    cpus: usize,
+}
+
+/// [7]'s figures over every round (each printed as it is reported).
+struct Figures {
+    released: Option<Stats>,
+    runs: Stats,
+    delivery: Option<Stats>,
+    start: Stats,
+    floor: Stats,
+    cpu: f64,
+}
+
 /// Section 7, many held pods at once: their proxies turn ready together. Over `rounds` rounds of
 /// `pods` new pods each: the moment the proxies turn ready falls at a new place in the agent's
 /// probe period each round (one round is one draw of it).
 pub(crate) fn held_together(pods: usize, rounds: usize, flip: Flip, table: &mut Table) -> Result<()> {
-    const CPU_ROUNDS: usize = 3;
     let how = match flip {
         Flip::Silent => "readiness flips, no listen",
         Flip::Listens => "each binds a listener as it turns ready",
@@ -36,135 +86,174 @@ pub(crate) fn held_together(pods: usize, rounds: usize, flip: Flip, table: &mut 
     let pid = agent.pid().context("agent pid")?;
     let listens = agent.metric("valet_proxy_listens_total ");
     let trace = SignalTrace::start().map_err(|e| println!("  (SIGCONT times not traced: {e:#})")).ok();
-    let (mut samples, mut released, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
-    // Proxies that bind as they turn ready are ready only once they got the CPU to bind (with
-    // 110 of them woken at once on two CPUs, up to milliseconds after the file): the app's wait
-    // counts from each one's own ready moment, and also, for comparison, from the file.
-    let (mut from_file, mut binding) = (Vec::new(), Vec::new());
-    // What the apps' own start costs: each app's CPU from its release to its stamp (it reads its
-    // own thread's CPU time there; the bench reads it while the app is held). And the floor that
-    // sets: on `cpus` CPUs the k-th app of a round to run cannot have run sooner after the ready
-    // moment than the CPU its k cheapest apps needed, shared out over every CPU.
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let (mut starts, mut floors) = (Vec::new(), Vec::new());
-    // The poll's cost: the prober thread's CPU and the GETs the proxies logged meanwhile.
-    let (mut prober_ns, mut probes) = (0u64, 0usize);
+    let setup = Setup { node: &node, agent: &agent, app, pid, trace, pods, flip, cpus };
+    let mut acc = Rounds::default();
     for round in 0..rounds {
-        let mut jobs = Vec::new();
-        // One file for every stand-in of the round: made once, it turns them all ready at the same
-        // instant (a file each, written one after another, spread the moment over milliseconds
-        // whenever the writer lost its CPU to the probes it set off).
-        // In a directory of its own: the stand-ins that bind when it appears watch it (inotify).
-        let dir = node.scratch.path(&format!("together-{round}"));
-        std::fs::create_dir_all(&dir)?;
-        let ready = dir.join("ready");
-        for i in 0..pods {
-            let mut spec = JobSpec::new("together").annotation("valet.dev/hold-app", "true");
-            spec.ready_file = Some(ready.clone());
-            spec.listen_when_ready = (flip == Flip::Listens).then_some(15006);
-            let mut job = node.job_pod(spec)?;
-            let stamp = node.scratch.path(&format!("together-ran-{round}-{i}"));
-            let stamp_s = stamp.to_str().context("path")?.to_owned();
-            let app_pid =
-                job.start_app("app", &[&app, &stamp_s, "0", "0", "2000", "cpu"], &SpawnOptions::default())?.host_pid();
-            jobs.push((job, stamp, app_pid));
-        }
-        agent.wait_tracked(pods, Duration::from_secs(10))?;
-        let all_held = eventually(Duration::from_secs(10), || jobs.iter().all(|(_, _, p)| stopped(*p)));
-        if !all_held {
-            bail!("not every app was held\n{}", agent.log_text());
-        }
-        // Once the kubelet has reported the containers (about a second after they started, and
-        // the agent's work of naming them and opening their networks is done), the agent only
-        // probes every held pod's proxy until it is ready: its CPU over 5 s of that, in the
-        // first rounds. The later ones are more draws of the moment in the probe period.
-        std::thread::sleep(Duration::from_millis(1500));
-        if round < CPU_ROUNDS {
-            // VALET_BENCH_CPU_SECS: a longer window, to look at the agent meanwhile.
-            let secs = std::env::var("VALET_BENCH_CPU_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
-            let gets = || -> usize {
-                jobs.iter().map(|(job, ..)| job.requests().iter().filter(|e| e.method == "GET").count()).sum()
-            };
-            let (prober_before, gets_before) = (thread_cpu_ns(pid, "valet-held"), gets());
-            cpu.push(cpu_share(pid, Duration::from_secs(secs)));
-            prober_ns += thread_cpu_ns(pid, "valet-held").saturating_sub(prober_before);
-            probes += gets().saturating_sub(gets_before);
-        }
-        // Each held app's CPU so far (its exec's included), read before any is released.
-        let held_cpu: Vec<Option<u64>> = jobs.iter().map(|(.., app_pid)| task_cpu_ns(*app_pid, *app_pid)).collect();
-        if let Some(trace) = &trace {
-            trace.sent();
-        }
-        let t_ready = monotonic_ns();
-        std::fs::write(&ready, b"")?;
-        let mut ready_at = Vec::new();
-        for (i, (job, stamp, _)) in jobs.iter().enumerate() {
-            if !eventually(Duration::from_secs(5), || read_stamp(stamp).is_some()) {
-                bail!("round {round}, pod {i}: app not released\n{}", agent.log_text());
-            }
-            let ran = read_stamp(stamp).context("stamp")?;
-            // A silent proxy answers 200 from the moment the file exists (it looks at each request).
-            let ready = match flip {
-                Flip::Silent => t_ready,
-                Flip::Listens => {
-                    let at =
-                        job.proxy_ready_at().with_context(|| format!("round {round}, pod {i}: no ready moment"))?;
-                    binding.push(at.saturating_sub(t_ready) as f64 / 1000.0);
-                    from_file.push(ran.saturating_sub(t_ready) as f64 / 1000.0);
-                    at.max(t_ready)
-                }
-            };
-            samples.push(ran.saturating_sub(ready) as f64 / 1000.0);
-            ready_at.push(ready);
-        }
-        let mut own: Vec<u64> = jobs
-            .iter()
-            .zip(&held_cpu)
-            .filter_map(|((_, stamp, _), held)| Some(read_stamp_cpu(stamp)?.saturating_sub((*held)?)))
-            .collect();
-        if own.len() < jobs.len() {
-            println!("  round {round}: {} apps' own CPU not read (left out of the floor)", jobs.len() - own.len());
-        }
-        own.sort_unstable();
-        let mut sum = 0;
-        for c in own {
-            starts.push(c as f64 / 1000.0);
-            sum += c;
-            floors.push(sum as f64 / cpus as f64 / 1000.0);
-        }
-        if let Some(trace) = &trace {
-            let sent = trace.sent();
-            for (i, ((.., app_pid), ready)) in jobs.iter().zip(&ready_at).enumerate() {
-                match sent.get(app_pid) {
-                    Some(at) => released.push(at.saturating_sub(*ready) as f64 / 1000.0),
-                    None => println!("  round {round}, pod {i}: its SIGCONT was not traced (left out)"),
-                }
-            }
-        }
-        remove_jobs(&node, jobs.into_iter().map(|j| j.0).collect());
-        agent.wait_tracked(0, Duration::from_secs(30))?;
+        together_round(&setup, round, &mut acc)?;
     }
-    let r = (!released.is_empty()).then(|| report("released (SIGCONT sent) after its proxy is ready", released));
-    let m = report("held app runs after its proxy is ready", samples);
+    let (prober_ns, probes) = (acc.prober_ns, acc.probes);
+    let figures = together_figures(acc, cpus);
+    println!("  agent CPU while probing {pods} held pods: {:.1} % of one core", figures.cpu * 100.0);
+    let listens = agent.metric("valet_proxy_listens_total ") - listens;
+    println!("  listens seen in holding pods: {listens} ({} pods)", pods * rounds);
+    together_rows(&setup, how, &figures, table);
+    if flip == Flip::Silent && probes > 0 {
+        poll_rows(pods, prober_ns, probes, table);
+    }
+    table.add(
+        &format!("[7] agent CPU while probing {pods} held pods ({how})"),
+        format!("{:.1} % of one core", figures.cpu * 100.0),
+        "—",
+        "≤ 5 %",
+        met(figures.cpu <= 0.05).into(),
+    );
+    Ok(())
+}
+
+/// One round of [7]: `pods` held pods made, the agent's CPU while it probes them (in the first
+/// rounds), their proxies turned ready at once, each app's release measured; then the pods go.
+fn together_round(setup: &Setup<'_>, round: usize, acc: &mut Rounds) -> Result<()> {
+    const CPU_ROUNDS: usize = 3;
+    let Setup { node, agent, pid, pods, flip, .. } = *setup;
+    let (ready, jobs) = together_jobs(setup, round)?;
+    agent.wait_tracked(pods, Duration::from_secs(10))?;
+    let all_held = eventually(Duration::from_secs(10), || jobs.iter().all(|(_, _, p)| stopped(*p)));
+    if !all_held {
+        bail!("not every app was held\n{}", agent.log_text());
+    }
+    // Once the kubelet has reported the containers (about a second after they started, and
+    // the agent's work of naming them and opening their networks is done), the agent only
+    // probes every held pod's proxy until it is ready: its CPU over 5 s of that, in the
+    // first rounds. The later ones are more draws of the moment in the probe period.
+    std::thread::sleep(Duration::from_millis(1500));
+    if round < CPU_ROUNDS {
+        // VALET_BENCH_CPU_SECS: a longer window, to look at the agent meanwhile.
+        let secs = std::env::var("VALET_BENCH_CPU_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
+        let gets = || -> usize {
+            jobs.iter().map(|(job, ..)| job.requests().iter().filter(|e| e.method == "GET").count()).sum()
+        };
+        let (prober_before, gets_before) = (thread_cpu_ns(pid, "valet-held"), gets());
+        acc.cpu.push(cpu_share(pid, Duration::from_secs(secs)));
+        acc.prober_ns += thread_cpu_ns(pid, "valet-held").saturating_sub(prober_before);
+        acc.probes += gets().saturating_sub(gets_before);
+    }
+    // Each held app's CPU so far (its exec's included), read before any is released.
+    let held_cpu: Vec<Option<u64>> = jobs.iter().map(|(.., app_pid)| task_cpu_ns(*app_pid, *app_pid)).collect();
+    if let Some(trace) = &setup.trace {
+        trace.sent();
+    }
+    let t_ready = monotonic_ns();
+    std::fs::write(&ready, b"")?;
+    let mut ready_at = Vec::new();
+    for (i, (job, stamp, _)) in jobs.iter().enumerate() {
+        if !eventually(Duration::from_secs(5), || read_stamp(stamp).is_some()) {
+            bail!("round {round}, pod {i}: app not released\n{}", agent.log_text());
+        }
+        let ran = read_stamp(stamp).context("stamp")?;
+        // A silent proxy answers 200 from the moment the file exists (it looks at each request).
+        let ready = match flip {
+            Flip::Silent => t_ready,
+            Flip::Listens => {
+                let at = job.proxy_ready_at().with_context(|| format!("round {round}, pod {i}: no ready moment"))?;
+                acc.binding.push(at.saturating_sub(t_ready) as f64 / 1000.0);
+                acc.from_file.push(ran.saturating_sub(t_ready) as f64 / 1000.0);
+                at.max(t_ready)
+            }
+        };
+        acc.samples.push(ran.saturating_sub(ready) as f64 / 1000.0);
+        ready_at.push(ready);
+    }
+    own_starts(&jobs, &held_cpu, setup.cpus, round, acc);
+    if let Some(trace) = &setup.trace {
+        let sent = trace.sent();
+        for (i, ((.., app_pid), ready)) in jobs.iter().zip(&ready_at).enumerate() {
+            match sent.get(app_pid) {
+                Some(at) => acc.released.push(at.saturating_sub(*ready) as f64 / 1000.0),
+                None => println!("  round {round}, pod {i}: its SIGCONT was not traced (left out)"),
+            }
+        }
+    }
+    remove_jobs(node, jobs.into_iter().map(|j| j.0).collect());
+    agent.wait_tracked(0, Duration::from_secs(30))
+}
+
+/// A round's held pods, each with its app started (held) and the stamp it writes once it runs;
+/// and the file whose making turns every one of their proxies ready.
+fn together_jobs(setup: &Setup<'_>, round: usize) -> Result<(PathBuf, Vec<HeldJob>)> {
+    let node = setup.node;
+    let mut jobs = Vec::new();
+    // One file for every stand-in of the round: made once, it turns them all ready at the same
+    // instant (a file each, written one after another, spread the moment over milliseconds
+    // whenever the writer lost its CPU to the probes it set off).
+    // In a directory of its own: the stand-ins that bind when it appears watch it (inotify).
+    let dir = node.scratch.path(&format!("together-{round}"));
+    std::fs::create_dir_all(&dir)?;
+    let ready = dir.join("ready");
+    for i in 0..setup.pods {
+        let mut spec = JobSpec::new("together").annotation("valet.dev/hold-app", "true");
+        spec.ready_file = Some(ready.clone());
+        spec.listen_when_ready = (setup.flip == Flip::Listens).then_some(15006);
+        let mut job = node.job_pod(spec)?;
+        let stamp = node.scratch.path(&format!("together-ran-{round}-{i}"));
+        let stamp_s = stamp.to_str().context("path")?.to_owned();
+        let app = setup.app.as_str();
+        let app_pid =
+            job.start_app("app", &[app, &stamp_s, "0", "0", "2000", "cpu"], &SpawnOptions::default())?.host_pid();
+        jobs.push((job, stamp, app_pid));
+    }
+    Ok((ready, jobs))
+}
+
+/// Each released app's own start (its CPU from its release to its stamp) and the floor that
+/// sets on `cpus` CPUs, into `acc`.
+fn own_starts(jobs: &[HeldJob], held_cpu: &[Option<u64>], cpus: usize, round: usize, acc: &mut Rounds) {
+    let mut own: Vec<u64> = jobs
+        .iter()
+        .zip(held_cpu)
+        .filter_map(|((_, stamp, _), held)| Some(read_stamp_cpu(stamp)?.saturating_sub((*held)?)))
+        .collect();
+    if own.len() < jobs.len() {
+        println!("  round {round}: {} apps' own CPU not read (left out of the floor)", jobs.len() - own.len());
+    }
+    own.sort_unstable();
+    let mut sum = 0;
+    for c in own {
+        acc.starts.push(c as f64 / 1000.0);
+        sum += c;
+        acc.floors.push(sum as f64 / cpus as f64 / 1000.0);
+    }
+}
+
+/// [7]'s figures, each reported (printed) in turn.
+fn together_figures(acc: Rounds, cpus: usize) -> Figures {
+    let released =
+        (!acc.released.is_empty()).then(|| report("released (SIGCONT sent) after its proxy is ready", acc.released));
+    let runs = report("held app runs after its proxy is ready", acc.samples);
+    let (binding, from_file) = (acc.binding, acc.from_file);
     let delivery = (!from_file.is_empty()).then(|| {
         report("proxy bound its listener after the file", binding);
         report("held app runs after the file (delivery)", from_file)
     });
-    let start = report("the apps' own start: each one's CPU from its release to its stamp", starts);
-    let floor = report(&format!("floor: the k-th app of a round on {cpus} CPUs, from the ready moment"), floors);
-    let cpu = cpu.iter().sum::<f64>() / cpu.len().max(1) as f64;
-    println!("  agent CPU while probing {pods} held pods: {:.1} % of one core", cpu * 100.0);
-    let listens = agent.metric("valet_proxy_listens_total ") - listens;
-    println!("  listens seen in holding pods: {listens} ({} pods)", pods * rounds);
+    let start = report("the apps' own start: each one's CPU from its release to its stamp", acc.starts);
+    let floor = report(&format!("floor: the k-th app of a round on {cpus} CPUs, from the ready moment"), acc.floors);
+    let cpu = acc.cpu.iter().sum::<f64>() / acc.cpu.len().max(1) as f64;
+    Figures { released, runs, delivery, start, floor, cpu }
+}
+
+/// [7]'s rows: the release, the app running, the floor its own start sets, the delivery.
+fn together_rows(setup: &Setup<'_>, how: &str, f: &Figures, table: &mut Table) {
+    let Setup { pods, flip, cpus, .. } = *setup;
     table.add(
         &format!("[7] {pods} pods held at once, {how}: released, SIGCONT sent (median / p99)"),
-        r.as_ref().map_or_else(|| "—".into(), Stats::ms),
+        f.released.as_ref().map_or_else(|| "—".into(), Stats::ms),
         "—",
         "—",
-        r.as_ref().map_or_else(|| "not traced".into(), |_| "the signal only: the app runs later".into()),
+        f.released.as_ref().map_or_else(|| "not traced".into(), |_| "the signal only: the app runs later".into()),
     );
     // Judged where the promise is kept: the released app running (its own start included: the
     // apps of a round start at once on two CPUs).
+    let m = &f.runs;
     table.add(
         &format!("[7] … the released app runs (median / p99, n={})", m.n),
         m.ms(),
@@ -178,14 +267,14 @@ pub(crate) fn held_together(pods: usize, rounds: usize, flip: Flip, table: &mut 
         Flip::Silent => "the row above",
         Flip::Listens => "the delivery row below",
     };
-    let over = floor.median > 12_500.0 || floor.p99 > 25_000.0;
+    let over = f.floor.median > 12_500.0 || f.floor.p99 > 25_000.0;
     table.add(
         &format!(
             "[7] … the floor the apps' own start sets (each {:.0} µs of CPU at the median, from its release): the \
              k-th app to run, its k cheapest apps' CPU over {cpus} CPUs (median / p99)",
-            start.median
+            f.start.median
         ),
-        floor.ms(),
+        f.floor.ms(),
         "—",
         "—",
         if over {
@@ -194,7 +283,7 @@ pub(crate) fn held_together(pods: usize, rounds: usize, flip: Flip, table: &mut 
             format!("below the target ({bounds})")
         },
     );
-    if let Some(d) = delivery {
+    if let Some(d) = &f.delivery {
         table.add(
             &format!("[7] … the app runs after its configuration is delivered, its proxy's own wait for a CPU included (n={})", d.n),
             d.ms(),
@@ -203,42 +292,34 @@ pub(crate) fn held_together(pods: usize, rounds: usize, flip: Flip, table: &mut 
             "the proxies', not the agent's: not judged".into(),
         );
     }
-    if flip == Flip::Silent && probes > 0 {
-        // With no listen, the release waits for the poll. A probe costs the prober `per` of its
-        // CPU; within the CPU target (5 % of a core, all of it the prober's) every held pod is
-        // probed no more often than every `period`, and a flip at a random moment of it waits
-        // half of it at the median.
-        let per = prober_ns as f64 / probes as f64;
-        let period = pods as f64 * per / 0.05;
-        println!(
-            "  the poll: {probes} GETs logged by the proxies, the prober's CPU {:.1} ms: {:.1} µs a probe; within 5 % \
-             of a core, {pods} pods every {:.1} ms at best",
-            prober_ns as f64 / 1e6,
-            per / 1000.0,
-            period / 1e6
-        );
-        table.add(
-            &format!(
-                "[7] … the floor the poll's cost sets: a probe {:.1} µs of the prober's CPU, {pods} pods within 5 % of a \
-                 core: a flip waits (median)",
-                per / 1000.0
-            ),
-            format!("{:.2} ms", period / 2.0 / 1e6),
-            "—",
-            "—",
-            if period / 2.0 > 12.5e6 {
-                "above the target: no poll at this cost meets it within the CPU target".into()
-            } else {
-                "below the target".into()
-            },
-        );
-    }
-    table.add(
-        &format!("[7] agent CPU while probing {pods} held pods ({how})"),
-        format!("{:.1} % of one core", cpu * 100.0),
-        "—",
-        "≤ 5 %",
-        met(cpu <= 0.05).into(),
+}
+
+/// With no listen, the release waits for the poll. A probe costs the prober `per` of its CPU;
+/// within the CPU target (5 % of a core, all of it the prober's) every held pod is probed no more
+/// often than every `period`, and a flip at a random moment of it waits half of it at the median.
+fn poll_rows(pods: usize, prober_ns: u64, probes: usize, table: &mut Table) {
+    let per = prober_ns as f64 / probes as f64;
+    let period = pods as f64 * per / 0.05;
+    println!(
+        "  the poll: {probes} GETs logged by the proxies, the prober's CPU {:.1} ms: {:.1} µs a probe; within 5 % \
+         of a core, {pods} pods every {:.1} ms at best",
+        prober_ns as f64 / 1e6,
+        per / 1000.0,
+        period / 1e6
     );
-    Ok(())
+    table.add(
+        &format!(
+            "[7] … the floor the poll's cost sets: a probe {:.1} µs of the prober's CPU, {pods} pods within 5 % of a \
+             core: a flip waits (median)",
+            per / 1000.0
+        ),
+        format!("{:.2} ms", period / 2.0 / 1e6),
+        "—",
+        "—",
+        if period / 2.0 > 12.5e6 {
+            "above the target: no poll at this cost meets it within the CPU target".into()
+        } else {
+            "below the target".into()
+        },
+    );
 }

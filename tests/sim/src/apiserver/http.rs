@@ -302,6 +302,8 @@ impl Drop for InFlight {
     }
 }
 
+// table: the server's routes, one arm a path (discovery, then each resource's collection and item)
+/// The answer to a request for `path`: its route's, or a 404 when none matches.
 fn route(shared: &Arc<Shared>, path: &str, r: Req) -> Result<Response<Body>, ApiError> {
     let segs: Vec<&str> = path.trim_matches('/').split('/').filter(|s| !s.is_empty()).collect();
     let get_only = |r: &Req| {

@@ -111,6 +111,51 @@ async fn stall(shared: &Shared, tx: &Lines, drop_rx: &mut tokio::sync::watch::Re
     }
 }
 
+/// The watch's initial events (those the client asked for) and, when asked, the bookmark that
+/// ends them; or the ERROR event of a resource version too old. The version it starts from;
+/// `None` when the stream is over.
+async fn send_start(shared: &Shared, filter: &Filter, p: &WatchParams, tx: &Lines) -> Option<u64> {
+    let start = lock(&shared.store).watch_start(filter, p.rv.as_deref(), p.send_initial);
+    match start {
+        Err(e) => {
+            // The real server answers 200 and reports expiry as an ERROR event, then closes.
+            let _ = tx.send("ERROR", &e.to_status()).await;
+            None
+        }
+        Ok((initial, rv)) => {
+            for obj in initial {
+                if !tx.send("ADDED", &obj).await {
+                    return None;
+                }
+            }
+            if p.send_initial && !tx.send("BOOKMARK", &bookmark(rv, true)).await {
+                return None;
+            }
+            Some(rv)
+        }
+    }
+}
+
+/// The events since `last_rv`, sent; the version they reach. `None` when the stream is over
+/// (the client went, or the version expired: an ERROR event sent).
+async fn send_drained(shared: &Shared, filter: &Filter, last_rv: u64, tx: &Lines) -> Option<u64> {
+    let drained = lock(&shared.store).watch_drain(filter, last_rv);
+    match drained {
+        Err(e) => {
+            let _ = tx.send("ERROR", &e.to_status()).await;
+            None
+        }
+        Ok((events, rv)) => {
+            for (ty, obj) in events {
+                if !tx.send(ty.as_str(), &obj).await {
+                    return None;
+                }
+            }
+            Some(rv)
+        }
+    }
+}
+
 async fn run(shared: Arc<Shared>, filter: Filter, p: WatchParams, tx: Lines) {
     let mut rv_rx = shared.rv_tx.subscribe();
     let mut drop_rx = shared.drop_tx.subscribe();
@@ -120,46 +165,15 @@ async fn run(shared: Arc<Shared>, filter: Filter, p: WatchParams, tx: Lines) {
     if *stall_rx.borrow_and_update() {
         return stall(&shared, &tx, &mut drop_rx).await;
     }
-    let start = lock(&shared.store).watch_start(&filter, p.rv.as_deref(), p.send_initial);
-    let mut last_rv = match start {
-        Err(e) => {
-            // The real server answers 200 and reports expiry as an ERROR event, then closes.
-            let _ = tx.send("ERROR", &e.to_status()).await;
-            return;
-        }
-        Ok((initial, rv)) => {
-            for obj in initial {
-                if !tx.send("ADDED", &obj).await {
-                    return;
-                }
-            }
-            if p.send_initial && !tx.send("BOOKMARK", &bookmark(rv, true)).await {
-                return;
-            }
-            rv
-        }
-    };
+    let Some(mut last_rv) = send_start(&shared, &filter, &p, &tx).await else { return };
     let deadline = p.timeout.map(|t| tokio::time::Instant::now() + t);
     let interval = shared.opts.bookmark_interval.max(Duration::from_millis(10));
     let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         rv_rx.borrow_and_update();
-        let drained = lock(&shared.store).watch_drain(&filter, last_rv);
-        match drained {
-            Err(e) => {
-                let _ = tx.send("ERROR", &e.to_status()).await;
-                return;
-            }
-            Ok((events, rv)) => {
-                for (ty, obj) in events {
-                    if !tx.send(ty.as_str(), &obj).await {
-                        return;
-                    }
-                }
-                last_rv = rv;
-            }
-        }
+        let Some(rv) = send_drained(&shared, &filter, last_rv, &tx).await else { return };
+        last_rv = rv;
         let timeout = async {
             match deadline {
                 Some(d) => tokio::time::sleep_until(d).await,
