@@ -370,25 +370,7 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
     // SAFETY: helper without arguments; the value is only used as a kernel address for probe reads.
     let task = unsafe { bpf_get_current_task() };
 
-    // Whole-process exits only: the tracepoint fires once per thread, and group_dead is true for
-    // the thread that ends the group. Older kernels lack the field: then signal->live == 0.
-    let group_dead = if l.tp_exit_group_dead != OFFSET_UNKNOWN {
-        // SAFETY: reading the tracepoint record at an offset from its format file.
-        match unsafe { ctx.read_at::<u8>(l.tp_exit_group_dead as usize) } {
-            Ok(v) => v != 0,
-            Err(_) => return 0,
-        }
-    } else {
-        match read_u64(task, l.task_signal).and_then(|sig| read_u32(sig, l.signal_live)) {
-            Some(live) => live == 0,
-            None => {
-                // Without either source we would report every thread: report only leaders.
-                let pid_tgid = bpf_get_current_pid_tgid();
-                (pid_tgid >> 32) as u32 == pid_tgid as u32
-            }
-        }
-    };
-    if !group_dead {
+    if group_dead(&l, ctx, task) != Some(true) {
         return 0;
     }
     let Some((container, watched, flags)) = watched_match::<WALK>(&l, task) else {
@@ -428,10 +410,39 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
         count(Counter::ExitsFiltered);
         return 0;
     }
+    report_exit(&l, task, (container, watched), &info, main);
+    0
+}
 
+/// Whether the exiting thread ends its process: the tracepoint fires once per thread, and
+/// group_dead is true for the thread that ends the group. Older kernels lack the field: then
+/// signal->live == 0. None: the tracepoint's record could not be read.
+#[inline(always)]
+fn group_dead(l: &KernelLayout, ctx: &TracePointContext, task: u64) -> Option<bool> {
+    if l.tp_exit_group_dead != OFFSET_UNKNOWN {
+        // SAFETY: reading the tracepoint record at an offset from its format file.
+        return match unsafe { ctx.read_at::<u8>(l.tp_exit_group_dead as usize) } {
+            Ok(v) => Some(v != 0),
+            Err(_) => None,
+        };
+    }
+    Some(match read_u64(task, l.task_signal).and_then(|sig| read_u32(sig, l.signal_live)) {
+        Some(live) => live == 0,
+        None => {
+            // Without either source we would report every thread: report only leaders.
+            let pid_tgid = bpf_get_current_pid_tgid();
+            (pid_tgid >> 32) as u32 == pid_tgid as u32
+        }
+    })
+}
+
+/// Sends the exit of the process `info` of `container` (under the watched pod cgroup) to user
+/// space, with the container's name; `main`: it is the container's recorded main process.
+#[inline(always)]
+fn report_exit(l: &KernelLayout, task: u64, (container, watched): (u64, u64), info: &PidInfo, main: bool) {
     let Some(mut entry) = EVENTS.reserve::<ExitRecord>(0) else {
         count(Counter::EventsLost);
-        return 0;
+        return;
     };
     // The name goes straight into the reserved record (no second copy on the 512-byte stack).
     // SAFETY: the reserved record is ours until submitted; the field is zeroed in place before
@@ -441,7 +452,7 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
         name.write([0; valet_common::CGROUP_NAME_BYTES]);
         &mut *name
     };
-    container_name(&l, task, container, name);
+    container_name(l, task, container, name);
     let mut event = KernelEvent::zeroed();
     fill_common(&mut event, event_kind::EXIT, container, watched);
     event.tgid = info.host_nr;
@@ -465,7 +476,6 @@ fn exit_impl<const WALK: bool>(ctx: &TracePointContext) -> u32 {
     // SAFETY: as above; the event field is written whole.
     unsafe { core::ptr::addr_of_mut!((*entry.as_mut_ptr()).event).write(event) };
     submit_written(entry, Counter::ExitsReported);
-    0
 }
 
 #[inline(always)]
@@ -496,6 +506,17 @@ fn exec_impl<const WALK: bool>() -> u32 {
     }
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
+    if !record_main(container, &info, now) || flags & watch_flags::HOLD == 0 {
+        return 0;
+    }
+    hold(container, watched, flags, &info, now);
+    0
+}
+
+/// Records the process `info` as the main process of `container`, first come; false when it is
+/// not (another was first, or the map is full).
+#[inline(always)]
+fn record_main(container: u64, info: &PidInfo, now: u64) -> bool {
     let mut record = ContainerMain {
         tgid: info.host_nr,
         pidns_depth: info.depth,
@@ -508,33 +529,36 @@ fn exec_impl<const WALK: bool>() -> u32 {
     }
     // Two threads of different processes may race here: the insert decides.
     match CONTAINERS.insert(container, record, BPF_NOEXIST) {
-        Ok(()) => {}
-        Err(e) if e == -EEXIST => return 0,
+        Ok(()) => true,
+        Err(e) if e == -EEXIST => false,
         Err(e) if e == -E2BIG || e == -ENOMEM => {
             // Unknown main: its exit is not reported as one and its exec is never held (a held
             // process no one knows of would stay frozen).
             count(Counter::MapFull);
-            return 0;
+            false
         }
         Err(_) => {
             count(Counter::ReadErrors);
-            return 0;
+            false
         }
     }
-    if flags & watch_flags::HOLD == 0 {
-        return 0;
-    }
+}
+
+/// Holds the container's main process `info` at its first exec, unless user space said to let
+/// the container pass: records the hold, stops the process and tells user space.
+#[inline(always)]
+fn hold(container: u64, watched: u64, flags: u32, info: &PidInfo, now: u64) {
     let _ = EXEC_SEEN.insert(container, 1, 0);
     // SAFETY: map lookup by value.
     if let Some(class) = unsafe { EXEC_CLASS.get(container) }
         && *class == EXEC_CLASS_PASS
     {
-        return 0;
+        return;
     }
     let Some(entry) = EVENTS.reserve::<KernelEvent>(0) else {
         // No one would learn of the hold, so no one would release it: do not hold.
         count(Counter::EventsLost);
-        return 0;
+        return;
     };
     // Recorded before the stop: an agent that dies from here on leaves a record its successor
     // releases by. A pid held before (it exited while no agent ran) is overwritten.
@@ -547,7 +571,7 @@ fn exec_impl<const WALK: bool>() -> u32 {
         Err(e) => {
             entry.discard(0);
             count(if e == -E2BIG || e == -ENOMEM { Counter::MapFull } else { Counter::ReadErrors });
-            return 0;
+            return;
         }
     }
     // SAFETY: signals the current task's thread group; takes effect before it returns to user space.
@@ -556,7 +580,7 @@ fn exec_impl<const WALK: bool>() -> u32 {
         let _ = HELD.remove(info.host_nr);
         entry.discard(0);
         count(Counter::ReadErrors);
-        return 0;
+        return;
     }
     if let Some(stored) = CONTAINERS.get_ptr_mut(container) {
         // SAFETY: a valid map value pointer; only this field changes.
@@ -571,7 +595,6 @@ fn exec_impl<const WALK: bool>() -> u32 {
         event.flags |= event_flags::NS_INIT;
     }
     submit_counted(entry, event, Counter::Held);
-    0
 }
 
 #[inline(always)]
