@@ -434,6 +434,17 @@ impl KernelFlags {
     }
 }
 
+impl NodeFlags {
+    /// The names the lookup at SIGTERM needs.
+    pub fn own_pod(&self) -> crate::api::successor::OwnPodNames<'_> {
+        crate::api::successor::OwnPodNames {
+            node_name: &self.node_name,
+            pod_name: self.pod_name.as_deref(),
+            pod_namespace: self.pod_namespace.as_deref(),
+        }
+    }
+}
+
 impl PodFlags {
     fn validate(&self) -> Result<()> {
         if let Some(dir) = self.runtime_state_dirs.iter().find(|d| !d.is_dir()) {

@@ -60,7 +60,7 @@ async fn shutdown_signal(node: NodeFlags) -> Stop {
         _ = term.recv() => info!("SIGTERM received"),
         _ = int.recv() => info!("SIGINT received"),
     }
-    let stop = successor::at_sigterm_from_env(&node).await;
+    let stop = successor::at_sigterm_from_env(&node.own_pod()).await;
     stop.log("valet-agent");
     stop
 }
@@ -349,7 +349,7 @@ fn deadlines_main() -> std::process::ExitCode {
     let decided = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map(|rt| rt.block_on(successor::at_sigterm_from_env(&args.node)))
+        .map(|rt| rt.block_on(successor::at_sigterm_from_env(&args.node.own_pod())))
         .unwrap_or_else(|e| Stop::Keep(format!("no async runtime: {e}")));
     decided.log("valet-deadlines");
     if decided.releases() {

@@ -20,8 +20,6 @@ use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, NodeSelectorTerm
 use kube::{Api, Client};
 use tracing::{info, warn};
 
-use crate::config::NodeFlags;
-
 /// How long the lookup at SIGTERM may take, well inside the pod's grace period (30 s): an API
 /// server that answers none of it within this keeps the holds.
 pub const LOOKUP_BUDGET: Duration = Duration::from_secs(2);
@@ -38,12 +36,20 @@ pub struct OwnPod {
 impl OwnPod {
     /// From `POD_NAME`, `POD_NAMESPACE` (the client's namespace when unset) and `NODE_NAME`;
     /// `None` outside a pod (no `POD_NAME`).
-    pub fn of(node: &NodeFlags, client_namespace: &str) -> Option<OwnPod> {
-        let name = node.pod_name.clone().filter(|n| !n.trim().is_empty())?;
-        let namespace =
-            node.pod_namespace.clone().filter(|n| !n.trim().is_empty()).unwrap_or_else(|| client_namespace.to_owned());
-        Some(OwnPod { namespace, name, node: node.node_name.clone() })
+    pub fn of(own: &OwnPodNames, client_namespace: &str) -> Option<OwnPod> {
+        let name = own.pod_name.filter(|n| !n.trim().is_empty())?.to_owned();
+        let namespace = own.pod_namespace.filter(|n| !n.trim().is_empty()).unwrap_or(client_namespace).to_owned();
+        Some(OwnPod { namespace, name, node: own.node_name.to_owned() })
     }
+}
+
+/// The downward API's names of this node and of the agent's own pod, as configured
+/// (`NODE_NAME`, `POD_NAME`, `POD_NAMESPACE`).
+#[derive(Clone, Copy, Debug)]
+pub struct OwnPodNames<'a> {
+    pub node_name: &'a str,
+    pub pod_name: Option<&'a str>,
+    pub pod_namespace: Option<&'a str>,
 }
 
 /// Why a successor will come.
@@ -136,8 +142,8 @@ impl Stop {
 /// [`at_sigterm`] with a client made from the environment (in the pod: its service account;
 /// else `KUBECONFIG`), all within [`LOOKUP_BUDGET`]. `node`: the downward API's names of this
 /// node and of the own pod.
-pub async fn at_sigterm_from_env(node: &NodeFlags) -> Stop {
-    if node.pod_name.as_deref().is_none_or(str::is_empty) {
+pub async fn at_sigterm_from_env(node: &OwnPodNames<'_>) -> Stop {
+    if node.pod_name.is_none_or(str::is_empty) {
         return Stop::Release(Uninstall::NotInPod);
     }
     let started = tokio::time::Instant::now();
