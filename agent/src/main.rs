@@ -240,6 +240,7 @@ async fn run(
         sandboxed_classes: cfg.sandboxed_runtime_classes.iter().map(|c| c.trim().to_owned()).collect(),
         quit_events: cfg.quit_events,
         runtime_handlers: runtime_handlers.clone(),
+        default_handler: cfg.default_runtime_handler.clone().filter(|h| !h.trim().is_empty()),
     };
     let controller = Controller::new(&cfg.node_name, rules, act, reports_rx, health);
     // Leave time within the usual 30 s grace period (after the lookup at SIGTERM, at most
