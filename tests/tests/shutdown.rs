@@ -1125,9 +1125,5 @@ fn api_down_at_sigterm_keeps_held_apps_until_their_deadline() {
             .lines()
             .any(|l| l.contains("released a held app at its deadline") && l.contains(&format!("pid={pid} ")))
     };
-    assert!(
-        eventually(HANG_GUARD, logged),
-        "released by the keeper at the deadline\n{}",
-        keeper.log_text()
-    );
+    assert!(eventually(HANG_GUARD, logged), "released by the keeper at the deadline\n{}", keeper.log_text());
 }
