@@ -210,6 +210,17 @@ pub struct PodFlags {
     #[arg(long, env = "VALET_SANDBOXED_RUNTIME_CLASSES", value_delimiter = ',', default_value = SANDBOXED_CLASSES)]
     pub sandboxed_runtime_classes: Vec<String>,
 
+    /// The node's default runtime handler, for pods without a runtimeClassName.
+    ///
+    /// What the runtime runs a pod without a runtimeClassName with: containerd's
+    /// `default_runtime_name`, CRI-O's `default_runtime` (unset: runc or crun, the node's kernel
+    /// sees those pods). Matched against --sandboxed-runtime-classes: on a node pool whose default
+    /// runtime is a sandbox (`kata`, `runsc`), set it there, and those pods take their ends from the
+    /// API and are never held, as a sandboxed class's are. The agent does not read the runtime's
+    /// configuration: its pod mounts neither the runtime's config nor its socket.
+    #[arg(long, env = "VALET_DEFAULT_RUNTIME_HANDLER")]
+    pub default_runtime_handler: Option<String>,
+
     /// Runtime state directories where containers' bundles are looked for first (unset:
     /// containerd's, k3s's and CRI-O's).
     ///

@@ -228,6 +228,7 @@ fn rules(cfg: &Config, mode: NodeMode, runtime_handlers: RuntimeHandlers) -> Rul
         sandboxed_classes: cfg.pods.sandboxed_runtime_classes.iter().map(|c| c.trim().to_owned()).collect(),
         quit_events: cfg.quits.quit_events,
         runtime_handlers,
+        default_handler: cfg.pods.default_runtime_handler.clone().filter(|h| !h.trim().is_empty()),
     }
 }
 

@@ -38,6 +38,7 @@ start of the pod and are passed over by name. Any other field, at any depth, is 
 path: a field this file does not translate never reaches the VM as if it were honoured.
 
     daemonset_cri.py <daemonset.yaml> <node name> <image> > agent-pod.json
+    kubectl kustomize deploy/base | daemonset_cri.py - <node name> <image> > agent-pod.json
 """
 import json
 import sys
@@ -274,7 +275,9 @@ def main():
     import yaml
 
     path, node, image = sys.argv[1], sys.argv[2], sys.argv[3]
-    ds = next(d for d in yaml.safe_load_all(open(path)) if d and d.get("kind") == "DaemonSet")
+    # `-`: the rendered manifests on stdin (`kubectl kustomize deploy/base`, as cargo xtask node runs it).
+    stream = sys.stdin if path == "-" else open(path)
+    ds = next(d for d in yaml.safe_load_all(stream) if d and d.get("kind") == "DaemonSet")
     json.dump(translate(ds, node, image), sys.stdout, indent=1)
     print()
 

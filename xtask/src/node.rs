@@ -16,7 +16,11 @@
 //! `SystemdCgroup = false` with one restart, and the kubelet stand-in then makes and names
 //! `/kubepods/<qos>/pod<uid>` as the kubelet's cgroupfs driver does. A cell's cgroup mode (v2, or
 //! on bookworm v1 and hybrid: `/v1`, `/hybrid` after its name) is systemd's, chosen on the kernel
-//! command line; the kubelet stand-in and the agent find it by looking.
+//! command line; the kubelet stand-in and the agent find it by looking. A `/no-btf` cell boots its
+//! kernel with `initcall_blacklist=btf_vmlinux_init`: the kernel never makes `/sys/kernel/btf`, as
+//! a kernel built without BTF (every Debian kernel in reach has BTF); the host agent there is
+//! given the kernel's BTF as a file (`--kernel-btf`, the `.BTF` section of the booted vmlinux), and
+//! the DaemonSet's pod, as shipped, finds none (tests/node/scenarios.py's `no_btf`).
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -50,7 +54,9 @@ const CRIO_SUITES: [&str; 1] = ["sid"];
 /// What plain `cargo xtask test` (CI) runs: the oldest node on cgroup v1 (Amazon Linux 2's and
 /// RHEL 8's mode) under the cgroupfs driver, and the newest on cgroup v2 (crun one level below its
 /// scope, k3s's paths) under systemd's, so CI sees both cgroup versions, both drivers and both
-/// runtimes. Both drivers in both cells would take CI from a fresh machine past 45 minutes
+/// runtimes. The newest boots without `/sys/kernel/btf` (`/no-btf`): its host agent runs every
+/// scenario from a BTF file (`--kernel-btf`), and the DaemonSet's pod as shipped runs degraded.
+/// Both drivers in both cells would take CI from a fresh machine past 45 minutes
 /// (docs/dev/testing.md); `cargo xtask node`, `--cell` and `--matrix` run both, and the hybrid and
 /// CRI-O cells.
 pub(crate) const CI_CELLS: [Cell; 2] = [
@@ -61,6 +67,7 @@ pub(crate) const CI_CELLS: [Cell; 2] = [
         cgroups: Cgroups::V1,
         drivers: Drivers::Cgroupfs,
         arch: Arch::Amd64,
+        kernel_btf: true,
     },
     Cell {
         suite: "sid",
@@ -69,6 +76,7 @@ pub(crate) const CI_CELLS: [Cell; 2] = [
         cgroups: Cgroups::V2,
         drivers: Drivers::Systemd,
         arch: Arch::Amd64,
+        kernel_btf: false,
     },
 ];
 /// The scenarios (tests/node/scenarios.py's, by their systemd names) CI runs in each of
@@ -78,7 +86,19 @@ pub(crate) const CI_CELLS: [Cell; 2] = [
 /// (its OOM report, a sub-cgroup's v1 paths, holds across an agent restart, the DaemonSet's own
 /// resources) run in the v1 cell; `cargo xtask node --cell` and `--matrix` run every scenario.
 pub(crate) const CI_SCENARIOS: [&[&str]; 2] = [
-    &["job", "hold_app", "nested_pidns", "oom_killed", "agent_restart_held", "daemonset_agent", "dind_subcgroup"],
+    &[
+        "job",
+        "hold_app",
+        "nested_pidns",
+        "oom_killed",
+        "agent_restart_held",
+        "daemonset_agent",
+        "dind_subcgroup",
+        // The DaemonSet's pod as shipped on a node without bpffs at /sys/fs/bpf, then under
+        // lockdown=confidentiality (raised through securityfs, so last: it cannot be lowered).
+        "no_bpffs",
+        "kernel_lockdown",
+    ],
     &[
         "job",
         "hold_app",
@@ -92,10 +112,15 @@ pub(crate) const CI_SCENARIOS: [&[&str]; 2] = [
         // The DaemonSet's pod on cgroup v2; the v1 cell's runtime (containerd 1.6) has no
         // recursive read-only mounts, where it fails (deploy/README.md, "Read-only cgroup fs").
         "cgroup_read_only",
+        // The DaemonSet's pod as shipped on this cell's kernel without /sys/kernel/btf, then with
+        // the documented BTF file.
+        "no_btf",
     ],
 ];
 /// `cargo xtask node` without `--matrix` or `--cell`.
 pub(crate) const DEFAULT_CELL: Cell = Cell { cgroups: Cgroups::V2, drivers: Drivers::Both, ..CI_CELLS[0] };
+/// The cells whose kernel boots without `/sys/kernel/btf` (`<cell>/no-btf`).
+const NO_BTF_CELLS: [&str; 1] = ["sid/crun/k3s"];
 /// The suites whose systemd still boots cgroup v1 and hybrid (bookworm's 252; trixie's 257 needs
 /// `SYSTEMD_CGROUP_ENABLE_LEGACY_FORCE=1`, and later ones have no v1 at all).
 const V1_SUITES: [&str; 1] = ["bookworm"];
@@ -125,6 +150,9 @@ pub(crate) struct Cell {
     /// The node's architecture: arm64 boots under qemu-system-aarch64 with Debian's arm64 packages
     /// and the aarch64 builds.
     pub arch: Arch,
+    /// Whether the kernel shows its BTF at `/sys/kernel/btf` (false: booted with
+    /// `initcall_blacklist=btf_vmlinux_init`, so it never makes that directory).
+    pub kernel_btf: bool,
 }
 
 /// A node's cgroup mode.
@@ -184,7 +212,8 @@ impl Drivers {
 impl Cell {
     pub(crate) fn name(&self) -> String {
         let arch = if self.arch == Arch::Amd64 { "" } else { "/arm64" };
-        format!("{}/{}/{}{}{arch}", self.suite, self.runtime, self.layout, self.cgroups.suffix())
+        let btf = if self.kernel_btf { "" } else { "/no-btf" };
+        format!("{}/{}/{}{}{arch}{btf}", self.suite, self.runtime, self.layout, self.cgroups.suffix())
     }
 
     /// The scenarios named `base` (their systemd names) as this cell's drivers run them:
@@ -233,6 +262,7 @@ pub(crate) fn matrix() -> Vec<Cell> {
                     cgroups: Cgroups::V2,
                     drivers: Drivers::Both,
                     arch: Arch::Amd64,
+                    kernel_btf: true,
                 });
             }
         }
@@ -245,6 +275,7 @@ pub(crate) fn matrix() -> Vec<Cell> {
             cgroups: Cgroups::V2,
             drivers: Drivers::Both,
             arch: Arch::Amd64,
+            kernel_btf: true,
         });
     }
     for suite in V1_SUITES {
@@ -256,9 +287,16 @@ pub(crate) fn matrix() -> Vec<Cell> {
                 cgroups,
                 drivers: Drivers::Both,
                 arch: Arch::Amd64,
+                kernel_btf: true,
             });
         }
     }
+    let no_btf: Vec<Cell> = cells
+        .iter()
+        .filter(|c| NO_BTF_CELLS.contains(&c.name().as_str()))
+        .map(|c| Cell { kernel_btf: false, ..*c })
+        .collect();
+    cells.extend(no_btf);
     // arm64: Debian's arm64 containerd and runc on its arm64 kernel, under qemu-system-aarch64.
     cells.push(Cell { arch: Arch::Arm64, ..DEFAULT_CELL });
     cells
@@ -277,22 +315,13 @@ pub(crate) fn run(root: &Path, cells: &[(Cell, Vec<String>)]) -> Result<(u64, u6
             kits.insert(arch.deb(), Kit::make(root, &apt, arch)?);
         }
     }
-    // The DaemonSet translated to the CRI.
-    let pod = Command::new(root.join(".venv/bin/python"))
-        .arg(root.join("tests/node/daemonset_cri.py"))
-        .arg(root.join("deploy/base/daemonset.yaml"))
-        .args(["valet-node", crate::image::NAME])
-        .output()
-        .context("translate the DaemonSet to CRI requests")?;
-    if !pod.status.success() {
-        bail!("daemonset_cri.py: {}", String::from_utf8_lossy(&pod.stderr));
-    }
+    let manifests = Manifests::render(root)?;
     let (mut passed, mut failed) = (0, 0);
     let mut summary = Vec::new();
     for (cell, only) in cells {
         let t = Instant::now();
         let kit = &kits[cell.arch.deb()];
-        let outcome = run_cell(root, &apt, &kit.busybox, &kit.release, &kit.images, &pod.stdout, *cell, only)?;
+        let outcome = run_cell(root, &apt, &kit.busybox, &kit.release, &kit.images, &manifests, *cell, only)?;
         let line = format!(
             "node {}{}: {} passed, {} failed{} ({}) [{:.0?}]",
             cell.name(),
@@ -320,6 +349,66 @@ pub(crate) fn run(root: &Path, cells: &[(Cell, Vec<String>)]) -> Result<(u64, u6
         println!("{line}");
     }
     Ok((passed, failed))
+}
+
+/// What the node gets of the shipped manifests, rendered as an install renders them (`kubectl
+/// kustomize`): the DaemonSet of `deploy/base` translated to CRI requests
+/// (tests/node/daemonset_cri.py), and the PrometheusRule's groups of `deploy/monitoring` as JSON,
+/// a rule file promtool reads (tests/node/alert_rules.py).
+struct Manifests {
+    agent_pod: Vec<u8>,
+    rules: Vec<u8>,
+}
+
+impl Manifests {
+    fn render(root: &Path) -> Result<Self> {
+        Ok(Self {
+            agent_pod: through(
+                root,
+                "deploy/base",
+                "tests/node/daemonset_cri.py",
+                &["-", "valet-node", crate::image::NAME],
+            )?,
+            rules: through(root, "deploy/monitoring", "tests/node/alert_rules.py", &[])?,
+        })
+    }
+
+    /// Into a cell's out directory, which the guest mounts at [`OUT`].
+    fn write_to(&self, out: &Path) -> Result<()> {
+        std::fs::write(out.join("agent-pod.json"), &self.agent_pod)?;
+        Ok(std::fs::write(out.join("valet-rules.json"), &self.rules)?)
+    }
+}
+
+/// `kubectl kustomize <dir>` (`KUBECTL` or the one on `PATH`), piped into `script` (the manifest
+/// tests' Python, which has PyYAML); the script's output.
+fn through(root: &Path, dir: &str, script: &str, args: &[&str]) -> Result<Vec<u8>> {
+    let kubectl = std::env::var_os("KUBECTL").unwrap_or_else(|| "kubectl".into());
+    let rendered = Command::new(&kubectl)
+        .arg("kustomize")
+        .arg(root.join(dir))
+        .output()
+        .with_context(|| format!("run {} kustomize (the manifest tests need it too)", kubectl.to_string_lossy()))?;
+    if !rendered.status.success() {
+        bail!("kubectl kustomize {dir}: {}", String::from_utf8_lossy(&rendered.stderr));
+    }
+    let mut child = Command::new(root.join(".venv/bin/python"))
+        .arg(root.join(script))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("run {script} (.venv: cargo xtask setup)"))?;
+    let mut stdin = child.stdin.take().context("stdin")?;
+    let input = rendered.stdout;
+    let writer = std::thread::spawn(move || std::io::Write::write_all(&mut stdin, &input));
+    let out = child.wait_with_output()?;
+    writer.join().map_err(|_| anyhow!("writer thread"))??;
+    if !out.status.success() {
+        bail!("{script} on {dir}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(out.stdout)
 }
 
 /// What the nodes of one architecture run: the static busybox (initramfs, images), the release
@@ -378,17 +467,17 @@ fn run_cell(
     busybox: &Path,
     release: &Path,
     images: &Path,
-    agent_pod: &[u8],
+    manifests: &Manifests,
     cell: Cell,
     only: &[String],
 ) -> Result<CellOutcome> {
-    let (kernel, image, dir, out) = prepare_cell(root, apt, busybox, agent_pod, cell)?;
+    let (kernel, image, dir, out) = prepare_cell(root, apt, busybox, manifests, cell)?;
     let script = dir.join("run.sh");
     // VALET_NODE_CRASH_AFTER=<scenario>: the first boot's guest kernel crashes (sysrq) after that
     // scenario, to check the rerun below.
     let crash_after = std::env::var("VALET_NODE_CRASH_AFTER").ok();
     let write_script = |only: &[String], boot: u32| -> Result<()> {
-        let text = cell_script(root, cell, release, images, only, crash_after.as_deref().filter(|_| boot == 1));
+        let text = cell_script(root, cell, &kernel, release, images, only, crash_after.as_deref().filter(|_| boot == 1));
         std::fs::write(&script, text)?;
         Ok(())
     };
@@ -456,7 +545,7 @@ fn prepare_cell(
     root: &Path,
     apt: &Apt,
     busybox: &Path,
-    agent_pod: &[u8],
+    manifests: &Manifests,
     cell: Cell,
 ) -> Result<(Kernel, PathBuf, PathBuf, PathBuf)> {
     let kernel_suite = match std::env::var("VALET_NODE_KERNEL") {
@@ -474,7 +563,7 @@ fn prepare_cell(
         std::fs::remove_dir_all(&out)?;
     }
     std::fs::create_dir_all(&out)?;
-    std::fs::write(out.join("agent-pod.json"), agent_pod)?;
+    manifests.write_to(&out)?;
     Ok((kernel, image, dir, out))
 }
 
@@ -483,6 +572,7 @@ fn prepare_cell(
 fn cell_script(
     root: &Path,
     cell: Cell,
+    kernel: &Kernel,
     release: &Path,
     images: &Path,
     only: &[String],
@@ -494,7 +584,7 @@ fn cell_script(
     };
     format!(
         "{head}{crash}python3 {scenarios} {release} {images} {OUT} {only}\n",
-        head = script_head(cell),
+        head = script_head(cell, kernel),
         scenarios = in_guest(&root.join("tests/node/scenarios.py")).display(),
         release = in_guest(release).display(),
         images = in_guest(images).display(),
@@ -560,14 +650,15 @@ pub(crate) fn in_guest(p: &Path) -> PathBuf {
     Path::new("/host").join(p.strip_prefix("/").unwrap_or(p))
 }
 
-/// The start of a node's run script: the cell's environment for tests/node/*.py, the versions the
-/// VM runs on the console (`VALET-NODE-VERSIONS`), the out directory mounted at [`OUT`].
-pub(crate) fn script_head(cell: Cell) -> String {
+/// The start of a node's run script: the cell's environment for tests/node/*.py (with the booted
+/// vmlinux, `VALET_NODE_VMLINUX`), the versions the VM runs on the console (`VALET-NODE-VERSIONS`),
+/// the out directory mounted at [`OUT`].
+pub(crate) fn script_head(cell: Cell, kernel: &Kernel) -> String {
     let (socket, state) = cell.containerd();
     format!(
         "export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
          export CONTAINERD_ADDRESS={socket} VALET_NODE_STATE={state} VALET_NODE_RUNTIME={runtime} \
-         VALET_NODE_DRIVERS={drivers} VALET_NODE_CRI={cri} VALET_NODE_ARCH={arch}\n\
+         VALET_NODE_DRIVERS={drivers} VALET_NODE_CRI={cri} VALET_NODE_ARCH={arch} VALET_NODE_VMLINUX={vmlinux}\n\
          echo \"VALET-NODE-VERSIONS $(containerd --version | cut -d' ' -f3){conmon} / {runtime} \
          $({runtime} --version | head -1 | sed 's/.*version //') / kernel $(uname -r) / \
          AppArmor $(cat /sys/module/apparmor/parameters/enabled 2>/dev/null || echo absent) / cgroup \
@@ -577,6 +668,7 @@ pub(crate) fn script_head(cell: Cell) -> String {
          mkdir -p {OUT} && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 out {OUT} || exit 1\n",
         runtime = cell.runtime,
         arch = cell.arch.deb(),
+        vmlinux = in_guest(&kernel.vmlinux).display(),
         drivers = cell.drivers.name(),
         cri = if cell.layout == "crio" { "crio" } else { "containerd" },
         conmon =
@@ -594,16 +686,20 @@ pub(crate) fn disk_and_share(image: &Path, out: &Path) -> [String; 2] {
 }
 
 /// The node's kernel command line: its root, the script it runs (valet-node-run), the cell's OCI
-/// runtime, containerd layout (valet-node-config) and cgroup mode, AppArmor on.
+/// runtime, containerd layout (valet-node-config) and cgroup mode, AppArmor on; for a `/no-btf`
+/// cell, no `/sys/kernel/btf`.
 pub(crate) fn kernel_append(cell: Cell, script: &Path) -> String {
     format!(
         "valet.root=/dev/vda valet.run={} valet.runtime={} valet.layout={} apparmor=1 security=apparmor \
-         systemd.show_status=0{}",
+         systemd.show_status=0{}{}",
         script.display(),
         cell.runtime,
         // containerd's layout (valet-node-config): the image's own on a CRI-O layout node.
         if cell.layout == "crio" { "kubeadm" } else { cell.layout },
-        cell.cgroups.kernel_args()
+        cell.cgroups.kernel_args(),
+        // kernel/bpf/sysfs_btf.c's initcall makes /sys/kernel/btf/vmlinux: skipped, the kernel
+        // shows no BTF (its own, inside, stays: nothing the agent reaches without that file).
+        if cell.kernel_btf { "" } else { " initcall_blacklist=btf_vmlinux_init" }
     )
 }
 
@@ -761,12 +857,18 @@ mod tests {
         let cells = matrix();
         assert_eq!(
             cells.len(),
-            14,
-            "bookworm runc × 2 layouts, trixie and sid 2 runtimes × 2 layouts, sid's CRI-O layout, 2 v1 cells, arm64"
+            15,
+            "bookworm runc × 2 layouts, trixie and sid 2 runtimes × 2 layouts, sid's CRI-O layout, 2 v1 cells, \
+             sid/crun/k3s without BTF, arm64"
         );
         assert_eq!(Cell::parse("sid/crun/crio").map(|c| (c.layout, c.runtime)).ok(), Some(("crio", "crun")));
         assert!(Cell::parse("sid/runc/crio").is_err(), "the CRI-O layout runs crun");
-        assert_eq!(Cell::parse("sid/crun/k3s").ok(), Some(Cell { drivers: Drivers::Both, ..CI_CELLS[1] }));
+        assert_eq!(Cell::parse("sid/crun/k3s/no-btf").ok(), Some(Cell { drivers: Drivers::Both, ..CI_CELLS[1] }));
+        assert_eq!(Cell::parse("sid/crun/k3s").map(|c| c.kernel_btf).ok(), Some(true));
+        assert!(Cell::parse("bookworm/runc/kubeadm/no-btf").is_err(), "one cell without BTF");
+        let no_btf = kernel_append(CI_CELLS[1], Path::new("/run.sh"));
+        assert!(no_btf.ends_with(" initcall_blacklist=btf_vmlinux_init"), "{no_btf}");
+        assert!(!kernel_append(CI_CELLS[0], Path::new("/run.sh")).contains("initcall_blacklist"));
         assert_eq!(Cell::parse("bookworm/runc/kubeadm/v1").map(|c| c.cgroups).ok(), Some(Cgroups::V1));
         assert_eq!(Cell::parse("bookworm/runc/kubeadm").ok(), Some(DEFAULT_CELL));
         assert_eq!(Cell::parse("bookworm/runc/kubeadm/arm64").map(|c| c.arch).ok(), Some(Arch::Arm64));
@@ -791,6 +893,14 @@ mod tests {
         }
         for basic in ["job", "hold_app"] {
             assert!(CI_SCENARIOS.iter().all(|s| s.contains(&basic)), "{basic} runs in every CI cell");
+        }
+        // The DaemonSet's pod as shipped runs degraded (no_btf) without the kernel's BTF: the
+        // scenarios that want it otherwise run where the kernel shows BTF, and no_btf where not.
+        for (cell, names) in CI_CELLS.iter().zip(CI_SCENARIOS) {
+            for name in ["daemonset_agent", "no_bpffs", "kernel_lockdown"] {
+                assert!(!names.contains(&name) || cell.kernel_btf, "{name} in {}", cell.name());
+            }
+            assert!(!names.contains(&"no_btf") || !cell.kernel_btf, "no_btf in {}", cell.name());
         }
         let plan = ci_plan();
         assert_eq!(plan[0].1[0], "job_cgroupfs", "the v1 cell runs the cgroupfs twins");

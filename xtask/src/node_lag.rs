@@ -68,7 +68,7 @@ fn lag_cell(root: &Path, apt: &Apt, cell: Cell, runs: u32) -> Result<(String, bo
         &script,
         format!(
             "{}python3 {} {} {OUT} {runs} {ways}\n",
-            script_head(cell),
+            script_head(cell, &kernel),
             in_guest(&root.join("tests/node/runtime_lag.py")).display(),
             in_guest(&images).display()
         ),

@@ -403,6 +403,7 @@ pub(crate) fn start(node: &TempNode, hold_timeout: Duration) -> Loop {
         sandboxed_classes: vec!["kata*".into(), "gvisor".into()],
         quit_events: true,
         runtime_handlers: Default::default(),
+        default_handler: None,
     };
     let ahead = act.quits_ahead();
     let health = Arc::new(Health::new(STALL));

@@ -57,6 +57,9 @@ pub struct Rules {
     pub quit_events: bool,
     /// The cluster's RuntimeClasses: the handler each name stands for.
     pub runtime_handlers: RuntimeHandlers,
+    /// The node's default runtime handler (`--default-runtime-handler`): what a pod without a
+    /// runtimeClassName runs with.
+    pub default_handler: Option<String>,
 }
 
 impl Rules {
@@ -74,6 +77,10 @@ impl Rules {
             if let Some(handler) = handler.filter(|h| sandboxed(&self.sandboxed_classes, h)) {
                 return Some(ApiPath::Sandboxed { runtime_class: format!("{class}, handler {handler}") });
             }
+        } else if let Some(handler) = self.default_handler.as_deref().filter(|h| sandboxed(&self.sandboxed_classes, h))
+        {
+            // No class: the node's default runtime runs it.
+            return Some(ApiPath::Sandboxed { runtime_class: format!("unset, the node's default handler {handler}") });
         }
         match self.mode {
             NodeMode::Kernel => None,

@@ -126,6 +126,29 @@ fn a_runtime_class_is_known_by_its_handler_too() {
 }
 
 #[test]
+fn on_a_node_whose_default_runtime_is_a_sandbox_pods_without_a_class_are_sandboxed() {
+    let r = Rules { default_handler: Some("kata".into()), ..rules(true) };
+    let mut d = Drive::with_rules(r.clone());
+    let fx = d.found(pod("Never", &[], &[HOLD]));
+    assert_eq!(counted(&fx), ["sandboxed"], "{fx:?}");
+    assert_eq!(publishes(&fx), [(true, "HoldUnavailable")], "{fx:?}");
+    assert!(never_held(&fx), "{fx:?}");
+    let p = plan(&pod("Never", &[], &[]), &r.defaults).expect("plan");
+    let why = ApiPath::Sandboxed { runtime_class: "unset, the node's default handler kata".into() };
+    assert_eq!(r.api_path(&p), Some(why));
+    // A class of its own decides: runc's keeps the kernel path there.
+    let mut d = Drive::with_rules(r.clone());
+    let fx = d.found(with_class(pod("Never", &[], &[HOLD]), "runc"));
+    assert!(counted(&fx).is_empty() && publishes(&fx).is_empty(), "{fx:?}");
+    // A default handler that is no sandbox changes nothing.
+    for handler in ["runc", "crun", ""] {
+        let r = Rules { default_handler: Some(handler.into()), ..rules(true) };
+        let fx = Drive::with_rules(r).found(pod("Never", &[], &[HOLD]));
+        assert!(counted(&fx).is_empty() && publishes(&fx).is_empty(), "{handler:?}: {fx:?}");
+    }
+}
+
+#[test]
 fn other_runtime_classes_keep_the_kernel_path() {
     for class in ["runc", "crun", "nvidia", "katana", ""] {
         let mut d = Drive::new(true);

@@ -30,6 +30,7 @@ pub(super) fn rules(escalate: bool) -> Rules {
         sandboxed_classes: vec!["kata".into(), "kata-*".into(), "gvisor".into(), "runsc".into()],
         quit_events: true,
         runtime_handlers: Default::default(),
+        default_handler: None,
     }
 }
 
