@@ -38,13 +38,18 @@ pub(crate) const STOPS: [Stop; 7] =
 const WEIGHTS: [u64; 7] = [30, 14, 12, 11, 11, 11, 11];
 
 impl Stop {
-    /// The first turns cover every kind once (a short run too), then the seeded draw.
-    pub(crate) fn draw(rng: &mut Rng, n: usize) -> Stop {
-        if n < STOPS.len() {
-            return STOPS[n];
+    /// The first turns cover every kind once (a short run too), then the seeded draw. Read
+    /// faults only with `read_faults` (`VALET_CHAOS_READ_FAULTS=1`): they make the agent quit
+    /// proxies early today (an unreadable cgroup is read as an empty one; issue 51, item 2).
+    pub(crate) fn draw(rng: &mut Rng, n: usize, read_faults: bool) -> Stop {
+        let kinds: Vec<Stop> = STOPS.iter().copied().filter(|s| read_faults || *s != Stop::ReadFault).collect();
+        if n < kinds.len() {
+            return kinds[n];
         }
-        let mut at = rng.below(WEIGHTS.iter().sum());
+        let weight = |s: &Stop, w: u64| if read_faults || *s != Stop::ReadFault { w } else { 0 };
+        let mut at = rng.below(STOPS.iter().zip(WEIGHTS).map(|(s, w)| weight(s, w)).sum());
         for (stop, w) in STOPS.iter().zip(WEIGHTS) {
+            let w = weight(stop, w);
             if at < w {
                 return *stop;
             }
