@@ -1,8 +1,11 @@
-//! `cargo xtask chaos`: the crash test at full length (issues 26 and 36). The agent is killed
-//! with SIGKILL at random moments, `--kills` times (200 by default), and restarted each time,
-//! with API outages, crash loops at the kubelet's backoff and uninstalls in between; the test
-//! prints its counts (apps left stopped, early quits, late quits, false conditions, apps past
-//! their deadline, early releases, apps left by an uninstall) and fails unless each is 0.
+//! `cargo xtask chaos`: the crash test at full length (issues 26, 36 and 51). The agent is
+//! stopped at random moments, `--kills` times (200 by default): SIGKILLed, SIGTERMed as the
+//! kubelet restarts a container or rolls out its DaemonSet (with and without surge), restarted
+//! by a failed liveness probe; its reads of held apps' cgroups fail for a while and held apps'
+//! pids are reused; with API outages, crash loops at the kubelet's backoff, uninstalls and
+//! upgrades in between. The test prints its counts (apps run before their proxy was ready, past
+//! their deadline, records lost, apps left stopped, early and late quits, false conditions...)
+//! and fails unless each is 0.
 //! `cargo xtask test` runs the same test shortened.
 use std::path::Path;
 

@@ -5,7 +5,7 @@
 //! * `cargo xtask test`   runs every test: unit, privileged integration (as root), manifests.
 //! * `cargo xtask demo`   runs the agent against a simulated node on this host.
 //! * `cargo xtask bench`  prints the performance figures.
-//! * `cargo xtask chaos`  kills the agent at random moments, 200 times, and counts what it left.
+//! * `cargo xtask chaos`  stops the agent every way, at random moments, 200 times, and counts what it left.
 //! * `cargo xtask fuzz`   runs the fuzz targets for a bounded time (also part of `test`).
 //! * `cargo xtask image`  builds the agent's OCI image (no Docker, no registry).
 //! * `cargo xtask kernels`, `cargo xtask node`: the qemu suites (Debian kernels, a real node).
@@ -107,11 +107,13 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Kill the agent with SIGKILL at random moments and restart it, across held, quitting and
-    /// changing pods; print what it left behind (every count must be 0).
+    /// Stop the agent every way it stops (SIGKILL, SIGTERM and liveness restarts, rollouts with
+    /// and without surge, uninstalls), fail its cgroup reads and reuse held apps' pids, at random
+    /// moments across held, quitting and changing pods; print what it left behind (every count
+    /// must be 0).
     Chaos {
-        /// How many times to kill the agent.
-        #[arg(long, default_value_t = chaos::DEFAULT_KILLS)]
+        /// How many disruptions (stops and faults) to make.
+        #[arg(long, visible_alias = "disruptions", default_value_t = chaos::DEFAULT_KILLS)]
         kills: u32,
         /// Replay a run's random choices (its seed is printed first).
         #[arg(long, env = "VALET_CHAOS_SEED")]

@@ -477,7 +477,8 @@ fn run_cell(
     // scenario, to check the rerun below.
     let crash_after = std::env::var("VALET_NODE_CRASH_AFTER").ok();
     let write_script = |only: &[String], boot: u32| -> Result<()> {
-        let text = cell_script(root, cell, &kernel, release, images, only, crash_after.as_deref().filter(|_| boot == 1));
+        let text =
+            cell_script(root, cell, &kernel, release, images, only, crash_after.as_deref().filter(|_| boot == 1));
         std::fs::write(&script, text)?;
         Ok(())
     };

@@ -173,6 +173,12 @@ impl Node {
         Ok(agent)
     }
 
+    /// Like [`Node::start_agent_in`] without waiting for `/readyz`, through `wrapper` (e.g.
+    /// `setpriv` with the manifest's capabilities).
+    pub fn spawn_agent_in_under(&self, pod: &str, wrapper: &[String], extra: &[&str]) -> Result<Agent> {
+        self.spawn_agent_env(wrapper, extra, &pod_env(pod))
+    }
+
     fn spawn_agent_env(&self, wrapper: &[String], extra: &[&str], env: &[(&str, &str)]) -> Result<Agent> {
         // The metrics port is found free, then bound by the agent: a process of a test running
         // beside this one may take it in between. The agent then exits at once, saying so, and
@@ -250,6 +256,16 @@ impl Node {
     /// capabilities), which execs the agent binary given as its last argument.
     pub fn start_deadline_keeper_under(&self, wrapper: &[String]) -> Result<DeadlineKeeper> {
         self.start_deadline_keeper_full(wrapper, &[], &[])
+    }
+
+    /// Like [`Node::start_deadline_keeper_in`], through `wrapper`, with `extra` flags.
+    pub fn start_deadline_keeper_in_under(
+        &self,
+        pod: &str,
+        wrapper: &[String],
+        extra: &[&str],
+    ) -> Result<DeadlineKeeper> {
+        self.start_deadline_keeper_full(wrapper, extra, &pod_env(pod))
     }
 
     fn start_deadline_keeper_env(&self, extra: &[&str], env: &[(&str, &str)]) -> Result<DeadlineKeeper> {

@@ -12,7 +12,7 @@
 //! does. See `valet_sim::node::SimPod::spawn`.
 //!
 //! Usage: `valet-sim-exec [--cgroup-procs PATH] [--netns PATH] [--uid N] [--delay-ns N] [--cwd DIR]
-//! [--pidns | --join-pidns PATH] -- PROGRAM ARGS...`
+//! [--pidns | --join-pidns PATH] [--host-pid N] -- PROGRAM ARGS...`
 //!
 //! fd 0 is the write end of a status pipe (the command gets /dev/null as its stdin). Written to
 //! it: `pid N` (with `--pidns` or `--join-pidns`: the command's host pid), or `err ERRNO WHAT` when a step before the
@@ -30,6 +30,8 @@ struct Opts {
     cwd: Option<CString>,
     pidns: bool,
     join_pidns: Option<CString>,
+    /// `--host-pid N`: the command should get host pid N (a pid freed just before, reused).
+    host_pid: Option<u32>,
     argv: Vec<CString>,
 }
 
@@ -55,6 +57,10 @@ fn parse(mut args: impl Iterator<Item = OsString>) -> Result<Opts, String> {
             b"--cwd" => o.cwd = Some(cstring(value("--cwd")?)?),
             b"--pidns" => o.pidns = true,
             b"--join-pidns" => o.join_pidns = Some(cstring(value("--join-pidns")?)?),
+            b"--host-pid" => {
+                let v = value("--host-pid")?;
+                o.host_pid = Some(v.to_string_lossy().parse().map_err(|_| format!("--host-pid {v:?}"))?);
+            }
             b"--" => {
                 o.argv = args.map(cstring).collect::<Result<_, _>>()?;
                 break;
@@ -208,6 +214,12 @@ fn main() {
         if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
             fail(status, errno(), "unshare(CLONE_NEWPID)");
         }
+    }
+    if let Some(want) = o.host_pid {
+        // The host's pid allocator hands out the pid after `ns_last_pid` next, if free: the
+        // command reuses pid `want` unless another fork on the host comes in between (the caller
+        // checks the pid it is told). A failed write leaves the pid to the allocator.
+        let _ = std::fs::write("/proc/sys/kernel/ns_last_pid", format!("{}", want.saturating_sub(1)));
     }
     // SAFETY: this process is single-threaded, so the child may run anything.
     let pid = unsafe { libc::fork() };

@@ -53,6 +53,9 @@ pub struct SpawnOptions {
     /// Wait this long in the container's cgroup (and pid namespace) before the exec, as `runc
     /// init` waits from `runc create` to `runc start`.
     pub exec_delay: Option<Duration>,
+    /// With a pid namespace (own or joined): give the command this host pid, freed just before
+    /// (`ns_last_pid` set right before `valet-sim-exec`'s fork; the caller checks the pid it got).
+    pub host_pid: Option<u32>,
 }
 
 impl Default for SpawnOptions {
@@ -66,6 +69,7 @@ impl Default for SpawnOptions {
             cwd: None,
             uid: None,
             exec_delay: None,
+            host_pid: None,
         }
     }
 }
@@ -233,6 +237,9 @@ impl SimPod {
             command.arg("--pidns");
         }
         let child_of_helper = opts.pid_namespace || opts.join_pid_namespace.is_some();
+        if let Some(pid) = opts.host_pid.filter(|_| child_of_helper) {
+            command.arg("--host-pid").arg(pid.to_string());
+        }
         command.arg("--").arg(prog).args(args);
         command.stdin(status_w).stdout(opts.stdout.stdio()?).stderr(opts.stderr.stdio()?);
         for (k, v) in &opts.env {
