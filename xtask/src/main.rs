@@ -21,6 +21,7 @@ mod imports;
 mod kernels;
 mod lint;
 mod node;
+mod node_images;
 mod node_lag;
 mod setup;
 mod sim;

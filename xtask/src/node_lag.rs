@@ -5,9 +5,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 
-use crate::node::{
-    Cell, OUT, base_images, disk_and_share, in_guest, kernel_append, node_image, reported_versions, script_head,
-};
+use crate::node::{Cell, OUT, disk_and_share, in_guest, kernel_append, node_image, reported_versions, script_head};
+use crate::node_images::base_images;
 use crate::vm::CACHE;
 use crate::vm::apt::Apt;
 use crate::vm::kernel::Kernel;
