@@ -94,14 +94,19 @@ impl<K: KernelControl> PodCgroups<K> {
             .cgroups
             .containers(pod_rel)
             .into_iter()
-            .map(|c| {
-                let procs = self.cgroups.container_procs(&c.rel);
-                (c, procs)
+            .map(|c| match self.cgroups.container_procs_proven(&c.rel) {
+                Ok(procs) => (c, procs, false),
+                Err(e) => {
+                    // Unreadable is not empty: the container is taken as running until a read
+                    // proves otherwise (a cgroup made unreadable must not end its pod early).
+                    warn!(%uid, cgroup = %c.rel, "cannot read the container's processes, taken as running: {e}");
+                    (c, Vec::new(), true)
+                }
             })
             .collect();
         let mut searched = false;
         let mut seen = Vec::with_capacity(containers.len());
-        for (i, (c, procs)) in containers.iter().enumerate() {
+        for (i, (c, procs, unreadable)) in containers.iter().enumerate() {
             // A container already running when its pod was first looked at: tell the kernel
             // which process is its main one (the exec that would have recorded it is past).
             if adopt && !procs.is_empty() && !self.kernel.exec_seen(c.id) {
@@ -113,7 +118,7 @@ impl<K: KernelControl> PodCgroups<K> {
                 // up from this container's processes, then the others' (the sandbox's pause
                 // runs as long as the pod).
                 searched = true;
-                let pod_procs: HashSet<u32> = containers.iter().flat_map(|(_, p)| p.iter().copied()).collect();
+                let pod_procs: HashSet<u32> = containers.iter().flat_map(|(_, p, _)| p.iter().copied()).collect();
                 let starts: Vec<u32> = procs
                     .iter()
                     .copied()
@@ -122,7 +127,7 @@ impl<K: KernelControl> PodCgroups<K> {
                             .iter()
                             .enumerate()
                             .filter(|(j, _)| *j != i)
-                            .filter_map(|(_, (_, p))| p.first().copied()),
+                            .filter_map(|(_, (_, p, _))| p.first().copied()),
                     )
                     .collect();
                 if self.bundles.find_runtime(&starts, &pod_procs) {
@@ -148,7 +153,7 @@ impl<K: KernelControl> PodCgroups<K> {
                 id: c.container.id.clone(),
                 runtime_name,
                 exec_done,
-                live: !procs.is_empty(),
+                live: !procs.is_empty() || *unreadable,
             });
         }
         seen

@@ -245,6 +245,29 @@ impl CgroupFs {
         if own.is_empty() { self.procs_recursive(rel) } else { own }
     }
 
+    /// [`CgroupFs::container_procs`], read so that "none" is proven: a cgroup removed meanwhile
+    /// holds no one, but any other read error (EACCES, EIO, out of budget) is `Err`, and the
+    /// caller must not take the container for ended on it.
+    pub fn container_procs_proven(&self, rel: &str) -> std::io::Result<Vec<u32>> {
+        let read = |rel: &str| match self.read_procs(rel) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            other => other,
+        };
+        let own = read(rel)?;
+        if !own.is_empty() {
+            return Ok(own);
+        }
+        let mut out = Vec::new();
+        let mut stack = self.child_dirs(rel);
+        let mut budget = 1024_u32;
+        while let Some(child) = stack.pop() {
+            budget = budget.checked_sub(1).ok_or_else(|| std::io::Error::other("over 1024 cgroups below"))?;
+            out.extend(read(&child)?);
+            stack.extend(self.child_dirs(&child));
+        }
+        Ok(out)
+    }
+
     /// Processes in a cgroup and every cgroup below it.
     pub fn procs_recursive(&self, rel: &str) -> Vec<u32> {
         let mut out = self.procs(rel);
@@ -308,6 +331,30 @@ mod tests {
     const REAL_: &str = "0f5c9b6e_3a7d_4e21_9b8a_1c2d3e4f5a6b";
     const ATTACKER_: &str = "11111111_2222_4333_8444_555555555555";
     const CTR: &str = "4d2a7c1f9e8b3a6d5c4b3a29180f7e6d5c4b3a2918f0e7d6c5b4a39281706f5e";
+
+    #[test]
+    fn a_container_whose_processes_cannot_be_read_is_not_proven_empty() {
+        let tree = TempTree::new("unreadable");
+        let fs = CgroupFs::new(&tree.0);
+        // runc: the processes in the container's cgroup; crun: one level below, the scope empty.
+        tree.mkdir("/pod/runc");
+        tree.procs("/pod/runc", &[41, 42]);
+        tree.mkdir("/pod/crun/container");
+        tree.procs("/pod/crun", &[]);
+        tree.procs("/pod/crun/container", &[51]);
+        assert_eq!(fs.container_procs_proven("/pod/runc").ok(), Some(vec![41, 42]));
+        assert_eq!(fs.container_procs_proven("/pod/crun").ok(), Some(vec![51]));
+        // Removed: it holds no one.
+        assert_eq!(fs.container_procs_proven("/pod/gone").ok(), Some(vec![]));
+        // A read error that is not "gone" (a directory where the file is: EISDIR, even for root)
+        // is no proof, at the container's cgroup and below it; the lenient read says "none".
+        tree.mkdir("/pod/bad/cgroup.procs");
+        assert!(fs.container_procs_proven("/pod/bad").is_err());
+        assert!(fs.container_procs("/pod/bad").is_empty());
+        tree.mkdir("/pod/crun2/container/cgroup.procs");
+        tree.procs("/pod/crun2", &[]);
+        assert!(fs.container_procs_proven("/pod/crun2").is_err());
+    }
 
     #[test]
     fn a_pod_planted_in_another_pods_cgroup_is_never_found() {
