@@ -96,7 +96,7 @@ impl From<Failure> for Error {
 pub fn request(addr: SocketAddr, method: &str, path: &str, limits: Limits) -> Result<Response, Failure> {
     let started = Instant::now();
     let mut stream = connect(addr, limits)?;
-    exchange(&mut stream, addr, method, path, limits, started, false).map(|(r, _)| r)
+    exchange(&mut stream, Ask { addr, method, path, limits, started, keep: false }).map(|(r, _)| r)
 }
 
 /// Opens a connection (blocking, at most `limits.connect_timeout`). The socket lives in the
@@ -118,19 +118,25 @@ pub fn idle_and_open(stream: &impl std::os::fd::AsRawFd) -> bool {
     crate::host::sys::poll(&mut pfd, 0).is_ok_and(|n| n == 0)
 }
 
+/// One request, as [`exchange`] and [`exchange_async`] send it.
+#[derive(Clone, Copy, Debug)]
+pub struct Ask<'a> {
+    pub addr: SocketAddr,
+    pub method: &'a str,
+    pub path: &'a str,
+    pub limits: Limits,
+    /// When the whole request began (the total deadline counts from there).
+    pub started: Instant,
+    /// Ask the server to keep the connection open.
+    pub keep: bool,
+}
+
 /// One request on an open connection; `keep`: ask the server to keep it open. Returns the
 /// answer and whether the connection can be used again (the answer ended exactly at its
 /// `Content-Length` and the server did not say `Connection: close`). `started`: when the whole
 /// request began (the total deadline counts from there).
-pub fn exchange(
-    stream: &mut TcpStream,
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    limits: Limits,
-    started: Instant,
-    keep: bool,
-) -> Result<(Response, bool), Failure> {
+pub fn exchange(stream: &mut TcpStream, ask: Ask<'_>) -> Result<(Response, bool), Failure> {
+    let Ask { addr, method, path, limits, started, keep } = ask;
     stream.set_write_timeout(Some(time_left(limits, started)?)).map_err(|e| Failure::Io(e.to_string()))?;
     let req = request_text(addr, method, path, keep);
     stream.write_all(req.as_bytes()).map_err(|e| io_failure(&e))?;
@@ -192,17 +198,12 @@ pub fn request_text(addr: SocketAddr, method: &str, path: &str, keep: bool) -> S
 
 /// [`exchange`] on the agent's runtime, for a kept connection (no thread hop): the same request,
 /// deadline, cap and reuse rule.
-#[allow(clippy::too_many_arguments, reason = "the same request properties as `exchange`")]
 pub async fn exchange_async(
     stream: &mut tokio::net::TcpStream,
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    limits: Limits,
-    started: Instant,
-    keep: bool,
+    ask: Ask<'_>,
     sent: Written,
 ) -> Result<(Response, bool), Failure> {
+    let Ask { addr, method, path, limits, started, keep } = ask;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let left = time_left(limits, started)?;
     let req = request_text(addr, method, path, keep);
@@ -524,13 +525,19 @@ mod tests {
         let mut s = connect(addr, limits).expect("connect");
         for _ in 0..3 {
             assert!(idle_and_open(&s));
-            let (r, again) = exchange(&mut s, addr, "GET", "/ready", limits, Instant::now(), true).expect("answer");
+            let (r, again) = exchange(
+                &mut s,
+                Ask { addr, method: "GET", path: "/ready", limits, started: Instant::now(), keep: true },
+            )
+            .expect("answer");
             assert_eq!((r.status, r.body.as_str()), (200, "OK"));
             assert!(again, "a complete keep-alive answer leaves the connection usable");
         }
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1, "one connection for three requests");
         // Asking to close: not kept.
-        let (_, again) = exchange(&mut s, addr, "POST", "/quit", limits, Instant::now(), false).expect("answer");
+        let (_, again) =
+            exchange(&mut s, Ask { addr, method: "POST", path: "/quit", limits, started: Instant::now(), keep: false })
+                .expect("answer");
         assert!(!again);
     }
 
@@ -543,10 +550,13 @@ mod tests {
         let mut s = tokio::net::TcpStream::from_std(std_stream).expect("tokio stream");
         for _ in 0..3 {
             assert!(idle_and_open(&s));
-            let (r, again) =
-                exchange_async(&mut s, addr, "GET", "/ready", limits, Instant::now(), true, Written::default())
-                    .await
-                    .expect("answer");
+            let (r, again) = exchange_async(
+                &mut s,
+                Ask { addr, method: "GET", path: "/ready", limits, started: Instant::now(), keep: true },
+                Written::default(),
+            )
+            .await
+            .expect("answer");
             assert_eq!((r.status, r.body.as_str()), (200, "OK"));
             assert!(again);
         }
@@ -561,7 +571,11 @@ mod tests {
         let short = Limits { total_timeout: Duration::from_millis(200), ..limits };
         let r = tokio::time::timeout(
             HANG_GUARD,
-            exchange_async(&mut s, hung, "GET", "/ready", short, Instant::now(), true, Written::default()),
+            exchange_async(
+                &mut s,
+                Ask { addr: hung, method: "GET", path: "/ready", limits: short, started: Instant::now(), keep: true },
+                Written::default(),
+            ),
         )
         .await;
         assert_eq!(r, Ok(Err(Failure::Timeout)), "the deadline did not hold");
@@ -641,8 +655,11 @@ mod tests {
         // A deadline no test machine reaches: answered from the framing, not at the deadline.
         let limits = Limits { total_timeout: HANG_GUARD, ..Limits::default() };
         let mut stream = connect(addr, limits).expect("connect");
-        let (response, again) =
-            exchange(&mut stream, addr, "GET", "/ready", limits, Instant::now(), true).expect("answer");
+        let (response, again) = exchange(
+            &mut stream,
+            Ask { addr, method: "GET", path: "/ready", limits, started: Instant::now(), keep: true },
+        )
+        .expect("answer");
         assert_eq!((response.status, response.body.as_str(), again), (200, "LIVE\n", true));
         let _ = release.send(());
         assert!(server.join().expect("server"), "the answer came only when the server let go");

@@ -358,7 +358,13 @@ async fn on_kept(
 ) -> Option<Result<Response, Failed>> {
     let PodRequest { target, port, method, path, limits, .. } = request;
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, *port));
-    match http::exchange_async(&mut stream, addr, method, path, *limits, started, reuse, sent).await {
+    match http::exchange_async(
+        &mut stream,
+        http::Ask { addr, method, path, limits: *limits, started, keep: reuse },
+        sent,
+    )
+    .await
+    {
         Ok((response, again)) => {
             if again {
                 keep(open, kept, (target.uid.clone(), *port), stream);
@@ -387,7 +393,10 @@ async fn on_new_connection(
             let answer = netns
                 .run(move || {
                     let mut stream = http::connect(addr, limits)?;
-                    let (response, again) = http::exchange(&mut stream, addr, method, &path, limits, started, reuse)?;
+                    let (response, again) = http::exchange(
+                        &mut stream,
+                        http::Ask { addr, method, path: &path, limits, started, keep: reuse },
+                    )?;
                     Ok::<_, http::Failure>((response, again.then_some(stream)))
                 })
                 .await;
