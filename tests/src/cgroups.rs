@@ -29,13 +29,28 @@ impl TestCgroups {
     }
 
     /// Creates every missing directory of a relative cgroup path; returns its absolute path.
+    /// Ancestors are shared by tests running at once: one that another test created may be
+    /// removed by that test's drop between our check and our mkdir below it (ENOENT), and one
+    /// may appear between our check and our mkdir (EEXIST); both are taken as they are and the
+    /// walk starts again.
     pub fn create(&mut self, rel: &str) -> Result<PathBuf> {
+        let mut attempts = 0;
+        loop {
+            match self.create_once(rel) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && attempts < 100 => attempts += 1,
+                other => return other.with_context(|| format!("mkdir {} under {}", rel, self.root.display())),
+            }
+        }
+    }
+
+    fn create_once(&mut self, rel: &str) -> std::io::Result<PathBuf> {
         let mut path = self.root.clone();
         for part in rel.trim_matches('/').split('/') {
             path.push(part);
-            if !path.exists() {
-                std::fs::create_dir(&path).with_context(|| format!("mkdir {}", path.display()))?;
-                self.created.push(path.clone());
+            match std::fs::create_dir(&path) {
+                Ok(()) => self.created.push(path.clone()),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(e),
             }
         }
         Ok(path)
