@@ -405,6 +405,9 @@ pub enum ApiPath {
     /// A sandboxed `runtimeClassName` (Kata, gVisor, GKE Sandbox): its app runs in a VM or a
     /// user-space kernel the node's kernel does not see.
     Sandboxed { runtime_class: String },
+    /// A `runtimeClassName` the agent's last list of RuntimeClasses did not have (made since, or
+    /// the list refused): its handler, a sandbox's or not, is unknown, so no guess.
+    UnknownRuntimeClass { runtime_class: String },
     /// The whole node runs degraded.
     NodeDegraded(DegradedReason),
 }
@@ -415,6 +418,7 @@ impl ApiPath {
         match self {
             ApiPath::HostPid => "host_pid",
             ApiPath::Sandboxed { .. } => "sandboxed",
+            ApiPath::UnknownRuntimeClass { .. } => "unknown_runtime_class",
             ApiPath::NodeDegraded(_) => "node_degraded",
         }
     }
@@ -428,6 +432,10 @@ impl ApiPath {
             ApiPath::Sandboxed { runtime_class } => {
                 format!("the pod runs sandboxed (runtimeClassName {runtime_class}), out of the node's kernel's sight")
             }
+            ApiPath::UnknownRuntimeClass { runtime_class } => format!(
+                "the pod's runtimeClassName {runtime_class} was not in the agent's last list of RuntimeClasses: \
+                 whether it runs sandboxed, out of the node's kernel's sight, is unknown (listed again now)"
+            ),
             ApiPath::NodeDegraded(reason) => {
                 format!("valet runs degraded on this node: {} ({reason})", reason.explain())
             }

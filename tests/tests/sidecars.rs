@@ -250,6 +250,28 @@ fn a_sandbox_is_known_by_its_runtime_class_handler() {
     assert!(!node.events_for(&plain).iter().any(|(r, _)| r == "EndsFromApi"), "{:?}", node.events_for(&plain));
 }
 
+/// A RuntimeClass made after the agent listed them: the first pod naming it is decided without a
+/// guess (its ends from the API, counted as an unknown class) and makes the agent list again; a
+/// pod after that list is decided by the class's handler.
+#[test]
+fn a_runtime_class_made_after_the_list_is_never_guessed_and_is_listed_again() {
+    use valet_sim::apiserver::Kind;
+    let node = Node::new().expect("node");
+    let agent = node.start_agent(&[]).expect("agent");
+    let class = serde_json::json!({"metadata": {"name": "late"}, "handler": "kata"});
+    node.api.put_object(Kind::RuntimeClass, class).expect("a RuntimeClass");
+    let first = node.job_pod(JobSpec::new("first-job").runtime_class("late")).expect("pod");
+    let note = wait_event(&node, &first, "EndsFromApi");
+    assert!(note.contains("runtimeClassName late was not in the agent's last list"), "{note}");
+    assert_eq!(agent.metric("valet_pods_api_path_total{reason=\"unknown_runtime_class\"} "), 1.0);
+    let listed = eventually(HANG_GUARD, || agent.log_text().contains("listed the RuntimeClasses again"));
+    assert!(listed, "no list after the miss: {}", agent.log_text());
+    let second = node.job_pod(JobSpec::new("second-job").runtime_class("late")).expect("pod");
+    let note = wait_event(&node, &second, "EndsFromApi");
+    assert!(note.contains("runtimeClassName late, handler kata"), "{note}");
+    assert_eq!(agent.metric("valet_pods_api_path_total{reason=\"sandboxed\"} "), 1.0, "{}", agent.log_text());
+}
+
 /// A node whose default runtime is a sandbox (`--default-runtime-handler kata`, as containerd's
 /// `default_runtime_name = "kata"`): a pod without a runtimeClassName takes its ends from the API,
 /// as a `kata` class's does; a pod whose class names runc keeps the kernel path.

@@ -325,7 +325,7 @@ impl Metrics {
         registry.register(
             "pods_api_path",
             "Opted-in pods the node's kernel cannot see, served from the API's container status without \
-             holds, by reason (host_pid, sandboxed, node_degraded)",
+             holds, by reason (host_pid, sandboxed, unknown_runtime_class, node_degraded)",
             Declared(self.api_path.clone()),
         );
     }
@@ -390,7 +390,7 @@ impl Metrics {
         for outcome in [ExitOutcome::Success, ExitOutcome::Failure, ExitOutcome::Signal] {
             let _ = self.exits.get_or_create(&ExitLabels { outcome });
         }
-        for reason in ["host_pid", "sandboxed", "node_degraded"] {
+        for reason in ["host_pid", "sandboxed", "unknown_runtime_class", "node_degraded"] {
             let _ = self.api_path.get_or_create(&ReasonLabels { reason });
         }
         for result in ["sent", "unclaimed"] {

@@ -1,6 +1,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
+use valet_agent::api::runtime_classes::RELIST;
 use valet_sim::apiserver::{Cost, Flow, ListRead, Traffic};
 use valet_sim::node::SpawnOptions;
 use valet_tests::harness::{Agent, Node, eventually};
@@ -18,6 +19,9 @@ const REAL_BOOKMARK_INTERVAL: Duration = Duration::from_secs(60);
 
 /// The agent's default `--watch-timeout`: each watch request is renewed this often.
 const WATCH_TIMEOUT: Duration = Duration::from_secs(290);
+
+/// The resource of the agent's RuntimeClass lists, and how often it makes one.
+const RUNTIME_CLASSES: &str = "node.k8s.io/runtimeclasses";
 
 /// The agent's two pod watches (the controller's of opted-in pods, the observer's of all).
 const WATCHES: f64 = 2.0;
@@ -169,6 +173,7 @@ struct AtRest {
     kubelet_requests: f64,
     renewals: f64,
     bookmarks: f64,
+    class_lists: f64,
 }
 
 /// Section 11, the API's bill: requests, bytes and watch events the agent costs the API server,
@@ -224,7 +229,14 @@ fn at_rest(node: &Node, window: Duration, pods: usize) -> Result<AtRest> {
     let rest = node.api.traffic().since(&before);
     let hours = t.elapsed().as_secs_f64() / 3600.0;
     print_flows(&format!("{pods} pods at rest, {:.0} s", t.elapsed().as_secs_f64()), &rest);
-    let rest_agent = rest.total(|f| f.user_agent == AGENT);
+    // The RuntimeClass list the agent makes every RELIST: a window of seconds holds one or none of
+    // them, so it is left out of the measured part and added at its period, each list the size of
+    // the ones the agent has made since its start.
+    let classes = |f: &Flow| f.resource == RUNTIME_CLASSES;
+    let rest_agent = rest.total(|f| f.user_agent == AGENT && !classes(f));
+    let made = node.api.traffic().total(|f| f.user_agent == AGENT && classes(f));
+    let class_list_bytes = made.response_bytes as f64 / made.requests.max(1) as f64;
+    let per_hour_class_lists = 3600.0 / RELIST.as_secs_f64();
     let rest_kubelet = rest.total(|f| f.user_agent == KUBELET);
     // Bookmarks at a real server's pace, and each watch renewed once per --watch-timeout. With
     // no event at rest, the watches' bytes are their bookmarks'.
@@ -236,19 +248,21 @@ fn at_rest(node: &Node, window: Duration, pods: usize) -> Result<AtRest> {
     };
     let per_hour_bookmarks = WATCHES * 3600.0 / REAL_BOOKMARK_INTERVAL.as_secs_f64();
     let per_hour_renewals = WATCHES * 3600.0 / WATCH_TIMEOUT.as_secs_f64();
-    let rest_requests = (rest_agent.requests as f64 / hours) + per_hour_renewals;
+    let rest_requests = (rest_agent.requests as f64 / hours) + per_hour_renewals + per_hour_class_lists;
     let measured_bytes = if rest_watch.watch_events == 0 {
         rest_agent.response_bytes.saturating_sub(rest_watch.response_bytes)
     } else {
         rest_agent.response_bytes
     };
-    let rest_bytes = measured_bytes as f64 / hours + per_hour_bookmarks * bookmark_bytes;
+    let rest_bytes =
+        measured_bytes as f64 / hours + per_hour_bookmarks * bookmark_bytes + per_hour_class_lists * class_list_bytes;
     println!(
         "  at rest, per node-hour: {rest_requests:.1} requests ({:.0} measured, {per_hour_renewals:.1} watch renewals \
-         every {} s), {:.0} watch events, {per_hour_bookmarks:.0} bookmarks of {bookmark_bytes:.0} B; the kubelet's pod \
-         traffic {:.0} requests",
+         every {} s, {per_hour_class_lists:.0} RuntimeClass lists of {class_list_bytes:.0} B every {} s), {:.0} watch \
+         events, {per_hour_bookmarks:.0} bookmarks of {bookmark_bytes:.0} B; the kubelet's pod traffic {:.0} requests",
         rest_agent.requests as f64 / hours,
         WATCH_TIMEOUT.as_secs(),
+        RELIST.as_secs(),
         rest_agent.watch_events as f64 / hours,
         rest_kubelet.requests as f64 / hours
     );
@@ -260,6 +274,7 @@ fn at_rest(node: &Node, window: Duration, pods: usize) -> Result<AtRest> {
         kubelet_requests: rest_kubelet.requests as f64 / hours,
         renewals: per_hour_renewals,
         bookmarks: per_hour_bookmarks,
+        class_lists: per_hour_class_lists,
     })
 }
 
@@ -301,10 +316,12 @@ fn bill_rows(bill: &Bill, table: &mut Table) {
         &format!("the kubelet's pod status syncs: {:.0} requests", rest.kubelet_requests),
         "—",
         format!(
-            "measured over {:.0} s; {:.1} watch renewals and {:.0} bookmarks an hour added at a real server's pace",
+            "measured over {:.0} s; {:.1} watch renewals and {:.0} bookmarks an hour added at a real server's pace, \
+             {:.0} RuntimeClass lists at the agent's",
             rest.window.as_secs_f64(),
             rest.renewals,
-            rest.bookmarks
+            rest.bookmarks,
+            rest.class_lists
         ),
     );
     table.add(

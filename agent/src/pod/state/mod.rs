@@ -74,8 +74,12 @@ impl Rules {
             if sandboxed(&self.sandboxed_classes, class) {
                 return Some(ApiPath::Sandboxed { runtime_class: class.to_owned() });
             }
-            if let Some(handler) = handler.filter(|h| sandboxed(&self.sandboxed_classes, h)) {
-                return Some(ApiPath::Sandboxed { runtime_class: format!("{class}, handler {handler}") });
+            match handler {
+                Some(handler) if sandboxed(&self.sandboxed_classes, &handler) => {
+                    return Some(ApiPath::Sandboxed { runtime_class: format!("{class}, handler {handler}") });
+                }
+                Some(_) => {}
+                None => return Some(ApiPath::UnknownRuntimeClass { runtime_class: class.to_owned() }),
             }
         } else if let Some(handler) = self.default_handler.as_deref().filter(|h| sandboxed(&self.sandboxed_classes, h))
         {

@@ -117,17 +117,29 @@ fn a_runtime_class_is_known_by_its_handler_too() {
         let p = plan(&with_class(pod("Never", &[], &[]), class), &r.defaults).expect("plan");
         assert_eq!(r.api_path(&p), Some(ApiPath::Sandboxed { runtime_class: want.into() }));
     }
-    // A class whose handler is no sandbox keeps the kernel path; so does an unlisted one.
-    for class in ["plain", "unlisted"] {
-        let mut d = Drive::with_rules(r.clone());
-        let fx = d.found(with_class(pod("Never", &[], &[HOLD]), class));
-        assert!(counted(&fx).is_empty() && publishes(&fx).is_empty(), "{class:?}: {fx:?}");
-    }
+    // A class whose handler is no sandbox keeps the kernel path.
+    let mut d = Drive::with_rules(r.clone());
+    let fx = d.found(with_class(pod("Never", &[], &[HOLD]), "plain"));
+    assert!(counted(&fx).is_empty() && publishes(&fx).is_empty(), "{fx:?}");
+    // A class the last list did not have: its handler is unknown, so its ends come from the API
+    // (no guess), the hold is refused and said, and the lister is asked for a list.
+    let mut d = Drive::with_rules(r.clone());
+    let fx = d.found(with_class(pod("Never", &[], &[HOLD]), "unlisted"));
+    assert_eq!(counted(&fx), ["unknown_runtime_class"], "{fx:?}");
+    assert_eq!(publishes(&fx), [(true, "HoldUnavailable")], "{fx:?}");
+    assert!(never_held(&fx), "{fx:?}");
+    let p = plan(&with_class(pod("Never", &[], &[]), "unlisted"), &r.defaults).expect("plan");
+    assert_eq!(r.api_path(&p), Some(ApiPath::UnknownRuntimeClass { runtime_class: "unlisted".into() }));
 }
 
 #[test]
 fn on_a_node_whose_default_runtime_is_a_sandbox_pods_without_a_class_are_sandboxed() {
-    let r = Rules { default_handler: Some("kata".into()), ..rules(true) };
+    use crate::api::runtime_classes::RuntimeHandlers;
+    let r = Rules {
+        default_handler: Some("kata".into()),
+        runtime_handlers: RuntimeHandlers::of(&[("runc", "runc")]),
+        ..rules(true)
+    };
     let mut d = Drive::with_rules(r.clone());
     let fx = d.found(pod("Never", &[], &[HOLD]));
     assert_eq!(counted(&fx), ["sandboxed"], "{fx:?}");
@@ -150,8 +162,11 @@ fn on_a_node_whose_default_runtime_is_a_sandbox_pods_without_a_class_are_sandbox
 
 #[test]
 fn other_runtime_classes_keep_the_kernel_path() {
+    use crate::api::runtime_classes::RuntimeHandlers;
+    let handlers = RuntimeHandlers::of(&[("runc", "runc"), ("crun", "crun"), ("nvidia", "nvidia"), ("katana", "runc")]);
+    let r = Rules { runtime_handlers: handlers, ..rules(true) };
     for class in ["runc", "crun", "nvidia", "katana", ""] {
-        let mut d = Drive::new(true);
+        let mut d = Drive::with_rules(r.clone());
         let fx = d.found(with_class(pod("Never", &[], &[HOLD]), class));
         assert!(counted(&fx).is_empty() && publishes(&fx).is_empty(), "{class:?}: {fx:?}");
         assert!(has(&fx, &watch(true, true)), "{class:?}: {fx:?}");
