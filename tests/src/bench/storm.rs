@@ -249,7 +249,7 @@ fn stall_rows(
     table.add(
         "[5] … the same with Jobs shorter than the stall (started and ended while the agent was stopped): lost",
         format!("{} of {}", short.lost, short.ends),
-        "—",
+        "a container the agent never adopted waits for the API's report: its main is not guessed",
         "0",
         met(short.lost == 0 && short.ends >= plan.stall_ends).into(),
     );
