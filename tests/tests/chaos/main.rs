@@ -62,6 +62,7 @@ use valet_tests::harness::{
     AGENT_DAEMONSET, AGENT_NAMESPACE, Agent, DeadlineKeeper, JobPod, JobSpec, Node, eventually, process_state as state,
 };
 use valet_tests::pins;
+use valet_tests::unreadable::{manifest_capabilities, with_capabilities};
 
 mod faults;
 mod judge;
@@ -79,35 +80,6 @@ use tally::Tally;
 fn env_u64(name: &str) -> Option<u64> {
     let v = std::env::var(name).ok()?;
     Some(v.trim().parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a number")))
-}
-
-/// The capabilities the manifest adds to each container (after `drop: [ALL]`), in order: the
-/// agent's, then the keeper's.
-fn manifest_capabilities() -> Vec<Vec<String>> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/base/daemonset.yaml");
-    let text = std::fs::read_to_string(&path).expect("read the DaemonSet");
-    let mut sets: Vec<Vec<String>> = Vec::new();
-    let mut in_add = false;
-    for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
-        if line == "add:" {
-            in_add = true;
-            sets.push(Vec::new());
-        } else if let Some(cap) = line.strip_prefix("- ").filter(|_| in_add) {
-            sets.last_mut().expect("a set").push(cap.to_owned());
-        } else {
-            in_add = false;
-        }
-    }
-    assert!(sets.len() >= 2 && sets.iter().all(|s| !s.is_empty()), "two capability sets in {}", path.display());
-    sets
-}
-
-/// `setpriv` arguments that run a container's process as uid 0 with exactly `caps`.
-fn with_capabilities(caps: &[String]) -> Vec<String> {
-    let list: String = caps.iter().map(|c| format!(",+{}", c.to_lowercase())).collect();
-    ["setpriv", &format!("--bounding-set=-all{list}"), "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--"]
-        .map(str::to_owned)
-        .to_vec()
 }
 
 /// One turn: pods advance, then this turn's stop or special disruption, the agent back, the
