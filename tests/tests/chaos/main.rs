@@ -47,6 +47,7 @@
 //!
 //! `VALET_CHAOS_KILLS` sets the number of disruptions (stops and faults; default 25 here;
 //! `cargo xtask chaos` runs 200),
+//! `VALET_CHAOS_READ_FAULTS=0` leaves the read faults out,
 //! `VALET_CHAOS_SEED` replays a run's random choices (its seed is printed first; timings still
 //! differ from run to run).
 
@@ -80,6 +81,11 @@ use tally::Tally;
 fn env_u64(name: &str) -> Option<u64> {
     let v = std::env::var(name).ok()?;
     Some(v.trim().parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a number")))
+}
+
+/// Whether read faults are made (on unless `VALET_CHAOS_READ_FAULTS=0`).
+fn read_faults() -> bool {
+    env_u64("VALET_CHAOS_READ_FAULTS").unwrap_or(1) > 0
 }
 
 /// One turn: pods advance, then this turn's stop or special disruption, the agent back, the
@@ -123,8 +129,7 @@ fn turn(chaos: &mut Chaos<'_>, mut agent: Agent, special: usize, backoff: Durati
             (at, ns)
         }
         _ => {
-            let read_faults = env_u64("VALET_CHAOS_READ_FAULTS").unwrap_or(0) > 0;
-            let stop = Stop::draw(&mut chaos.rng, chaos.tally.stops.iter().sum(), read_faults);
+            let stop = Stop::draw(&mut chaos.rng, chaos.tally.stops.iter().sum(), read_faults());
             chaos.tally.stops[stop as usize] += 1;
             stop_once(chaos, &mut agent, stop)
         }
@@ -233,7 +238,6 @@ fn agent_stopped_every_way_leaves_no_app_run_early_stopped_late_or_without_its_r
     );
     // The run covered what it claims to: held apps of both kinds at the stops, every kind.
     assert!(t.held_at_kill[0] > 0 && t.held_at_kill[1] > 0, "seed {seed}: held apps of both kinds were stopped over");
-    let read_faults = env_u64("VALET_CHAOS_READ_FAULTS").unwrap_or(0) > 0;
-    let came = STOPS.iter().zip(t.stops).all(|(s, n)| n > 0 || (*s == Stop::ReadFault && !read_faults));
+    let came = STOPS.iter().zip(t.stops).all(|(s, n)| n > 0 || (*s == Stop::ReadFault && !read_faults()));
     assert!(came, "seed {seed}: every kind of stop came");
 }
