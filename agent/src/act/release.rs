@@ -778,7 +778,7 @@ mod tests {
         std::fs::remove_dir(tree.0.join("kubepods/pod2/c1/cgroup.procs")).expect("rmdir cgroup.procs");
         tree.procs(unreadable, &[unplaced.id()]);
         retries.iter_mut().for_each(|r| r.at = Instant::now());
-        let left = retry_releases(&cgroups, &metrics, None, retries.drain(..).collect()).len();
+        let left = retry_releases(&cgroups, &metrics, None, retries).len();
         let released = !process_stopped(Path::new("/proc"), unplaced.id());
         let _ = unplaced.kill();
         let _ = unplaced.wait();
