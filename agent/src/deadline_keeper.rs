@@ -423,6 +423,8 @@ mod tests {
     struct Records {
         map: Arc<Mutex<BTreeMap<u32, HeldRecord>>>,
         later: Arc<Mutex<Option<(u32, HeldRecord)>>>,
+        /// Lookups and deletes fail (as a bpf(2) call on the pin may), the walk still reads.
+        broken: Arc<std::sync::atomic::AtomicBool>,
     }
 
     impl Records {
@@ -448,11 +450,17 @@ mod tests {
 
         fn lookup(&self, tgid: u32) -> Result<Option<HeldRecord>, String> {
             self.kernel_writes();
+            if self.broken.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err("EIO".into());
+            }
             Ok(self.get(tgid))
         }
 
         fn delete(&mut self, tgid: u32) -> Result<(), String> {
             self.kernel_writes();
+            if self.broken.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err("EIO".into());
+            }
             self.map.lock().expect("records").remove(&tgid);
             Ok(())
         }
@@ -555,6 +563,28 @@ mod tests {
         assert_eq!(later, Pass { records: 1, released: 1, dropped: 0, failed: 0 });
         assert!(!app.stopped(), "not released once its cgroup could be read");
         assert!(records.get(app.pid()).is_none());
+    }
+
+    #[test]
+    fn a_record_that_cannot_be_read_again_is_kept_and_retried() {
+        let tree = TempTree::new("keeper-map-error");
+        let c = container(&tree, "/kubepods/pod1/app", &[]);
+        // Its process is gone (a pid no process has): proven, but the record cannot be read
+        // again before the delete (the compare of compare-and-delete), so it is kept.
+        let gone = std::process::Command::new("true").spawn().expect("spawn true");
+        let gone_pid = gone.id();
+        let _ = { gone }.wait();
+        let records = Records::default();
+        records.put(gone_pid, hold(c, 1, 10));
+        records.broken.store(true, std::sync::atomic::Ordering::Relaxed);
+        let mut keeper = keeper(&tree, &records);
+        assert_eq!(keeper.pass(NOW), Pass { records: 1, released: 0, dropped: 0, failed: 1 });
+        assert!(records.get(gone_pid).is_some(), "a record that could not be read again was deleted");
+        // Within the backoff: not tried again; after it, with the map answering: dropped.
+        assert_eq!(keeper.pass(NOW + 1), Pass { records: 1, ..Pass::default() });
+        records.broken.store(false, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(keeper.pass(NOW + backoff(1)), Pass { records: 1, dropped: 1, ..Pass::default() });
+        assert!(records.get(gone_pid).is_none());
     }
 
     #[test]

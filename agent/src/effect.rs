@@ -219,7 +219,13 @@ pub enum Feedback {
     /// Every container cgroup the pod has on the node now (a scan of the pod cgroup): one the
     /// API calls running that is not among them has ended.
     Containers(Vec<ContainerSeen>),
-    LeftHeld(Vec<LeftHeld>),
+    /// What [`Effect::FindLeftHeld`] found. `complete`: every container's processes were read;
+    /// when one could not be (a read error), a process left held there may be missing from
+    /// `found`, and the search is made again later.
+    LeftHeld {
+        found: Vec<LeftHeld>,
+        complete: bool,
+    },
     Network {
         ok: bool,
         detail: String,

@@ -8,3 +8,4 @@ pub mod harness;
 pub mod held;
 pub mod kernel_suite;
 pub mod pins;
+pub mod unreadable;

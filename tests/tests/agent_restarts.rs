@@ -20,6 +20,7 @@ use valet_tests::harness::{
 use valet_tests::held::{
     HOLD, HOLD_TIMEOUT, app_pid, assert_held, held_spec, loopback_probes, marker_script, wait_condition, wait_probes,
 };
+use valet_tests::unreadable::{Unreadable, manifest_capabilities, with_capabilities};
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
@@ -474,4 +475,47 @@ fn api_down_at_sigterm_keeps_held_apps_until_their_deadline() {
             .any(|l| l.contains("released a held app at its deadline") && l.contains(&format!("pid={pid} ")))
     };
     assert!(eventually(HANG_GUARD, logged), "released by the keeper at the deadline\n{}", keeper.log_text());
+}
+
+/// A held app whose cgroup cannot be read when a successor starts (its owner made it unreadable
+/// to valet: another uid, mode 0700; the agents run with the manifest's capabilities, without
+/// CAP_DAC_OVERRIDE), its proxy turning ready meanwhile. The successor cannot find the app then;
+/// once the cgroup reads again it must find and release it, not leave it stopped until its
+/// deadline (120 s here, far past the hang guard). The crash test's read faults found this: an
+/// agent that searched the pod once, read the unreadable cgroup as empty and never looked again.
+#[test]
+fn an_app_held_in_a_cgroup_unreadable_at_a_restart_runs_once_it_reads_again() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let caps = with_capabilities(&manifest_capabilities()[0]);
+    let start = |what: &str| {
+        let mut agent = node.spawn_agent_under(&caps, &[]).unwrap_or_else(|e| panic!("{what}: {e}"));
+        agent.wait_ready(HANG_GUARD).unwrap_or_else(|e| panic!("{what} not ready: {e}\n{}", agent.log_text()));
+        agent
+    };
+    let mut agent = start("agent");
+    let app = HeldApp::new(&node, &agent, "unreadable", "120s");
+    agent.stop(libc::SIGKILL, HANG_GUARD).expect("kill the agent");
+    let root = valet_agent::cgroup::root::find_cgroup2_root(None, Path::new("/proc")).expect("the cgroup2 root");
+    let unreadable = Unreadable::make(&root, app.pid()).expect("the app's cgroup made unreadable");
+    std::fs::write(&app.ready, "").expect("ready file");
+    let agent = start("successor");
+    // It looked, and could not read the app's cgroup: the app is still stopped (the fault holds).
+    assert!(
+        eventually(HANG_GUARD, || agent.log_text().contains("cannot read the container's processes")),
+        "the successor read the unreadable cgroup\n{}",
+        agent.log_text()
+    );
+    assert!(app.stopped(), "released while its cgroup could not be read\n{}", agent.log_text());
+    unreadable.restore();
+    let ran = wait_file(&app.marker, HANG_GUARD);
+    assert!(ran.is_some(), "left stopped once its cgroup read again, its proxy ready\n{}", agent.log_text());
+    println!("unreadable at the restart: app ran {ran:?} after its cgroup read again");
+    // By the successor's pod loop (its proxy ready), not at a deadline.
+    let released = format!("released app pid={} reason=\"ready\"", app.pid());
+    assert!(
+        eventually(HANG_GUARD, || agent.log_text().contains(&released)),
+        "released by the successor as ready\n{}",
+        agent.log_text()
+    );
 }

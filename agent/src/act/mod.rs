@@ -233,7 +233,10 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             Effect::ScanContainers { pod_rel, adopt } => {
                 Some(Feedback::Containers(self.pod_cgroups.scan(uid, &pod_rel, adopt, &self.releases)))
             }
-            Effect::FindLeftHeld { pod_rel } => Some(Feedback::LeftHeld(self.releases.left_held(&pod_rel, now))),
+            Effect::FindLeftHeld { pod_rel } => {
+                let (found, complete) = self.releases.left_held(&pod_rel, now);
+                Some(Feedback::LeftHeld { found, complete })
+            }
             Effect::Watch { pod_cgroup, pod_rel, exits, hold, hold_timeout } => {
                 // No hold that could outlive this agent unrecorded: without a pinned record a
                 // crash would leave the app stopped with no deadline anyone keeps.

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use crate::cgroup::signal::{Pinned, Placed, pin_in_cgroup, pin_in_cgroup_id, pin_pid_placed, place_in_cgroup};
+use crate::cgroup::signal::{
+    Pinned, Placed, pin_in_cgroup, pin_in_cgroup_id, pin_pid, pin_pid_placed, place_in_cgroup, place_pinned,
+};
 use crate::cgroup::{CgroupFs, Search};
 use crate::effect::{LeftHeld, Nanos};
 use crate::host::proc::{nspid, process_stopped, stopped};
@@ -67,12 +69,17 @@ enum Sent {
     Gone(String),
     /// A real failure, with the pidfd when the process is still there (to retry).
     Failed(String, Option<Pinned>),
+    /// Its cgroup could not be read (a read error): not signalled, the process pinned to place
+    /// it again later.
+    Unplaced(String, Pinned),
 }
 
-/// A SIGCONT that failed, to try again at `at`.
+/// A SIGCONT that failed, or a release whose process could not be placed, to try again at `at`.
 struct Retry {
     release: Release,
     pinned: Pinned,
+    /// Whether the pinned process was found in the release's cgroup (else it is placed first).
+    placed: bool,
     tries: u32,
     at: Instant,
 }
@@ -91,6 +98,13 @@ fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<Pinn
                     Err(e) => Sent::Failed(e.chain().to_string(), Some(pinned)),
                 },
                 Placed::Elsewhere(why) => Sent::Gone(why),
+                // Placed again later: the cgroup may turn readable (an app whose release was
+                // decided is not released by the sweep, which leaves a holding pod's apps to it).
+                Placed::Unsure(why) if !r.container_rel.is_empty() => match pin_pid_placed(r.tgid) {
+                    Ok(pinned) => Sent::Unplaced(why, pinned),
+                    Err(Placed::Elsewhere(gone)) => Sent::Gone(gone),
+                    Err(_) => Sent::Failed(why, None),
+                },
                 Placed::Unsure(why) => Sent::Failed(why, None),
             };
             (r, sent)
@@ -117,7 +131,15 @@ fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<Pinn
             Sent::Failed(e, Some(pinned)) => {
                 metrics.release_failures.inc();
                 warn!(pid = tgid, reason, "SIGCONT failed (tried again after a backoff; its record is kept): {e}");
-                retries.push(Retry { release, pinned, tries: 1, at: Instant::now() + RETRY_FIRST });
+                retries.push(Retry { release, pinned, placed: true, tries: 1, at: Instant::now() + RETRY_FIRST });
+            }
+            Sent::Unplaced(e, pinned) => {
+                metrics.release_failures.inc();
+                warn!(
+                    pid = tgid,
+                    reason, "release not sent, its cgroup cannot be read (tried again; its record is kept): {e}"
+                );
+                retries.push(Retry { release, pinned, placed: false, tries: 1, at: Instant::now() + RETRY_FIRST });
             }
             Sent::Failed(e, None) => {
                 // Not signalled and nothing to retry through: it could not be placed (a read
@@ -137,11 +159,55 @@ fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<Pinn
     retries
 }
 
+/// Places a retry's process that could not be placed before: `Err` when it is gone or elsewhere
+/// (nothing to release), or still cannot be placed (tried again later).
+fn place_retry(cgroups: &CgroupFs, mut r: Retry, now: Instant) -> Result<Retry, Option<Retry>> {
+    if r.placed {
+        return Ok(r);
+    }
+    let Retry { release, pinned, tries, .. } = r;
+    if pinned.exited() {
+        info!(pid = release.tgid, "held app gone before its cgroup could be read");
+        return Err(None);
+    }
+    match place_pinned(cgroups, pinned, &release.container_rel) {
+        Placed::In(pinned) => Ok(Retry { release, pinned, placed: true, tries, at: now }),
+        Placed::Elsewhere(why) => {
+            info!(pid = release.tgid, "held app gone before its release: {why}");
+            Err(None)
+        }
+        Placed::Unsure(why) => {
+            // Pinned again: the pidfd went into the attempt.
+            let Ok(pinned) = pin_pid(release.tgid) else { return Err(None) };
+            r = Retry { release, pinned, placed: false, tries: tries + 1, at: now + backoff(tries + 1) };
+            debug!(pid = r.release.tgid, tries = r.tries, "the held app's cgroup still cannot be read: {why}");
+            Err(Some(r))
+        }
+    }
+}
+
+/// The wait before try `tries + 1`.
+fn backoff(tries: u32) -> Duration {
+    RETRY_FIRST.saturating_mul(1 << tries.min(8)).min(RETRY_MAX)
+}
+
 /// Tries the due retries again; returns those still failing.
-fn retry_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, retries: Vec<Retry>) -> Vec<Retry> {
+fn retry_releases(
+    cgroups: &CgroupFs,
+    metrics: &Metrics,
+    ledger: Option<&HeldLedger>,
+    retries: Vec<Retry>,
+) -> Vec<Retry> {
     let now = Instant::now();
     let (due, mut waiting): (Vec<Retry>, Vec<Retry>) = retries.into_iter().partition(|r| r.at <= now);
-    for mut r in due {
+    for r in due {
+        let mut r = match place_retry(cgroups, r, now) {
+            Ok(r) => r,
+            Err(again) => {
+                waiting.extend(again);
+                continue;
+            }
+        };
         match r.pinned.signal(libc::SIGCONT) {
             Ok(()) => {
                 if let Some(ledger) = ledger {
@@ -157,7 +223,7 @@ fn retry_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, retries: Vec<R
             Err(e) => {
                 metrics.release_failures.inc();
                 r.tries += 1;
-                let wait = RETRY_FIRST.saturating_mul(1 << r.tries.min(8)).min(RETRY_MAX);
+                let wait = backoff(r.tries);
                 warn!(pid = r.release.tgid, tries = r.tries, "SIGCONT failed again: {}", e.chain());
                 r.at = now + wait;
                 waiting.push(r);
@@ -197,7 +263,12 @@ fn real_time(priority: u8) {
 
 impl Releaser {
     /// `priority`: the thread's SCHED_FIFO priority (0: the normal class).
-    fn start(metrics: Arc<Metrics>, ledger: Option<Arc<HeldLedger>>, priority: u8) -> Option<Releaser> {
+    fn start(
+        cgroups: CgroupFs,
+        metrics: Arc<Metrics>,
+        ledger: Option<Arc<HeldLedger>>,
+        priority: u8,
+    ) -> Option<Releaser> {
         let (tx, rx) = std::sync::mpsc::channel::<Vec<PinnedRelease>>();
         let thread = std::thread::Builder::new()
             .name("valet-release".into())
@@ -219,10 +290,12 @@ impl Releaser {
                     if let Some(batch) = batch {
                         retries.extend(send_releases(&metrics, ledger.as_deref(), batch));
                     }
-                    retries = retry_releases(&metrics, ledger.as_deref(), retries);
+                    retries = retry_releases(&cgroups, &metrics, ledger.as_deref(), retries);
                 }
-                // The agent stops: one last try each; a record left is its successor's.
-                for r in retries {
+                // The agent stops: one last try each (placed first); a record left is its
+                // successor's.
+                let now = Instant::now();
+                for r in retries.into_iter().filter_map(|r| place_retry(&cgroups, r, now).ok()) {
                     let _ = r.pinned.signal(libc::SIGCONT);
                 }
             })
@@ -269,7 +342,7 @@ impl Releases {
         priority: u8,
     ) -> Releases {
         Releases {
-            releaser: Releaser::start(metrics.clone(), ledger.clone(), priority),
+            releaser: Releaser::start(cgroups.clone(), metrics.clone(), ledger.clone(), priority),
             cgroups,
             host_proc,
             metrics,
@@ -339,21 +412,35 @@ impl Releases {
 
     /// Processes stopped at exec in the pod's containers: those the kernel's record names (any
     /// process: a shareProcessNamespace app is not its namespace's init), and stopped
-    /// namespace inits (held by an agent without a pinned record). Effect `FindLeftHeld`.
-    pub fn left_held(&self, pod_rel: &str, now: Nanos) -> Vec<LeftHeld> {
+    /// namespace inits (held by an agent without a pinned record). Effect `FindLeftHeld`. The
+    /// bool: whether every container's processes could be read (a cgroup that cannot be read is
+    /// not an empty one: what is held there is found by a later search).
+    pub fn left_held(&self, pod_rel: &str, now: Nanos) -> (Vec<LeftHeld>, bool) {
         let proc = &self.host_proc;
+        let records = self.ledger.as_ref().map(|l| l.records()).unwrap_or_default();
         let mut found = Vec::new();
+        let mut complete = true;
         for c in self.cgroups.containers(pod_rel) {
-            for (pid, since) in self.recorded_held(&c.rel) {
-                found.push(LeftHeld { tgid: pid, container_cgroup: c.id, since });
+            let procs = match self.cgroups.procs_recursive_proven(&c.rel) {
+                Ok(procs) => procs,
+                Err(e) => {
+                    warn!(cgroup = %c.rel, "cannot read a container's processes: what an earlier agent held there is looked for again later: {e}");
+                    complete = false;
+                    continue;
+                }
+            };
+            for (pid, r) in &records {
+                if procs.contains(pid) && process_stopped(proc, *pid) {
+                    found.push(LeftHeld { tgid: *pid, container_cgroup: c.id, since: r.ktime_ns });
+                }
             }
-            for pid in self.cgroups.container_procs(&c.rel) {
+            for pid in procs {
                 if held_at_exec(proc, pid) && !found.iter().any(|f| f.tgid == pid) {
                     found.push(LeftHeld { tgid: pid, container_cgroup: c.id, since: stopped_since(proc, pid, now) });
                 }
             }
         }
-        found
+        (found, complete)
     }
 
     /// Stopped processes in container cgroup `rel` (or below it) that the kernel's record says
@@ -382,7 +469,7 @@ impl Releases {
         // The holding pods' processes, read only for a stopped record no tracked pod holds: a
         // sweep of a node whose held apps are all known reads no cgroup (with 110 held pods,
         // reading theirs every second was most of the agent's own CPU beside the probes).
-        let mut in_holding_pods: Option<HashSet<u32>> = None;
+        let mut in_holding_pods: Option<(HashSet<u32>, Vec<&String>)> = None;
         let mut orphans = Vec::new();
         for (tgid, record) in ledger.records() {
             if held.contains(&tgid) {
@@ -408,13 +495,18 @@ impl Releases {
                     continue;
                 }
             }
-            let claimed = in_holding_pods
-                .get_or_insert_with(|| holding_pods.iter().flat_map(|rel| self.cgroups.procs_recursive(rel)).collect());
+            let (claimed, unread) = in_holding_pods.get_or_insert_with(|| claimed_by(&self.cgroups, holding_pods));
             if claimed.contains(&tgid) {
                 continue;
             }
             // The signal goes only to the process in the cgroup it was stopped in (no reused pid).
             match self.cgroups.search_by_id(record.cgroup_id, "/", CGROUP_SEARCH_BUDGET) {
+                // In a holding pod whose processes could not all be read: it may be the pod's
+                // (its search for what an earlier agent left held is made again until it reads
+                // them), and a release of it here could not place it either.
+                Search::Found(rel) if unread.iter().any(|p| rel == **p || rel.starts_with(&format!("{p}/"))) => {
+                    debug!(pid = tgid, cgroup = %rel, "held in a pod whose processes cannot be read: left to its pod");
+                }
                 Search::Found(rel) => orphans.push(Release {
                     tgid,
                     container_rel: rel,
@@ -514,6 +606,23 @@ impl Releases {
             }
         }
     }
+}
+
+/// The processes of the holding pods' cgroups, and the pods whose processes could not all be
+/// read (what is held there is not proven anyone else's).
+fn claimed_by<'a>(cgroups: &CgroupFs, holding_pods: &'a [String]) -> (HashSet<u32>, Vec<&'a String>) {
+    let mut claimed = HashSet::new();
+    let mut unread = Vec::new();
+    for rel in holding_pods {
+        match cgroups.procs_recursive_proven(rel) {
+            Ok(procs) => claimed.extend(procs),
+            Err(e) => {
+                debug!(pod_cgroup = %rel, "cannot read a holding pod's processes: {e}");
+                unread.push(rel);
+            }
+        }
+    }
+    (claimed, unread)
 }
 
 /// Whether a process is pid 1 of a pid namespace below the host's (the last `NSpid` entry is 1),
@@ -619,7 +728,7 @@ mod tests {
             .map(|pid| (release(pid), place_in_cgroup(&cgroups, pid, rel)))
             .collect();
         let metrics = Arc::new(Metrics::new());
-        let releaser = Releaser::start(metrics.clone(), None, 0).expect("release thread");
+        let releaser = Releaser::start(cgroups.clone(), metrics.clone(), None, 0).expect("release thread");
         assert!(releaser.send(batch).is_ok());
         // Shutdown waits for what was handed over: nothing is left stopped behind the agent.
         releaser.finish();
@@ -638,7 +747,7 @@ mod tests {
     }
 
     #[test]
-    fn an_app_gone_before_its_release_is_no_release_failure() {
+    fn an_app_gone_before_its_release_is_no_release_failure_and_one_not_placed_is_placed_again() {
         let tree = crate::cgroup::tree::TempTree::new("release-gone");
         let (rel, unreadable) = ("/kubepods/pod1/c1", "/kubepods/pod2/c1");
         tree.mkdir(rel);
@@ -659,13 +768,24 @@ mod tests {
             (release(unplaced.id(), unreadable), place_in_cgroup(&cgroups, unplaced.id(), unreadable)),
         ];
         let metrics = Metrics::new();
-        let retries = send_releases(&metrics, None, batch);
+        let mut retries = send_releases(&metrics, None, batch);
         let still_stopped = process_stopped(Path::new("/proc"), unplaced.id());
+        // Tried again while the cgroup still cannot be read: kept, not signalled.
+        retries.iter_mut().for_each(|r| r.at = Instant::now());
+        retries = retry_releases(&cgroups, &metrics, None, retries);
+        let stopped_after_retry = process_stopped(Path::new("/proc"), unplaced.id());
+        // The cgroup reads again (and names the app): the next try releases it.
+        std::fs::remove_dir(tree.0.join("kubepods/pod2/c1/cgroup.procs")).expect("rmdir cgroup.procs");
+        tree.procs(unreadable, &[unplaced.id()]);
+        retries.iter_mut().for_each(|r| r.at = Instant::now());
+        let left = retry_releases(&cgroups, &metrics, None, retries).len();
+        let released = !process_stopped(Path::new("/proc"), unplaced.id());
         let _ = unplaced.kill();
         let _ = unplaced.wait();
-        assert!(retries.is_empty());
-        assert!(still_stopped, "a process whose cgroup could not be read was signalled");
+        assert!(still_stopped && stopped_after_retry, "a process whose cgroup could not be read was signalled");
         assert_eq!(metrics.gone_before_release.get(), 1, "the app killed while held");
         assert_eq!(metrics.release_failures.get(), 1, "only the app that could not be placed");
+        assert!(released && left == 0, "the app whose cgroup could not be read is released once it can be");
+        assert_eq!(metrics.releases.get_or_create(&ReasonLabels { reason: "ready" }).get(), 1);
     }
 }

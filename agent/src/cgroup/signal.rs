@@ -61,6 +61,14 @@ pub fn place_in_cgroup(cgroups: &CgroupFs, pid: u32, rel: &str) -> Placed {
         Ok(pinned) => pinned,
         Err(placed) => return placed,
     };
+    place_pinned(cgroups, pinned, rel)
+}
+
+/// Whether process `pinned` (pinned earlier, and not exited: its pid is still its own) lives in
+/// cgroup `rel` or below: [`place_in_cgroup`] for a process pinned before its cgroup could be
+/// read.
+pub fn place_pinned(cgroups: &CgroupFs, pinned: Pinned, rel: &str) -> Placed {
+    let pid = pinned.pid;
     // The cgroup itself first (a container's main process lives there): the walk below it reads
     // a directory per level, which a release of a held app should not wait for.
     if cgroups.procs(rel).contains(&pid) {

@@ -268,6 +268,39 @@ impl CgroupFs {
         Ok(out)
     }
 
+    /// Processes in a cgroup and every cgroup below it, read so that "not there" is proven: a
+    /// cgroup removed meanwhile holds no one, but any other error reading a `cgroup.procs` or a
+    /// directory (EACCES, EIO, more than 1024 cgroups) is `Err`. A decision that drops or skips
+    /// something on "not in this cgroup" reads this, not [`CgroupFs::procs_recursive`].
+    pub fn procs_recursive_proven(&self, rel: &str) -> std::io::Result<Vec<u32>> {
+        let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
+        let mut out = Vec::new();
+        let mut stack = vec![rel.to_owned()];
+        let mut budget = 1024_u32;
+        while let Some(rel) = stack.pop() {
+            budget = budget.checked_sub(1).ok_or_else(|| std::io::Error::other("over 1024 cgroups below"))?;
+            match self.read_procs(&rel) {
+                Ok(pids) => out.extend(pids),
+                Err(e) if gone(&e) => continue,
+                Err(e) => return Err(std::io::Error::new(e.kind(), format!("read {rel}/cgroup.procs: {e}"))),
+            }
+            let entries = match std::fs::read_dir(self.abs(&rel)) {
+                Ok(entries) => entries,
+                Err(e) if gone(&e) => continue,
+                Err(e) => return Err(std::io::Error::new(e.kind(), format!("read the cgroups below {rel}: {e}"))),
+            };
+            for e in entries {
+                let e = e?;
+                if e.file_type()?.is_dir()
+                    && let Ok(name) = e.file_name().into_string()
+                {
+                    stack.push(format!("{}/{}", rel.trim_end_matches('/'), name));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Processes in a cgroup and every cgroup below it.
     pub fn procs_recursive(&self, rel: &str) -> Vec<u32> {
         let mut out = self.procs(rel);

@@ -1,38 +1,8 @@
 //! Faults of crash test v3 that are not stops: reads of a held app's cgroup failing for a
 //! while, and a held app's pid reused by the next held app.
-use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+use valet_tests::unreadable::Unreadable;
 
 use super::*;
-
-/// A cgroup directory made unreadable, and what to put back.
-struct Unreadable {
-    dir: PathBuf,
-    uid: u32,
-    gid: u32,
-    mode: u32,
-}
-
-impl Unreadable {
-    /// As a container's own root (its cgroup delegated to it, as a user-namespaced pod's is)
-    /// may: the app's cgroup owned by another uid, mode 0700. valet runs as uid 0 without
-    /// `CAP_DAC_OVERRIDE` (the manifest's capabilities), so its reads there fail with EACCES.
-    fn make(cgroup_root: &Path, pid: u32) -> Option<Unreadable> {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-        let rel = text.lines().find_map(|l| l.strip_prefix("0::"))?;
-        let dir = cgroup_root.join(rel.trim_start_matches('/'));
-        let m = std::fs::metadata(&dir).ok()?;
-        let saved = Unreadable { dir, uid: m.uid(), gid: m.gid(), mode: m.mode() & 0o7777 };
-        std::os::unix::fs::chown(&saved.dir, Some(65534), Some(65534)).ok()?;
-        std::fs::set_permissions(&saved.dir, std::fs::Permissions::from_mode(0o700)).ok()?;
-        Some(saved)
-    }
-
-    fn restore(self) {
-        // The cgroup may be gone with its pod meanwhile.
-        let _ = std::os::unix::fs::chown(&self.dir, Some(self.uid), Some(self.gid));
-        let _ = std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(self.mode));
-    }
-}
 
 impl Chaos<'_> {
     /// A held app: one of the population's, or one made now (placed, holding, proxy not ready).

@@ -47,6 +47,7 @@
 //!
 //! `VALET_CHAOS_KILLS` sets the number of disruptions (stops and faults; default 25 here;
 //! `cargo xtask chaos` runs 200),
+//! `VALET_CHAOS_READ_FAULTS=0` leaves the read faults out,
 //! `VALET_CHAOS_SEED` replays a run's random choices (its seed is printed first; timings still
 //! differ from run to run).
 
@@ -62,6 +63,7 @@ use valet_tests::harness::{
     AGENT_DAEMONSET, AGENT_NAMESPACE, Agent, DeadlineKeeper, JobPod, JobSpec, Node, eventually, process_state as state,
 };
 use valet_tests::pins;
+use valet_tests::unreadable::{manifest_capabilities, with_capabilities};
 
 mod faults;
 mod judge;
@@ -81,33 +83,9 @@ fn env_u64(name: &str) -> Option<u64> {
     Some(v.trim().parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a number")))
 }
 
-/// The capabilities the manifest adds to each container (after `drop: [ALL]`), in order: the
-/// agent's, then the keeper's.
-fn manifest_capabilities() -> Vec<Vec<String>> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/base/daemonset.yaml");
-    let text = std::fs::read_to_string(&path).expect("read the DaemonSet");
-    let mut sets: Vec<Vec<String>> = Vec::new();
-    let mut in_add = false;
-    for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
-        if line == "add:" {
-            in_add = true;
-            sets.push(Vec::new());
-        } else if let Some(cap) = line.strip_prefix("- ").filter(|_| in_add) {
-            sets.last_mut().expect("a set").push(cap.to_owned());
-        } else {
-            in_add = false;
-        }
-    }
-    assert!(sets.len() >= 2 && sets.iter().all(|s| !s.is_empty()), "two capability sets in {}", path.display());
-    sets
-}
-
-/// `setpriv` arguments that run a container's process as uid 0 with exactly `caps`.
-fn with_capabilities(caps: &[String]) -> Vec<String> {
-    let list: String = caps.iter().map(|c| format!(",+{}", c.to_lowercase())).collect();
-    ["setpriv", &format!("--bounding-set=-all{list}"), "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--"]
-        .map(str::to_owned)
-        .to_vec()
+/// Whether read faults are made (on unless `VALET_CHAOS_READ_FAULTS=0`).
+fn read_faults() -> bool {
+    env_u64("VALET_CHAOS_READ_FAULTS").unwrap_or(1) > 0
 }
 
 /// One turn: pods advance, then this turn's stop or special disruption, the agent back, the
@@ -151,8 +129,7 @@ fn turn(chaos: &mut Chaos<'_>, mut agent: Agent, special: usize, backoff: Durati
             (at, ns)
         }
         _ => {
-            let read_faults = env_u64("VALET_CHAOS_READ_FAULTS").unwrap_or(0) > 0;
-            let stop = Stop::draw(&mut chaos.rng, chaos.tally.stops.iter().sum(), read_faults);
+            let stop = Stop::draw(&mut chaos.rng, chaos.tally.stops.iter().sum(), read_faults());
             chaos.tally.stops[stop as usize] += 1;
             stop_once(chaos, &mut agent, stop)
         }
@@ -261,7 +238,6 @@ fn agent_stopped_every_way_leaves_no_app_run_early_stopped_late_or_without_its_r
     );
     // The run covered what it claims to: held apps of both kinds at the stops, every kind.
     assert!(t.held_at_kill[0] > 0 && t.held_at_kill[1] > 0, "seed {seed}: held apps of both kinds were stopped over");
-    let read_faults = env_u64("VALET_CHAOS_READ_FAULTS").unwrap_or(0) > 0;
-    let came = STOPS.iter().zip(t.stops).all(|(s, n)| n > 0 || (*s == Stop::ReadFault && !read_faults));
+    let came = STOPS.iter().zip(t.stops).all(|(s, n)| n > 0 || (*s == Stop::ReadFault && !read_faults()));
     assert!(came, "seed {seed}: every kind of stop came");
 }

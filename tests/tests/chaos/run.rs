@@ -106,9 +106,12 @@ impl Chaos<'_> {
     /// The agent's log lines about a pod, for a violation's report.
     pub(crate) fn log_about(agent: &Agent, pod: &Pod) -> String {
         let text = agent.log_text();
-        let lines: Vec<&str> = text.lines().filter(|l| l.contains(pod.name())).collect();
+        // Lines naming the pod, or its app's pid (a release names only the pid).
+        let pid = pod.app.map(|p| format!("pid={p} "));
+        let lines: Vec<&str> =
+            text.lines().filter(|l| l.contains(pod.name()) || pid.as_ref().is_some_and(|p| l.contains(p))).collect();
         if lines.is_empty() {
-            return "(it names the pod nowhere)".into();
+            return "(it names neither the pod nor its app's pid)".into();
         }
         lines[lines.len().saturating_sub(15)..].join("\n")
     }

@@ -39,8 +39,7 @@ const WEIGHTS: [u64; 7] = [30, 14, 12, 11, 11, 11, 11];
 
 impl Stop {
     /// The first turns cover every kind once (a short run too), then the seeded draw. Read
-    /// faults only with `read_faults` (`VALET_CHAOS_READ_FAULTS=1`): with them a run has left
-    /// held apps stopped, not yet explained (docs/dev/crash-test.md, "Figures").
+    /// faults only with `read_faults` (on unless `VALET_CHAOS_READ_FAULTS=0`).
     pub(crate) fn draw(rng: &mut Rng, n: usize, read_faults: bool) -> Stop {
         let kinds: Vec<Stop> = STOPS.iter().copied().filter(|s| read_faults || *s != Stop::ReadFault).collect();
         if n < kinds.len() {

@@ -21,7 +21,7 @@ impl PodState {
                 self.note_vanished(&seen);
                 self.merge_containers(seen);
             }
-            Feedback::LeftHeld(found) => fx.extend(self.adopt(found)),
+            Feedback::LeftHeld { found, complete } => fx.extend(self.adopt(found, complete, now)),
             Feedback::Network { ok, detail } => {
                 if !ok {
                     debug!(pod = %self.name(), "pod network namespace not open yet: {detail}");

@@ -74,8 +74,17 @@ impl PodState {
     }
 
     /// Takes over processes an earlier agent left stopped at exec: apps (and containers not
-    /// named yet) are held again with their original deadline; the rest run at once.
-    pub(super) fn adopt(&mut self, found: Vec<LeftHeld>) -> Vec<Effect> {
+    /// named yet) are held again with their original deadline; the rest run at once. Not
+    /// `complete` (a container's processes could not be read): the search is made again a
+    /// little later, until it reads them all (a process left held there would otherwise stay
+    /// stopped until its deadline: the sweep leaves a holding pod's processes to the pod).
+    pub(super) fn adopt(&mut self, found: Vec<LeftHeld>, complete: bool, now: Nanos) -> Vec<Effect> {
+        if !complete
+            && !self.stopping
+            && let Some(node) = self.node_mut()
+        {
+            node.left_held_again_at = Some(now + LEFT_HELD_AGAIN_NS);
+        }
         let mut fx = Vec::new();
         for f in found {
             if let Some(c) = self.containers.get_mut(&f.container_cgroup) {
@@ -209,6 +218,9 @@ impl PodState {
         fx
     }
 }
+
+/// How soon a search for processes left held that could not read every container is made again.
+const LEFT_HELD_AGAIN_NS: Nanos = 100_000_000;
 
 /// Whether the kernel should hold this pod's app containers at their first exec (a hostPID pod's
 /// cannot be; [`asks_hold`] says whether the pod asks).

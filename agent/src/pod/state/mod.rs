@@ -186,6 +186,8 @@ struct Attached {
     network_open: bool,
     /// Processes an earlier agent left stopped in the pod were looked for.
     left_held_searched: bool,
+    /// The search could not read every container's processes: when to look again.
+    left_held_again_at: Option<Nanos>,
 }
 
 /// The work done: the apps ended as the plan needs, and the sidecars were asked to quit (or had
@@ -633,6 +635,13 @@ impl PodState {
                     QuitState::Failed { retry_at: Some(_) } | QuitState::Accepted { escalate_at: Some(_) }
                 )
             });
+        // A search for what an earlier agent left held that could not read everything.
+        let search_again = self.node().and_then(|n| n.left_held_again_at).is_some_and(|at| now >= at);
+        if search_again && let Some(node) = self.node_mut() {
+            node.left_held_again_at = None;
+            node.left_held_searched = false;
+        }
+        let timed = timed || search_again;
         if self.settled && !timed && self.held_now().is_empty() {
             return fx;
         }

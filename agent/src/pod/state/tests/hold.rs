@@ -73,14 +73,42 @@ fn adopted_processes_keep_their_original_deadline() {
     let annotations = [("valet.dev/hold-app", "true"), ("valet.dev/hold-timeout", "10s")];
     d.found(pod("Never", &[], &annotations));
     // An earlier agent stopped this app 9.5 s ago; the sidecar's was stopped too.
-    let fx = d.feed(Feedback::LeftHeld(vec![
-        LeftHeld { tgid: 50, container_cgroup: APP, since: d.now - 9_500_000_000 },
-        LeftHeld { tgid: 51, container_cgroup: PROXY, since: d.now - 9_500_000_000 },
-    ]));
+    let fx = d.feed(Feedback::LeftHeld {
+        found: vec![
+            LeftHeld { tgid: 50, container_cgroup: APP, since: d.now - 9_500_000_000 },
+            LeftHeld { tgid: 51, container_cgroup: PROXY, since: d.now - 9_500_000_000 },
+        ],
+        complete: true,
+    });
     assert_eq!(releases(&fx), [(51, "not_app")]);
     assert!(has(&fx, &Effect::ClassifyExec { container_cgroup: APP, hold: false }), "its later execs run: {fx:?}");
     assert!(releases(&d.after(250)).is_empty());
     assert_eq!(releases(&d.after(250)), [(50, "timeout")], "10 s after it was stopped, not after adoption");
+}
+
+#[test]
+fn a_search_for_left_held_apps_that_could_not_read_a_container_is_made_again() {
+    let mut d = Drive::new(true);
+    let search = Effect::FindLeftHeld { pod_rel: POD_REL.into() };
+    let fx = d.found(pod("Never", &[], &[("valet.dev/hold-app", "true")]));
+    assert!(has(&fx, &search), "{fx:?}");
+    // An earlier agent's held app is in a cgroup that cannot be read now (its owner made it
+    // unreadable): nothing found, and the search says it is not complete. Not again at once
+    // (no loop of searches), and the proxy turns ready meanwhile.
+    let fx = d.feed(Feedback::LeftHeld { found: Vec::new(), complete: false });
+    assert!(!has(&fx, &search), "{fx:?}");
+    d.feed(Feedback::Probed { ready: true, detail: String::new() });
+    // A tick later the search is made again; the cgroup reads now, and the app is found and
+    // released (its proxy is ready), not left stopped until its deadline.
+    let fx = d.after(250);
+    assert!(has(&fx, &search), "searched again: {fx:?}");
+    let found = vec![LeftHeld { tgid: 70, container_cgroup: APP, since: d.now - SEC }];
+    let fx = d.feed(Feedback::LeftHeld { found, complete: true });
+    assert_eq!(releases(&fx), [(70, "ready")]);
+    // Complete: never searched again.
+    for _ in 0..4 {
+        assert!(!has(&d.after(250), &search));
+    }
 }
 
 #[test]
@@ -128,7 +156,8 @@ fn shutdown_also_releases_what_the_kernel_stopped_after_the_last_event() {
     d.found(pod("Never", &[], &[("valet.dev/hold-app", "true")]));
     let fx = d.s.shutdown();
     assert!(has(&fx, &Effect::FindLeftHeld { pod_rel: POD_REL.into() }), "{fx:?}");
-    let fx = d.feed(Feedback::LeftHeld(vec![LeftHeld { tgid: 60, container_cgroup: APP, since: d.now }]));
+    let found = vec![LeftHeld { tgid: 60, container_cgroup: APP, since: d.now }];
+    let fx = d.feed(Feedback::LeftHeld { found, complete: true });
     assert_eq!(releases(&fx), [(60, "shutdown")]);
     assert_eq!(releases(&d.held(APP, 61, "report")), [(61, "not_app")], "nothing is held any more");
 }
