@@ -452,9 +452,8 @@ mod tests {
         assert_eq!(net("null"), None);
         assert_eq!(parse_bundle(CONTAINERD.as_bytes(), MAX_CONFIG_BYTES).expect("parsed").net, None);
         // A malformed entry is a malformed record: nothing read from it.
-        let text = format!(
-            r#"{{"annotations":{{"io.kubernetes.cri-o.ContainerType":"sandbox"}},"linux":{{"namespaces":[{{"path":"/x"}}]}}}}"#
-        );
+        let text =
+            r#"{"annotations":{"io.kubernetes.cri-o.ContainerType":"sandbox"},"linux":{"namespaces":[{"path":"/x"}]}}"#;
         assert_eq!(parse_bundle(text.as_bytes(), MAX_CONFIG_BYTES), None);
     }
 
