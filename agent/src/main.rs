@@ -178,6 +178,11 @@ fn sidecar_defaults(cfg: &Config) -> SidecarDefaults {
     SidecarDefaults { names: cfg.pods.sidecar_names.clone(), hold_timeout: cfg.holds.hold_timeout }
 }
 
+/// The runtime's records (bundles): the fixed directories, then through the runtime's processes.
+fn runtime_bundles(cfg: &Config) -> RuntimeBundles {
+    RuntimeBundles::new(cfg.runtime_dirs(), Some(cfg.host.host_proc.clone())).with_root(cfg.kernel.host_root.clone())
+}
+
 /// Observes every pod on the node with a known sidecar (`--observe`), on a task of its own.
 fn start_observer(
     cfg: &Config,
@@ -193,7 +198,8 @@ fn start_observer(
         max_namespaces: cfg.observe.observe_max_namespaces,
         act: cfg.observe.act,
     };
-    let probe = NetnsProbe { host_proc: cfg.host.host_proc.clone(), cgroups };
+    let bundles = Arc::new(std::sync::Mutex::new(runtime_bundles(cfg)));
+    let probe = NetnsProbe { host_proc: cfg.host.host_proc.clone(), cgroups, bundles };
     let observer = Observer::new(settings, metrics, Arc::new(probe), ended_by_valet);
     tokio::spawn(observer.run(valet_agent::api::watch::all_pods_on_node(
         client,
@@ -273,9 +279,9 @@ async fn run(
     let act = Actuators::new(Parts {
         settings: act_settings(&cfg),
         cgroups: cgroups.clone(),
-        bundles: RuntimeBundles::new(cfg.runtime_dirs(), Some(cfg.host.host_proc.clone())),
+        bundles: runtime_bundles(&cfg),
         kernel,
-        link: Arc::new(PodNetwork::new(cfg.host.host_proc.clone(), cgroups)),
+        link: Arc::new(PodNetwork::new(cfg.host.host_proc.clone(), cgroups, runtime_bundles(&cfg))),
         client: writes.clone(),
         events: EventSink::new(writes, &cfg.node.node_name),
         metrics,

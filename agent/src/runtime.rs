@@ -66,12 +66,64 @@ pub enum BundleRole {
     Container(String),
 }
 
+/// A container's network namespace, as its runtime's record says (`config.json`'s
+/// `linux.namespaces`, written by the runtime before the container runs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NetRecord {
+    /// No network namespace entry: the runtime's own, the node's (a hostNetwork pod).
+    Node,
+    /// A new namespace, made with the container: the sandbox's (pause) where nothing pins it.
+    Own,
+    /// The namespace at this path in the runtime's mount namespace: CRI-O's pinned
+    /// `/var/run/netns/<uuid>` (every container's, with or without an infra container),
+    /// containerd's `/proc/<pause pid>/ns/net` for the pod's containers.
+    Path(PathBuf),
+}
+
+/// What a bundle says about a container: its role, its pod's uid, its network namespace (`None`:
+/// the record has no `linux.namespaces`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bundle {
+    pub role: BundleRole,
+    pub uid: Option<String>,
+    pub net: Option<NetRecord>,
+}
+
 /// The part of a `config.json` valet reads. Every other field (`process`, with its `env`;
-/// `mounts`; `linux`) is skipped by the parser without being built or kept.
+/// `mounts`; the rest of `linux`) is skipped by the parser without being built or kept.
 #[derive(Deserialize)]
 struct OciConfig {
     #[serde(default)]
     annotations: KubeAnnotations,
+    #[serde(default)]
+    linux: Option<OciLinux>,
+}
+
+#[derive(Deserialize)]
+struct OciLinux {
+    #[serde(default)]
+    namespaces: Option<Vec<OciNamespace>>,
+}
+
+#[derive(Deserialize)]
+struct OciNamespace {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    path: Option<String>,
+}
+
+impl OciLinux {
+    /// The network namespace entry as a [`NetRecord`]; `None` without a namespaces list, or
+    /// with a path that is not absolute.
+    fn net(self) -> Option<NetRecord> {
+        let namespaces = self.namespaces?;
+        let Some(net) = namespaces.into_iter().find(|n| n.kind == "network") else { return Some(NetRecord::Node) };
+        match net.path.filter(|p| !p.is_empty()) {
+            None => Some(NetRecord::Own),
+            Some(path) => Path::new(&path).is_absolute().then(|| NetRecord::Path(PathBuf::from(path))),
+        }
+    }
 }
 
 /// The kubelet's annotations, as containerd's CRI plugin and CRI-O spell them; others skipped.
@@ -94,6 +146,11 @@ struct KubeAnnotations {
 /// Reads the role and pod uid from a `config.json`'s annotations (containerd or CRI-O keys),
 /// streaming at most `limit` bytes of it: a longer or malformed file names nothing.
 pub fn parse_config(reader: impl std::io::Read, limit: u64) -> Option<(BundleRole, Option<String>)> {
+    parse_bundle(reader, limit).map(|b| (b.role, b.uid))
+}
+
+/// [`parse_config`], with the container's network namespace entry.
+pub fn parse_bundle(reader: impl std::io::Read, limit: u64) -> Option<Bundle> {
     let config: OciConfig = serde_json::from_reader(std::io::BufReader::new(reader.take(limit))).ok()?;
     let a = config.annotations;
     let role = match a.cri_type.or(a.crio_type)?.as_str() {
@@ -101,7 +158,7 @@ pub fn parse_config(reader: impl std::io::Read, limit: u64) -> Option<(BundleRol
         "container" => BundleRole::Container(a.cri_name.or(a.crio_name)?),
         _ => return None,
     };
-    Some((role, a.cri_uid.or(a.crio_uid)))
+    Some(Bundle { role, uid: a.cri_uid.or(a.crio_uid), net: config.linux.and_then(OciLinux::net) })
 }
 
 impl BundleRole {
@@ -150,11 +207,22 @@ struct Reach {
     dir: PathBuf,
 }
 
+/// Where the paths a bundle names are resolved: in the host root of the fixed directories, or in
+/// the mount namespace of the runtime process the bundle was read through (while it is the one
+/// found: `start` is its start time).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RecordRoot {
+    Dir(PathBuf),
+    Process { pid: u32, start: u64 },
+}
+
 /// Where container bundles are read from.
 #[derive(Clone, Debug, Default)]
 pub struct RuntimeBundles {
     /// Fixed directories, tried first.
     dirs: Vec<PathBuf>,
+    /// The host's root, where the paths of the fixed directories' bundles are resolved.
+    root: PathBuf,
     /// The host's procfs (runtime processes are found and read through it); none: fixed
     /// directories only.
     host_proc: Option<PathBuf>,
@@ -215,18 +283,29 @@ fn runtime_bundle(host_proc: &Path, pid: u32) -> Option<PathBuf> {
 impl RuntimeBundles {
     /// `dirs`: fixed directories; `host_proc`: where runtime processes are looked for.
     pub fn new(dirs: Vec<PathBuf>, host_proc: Option<PathBuf>) -> RuntimeBundles {
-        RuntimeBundles { dirs, host_proc, reaches: Vec::new() }
+        RuntimeBundles { dirs, root: PathBuf::from("/"), host_proc, reaches: Vec::new() }
+    }
+
+    /// The host's root (where the fixed directories' bundles name paths), `/` unless set.
+    pub fn with_root(mut self, root: PathBuf) -> RuntimeBundles {
+        self.root = root;
+        self
     }
 
     /// The role of container `id` in the pod with uid `pod_uid`, if a bundle says so: from the
     /// fixed directories, else through a runtime process found before.
     pub fn role(&mut self, id: &str, pod_uid: &str) -> Option<BundleRole> {
+        self.bundle(id, pod_uid).map(|(bundle, _)| bundle.role)
+    }
+
+    /// Container `id`'s bundle, if it is of pod `pod_uid`, and where the paths it names are.
+    pub fn bundle(&mut self, id: &str, pod_uid: &str) -> Option<(Bundle, RecordRoot)> {
         // Only a container id is ever joined to a directory.
         if !is_container_id(id) {
             return None;
         }
-        if let Some(role) = self.dirs.iter().find_map(|dir| read_bundle(dir, id, pod_uid)) {
-            return Some(role);
+        if let Some(bundle) = self.dirs.iter().find_map(|dir| read_bundle(dir, id, pod_uid)) {
+            return Some((bundle, RecordRoot::Dir(self.root.clone())));
         }
         let proc = self.host_proc.clone()?;
         let mut found = None;
@@ -234,8 +313,8 @@ impl RuntimeBundles {
             if found.is_some() {
                 return true;
             }
-            let (role, alive) = read_bundle_through(&proc, r, id, pod_uid);
-            found = role;
+            let (bundle, alive) = read_bundle_through(&proc, r, id, pod_uid);
+            found = bundle.map(|b| (b, RecordRoot::Process { pid: r.pid, start: r.start }));
             alive
         });
         found
@@ -287,19 +366,16 @@ impl RuntimeBundles {
 
 /// Reads container `id`'s bundle in `dir` (either runtime's layout); its role if it is of pod
 /// `pod_uid`.
-fn read_bundle(dir: &Path, id: &str, pod_uid: &str) -> Option<BundleRole> {
+fn read_bundle(dir: &Path, id: &str, pod_uid: &str) -> Option<Bundle> {
     [dir.join(id).join("config.json"), dir.join(id).join("userdata/config.json")].into_iter().find_map(|path| {
         let file = std::fs::File::open(path).ok()?;
-        match parse_config(file, MAX_CONFIG_BYTES) {
-            Some((role, Some(uid))) if uid == pod_uid => Some(role),
-            _ => None,
-        }
+        parse_bundle(file, MAX_CONFIG_BYTES).filter(|b| b.uid.as_deref() == Some(pod_uid))
     })
 }
 
 /// [`read_bundle`] through a runtime process's links, and whether that process is still the one
 /// found (checked after the open: what was opened was reached through it).
-fn read_bundle_through(host_proc: &Path, reach: &Reach, id: &str, pod_uid: &str) -> (Option<BundleRole>, bool) {
+fn read_bundle_through(host_proc: &Path, reach: &Reach, id: &str, pod_uid: &str) -> (Option<Bundle>, bool) {
     let alive = || start_time(host_proc, reach.pid) == Some(reach.start);
     let files = [reach.dir.join(id).join("config.json"), reach.dir.join(id).join("userdata/config.json")];
     for path in files {
@@ -307,10 +383,7 @@ fn read_bundle_through(host_proc: &Path, reach: &Reach, id: &str, pod_uid: &str)
         if !alive() {
             return (None, false);
         }
-        return match parse_config(file, MAX_CONFIG_BYTES) {
-            Some((role, Some(uid))) if uid == pod_uid => (Some(role), true),
-            _ => (None, true),
-        };
+        return (parse_bundle(file, MAX_CONFIG_BYTES).filter(|b| b.uid.as_deref() == Some(pod_uid)), true);
     }
     (None, alive())
 }
@@ -355,6 +428,33 @@ mod tests {
         assert_eq!(parse(r#"{"annotations":{}}"#), None);
         assert_eq!(parse(r#"{"annotations":{"io.kubernetes.cri.container-type":"container"}}"#), None);
         assert_eq!(parse(r#"{"annotations":{"io.kubernetes.cri.container-type":"weird"}}"#), None);
+    }
+
+    #[test]
+    fn reads_the_network_namespace_the_record_names() {
+        let net = |namespaces: &str| {
+            let text = format!(
+                r#"{{"annotations":{{"io.kubernetes.cri-o.ContainerType":"container",
+                "io.kubernetes.container.name":"app","io.kubernetes.pod.uid":"{UID}"}},
+                "process":{{"env":["SECRET=x"]}},"linux":{{"resources":{{}},"namespaces":{namespaces}}}}}"#
+            );
+            parse_bundle(text.as_bytes(), MAX_CONFIG_BYTES).expect("parsed").net
+        };
+        // CRI-O, with or without an infra container: the pinned namespace.
+        let pinned = r#"[{"type":"pid"},{"type":"network","path":"/var/run/netns/1502d2b9"},{"type":"ipc"}]"#;
+        assert_eq!(net(pinned), Some(NetRecord::Path("/var/run/netns/1502d2b9".into())));
+        // The sandbox that makes it; a hostNetwork pod's container (no entry).
+        assert_eq!(net(r#"[{"type":"network"},{"type":"uts"}]"#), Some(NetRecord::Own));
+        assert_eq!(net(r#"[{"type":"network","path":""}]"#), Some(NetRecord::Own));
+        assert_eq!(net(r#"[{"type":"pid"},{"type":"mount"}]"#), Some(NetRecord::Node));
+        // A relative path names nothing; no namespaces list is no record.
+        assert_eq!(net(r#"[{"type":"network","path":"netns/x"}]"#), None);
+        assert_eq!(net("null"), None);
+        assert_eq!(parse_bundle(CONTAINERD.as_bytes(), MAX_CONFIG_BYTES).expect("parsed").net, None);
+        // A malformed entry is a malformed record: nothing read from it.
+        let text =
+            r#"{"annotations":{"io.kubernetes.cri-o.ContainerType":"sandbox"},"linux":{"namespaces":[{"path":"/x"}]}}"#;
+        assert_eq!(parse_bundle(text.as_bytes(), MAX_CONFIG_BYTES), None);
     }
 
     #[test]

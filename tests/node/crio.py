@@ -27,6 +27,14 @@ stand-in (kubelet.py) calls, answered by running pods exactly as CRI-O does with
   overlay and the directories removed; StopPodSandbox/RemovePodSandbox: every container of the
   pod, then the infra container, the CNI DEL and the netns.
 
+`drop_infra` (CRI-O's `drop_infra_ctr = true`, OpenShift 4.7+'s default): as CRI-O's
+`Sandbox.NeedsInfra` (internal/lib/sandbox), a sandbox gets an infra container only when its pod
+shares one pid namespace (`shareProcessNamespace`); otherwise no pause runs: the network namespace
+is still pinned under /var/run/netns/<uuid> (pinns), and each container's config.json names it
+(`linux.namespaces[{type: network, path: /var/run/netns/<uuid>}]`), the only record of the pod's
+network namespace. (CRI-O's pinns also pins the IPC and UTS namespaces for the containers to share;
+here each container gets new ones: nothing valet reads.)
+
 Container ids are 64 hex digits; the API's `containerID` is `cri-o://<id>` (SCHEME).
 """
 import base64
@@ -132,14 +140,22 @@ class Sandbox:
         self.infra = None
         self.containers = []
 
+    def needs_infra(self, drop_infra):
+        """CRI-O's Sandbox.NeedsInfra: always without drop_infra_ctr; with it, only for a pod that
+        shares one pid namespace."""
+        pid = self.config["linux"]["security_context"]["namespace_options"].get("pid", "CONTAINER")
+        return not drop_infra or pid == "POD"
+
 
 class Crio:
     """The CRI methods kubelet.PodRun and the scenarios call, as `runtime(method, request)`."""
 
     scheme = SCHEME
 
-    def __init__(self, images_dir, driver="systemd"):
+    def __init__(self, images_dir, driver="systemd", drop_infra=False):
         self.driver = driver
+        # CRI-O's drop_infra_ctr, for the sandboxes made from now on.
+        self.drop_infra = drop_infra
         self.sandboxes, self.containers = {}, {}
         self.images = {}
         for d in (RUN, PERSIST, LAYERS, IMAGES, EXITS, SOCKETS, CRUN_ROOT, "/var/run/netns"):
@@ -237,6 +253,11 @@ class Crio:
         if infra:
             namespaces += [{"type": "ipc"}, {"type": "uts"}]
             if pid != "NODE":
+                namespaces.append({"type": "pid"})
+        elif sb.infra is None:
+            # drop_infra_ctr: no infra to join (pid POD always has one: needs_infra).
+            namespaces += [{"type": "ipc"}, {"type": "uts"}]
+            if pid == "CONTAINER":
                 namespaces.append({"type": "pid"})
         else:
             ipid = sb.infra.pid
@@ -390,6 +411,9 @@ class Crio:
                            f"k8s_POD_{meta['name']}_{meta['namespace']}_{meta['uid']}_{meta.get('attempt', 0)}"}
         if sb.netns.startswith("/var/run/netns/"):
             annotations["io.kubernetes.cri-o.NamespaceOptions"] = json.dumps(ns_opts)
+        if not sb.needs_infra(self.drop_infra):
+            self.sandboxes[sid] = sb
+            return pb.RunPodSandboxResponse(pod_sandbox_id=sid)
         image = self.images["docker.io/valet/pause:1"]
         args = (image["config"].get("Entrypoint") or []) + (image["config"].get("Cmd") or [])
         sc = {"privileged": config["linux"]["security_context"].get("privileged", False), "readonly_rootfs": True,

@@ -797,6 +797,73 @@ def job(api, agent, tag="", driver="systemd"):
         sc.teardown()
 
 
+def net_ns_of(pid):
+    """The inode of a process's network namespace."""
+    return os.stat(f"/proc/{pid}/ns/net").st_ino
+
+
+# A native sidecar (started first, so the pod's oldest process) whose process runs in a network
+# namespace of its own, as a sandboxed helper or a browser's network sandbox does.
+OWN_NETNS_HELPER = {"name": "sandboxed-helper", "image": "docker.io/valet/busybox:1", "restartPolicy": "Always",
+                    "command": ["unshare", "--net", "/bin/sh", "-c", "trap 'exit 0' TERM; while true; do sleep 0.2; done"],
+                    "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}
+
+
+def drop_infra(api, agent, tag="", driver="systemd"):
+    """CRI-O with `drop_infra_ctr = true` (OpenShift 4.7+'s default): no pause in the pod, the
+    pod's network namespace pinned at /var/run/netns/<uuid> and named only by the containers'
+    config.json; conmon (in the node's namespaces) in the pod's cgroup. The pod's oldest process
+    is a native sidecar's in a network namespace of its own (OWN_NETNS_HELPER), alive until the
+    kubelet stops it after the regular containers; the agent restarts (a rollout) once all run,
+    so it opens the pod's namespace then. The proxy must be quit (POST /quitquitquit) through the
+    namespace CRI-O's record names, within the kernel path's bound; the oldest process's is not
+    the pod's. (The first agent opened it at the first container's creation, before its
+    `unshare`: without the restart the oldest process was still in the pod's namespace.)"""
+    if CRIO is None:
+        raise Failed("not a CRI-O layout cell")
+    import crio
+    sc = Scenario(api, "drop_infra" + tag, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0", driver=driver,
+                  init_containers=[OWN_NETNS_HELPER])
+    CRIO.drop_infra = True
+    try:
+        sc.start()
+        CRIO.drop_infra = False
+        sb = CRIO.sandboxes[sc.run.sandbox_id]
+        if sb.infra is not None:
+            raise Failed("the sandbox has an infra container with drop_infra_ctr")
+        ids = {name: sc.run.containers[name]["id"] for name in ("sandboxed-helper", "app", "istio-proxy")}
+        for name, cid in ids.items():
+            config = json.load(open(f"{crio.RUN}/{cid}/userdata/config.json"))
+            net = [n.get("path") for n in config["linux"]["namespaces"] if n["type"] == "network"]
+            if net != [sb.netns] or not sb.netns.startswith("/var/run/netns/"):
+                raise Failed(f"{name}'s config.json names network namespace {net}, not the pinned {sb.netns}")
+        sc.proxy_ready()
+        helper, proxy = (container_pids(ids[n])[0] for n in ("sandboxed-helper", "istio-proxy"))
+        pinned = os.stat(sb.netns).st_ino
+        if net_ns_of(proxy) != pinned or net_ns_of(helper) == pinned:
+            raise Failed("the proxy is not in the pinned namespace, or the helper is (its unshare failed)")
+        if start_ticks(helper) > min(start_ticks(p) for cid in ids.values() for p in container_pids(cid)):
+            raise Failed("the helper is not the pod's oldest process")
+        if net_ns_of(CRIO.containers[ids["app"]].conmon) != net_ns_of(1):
+            raise Failed("the app's conmon is not in the node's network namespace")
+        agent.stop()
+        ready_s = agent.start()
+        time.sleep(2)
+        kernel_quits = metric(agent, KERNEL_QUITS)
+        sc.touch("go")
+        sc.finish()
+        exit_ns = uptime_ns(sc.path("app-exit"))
+        delay = quit_after(sc, exit_ns)
+        if not kernel_saw_exit(agent, kernel_quits):
+            raise Failed(f"the quit came {delay:.0f} ms after the app's exit, from the API")
+        return (f"no pause; agent restarted (ready in {ready_s:.1f} s) while the pod's oldest process ran in a "
+                f"network namespace of its own; quit through {sb.netns} {delay:.0f} ms after the app's exit; "
+                "conmon in the node's namespace" + driver_note(sc, "pod"))
+    finally:
+        CRIO.drop_infra = False
+        sc.teardown()
+
+
 class CgroupWatcher(threading.Thread):
     """When containerd removes an exited container's cgroup and bundle directory (5 ms polling)."""
 
@@ -1597,7 +1664,7 @@ def cgroupfs_twin(scenario):
 
 BASE = [job, hold_app, nested_pidns, short_app, onfailure_restart, restart_rules, oom_killed, agent_restart_held,
         daemonset_agent, cgroup_read_only, share_pidns, hostpid_nested, native_sidecar, dind_subcgroup, envoy_job,
-        no_bpffs, no_btf, kernel_lockdown]
+        no_bpffs, no_btf, kernel_lockdown, drop_infra]
 # Run after every other scenario of the cell and its twins: lockdown cannot be lowered again.
 LAST = [kernel_lockdown]
 # The DaemonSet's pod (ContainerAgent), as shipped.
@@ -1606,6 +1673,9 @@ if kubelet.CRI_RUNTIME == "crio":
     # The agent's pod runs through containerd's CRI (ContainerAgent): in the CRI-O layout's cell
     # the agent is the node's process, as in every other scenario.
     BASE = [s for s in BASE if s not in POD_AS_SHIPPED]
+else:
+    # CRI-O's drop_infra_ctr: the CRI-O layout's only.
+    BASE = [s for s in BASE if s is not drop_infra]
 if os.path.exists(KERNEL_BTF):
     BASE = [s for s in BASE if s is not no_btf]
 else:

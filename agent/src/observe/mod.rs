@@ -55,16 +55,20 @@ pub trait ReadyProbe: Send + Sync + 'static {
 pub struct NetnsProbe {
     pub host_proc: PathBuf,
     pub cgroups: CgroupFs,
+    /// The runtime's records, where each pod's network namespace is named.
+    pub bundles: Arc<std::sync::Mutex<crate::runtime::RuntimeBundles>>,
 }
 
 impl ReadyProbe for NetnsProbe {
     fn ready(&self, uid: &str, endpoint: &Endpoint) -> Pending<Option<bool>> {
         let (host_proc, cgroups, uid) = (self.host_proc.clone(), self.cgroups.clone(), uid.to_owned());
+        let bundles = self.bundles.clone();
         let (addr, path) = (SocketAddr::from((Ipv4Addr::LOCALHOST, endpoint.port)), endpoint.path.clone());
         Box::pin(async move {
             let netns = tokio::task::spawn_blocking(move || {
                 let pod = cgroups.find_pod(&uid)?;
-                crate::sidecar::netns::open_pod_netns(&host_proc, &cgroups, &pod.rel).ok()
+                let mut bundles = bundles.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                crate::sidecar::netns::open_pod_netns(&host_proc, &cgroups, &mut bundles, &uid, &pod.rel).ok()
             })
             .await
             .ok()

@@ -2,6 +2,7 @@
 //! loopback callers only, so every request is made from inside the pod's own network namespace.
 pub mod http;
 pub mod netns;
+mod pod_ns;
 pub mod quit_request;
 
 use std::future::Future;

@@ -12,19 +12,20 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use tracing::info;
 
+pub use super::pod_ns::Via;
+
 use super::http::{self, Response};
 use super::{Failed, Pending, PodRequest, PodTarget, SidecarLink, SocketError};
 use crate::cgroup::CgroupFs;
 use crate::error::{Error, Result};
 use crate::host::clock::monotonic_ns;
-use crate::host::container_main::start_time;
+use crate::runtime::RuntimeBundles;
 
 /// An open handle on a pod's network namespace.
 #[derive(Debug)]
@@ -32,59 +33,21 @@ pub struct PodNetns {
     file: File,
     /// Inode of the namespace (its identity).
     pub inode: u64,
-    /// The process it was opened through.
-    pub via_pid: u32,
+    /// How it was found.
+    pub via: Via,
 }
 
-/// Opens the network namespace of the pod whose cgroup is `pod_rel`: the pod's own, the one its
-/// sandbox holds, never a private one an app process made for itself (`unshare -rn`, Chromium's
-/// network sandbox). The sandbox starts first, so the pod's oldest process is in it. Only the
-/// processes of the pod's container cgroups (the sandbox's among them) count: CRI-O with
-/// `conmon_cgroup = "pod"` starts each container's monitor (conmon, in the node's namespaces)
-/// before it, in `crio-conmon-<id>.scope` beside the container's own scope, so the pod
-/// cgroup's oldest process there is a conmon, never the pod.
-///
-/// Refuses the node's own namespace (a hostNetwork pod, a process that moved, or a runtime's
-/// process in the pod's cgroup that has not joined the pod's namespace yet: runc's init between
-/// its cgroup placement and its `setns`): a quit sent to the node's loopback could reach another
-/// pod's sidecar. Refused, not kept: the next attempt looks again.
-pub fn open_pod_netns(host_proc: &Path, cgroups: &CgroupFs, pod_rel: &str) -> Result<PodNetns> {
-    // The node's namespace, where pid 1's is readable (hostNetwork pods are also skipped by the
-    // controller); and the agent's own, the node's for its hostNetwork DaemonSet, for where it
-    // is not (a pid 1 that is not dumpable).
-    let ns_of = |who: &str| std::fs::metadata(host_proc.join(who).join("ns/net")).map(|m| m.ino()).ok();
-    let node_ns = [ns_of("1"), ns_of("self")];
-    let mut members: Vec<(u64, u32)> =
-        pod_members(cgroups, pod_rel).into_iter().filter_map(|pid| Some((start_time(host_proc, pid)?, pid))).collect();
-    members.sort_unstable();
-    for pid in members.iter().map(|(_, pid)| *pid) {
-        let Ok(file) = File::open(host_proc.join(pid.to_string()).join("ns/net")) else { continue };
-        let Ok(meta) = file.metadata() else { continue };
-        // Checked after opening: if the pid was reused in between, it is no longer a member.
-        // (Read from the cgroup files: /proc/<pid>/cgroup is relative to our cgroup namespace.)
-        if !pod_members(cgroups, pod_rel).contains(&pid) {
-            continue;
-        }
-        if node_ns.contains(&Some(meta.ino())) {
-            return Err(Error::Endpoint(format!(
-                "the pod's oldest process ({pid}) is in the node's network namespace (hostNetwork, or a container \
-                 not moved into the pod's yet): refusing to call its loopback"
-            )));
-        }
-        return Ok(PodNetns { file, inode: meta.ino(), via_pid: pid });
-    }
-    Err(Error::Endpoint("no live process of the pod to enter its network namespace through".into()))
-}
-
-/// The processes of a pod: those in its cgroup itself and in its container cgroups (the
-/// sandbox's and the containers', however deep), not those of any other cgroup below it (CRI-O's
-/// `crio-conmon-<id>` monitors, anything a runtime or a privileged container made there).
-fn pod_members(cgroups: &CgroupFs, pod_rel: &str) -> Vec<u32> {
-    let mut pids = cgroups.procs(pod_rel);
-    for container in cgroups.containers(pod_rel) {
-        pids.extend(cgroups.procs_recursive(&container.rel));
-    }
-    pids
+/// Opens the network namespace of pod `uid`, whose cgroup is `pod_rel`: the one its runtime's
+/// record names ([`super::pod_ns`]). Refused, not kept: the next attempt looks again.
+pub fn open_pod_netns(
+    host_proc: &Path,
+    cgroups: &CgroupFs,
+    bundles: &mut RuntimeBundles,
+    uid: &str,
+    pod_rel: &str,
+) -> Result<PodNetns> {
+    let found = super::pod_ns::find_pod_netns(host_proc, cgroups, bundles, uid, pod_rel)?;
+    Ok(PodNetns { file: found.file, inode: found.inode, via: found.via })
 }
 
 impl PodNetns {
@@ -152,16 +115,19 @@ fn on_runtime(stream: TcpStream) -> Option<tokio::net::TcpStream> {
 pub struct PodNetwork {
     host_proc: PathBuf,
     cgroups: CgroupFs,
+    /// The runtime's records, where each pod's network namespace is named.
+    bundles: Mutex<RuntimeBundles>,
     open: Open,
     kept: Kept,
     ahead: Ahead,
 }
 
 impl PodNetwork {
-    pub fn new(host_proc: PathBuf, cgroups: CgroupFs) -> PodNetwork {
+    pub fn new(host_proc: PathBuf, cgroups: CgroupFs, bundles: RuntimeBundles) -> PodNetwork {
         PodNetwork {
             host_proc,
             cgroups,
+            bundles: Mutex::new(bundles),
             open: Arc::new(Mutex::new(HashMap::new())),
             kept: Arc::new(Mutex::new(HashMap::new())),
             ahead: Mutex::new(HashMap::new()),
@@ -192,7 +158,8 @@ impl PodNetwork {
             return Ok(netns.clone());
         }
         let rel = pod_rel.ok_or_else(|| Error::Endpoint("the pod's cgroup is not known yet".into()))?;
-        let netns = Arc::new(open_pod_netns(&self.host_proc, &self.cgroups, rel)?);
+        let mut bundles = self.bundles.lock().unwrap_or_else(PoisonError::into_inner);
+        let netns = Arc::new(open_pod_netns(&self.host_proc, &self.cgroups, &mut bundles, uid, rel)?);
         open.insert(uid.to_owned(), netns.clone());
         Ok(netns)
     }
@@ -456,34 +423,8 @@ mod tests {
         std::fs::write(cg.join("cgroup.procs"), format!("{me}\n")).expect("procs");
         std::fs::create_dir_all(dir.join("proc")).expect("proc");
         std::os::unix::fs::symlink(format!("/proc/{me}"), dir.join("proc").join(me.to_string())).expect("link");
-        let net = PodNetwork::new(dir.join("proc"), CgroupFs::new(dir.join("cgroup")));
+        let net = PodNetwork::new(dir.join("proc"), CgroupFs::new(dir.join("cgroup")), RuntimeBundles::default());
         (dir, net, rel)
-    }
-
-    #[test]
-    fn a_conmon_in_the_pod_cgroup_is_never_taken_for_the_pod() {
-        // CRI-O with conmon_cgroup = "pod": the only process is in the conmon's scope: no pod
-        // process to enter through; in the container's scope beside it, found.
-        let dir = std::env::temp_dir().join(format!("valet-netns-conmon-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let id = "ab".repeat(32);
-        let pod = "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0f5c9b6e_3a7d_4e21_9b8a_1c2d3e4f5a6b.slice";
-        let me = std::process::id();
-        let cgroups = CgroupFs::new(dir.join("cgroup"));
-        for scope in [format!("crio-conmon-{id}.scope"), format!("crio-{id}.scope")] {
-            std::fs::create_dir_all(cgroups.abs(&format!("{pod}/{scope}"))).expect("cgroup");
-        }
-        std::fs::create_dir_all(dir.join("proc")).expect("proc");
-        std::os::unix::fs::symlink(format!("/proc/{me}"), dir.join("proc").join(me.to_string())).expect("link");
-        let procs = |scope: &str| cgroups.abs(&format!("{pod}/{scope}")).join("cgroup.procs");
-        std::fs::write(procs(&format!("crio-conmon-{id}.scope")), format!("{me}\n")).expect("procs");
-        std::fs::write(procs(&format!("crio-{id}.scope")), "").expect("procs");
-        let conmon_only = open_pod_netns(&dir.join("proc"), &cgroups, pod);
-        std::fs::write(procs(&format!("crio-{id}.scope")), format!("{me}\n")).expect("procs");
-        let in_container = open_pod_netns(&dir.join("proc"), &cgroups, pod);
-        let _ = std::fs::remove_dir_all(&dir);
-        assert!(conmon_only.is_err(), "a conmon was taken for the pod: {conmon_only:?}");
-        assert_eq!(in_container.expect("the container's process").via_pid, me);
     }
 
     /// A loopback server that counts the connections it accepts and hands each to `serve`.

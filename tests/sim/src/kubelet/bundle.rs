@@ -8,7 +8,8 @@ use serde_json::json;
 use super::*;
 
 /// Writes a container's OCI bundle as the runtime does before it starts the process:
-/// containerd `<dir>/config.json`, CRI-O `<dir>/userdata/config.json`, with the CRI annotations.
+/// containerd `<dir>/config.json`, CRI-O `<dir>/userdata/config.json`, with the CRI annotations
+/// and the pod's network namespace path.
 pub fn write_bundle(dir: &Path, sim: &SimPod, c: &SimContainer, sandbox: bool) -> Result<()> {
     let (path, annotations) = match sim.runtime() {
         Runtime::Crio => (
@@ -33,7 +34,13 @@ pub fn write_bundle(dir: &Path, sim: &SimPod, c: &SimContainer, sandbox: bool) -
         ),
     };
     std::fs::create_dir_all(&path).with_context(|| format!("mkdir {}", path.display()))?;
-    let config = json!({"ociVersion": "1.1.0", "annotations": annotations});
+    // The pod's network namespace, named as CRI-O names its pinned one (a pod without one of its
+    // own writes no namespaces: no record, as a runtime valet cannot read).
+    let config = match sim.netns_path() {
+        Some(netns) => json!({"ociVersion": "1.1.0", "annotations": annotations, "linux": {"namespaces": [
+            {"type": "pid"}, {"type": "network", "path": netns}]}}),
+        None => json!({"ociVersion": "1.1.0", "annotations": annotations}),
+    };
     let file = path.join("config.json");
     std::fs::write(&file, serde_json::to_vec(&config)?).with_context(|| format!("write {}", file.display()))
 }
