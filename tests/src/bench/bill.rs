@@ -305,25 +305,7 @@ fn bill_rows(bill: &Bill, table: &mut Table) {
         "no write",
         met(unlab.writes == 0.0).into(),
     );
-    table.add(
-        &format!("[11] API cost per node-hour at rest, {pods} pods, the agent"),
-        format!(
-            "{:.1} requests, {:.1} KiB received, {:.0} watch events",
-            rest.requests,
-            rest.bytes / 1024.0,
-            rest.watch_events
-        ),
-        &format!("the kubelet's pod status syncs: {:.0} requests", rest.kubelet_requests),
-        "—",
-        format!(
-            "measured over {:.0} s; {:.1} watch renewals and {:.0} bookmarks an hour added at a real server's pace, \
-             {:.0} RuntimeClass lists at the agent's",
-            rest.window.as_secs_f64(),
-            rest.renewals,
-            rest.bookmarks,
-            rest.class_lists
-        ),
-    );
+    rest_row(pods, rest, table);
     table.add(
         &format!("[11] API cost of an agent restart, {pods} pods (the re-list)"),
         format!(
@@ -358,6 +340,29 @@ fn bill_rows(bill: &Bill, table: &mut Table) {
             "a DaemonSet rollout (every agent re-lists): {:.0} requests, {:.1} GiB from the watch cache",
             restart.requests as f64 * NODES,
             restart.response_bytes as f64 * NODES / (1u64 << 30) as f64
+        ),
+    );
+}
+
+/// [11]'s row of the node at rest, per node-hour.
+fn rest_row(pods: usize, rest: &AtRest, table: &mut Table) {
+    table.add(
+        &format!("[11] API cost per node-hour at rest, {pods} pods, the agent"),
+        format!(
+            "{:.1} requests, {:.1} KiB received, {:.0} watch events",
+            rest.requests,
+            rest.bytes / 1024.0,
+            rest.watch_events
+        ),
+        &format!("the kubelet's pod status syncs: {:.0} requests", rest.kubelet_requests),
+        "—",
+        format!(
+            "measured over {:.0} s; {:.1} watch renewals and {:.0} bookmarks an hour added at a real server's pace, \
+             {:.0} RuntimeClass lists at the agent's",
+            rest.window.as_secs_f64(),
+            rest.renewals,
+            rest.bookmarks,
+            rest.class_lists
         ),
     );
 }
