@@ -169,9 +169,14 @@ fn start(node: &Node, caps: &[&str]) -> Agent {
 /// Spawns the agent with `caps` (under RLIMIT_MEMLOCK `memlock` when given, else this process's)
 /// and checks, once it runs, that the kernel gave it exactly those capabilities.
 fn spawn(node: &Node, memlock: Option<u64>, caps: &[&str]) -> Agent {
+    spawn_with(node, memlock, caps, &[])
+}
+
+/// [`spawn`] with `extra` flags.
+fn spawn_with(node: &Node, memlock: Option<u64>, caps: &[&str], extra: &[&str]) -> Agent {
     let mut wrapper = memlock.map(with_memlock).unwrap_or_default();
     wrapper.extend(with_capabilities(caps));
-    let agent = node.spawn_agent_under(&wrapper, &[]).expect("spawn agent");
+    let agent = node.spawn_agent_under(&wrapper, extra).expect("spawn agent");
     let pid = agent.pid().expect("pid");
     // The wrappers exec the agent: wait until the agent runs (its first log line; /proc shows
     // the new executable before the exec has given it its capabilities), then read them.
@@ -418,7 +423,16 @@ fn perf_event_paranoid() -> i32 {
 fn without_sys_ptrace_the_pods_network_namespace_cannot_be_opened() {
     let _serial = serial();
     let node = Node::new().expect("node");
-    let agent = start(&node, &others("SYS_PTRACE"));
+    // As in the DaemonSet, which mounts no runtime state directory: a runtime's record is
+    // reached through its processes (`/proc/<shim>/cwd` and `root`), a pod's namespace through
+    // `/proc/<pid>/ns/net`, all of which need ptrace-read on another's process. (The simulated
+    // node's runtime directory, which the other tests read as a fixed directory, would open a
+    // recorded path with no procfs in between.)
+    let none = node.scratch.path("no-runtime-state");
+    std::fs::create_dir_all(&none).expect("an empty runtime state directory");
+    let none = format!("--runtime-state-dirs={}", none.display());
+    let mut agent = spawn_with(&node, None, &others("SYS_PTRACE"), &[&none]);
+    agent.wait_ready(START).expect("ready");
     let mut job = node.job_pod(JobSpec::new("noptrace")).expect("pod");
     agent.wait_tracked(1, Duration::from_secs(10)).expect("tracked");
     assert!(!quit_after_app_exit(&agent, &mut job, QUIET), "no quit without ptrace-read\n{}", agent.log_text());

@@ -118,6 +118,9 @@ pub(crate) const CI_SCENARIOS: [&[&str]; 2] = [
         "no_btf",
     ],
 ];
+/// Scenarios of the CRI-O layout only (`cargo xtask node --cell sid/crun/crio`), which CI does
+/// not boot: a third cell would take CI from a fresh machine past its 45 minutes.
+pub(crate) const CRIO_ONLY: [&str; 1] = ["drop_infra"];
 /// `cargo xtask node` without `--matrix` or `--cell`.
 pub(crate) const DEFAULT_CELL: Cell = Cell { cgroups: Cgroups::V2, drivers: Drivers::Both, ..CI_CELLS[0] };
 /// The cells whose kernel boots without `/sys/kernel/btf` (`<cell>/no-btf`).
@@ -792,7 +795,8 @@ mod tests {
         assert!(base.len() >= 13, "{base:?}");
         let in_ci: Vec<&str> = CI_SCENARIOS.iter().flat_map(|s| s.iter().copied()).collect();
         for name in &base {
-            assert!(in_ci.contains(&name.as_str()), "{name} runs in no CI cell");
+            let crio_only = CRIO_ONLY.contains(&name.as_str());
+            assert!(in_ci.contains(&name.as_str()) != crio_only, "{name} runs in no CI cell, or is CRI-O's and in one");
         }
         for name in &in_ci {
             assert!(base.iter().any(|b| b == name), "CI names {name}, which scenarios.py does not have");

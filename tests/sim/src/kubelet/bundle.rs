@@ -9,8 +9,12 @@ use super::*;
 
 /// Writes a container's OCI bundle as the runtime does before it starts the process:
 /// containerd `<dir>/config.json`, CRI-O `<dir>/userdata/config.json`, with the CRI annotations
-/// and the pod's network namespace path.
-pub fn write_bundle(dir: &Path, sim: &SimPod, c: &SimContainer, sandbox: bool) -> Result<()> {
+/// and the pod's network namespace as each runtime names it: CRI-O its pinned path in every
+/// container's; containerd the pinned path in the sandbox's only, and in its containers'
+/// `/proc/<sandbox pid>/ns/net` (the CRI plugin's `GetNetworkNamespace(sandboxPid)`), which an
+/// agent opens through the host's procfs (ptrace-read on the pause process).
+/// `sandbox_pid`: the pod's sandbox process, once it runs.
+pub fn write_bundle(dir: &Path, sim: &SimPod, c: &SimContainer, sandbox: bool, sandbox_pid: Option<u32>) -> Result<()> {
     let (path, annotations) = match sim.runtime() {
         Runtime::Crio => (
             dir.join("userdata"),
@@ -36,7 +40,13 @@ pub fn write_bundle(dir: &Path, sim: &SimPod, c: &SimContainer, sandbox: bool) -
     std::fs::create_dir_all(&path).with_context(|| format!("mkdir {}", path.display()))?;
     // The pod's network namespace, named as CRI-O names its pinned one (a pod without one of its
     // own writes no namespaces: no record, as a runtime valet cannot read).
-    let config = match sim.netns_path() {
+    let netns = match (sim.runtime(), sandbox_pid) {
+        (Runtime::Containerd, Some(pid)) if !sandbox => {
+            sim.netns_path().map(|_| std::path::PathBuf::from(format!("/proc/{pid}/ns/net")))
+        }
+        _ => sim.netns_path().map(Path::to_path_buf),
+    };
+    let config = match netns {
         Some(netns) => json!({"ociVersion": "1.1.0", "annotations": annotations, "linux": {"namespaces": [
             {"type": "pid"}, {"type": "network", "path": netns}]}}),
         None => json!({"ociVersion": "1.1.0", "annotations": annotations}),

@@ -38,7 +38,8 @@ impl Inner {
         let name = spec.map_or("POD", |s| s.name.as_str());
         let c = kpod.sim.container(name)?;
         if let Some(dir) = self.bundle_dir(kpod, &c.id) {
-            write_bundle(&dir, &kpod.sim, &c, spec.is_none())?;
+            let sandbox_pid = kpod.sandbox.as_ref().map(|s| s.proc_.host_pid());
+            write_bundle(&dir, &kpod.sim, &c, spec.is_none(), sandbox_pid)?;
         }
         kpod.sim.make_container_cgroup(&c)?;
         let args: Vec<&str> = cmd.iter().map(String::as_str).collect();
