@@ -51,7 +51,13 @@ pub fn wait_probed_not_ready(node: &Node, job: &JobPod, agent: &Agent) {
         job.name,
         agent.log_text()
     );
-    assert_eq!(condition(node, job), None, "{}: no condition before the proxy is ready\n{}", job.name, agent.log_text());
+    assert_eq!(
+        condition(node, job),
+        None,
+        "{}: no condition before the proxy is ready\n{}",
+        job.name,
+        agent.log_text()
+    );
 }
 
 /// PATCH requests to the pod's status subresource (the agent's condition writes).

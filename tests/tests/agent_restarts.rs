@@ -18,7 +18,8 @@ use valet_tests::harness::{
     process_state as state, wait_file,
 };
 use valet_tests::held::{
-    HOLD, HOLD_TIMEOUT, app_pid, assert_held, held_spec, loopback_probes, marker_script, wait_probed_not_ready, wait_probes,
+    HOLD, HOLD_TIMEOUT, app_pid, assert_held, held_spec, loopback_probes, marker_script, wait_probed_not_ready,
+    wait_probes,
 };
 use valet_tests::unreadable::{Unreadable, manifest_capabilities, with_capabilities};
 static SERIAL: Mutex<()> = Mutex::new(());

@@ -115,7 +115,9 @@ pub(crate) fn placed(node: &Node, job: &JobPod) -> bool {
         name.starts_with("agent-") && name.ends_with(".log")
     });
     condition(node, job).is_some()
-        || logs.into_iter().any(|e| says_about(&std::fs::read_to_string(e.path()).unwrap_or_default(), "proxy not ready", &pod))
+        || logs
+            .into_iter()
+            .any(|e| says_about(&std::fs::read_to_string(e.path()).unwrap_or_default(), "proxy not ready", &pod))
 }
 
 /// The agent's `valet.dev/ProxyReady` condition status on the pod.
