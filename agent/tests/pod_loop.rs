@@ -144,14 +144,17 @@ async fn condition_writes_never_overtake_each_other() {
     node.container(3, "istio-proxy");
     let mut lp = start(&node, Duration::from_secs(120));
     lp.apply(job_pod(json!({})));
-    let first = next_patch(&mut lp.api).await.expect("first condition write");
-    assert_eq!(condition_of(&first), ("False".into(), "ProxyNotReady".into()));
-    // The proxy turns ready while the first write is still unanswered: no second write yet.
+    // Probed not ready for 400 ms: no write (a gate reads an absent condition as False).
+    assert!(no_patch(&mut lp.api, Duration::from_millis(400)).await, "a False before the first True");
     lock(&lp.link.0).ready = true;
+    let first = next_patch(&mut lp.api).await.expect("first condition write");
+    assert_eq!(condition_of(&first), ("True".into(), "ProxyReady".into()));
+    // The proxy turns unready while the first write is still unanswered: no second write yet.
+    lock(&lp.link.0).ready = false;
     assert!(no_patch(&mut lp.api, Duration::from_millis(400)).await, "a second write overtook the first");
     let _ = first.answer.send(());
     let second = next_patch(&mut lp.api).await.expect("second condition write");
-    assert_eq!(condition_of(&second), ("True".into(), "ProxyReady".into()));
+    assert_eq!(condition_of(&second), ("False".into(), "ProxyNotReady".into()), "a False after a True");
     let _ = second.answer.send(());
     assert!(no_patch(&mut lp.api, Duration::from_millis(300)).await, "written once per change");
     lp.stop().await;

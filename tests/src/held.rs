@@ -41,6 +41,25 @@ pub fn wait_condition(node: &Node, job: &JobPod, agent: &Agent, status: &str, re
     );
 }
 
+/// Waits until the agent probed the pod's proxy and found it not ready: it knows the pod, its
+/// cgroup and its network. Its log says so; the condition does not (no False before the first
+/// True: a readiness gate reads an absent condition as False).
+pub fn wait_probed_not_ready(node: &Node, job: &JobPod, agent: &Agent) {
+    assert!(
+        agent.wait_pod_line("proxy not ready", &format!("jobs/{}", job.name)),
+        "{}: never probed not ready\n{}",
+        job.name,
+        agent.log_text()
+    );
+    assert_eq!(
+        condition(node, job),
+        None,
+        "{}: no condition before the proxy is ready\n{}",
+        job.name,
+        agent.log_text()
+    );
+}
+
 /// PATCH requests to the pod's status subresource (the agent's condition writes).
 pub fn status_patches(node: &Node, job: &JobPod) -> Vec<RecordedRequest> {
     let path = format!("/api/v1/namespaces/jobs/pods/{}/status", job.name);

@@ -18,7 +18,8 @@ use valet_tests::harness::{
     process_state as state, wait_file,
 };
 use valet_tests::held::{
-    HOLD, HOLD_TIMEOUT, app_pid, assert_held, held_spec, loopback_probes, marker_script, wait_condition, wait_probes,
+    HOLD, HOLD_TIMEOUT, app_pid, assert_held, held_spec, loopback_probes, marker_script, wait_probed_not_ready,
+    wait_probes,
 };
 use valet_tests::unreadable::{Unreadable, manifest_capabilities, with_capabilities};
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -45,7 +46,7 @@ fn agent_killed_while_holding_leaves_apps_to_its_successor() {
     b.publish_status().expect("b's status");
     agent.wait_tracked(3, HANG_GUARD).expect("tracked");
     for job in [&a, &b, &c] {
-        wait_condition(&node, job, &agent, "False", "ProxyNotReady");
+        wait_probed_not_ready(&node, job, &agent);
     }
     // b's hold counts from the kernel's stop, after this instant.
     let b_started = Instant::now();
@@ -152,7 +153,7 @@ fn apps_held_by_a_killed_agent_run_once_their_pod_no_longer_holds_them() {
     let mut f = node.job_pod(held_spec("still-held", &ready_f)).expect("pod f");
     agent.wait_tracked(3, Duration::from_secs(10)).expect("tracked");
     for job in [&d, &e, &f] {
-        wait_condition(&node, job, &agent, "False", "ProxyNotReady");
+        wait_probed_not_ready(&node, job, &agent);
     }
     for (job, marker) in [(&mut d, &marker_d), (&mut e, &marker_e), (&mut f, &marker_f)] {
         job.run_app("app", &format!("echo ran > {}; exec sleep 0.3", marker.display())).expect("app");
@@ -212,7 +213,7 @@ fn sigterm_releases_held_apps_before_the_agent_exits() {
     let ready = node.scratch.path("ready");
     let marker = node.scratch.path("marker");
     let mut job = node.job_pod(held_spec("graceful", &ready)).expect("pod");
-    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    wait_probed_not_ready(&node, &job, &agent);
     job.run_app("app", &marker_script(&marker)).expect("app");
     assert!(eventually(HANG_GUARD, || state(app_pid(&job)) == Some('T')), "held");
     assert_held(&job, &marker, &agent, "before SIGTERM");
@@ -263,15 +264,6 @@ fn sigterm_with_a_hung_quit_in_flight_exits_after_the_bounded_wait() {
     assert!(agent.log_text().contains("could not quit sidecar"), "the quit finished first:\n{}", agent.log_text());
 }
 
-/// A pod's `valet.dev/ProxyReady` condition has the status `status`.
-fn condition_is(node: &Node, job: &JobPod, status: &str) -> bool {
-    node.pod(job).is_some_and(|pod| {
-        pod["status"]["conditions"]
-            .as_array()
-            .is_some_and(|cs| cs.iter().any(|c| c["type"] == "valet.dev/ProxyReady" && c["status"] == status))
-    })
-}
-
 /// A held pod whose proxy is ready once `ready` exists, its app started once the agent placed
 /// the pod and stopped at exec by the kernel; the app writes `marker` the moment it runs.
 struct HeldApp {
@@ -291,7 +283,8 @@ impl HeldApp {
             .annotation("valet.dev/hold-timeout", hold_timeout);
         spec.ready_file = Some(ready.clone());
         let mut job = node.job_pod(spec).expect("held pod");
-        assert!(eventually(HANG_GUARD, || condition_is(node, &job, "False")), "placed\n{}", agent.log_text());
+        // Placed: probed, not ready.
+        wait_probed_not_ready(node, &job, agent);
         let started = Instant::now();
         job.run_app("app", &format!("echo ran > {}; exec sleep 0.3", marker.display())).expect("app");
         let app = HeldApp { job, ready, marker, started };

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use valet_sim::apiserver::{Fault, FaultStats};
 use valet_tests::harness::{Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually};
+use valet_tests::held::wait_probed_not_ready;
 
 const CONDITION: &str = "valet.dev/ProxyReady";
 /// How long a fault lasts.
@@ -62,7 +63,7 @@ fn rss_kib(agent: &Agent) -> u64 {
         .expect("VmRSS")
 }
 
-/// A node with its agent, pods whose proxy is not ready yet (their condition False), and a ready
+/// A node with its agent, pods whose proxy is not ready yet (probed so, no condition yet), and a ready
 /// Job pod whose app has not started.
 struct Scene {
     node: Node,
@@ -86,7 +87,7 @@ impl Scene {
         let ending = node.job_pod(JobSpec::new(&format!("{tag}-ending"))).expect("pod");
         agent.wait_tracked(GATED + 1, Duration::from_secs(30)).expect("tracked");
         for (job, _) in &gated {
-            wait_condition(&node, job, &agent, "False", "ProxyNotReady", Duration::from_secs(30));
+            wait_probed_not_ready(&node, job, &agent);
         }
         let rss_before = rss_kib(&agent);
         Scene { node, agent, gated, ending, rss_before }

@@ -67,13 +67,8 @@ fn wait_running(pid: u32, timeout: Duration) -> Option<u64> {
 fn hold_one(node: &Node, agent: &Agent, name: &str, timeout: &str) -> (JobPod, HeldRecord) {
     let never = node.scratch.path(&format!("never-{name}"));
     let mut job = node.job_pod(held_spec(name, &never, timeout)).expect("pod");
-    assert!(
-        eventually(HANG_GUARD, || node.pod(&job).is_some_and(|p| p["status"]["conditions"]
-            .as_array()
-            .is_some_and(|c| c.iter().any(|c| c["type"] == "valet.dev/ProxyReady")))),
-        "{name}: the agent placed the pod\n{}",
-        agent.log_text()
-    );
+    // The agent placed the pod: probed its proxy, not ready.
+    valet_tests::held::wait_probed_not_ready(node, &job, agent);
     job.run_app("app", "exec sleep 0.3").expect("app");
     let pid = app_pid(&job);
     assert!(eventually(HANG_GUARD, || state(pid) == Some('T')), "{name}: held\n{}", agent.log_text());

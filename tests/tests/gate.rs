@@ -21,7 +21,7 @@ use valet_agent::cgroup::root::Controller;
 use valet_tests::harness::{HANG_GUARD, JobSpec, Node, eventually, process_state as state, wait_file};
 use valet_tests::held::{
     CONDITION, HOLD, HOLD_TIMEOUT, app_pid, assert_held, condition, held_spec, loopback_probes, marker_script,
-    status_patches, wait_condition, wait_held, wait_probes,
+    status_patches, wait_condition, wait_held, wait_probed_not_ready, wait_probes,
 };
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -40,7 +40,7 @@ fn held_app_runs_once_the_proxy_is_ready() {
     let mut job = node.job_pod(held_spec("held", &ready)).expect("pod");
     agent.wait_tracked(1, HANG_GUARD).expect("tracked");
     // The agent probed the proxy (not ready): it knows the pod and its cgroup.
-    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    wait_probed_not_ready(&node, &job, &agent);
 
     job.run_app("app", &marker_script(&marker)).expect("app");
     wait_held(&job, &marker, &agent, 1.0, "the proxy not ready");
@@ -81,7 +81,7 @@ fn on_a_cgroup_v1_node_the_app_is_held_and_its_end_quits_the_proxy_from_the_kern
     let marker = node.scratch.path("marker");
     let mut job = node.job_pod(held_spec("held-v1", &ready).cgroup_root(&root)).expect("pod");
     agent.wait_tracked(1, HANG_GUARD).expect("tracked");
-    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    wait_probed_not_ready(&node, &job, &agent);
 
     job.run_app("app", &marker_script(&marker)).expect("app");
     wait_held(&job, &marker, &agent, 1.0, "cgroup v1, the proxy not ready");
@@ -111,7 +111,7 @@ fn without_a_pod_ip_the_proxy_is_probed_inside_the_pod_netns() {
     // The API does not report the pod IP: the proxy is reachable on the pod's loopback only.
     spec.report_pod_ip = false;
     let mut job = node.job_pod(spec).expect("pod");
-    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    wait_probed_not_ready(&node, &job, &agent);
     job.run_app("app", &marker_script(&marker)).expect("app");
     wait_held(&job, &marker, &agent, 1.0, "before the proxy is ready");
     std::fs::write(&ready, "").expect("ready file");
@@ -151,7 +151,7 @@ fn held_pods_probed_together_are_each_released_by_their_own_proxy() {
         pods.push((job, ready, marker));
     }
     for (job, ..) in &pods {
-        wait_condition(&node, job, &agent, "False", "ProxyNotReady");
+        wait_probed_not_ready(&node, job, &agent);
     }
     for (job, _, marker) in &mut pods {
         job.run_app("app", &marker_script(marker)).expect("app");
@@ -190,7 +190,7 @@ fn hold_times_out_and_fails_open() {
     let ready = node.scratch.path("never-ready");
     let marker = node.scratch.path("marker");
     let mut job = node.job_pod(held_spec("timeout", &ready).annotation(HOLD_TIMEOUT, "2s")).expect("pod");
-    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    wait_probed_not_ready(&node, &job, &agent);
 
     let started = Instant::now();
     job.run_app("app", &marker_script(&marker)).expect("app");
@@ -236,8 +236,8 @@ fn pods_that_must_not_be_held_run_at_once() {
         held_spec("istio-holds", &ready).annotation("proxy.istio.io/config", "holdApplicationUntilProxyStarts: true");
     let mut istio = node.job_pod(istio_spec).expect("istio pod");
     agent.wait_tracked(2, HANG_GUARD).expect("tracked");
-    wait_condition(&node, &plain, &agent, "False", "ProxyNotReady");
-    wait_condition(&node, &istio, &agent, "False", "ProxyNotReady");
+    wait_probed_not_ready(&node, &plain, &agent);
+    wait_probed_not_ready(&node, &istio, &agent);
 
     for (job, tag) in [(&mut plain, "plain"), (&mut istio, "istio")] {
         let marker = node.scratch.path(&format!("marker-{tag}"));
@@ -265,14 +265,11 @@ fn the_sidecar_of_a_held_pod_is_never_held() {
         .job_pod_proxy_later(spec, || {
             agent.wait_tracked(1, HANG_GUARD)?;
             // The agent's first probe (nothing listens yet) shows it has placed the pod.
+            // (Its log names the pod, whose name the harness suffixes: the only one here.)
             let probed = eventually(HANG_GUARD, || {
-                node.api.pods().iter().any(|p| {
-                    p["status"]["conditions"]
-                        .as_array()
-                        .is_some_and(|cs| cs.iter().any(|c| c["type"] == CONDITION && c["reason"] == "ProxyNotReady"))
-                })
+                agent.log_text().lines().any(|l| l.contains("proxy not ready") && l.contains(" pod=jobs/sidecar-"))
             });
-            anyhow::ensure!(probed, "the agent never probed the pod");
+            anyhow::ensure!(probed, "the agent never probed the pod\n{}", agent.log_text());
             Ok(())
         })
         .expect("pod");
@@ -329,7 +326,7 @@ fn condition_is_patched_once_per_change_and_keeps_the_kubelets() {
     let ready = node.scratch.path("ready");
     let marker = node.scratch.path("marker");
     let mut job = node.job_pod(held_spec("conditions", &ready)).expect("pod");
-    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    wait_probed_not_ready(&node, &job, &agent);
     job.run_app("app", &marker_script(&marker)).expect("app");
     assert!(eventually(HANG_GUARD, || state(app_pid(&job)) == Some('T')), "held");
 
@@ -356,10 +353,13 @@ fn condition_is_patched_once_per_change_and_keeps_the_kubelets() {
     for n in 3..6 {
         touch(n);
     }
-    // A pod added after the updates: the agent handles the watch in order, so once it wrote this
-    // pod's condition it had handled every update above (and started any write they called for).
-    let later = node.job_pod(held_spec("conditions-later", &node.scratch.path("later-ready"))).expect("pod");
-    wait_condition(&node, &later, &agent, "False", "ProxyNotReady");
+    // A pod added after the updates, its proxy ready at once: the agent handles the watch in
+    // order, so once it wrote this pod's condition it had handled every update above (and started
+    // any write they called for).
+    let later_ready = node.scratch.path("later-ready");
+    std::fs::write(&later_ready, "").expect("ready file");
+    let later = node.job_pod(held_spec("conditions-later", &later_ready)).expect("pod");
+    wait_condition(&node, &later, &agent, "True", "ProxyReady");
 
     let patches = status_patches(&node, &job);
     let seen: Vec<(String, String, String)> = patches
@@ -376,8 +376,10 @@ fn condition_is_patched_once_per_change_and_keeps_the_kubelets() {
         .collect();
     println!("condition patches: {seen:?}");
     let short: Vec<(&str, &str)> = seen.iter().map(|(s, r, _)| (s.as_str(), r.as_str())).collect();
-    assert_eq!(short, [("False", "ProxyNotReady"), ("True", "ProxyReady")], "{seen:?}");
-    assert!(agent.wait_metric("valet_condition_patches_total{result=\"ok\"} ", 3.0), "two, and the later pod's");
+    // One write: no False before the first True (a readiness gate reads an absent condition as
+    // False), and nothing for the unrelated updates.
+    assert_eq!(short, [("True", "ProxyReady")], "{seen:?}");
+    assert!(agent.wait_metric("valet_condition_patches_total{result=\"ok\"} ", 2.0), "one, and the later pod's");
 
     // The kubelet's conditions survive next to the agent's (merged by type).
     let pod = node.pod(&job).expect("pod");
@@ -453,7 +455,7 @@ fn a_proxy_that_starts_listening_after_the_hold_is_probed_when_it_listens() {
         agent.log_text()
     );
     // The held pod was probed (not ready: nothing listens on the proxy's port yet).
-    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    wait_probed_not_ready(&node, &job, &agent);
     let listens = agent.metric("valet_proxy_listens_total ");
     std::fs::write(&ready, "").expect("ready file");
     assert!(
@@ -531,7 +533,7 @@ fn with_cruns_layout_containers_are_named_held_and_ended_from_one_level_below_th
     let proxy_cgroup = std::fs::read_to_string(format!("/proc/{proxy}/cgroup")).expect("cgroup");
     assert!(proxy_cgroup.trim_end().ends_with(".scope/container"), "crun's layout: {proxy_cgroup}");
     // The proxy runs (probed, not ready yet): its start was let through.
-    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    wait_probed_not_ready(&node, &job, &agent);
     assert_ne!(state(proxy), Some('T'));
     let marker = node.scratch.path("marker");
     job.run_app("app", &marker_script(&marker)).expect("app");
@@ -566,7 +568,7 @@ fn condition_stays_ready_after_the_work_is_done_and_the_proxy_quits() {
     let ready = node.scratch.path("ready");
     let marker = node.scratch.path("marker");
     let mut job = node.job_pod(held_spec("done", &ready)).expect("pod");
-    wait_condition(&node, &job, &agent, "False", "ProxyNotReady");
+    wait_probed_not_ready(&node, &job, &agent);
     job.run_app("app", &format!("echo ran > {}", marker.display())).expect("app");
     assert!(eventually(HANG_GUARD, || state(app_pid(&job)) == Some('T')), "held");
     std::fs::write(&ready, "").expect("ready");
@@ -578,7 +580,7 @@ fn condition_stays_ready_after_the_work_is_done_and_the_proxy_quits() {
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(condition(&node, &job), Some(("True".into(), "ProxyReady".into())), "{}", agent.log_text());
     let patches = status_patches(&node, &job);
-    assert_eq!(patches.len(), 2, "False then True, nothing after: {patches:?}");
+    assert_eq!(patches.len(), 1, "True alone (no False before it), nothing after: {patches:?}");
 }
 
 /// A Job named `name` (`<name>-held` with a hold) whose app writes `marker` and runs until

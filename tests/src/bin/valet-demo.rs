@@ -99,12 +99,17 @@ fn part2(node: &Node, agent: &valet_tests::harness::Agent, app: &str) -> Result<
     let mut job = node.job_pod(spec)?;
     // The first pod is still on the node: the agent tracks both once it has seen this one.
     agent.wait_tracked(2, Duration::from_secs(5))?;
-    // It has placed the pod (its cgroup registered for holding) once it reports the proxy.
-    let probed = eventually(Duration::from_secs(5), || condition(node, &job).as_deref() == Some("False"));
+    // It has placed the pod (its cgroup registered for holding) once it logs the proxy's first
+    // answer (no condition says "not ready": a readiness gate reads an absent one as False).
+    let probed = eventually(Duration::from_secs(5), || {
+        valet_tests::harness::says_about(&agent.log_text(), "proxy not ready", &format!("jobs/{}", job.name))
+    });
     if !probed {
         bail!("the agent never reported the proxy of the held pod\n{}", agent.log_text());
     }
     println!("pod jobs/{} (valet.dev/hold-app: \"true\"); the proxy is not ready yet", job.name);
+    let shown = condition(node, &job).unwrap_or_else(|| "absent (a readiness gate reads it as False)".into());
+    println!("pod condition valet.dev/ProxyReady: {shown}");
     let ran = node.scratch.path("app-ran");
     let ran_s = ran.to_string_lossy().into_owned();
     let pid = job.start_app("app", &[app, &ran_s, "0"], &SpawnOptions::default())?.host_pid();

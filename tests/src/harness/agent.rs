@@ -121,6 +121,13 @@ impl Agent {
         Ok(())
     }
 
+    /// Waits until a line of the log says `message` about the pod `namespace/name` (its `pod=`
+    /// field, matched whole); whether it came within the hang guard. The agent logs such lines at
+    /// info, the tests' default level.
+    pub fn wait_pod_line(&self, message: &str, pod: &str) -> bool {
+        eventually(HANG_GUARD, || says_about(&self.log_text(), message, pod))
+    }
+
     pub fn log_text(&self) -> String {
         let mut s = String::new();
         if let Ok(mut f) = std::fs::File::open(&self.log) {
@@ -137,6 +144,13 @@ impl Agent {
     pub fn stop(&mut self, signal: i32, timeout: Duration) -> Result<Option<std::process::ExitStatus>> {
         stop_child(&mut self.child, signal, timeout, "agent")
     }
+}
+
+/// Whether a line of an agent's log says `message` about the pod `namespace/name` (its `pod=`
+/// field, matched whole: `jobs/a` is not `jobs/a-b`).
+pub fn says_about(log: &str, message: &str, pod: &str) -> bool {
+    let field = format!("pod={pod}");
+    log.lines().any(|l| l.contains(message) && l.split_whitespace().any(|w| w == field))
 }
 
 /// Sends `signal` to the child, if it still runs, and waits for it to end (up to `timeout`,

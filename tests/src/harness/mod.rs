@@ -15,7 +15,7 @@ use valet_sim::{FakeApiServer, Kubelet, ServerOptions};
 mod agent;
 mod job;
 
-pub use agent::{Agent, DeadlineKeeper};
+pub use agent::{Agent, DeadlineKeeper, says_about};
 pub use job::{JobPod, JobSpec};
 
 /// The workspace's target directory.

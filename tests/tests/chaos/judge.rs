@@ -85,15 +85,20 @@ impl Chaos<'_> {
             }
             self.tally.conditions_checked += 1;
             let want = if pod.ready { "True" } else { "False" };
+            // Not ready: False, or no condition yet (none is written False before its first True:
+            // a readiness gate reads an absent condition as False).
+            let (ready, told) = (pod.ready, |have: &Option<String>| {
+                have.as_deref() == Some(want) || (want == "False" && have.is_none())
+            });
             let mut have = None;
             let settled = eventually((ready_at + SETTLE).saturating_duration_since(Instant::now()), || {
                 have = condition(self.node, &pod.job);
                 // A True while the proxy is not ready is false at once, not a matter of settling.
-                have.as_deref() == Some(want) || (!pod.ready && have.as_deref() == Some("True"))
+                told(&have) || (!ready && have.as_deref() == Some("True"))
             });
             // The proxy may have been quit meanwhile (its app ended just before the kill).
             let quit_meanwhile = !pod.proxy_alive() || !pod.job.quits().is_empty();
-            if (!settled || have.as_deref() != Some(want)) && !quit_meanwhile {
+            if (!settled || !told(&have)) && !quit_meanwhile {
                 self.tally.false_conditions += 1;
                 pod.failed = true;
                 println!(

@@ -61,6 +61,7 @@ use valet_sim::node::SpawnOptions;
 use valet_sim::util::monotonic_ns;
 use valet_tests::harness::{
     AGENT_DAEMONSET, AGENT_NAMESPACE, Agent, DeadlineKeeper, JobPod, JobSpec, Node, eventually, process_state as state,
+    says_about,
 };
 use valet_tests::pins;
 use valet_tests::unreadable::{manifest_capabilities, with_capabilities};

@@ -105,6 +105,21 @@ pub(crate) fn written_ns(path: &Path, offset: i128) -> Option<u64> {
     u64::try_from(real - offset).ok()
 }
 
+/// Whether an agent has placed the pod: written its condition, or probed its proxy and found it
+/// not ready (no condition says that before the first True; its log does). Every agent's log is
+/// read (`agent-*.log` in the node's scratch): a predecessor's placing holds, as its condition did.
+pub(crate) fn placed(node: &Node, job: &JobPod) -> bool {
+    let pod = format!("jobs/{}", job.name);
+    let logs = std::fs::read_dir(&node.scratch.0).into_iter().flatten().flatten().filter(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        name.starts_with("agent-") && name.ends_with(".log")
+    });
+    condition(node, job).is_some()
+        || logs
+            .into_iter()
+            .any(|e| says_about(&std::fs::read_to_string(e.path()).unwrap_or_default(), "proxy not ready", &pod))
+}
+
 /// The agent's `valet.dev/ProxyReady` condition status on the pod.
 pub(crate) fn condition(node: &Node, job: &JobPod) -> Option<String> {
     let pod = node.pod(job)?;

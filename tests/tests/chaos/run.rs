@@ -126,9 +126,9 @@ impl Chaos<'_> {
                 continue;
             }
             if pod.app.is_none() {
-                // The agent has placed the pod (probed its proxy and written the condition):
-                // the kernel holds the app's first exec.
-                if condition(self.node, &pod.job).is_some() {
+                // The agent has placed the pod (probed its proxy): the kernel holds the app's
+                // first exec.
+                if placed(self.node, &pod.job) {
                     self.start_app(i);
                     // Its exec is done (held, or run) before the turn goes on: a kill right
                     // after the turn finds it held, never on its way to the exec.

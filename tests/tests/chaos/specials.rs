@@ -47,19 +47,19 @@ impl Chaos<'_> {
         self.start_keeper();
     }
 
-    /// The pods the agent has placed (probed, condition written) whose app has not started, of
+    /// The pods the agent has placed (probed its proxy) whose app has not started, of
     /// those `also` takes; one is made, and waited for, if there is none.
     pub(crate) fn placed_unstarted(&mut self, also: impl Fn(&Pod) -> bool) -> Vec<usize> {
-        let placed = |c: &Self, i: usize| {
+        let candidate = |c: &Self, i: usize| {
             let p = &c.pods[i];
-            !p.deleted && p.labelled && !p.failed && p.app.is_none() && also(p) && condition(c.node, &p.job).is_some()
+            !p.deleted && p.labelled && !p.failed && p.app.is_none() && also(p) && placed(c.node, &p.job)
         };
-        let mut found: Vec<usize> = (0..self.pods.len()).filter(|&i| placed(self, i)).collect();
+        let mut found: Vec<usize> = (0..self.pods.len()).filter(|&i| candidate(self, i)).collect();
         if found.is_empty() {
             self.new_pod();
             let i = self.pods.len() - 1;
-            eventually(GUARD, || placed(self, i));
-            if placed(self, i) {
+            eventually(GUARD, || candidate(self, i));
+            if candidate(self, i) {
                 found.push(i);
             }
         }

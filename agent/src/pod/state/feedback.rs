@@ -79,8 +79,11 @@ impl PodState {
 
     /// A probe answer: a ready one releases what is held.
     fn probed(&mut self, ready: bool, detail: &str, now: Nanos) -> Vec<Effect> {
-        if self.readiness.answer() != Some(ready) {
-            debug!(pod = %self.name(), %detail, ready, "proxy readiness changed");
+        match (self.readiness.answer(), ready) {
+            // Said at each change: before the first ready answer no condition says it.
+            (answer, false) if answer != Some(false) => info!(pod = %self.name(), %detail, "proxy not ready"),
+            (answer, true) if answer != Some(true) => debug!(pod = %self.name(), "proxy ready"),
+            _ => {}
         }
         if !ready {
             self.readiness = Readiness::NotReady;

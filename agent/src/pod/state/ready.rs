@@ -66,12 +66,15 @@ impl PodState {
                 reason: "HoldTimeout",
                 message: "the proxy was not ready in time; the app was released anyway".into(),
             },
-            (Some(false), false) => ProxyReady {
+            // A readiness gate reads an absent condition as False: a False before the first True
+            // would tell it nothing and cost a write per Job. Once the condition is on the record
+            // (written, or shown on the pod), it follows the proxy: a proxy gone unready is said.
+            (Some(false), false) if self.condition_on_record() => ProxyReady {
                 ready: false,
                 reason: "ProxyNotReady",
                 message: "the sidecar proxy is not ready yet".into(),
             },
-            (None, false) => return Vec::new(),
+            (Some(false) | None, false) => return Vec::new(),
         };
         match self.writes.state {
             WriteState::InFlight => return Vec::new(),
@@ -89,6 +92,11 @@ impl PodState {
         self.writes.written = Some(want.clone());
         self.writes.state = WriteState::InFlight;
         vec![Effect::WriteCondition(want)]
+    }
+
+    /// Whether the condition was written by us or is shown on the pod (by a predecessor's write).
+    fn condition_on_record(&self) -> bool {
+        self.writes.written.is_some() || self.pod.as_ref().is_some_and(|p| condition::current(p).is_some())
     }
 
     /// Whether the pod, seen at or after our last write, shows something else: written over.
