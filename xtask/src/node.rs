@@ -118,9 +118,6 @@ pub(crate) const CI_SCENARIOS: [&[&str]; 2] = [
         "no_btf",
     ],
 ];
-/// Scenarios of the CRI-O layout only (`cargo xtask node --cell sid/crun/crio`), which CI does
-/// not boot: a third cell would take CI from a fresh machine past its 45 minutes.
-pub(crate) const CRIO_ONLY: [&str; 1] = ["drop_infra"];
 /// `cargo xtask node` without `--matrix` or `--cell`.
 pub(crate) const DEFAULT_CELL: Cell = Cell { cgroups: Cgroups::V2, drivers: Drivers::Both, ..CI_CELLS[0] };
 /// The cells whose kernel boots without `/sys/kernel/btf` (`<cell>/no-btf`).
@@ -788,6 +785,10 @@ mod tests {
         assert_eq!(CI_CELLS[1].containerd(), ("/run/k3s/containerd/containerd.sock", "/run/k3s/containerd"));
         assert_eq!(CI_CELLS[1].kernel_suite(), "trixie");
     }
+
+    /// Scenarios of the CRI-O layout only (`cargo xtask node --cell sid/crun/crio`), which CI
+    /// does not boot: a third cell would take CI from a fresh machine past its 45 minutes.
+    const CRIO_ONLY: [&str; 1] = ["drop_infra"];
 
     #[test]
     fn ci_runs_every_scenario_and_only_known_ones() {
