@@ -396,6 +396,10 @@ impl Metrics {
         for result in ["sent", "unclaimed"] {
             let _ = self.quits_ahead.get_or_create(&ResultLabels { result });
         }
+        // The condition is written only once the proxy is first ready: until then, 0.
+        for result in ["ok", "error"] {
+            let _ = self.condition_patches.get_or_create(&ResultLabels { result });
+        }
         for kind in SidecarKind::ALL.map(|k| k.as_str()) {
             let _ = self.quits.get_or_create(&QuitLabels { kind, result: "ok" });
             let _ = self.escalations.get_or_create(&KindLabels { kind });

@@ -21,7 +21,9 @@
 //! 11. the API's bill, from the fake API server's counters: requests, bytes and watch events per
 //!     Job (labelled and unlabelled) beside the kubelet's, per node-hour at rest with a full node,
 //!     and for an agent's restart (its re-list read from the watch cache or from etcd);
-//! 12. a node at 250 pods (the most some providers allow), all opted in: RSS and idle CPU.
+//! 12. a node at 250 pods (the most some providers allow), all opted in: RSS and idle CPU;
+//! 13. a rollout's gap: apps started while one agent gives way to the next, without and with
+//!     surge, and which of them ran unheld.
 //!
 //! `--quick` runs every section small (a smoke test for CI, not figures for the README).
 //! Pods run on the simulated node's kubelet as unhelpful as a real one (container ids and exits
@@ -39,6 +41,7 @@ mod pods;
 mod procfs;
 mod quit;
 mod release;
+mod rollout;
 mod soak;
 mod stall;
 mod storm;
@@ -74,8 +77,10 @@ pub(crate) use table::*;
 pub(crate) use together::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use wide::*;
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
+pub(crate) use rollout::*;
 
-pub(crate) const SECTIONS: &str = "exit|quit|release|storm|kernel|together|node|soak|observe|bill|wide";
+pub(crate) const SECTIONS: &str = "exit|quit|release|storm|kernel|together|node|soak|observe|bill|wide|rollout";
 
 pub(crate) struct Args {
     pub(crate) runs: Option<usize>,
@@ -236,7 +241,7 @@ pub(crate) fn main() -> Result<()> {
     let started = Instant::now();
     let mut table = Table::default();
     type Section<'a> = &'a dyn Fn(&mut Table) -> Result<()>;
-    let sections: [(&str, Section); 11] = [
+    let sections: [(&str, Section); 12] = [
         ("exit", &|t| exit_latency(if plan.quick { 50 } else { 500 }, t)),
         ("quit", &|t| quit_latency(plan.runs, t)),
         ("release", &|t| release_latency(&plan, t)),
@@ -254,6 +259,7 @@ pub(crate) fn main() -> Result<()> {
         ("observe", &|t| observed_node(&plan, t)),
         ("bill", &|t| api_bill(&plan, t)),
         ("wide", &|t| widest_node(&plan, t)),
+        ("rollout", &|t| rollout_gap(&plan, t)),
     ];
     for (name, section) in sections {
         if want(name) {
