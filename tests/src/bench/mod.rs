@@ -66,6 +66,8 @@ pub(crate) use quit::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use release::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
+pub(crate) use rollout::*;
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use soak::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use stall::*;
@@ -77,8 +79,6 @@ pub(crate) use table::*;
 pub(crate) use together::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use wide::*;
-#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
-pub(crate) use rollout::*;
 
 pub(crate) const SECTIONS: &str = "exit|quit|release|storm|kernel|together|node|soak|observe|bill|wide|rollout";
 

@@ -49,8 +49,9 @@ pub(crate) fn rollout_gap(plan: &Plan, table: &mut Table) -> Result<()> {
         STEP.as_millis(),
         REPLACED_AFTER.as_secs()
     );
-    let apps = BEFORE + ((REPLACED_AFTER + Duration::from_secs(if plan.quick { 2 } else { 3 })).as_millis()
-        / STEP.as_millis()) as usize;
+    let apps = BEFORE
+        + ((REPLACED_AFTER + Duration::from_secs(if plan.quick { 2 } else { 3 })).as_millis() / STEP.as_millis())
+            as usize;
     for surge in [false, true] {
         let gap = one_rollout(apps, surge)?;
         gap_rows(surge, &gap, table);
@@ -103,8 +104,10 @@ fn one_rollout(n: usize, surge: bool) -> Result<Gap> {
     }
     let new_agent = next.context("no new agent: too few apps")?;
     let (deleted, deleted_wall) = deleted.context("the old pod was never deleted: too few apps")?;
-    let ms = |t: Instant| t.saturating_duration_since(deleted).as_secs_f64() * 1000.0
-        - deleted.saturating_duration_since(t).as_secs_f64() * 1000.0;
+    let ms = |t: Instant| {
+        t.saturating_duration_since(deleted).as_secs_f64() * 1000.0
+            - deleted.saturating_duration_since(t).as_secs_f64() * 1000.0
+    };
     // When the new agent could hold: the first pod it placed (probed, not ready), by its log's
     // clock.
     let placed = if surge {
@@ -116,30 +119,34 @@ fn one_rollout(n: usize, surge: bool) -> Result<Gap> {
         }
         first().map(|at| wall_ms(at, deleted_wall))
     };
+    let apps = settle(&apps, &new_agent, ms)?;
+    Ok(Gap { apps, new_started_ms: new_started.map_or(f64::NAN, ms), new_placed_ms: placed.unwrap_or(f64::NAN) })
+}
+
+/// Once settled (every held app stopped at its exec; an app that ran did so unheld), each app's
+/// start (by `ms`) and whether it ran unheld; then the held ones are released by their proxies'
+/// readiness through the new agent.
+fn settle(apps: &[GapApp], new_agent: &Agent, ms: impl Fn(Instant) -> f64) -> Result<Vec<(f64, bool)>> {
     // Settled: every held app is stopped at its exec; an app that ran did so unheld.
     std::thread::sleep(Duration::from_millis(500));
     let mut out = Vec::new();
-    for app in &apps {
+    for app in apps {
         let ran = app.marker.exists();
         if !ran && process_state(app.job.apps[0].host_pid()) != Some('T') {
             bail!("{}: neither ran nor held", app.job.name);
         }
-        out.push((app.started.map_or(f64::NAN, ms), ran));
+        out.push((app.started.map_or(f64::NAN, &ms), ran));
     }
     // The held ones run once their proxies are ready (the new agent releases them).
-    for app in &apps {
+    for app in apps {
         std::fs::write(&app.ready, b"")?;
     }
-    for app in &apps {
+    for app in apps {
         if !eventually(HANG_GUARD, || app.marker.exists()) {
             bail!("{}: never released\n{}", app.job.name, new_agent.log_text());
         }
     }
-    Ok(Gap {
-        apps: out,
-        new_started_ms: new_started.map_or(f64::NAN, ms),
-        new_placed_ms: placed.unwrap_or(f64::NAN),
-    })
+    Ok(out)
 }
 
 /// The time of the first "proxy not ready" line of an agent's log (a pod placed and probed).
