@@ -70,11 +70,10 @@ impl Rules {
         }
         if let Some(class) = plan.runtime_class.as_deref() {
             // By its name, or by the handler it names (a class `secure` with handler `kata`).
-            let handler = self.runtime_handlers.handler(class);
             if sandboxed(&self.sandboxed_classes, class) {
                 return Some(ApiPath::Sandboxed { runtime_class: class.to_owned() });
             }
-            match handler {
+            match self.runtime_handlers.handler(class) {
                 Some(handler) if sandboxed(&self.sandboxed_classes, &handler) => {
                     return Some(ApiPath::Sandboxed { runtime_class: format!("{class}, handler {handler}") });
                 }
