@@ -249,23 +249,11 @@ impl CgroupFs {
     /// holds no one, but any other read error (EACCES, EIO, out of budget) is `Err`, and the
     /// caller must not take the container for ended on it.
     pub fn container_procs_proven(&self, rel: &str) -> std::io::Result<Vec<u32>> {
-        let read = |rel: &str| match self.read_procs(rel) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-            other => other,
+        let own = match self.read_procs(rel) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            other => other?,
         };
-        let own = read(rel)?;
-        if !own.is_empty() {
-            return Ok(own);
-        }
-        let mut out = Vec::new();
-        let mut stack = self.child_dirs(rel);
-        let mut budget = 1024_u32;
-        while let Some(child) = stack.pop() {
-            budget = budget.checked_sub(1).ok_or_else(|| std::io::Error::other("over 1024 cgroups below"))?;
-            out.extend(read(&child)?);
-            stack.extend(self.child_dirs(&child));
-        }
-        Ok(out)
+        if own.is_empty() { self.procs_recursive_proven(rel) } else { Ok(own) }
     }
 
     /// Processes in a cgroup and every cgroup below it, read so that "not there" is proven: a
