@@ -143,13 +143,9 @@ struct KubeAnnotations {
     crio_uid: Option<String>,
 }
 
-/// Reads the role and pod uid from a `config.json`'s annotations (containerd or CRI-O keys),
-/// streaming at most `limit` bytes of it: a longer or malformed file names nothing.
-pub fn parse_config(reader: impl std::io::Read, limit: u64) -> Option<(BundleRole, Option<String>)> {
-    parse_bundle(reader, limit).map(|b| (b.role, b.uid))
-}
-
-/// [`parse_config`], with the container's network namespace entry.
+/// Reads the role and pod uid from a `config.json`'s annotations (containerd or CRI-O keys), and
+/// the container's network namespace entry, streaming at most `limit` bytes of it: a longer or
+/// malformed file names nothing.
 pub fn parse_bundle(reader: impl std::io::Read, limit: u64) -> Option<Bundle> {
     let config: OciConfig = serde_json::from_reader(std::io::BufReader::new(reader.take(limit))).ok()?;
     let a = config.annotations;
@@ -402,7 +398,12 @@ mod tests {
     const UID: &str = "0b5e1f6e-2a4b-4c3d-8e9f-0a1b2c3d4e5f";
 
     fn parse(text: &str) -> Option<(BundleRole, Option<String>)> {
-        parse_config(text.as_bytes(), MAX_CONFIG_BYTES)
+        parse_limited(text, MAX_CONFIG_BYTES)
+    }
+
+    /// The role and pod uid of a record read with at most `limit` bytes.
+    fn parse_limited(text: &str, limit: u64) -> Option<(BundleRole, Option<String>)> {
+        parse_bundle(text.as_bytes(), limit).map(|b| (b.role, b.uid))
     }
 
     #[test]
@@ -472,8 +473,8 @@ mod tests {
         );
         assert_eq!(parse(&config), Some((BundleRole::Container("app".into()), Some(UID.into()))));
         // A file longer than the bound names nothing (no partial read taken for a whole one).
-        assert_eq!(parse_config(config.as_bytes(), config.len() as u64 - 1), None);
-        assert_eq!(parse_config(config.as_bytes(), 64), None);
+        assert_eq!(parse_limited(&config, config.len() as u64 - 1), None);
+        assert_eq!(parse_limited(&config, 64), None);
     }
 
     #[test]
