@@ -146,7 +146,7 @@ impl<K: KernelControl> PodCgroups<K> {
                 });
             let exec_done = self.kernel.exec_seen(c.id)
                 || procs.iter().any(|pid| held_at_exec(&self.host_proc, *pid))
-                || releases.recorded_held(&c.rel).next().is_some();
+                || releases.holds_recorded(&c.rel);
             seen.push(ContainerSeen {
                 cgroup_id: c.id,
                 rel: c.rel.clone(),

@@ -18,6 +18,7 @@ use crate::host::proc::{nspid, process_stopped, stopped};
 use crate::kernel::held_ledger::HeldLedger;
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::sidecar::Pending;
+use valet_common::HeldRecord;
 
 /// At most this many held processes are pinned ahead (one fd each); more are pinned at release.
 const PINNED_MAX: usize = 1024;
@@ -429,10 +430,8 @@ impl Releases {
                     continue;
                 }
             };
-            for (pid, r) in &records {
-                if procs.contains(pid) && process_stopped(proc, *pid) {
-                    found.push(LeftHeld { tgid: *pid, container_cgroup: c.id, since: r.ktime_ns });
-                }
+            for (tgid, since) in stopped_among(proc, &records, &procs) {
+                found.push(LeftHeld { tgid, container_cgroup: c.id, since });
             }
             for pid in procs {
                 if held_at_exec(proc, pid) && !found.iter().any(|f| f.tgid == pid) {
@@ -443,18 +442,15 @@ impl Releases {
         (found, complete)
     }
 
-    /// Stopped processes in container cgroup `rel` (or below it) that the kernel's record says
-    /// it stopped, with when.
-    pub fn recorded_held(&self, rel: &str) -> impl Iterator<Item = (u32, Nanos)> + '_ {
-        let records = match &self.ledger {
-            Some(ledger) => ledger.records(),
-            None => Vec::new(),
-        };
-        let procs: Vec<u32> = if records.is_empty() { Vec::new() } else { self.cgroups.procs_recursive(rel) };
-        records
-            .into_iter()
-            .filter(move |(pid, _)| procs.contains(pid) && process_stopped(&self.host_proc, *pid))
-            .map(|(pid, r)| (pid, r.ktime_ns))
+    /// Whether a process in container cgroup `rel` (or below it) is stopped and the kernel's
+    /// record says it stopped it.
+    pub fn holds_recorded(&self, rel: &str) -> bool {
+        let records = self.ledger.as_ref().map(|l| l.records()).unwrap_or_default();
+        if records.is_empty() {
+            return false;
+        }
+        let procs = self.cgroups.procs_recursive(rel);
+        stopped_among(&self.host_proc, &records, &procs).next().is_some()
     }
 
     /// Releases the processes the kernel's record names that no tracked pod will: their pod was
@@ -606,6 +602,19 @@ impl Releases {
             }
         }
     }
+}
+
+/// Of the processes the kernel's `records` name, those among `procs` that are stopped, with when
+/// the kernel stopped them.
+fn stopped_among<'a>(
+    host_proc: &'a Path,
+    records: &'a [(u32, HeldRecord)],
+    procs: &'a [u32],
+) -> impl Iterator<Item = (u32, Nanos)> + 'a {
+    records
+        .iter()
+        .filter(move |(pid, _)| procs.contains(pid) && process_stopped(host_proc, *pid))
+        .map(|(pid, r)| (*pid, r.ktime_ns))
 }
 
 /// The processes of the holding pods' cgroups, and the pods whose processes could not all be
