@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
+use valet_common::HeldRecord;
 
 use crate::cgroup::signal::{
     Pinned, Placed, pin_in_cgroup, pin_in_cgroup_id, pin_pid, pin_pid_placed, place_in_cgroup, place_pinned,
@@ -18,7 +19,6 @@ use crate::host::proc::{nspid, process_stopped, stopped};
 use crate::kernel::held_ledger::HeldLedger;
 use crate::metrics::{Metrics, ReasonLabels};
 use crate::sidecar::Pending;
-use valet_common::HeldRecord;
 
 /// At most this many held processes are pinned ahead (one fd each); more are pinned at release.
 const PINNED_MAX: usize = 1024;
@@ -500,7 +500,7 @@ impl Releases {
                 // In a holding pod whose processes could not all be read: it may be the pod's
                 // (its search for what an earlier agent left held is made again until it reads
                 // them), and a release of it here could not place it either.
-                Search::Found(rel) if unread.iter().any(|p| rel == **p || rel.starts_with(&format!("{p}/"))) => {
+                Search::Found(rel) if unread.iter().any(|p| Path::new(&rel).starts_with(p)) => {
                     debug!(pid = tgid, cgroup = %rel, "held in a pod whose processes cannot be read: left to its pod");
                 }
                 Search::Found(rel) => orphans.push(Release {
