@@ -207,13 +207,10 @@ fn open_in_root(root: &Path, path: &Path) -> std::io::Result<File> {
 /// The namespace of a container's main process: the oldest of its cgroup (a member after the
 /// open: a pid reused in between is not).
 fn main_process_ns(host_proc: &Path, cgroups: &CgroupFs, pod_rel: &str, container_rel: &str) -> Result<(File, Via)> {
-    let mut procs: Vec<(u64, u32)> = cgroups
-        .procs_recursive(container_rel)
-        .into_iter()
-        .filter_map(|pid| Some((start_time(host_proc, pid)?, pid)))
-        .collect();
-    procs.sort_unstable();
-    let (_, pid) = procs.first().copied().ok_or_else(|| Error::Endpoint("the sandbox has no process".into()))?;
+    let pid = oldest_first(host_proc, cgroups.procs_recursive(container_rel))
+        .first()
+        .copied()
+        .ok_or_else(|| Error::Endpoint("the sandbox has no process".into()))?;
     let file = File::open(host_proc.join(pid.to_string()).join("ns/net"))
         .map_err(|e| Error::io(format!("open the namespace of the sandbox's process {pid}"), e))?;
     if !pod_members(cgroups, pod_rel).contains(&pid) {
@@ -225,10 +222,7 @@ fn main_process_ns(host_proc: &Path, cgroups: &CgroupFs, pod_rel: &str, containe
 /// No record: the pod's oldest process, of its cgroup or its container cgroups (the sandbox's
 /// among them; CRI-O's `crio-conmon-<id>` monitors, in the node's namespaces, are in neither).
 fn oldest(host_proc: &Path, cgroups: &CgroupFs, pod_rel: &str, node: [Option<u64>; 2]) -> Result<Found> {
-    let mut members: Vec<(u64, u32)> =
-        pod_members(cgroups, pod_rel).into_iter().filter_map(|pid| Some((start_time(host_proc, pid)?, pid))).collect();
-    members.sort_unstable();
-    for pid in members.iter().map(|(_, pid)| *pid) {
+    for pid in oldest_first(host_proc, pod_members(cgroups, pod_rel)) {
         let Ok(file) = File::open(host_proc.join(pid.to_string()).join("ns/net")) else { continue };
         // Checked after opening: if the pid was reused in between, it is no longer a member.
         // (Read from the cgroup files: /proc/<pid>/cgroup is relative to our cgroup namespace.)
@@ -238,6 +232,14 @@ fn oldest(host_proc: &Path, cgroups: &CgroupFs, pod_rel: &str, node: [Option<u64
         return checked(file, Via::Oldest(pid), node);
     }
     Err(Error::Endpoint("no runtime record of the pod's network namespace, and no live process of the pod".into()))
+}
+
+/// `pids` still running, oldest first (by their start time).
+fn oldest_first(host_proc: &Path, pids: Vec<u32>) -> Vec<u32> {
+    let mut aged: Vec<(u64, u32)> =
+        pids.into_iter().filter_map(|pid| Some((start_time(host_proc, pid)?, pid))).collect();
+    aged.sort_unstable();
+    aged.into_iter().map(|(_, pid)| pid).collect()
 }
 
 /// The processes of a pod: those in its cgroup itself and in its container cgroups (the
