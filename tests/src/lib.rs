@@ -1,6 +1,7 @@
 //! Shared plumbing for valet's privileged integration tests (run as root through
 //! `cargo xtask test`): small cgroup and process helpers on top of `valet-sim`.
 
+pub mod capabilities;
 pub mod cgroups;
 pub mod checks;
 pub mod envoy;

@@ -1,38 +1,8 @@
-//! The manifest's capabilities for the agent's and the keeper's containers, and a held app's
-//! cgroup made unreadable to them (as a container's own root may make its delegated cgroup):
-//! the crash test's read faults and the restart test that reproduces what they found.
+//! A held app's cgroup made unreadable to valet (as a container's own root may make its delegated
+//! cgroup): the crash test's read faults and the restart test that reproduces what they found.
 
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
-
-/// The capabilities the manifest adds to each container (after `drop: [ALL]`), in order: the
-/// agent's, then the keeper's.
-pub fn manifest_capabilities() -> Vec<Vec<String>> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/base/daemonset.yaml");
-    let text = std::fs::read_to_string(&path).expect("read the DaemonSet");
-    let mut sets: Vec<Vec<String>> = Vec::new();
-    let mut in_add = false;
-    for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
-        if line == "add:" {
-            in_add = true;
-            sets.push(Vec::new());
-        } else if let Some(cap) = line.strip_prefix("- ").filter(|_| in_add) {
-            sets.last_mut().expect("a set").push(cap.to_owned());
-        } else {
-            in_add = false;
-        }
-    }
-    assert!(sets.len() >= 2 && sets.iter().all(|s| !s.is_empty()), "two capability sets in {}", path.display());
-    sets
-}
-
-/// `setpriv` arguments that run a container's process as uid 0 with exactly `caps`.
-pub fn with_capabilities(caps: &[String]) -> Vec<String> {
-    let list: String = caps.iter().map(|c| format!(",+{}", c.to_lowercase())).collect();
-    ["setpriv", &format!("--bounding-set=-all{list}"), "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--"]
-        .map(str::to_owned)
-        .to_vec()
-}
 
 /// A cgroup directory made unreadable, and what to put back.
 pub struct Unreadable {

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use valet_sim::apiserver::{Fault, Kind, Propagation};
+use valet_tests::capabilities::{manifest_capabilities, with_capabilities};
 use valet_tests::checks::wait_listening;
 use valet_tests::harness::{
     AGENT_DAEMONSET, AGENT_NAMESPACE, Agent, HANG_GUARD, JobPod, JobSpec, Node, eventually, process_state,
@@ -21,7 +22,7 @@ use valet_tests::held::{
     HOLD, HOLD_TIMEOUT, app_pid, assert_held, held_spec, loopback_probes, marker_script, wait_probed_not_ready,
     wait_probes,
 };
-use valet_tests::unreadable::{Unreadable, manifest_capabilities, with_capabilities};
+use valet_tests::unreadable::Unreadable;
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {

@@ -36,6 +36,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use valet_sim::node::SpawnOptions;
+use valet_tests::capabilities::{manifest_capabilities, with_capabilities};
 use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually, process_state as state};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -66,29 +67,10 @@ fn cap_bit(name: &str) -> u32 {
     }
 }
 
-/// The capabilities the DaemonSet adds (after `drop: [ALL]`), read from the manifest.
+/// The capabilities the DaemonSet adds to the agent's container (after `drop: [ALL]`), read from
+/// the manifest.
 fn daemonset_capabilities() -> Vec<String> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/base/daemonset.yaml");
-    let text = std::fs::read_to_string(&path).expect("read the DaemonSet");
-    let mut lines = text.lines().skip_while(|l| l.trim() != "capabilities:");
-    assert!(lines.next().is_some(), "no capabilities in {}", path.display());
-    let mut caps = Vec::new();
-    let mut in_add = false;
-    for line in lines {
-        let t = line.trim();
-        if t.starts_with('#') || t.is_empty() {
-            continue;
-        }
-        if t == "add:" {
-            in_add = true;
-        } else if let Some(cap) = t.strip_prefix("- ").filter(|_| in_add) {
-            caps.push(cap.to_owned());
-        } else if in_add {
-            break;
-        }
-    }
-    assert!(!caps.is_empty(), "capabilities.add is empty in {}", path.display());
-    caps
+    manifest_capabilities().swap_remove(0)
 }
 
 fn status_field(pid: u32, field: &str) -> Option<String> {
@@ -144,19 +126,6 @@ fn logged_memlock_kib(agent: &Agent) -> Option<(u64, u64)> {
         line[at..].split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok()
     };
     Some((field("map_kib")?, field("program_kib")?))
-}
-
-/// `setpriv` arguments that run the agent as uid 0 with exactly `caps`, like the runtime does.
-fn with_capabilities(caps: &[&str]) -> Vec<String> {
-    let list: String = caps.iter().map(|c| format!(",+{}", c.to_lowercase())).collect();
-    vec![
-        "setpriv".into(),
-        format!("--bounding-set=-all{list}"),
-        "--inh-caps=-all".into(),
-        "--ambient-caps=-all".into(),
-        "--no-new-privs".into(),
-        "--".into(),
-    ]
 }
 
 /// Starts the agent with `caps` and checks the kernel gave it exactly those.

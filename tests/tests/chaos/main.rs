@@ -59,12 +59,12 @@ use valet_common::{HELD_CAPACITY, HeldRecord, HeldRecordV1, PIN_HELD, PIN_HELD_V
 use valet_sim::apiserver::{Fault, Kind, Propagation};
 use valet_sim::node::SpawnOptions;
 use valet_sim::util::monotonic_ns;
+use valet_tests::capabilities::{manifest_capabilities, with_capabilities};
 use valet_tests::harness::{
     AGENT_DAEMONSET, AGENT_NAMESPACE, Agent, DeadlineKeeper, JobPod, JobSpec, Node, eventually, process_state as state,
     says_about,
 };
 use valet_tests::pins;
-use valet_tests::unreadable::{manifest_capabilities, with_capabilities};
 
 mod faults;
 mod judge;
