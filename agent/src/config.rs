@@ -119,6 +119,15 @@ pub struct HostPaths {
     /// hybrid node, the directory of the v1 controllers' mounts (and of `unified`).
     #[arg(long, env = "VALET_CGROUP_MOUNT", default_value = "/sys/fs/cgroup")]
     pub cgroup_mount: PathBuf,
+
+    /// Make every mount at and below `--cgroup-mount` read-only in this container, at start.
+    ///
+    /// For the DaemonSet's containers, on runtimes that bind the host's cgroup fs read-only at
+    /// its top only (containerd before 2.0, CRI-O before 1.30): the v1 controllers' mounts below
+    /// stay writable there. Changes this container's own mounts only (needs CAP_SYS_ADMIN);
+    /// refused for the host's own `/sys/fs/cgroup`.
+    #[arg(long, env = "VALET_CGROUP_READ_ONLY", default_value_t = false, action = clap::ArgAction::Set)]
+    pub cgroup_read_only: bool,
 }
 
 /// The kernel programs: where their inputs are, how they find pod cgroups, and which reasons for

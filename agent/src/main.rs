@@ -24,7 +24,7 @@ use valet_agent::deadline_keeper::{DEFER, Keeper, KeeperSettings};
 use valet_agent::ended_by_valet::EndedByValet;
 use valet_agent::error::Chain;
 use valet_agent::host::clock::monotonic_ns;
-use valet_agent::host::resident;
+use valet_agent::host::{read_only, resident};
 use valet_agent::kernel::held_ledger::pin_paths;
 use valet_agent::kernel::mode::{self, NoKernel, NodeEvents, NodeFacts, NodeKernel};
 use valet_agent::kernel::{Attach, EventReader, Programs};
@@ -315,6 +315,31 @@ async fn run(
     Ok(stop)
 }
 
+/// `--cgroup-read-only`: every mount of the host's cgroup fs in this container's view made
+/// read-only ([`read_only::make_read_only`]), and what came of it logged.
+fn read_only_cgroups(host: &HostPaths) {
+    if !host.cgroup_read_only {
+        return;
+    }
+    match read_only::make_read_only(&host.cgroup_mount) {
+        Ok(done) if done.writable.is_empty() => {
+            info!(
+                mounts = done.mounts,
+                made_read_only = done.changed,
+                how = done.how,
+                "the host's cgroup fs is read-only here"
+            )
+        }
+        Ok(done) => warn!(
+            mounts = done.mounts,
+            writable = ?done.writable,
+            error = done.error.as_deref().unwrap_or("none"),
+            "mounts of the host's cgroup fs stay writable here (CAP_SYS_ADMIN missing, or refused)"
+        ),
+        Err(why) => warn!("--cgroup-read-only: {why}"),
+    }
+}
+
 /// `valet-agent deadlines`: the DaemonSet pod's second container. It releases every held app
 /// whose deadline has passed, reading nothing but the pinned record of holds, `/proc` and the
 /// cgroup tree: no API, no kernel programs. It outlives the agent's crashes (the kubelet restarts
@@ -326,6 +351,13 @@ fn deadlines_main() -> std::process::ExitCode {
     let args = KeeperConfig::parse_from_args(std::env::args().skip(1));
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     tracing_subscriber::fmt().with_env_filter(filter).with_ansi(false).init();
+    read_only_cgroups(&args.host);
+    // The keeper's CAP_SYS_ADMIN is for the line above only: given up before any thread starts
+    // (capabilities are per thread; the threads made later inherit the sets without it).
+    if let Err(e) = read_only::give_up_sys_admin() {
+        error!("cannot give up CAP_SYS_ADMIN: {e}");
+        return std::process::ExitCode::FAILURE;
+    }
     // Blocked before any thread starts (threads inherit the mask): this thread waits for them.
     let mut stop = SigSet::empty();
     stop.add(Signal::SIGTERM);
@@ -374,6 +406,7 @@ fn main() -> std::process::ExitCode {
     }
     let cfg = Config::parse();
     init_logging(cfg.server.log_format);
+    read_only_cgroups(&cfg.host);
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::default());
     // Found once: the deadlines' thread, the agent and its last release at shutdown share it.

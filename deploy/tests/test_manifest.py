@@ -76,12 +76,15 @@ def test_the_deadline_keeper_has_less_than_the_agent(renders: dict[str, Render],
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"]["drop"] == ["ALL"]
-    assert set(sc["capabilities"]["add"]) == {"BPF", "KILL"}
+    # SYS_ADMIN only to make its cgroup mounts read-only at start (VALET_CGROUP_READ_ONLY), given
+    # up before anything else (tests/tests/privileges.rs): it runs with BPF and KILL.
+    assert set(sc["capabilities"]["add"]) == {"BPF", "KILL", "SYS_ADMIN"}
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in k["env"]}
+    assert env["VALET_CGROUP_READ_ONLY"] == "true"
     agent_env = {e["name"]: e.get("value", e.get("valueFrom")) for e in a["env"]}
     # The same pins, the same old records' timeout, and the same downward API: at SIGTERM both
     # decide alike whether a successor comes (the node, their pod, its DaemonSet).
-    for key in ("VALET_HOST_PROC", "VALET_CGROUP_MOUNT", "VALET_PIN_DIR", "VALET_OLD_RECORD_TIMEOUT", "NODE_NAME",
+    for key in ("VALET_HOST_PROC", "VALET_CGROUP_MOUNT", "VALET_CGROUP_READ_ONLY", "VALET_PIN_DIR", "VALET_OLD_RECORD_TIMEOUT", "NODE_NAME",
                 "POD_NAME", "POD_NAMESPACE"):
         assert env[key] == agent_env[key], key
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}

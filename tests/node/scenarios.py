@@ -1425,11 +1425,22 @@ def cgroup_writes(pid, top="/host/sys/fs/cgroup"):
     return mounts, wrote
 
 
+def holds_sys_admin(pid):
+    """Whether any thread of process `pid` holds CAP_SYS_ADMIN (21), effective or permitted."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/task/{task}/status") if ":" in line)
+            if (int(status["CapEff"].strip(), 16) | int(status["CapPrm"].strip(), 16)) & (1 << 21):
+                return True
+    return False
+
+
 def cgroup_read_only(api, agent, tag="", driver="systemd"):
     """The DaemonSet's pod as the kubelet runs it: from each of its containers, every write attempt
     into the host's cgroup fs (each of its mounts: v2's one, v1's tmpfs and controllers, hybrid's
-    unified/) fails. Where the runtime has no recursive read-only mounts (the DaemonSet asks for
-    IfPossible), a v1 or hybrid node fails here: deploy/README.md, "Read-only cgroup fs"."""
+    unified/) fails. Where the runtime has no recursive read-only mounts (containerd < 2.0), each
+    container makes them read-only itself at start (VALET_CGROUP_READ_ONLY; deploy/README.md,
+    "Read-only cgroup fs"), and the keeper then holds no CAP_SYS_ADMIN."""
     with agent_in_its_pod(api, agent, driver) as boxed:
         boxed.start()
         names = [boxed.spec["container"]["name"]] + [m["name"] for m in boxed.spec["more_containers"]]
@@ -1438,16 +1449,25 @@ def cgroup_read_only(api, agent, tag="", driver="systemd"):
             pids = container_pids(cid)
             if not pids:
                 raise Failed(f"{name}: no process")
+            # Each says so once it is done (the keeper starts after the agent's container).
+            said = f"{os.path.dirname(os.path.dirname(boxed.log_path))}/{name}/0.log"
+            try:
+                wait_for(f"{name}'s line on its cgroup mounts",
+                         lambda: os.path.exists(said) and "cgroup fs is read-only here" in open(said).read(), 60)
+            except Failed as e:
+                raise Failed(f"{e}: " + (open(said).read()[-1500:] if os.path.exists(said) else "no log")) from None
             mounts, wrote = cgroup_writes(pids[0])
             if not mounts:
                 raise Failed(f"{name}: no mount of the host's cgroup fs at /host/sys/fs/cgroup")
             found.append(f"{name} {len(mounts)} mount(s)")
             bad += [f"{name}: {w}" for w in wrote]
+            if name == "valet-deadlines" and holds_sys_admin(pids[0]):
+                bad.append(f"{name}: a thread still holds CAP_SYS_ADMIN")
         if bad:
             raise Failed(f"writable from the pod ({kubelet.CGROUP_MODE}, recursive read-only "
                          f"{'supported' if boxed.rro_supported() else 'not supported'} by the runtime): "
                          + "; ".join(bad))
-        return f"{kubelet.CGROUP_MODE}: every write refused in " + ", ".join(found)
+        return f"{kubelet.CGROUP_MODE}: every write refused in " + ", ".join(found) + "; the keeper holds no CAP_SYS_ADMIN"
 
 
 def metrics_text(agent):

@@ -8,5 +8,6 @@ pub mod envoy;
 pub mod harness;
 pub mod held;
 pub mod kernel_suite;
+pub mod mounts;
 pub mod pins;
 pub mod unreadable;

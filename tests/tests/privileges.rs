@@ -38,6 +38,7 @@ use std::time::Duration;
 use valet_sim::node::SpawnOptions;
 use valet_tests::capabilities::{manifest_capabilities, with_capabilities};
 use valet_tests::harness::{Agent, JobPod, JobSpec, Node, eventually, process_state as state};
+use valet_tests::mounts::{any_thread_holds, bound_top_read_only, mounts_below, writes_that_succeed};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -545,11 +546,11 @@ fn holds_a_bpf_map(pid: u32) -> bool {
         .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|target| target.to_string_lossy() == "anon_inode:bpf-map"))
 }
 
-/// The deadline keeper with exactly the DaemonSet's capabilities for it (BPF, KILL) opens the
-/// agent's pinned record. Where the kernel refuses that bpf(2) (here the pin's mode: 0000, and the
-/// keeper has no CAP_DAC_OVERRIDE; on a node, a seccomp profile that allows bpf(2) only with
-/// CAP_SYS_ADMIN, or an LSM), the keeper exits saying why rather than keep no deadline while it
-/// looks alive (its container restarted, the pod not ready).
+/// The deadline keeper with exactly the DaemonSet's capabilities for it (BPF, KILL, and SYS_ADMIN,
+/// which it gives up at start) opens the agent's pinned record. Where the kernel refuses that
+/// bpf(2) (here the pin's mode: 0000, and the keeper has no CAP_DAC_OVERRIDE; on a node, an LSM),
+/// the keeper exits saying why rather than keep no deadline while it looks alive (its container
+/// restarted, the pod not ready).
 #[test]
 fn a_deadline_keeper_refused_bpf_exits_and_says_why() {
     let _serial = serial();
@@ -557,7 +558,7 @@ fn a_deadline_keeper_refused_bpf_exits_and_says_why() {
     let agent = node.start_agent(&[]).expect("agent");
     let pin = node.pin_dir().join("held_v2");
     assert!(eventually(START, || pin.exists()), "the agent pinned no record\n{}", agent.log_text());
-    let caps = ["BPF", "KILL"];
+    let caps = manifest_capabilities().swap_remove(1);
 
     std::fs::set_permissions(&pin, std::fs::Permissions::from_mode(0o000)).expect("chmod the pin");
     let mut refused = node.start_deadline_keeper_under(&with_capabilities(&caps)).expect("keeper");
@@ -574,4 +575,45 @@ fn a_deadline_keeper_refused_bpf_exits_and_says_why() {
     let pid = keeper.pid().expect("pid");
     assert!(eventually(START, || holds_a_bpf_map(pid)), "the pin never opened\n{}", keeper.log_text());
     assert!(!keeper.log_text().contains("refused"), "{}", keeper.log_text());
+}
+
+/// On a runtime without recursive read-only mounts (containerd before 2.0, CRI-O before 1.30) the
+/// DaemonSet's `readOnly` cgroup volume is read-only at its top only: on v1 and hybrid nodes (this
+/// host is hybrid) the controllers' mounts below stay writable. Bound so here, the keeper with
+/// the manifest's capabilities makes every one of them read-only itself at start, then holds no
+/// CAP_SYS_ADMIN in any thread; with BPF and KILL alone they stay writable and it says so.
+#[test]
+fn the_keeper_makes_every_cgroup_mount_read_only_then_gives_up_sys_admin() {
+    let _serial = serial();
+    let node = Node::new().expect("node");
+    let view = node.scratch.path("host-cgroup");
+    std::fs::create_dir_all(&view).expect("a mount point");
+    let caps = manifest_capabilities().swap_remove(1);
+    assert!(caps.iter().any(|c| c == "SYS_ADMIN"), "the keeper's capabilities in the manifest: {caps:?}");
+
+    let keeper =
+        node.start_deadline_keeper_under(&bound_top_read_only(&view, &with_capabilities(&caps))).expect("keeper");
+    let pid = keeper.pid().expect("pid");
+    assert!(
+        eventually(START, || keeper.log_text().contains("the host's cgroup fs is read-only here")),
+        "{}",
+        keeper.log_text()
+    );
+    let mounts = mounts_below(pid, &view);
+    assert!(!mounts.is_empty(), "no mount at {}", view.display());
+    assert!(mounts.iter().all(|(_, ro)| *ro), "{mounts:?}");
+    let wrote = writes_that_succeed(pid, &view);
+    assert!(wrote.is_empty(), "writable from the keeper: {wrote:?}");
+    assert!(!any_thread_holds(pid, cap_bit("SYS_ADMIN")), "a thread of the keeper holds CAP_SYS_ADMIN");
+    drop(keeper);
+
+    let without: Vec<&str> = caps.iter().map(String::as_str).filter(|c| *c != "SYS_ADMIN").collect();
+    let keeper =
+        node.start_deadline_keeper_under(&bound_top_read_only(&view, &with_capabilities(&without))).expect("keeper");
+    let pid = keeper.pid().expect("pid");
+    assert!(eventually(START, || keeper.log_text().contains("stay writable")), "it says so:\n{}", keeper.log_text());
+    let mounts = mounts_below(pid, &view);
+    if mounts.len() > 1 {
+        assert!(mounts.iter().any(|(_, ro)| !ro), "v1 or hybrid: a mount below stays writable: {mounts:?}");
+    }
 }

@@ -98,6 +98,9 @@ pub(crate) const CI_SCENARIOS: [&[&str]; 2] = [
         // The DaemonSet's pod as shipped on a node without bpffs at /sys/fs/bpf, then under
         // lockdown=confidentiality (raised through securityfs, so last: it cannot be lowered).
         "no_bpffs",
+        // The DaemonSet's pod where the runtime (containerd 1.6) has no recursive read-only
+        // mounts: each container makes the v1 controllers' mounts read-only itself.
+        "cgroup_read_only",
         "kernel_lockdown",
     ],
     &[
@@ -110,8 +113,8 @@ pub(crate) const CI_SCENARIOS: [&[&str]; 2] = [
         "hostpid_nested",
         "native_sidecar",
         "envoy_job",
-        // The DaemonSet's pod on cgroup v2; the v1 cell's runtime (containerd 1.6) has no
-        // recursive read-only mounts, where it fails (deploy/README.md, "Read-only cgroup fs").
+        // The DaemonSet's pod on cgroup v2 (a recursive read-only mount where containerd 2.x
+        // makes one).
         "cgroup_read_only",
         // The DaemonSet's pod as shipped on this cell's kernel without /sys/kernel/btf, then with
         // the documented BTF file.

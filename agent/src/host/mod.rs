@@ -4,6 +4,7 @@
 pub mod clock;
 pub mod container_main;
 pub mod proc;
+pub mod read_only;
 pub mod resident;
 #[allow(unsafe_code, reason = "the one module of libc calls and unsafe blocks, behind safe functions")]
 pub mod sys;
