@@ -9,9 +9,15 @@ use std::path::{Path, PathBuf};
 /// private mount namespace where the host's `/sys/fs/cgroup` is bound at `view` as containerd 1.6
 /// binds the DaemonSet's `host-cgroup` volume, with `VALET_CGROUP_MOUNT=view` and
 /// `VALET_CGROUP_READ_ONLY=true`, and then through `inner` (e.g. `setpriv` with capabilities).
+/// So that a writable mount lies below the top on a v2 host too (whose cgroup fs is one mount,
+/// where v1 and hybrid ones have a mount per controller), the cgroup fs is also bound, writable,
+/// on the first directory below the top that is no mount point yet (in that namespace only).
 pub fn bound_top_read_only(view: &Path, inner: &[String]) -> Vec<String> {
-    let script = "mount --rbind /sys/fs/cgroup \"$VALET_CGROUP_MOUNT\" \
-                  && mount -o remount,bind,ro \"$VALET_CGROUP_MOUNT\" && exec \"$@\"";
+    let script = "v=\"$VALET_CGROUP_MOUNT\"; mount --rbind /sys/fs/cgroup \"$v\" \
+                  && mount -o remount,bind,ro \"$v\" || exit 1; \
+                  for d in \"$v\"/*/; do \
+                    if [ -d \"$d\" ] && ! mountpoint -q \"$d\"; then mount --bind /sys/fs/cgroup \"$d\" || exit 1; break; fi; \
+                  done; exec \"$@\"";
     let mut wrapper: Vec<String> = vec![
         "env".into(),
         format!("VALET_CGROUP_MOUNT={}", view.display()),

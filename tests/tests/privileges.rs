@@ -579,9 +579,11 @@ fn a_deadline_keeper_refused_bpf_exits_and_says_why() {
 
 /// On a runtime without recursive read-only mounts (containerd before 2.0, CRI-O before 1.30) the
 /// DaemonSet's `readOnly` cgroup volume is read-only at its top only: on v1 and hybrid nodes (this
-/// host is hybrid) the controllers' mounts below stay writable. Bound so here, the keeper with
-/// the manifest's capabilities makes every one of them read-only itself at start, then holds no
-/// CAP_SYS_ADMIN in any thread; with BPF and KILL alone they stay writable and it says so.
+/// host is hybrid) the controllers' mounts below stay writable. Bound so here (with a writable
+/// mount below the top on a v2 guest too), the keeper with the manifest's capabilities makes every
+/// one of them read-only itself at start (mount_setattr; a bind remount each on 5.10, which has
+/// no mount_setattr: `cargo xtask kernels`), then holds no CAP_SYS_ADMIN in any thread; with BPF
+/// and KILL alone they stay writable and it says so.
 #[test]
 fn the_keeper_makes_every_cgroup_mount_read_only_then_gives_up_sys_admin() {
     let _serial = serial();
@@ -600,7 +602,7 @@ fn the_keeper_makes_every_cgroup_mount_read_only_then_gives_up_sys_admin() {
         keeper.log_text()
     );
     let mounts = mounts_below(pid, &view);
-    assert!(!mounts.is_empty(), "no mount at {}", view.display());
+    assert!(mounts.len() > 1, "no mount below {}: {mounts:?}", view.display());
     assert!(mounts.iter().all(|(_, ro)| *ro), "{mounts:?}");
     let wrote = writes_that_succeed(pid, &view);
     assert!(wrote.is_empty(), "writable from the keeper: {wrote:?}");
@@ -613,7 +615,5 @@ fn the_keeper_makes_every_cgroup_mount_read_only_then_gives_up_sys_admin() {
     let pid = keeper.pid().expect("pid");
     assert!(eventually(START, || keeper.log_text().contains("stay writable")), "it says so:\n{}", keeper.log_text());
     let mounts = mounts_below(pid, &view);
-    if mounts.len() > 1 {
-        assert!(mounts.iter().any(|(_, ro)| !ro), "v1 or hybrid: a mount below stays writable: {mounts:?}");
-    }
+    assert!(mounts.iter().any(|(_, ro)| !ro), "a mount below stays writable: {mounts:?}");
 }
