@@ -1,23 +1,21 @@
-//! The host's cgroup fs bound into a process's own mount namespace as a runtime without recursive
-//! read-only mounts binds a `readOnly` hostPath (containerd before 2.0, CRI-O before 1.30):
-//! recursively (`rbind`), then its top mount alone remounted read-only. And what a process sees
-//! of it: its mounts there, with their own flags, and which writes into them succeed.
+//! A v1 or hybrid node's cgroup fs as a runtime without recursive read-only mounts binds a
+//! `readOnly` hostPath of it (containerd before 2.0, CRI-O before 1.30): recursively (`rbind`),
+//! its top mount alone remounted read-only; made in a process's own mount namespace. And what a
+//! process sees of it: its mounts there, with their own flags, and which writes succeed.
 
 use std::path::{Path, PathBuf};
 
 /// A wrapper (for `Node::start_deadline_keeper_under` and the like) that runs the process in a
-/// private mount namespace where the host's `/sys/fs/cgroup` is bound at `view` as containerd 1.6
-/// binds the DaemonSet's `host-cgroup` volume, with `VALET_CGROUP_MOUNT=view` and
-/// `VALET_CGROUP_READ_ONLY=true`, and then through `inner` (e.g. `setpriv` with capabilities).
-/// So that a writable mount lies below the top on a v2 host too (whose cgroup fs is one mount,
-/// where v1 and hybrid ones have a mount per controller), the cgroup fs is also bound, writable,
-/// on the first directory below the top that is no mount point yet (in that namespace only).
+/// private mount namespace with `VALET_CGROUP_MOUNT=view` and `VALET_CGROUP_READ_ONLY=true`, and
+/// then through `inner` (e.g. `setpriv` with capabilities). At `view`, the layout a v1 or hybrid
+/// node's `/sys/fs/cgroup` has, as containerd 1.6 binds a `readOnly` hostPath of it: a tmpfs whose
+/// own mount is read-only, with the host's cgroup fs bound (recursively, writable) at `unified/`
+/// below it. The same layout on any host (a guest without systemd has no cgroup directory to
+/// mount on), and nothing of it outside that namespace.
 pub fn bound_top_read_only(view: &Path, inner: &[String]) -> Vec<String> {
-    let script = "v=\"$VALET_CGROUP_MOUNT\"; mount --rbind /sys/fs/cgroup \"$v\" \
-                  && mount -o remount,bind,ro \"$v\" || exit 1; \
-                  for d in \"$v\"/*/; do \
-                    if [ -d \"$d\" ] && ! mountpoint -q \"$d\"; then mount --bind /sys/fs/cgroup \"$d\" || exit 1; break; fi; \
-                  done; exec \"$@\"";
+    let script = "v=\"$VALET_CGROUP_MOUNT\"; mount -t tmpfs -o mode=755 cgroup-view \"$v\" \
+                  && mkdir \"$v/unified\" && mount --rbind /sys/fs/cgroup \"$v/unified\" \
+                  && mount -o remount,bind,ro \"$v\" && exec \"$@\"";
     let mut wrapper: Vec<String> = vec![
         "env".into(),
         format!("VALET_CGROUP_MOUNT={}", view.display()),

@@ -579,8 +579,8 @@ fn a_deadline_keeper_refused_bpf_exits_and_says_why() {
 
 /// On a runtime without recursive read-only mounts (containerd before 2.0, CRI-O before 1.30) the
 /// DaemonSet's `readOnly` cgroup volume is read-only at its top only: on v1 and hybrid nodes (this
-/// host is hybrid) the controllers' mounts below stay writable. Bound so here (with a writable
-/// mount below the top on a v2 guest too), the keeper with the manifest's capabilities makes every
+/// host is hybrid) the controllers' mounts below stay writable. Laid out so here (a read-only
+/// tmpfs, the cgroup fs mounted writable below it), the keeper with the manifest's capabilities makes every
 /// one of them read-only itself at start (mount_setattr; a bind remount each on 5.10, which has
 /// no mount_setattr: `cargo xtask kernels`), then holds no CAP_SYS_ADMIN in any thread; with BPF
 /// and KILL alone they stay writable and it says so.
