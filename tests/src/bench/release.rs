@@ -22,7 +22,7 @@ use valet_tests::harness::{Agent, JobSpec, Node, eventually};
 use super::*;
 
 /// The ready moment is drawn uniformly over this long after the hold.
-const READY_WINDOW: Duration = Duration::from_secs(2);
+pub(crate) const READY_WINDOW: Duration = Duration::from_secs(2);
 /// Release targets from the proxy's first ready answer to the released app's first instruction.
 const MEDIAN_TARGET_US: f64 = 12_500.0;
 const P99_TARGET_US: f64 = 25_000.0;
@@ -51,7 +51,7 @@ impl Draw {
 
 /// How the held pod's proxy turns ready.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Proxy {
+pub(crate) enum Proxy {
     /// The stand-in listens from the start and answers 503 until its ready file appears.
     Flips,
     /// The stand-in is started at the ready moment: its ports are closed until it listens, and
@@ -147,7 +147,7 @@ fn release_spec(
 /// One held pod: its app is held, the proxy turns ready `delay` after the hold; the time from
 /// the ready moment to the app's first instruction (µs), and whether the agent saw a listen in
 /// the pod between the ready moment and the app's run.
-fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: usize) -> Result<(f64, bool)> {
+pub(crate) fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: usize) -> Result<(f64, bool)> {
     let tag = match proxy {
         Proxy::Flips => "flips",
         Proxy::ListensLate => "late",
@@ -300,7 +300,7 @@ pub(crate) fn release_latency(plan: &Plan, table: &mut Table) -> Result<()> {
 /// One sample of the reference, against the same stand-in: Istio's holdApplicationUntilProxyStarts
 /// (`pilot-agent wait` polls the readiness endpoint every 500 ms, then the app starts); a closed
 /// port is not ready to it, as a 503 is. The time from the ready moment to the app's start (µs).
-fn reference(node: &Node, agent: &Agent, draw: &mut Draw, i: usize) -> Result<f64> {
+pub(crate) fn reference(node: &Node, agent: &Agent, draw: &mut Draw, i: usize) -> Result<f64> {
     let poller = bin("valet-bench-poller")?;
     let poller = poller.to_str().context("path")?;
     let app = bin("valet-bench-app")?;
@@ -334,7 +334,7 @@ fn reference(node: &Node, agent: &Agent, draw: &mut Draw, i: usize) -> Result<f6
 }
 
 /// valet's median against the reference's, as a fraction when it is smaller.
-fn against(valet: f64, reference: f64) -> String {
+pub(crate) fn against(valet: f64, reference: f64) -> String {
     if valet < reference {
         format!("1/{:.0} of the reference", reference / valet)
     } else {
