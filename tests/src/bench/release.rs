@@ -144,10 +144,27 @@ fn release_spec(
     Ok((spec, delivery, (addr, path)))
 }
 
-/// One held pod: its app is held, the proxy turns ready `delay` after the hold; the time from
-/// the ready moment to the app's first instruction (µs), and whether the agent saw a listen in
-/// the pod between the ready moment and the app's run.
-pub(crate) fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: usize) -> Result<(f64, bool)> {
+/// One held pod's release ([`held_release`]).
+pub(crate) struct Released {
+    /// From the ready moment to the app's first instruction (µs; signed, see below).
+    pub(crate) us: f64,
+    /// Whether the agent saw a listen in the pod between the ready moment and the app's run.
+    pub(crate) listened: bool,
+    /// The app's pid (its SIGCONT's target) and the ready moment (CLOCK_MONOTONIC ns).
+    pub(crate) pid: u32,
+    pub(crate) ready_at: u64,
+}
+
+/// One held pod: its app is held, the proxy turns ready `delay` after the hold ([`Released`]).
+/// The app lives `life_ms` after its first instruction (its end quits the proxy): long enough
+/// for the bench's ready poller to see the proxy's first 200 before.
+pub(crate) fn held_release(
+    node: &Node,
+    agent: &Agent,
+    (proxy, life_ms): (Proxy, &str),
+    delay: Duration,
+    i: usize,
+) -> Result<Released> {
     let tag = match proxy {
         Proxy::Flips => "flips",
         Proxy::ListensLate => "late",
@@ -162,9 +179,10 @@ pub(crate) fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Dura
     let stamp = node.scratch.path(&format!("ran-{tag}-{i}"));
     let stamp_s = stamp.to_str().context("path")?.to_owned();
     let app_s = app.to_str().context("path")?;
-    // The app lives 100 ms after its stamp: its end quits the proxy, and the ready poller below
-    // must see a 200 before that (a loaded machine once starved it past a window of a few ms).
-    let pid = job.start_app("app", &[app_s, &stamp_s, "0", "0", "100"], &SpawnOptions::default())?.host_pid();
+    // The app lives `life_ms` after its stamp: its end quits the proxy, and the ready poller
+    // below must see a 200 before that (a loaded machine once starved it past a window of a few
+    // ms; [4s]'s busy loops, past 100 ms).
+    let pid = job.start_app("app", &[app_s, &stamp_s, "0", "0", life_ms], &SpawnOptions::default())?.host_pid();
     // Held: stopped by the kernel before its first instruction (it cannot have run).
     if !eventually(Duration::from_secs(10), || stopped(pid)) || stamp.exists() {
         bail!("run {i}: the app was not held\n{}", agent.log_text());
@@ -205,7 +223,7 @@ pub(crate) fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Dura
             seen.sent
         }
     };
-    // The app's end (100 ms after its stamp) quits the proxy; deleted before it, the pod's proxy
+    // The app's end (`life_ms` after its stamp) quits the proxy; deleted before it, the pod's proxy
     // would be left to the deletion and each sample would wait out `wait_proxy_exit`.
     if let Some(app) = job.apps.last_mut() {
         let _ = app.wait_timeout(Duration::from_secs(5));
@@ -215,7 +233,7 @@ pub(crate) fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Dura
     drop(job);
     agent.wait_tracked(0, Duration::from_secs(10))?;
     // Signed: an app released between the poller's last 503 and its first 200 counts below 0.
-    Ok(((ran as f64 - ready_at as f64) / 1000.0, listened))
+    Ok(Released { us: (ran as f64 - ready_at as f64) / 1000.0, listened, pid, ready_at })
 }
 
 /// The hang guard of one release: far beyond any target, only so that a lost release fails.
@@ -256,9 +274,9 @@ pub(crate) fn release_latency(plan: &Plan, table: &mut Table) -> Result<()> {
             let t = Instant::now();
             let (mut samples, mut polled, mut listened) = (Vec::with_capacity(runs), Vec::with_capacity(runs), 0);
             for i in 0..runs {
-                let (sample, seen) = held_release(&node, &agent, proxy, draw.uniform(READY_WINDOW), i)?;
-                samples.push(sample);
-                listened += usize::from(seen);
+                let r = held_release(&node, &agent, (proxy, "100"), draw.uniform(READY_WINDOW), i)?;
+                samples.push(r.us);
+                listened += usize::from(r.listened);
                 polled.push(reference(&node, &agent, &mut draw, i)?);
             }
             let s = report(&format!("valet, {what}{poll}"), samples);

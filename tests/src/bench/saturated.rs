@@ -4,7 +4,6 @@
 //! started before the round and killed after it; the bench's own stand-ins, ready poller and app
 //! compete with them as the agent does. Beside the rows: how long each of the agent's threads
 //! waited for a CPU in the round (the kernel's schedstat), to tell which of them the loops held up.
-use std::collections::BTreeMap;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -54,40 +53,8 @@ impl Drop for Hogs {
     }
 }
 
-/// A task's scheduling policy and niceness, from `/proc/<pid>/stat` (fields 41 and 19).
-fn policy_nice(pid: u32) -> Option<(i64, i64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    // `rest[0]` is field 3 (the state).
-    Some((rest.get(38)?.parse().ok()?, rest.get(16)?.parse().ok()?))
-}
-
-/// Per thread name of process `pid`: CPU time and time waiting on a run queue (ns), the times
-/// it ran, and the policy of the last thread of that name seen (0 normal, 1 FIFO).
-type Waits = BTreeMap<String, (u64, u64, u64, i64)>;
-
-fn thread_waits(pid: u32) -> Waits {
-    let mut out = Waits::new();
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return out };
-    for task in tasks.flatten() {
-        let dir = task.path();
-        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default().trim().to_owned();
-        let sched = std::fs::read_to_string(dir.join("schedstat")).unwrap_or_default();
-        let mut f = sched.split_whitespace().map(|v| v.parse::<u64>().unwrap_or(0));
-        let (cpu, wait, runs) = (f.next().unwrap_or(0), f.next().unwrap_or(0), f.next().unwrap_or(0));
-        let tid = dir.file_name().and_then(|n| n.to_str()?.parse().ok()).unwrap_or(0);
-        let policy = policy_nice(tid).map_or(-1, |(p, _)| p);
-        let e = out.entry(comm).or_default();
-        e.0 += cpu;
-        e.1 += wait;
-        e.2 += runs;
-        e.3 = policy;
-    }
-    out
-}
-
 /// The change of [`thread_waits`] from `before` to `after`, one line per thread name that ran.
-fn waits_line(before: &Waits, after: &Waits) -> String {
+pub(crate) fn waits_line(before: &Waits, after: &Waits) -> String {
     let mut words = Vec::new();
     for (name, &(cpu, wait, runs, policy)) in after {
         let (c0, w0, r0, _) = before.get(name).copied().unwrap_or_default();
@@ -117,18 +84,25 @@ pub(crate) fn saturated_release(plan: &Plan, table: &mut Table) -> Result<()> {
         (Proxy::Flips, "listening from the start, readiness flips", "the bench's flip of the ready file"),
         (Proxy::ListensLate, "stand-in starts listening late", "the bench's poller's first 200 (1 ms apart)"),
     ];
+    let trace = SignalTrace::start().map_err(|e| println!("  (SIGCONT times not traced: {e:#})")).ok();
     for (proxy, what, ready) in variants {
         let t = Instant::now();
-        let (mut samples, mut polled) = (Vec::with_capacity(runs), Vec::with_capacity(runs));
+        let (mut samples, mut signalled, mut polled) = (Vec::new(), Vec::new(), Vec::new());
         let before = thread_waits(pid);
         let hogs = Hogs::start()?;
         for i in 0..runs {
-            samples.push(held_release(&node, &agent, proxy, draw.uniform(READY_WINDOW), i)?.0);
+            let _ = trace.as_ref().map(SignalTrace::sent);
+            let r = held_release(&node, &agent, (proxy, "1000"), draw.uniform(READY_WINDOW), i)?;
+            samples.push(r.us);
+            if let Some(sent) = trace.as_ref().and_then(|t| t.sent().get(&r.pid).copied()) {
+                signalled.push((sent as f64 - r.ready_at as f64) / 1000.0);
+            }
             polled.push(reference(&node, &agent, &mut draw, i)?);
         }
         drop(hogs);
         let waits = waits_line(&before, &thread_waits(pid));
         let s = report(&format!("valet, {what}, saturated"), samples);
+        let g = report("  of it: SIGCONT sent (the kernel's signal_generate)", signalled);
         let r = report("  reference beside it: pilot-agent wait (500 ms polling)", polled);
         println!("  ({what}, saturated: {:.0} s)\n  the agent's threads in the round: {waits}", t.elapsed().as_secs_f64());
         let ok = s.median <= MEDIAN_TARGET_US && s.p99 <= P99_TARGET_US;
@@ -142,6 +116,13 @@ pub(crate) fn saturated_release(plan: &Plan, table: &mut Table) -> Result<()> {
             &format!("`pilot-agent wait` (500 ms poll), same loops {}", r.ms()),
             "median ≤ 25 ms, p99 ≤ 100 ms",
             format!("{}: {}", against(s.median, r.median), met(ok)),
+        );
+        table.add(
+            &format!("[4s] … of it, the agent's part: SIGCONT sent after the ready moment (median / p99, n={})", g.n),
+            g.ms(),
+            "—",
+            "—",
+            "the app's own wait for a CPU after it is the rest".into(),
         );
     }
     Ok(())
