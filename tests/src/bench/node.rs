@@ -2,7 +2,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use valet_sim::node::SpawnOptions;
-use valet_tests::harness::{Agent, JobPod, Node, eventually};
+use valet_tests::harness::{Agent, Node, eventually};
 
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 use super::*;
@@ -84,54 +84,7 @@ pub(crate) fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
     node_rows(plan, &reps, peak, [&q, &w], table);
     watch_row(&format!("{total} pods at rest"), &quiet_watch, &rest_watch, table);
     watch_row(&format!("{total} pods, in the second {} of them start", plan.jobs), &quiet_watch, &burst_watch, table);
-    at_max_pods(plan, &node, &agent, services, table)
-}
-
-/// [8] again at the most pods some providers allow ([`MAX_PODS`]), in the same run and on the
-/// same node and agent as the rows at 110 (after their bursts): long-running pods made beside
-/// the 60 until the node has that many, all at rest; the agent's RSS, peak RSS and idle CPU.
-fn at_max_pods(plan: &Plan, node: &Node, agent: &Agent, mut services: Vec<JobPod>, table: &mut Table) -> Result<()> {
-    let pods = if plan.quick { 40 } else { MAX_PODS };
-    let pid = agent.pid().context("agent pid")?;
-    let t = Instant::now();
-    let mut more = make_jobs(node, "wider", pods.saturating_sub(services.len()))?;
-    for pod in &mut more {
-        pod.start_app("app", &["/bin/sleep", "3600"], &SpawnOptions::default())?;
-    }
-    services.extend(more);
-    agent.wait_tracked(pods, Duration::from_secs(300))?;
-    wait_at_rest(node, &services)?;
-    println!("  {pods} pods up, tracked and at rest in {:.1} s", t.elapsed().as_secs_f64());
-    let idle_mc = cpu_share(pid, plan.idle) * 1e3;
-    let (rss, peak) = (rss_kib(pid), peak_rss_kib(pid));
-    let mib = |kib: u64| kib as f64 / 1024.0;
-    println!(
-        "  idle with {pods} pods: CPU {idle_mc:.2} millicores over {:.0} s, RSS {:.1} MiB ({}; peak {:.1} MiB), {} fds",
-        plan.idle.as_secs_f64(),
-        mib(rss),
-        rss_parts(pid),
-        mib(peak),
-        open_fds(pid)
-    );
-    remove_jobs(node, services);
-    table.add(
-        &format!("[8] agent RSS, {pods} pods tracked, the same agent after the rows above (peak since its start)"),
-        format!("{:.1} MiB ({:.1} MiB)", mib(rss), mib(peak)),
-        "—",
-        "≤ 24 MiB",
-        format!(
-            "{}{}",
-            met(rss > 0 && rss <= 24 * 1024),
-            if peak > 24 * 1024 { "; the peak above 24 MiB" } else { "" }
-        ),
-    );
-    table.add(
-        &format!("[8] agent CPU, idle with {pods} pods (over {:.0} s)", plan.idle.as_secs_f64()),
-        format!("{idle_mc:.2} millicores"),
-        "—",
-        "≤ 3 millicores",
-        met(idle_mc <= 3.0).into(),
-    );
+    drop(services);
     Ok(())
 }
 
