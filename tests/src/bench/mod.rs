@@ -84,7 +84,8 @@ pub(crate) use together::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use wide::*;
 
-pub(crate) const SECTIONS: &str = "exit|quit|release|saturated|storm|kernel|together|node|soak|observe|bill|wide|rollout";
+pub(crate) const SECTIONS: &str =
+    "exit|quit|release|saturated|storm|kernel|together|node|soak|observe|bill|wide|rollout";
 
 pub(crate) struct Args {
     pub(crate) runs: Option<usize>,

@@ -236,10 +236,7 @@ fn watch_row(with: &str, quiet: &WatchLag, full: &WatchLag, table: &mut Table) {
             full.waited
         ),
         "no lag (≤ 1.2× no pods), or a measurement that puts the difference outside the agent",
-        format!(
-            "{ratio:.2}×; the rest alone {own_ratio:.2}×: {}",
-            met(ratio <= 1.2 || own_ratio <= 1.2)
-        ),
+        format!("{ratio:.2}×; the rest alone {own_ratio:.2}×: {}", met(ratio <= 1.2 || own_ratio <= 1.2)),
     );
 }
 

@@ -104,7 +104,10 @@ pub(crate) fn saturated_release(plan: &Plan, table: &mut Table) -> Result<()> {
         let s = report(&format!("valet, {what}, saturated"), samples);
         let g = report("  of it: SIGCONT sent (the kernel's signal_generate)", signalled);
         let r = report("  reference beside it: pilot-agent wait (500 ms polling)", polled);
-        println!("  ({what}, saturated: {:.0} s)\n  the agent's threads in the round: {waits}", t.elapsed().as_secs_f64());
+        println!(
+            "  ({what}, saturated: {:.0} s)\n  the agent's threads in the round: {waits}",
+            t.elapsed().as_secs_f64()
+        );
         let ok = s.median <= MEDIAN_TARGET_US && s.p99 <= P99_TARGET_US;
         table.add(
             &format!(
