@@ -4,7 +4,8 @@
 //! 1. kernel → user latency of an exit event;
 //! 3. app exit → quit received by the stand-in proxy for a 0.3 s Job, valet vs an in-pod wrapper
 //!    (waitpid, then POST), and the stand-in's own part of each;
-//! 4. proxy ready → held app released, valet vs Istio's `pilot-agent wait` poller;
+//! 4. proxy ready → held app released, valet vs Istio's `pilot-agent wait` poller; 4s. the same
+//!    on a saturated node (a busy loop on every CPU beside it);
 //! 5. a watched pod forking short processes as fast as the machine allows: container ends lost,
 //!    exit → quit and pod-watch latency during the storm and without it, and an app that ends
 //!    while the agent is stalled (SIGSTOP) in the middle of the storm;
@@ -42,6 +43,7 @@ mod procfs;
 mod quit;
 mod release;
 mod rollout;
+mod saturated;
 mod soak;
 mod stall;
 mod storm;
@@ -68,6 +70,8 @@ pub(crate) use release::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use rollout::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
+pub(crate) use saturated::*;
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use soak::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use stall::*;
@@ -80,7 +84,8 @@ pub(crate) use together::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use wide::*;
 
-pub(crate) const SECTIONS: &str = "exit|quit|release|storm|kernel|together|node|soak|observe|bill|wide|rollout";
+pub(crate) const SECTIONS: &str =
+    "exit|quit|release|saturated|storm|kernel|together|node|soak|observe|bill|wide|rollout";
 
 pub(crate) struct Args {
     pub(crate) runs: Option<usize>,
@@ -241,10 +246,11 @@ pub(crate) fn main() -> Result<()> {
     let started = Instant::now();
     let mut table = Table::default();
     type Section<'a> = &'a dyn Fn(&mut Table) -> Result<()>;
-    let sections: [(&str, Section); 12] = [
+    let sections: [(&str, Section); 13] = [
         ("exit", &|t| exit_latency(if plan.quick { 50 } else { 500 }, t)),
         ("quit", &|t| quit_latency(plan.runs, t)),
         ("release", &|t| release_latency(&plan, t)),
+        ("saturated", &|t| saturated_release(&plan, t)),
         ("storm", &|t| storm(&plan, t)),
         ("kernel", &|t| kernel_cost(t)),
         ("together", &|t| {

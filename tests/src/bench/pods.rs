@@ -19,10 +19,53 @@ pub(crate) fn tracked_after(agent: &Agent, n: f64, since: Instant) -> Result<Dur
     Ok(since.elapsed())
 }
 
+/// Pod-watch latency, and where it goes: the samples (µs) of each part.
+#[derive(Default)]
+pub(crate) struct WatchLag {
+    /// From the pod's create until the agent's tracked count shows it.
+    pub(crate) agent: Vec<f64>,
+    /// From the create until a bare watch client of the bench's (the agent's selectors, on the
+    /// same API stand-in) has read the pod's ADDED line: the stand-in's own part.
+    pub(crate) api: Vec<f64>,
+    /// One read of the agent's `/metrics`, the bench's way of seeing the count: each sample
+    /// above ends with one, begun after the count changed or before.
+    pub(crate) scrape: Vec<f64>,
+    /// The agent's CPU and its threads' time waiting for a CPU (the kernel's schedstat) over
+    /// the samples, per sample (µs), and the same per thread for the log.
+    pub(crate) cpu: f64,
+    pub(crate) waited: f64,
+    pub(crate) threads: String,
+}
+
+/// A bare watch client on `node`'s API stand-in, with the agent's label and field selectors: the
+/// moment it reads each ADDED line of a `watch-probe-` pod, by name.
+fn bare_watch(node: &Node) -> Result<std::sync::mpsc::Receiver<(String, Instant)>> {
+    let target = format!(
+        "/api/v1/pods?watch=true&timeoutSeconds=600&labelSelector=valet.dev%2Fenabled%3Dtrue&fieldSelector=spec.nodeName%3D{}",
+        node.name
+    );
+    let mut stream = valet_sim::client::watch(node.api.addr(), &target, Duration::from_secs(10))?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        while let Ok(Some(event)) = stream.next_event(Duration::from_secs(600)) {
+            let at = Instant::now();
+            let name = event["object"]["metadata"]["name"].as_str().unwrap_or_default();
+            if event["type"] == "ADDED" && name.starts_with("watch-probe-") && tx.send((name.to_owned(), at)).is_err() {
+                return;
+            }
+        }
+    });
+    Ok(rx)
+}
+
 /// Pod-watch latency: a labelled pod object appears on the node (and is deleted again); the time
-/// until the agent's tracked count shows it, `samples` times.
-pub(crate) fn watch_latency(node: &Node, agent: &Agent, base: f64, samples: usize) -> Result<Vec<f64>> {
-    let mut out = Vec::with_capacity(samples);
+/// until the agent's tracked count shows it, `samples` times, beside the API stand-in's own part
+/// and the cost of the bench's read of the count ([`WatchLag`]).
+pub(crate) fn watch_latency(node: &Node, agent: &Agent, base: f64, samples: usize) -> Result<WatchLag> {
+    let mut out = WatchLag::default();
+    let bare = bare_watch(node)?;
+    let pid = agent.pid().context("agent pid")?;
+    let before = thread_waits(pid);
     for i in 0..samples {
         let name = format!("watch-probe-{i}-{}", valet_sim::util::random_hex(3));
         let pod = serde_json::json!({
@@ -34,12 +77,28 @@ pub(crate) fn watch_latency(node: &Node, agent: &Agent, base: f64, samples: usiz
                 {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.22.0"}]},
             "status": {"phase": "Pending"}
         });
+        let scrape = Instant::now();
+        agent.metrics_text()?;
+        out.scrape.push(scrape.elapsed().as_secs_f64() * 1e6);
         let t0 = Instant::now();
         node.api.create_pod(pod)?;
-        out.push(tracked_after(agent, base + 1.0, t0)?.as_secs_f64() * 1e6);
+        out.agent.push(tracked_after(agent, base + 1.0, t0)?.as_secs_f64() * 1e6);
+        loop {
+            let (seen, at) = bare.recv_timeout(Duration::from_secs(10)).context("the bare watch never saw the pod")?;
+            if seen == name {
+                out.api.push(at.saturating_duration_since(t0).as_secs_f64() * 1e6);
+                break;
+            }
+        }
         node.api.delete_pod("jobs", &name)?;
         tracked_after(agent, base, Instant::now())?;
     }
+    let after = thread_waits(pid);
+    let sum = |w: &Waits, f: fn(&(u64, u64, u64, i64)) -> u64| w.values().map(f).sum::<u64>() as f64;
+    let per = samples.max(1) as f64 * 1e3;
+    out.cpu = (sum(&after, |t| t.0) - sum(&before, |t| t.0)) / per;
+    out.waited = (sum(&after, |t| t.1) - sum(&before, |t| t.1)) / per;
+    out.threads = waits_line(&before, &after);
     Ok(out)
 }
 

@@ -93,6 +93,16 @@ pub(crate) fn rss_kib(pid: u32) -> u64 {
     status_field(pid, "VmRSS:").and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
 }
 
+/// What a process's resident set is made of (KiB): anonymous memory (the heap, stacks), file
+/// pages (the binary's text and data, libraries) and shared memory, from `/proc/<pid>/status`.
+pub(crate) fn rss_parts(pid: u32) -> String {
+    let kib = |f: &str| status_field(pid, f).and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok());
+    match (kib("RssAnon:"), kib("RssFile:"), kib("RssShmem:")) {
+        (Some(a), Some(f), Some(s)) => format!("anonymous {a} KiB, file {f} KiB, shared {s} KiB"),
+        _ => "its parts unread".to_owned(),
+    }
+}
+
 /// Peak resident set size of a process since its start (`VmHWM`), in KiB.
 pub(crate) fn peak_rss_kib(pid: u32) -> u64 {
     status_field(pid, "VmHWM:").and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0)
@@ -211,4 +221,36 @@ impl Drop for SignalTrace {
         let _ = std::fs::write(self.dir.join("events/signal/signal_generate/enable"), "0");
         let _ = std::fs::remove_dir(&self.dir);
     }
+}
+
+/// A task's scheduling policy and niceness, from `/proc/<pid>/stat` (fields 41 and 19).
+pub(crate) fn policy_nice(pid: u32) -> Option<(i64, i64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    // `rest[0]` is field 3 (the state).
+    Some((rest.get(38)?.parse().ok()?, rest.get(16)?.parse().ok()?))
+}
+
+/// Per thread name of process `pid`: CPU time and time waiting on a run queue (ns), the times
+/// it ran, and the policy of the last thread of that name seen (0 normal, 1 FIFO).
+pub(crate) type Waits = std::collections::BTreeMap<String, (u64, u64, u64, i64)>;
+
+pub(crate) fn thread_waits(pid: u32) -> Waits {
+    let mut out = Waits::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return out };
+    for task in tasks.flatten() {
+        let dir = task.path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default().trim().to_owned();
+        let sched = std::fs::read_to_string(dir.join("schedstat")).unwrap_or_default();
+        let mut f = sched.split_whitespace().map(|v| v.parse::<u64>().unwrap_or(0));
+        let (cpu, wait, runs) = (f.next().unwrap_or(0), f.next().unwrap_or(0), f.next().unwrap_or(0));
+        let tid = dir.file_name().and_then(|n| n.to_str()?.parse().ok()).unwrap_or(0);
+        let policy = policy_nice(tid).map_or(-1, |(p, _)| p);
+        let e = out.entry(comm).or_default();
+        e.0 += cpu;
+        e.1 += wait;
+        e.2 += runs;
+        e.3 = policy;
+    }
+    out
 }

@@ -22,7 +22,7 @@ use valet_tests::harness::{Agent, JobSpec, Node, eventually};
 use super::*;
 
 /// The ready moment is drawn uniformly over this long after the hold.
-const READY_WINDOW: Duration = Duration::from_secs(2);
+pub(crate) const READY_WINDOW: Duration = Duration::from_secs(2);
 /// Release targets from the proxy's first ready answer to the released app's first instruction.
 const MEDIAN_TARGET_US: f64 = 12_500.0;
 const P99_TARGET_US: f64 = 25_000.0;
@@ -51,7 +51,7 @@ impl Draw {
 
 /// How the held pod's proxy turns ready.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Proxy {
+pub(crate) enum Proxy {
     /// The stand-in listens from the start and answers 503 until its ready file appears.
     Flips,
     /// The stand-in is started at the ready moment: its ports are closed until it listens, and
@@ -144,10 +144,27 @@ fn release_spec(
     Ok((spec, delivery, (addr, path)))
 }
 
-/// One held pod: its app is held, the proxy turns ready `delay` after the hold; the time from
-/// the ready moment to the app's first instruction (µs), and whether the agent saw a listen in
-/// the pod between the ready moment and the app's run.
-fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: usize) -> Result<(f64, bool)> {
+/// One held pod's release ([`held_release`]).
+pub(crate) struct Released {
+    /// From the ready moment to the app's first instruction (µs; signed, see below).
+    pub(crate) us: f64,
+    /// Whether the agent saw a listen in the pod between the ready moment and the app's run.
+    pub(crate) listened: bool,
+    /// The app's pid (its SIGCONT's target) and the ready moment (CLOCK_MONOTONIC ns).
+    pub(crate) pid: u32,
+    pub(crate) ready_at: u64,
+}
+
+/// One held pod: its app is held, the proxy turns ready `delay` after the hold ([`Released`]).
+/// The app lives `life_ms` after its first instruction (its end quits the proxy): long enough
+/// for the bench's ready poller to see the proxy's first 200 before.
+pub(crate) fn held_release(
+    node: &Node,
+    agent: &Agent,
+    (proxy, life_ms): (Proxy, &str),
+    delay: Duration,
+    i: usize,
+) -> Result<Released> {
     let tag = match proxy {
         Proxy::Flips => "flips",
         Proxy::ListensLate => "late",
@@ -162,9 +179,10 @@ fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: us
     let stamp = node.scratch.path(&format!("ran-{tag}-{i}"));
     let stamp_s = stamp.to_str().context("path")?.to_owned();
     let app_s = app.to_str().context("path")?;
-    // The app lives 100 ms after its stamp: its end quits the proxy, and the ready poller below
-    // must see a 200 before that (a loaded machine once starved it past a window of a few ms).
-    let pid = job.start_app("app", &[app_s, &stamp_s, "0", "0", "100"], &SpawnOptions::default())?.host_pid();
+    // The app lives `life_ms` after its stamp: its end quits the proxy, and the ready poller
+    // below must see a 200 before that (a loaded machine once starved it past a window of a few
+    // ms; [4s]'s busy loops, past 100 ms).
+    let pid = job.start_app("app", &[app_s, &stamp_s, "0", "0", life_ms], &SpawnOptions::default())?.host_pid();
     // Held: stopped by the kernel before its first instruction (it cannot have run).
     if !eventually(Duration::from_secs(10), || stopped(pid)) || stamp.exists() {
         bail!("run {i}: the app was not held\n{}", agent.log_text());
@@ -205,7 +223,7 @@ fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: us
             seen.sent
         }
     };
-    // The app's end (100 ms after its stamp) quits the proxy; deleted before it, the pod's proxy
+    // The app's end (`life_ms` after its stamp) quits the proxy; deleted before it, the pod's proxy
     // would be left to the deletion and each sample would wait out `wait_proxy_exit`.
     if let Some(app) = job.apps.last_mut() {
         let _ = app.wait_timeout(Duration::from_secs(5));
@@ -215,7 +233,7 @@ fn held_release(node: &Node, agent: &Agent, proxy: Proxy, delay: Duration, i: us
     drop(job);
     agent.wait_tracked(0, Duration::from_secs(10))?;
     // Signed: an app released between the poller's last 503 and its first 200 counts below 0.
-    Ok(((ran as f64 - ready_at as f64) / 1000.0, listened))
+    Ok(Released { us: (ran as f64 - ready_at as f64) / 1000.0, listened, pid, ready_at })
 }
 
 /// The hang guard of one release: far beyond any target, only so that a lost release fails.
@@ -256,9 +274,9 @@ pub(crate) fn release_latency(plan: &Plan, table: &mut Table) -> Result<()> {
             let t = Instant::now();
             let (mut samples, mut polled, mut listened) = (Vec::with_capacity(runs), Vec::with_capacity(runs), 0);
             for i in 0..runs {
-                let (sample, seen) = held_release(&node, &agent, proxy, draw.uniform(READY_WINDOW), i)?;
-                samples.push(sample);
-                listened += usize::from(seen);
+                let r = held_release(&node, &agent, (proxy, "100"), draw.uniform(READY_WINDOW), i)?;
+                samples.push(r.us);
+                listened += usize::from(r.listened);
                 polled.push(reference(&node, &agent, &mut draw, i)?);
             }
             let s = report(&format!("valet, {what}{poll}"), samples);
@@ -300,7 +318,7 @@ pub(crate) fn release_latency(plan: &Plan, table: &mut Table) -> Result<()> {
 /// One sample of the reference, against the same stand-in: Istio's holdApplicationUntilProxyStarts
 /// (`pilot-agent wait` polls the readiness endpoint every 500 ms, then the app starts); a closed
 /// port is not ready to it, as a 503 is. The time from the ready moment to the app's start (µs).
-fn reference(node: &Node, agent: &Agent, draw: &mut Draw, i: usize) -> Result<f64> {
+pub(crate) fn reference(node: &Node, agent: &Agent, draw: &mut Draw, i: usize) -> Result<f64> {
     let poller = bin("valet-bench-poller")?;
     let poller = poller.to_str().context("path")?;
     let app = bin("valet-bench-app")?;
@@ -334,7 +352,7 @@ fn reference(node: &Node, agent: &Agent, draw: &mut Draw, i: usize) -> Result<f6
 }
 
 /// valet's median against the reference's, as a fraction when it is smaller.
-fn against(valet: f64, reference: f64) -> String {
+pub(crate) fn against(valet: f64, reference: f64) -> String {
     if valet < reference {
         format!("1/{:.0} of the reference", reference / valet)
     } else {

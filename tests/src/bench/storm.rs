@@ -56,7 +56,7 @@ pub(crate) fn storm(plan: &Plan, table: &mut Table) -> Result<()> {
     let agent = node.start_agent(&[])?;
 
     // Quiet machine first: the references.
-    let quiet_watch = watch_latency(&node, &agent, 0.0, 30)?;
+    let quiet_watch = watch_latency(&node, &agent, 0.0, 30)?.agent;
     let mut quiet_quits = Vec::new();
     for i in 0..jobs {
         if let Some(us) = one_job(&node, &agent, &app, &format!("quiet-{i}"), 1, || Ok(()))? {
@@ -99,7 +99,7 @@ fn in_storm(
             None => ends_lost += 1,
         }
     }
-    let storm_watch = watch_latency(node, agent, 1.0, 30)?;
+    let storm_watch = watch_latency(node, agent, 1.0, 30)?.agent;
     // The agent stalled while many other pods' apps end, their reports held past the stall.
     let stalled = stall_ends(node, agent, plan.stall_ends, plan.stall, false, 1)?;
     // The same with Jobs shorter than the stall: they start and end while the agent is stopped.

@@ -31,9 +31,10 @@ pub(crate) fn widest_node(plan: &Plan, table: &mut Table) -> Result<()> {
     let idle_mc = cpu_share(pid, plan.idle) * 1e3;
     let (rss, peak) = (rss_kib(pid), peak_rss_kib(pid));
     println!(
-        "  idle with {pods} pods: CPU {idle_mc:.2} millicores over {:.0} s, RSS {:.1} MiB (peak {:.1} MiB), {} fds",
+        "  idle with {pods} pods: CPU {idle_mc:.2} millicores over {:.0} s, RSS {:.1} MiB ({}; peak {:.1} MiB), {} fds",
         plan.idle.as_secs_f64(),
         rss as f64 / 1024.0,
+        rss_parts(pid),
         peak as f64 / 1024.0,
         open_fds(pid)
     );
