@@ -42,6 +42,7 @@ mod procfs;
 mod quit;
 mod release;
 mod rollout;
+mod round_cpu;
 mod soak;
 mod stall;
 mod storm;
@@ -67,6 +68,8 @@ pub(crate) use quit::*;
 pub(crate) use release::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use rollout::*;
+#[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
+pub(crate) use round_cpu::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use soak::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
