@@ -430,9 +430,8 @@ fn release_thread_sched(pid: u32) -> Option<(u32, u32)> {
 /// [`release_thread_sched`] of the agent's thread named `name`.
 fn thread_sched(pid: u32, name: &str) -> Option<(u32, u32)> {
     let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
-    let task = tasks
-        .flatten()
-        .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim_end() == name))?;
+    let task =
+        tasks.flatten().find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim_end() == name))?;
     let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
     // Fields from the third (the state) on, after the command's closing parenthesis.
     let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
