@@ -361,6 +361,15 @@ pub struct HoldFlags {
     /// the thread keeps the normal class and the log says so.
     #[arg(long, env = "VALET_RELEASE_PRIORITY", default_value_t = 1)]
     pub release_priority: u8,
+
+    /// Real-time priority of the decision path: the held pods' prober and the loop (0: none).
+    ///
+    /// The real-time priority (SCHED_FIFO, 1-99; 0: the normal class) of the threads between a
+    /// held pod's proxy turning ready and its release: the held pods' prober and the agent's
+    /// loop, which decides the release. Without it the apps released first take their CPUs
+    /// from the decisions of the rest of a round. Needs CAP_SYS_NICE, as --release-priority.
+    #[arg(long, env = "VALET_DECIDE_PRIORITY", default_value_t = 0)]
+    pub decide_priority: u8,
 }
 
 /// Acting on labelled pods and observing the others.
@@ -424,6 +433,9 @@ impl Config {
         self.probes.validate()?;
         if self.holds.release_priority > 99 {
             return Err(Error::Config("--release-priority must be 0 (normal) to 99".into()));
+        }
+        if self.holds.decide_priority > 99 {
+            return Err(Error::Config("--decide-priority must be 0 (normal) to 99".into()));
         }
         for (flag, d) in [
             ("--quit-timeout", self.quits.quit_timeout),
@@ -714,6 +726,9 @@ mod tests {
             let mut c = cfg.clone();
             c.holds.release_priority = priority;
             assert_eq!(c.validate().is_ok(), ok, "--release-priority {priority}");
+            let mut c = cfg.clone();
+            c.holds.decide_priority = priority;
+            assert_eq!(c.validate().is_ok(), ok, "--decide-priority {priority}");
         }
         assert_eq!(cfg.pods.watch_timeout, Duration::from_secs(290));
         assert_eq!(cfg.pods.sandboxed_runtime_classes, ["kata", "kata-*", "gvisor", "gvisor-*", "runsc", "runsc-*"]);

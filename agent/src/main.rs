@@ -222,6 +222,7 @@ fn act_settings(cfg: &Config) -> Settings {
         held_probe_budget: probes.held_probe_budget,
         held_prober: probes.held_prober,
         release_priority: cfg.holds.release_priority,
+        decide_priority: cfg.holds.decide_priority,
     }
 }
 
@@ -301,6 +302,9 @@ async fn run(
     // `successor::LOOKUP_BUDGET`) for in-flight quits to finish.
     let drain = Duration::from_secs(10);
     let shutdown = shutdown_signal(cfg.node.clone());
+    // The loop runs on this thread (the runtime's `block_on`): from here on in the decision
+    // path's class, once the start's work (loading the programs) is done.
+    valet_agent::act::real_time("the loop", cfg.holds.decide_priority);
     let stop = if cfg.observe.act {
         let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node.node_name, cfg.pods.watch_timeout);
         router.run(events, watch, shutdown, drain).await

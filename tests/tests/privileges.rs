@@ -425,10 +425,14 @@ fn without_kill_a_held_app_of_another_uid_stays_stopped() {
 /// The scheduling policy and real-time priority of the agent's release thread
 /// (`/proc/<pid>/task/<tid>/stat` fields 41 and 40), once it is there.
 fn release_thread_sched(pid: u32) -> Option<(u32, u32)> {
+    thread_sched(pid, "valet-release")
+}
+
+/// [`release_thread_sched`] of the agent's thread named `name`.
+fn thread_sched(pid: u32, name: &str) -> Option<(u32, u32)> {
     let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
-    let task = tasks
-        .flatten()
-        .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim_end() == "valet-release"))?;
+    let task =
+        tasks.flatten().find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim_end() == name))?;
     let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
     // Fields from the third (the state) on, after the command's closing parenthesis.
     let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
@@ -465,6 +469,31 @@ fn without_sys_nice_the_release_thread_stays_in_the_normal_class() {
     assert_eq!(sched, Some((libc::SCHED_OTHER as u32, 0)), "without SYS_NICE\n{}", agent.log_text());
     assert!(agent.log_text().contains("the release thread stays in the normal class"), "{}", agent.log_text());
     assert!(held_then_released(&agent, &node, "nonice"), "released\n{}", agent.log_text());
+}
+
+#[test]
+fn with_decide_priority_the_prober_and_the_loop_run_real_time() {
+    let _serial = serial();
+    const FIFO: (u32, u32) = (libc::SCHED_FIFO as u32, 1);
+    let node = Node::new().expect("node");
+    let mut agent = spawn_with(&node, None, &others(""), &["--decide-priority", "1"]);
+    agent.wait_ready(START).expect("ready");
+    let pid = agent.pid().expect("pid");
+    // The loop's thread is the main one (`valet-agent`); it changes its class once started.
+    let mut sched = (None, None);
+    let both = eventually(START, || {
+        sched = (thread_sched(pid, "valet-held"), thread_sched(pid, "valet-agent"));
+        sched == (Some(FIFO), Some(FIFO))
+    });
+    assert!(both, "the prober, the loop: {sched:?}\n{}", agent.log_text());
+    assert!(held_then_released(&agent, &node, "decide"), "released\n{}", agent.log_text());
+    // Without the flag both stay in the normal class (the default).
+    let node = Node::new().expect("node");
+    let agent = start(&node, &others(""));
+    let normal = Some((libc::SCHED_OTHER as u32, 0));
+    let _ = wait_release_thread_sched(&agent);
+    let pid = agent.pid().expect("pid");
+    assert_eq!((thread_sched(pid, "valet-held"), thread_sched(pid, "valet-agent")), (normal, normal));
 }
 
 /// Whether the agent's maps fit RLIMIT_MEMLOCK `limit` without CAP_SYS_RESOURCE here: always

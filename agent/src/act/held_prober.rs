@@ -149,7 +149,12 @@ struct Pod {
 impl HeldProber {
     /// Starts the thread; its news goes to `tx`. It ends once `tx` is closed. None: no thread
     /// (the held pods are probed by their loops).
-    pub fn start<L: SidecarLink>(link: Arc<L>, tx: mpsc::UnboundedSender<PodFeedback>) -> Option<Arc<HeldProber>> {
+    /// `priority`: the thread's SCHED_FIFO priority (0: the normal class).
+    pub fn start<L: SidecarLink>(
+        link: Arc<L>,
+        tx: mpsc::UnboundedSender<PodFeedback>,
+        priority: u8,
+    ) -> Option<Arc<HeldProber>> {
         let wake = match crate::host::sys::eventfd() {
             Ok(fd) => File::from(fd),
             Err(e) => {
@@ -167,6 +172,7 @@ impl HeldProber {
         });
         let p = prober.clone();
         let spawned = std::thread::Builder::new().name("valet-held".into()).spawn(move || {
+            super::real_time("the held pods' prober", priority);
             if let Err(why) = p.run(link.as_ref(), &tx) {
                 warn!("held-pod prober stops, its pods go back to their loops: {why}");
             }
@@ -709,7 +715,7 @@ mod tests {
 
     fn prober() -> (Arc<HeldProber>, mpsc::UnboundedReceiver<PodFeedback>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        (HeldProber::start(Arc::new(TestLink::default()), tx).expect("a prober thread"), rx)
+        (HeldProber::start(Arc::new(TestLink::default()), tx, 0).expect("a prober thread"), rx)
     }
 
     async fn next(rx: &mut mpsc::UnboundedReceiver<PodFeedback>) -> (String, bool, String) {

@@ -55,6 +55,25 @@ fn next_multiple(elapsed: Duration, period: Duration) -> Duration {
     Duration::from_nanos(u64::try_from(slots.saturating_mul(period_ns)).unwrap_or(u64::MAX))
 }
 
+/// Puts the calling thread (`what`, for the log) in SCHED_FIFO at `priority` (0: leaves it as it
+/// is): the processes it wakes (released apps, probed proxies) no longer take its CPU. Its
+/// children would start in the normal class (`SCHED_RESET_ON_FORK`). Without CAP_SYS_NICE (or,
+/// where the kernel groups real-time time by cgroup, without a share for the agent's) the thread
+/// stays as it was, and the log says so.
+pub fn real_time(what: &str, priority: u8) {
+    if priority == 0 {
+        return;
+    }
+    match crate::host::sys::real_time(priority) {
+        Ok(()) => tracing::info!(priority, "{what} runs SCHED_FIFO"),
+        Err(e) => warn!(
+            priority,
+            "{what} stays in the normal class (releases may wait for a CPU on a busy node): SCHED_FIFO: {e} (it \
+             needs CAP_SYS_NICE)"
+        ),
+    }
+}
+
 /// What the actuators need to know of the agent's configuration.
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -73,6 +92,9 @@ pub struct Settings {
     pub held_prober: bool,
     /// The release thread's SCHED_FIFO priority (0: the normal class).
     pub release_priority: u8,
+    /// The decision path's (the held pods' prober's, the loop's) SCHED_FIFO priority (0: the
+    /// normal class).
+    pub decide_priority: u8,
 }
 
 impl Settings {
@@ -90,6 +112,7 @@ impl Settings {
             held_probe_budget: 2000,
             held_prober: false,
             release_priority: 0,
+            decide_priority: 0,
         }
     }
 }

@@ -35,7 +35,10 @@ pub struct Probes<L> {
 impl<L: SidecarLink> Probes<L> {
     /// The loops' news goes to `reports`.
     pub fn new(link: Arc<L>, reports: mpsc::UnboundedSender<PodFeedback>, settings: &Settings) -> Probes<L> {
-        let held_prober = settings.held_prober.then(|| HeldProber::start(link.clone(), reports.clone())).flatten();
+        let held_prober = settings
+            .held_prober
+            .then(|| HeldProber::start(link.clone(), reports.clone(), settings.decide_priority))
+            .flatten();
         if let Some(p) = &held_prober {
             p.set_interval(settings.held_probe_interval);
             p.set_cpu_share(settings.held_probe_cpu);

@@ -244,24 +244,6 @@ struct Releaser {
     thread: std::thread::JoinHandle<()>,
 }
 
-/// Puts the calling thread in SCHED_FIFO at `priority` (0: leaves it as it is). An app it
-/// wakes no longer takes its CPU before the rest of the batch is out; its children (it has
-/// none) would start in the normal class. Without CAP_SYS_NICE (or, where the kernel groups
-/// real-time time by cgroup, without a share for the agent's) the thread stays as it was.
-fn real_time(priority: u8) {
-    if priority == 0 {
-        return;
-    }
-    match crate::host::sys::real_time(priority) {
-        Ok(()) => info!(priority, "the release thread runs SCHED_FIFO"),
-        Err(e) => warn!(
-            priority,
-            "the release thread stays in the normal class (releases may wait for a CPU on a busy node): \
-             SCHED_FIFO: {e} (it needs CAP_SYS_NICE)"
-        ),
-    }
-}
-
 impl Releaser {
     /// `priority`: the thread's SCHED_FIFO priority (0: the normal class).
     fn start(
@@ -274,7 +256,8 @@ impl Releaser {
         let thread = std::thread::Builder::new()
             .name("valet-release".into())
             .spawn(move || {
-                real_time(priority);
+                // An app it wakes no longer takes its CPU before the rest of the batch is out.
+                super::real_time("the release thread", priority);
                 let mut retries: Vec<Retry> = Vec::new();
                 loop {
                     let batch = match retries.iter().map(|r| r.at).min() {

@@ -43,6 +43,7 @@ mod procfs;
 mod quit;
 mod release;
 mod rollout;
+mod round_cpu;
 mod saturated;
 mod soak;
 mod stall;
@@ -70,6 +71,7 @@ pub(crate) use release::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use rollout::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
+pub(crate) use round_cpu::*;
 pub(crate) use saturated::*;
 #[allow(clippy::wildcard_imports, reason = "the bench's parts share one namespace")]
 pub(crate) use soak::*;
