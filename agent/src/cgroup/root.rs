@@ -9,6 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::host::proc::unescape_octal;
 
 /// `statfs(2)` magic numbers of the two cgroup file systems.
 const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
@@ -180,29 +181,6 @@ pub fn cgroup2_mount_from_mountinfo(mountinfo: &str) -> Option<PathBuf> {
         let mount_point = left.split_whitespace().nth(4)?;
         Some(PathBuf::from(unescape_octal(mount_point)))
     })
-}
-
-/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
-fn unescape_octal(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        // Only `\000`..`\377` are escapes (one byte); anything else is kept as it is.
-        if bytes[i] == b'\\'
-            && i + 3 < bytes.len()
-            && (b'0'..=b'3').contains(&bytes[i + 1])
-            && bytes[i + 2..i + 4].iter().all(|b| (b'0'..=b'7').contains(b))
-        {
-            let v = (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
-            out.push(v);
-            i += 4;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The cgroup2 root to use. An explicit `configured` path wins (a host mount inside the agent's

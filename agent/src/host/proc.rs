@@ -1,5 +1,6 @@
-//! One process as procfs shows it: its state and start time (`/proc/<pid>/stat`) and its pid in
-//! each pid namespace (`NSpid` of `/proc/<pid>/status`), each parsed here once.
+//! One process as procfs shows it: its state and start time (`/proc/<pid>/stat`), its pid in
+//! each pid namespace (`NSpid` of `/proc/<pid>/status`), and a mount point's escapes in its
+//! `mountinfo`, each parsed here once.
 
 use std::path::Path;
 
@@ -25,6 +26,29 @@ pub fn stopped(host_proc: &Path, pid: u32) -> std::io::Result<bool> {
 /// [`stopped`], a process whose state cannot be read taken for not stopped.
 pub fn process_stopped(host_proc: &Path, pid: u32) -> bool {
     stopped(host_proc, pid).unwrap_or(false)
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+pub fn unescape_octal(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        // Only `\000`..`\377` are escapes (one byte); anything else is kept as it is.
+        if bytes[i] == b'\\'
+            && i + 3 < bytes.len()
+            && (b'0'..=b'3').contains(&bytes[i + 1])
+            && bytes[i + 2..i + 4].iter().all(|b| (b'0'..=b'7').contains(b))
+        {
+            let v = (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]

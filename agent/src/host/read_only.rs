@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 
 use nix::mount::MsFlags;
 
+use crate::host::proc::unescape_octal;
 use crate::host::sys;
 
 /// The kernel's number for CAP_SYS_ADMIN.
@@ -50,28 +51,6 @@ pub struct Outcome {
     pub error: Option<String>,
 }
 
-/// Octal escapes of mountinfo (`\040` for a space) undone.
-fn unescape(field: &str) -> String {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let octal =
-            bytes.get(i + 1..i + 4).filter(|d| bytes[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
-        match octal.and_then(|d| u8::from_str_radix(std::str::from_utf8(d).ok()?, 8).ok()) {
-            Some(byte) => {
-                out.push(byte);
-                i += 4;
-            }
-            None => {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 /// The flags a bind remount must keep, from a mount's own options (`rw,nosuid,nodev,relatime`).
 fn kept_flags(options: &str) -> MsFlags {
     options.split(',').fold(MsFlags::empty(), |flags, o| {
@@ -96,7 +75,7 @@ pub fn mounts_under(mountinfo: &str, top: &Path) -> Vec<MountEntry> {
     for line in mountinfo.lines() {
         let fields: Vec<&str> = line.split(' ').collect();
         let (Some(point), Some(options)) = (fields.get(4), fields.get(5)) else { continue };
-        let point = PathBuf::from(unescape(point));
+        let point = PathBuf::from(unescape_octal(point));
         if !point.starts_with(top) {
             continue;
         }
