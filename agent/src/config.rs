@@ -243,6 +243,19 @@ pub struct PodFlags {
     #[arg(long, env = "VALET_RUNTIME_STATE_DIRS", value_delimiter = ',')]
     pub runtime_state_dirs: Vec<PathBuf>,
 
+    /// Directories of containerd's container records, where an app's recorded end is read
+    /// first (unset: kubeadm's, k3s's and microk8s's).
+    ///
+    /// Directories holding containerd's CRI container records (<dir>/<id>/status), where a
+    /// native sidecar's quit waits for the runtime's record of the app's end instead of the
+    /// API's report of it (about a second sooner). By default
+    /// /var/lib/containerd/io.containerd.grpc.v1.cri/containers (and k3s's and microk8s's
+    /// equivalents) under --host-root, and the same paths through the runtime process that
+    /// started the pod (found as for bundles). Where no record is found (CRI-O, another root),
+    /// the quit waits for the API's report.
+    #[arg(long, env = "VALET_RUNTIME_RECORD_DIRS", value_delimiter = ',')]
+    pub runtime_record_dirs: Vec<PathBuf>,
+
     /// Length of one pod watch request.
     ///
     /// How long one pod watch request lasts (its `timeoutSeconds`, whole seconds): the API server
@@ -415,6 +428,16 @@ impl Config {
             return self.pods.runtime_state_dirs.clone();
         }
         crate::runtime::WELL_KNOWN_STATE_DIRS.iter().map(|d| self.kernel.host_root.join(d)).collect()
+    }
+
+    /// The container record directories read first: the flag's, else the well-known ones under
+    /// the host root.
+    pub fn record_dirs(&self) -> Vec<crate::runtime_record::RecordDir> {
+        if !self.pods.runtime_record_dirs.is_empty() {
+            let dirs = self.pods.runtime_record_dirs.iter();
+            return dirs.map(|d| crate::runtime_record::RecordDir { dir: d.clone(), through: None }).collect();
+        }
+        crate::runtime_record::dirs_under(&self.kernel.host_root, None)
     }
 
     /// Checks what clap cannot.

@@ -178,6 +178,12 @@ pub enum Effect {
         action: &'static str,
         note: String,
     },
+    /// Watch the runtime's record of container instance `container_id` (an app whose end the
+    /// kernel saw) until it shows the end (answered with [`Feedback::Recorded`], or not at all:
+    /// no record, or no end in it).
+    WatchRecord {
+        container_id: String,
+    },
     /// Count something in the metrics.
     Count(Count),
 }
@@ -247,5 +253,10 @@ pub enum Feedback {
         want: ProxyReady,
         error: Option<String>,
         version: Option<String>,
+    },
+    /// The runtime has recorded container instance `container_id`'s end: every look of the
+    /// kubelet's from now on sees it ended.
+    Recorded {
+        container_id: String,
     },
 }

@@ -28,6 +28,7 @@ pub mod observe;
 pub mod pod;
 pub mod pod_router;
 pub mod runtime;
+pub mod runtime_record;
 pub mod server;
 pub mod sidecar;
 pub mod vocab;

@@ -223,6 +223,7 @@ fn act_settings(cfg: &Config) -> Settings {
         held_prober: probes.held_prober,
         release_priority: cfg.holds.release_priority,
         decide_priority: cfg.holds.decide_priority,
+        record_dirs: cfg.record_dirs(),
     }
 }
 

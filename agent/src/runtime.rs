@@ -316,6 +316,19 @@ impl RuntimeBundles {
         found
     }
 
+    /// The container records (containerd's CRI checkpoints) below each runtime process's root
+    /// found so far.
+    pub fn record_dirs(&self) -> Vec<crate::runtime_record::RecordDir> {
+        let mut dirs = Vec::new();
+        if let Some(proc) = &self.host_proc {
+            for r in &self.reaches {
+                let root = proc.join(r.pid.to_string()).join("root");
+                dirs.extend(crate::runtime_record::dirs_under(&root, Some((r.pid, r.start))));
+            }
+        }
+        dirs
+    }
+
     /// How many runtime processes bundles are read through (each alive when last used).
     pub fn reaches(&self) -> usize {
         self.reaches.len()
@@ -611,6 +624,34 @@ mod tests {
         fake.process(50, 1, "50", 2000);
         assert_eq!(bundles.role(&app, UID), None);
         assert_eq!(bundles.reaches(), 0, "a runtime process that is gone is dropped");
+    }
+
+    /// containerd's CRI records are read through the shim found, below its root (the host's,
+    /// from the shim's mount namespace), while the shim is the one found.
+    #[test]
+    fn the_runtimes_records_are_read_through_the_shim_that_started_the_pod() {
+        use crate::runtime_record::{Record, read_any};
+        let fake = FakeProc::new("records");
+        let host = fake.root.join("host");
+        let state = host.join("run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io");
+        let (sandbox, app) = ("5".repeat(64), "a".repeat(64));
+        fake.bundle(&state, &sandbox, r#"{"annotations":{"io.kubernetes.cri.container-type":"sandbox"}}"#);
+        fake.shim(50, 1000, &state.join(&sandbox));
+        let root_link = fake.proc().join("50/root");
+        std::fs::remove_file(&root_link).expect("rm root");
+        std::os::unix::fs::symlink(&host, &root_link).expect("root");
+        fake.process(100, 50, "100\t1", 1002);
+        let records = host.join("var/lib/rancher/k3s/agent/containerd/io.containerd.grpc.v1.cri/containers");
+        std::fs::create_dir_all(records.join(&app)).expect("mkdir");
+        std::fs::write(records.join(&app).join("status"), r#"{"Version":"v1","FinishedAt":1764950003200000000}"#)
+            .expect("status");
+        let mut bundles = RuntimeBundles::new(Vec::new(), Some(fake.proc()));
+        assert!(bundles.record_dirs().is_empty(), "no runtime process found yet");
+        assert!(bundles.find_runtime(&[100], &[100].into()), "the shim");
+        assert_eq!(read_any(&fake.proc(), &bundles.record_dirs(), &app), Record::Ended);
+        // The shim's pid goes to another process: nothing is read through it.
+        fake.process(50, 1, "50", 2000);
+        assert_eq!(read_any(&fake.proc(), &bundles.record_dirs(), &app), Record::Absent);
     }
 
     #[test]

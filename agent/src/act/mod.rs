@@ -15,6 +15,7 @@ pub mod held_prober;
 mod pod_cgroups;
 pub mod probe;
 mod quit_sender;
+mod records;
 pub(crate) mod release;
 
 use std::collections::HashSet;
@@ -95,6 +96,9 @@ pub struct Settings {
     /// The decision path's (the held pods' prober's, the loop's) SCHED_FIFO priority (0: the
     /// normal class).
     pub decide_priority: u8,
+    /// Where the runtime's records of containers are read first (besides those reached through
+    /// the runtime processes found).
+    pub record_dirs: Vec<crate::runtime_record::RecordDir>,
 }
 
 impl Settings {
@@ -113,6 +117,7 @@ impl Settings {
             held_prober: false,
             release_priority: 0,
             decide_priority: 0,
+            record_dirs: Vec::new(),
         }
     }
 }
@@ -142,6 +147,7 @@ pub struct Actuators<K, L> {
     quit_sender: QuitSender<L>,
     probes: Probes<L>,
     api: ApiWrites,
+    records: records::Records,
     metrics: Arc<Metrics>,
 }
 
@@ -167,6 +173,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 &settings,
             ),
             probes: Probes::new(link, feedback.clone(), &settings),
+            records: records::Records::new(settings.host_proc.clone(), settings.record_dirs.clone(), feedback.clone()),
             api: ApiWrites::new(client, events, feedback),
             pod_cgroups: PodCgroups::new(cgroups, bundles, kernel, settings.host_proc),
             metrics,
@@ -318,6 +325,10 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             }
             Effect::Publish { warning, reason, action, note } => {
                 self.api.publish(pod, warning, reason, action, note);
+                None
+            }
+            Effect::WatchRecord { container_id } => {
+                self.records.watch(uid, container_id, self.pod_cgroups.record_dirs());
                 None
             }
             Effect::Count(c) => {

@@ -41,6 +41,11 @@ impl<K: KernelControl> PodCgroups<K> {
         &mut self.kernel
     }
 
+    /// The runtime's container records reached through the runtime processes found so far.
+    pub fn record_dirs(&self) -> Vec<crate::runtime_record::RecordDir> {
+        self.bundles.record_dirs()
+    }
+
     /// Pod `uid`'s cgroup (effect `FindPodCgroup`), if there is one.
     pub fn find_pod(&self, uid: &str) -> Option<Feedback> {
         self.cgroups.find_pod(uid).map(|dir| Feedback::PodCgroup { rel: dir.rel, id: dir.id })

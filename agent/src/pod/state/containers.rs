@@ -211,14 +211,15 @@ impl PodState {
         for name in &plan.native_sidecars {
             observed.natives.insert(name.clone(), sidecar_state(name));
         }
+        // Reported ended by the API, or recorded ended by the runtime.
         observed.recorded = plan
             .apps
             .iter()
             .filter(|a| {
-                self.current(a)
-                    .and_then(|i| i.api)
-                    .and_then(|s| s.state.as_ref())
-                    .is_some_and(|st| st.terminated.is_some())
+                self.current(a).is_some_and(|i| {
+                    self.recorded.contains(&i.id)
+                        || i.api.and_then(|s| s.state.as_ref()).is_some_and(|st| st.terminated.is_some())
+                })
             })
             .cloned()
             .collect();
@@ -269,6 +270,23 @@ impl PodState {
         instance.api.and_then(|s| s.state.as_ref()).is_some_and(|s| s.terminated.is_some())
             || self.kernel_end(&instance.id).is_some()
             || self.vanished.contains(&instance.id)
+    }
+
+    /// Has the runtime's record of each of `apps`' current instances watched, once each: the
+    /// kernel saw them end, and a native sidecar's quit waits for the kubelet to see it too.
+    pub(super) fn watch_records(&mut self, apps: &[String]) -> Vec<Effect> {
+        let ids: Vec<String> = apps.iter().filter_map(|a| self.current(a)).map(|i| i.id).collect();
+        ids.into_iter()
+            .filter(|id| self.records_watched.insert(id.clone()))
+            .map(|container_id| Effect::WatchRecord { container_id })
+            .collect()
+    }
+
+    /// The runtime recorded container instance `id`'s end.
+    pub(super) fn note_recorded(&mut self, id: String) {
+        if self.records_watched.contains(&id) && self.recorded.insert(id.clone()) {
+            info!(pod = %self.name(), container = %id, "the runtime recorded the app's end");
+        }
     }
 
     pub(super) fn kernel_end(&self, id: &str) -> Option<KernelEnd> {

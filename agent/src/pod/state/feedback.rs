@@ -42,6 +42,7 @@ impl PodState {
             Feedback::Signalled { sidecar, signal, signalled } => {
                 return self.signalled(&sidecar, signal, signalled, rules);
             }
+            Feedback::Recorded { container_id } => self.note_recorded(container_id),
             Feedback::ConditionWritten { want, error, version } => {
                 let failed = error.is_some();
                 fx.push(Effect::Count(Count::ConditionPatch { ok: !failed }));

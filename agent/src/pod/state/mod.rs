@@ -16,7 +16,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use tracing::{debug, info, warn};
 
-use super::decide::{AppState, Decision, ExitOutcome, IgnoreReason, Observed, SidecarState, decide};
+use super::decide::{AppState, Decision, ExitOutcome, IgnoreReason, Observed, SidecarState, WaitReason, decide};
 use super::spec::{Endpoint, PodPlan, SidecarDefaults, plan};
 use super::status::{self, hex_id, pod_name};
 use crate::api::condition;
@@ -336,6 +336,11 @@ pub struct PodState {
     /// (their cgroup gone or empty): ends no kernel event reported (they came while no agent
     /// watched the pod).
     vanished: std::collections::BTreeSet<String>,
+    /// App instances whose end the kernel saw and whose runtime record is watched, and those
+    /// the runtime has recorded ended ([`Feedback::Recorded`]): ends every look of the kubelet's
+    /// sees, before the API reports them.
+    records_watched: std::collections::BTreeSet<String>,
+    recorded: std::collections::BTreeSet<String>,
     /// Where the pod is in valet's work, with what each stage keeps.
     phase: Phase,
     /// A held app was released because its proxy was not ready in time (said by the condition).
@@ -369,6 +374,8 @@ impl PodState {
             pod_cgroup: None,
             containers: BTreeMap::new(),
             vanished: std::collections::BTreeSet::new(),
+            records_watched: std::collections::BTreeSet::new(),
+            recorded: std::collections::BTreeSet::new(),
             phase: Phase::working(),
             failed_open: false,
             readiness: Readiness::Unknown,
@@ -734,6 +741,7 @@ impl PodState {
         }
         match decide(&plan, &self.observe(&plan)) {
             Decision::Ignore(_) => fx.extend(self.count_ignore(&plan)),
+            Decision::Wait(WaitReason::KubeletBehind { apps, .. }) => fx.extend(self.watch_records(&apps)),
             Decision::Wait(_) => {}
             Decision::Done => {
                 fx.extend(self.finish());

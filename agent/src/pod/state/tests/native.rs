@@ -64,6 +64,42 @@ fn the_apps_end_quits_the_native_sidecar_and_the_init_containers_end_does_not() 
     }
 }
 
+/// The runtime's record of the app's end comes before the API's report of it (about a second
+/// sooner): the kernel's end has the record watched, and the record quits the native sidecar. A
+/// record of another instance, or one never asked for, quits nothing.
+#[test]
+fn the_runtimes_record_of_the_apps_end_quits_the_native_sidecar_before_the_apis_report() {
+    let mut d = Drive::new(true);
+    found_native(&mut d, "Never");
+    let fx = d.exit(APP, 0);
+    assert!(quits(&fx).is_empty(), "{fx:?}");
+    let watched: Vec<&Effect> = fx.iter().filter(|e| matches!(e, Effect::WatchRecord { .. })).collect();
+    assert_eq!(watched, [&Effect::WatchRecord { container_id: id(APP) }], "{fx:?}");
+    // A tick asks for no second watch.
+    let fx = d.after(300);
+    assert!(!fx.iter().any(|e| matches!(e, Effect::WatchRecord { .. })), "{fx:?}");
+    // Another instance's record (an earlier one of the sidecar's): not the app's end.
+    let fx = d.feed(Feedback::Recorded { container_id: id(PROXY) });
+    assert!(quits(&fx).is_empty(), "{fx:?}");
+    let fx = d.feed(Feedback::Recorded { container_id: id(APP) });
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
+    // The API's report that follows quits nothing more.
+    let fx = d.pod(app_ended_reported("Never", APP, PROXY, 0));
+    assert!(quits(&fx).is_empty(), "{fx:?}");
+}
+
+/// An app the kubelet restarts is no end: its record is never watched, and a record of it that
+/// comes anyway quits nothing.
+#[test]
+fn a_restarted_apps_record_quits_nothing() {
+    let mut d = Drive::new(true);
+    found_native(&mut d, "OnFailure");
+    let fx = d.exit(APP, 3);
+    assert!(!fx.iter().any(|e| matches!(e, Effect::WatchRecord { .. })), "{fx:?}");
+    let fx = d.feed(Feedback::Recorded { container_id: id(APP) });
+    assert!(quits(&fx).is_empty(), "{fx:?}");
+}
+
 /// The pod as the API shows it once the kubelet reported the app's end (`code`), the proxy
 /// instance `proxy` running.
 fn app_ended_reported(policy: &str, app: u64, proxy: u64, code: i32) -> Pod {
