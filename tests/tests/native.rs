@@ -245,6 +245,52 @@ fn a_native_proxy_is_not_restarted_when_the_runtime_records_the_apps_end_late() 
     summary("valet: native istio-proxy exit after the app's, the app's end recorded 400 ms late", delays);
 }
 
+/// The runtime records the app's end (its CRI record, `<root>/io.containerd.grpc.v1.cri/
+/// containers/<id>/status`, as containerd writes it: 5–120 ms after the exit) long before the
+/// kubelet's status write reaches the API (held here for 3 s from the app's start, as a kubelet
+/// behind on its work or a loaded API server would). valet quits the native proxy at the record,
+/// so the proxy has exited while the API still shows the app running. With no record to read
+/// (`--runtime-record-dirs` elsewhere: CRI-O, another containerd root) the quit waits for the
+/// API's report, and the proxy exits after it.
+#[test]
+fn a_native_proxy_is_quit_at_the_runtimes_record_of_the_apps_end() {
+    let node = Node::new().expect("node");
+    let nowhere = format!("--runtime-record-dirs={}", node.scratch.path("no-records").display());
+    for (n, extra) in [vec![], vec![nowhere.as_str()]].into_iter().enumerate() {
+        let records = extra.is_empty();
+        let agent = node.start_agent(&extra).expect("agent");
+        let mut job = node.job_pod(JobSpec::new(&format!("native-record-{n}")).native_sidecar()).expect("pod");
+        agent.wait_tracked(1, HANG_GUARD).expect("tracked");
+        assert!(eventually(HANG_GUARD, || node.proxy_ready_condition(&job)), "{}", agent.log_text());
+        node.kubelet.hold_status_writes(Instant::now() + Duration::from_secs(3));
+        let (code, after) = app_then_proxy(&mut job, "exit 0");
+        let app_in_api = job.api_status("app").map(|s| s["state"].clone()).unwrap_or_default();
+        println!(
+            "records {records}: native istio-proxy exited {code:?} {after:?} after the app; the API: {app_in_api}"
+        );
+        assert_eq!(code, Some(0), "quit, not drained\n{}", agent.log_text());
+        assert_eq!(job.loopback_quits().len(), 1, "one quit: {:?}\n{}", job.requests(), agent.log_text());
+        let log = agent.log_text();
+        if records {
+            assert!(app_in_api["terminated"].is_null(), "quit only after the API's report: {app_in_api}\n{log}");
+            assert!(log.contains("the runtime recorded the app's end"), "{log}");
+        } else {
+            assert!(app_in_api["terminated"].is_object(), "quit before the API's report with no record: {app_in_api}");
+            assert!(!log.contains("the runtime recorded the app's end"), "{log}");
+        }
+        assert!(
+            eventually(HANG_GUARD, || node.pod(&job).is_some_and(|p| p["status"]["phase"] == "Succeeded")),
+            "{:?}",
+            node.pod(&job)
+        );
+        let st = job.api_status("istio-proxy").expect("proxy status");
+        assert_eq!(st["restartCount"], 0, "the quit proxy was restarted: {st}\n{log}");
+        node.api.delete_pod("jobs", &job.name).expect("delete");
+        drop(job);
+        agent.wait_tracked(0, HANG_GUARD).expect("the deleted pod is let go");
+    }
+}
+
 /// Two native sidecars, the proxy declared first and a log shipper after it: the kubelet stops
 /// them last first, each once the one declared after it has exited, so that the shipper can still
 /// send through the proxy while it flushes. valet keeps that order: it ends the shipper once the

@@ -81,6 +81,8 @@ pub struct Node {
     pub scratch: Scratch,
     kubeconfig: PathBuf,
     runtime_dir: PathBuf,
+    /// Where the simulated containerd keeps its CRI container records.
+    record_dir: PathBuf,
     /// The agents' pin directory on bpffs: this node's own, shared by its successive agents as
     /// a node's is, and by no other test's agent (whose orphan sweep would release this node's
     /// holds).
@@ -124,10 +126,14 @@ impl Node {
         let runtime_dir = scratch.path("run/containerd/io.containerd.runtime.v2.task/k8s.io");
         std::fs::create_dir_all(&runtime_dir)?;
         opts.runtime_state_dir = Some(runtime_dir.clone());
+        // And containerd's CRI records, `<root>/io.containerd.grpc.v1.cri/containers`.
+        let record_dir = scratch.path("var/lib/containerd/io.containerd.grpc.v1.cri/containers");
+        std::fs::create_dir_all(&record_dir)?;
+        opts.runtime_record_dir = Some(record_dir.clone());
         let kubelet = Kubelet::start(api.kubelet_handle(), opts)?;
         let name = format!("node-{}", valet_sim::util::random_hex(3));
         let pin_dir = PathBuf::from(format!("/sys/fs/bpf/valet-test-{}-{name}", std::process::id()));
-        Ok(Node { api, kubelet, name, scratch, kubeconfig, runtime_dir, pin_dir })
+        Ok(Node { api, kubelet, name, scratch, kubeconfig, runtime_dir, record_dir, pin_dir })
     }
 
     pub fn kubeconfig(&self) -> &Path {
@@ -208,6 +214,9 @@ impl Node {
         command.args(["--metrics-addr", &metrics.to_string()]).args(extra);
         if !extra.iter().any(|a| a.starts_with("--runtime-state-dirs")) {
             command.arg("--runtime-state-dirs").arg(&self.runtime_dir);
+        }
+        if !extra.iter().any(|a| a.starts_with("--runtime-record-dirs")) {
+            command.arg("--runtime-record-dirs").arg(&self.record_dir);
         }
         // The end-to-end tests read each quit's Event (off by default: one more write per Job).
         if !extra.iter().any(|a| a.starts_with("--quit-events")) {

@@ -55,6 +55,21 @@ pub fn write_bundle(dir: &Path, sim: &SimPod, c: &SimContainer, sandbox: bool, s
     std::fs::write(&file, serde_json::to_vec(&config)?).with_context(|| format!("write {}", file.display()))
 }
 
+/// Writes container `id`'s CRI record in `dir` as containerd 1.6 to 2.1 write theirs
+/// (`<dir>/<id>/status`; the status fields at the top level): `finished` (the time in ns since the
+/// epoch, the exit code) once its exit is recorded. A new file renamed over the old, as
+/// `continuity.AtomicWriteFile` does.
+pub fn write_record(dir: &Path, id: &str, pid: u32, finished: Option<(i64, i32)>) -> Result<()> {
+    let own = dir.join(id);
+    std::fs::create_dir_all(&own).with_context(|| format!("mkdir {}", own.display()))?;
+    let (finished_at, exit_code) = finished.unwrap_or((0, 0));
+    let status = json!({"Version": "v1", "Pid": pid, "CreatedAt": 0, "StartedAt": 0, "FinishedAt": finished_at,
+                        "ExitCode": exit_code, "Reason": "", "Message": "", "Resources": null, "Unknown": false});
+    let tmp = own.join(".status.tmp");
+    std::fs::write(&tmp, serde_json::to_vec(&status)?).with_context(|| format!("write {}", tmp.display()))?;
+    std::fs::rename(&tmp, own.join("status")).with_context(|| format!("rename into {}", own.display()))
+}
+
 /// A `pause` program for sandboxes: `sleep` under the pause image's name, made once per host.
 /// Tests of one process make it at once on a fresh machine: each copy has a name of its own
 /// and the renames replace one another whole.

@@ -53,7 +53,7 @@ mod status;
 mod sync_loop;
 
 use bundle::pause_binary;
-pub use bundle::write_bundle;
+pub use bundle::{write_bundle, write_record};
 use probe::probe_loop;
 use status::initial_pod;
 use status::{regular_done, terminated_json};
@@ -71,6 +71,11 @@ pub struct KubeletOptions {
     pub status_sync_delay: (Duration, Duration),
     /// Where the runtime writes its OCI bundles (None: nowhere).
     pub runtime_state_dir: Option<PathBuf>,
+    /// Where containerd's CRI plugin keeps its container records (`<dir>/<id>/status`, for the
+    /// pods of the containerd runtime only; None: nowhere): written when a container starts,
+    /// and again with its `FinishedAt` at the moment its exit is recorded (`exit_record_lag`),
+    /// each a new file renamed over the old, as containerd's `Status.UpdateSync` does.
+    pub runtime_record_dir: Option<PathBuf>,
     /// Time from a container's exit (its last process gone) to the removal of its cgroup.
     pub cgroup_removal_delay: Duration,
     /// Time from the cgroup's removal to the bundle's: uniform in this range.
@@ -101,6 +106,7 @@ impl Default for KubeletOptions {
             relist_period: Duration::from_secs(1),
             status_sync_delay: (Duration::from_millis(10), Duration::from_millis(60)),
             runtime_state_dir: None,
+            runtime_record_dir: None,
             cgroup_removal_delay: Duration::from_millis(25),
             bundle_removal_delay: (Duration::from_millis(50), Duration::from_millis(340)),
             restart_backoff: Duration::from_secs(1),

@@ -19,6 +19,14 @@ impl Inner {
         self.epoch + Duration::from_nanos((k * p) as u64)
     }
 
+    /// Where containerd's CRI records of the pod's containers are: none for another runtime's.
+    pub(super) fn record_dir(&self, kpod: &KPod) -> Option<PathBuf> {
+        if !kpod.spec.bundles || kpod.sim.runtime() != Runtime::Containerd {
+            return None;
+        }
+        self.opts.runtime_record_dir.clone()
+    }
+
     pub(super) fn bundle_dir(&self, kpod: &KPod, id: &str) -> Option<PathBuf> {
         if !kpod.spec.bundles {
             return None;
@@ -49,6 +57,9 @@ impl Inner {
         }
         let p = kpod.sim.spawn(name, &args, &spawn)?;
         let proc_ = ContainerProcess::new(p, c.clone());
+        if let (Some(dir), Some(_)) = (self.record_dir(kpod), spec) {
+            write_record(&dir, &c.id, proc_.host_pid(), None)?;
+        }
         let inst = Instance {
             c,
             proc_,
@@ -123,6 +134,7 @@ impl Inner {
     pub(super) fn reap(&self, kpod: &mut KPod, now: Instant) -> bool {
         let lag_range = self.opts.exit_record_lag;
         let (mut exited_now, mut recorded_now) = (false, false);
+        let records = self.record_dir(kpod);
         let mut look = |inst: &mut Instance, lag: Option<Duration>| {
             if let Some(exit) = &inst.exit
                 && !inst.record_noticed
@@ -130,6 +142,14 @@ impl Inner {
             {
                 inst.record_noticed = true;
                 recorded_now = true;
+                if let Some(dir) = &records {
+                    let code = exit.code;
+                    let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                    let finished = (i64::try_from(at.as_nanos()).unwrap_or(i64::MAX), code);
+                    if let Err(e) = write_record(dir, &inst.c.id, inst.proc_.host_pid(), Some(finished)) {
+                        eprintln!("sim kubelet: {e:#}");
+                    }
+                }
             }
             if inst.exit.is_none()
                 && let Ok(Some(status)) = inst.proc_.try_wait()
@@ -472,6 +492,10 @@ impl Inner {
             let _ = inst.proc_.kill();
             if let Some(dir) = self.bundle_dir(&kpod, &inst.c.id) {
                 let _ = std::fs::remove_dir_all(dir);
+            }
+            // The pod removed: its containers' records go with it (RemoveContainer).
+            if let Some(dir) = self.record_dir(&kpod) {
+                let _ = std::fs::remove_dir_all(dir.join(&inst.c.id));
             }
         }
     }
