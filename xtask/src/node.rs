@@ -112,6 +112,7 @@ pub(crate) const CI_SCENARIOS: [&[&str]; 2] = [
         "share_pidns",
         "hostpid_nested",
         "native_sidecar",
+        "native_record",
         "envoy_job",
         // The DaemonSet's pod on cgroup v2 (a recursive read-only mount where containerd 2.x
         // makes one).
