@@ -59,7 +59,7 @@ fn app_then_proxy(job: &mut JobPod, script: &str) -> (Option<i32>, Duration) {
 }
 
 #[test]
-fn a_native_proxy_that_drains_5s_is_quit_once_the_kubelet_saw_the_apps_end() {
+fn a_native_proxy_that_drains_5s_is_quit_once_the_runtime_recorded_the_apps_end() {
     let node = Node::new().expect("node");
     let agent = node.start_agent(&[]).expect("agent");
     let mut delays = Vec::new();
