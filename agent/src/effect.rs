@@ -183,6 +183,8 @@ pub enum Effect {
     /// no record, or no end in it).
     WatchRecord {
         container_id: String,
+        /// The pod's cgroup, where the runtime that started it is looked for.
+        pod_rel: Option<String>,
     },
     /// Count something in the metrics.
     Count(Count),

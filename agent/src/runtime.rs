@@ -316,12 +316,12 @@ impl RuntimeBundles {
         found
     }
 
-    /// The container records (containerd's CRI checkpoints) below each runtime process's root
-    /// found so far.
+    /// The container records (containerd's CRI checkpoints) below the root of each runtime
+    /// process found so far that still lives.
     pub fn record_dirs(&self) -> Vec<crate::runtime_record::RecordDir> {
         let mut dirs = Vec::new();
         if let Some(proc) = &self.host_proc {
-            for r in &self.reaches {
+            for r in self.reaches.iter().filter(|r| start_time(proc, r.pid) == Some(r.start)) {
                 let root = proc.join(r.pid.to_string()).join("root");
                 dirs.extend(crate::runtime_record::dirs_under(&root, Some((r.pid, r.start))));
             }

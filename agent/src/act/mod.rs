@@ -327,8 +327,8 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 self.api.publish(pod, warning, reason, action, note);
                 None
             }
-            Effect::WatchRecord { container_id } => {
-                self.records.watch(uid, container_id, self.pod_cgroups.record_dirs());
+            Effect::WatchRecord { container_id, pod_rel } => {
+                self.records.watch(uid, container_id, self.pod_cgroups.record_dirs(pod_rel.as_deref()));
                 None
             }
             Effect::Count(c) => {

@@ -41,8 +41,22 @@ impl<K: KernelControl> PodCgroups<K> {
         &mut self.kernel
     }
 
-    /// The runtime's container records reached through the runtime processes found so far.
-    pub fn record_dirs(&self) -> Vec<crate::runtime_record::RecordDir> {
+    /// The runtime's container records reached through the runtime processes found so far that
+    /// still live. With none, the runtime that started pod `pod_rel` is looked for first, up from
+    /// its processes (the sandbox's pause runs as long as the pod): the pod may have been named
+    /// through another pod's shim, gone since.
+    pub fn record_dirs(&mut self, pod_rel: Option<&str>) -> Vec<crate::runtime_record::RecordDir> {
+        let dirs = self.bundles.record_dirs();
+        let Some(pod_rel) = pod_rel.filter(|_| dirs.is_empty()) else { return dirs };
+        let procs: Vec<u32> = self
+            .cgroups
+            .containers(pod_rel)
+            .into_iter()
+            .filter_map(|c| self.cgroups.container_procs_proven(&c.rel).ok())
+            .flatten()
+            .collect();
+        let pod_procs: HashSet<u32> = procs.iter().copied().collect();
+        self.bundles.find_runtime(&procs, &pod_procs);
         self.bundles.record_dirs()
     }
 

@@ -276,9 +276,10 @@ impl PodState {
     /// kernel saw them end, and a native sidecar's quit waits for the kubelet to see it too.
     pub(super) fn watch_records(&mut self, apps: &[String]) -> Vec<Effect> {
         let ids: Vec<String> = apps.iter().filter_map(|a| self.current(a)).map(|i| i.id).collect();
+        let pod_rel = self.pod_cgroup.as_ref().map(|(rel, _)| rel.clone());
         ids.into_iter()
             .filter(|id| self.records_watched.insert(id.clone()))
-            .map(|container_id| Effect::WatchRecord { container_id })
+            .map(|container_id| Effect::WatchRecord { container_id, pod_rel: pod_rel.clone() })
             .collect()
     }
 

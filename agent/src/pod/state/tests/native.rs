@@ -74,7 +74,8 @@ fn the_runtimes_record_of_the_apps_end_quits_the_native_sidecar_before_the_apis_
     let fx = d.exit(APP, 0);
     assert!(quits(&fx).is_empty(), "{fx:?}");
     let watched: Vec<&Effect> = fx.iter().filter(|e| matches!(e, Effect::WatchRecord { .. })).collect();
-    assert_eq!(watched, [&Effect::WatchRecord { container_id: id(APP) }], "{fx:?}");
+    let want = Effect::WatchRecord { container_id: id(APP), pod_rel: Some(POD_REL.into()) };
+    assert_eq!(watched, [&want], "{fx:?}");
     // A tick asks for no second watch.
     let fx = d.after(300);
     assert!(!fx.iter().any(|e| matches!(e, Effect::WatchRecord { .. })), "{fx:?}");
