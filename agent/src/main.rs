@@ -9,6 +9,8 @@ use anyhow::Context as _;
 use aya::maps::{MapData, RingBuf};
 use clap::Parser as _;
 use futures::StreamExt as _;
+use futures::stream::BoxStream;
+use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher;
 use nix::sys::signal::{SigSet, Signal};
 use tracing::{error, info, warn};
@@ -186,7 +188,7 @@ fn runtime_bundles(cfg: &Config) -> RuntimeBundles {
 /// Observes every pod on the node with a known sidecar (`--observe`), on a task of its own.
 fn start_observer(
     cfg: &Config,
-    client: kube::Client,
+    watch: ObserverWatch,
     metrics: Arc<Metrics>,
     cgroups: CgroupFs,
     ended_by_valet: Arc<EndedByValet>,
@@ -201,11 +203,30 @@ fn start_observer(
     let bundles = Arc::new(std::sync::Mutex::new(runtime_bundles(cfg)));
     let probe = NetnsProbe { host_proc: cfg.host.host_proc.clone(), cgroups, bundles };
     let observer = Observer::new(settings, metrics, Arc::new(probe), ended_by_valet);
-    tokio::spawn(observer.run(valet_agent::api::watch::all_pods_on_node(
-        client,
-        &cfg.node.node_name,
-        cfg.pods.watch_timeout,
-    )));
+    tokio::spawn(observer.run(watch));
+}
+
+type RouterWatch = BoxStream<'static, Result<watcher::Event<Pod>, watcher::Error>>;
+type ObserverWatch = BoxStream<'static, Result<watcher::Event<Pod>, String>>;
+
+/// The pod router's watch (none with `--act=false`) and the observer's (none with
+/// `--observe=false`): one watch of every pod on the node shared by both when both run, so that
+/// the API server sends a labelled pod's events once.
+fn pod_watches(cfg: &Config, client: &kube::Client) -> (Option<RouterWatch>, Option<ObserverWatch>) {
+    use valet_agent::api::watch;
+    let (node, timeout) = (cfg.node.node_name.as_str(), cfg.pods.watch_timeout);
+    match (cfg.observe.act, cfg.observe.observe) {
+        (true, true) => {
+            let (router, observer) = watch::shared_pods_on_node(client.clone(), node, timeout);
+            (Some(router.boxed()), Some(observer.boxed()))
+        }
+        (true, false) => (Some(watch::pods_on_node(client.clone(), node, timeout).boxed()), None),
+        (false, true) => {
+            let all = watch::all_pods_on_node(client.clone(), node, timeout);
+            (None, Some(all.map(|item| item.map_err(|e| e.to_string())).boxed()))
+        }
+        (false, false) => (None, None),
+    }
 }
 
 /// What the actuators need from the flags.
@@ -274,8 +295,9 @@ async fn run(
 
     let cgroups = CgroupFs::new(node_cgroups.root);
     let ended_by_valet = Arc::new(EndedByValet::default());
-    if cfg.observe.observe {
-        start_observer(&cfg, client.clone(), metrics.clone(), cgroups.clone(), ended_by_valet.clone());
+    let (router_watch, observer_watch) = pod_watches(&cfg, &client);
+    if let Some(watch) = observer_watch {
+        start_observer(&cfg, watch, metrics.clone(), cgroups.clone(), ended_by_valet.clone());
     }
     let (feedback_tx, feedback_rx) = tokio::sync::mpsc::unbounded_channel();
     let act = Actuators::new(Parts {
@@ -306,8 +328,7 @@ async fn run(
     // The loop runs on this thread (the runtime's `block_on`): from here on in the decision
     // path's class, once the start's work (loading the programs) is done.
     valet_agent::act::real_time("the loop", cfg.holds.decide_priority);
-    let stop = if cfg.observe.act {
-        let watch = valet_agent::api::watch::pods_on_node(client, &cfg.node.node_name, cfg.pods.watch_timeout);
+    let stop = if let Some(watch) = router_watch {
         router.run(events, watch, shutdown, drain).await
     } else {
         // Look-only: the router is given no pod (an empty list, then nothing), so it acts on none.

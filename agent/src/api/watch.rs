@@ -1,6 +1,7 @@
-//! The pod router's watch on the opted-in pods of this node, and the observer's on all of them.
-//! Each is one watch per agent (list, then watch; re-list on `410 Gone`
-//! and after dropped connections, with backoff), through kube-runtime's watcher.
+//! The pod router's watch on the opted-in pods of this node, and the observer's on all of them:
+//! one watch of every pod shared by both when the observer runs, else the router's own of the
+//! labelled pods (list, then watch; re-list on `410 Gone` and after dropped connections, with
+//! backoff), through kube-runtime's watcher.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -83,6 +84,83 @@ pub fn all_pods_on_node(
     bounded(client, watcher::Config::default().fields(&field_selector(node)), timeout)
 }
 
+/// The router's part of a watch of every pod on the node, its observer's part, and which
+/// labelled pods the router was given (a pod that loses its label, or is deleted, reaches the
+/// router once more, so that it lets the pod go).
+#[derive(Debug, Default)]
+pub struct Split {
+    labelled: HashSet<String>,
+}
+
+impl Split {
+    /// Whether the pod router gets `event` (the observer gets every one): every re-list's begin and
+    /// end, the labelled pods, and the last event of a pod given before (its label gone, deleted).
+    pub fn for_router(&mut self, event: &watcher::Event<Pod>) -> bool {
+        let uid = |pod: &Pod| pod.metadata.uid.clone().unwrap_or_default();
+        match event {
+            watcher::Event::Init => {
+                // The router lets go, at the list's end, of the pods the list did not name.
+                self.labelled.clear();
+                true
+            }
+            watcher::Event::InitDone => true,
+            watcher::Event::InitApply(pod) | watcher::Event::Apply(pod) if opted_in(pod) => {
+                self.labelled.insert(uid(pod));
+                true
+            }
+            watcher::Event::InitApply(_) => false,
+            watcher::Event::Apply(pod) => self.labelled.remove(&uid(pod)),
+            watcher::Event::Delete(pod) => self.labelled.remove(&uid(pod)) || opted_in(pod),
+        }
+    }
+}
+
+/// One watch of every pod on `node` for both of the agent's readers, instead of a second one of
+/// the labelled pods: the pod router's stream (the labelled pods' events, as [`pods_on_node`]
+/// gives them, [`Split`]) and the observer's (every event, as [`all_pods_on_node`]). A labelled
+/// pod's events and a restart's list are then sent by the API server once, not twice. An error
+/// reaches both (the observer's as its text). The watch ends once neither reads it.
+pub fn shared_pods_on_node(
+    client: Client,
+    node: &str,
+    timeout: Duration,
+) -> (
+    impl Stream<Item = Result<watcher::Event<Pod>, watcher::Error>> + Send + 'static,
+    impl Stream<Item = Result<watcher::Event<Pod>, String>> + Send + 'static,
+) {
+    let all = all_pods_on_node(client, node, timeout);
+    let (router_tx, router_rx) = tokio::sync::mpsc::unbounded_channel();
+    let (observer_tx, observer_rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut all = std::pin::pin!(all);
+        let mut split = Split::default();
+        while let Some(item) = futures::StreamExt::next(&mut all).await {
+            let (to_router, to_observer) = match item {
+                Ok(event) => (split.for_router(&event).then(|| Ok(event.clone())), Ok(event)),
+                Err(e) => {
+                    let text = e.to_string();
+                    (Some(Err(e)), Err(text))
+                }
+            };
+            let observer_gone = observer_tx.send(to_observer).is_err();
+            let router_gone = match to_router {
+                Some(item) => router_tx.send(item).is_err(),
+                None => router_tx.is_closed(),
+            };
+            if observer_gone && router_gone {
+                break;
+            }
+        }
+    });
+    (receiver_stream(router_rx), receiver_stream(observer_rx))
+}
+
+fn receiver_stream<T: Send + 'static>(
+    rx: tokio::sync::mpsc::UnboundedReceiver<T>,
+) -> impl Stream<Item = T> + Send + 'static {
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) })
+}
+
 /// The pods `config` selects, each watch request ended by the server after `timeout`.
 ///
 /// Lists ask for `resourceVersion=0`, as client-go's informers do: the API server answers them
@@ -117,6 +195,48 @@ mod tests {
 
     fn with_uid(uid: &str) -> Pod {
         serde_json::from_value(serde_json::json!({"metadata": {"name": uid, "uid": uid}})).expect("a pod from JSON")
+    }
+
+    fn labelled(uid: &str, on: bool) -> Pod {
+        let labels = if on { serde_json::json!({ENABLED_LABEL: "true"}) } else { serde_json::json!({}) };
+        serde_json::from_value(serde_json::json!({"metadata": {"name": uid, "uid": uid, "labels": labels}}))
+            .expect("a pod from JSON")
+    }
+
+    /// The router's part of the shared watch is what a watch of the labelled pods would give it:
+    /// their events, each list's begin and end, and one last event of a pod once its label went
+    /// or it was deleted (what the label-selected watch sends as its DELETED).
+    #[test]
+    fn the_router_gets_the_labelled_pods_of_the_shared_watch() {
+        use watcher::Event::{Apply, Delete, Init, InitApply, InitDone};
+        let mut split = Split::default();
+        let steps = [
+            (Init, true),
+            (InitApply(labelled("a", true)), true),
+            (InitApply(labelled("b", false)), false),
+            (InitDone, true),
+            (Apply(labelled("b", false)), false),
+            (Apply(labelled("a", true)), true),
+            // The label removed: once, so that the router lets it go.
+            (Apply(labelled("a", false)), true),
+            (Apply(labelled("a", false)), false),
+            (Delete(labelled("a", false)), false),
+            (Apply(labelled("c", true)), true),
+            (Delete(labelled("c", true)), true),
+            (Apply(labelled("d", true)), true),
+            (Delete(labelled("d", false)), true),
+            (Delete(labelled("e", false)), false),
+            // A re-list after an outage in which "f" lost its label: the list does not name it,
+            // and the router lets it go at the list's end.
+            (Apply(labelled("f", true)), true),
+            (Init, true),
+            (InitApply(labelled("f", false)), false),
+            (InitDone, true),
+            (Apply(labelled("f", false)), false),
+        ];
+        for (i, (event, want)) in steps.into_iter().enumerate() {
+            assert_eq!(split.for_router(&event), want, "step {i}: {event:?}");
+        }
     }
 
     #[test]

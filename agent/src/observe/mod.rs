@@ -153,7 +153,7 @@ impl Observer {
     }
 
     /// Runs until the watch ends.
-    pub async fn run(mut self, watch: impl Stream<Item = Result<watcher::Event<Pod>, watcher::Error>>) {
+    pub async fn run<E: std::fmt::Display>(mut self, watch: impl Stream<Item = Result<watcher::Event<Pod>, E>>) {
         let mut watch = std::pin::pin!(watch);
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
