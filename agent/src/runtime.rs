@@ -26,6 +26,7 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::cgroup::layout::is_container_id;
 use crate::host::container_main::start_time;
 
 /// The most of a `config.json` read (they are tens of kilobytes; environments can be large, and
@@ -41,8 +42,6 @@ const MAX_SEARCH_STARTS: usize = 8;
 /// How many runtime processes are kept to read bundles through (one serves every pod of its
 /// runtime's namespace; more than one runtime on a node is rare).
 const MAX_REACHES: usize = 4;
-/// Container ids are 64 lower-case hex digits.
-const CONTAINER_ID_LEN: usize = 64;
 
 /// Where the runtimes keep the bundles of Kubernetes containers, relative to the host root:
 /// containerd's CRI namespace (kubeadm's, k3s's and RKE2's, microk8s's) and CRI-O's storage.
@@ -224,10 +223,6 @@ pub struct RuntimeBundles {
     host_proc: Option<PathBuf>,
     /// Runtime processes found so far, newest first.
     reaches: Vec<Reach>,
-}
-
-fn is_container_id(name: &str) -> bool {
-    name.len() == CONTAINER_ID_LEN && name.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 /// The directory holding a bundle's siblings: the part of an absolute bundle path before its

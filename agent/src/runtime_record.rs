@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::cgroup::layout::is_container_id;
 use crate::host::container_main::start_time;
 
 /// Where the CRI plugin keeps its container records, below containerd's root.
@@ -67,10 +68,6 @@ struct Status {
 /// Whether a status checkpoint's text records an end. `None`: not one (unreadable JSON).
 pub fn parse_status(text: &[u8]) -> Option<bool> {
     serde_json::from_slice::<Status>(text).ok().map(|s| s.finished_at != 0)
-}
-
-fn is_container_id(id: &str) -> bool {
-    id.len() == 64 && id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 /// Reads container `id`'s record in `at` (`host_proc`: where the process it is reached through

@@ -235,7 +235,9 @@ fn container(pod: PodCgroup, runtime: Option<Runtime>, id: &str) -> CgroupKind {
     }
 }
 
-fn is_container_id(id: &str) -> bool {
+/// Whether `id` is a container runtime's container id: 64 lower-case hex digits (the only text
+/// ever joined to a runtime's directory).
+pub fn is_container_id(id: &str) -> bool {
     id.len() == CONTAINER_ID_LEN && id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
