@@ -1113,6 +1113,19 @@ def app_seen_ended(sc, agent):
     return record, "containerd's record of the app's end"
 
 
+def native_proxy_quit_cleanly(sc, exit_ns):
+    """The native istio-proxy exited 0 (valet's quit, not the kubelet's SIGTERM) and was never
+    restarted; how long after the app's exit (`exit_ns`) it exited, in ms (containerd's
+    finishedAt)."""
+    proxy = sc.run.containers["istio-proxy"]
+    st = proxy["status"]
+    if st.exit_code != 0:
+        raise Failed(f"the native istio-proxy exited {st.exit_code} ({st.reason}), not 0 on valet's quit")
+    if proxy["attempt"] != 0:
+        raise Failed(f"the kubelet restarted the quit native istio-proxy ({proxy['attempt']} times)")
+    return (real_to_mono_ns(st.finished_at) - exit_ns) / 1e6
+
+
 NATIVE_SIDECAR = {"name": "native-proxy", "image": "docker.io/valet/busybox:1", "restartPolicy": "Always",
                   "command": ["/bin/sh", "-c", "trap 'cat /proc/uptime > /events/native-term; exit 0' TERM; "
                               "cat /proc/uptime > /events/native-start; while true; do sleep 0.2; done"]}
@@ -1148,13 +1161,7 @@ def native_sidecar(api, agent, tag="", driver="systemd"):
         turn_ns = max(seen_ns, term_ns)
         delay = quit_after(sc, turn_ns, "its turn (the app's end seen by the kubelet, the later sidecar's stop)",
                            slack_ms=(turn_ns - exit_ns) / 1e6)
-        proxy = sc.run.containers["istio-proxy"]
-        st = proxy["status"]
-        if st.exit_code != 0:
-            raise Failed(f"the native istio-proxy exited {st.exit_code} ({st.reason}), not 0 on valet's quit")
-        if proxy["attempt"] != 0:
-            raise Failed(f"the kubelet restarted the quit native istio-proxy ({proxy['attempt']} times)")
-        exited_ms = (real_to_mono_ns(st.finished_at) - exit_ns) / 1e6
+        exited_ms = native_proxy_quit_cleanly(sc, exit_ns)
         if exited_ms >= 5000:
             raise Failed(f"the native istio-proxy exited {exited_ms:.0f} ms after the app's exit: its 5 s drain, "
                          "not valet's quit")
@@ -1185,13 +1192,7 @@ def native_record(api, agent, tag="", driver="systemd"):
         api_ns = int(sc.run.exited_at["app"] * 1e9)
         seen_ns, seen = app_seen_ended(sc, agent)
         delay = quit_after(sc, seen_ns, seen, slack_ms=0)
-        proxy = sc.run.containers["istio-proxy"]
-        st = proxy["status"]
-        if st.exit_code != 0:
-            raise Failed(f"the native istio-proxy exited {st.exit_code} ({st.reason}), not 0 on valet's quit")
-        if proxy["attempt"] != 0:
-            raise Failed(f"the kubelet restarted the quit native istio-proxy ({proxy['attempt']} times)")
-        exited_ms = (real_to_mono_ns(st.finished_at) - exit_ns) / 1e6
+        exited_ms = native_proxy_quit_cleanly(sc, exit_ns)
         return (f"native istio-proxy quit {(sc.quits()[0] - exit_ns) / 1e6:.0f} ms after the app's exit, {delay:.0f} ms "
                 f"after {seen} ({(seen_ns - exit_ns) / 1e6:.0f} ms after the exit; the kubelet's report "
                 f"{(api_ns - exit_ns) / 1e6:.0f} ms), exited 0 {exited_ms:.0f} ms after the app's exit"
