@@ -22,6 +22,7 @@ use crate::effect::{Effect, ExitSeen, Feedback, HeldSeen, Nanos};
 use crate::host::clock::monotonic_ns;
 use crate::kernel::{Event, EventSource, HeldProcess, KernelControl, Listening, ProcessExit};
 use crate::pod::state::{PodState, Rules};
+use crate::pod::status::pod_name;
 use crate::server::Health;
 use crate::sidecar::SidecarLink;
 
@@ -271,8 +272,14 @@ impl<K: KernelControl, L: SidecarLink> PodRouter<K, L> {
             self.remove(&uid);
             return;
         }
-        let state = self.pods.entry(uid.clone()).or_insert_with(|| PodState::new(&uid));
-        let fx = state.observe_pod(pod, &self.rules, monotonic_ns());
+        let now = monotonic_ns();
+        let state = self.pods.entry(uid.clone()).or_insert_with(|| {
+            // `seen_ns`: when the pod's first event reached the router (CLOCK_MONOTONIC), which
+            // the bench's pod-watch latency reads instead of polling the agent's count.
+            debug!(pod = %pod_name(&pod), seen_ns = now, "tracking");
+            PodState::new(&uid)
+        });
+        let fx = state.observe_pod(pod, &self.rules, now);
         self.act.metrics().pods_tracked.set(self.pods.len() as i64);
         self.apply(&uid, fx);
     }
@@ -281,7 +288,7 @@ impl<K: KernelControl, L: SidecarLink> PodRouter<K, L> {
         let fx = self.pods.get_mut(uid).map(PodState::removed).unwrap_or_default();
         self.apply(uid, fx);
         if let Some(state) = self.pods.remove(uid) {
-            debug!(pod = %state.name(), "stopped tracking");
+            debug!(pod = %state.name(), seen_ns = monotonic_ns(), "stopped tracking");
         }
         self.by_cgroup.retain(|_, u| u != uid);
         self.act.arm_ahead(uid, None);

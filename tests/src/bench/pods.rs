@@ -2,6 +2,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
+use valet_agent::host::clock::monotonic_ns;
 use valet_sim::node::SpawnOptions;
 use valet_tests::harness::{Agent, JobPod, JobSpec, Node};
 
@@ -22,19 +23,98 @@ pub(crate) fn tracked_after(agent: &Agent, n: f64, since: Instant) -> Result<Dur
 /// Pod-watch latency, and where it goes: the samples (µs) of each part.
 #[derive(Default)]
 pub(crate) struct WatchLag {
-    /// From the pod's create until the agent's tracked count shows it.
-    pub(crate) agent: Vec<f64>,
+    /// From the pod's create until the pod's first event reached the agent's pod router, by the
+    /// router's own `tracking` line (its CLOCK_MONOTONIC time, read from the agent's log, which
+    /// the bench reads every millisecond: the agent is asked nothing meanwhile).
+    pub(crate) logged: Vec<f64>,
     /// From the create until a bare watch client of the bench's (the agent's selectors, on the
-    /// same API stand-in) has read the pod's ADDED line: the stand-in's own part.
+    /// same API stand-in) has read the pod's ADDED line: the stand-in's own part (the samples
+    /// above).
     pub(crate) api: Vec<f64>,
-    /// One read of the agent's `/metrics`, the bench's way of seeing the count: each sample
-    /// above ends with one, begun after the count changed or before.
+    /// As `logged`, until the agent's tracked count shows the pod, read from its `/metrics` back
+    /// to back (the bench's earlier way: each read is the agent's work too, on the same CPUs).
+    pub(crate) agent: Vec<f64>,
+    /// One read of the agent's `/metrics`: each sample above ends with one, begun after the count
+    /// changed or before.
     pub(crate) scrape: Vec<f64>,
     /// The agent's CPU and its threads' time waiting for a CPU (the kernel's schedstat) over
-    /// the samples, per sample (µs), and the same per thread for the log.
+    /// the `logged` samples, per sample (µs), and the same per thread for the log.
     pub(crate) cpu: f64,
     pub(crate) waited: f64,
     pub(crate) threads: String,
+}
+
+/// The agent's log as it grows: its pod router's `tracking` and `stopped tracking` lines (at
+/// debug: the agent runs with `valet_agent::pod_router=debug`, [`ROUTER_LOG`]), each with the
+/// moment the pod's event reached the router (`seen_ns=`, CLOCK_MONOTONIC).
+pub(crate) struct RouterLog {
+    path: PathBuf,
+    offset: u64,
+    partial: String,
+    /// (gone, `namespace/name`) → seen_ns.
+    seen: std::collections::HashMap<(bool, String), u64>,
+}
+
+/// The agent's `RUST_LOG` for [`RouterLog`].
+pub(crate) const ROUTER_LOG: &str = "info,kube=warn,valet_agent::pod_router=debug";
+
+impl RouterLog {
+    /// From the log's present end.
+    pub(crate) fn new(agent: &Agent) -> RouterLog {
+        let offset = std::fs::metadata(&agent.log).map(|m| m.len()).unwrap_or(0);
+        RouterLog { path: agent.log.clone(), offset, partial: String::new(), seen: Default::default() }
+    }
+
+    /// Waits until the router logged pod `jobs/<name>` tracked (or, `gone`, no longer tracked):
+    /// its `seen_ns`. The log is read every millisecond; the time is the agent's own.
+    pub(crate) fn wait(&mut self, name: &str, gone: bool) -> Result<u64> {
+        let key = (gone, format!("jobs/{name}"));
+        let since = Instant::now();
+        loop {
+            self.read()?;
+            if let Some(&at) = self.seen.get(&key) {
+                return Ok(at);
+            }
+            if since.elapsed() > Duration::from_secs(10) {
+                bail!(
+                    "the agent never logged {} {}: is its log at debug for the router?",
+                    key.1,
+                    if gone { "gone" } else { "tracked" }
+                );
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn read(&mut self) -> Result<()> {
+        use std::io::{Read as _, Seek as _};
+        let mut f = std::fs::File::open(&self.path)?;
+        f.seek(std::io::SeekFrom::Start(self.offset))?;
+        let mut bytes = Vec::new();
+        f.read_to_end(&mut bytes)?;
+        self.offset += bytes.len() as u64;
+        self.partial.push_str(&String::from_utf8_lossy(&bytes));
+        while let Some(end) = self.partial.find('\n') {
+            let line: String = self.partial.drain(..=end).collect();
+            if let Some((gone, pod, at)) = router_line(&line) {
+                self.seen.insert((gone, pod), at);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A router line: (gone, `namespace/name`, seen_ns).
+fn router_line(line: &str) -> Option<(bool, String, u64)> {
+    let gone = if line.contains("pod_router: tracking ") {
+        false
+    } else if line.contains("pod_router: stopped tracking ") {
+        true
+    } else {
+        return None;
+    };
+    let field = |key: &str| line.split_whitespace().find_map(|w| w.strip_prefix(key));
+    Some((gone, field("pod=")?.to_owned(), field("seen_ns=")?.parse().ok()?))
 }
 
 /// A bare watch client on `node`'s API stand-in, with the agent's label and field selectors: the
@@ -59,14 +139,15 @@ fn bare_watch(node: &Node) -> Result<std::sync::mpsc::Receiver<(String, Instant)
 }
 
 /// Pod-watch latency: a labelled pod object appears on the node (and is deleted again); the time
-/// until the agent's tracked count shows it, `samples` times, beside the API stand-in's own part
-/// and the cost of the bench's read of the count ([`WatchLag`]).
+/// until the pod's event reached the agent's router, by its log, `samples` times, beside the API
+/// stand-in's own part; then `samples` more read the bench's earlier way, until the agent's
+/// tracked count shows the pod, with the cost of that read ([`WatchLag`]). The agent must log at
+/// [`ROUTER_LOG`].
 pub(crate) fn watch_latency(node: &Node, agent: &Agent, base: f64, samples: usize) -> Result<WatchLag> {
     let mut out = WatchLag::default();
     let bare = bare_watch(node)?;
     let pid = agent.pid().context("agent pid")?;
-    let before = thread_waits(pid);
-    for i in 0..samples {
+    let probe_pod = |i: usize| {
         let name = format!("watch-probe-{i}-{}", valet_sim::util::random_hex(3));
         let pod = serde_json::json!({
             "apiVersion": "v1", "kind": "Pod",
@@ -77,12 +158,14 @@ pub(crate) fn watch_latency(node: &Node, agent: &Agent, base: f64, samples: usiz
                 {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.22.0"}]},
             "status": {"phase": "Pending"}
         });
-        let scrape = Instant::now();
-        agent.metrics_text()?;
-        out.scrape.push(scrape.elapsed().as_secs_f64() * 1e6);
-        let t0 = Instant::now();
+        (name, pod)
+    };
+    let mut log = RouterLog::new(agent);
+    let before = thread_waits(pid);
+    for i in 0..samples {
+        let (name, pod) = probe_pod(i);
+        let (t0, t0_ns) = (Instant::now(), monotonic_ns());
         node.api.create_pod(pod)?;
-        out.agent.push(tracked_after(agent, base + 1.0, t0)?.as_secs_f64() * 1e6);
         loop {
             let (seen, at) = bare.recv_timeout(Duration::from_secs(10)).context("the bare watch never saw the pod")?;
             if seen == name {
@@ -90,10 +173,22 @@ pub(crate) fn watch_latency(node: &Node, agent: &Agent, base: f64, samples: usiz
                 break;
             }
         }
+        out.logged.push(log.wait(&name, false)?.saturating_sub(t0_ns) as f64 / 1e3);
+        node.api.delete_pod("jobs", &name)?;
+        log.wait(&name, true)?;
+    }
+    let after = thread_waits(pid);
+    for i in 0..samples {
+        let (name, pod) = probe_pod(samples + i);
+        let scrape = Instant::now();
+        agent.metrics_text()?;
+        out.scrape.push(scrape.elapsed().as_secs_f64() * 1e6);
+        let t0 = Instant::now();
+        node.api.create_pod(pod)?;
+        out.agent.push(tracked_after(agent, base + 1.0, t0)?.as_secs_f64() * 1e6);
         node.api.delete_pod("jobs", &name)?;
         tracked_after(agent, base, Instant::now())?;
     }
-    let after = thread_waits(pid);
     let sum = |w: &Waits, f: fn(&(u64, u64, u64, i64)) -> u64| w.values().map(f).sum::<u64>() as f64;
     let per = samples.max(1) as f64 * 1e3;
     out.cpu = (sum(&after, |t| t.0) - sum(&before, |t| t.0)) / per;
@@ -243,5 +338,24 @@ impl Burst {
             }
         }
         Ok((quits, lost))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn router_lines_give_each_pods_tracking_and_its_end() {
+        let lines = [
+            "2026-12-05T19:00:00.000001Z DEBUG valet_agent::pod_router: tracking pod=jobs/watch-probe-0-ab seen_ns=1200",
+            "2026-12-05T19:00:00.000002Z DEBUG valet_agent::pod_router: stopped tracking pod=jobs/watch-probe-0-ab seen_ns=1900",
+            "2026-12-05T19:00:00.000003Z  INFO valet_agent::pod::state: tracking pod=jobs/other seen_ns=5",
+            "2026-12-05T19:00:00.000004Z DEBUG valet_agent::pod_router: tracking pod=jobs/no-time",
+        ];
+        let got: Vec<_> = lines.iter().filter_map(|l| super::router_line(l)).collect();
+        assert_eq!(
+            got,
+            [(false, "jobs/watch-probe-0-ab".to_owned(), 1200), (true, "jobs/watch-probe-0-ab".to_owned(), 1900)],
+            "only the router's lines with a time"
+        );
     }
 }

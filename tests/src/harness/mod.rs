@@ -160,6 +160,14 @@ impl Node {
         Ok(agent)
     }
 
+    /// Like [`Node::start_agent`], with more environment (after the harness's own: e.g. its
+    /// `RUST_LOG`).
+    pub fn start_agent_env(&self, extra: &[&str], env: &[(&str, &str)]) -> Result<Agent> {
+        let mut agent = self.spawn_agent_env(&[], extra, env)?;
+        agent.wait_ready(Duration::from_secs(180))?;
+        Ok(agent)
+    }
+
     /// Like [`Node::start_agent`] without waiting for `/readyz`.
     pub fn spawn_agent(&self, extra: &[&str]) -> Result<Agent> {
         self.spawn_agent_under(&[], extra)
