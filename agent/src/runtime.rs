@@ -395,6 +395,7 @@ fn read_bundle_through(host_proc: &Path, reach: &Reach, id: &str, pod_uid: &str)
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::fake_proc::FakeProc;
 
     const CONTAINERD: &str = r#"{"ociVersion":"1.1.0","annotations":{
         "io.kubernetes.cri.container-type":"container",
@@ -534,54 +535,6 @@ mod tests {
         ];
         for (bundle, want) in cases {
             assert_eq!(state_dir_of_bundle(Path::new(&bundle)), want.map(PathBuf::from), "{bundle}");
-        }
-    }
-
-    /// A procfs stand-in: processes with a parent, a pid namespace depth, a start time and, for
-    /// runtime processes, an executable and the links the agent reads through.
-    struct FakeProc {
-        root: PathBuf,
-    }
-
-    impl FakeProc {
-        fn new(name: &str) -> FakeProc {
-            let root = std::env::temp_dir().join(format!("valet-fakeproc-{name}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&root);
-            std::fs::create_dir_all(root.join("proc")).expect("mkdir");
-            FakeProc { root }
-        }
-
-        fn proc(&self) -> PathBuf {
-            self.root.join("proc")
-        }
-
-        fn process(&self, pid: u32, ppid: u32, nspid: &str, start: u64) -> PathBuf {
-            let dir = self.proc().join(pid.to_string());
-            std::fs::create_dir_all(&dir).expect("mkdir");
-            std::fs::write(dir.join("status"), format!("Name:\tx\nPPid:\t{ppid}\nNSpid:\t{nspid}\n")).expect("status");
-            let fields: Vec<String> = (3..=22).map(|i| if i == 22 { start.to_string() } else { "0".into() }).collect();
-            std::fs::write(dir.join("stat"), format!("{pid} (x) {}", fields.join(" "))).expect("stat");
-            dir
-        }
-
-        /// A containerd shim whose working directory is `bundle` (a real directory here; its
-        /// `root` is the real root, so its paths read as they are).
-        fn shim(&self, pid: u32, start: u64, bundle: &Path) {
-            let dir = self.process(pid, 1, &pid.to_string(), start);
-            std::os::unix::fs::symlink("/usr/bin/containerd-shim-runc-v2", dir.join("exe")).expect("exe");
-            std::os::unix::fs::symlink(bundle, dir.join("cwd")).expect("cwd");
-            std::os::unix::fs::symlink("/", dir.join("root")).expect("root");
-        }
-
-        fn bundle(&self, state: &Path, id: &str, config: &str) {
-            std::fs::create_dir_all(state.join(id)).expect("mkdir");
-            std::fs::write(state.join(id).join("config.json"), config).expect("config");
-        }
-    }
-
-    impl Drop for FakeProc {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.root);
         }
     }
 

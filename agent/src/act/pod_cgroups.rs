@@ -192,3 +192,60 @@ impl<K: KernelControl> PodCgroups<K> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::fake_proc::FakeProc;
+    use crate::kernel::mode::NoKernel;
+    use crate::runtime_record::{Record, read_any};
+
+    /// With no runtime process known that still lives, the pod's own runtime is looked for up
+    /// from the processes of its containers' cgroups, and its records read through it; a pod
+    /// whose processes no runtime process started reaches none.
+    #[test]
+    fn with_no_live_runtime_known_the_pods_own_is_found_from_its_processes() {
+        let fake = FakeProc::new("pod-records");
+        let host = fake.root.join("host");
+        let state = host.join("run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io");
+        let (sandbox, app) = ("5".repeat(64), "a".repeat(64));
+        fake.bundle(&state, &sandbox, r#"{"annotations":{"io.kubernetes.cri.container-type":"sandbox"}}"#);
+        fake.shim(50, 1000, &state.join(&sandbox));
+        let root_link = fake.proc().join("50/root");
+        std::fs::remove_file(&root_link).expect("rm root");
+        std::os::unix::fs::symlink(&host, &root_link).expect("root");
+        let records = host.join("var/lib/rancher/k3s/agent/containerd/io.containerd.grpc.v1.cri/containers");
+        std::fs::create_dir_all(records.join(&app)).expect("mkdir");
+        std::fs::write(records.join(&app).join("status"), r#"{"Version":"v1","FinishedAt":1764950003200000000}"#)
+            .expect("status");
+        // The app's process (pid 1 of its namespace) under the shim; another pod's process
+        // under the node's init.
+        fake.process(100, 50, "100\t1", 1002);
+        fake.process(200, 1, "200\t1", 1003);
+        // The pods' cgroups: a tree of plain directories, membership read from cgroup.procs.
+        let tree = fake.root.join("cgroup");
+        let pod = "/kubepods/besteffort/pod0c1d2e3f-1111-4222-8333-444455556666";
+        let stray = "/kubepods/besteffort/pod99999999-1111-4222-8333-444455556666";
+        for (pod_rel, pid) in [(pod, 100), (stray, 200)] {
+            let dir = tree.join(pod_rel.trim_start_matches('/')).join(&app);
+            std::fs::create_dir_all(&dir).expect("mkdir");
+            std::fs::write(dir.join("cgroup.procs"), format!("{pid}\n")).expect("procs");
+        }
+        let bundles = RuntimeBundles::new(Vec::new(), Some(fake.proc()));
+        let mut pods = PodCgroups::new(CgroupFs::new(&tree), bundles, NoKernel, fake.proc());
+        assert!(pods.record_dirs(None).is_empty(), "no runtime process known, no pod to look up from");
+        assert!(pods.record_dirs(Some(stray)).is_empty(), "its process's parent is the node's init");
+        let dirs = pods.record_dirs(Some(pod));
+        assert_eq!(read_any(&fake.proc(), &dirs, &app), Record::Ended, "{dirs:?}");
+        // Known and alive now: the same without a pod to look up from.
+        assert_eq!(read_any(&fake.proc(), &pods.record_dirs(None), &app), Record::Ended);
+        // The shim's pid goes to another program: nothing is read through the shim found, and
+        // the pod's process no longer leads to a runtime.
+        for link in ["exe", "cwd"] {
+            std::fs::remove_file(fake.proc().join("50").join(link)).expect("rm link");
+        }
+        std::os::unix::fs::symlink("/usr/bin/sleep", fake.proc().join("50/exe")).expect("exe");
+        fake.process(50, 1, "50", 2000);
+        assert_eq!(read_any(&fake.proc(), &pods.record_dirs(Some(pod)), &app), Record::Absent);
+    }
+}

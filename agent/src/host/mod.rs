@@ -3,6 +3,8 @@
 //! and the agent's own resident memory.
 pub mod clock;
 pub mod container_main;
+#[cfg(test)]
+pub(crate) mod fake_proc;
 pub mod proc;
 pub mod read_only;
 pub mod resident;
