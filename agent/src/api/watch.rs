@@ -176,7 +176,12 @@ fn bounded(
 ) -> impl Stream<Item = Result<watcher::Event<Pod>, watcher::Error>> + Send + 'static {
     let api: Api<Pod> = Api::all(client);
     let seconds = u32::try_from(timeout.as_secs()).unwrap_or(u32::MAX).max(1);
-    watcher(api, from_watch_cache(config).timeout(seconds)).default_backoff()
+    // A real API server's pods carry `managedFields` (an entry per field manager: the Job
+    // controller, the scheduler, the kubelet, the agent's own condition write), often as large as
+    // the rest of the object. The agent never reads them; every pod it keeps is kept without.
+    watcher(api, from_watch_cache(config).timeout(seconds))
+        .default_backoff()
+        .modify(|pod: &mut Pod| pod.metadata.managed_fields = None)
 }
 
 /// `config` with its lists read from the API server's watch cache ([`bounded`]).
@@ -237,6 +242,50 @@ mod tests {
         for (i, (event, want)) in steps.into_iter().enumerate() {
             assert_eq!(split.for_router(&event), want, "step {i}: {event:?}");
         }
+    }
+
+    /// The pods a watch yields come without their `managedFields`, as listed and as watched.
+    #[tokio::test]
+    async fn the_watched_pods_come_without_their_managed_fields() {
+        use futures::StreamExt as _;
+        let (service, mut handle) =
+            tower_test::mock::pair::<http::Request<kube::client::Body>, http::Response<kube::client::Body>>();
+        let client = Client::new(service, "default");
+        let managed = serde_json::json!([{"manager": "kubelet", "operation": "Update", "apiVersion": "v1",
+            "subresource": "status", "fieldsType": "FieldsV1",
+            "fieldsV1": {"f:status": {"f:phase": {}, "f:podIP": {}}}}]);
+        let server = tokio::spawn(async move {
+            let (request, send) = handle.next_request().await.expect("the list");
+            assert!(!request.uri().query().unwrap_or_default().contains("watch=true"), "{}", request.uri());
+            let list = serde_json::json!({"kind": "PodList", "apiVersion": "v1",
+                "metadata": {"resourceVersion": "10"},
+                "items": [{"metadata": {"name": "p", "namespace": "jobs", "uid": "u1", "resourceVersion": "9",
+                                        "managedFields": managed}}]});
+            send.send_response(http::Response::new(kube::client::Body::from(serde_json::to_vec(&list).expect("json"))));
+            // The watch: one more pod, then the server ends it.
+            let (_, send) = handle.next_request().await.expect("the watch");
+            let line = serde_json::json!({"type": "ADDED", "object": {"kind": "Pod", "apiVersion": "v1",
+                "metadata": {"name": "q", "namespace": "jobs", "uid": "u2", "resourceVersion": "11",
+                             "managedFields": managed}}});
+            let mut body = serde_json::to_vec(&line).expect("json");
+            body.push(b'\n');
+            send.send_response(http::Response::new(kube::client::Body::from(body)));
+            handle
+        });
+        let mut stream = std::pin::pin!(all_pods_on_node(client, "n1", Duration::from_secs(290)));
+        let mut pods = Vec::new();
+        while pods.len() < 2 {
+            match stream.next().await.expect("the stream goes on").expect("no error") {
+                watcher::Event::InitApply(pod) | watcher::Event::Apply(pod) => pods.push(pod),
+                _ => {}
+            }
+        }
+        let names: Vec<_> = pods.iter().map(|p| p.metadata.name.clone().unwrap_or_default()).collect();
+        assert_eq!(names, ["p", "q"]);
+        for pod in &pods {
+            assert_eq!(pod.metadata.managed_fields, None, "{pod:?}");
+        }
+        drop(server);
     }
 
     #[test]
