@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 use super::patch::PatchKind;
 use super::selector::{FieldKind, FieldSelector, LabelSelector};
 use super::status::ApiError;
-use super::store::{EventGroup, Filter, Kind, ListParams, Subresource};
+use super::store::{EventGroup, Filter, Kind, ListParams, Subresource, Writer};
 use super::traffic::{self, Flow, ListRead, Meter};
 use super::{RecordedRequest, Shared, WriteSpan, lock, watch};
 
@@ -131,6 +131,8 @@ pub(crate) struct Req {
     pub query: HashMap<String, String>,
     pub content_type: String,
     pub body: Bytes,
+    /// Who writes, for the pods' managedFields (with the `fieldManager` asked for).
+    pub user_agent: String,
 }
 
 impl Req {
@@ -191,7 +193,8 @@ async fn answer(
     });
     meter.request(body.len());
     lock(&shared.requests).push(recorded);
-    let response = respond(shared, parts.method, &path, &raw_query, content_type, body, verb, meter.clone()).await;
+    let ua = (content_type, user_agent.to_owned());
+    let response = respond(shared, parts.method, &path, &raw_query, ua, body, verb, meter.clone()).await;
     Ok(response.map(|inner| CountedBody { inner, meter }.boxed()))
 }
 
@@ -202,7 +205,7 @@ async fn respond(
     method: Method,
     path: &str,
     raw_query: &str,
-    content_type: Option<String>,
+    (content_type, user_agent): (Option<String>, String),
     body: Bytes,
     verb: &'static str,
     meter: Arc<Meter>,
@@ -236,7 +239,7 @@ async fn respond(
         return std::future::pending().await;
     }
     let query: HashMap<String, String> = form_urlencoded::parse(raw_query.as_bytes()).into_owned().collect();
-    let r = Req { method, meter, query, content_type: content_type.unwrap_or_default(), body };
+    let r = Req { method, meter, query, content_type: content_type.unwrap_or_default(), body, user_agent };
     route(shared, path, r).unwrap_or_else(|e| error_response(&e))
 }
 
@@ -488,7 +491,8 @@ fn pods_collection(
                 return Err(ApiError::method_not_allowed());
             };
             let body = r.json_body()?;
-            let pod = shared.mutate(|st| st.create_pod(Some(ns), body, true))?;
+            let writer = Writer::of_request(r.q("fieldManager"), &r.user_agent, false);
+            let pod = shared.mutate(|st| st.as_writer(writer).create_pod(Some(ns), body, true))?;
             Ok(json_response(201, &pod))
         }
         _ => Err(ApiError::method_not_allowed()),
@@ -517,7 +521,8 @@ fn pod_item(shared: &Arc<Shared>, ns: &str, name: &str, r: Req, sub: Subresource
         Method::PUT => {
             let body = r.json_body()?;
             let pre = body.pointer("/metadata/resourceVersion").and_then(Value::as_str).map(str::to_string);
-            let pod = shared.mutate(|st| st.update_pod(ns, name, body, sub, pre.as_deref()))?;
+            let writer = Writer::of_request(r.q("fieldManager"), &r.user_agent, sub == Subresource::Status);
+            let pod = shared.mutate(|st| st.as_writer(writer).update_pod(ns, name, body, sub, pre.as_deref()))?;
             Ok(json_response(200, &pod))
         }
         Method::PATCH => {
@@ -529,7 +534,8 @@ fn pod_item(shared: &Arc<Shared>, ns: &str, name: &str, r: Req, sub: Subresource
                     "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: Required value: is required for apply patch",
                 ));
             }
-            let (pod, created) = shared.mutate(|st| st.patch_pod(ns, name, kind, &r.body, sub))?;
+            let writer = Writer::of_request(r.q("fieldManager"), &r.user_agent, sub == Subresource::Status);
+            let (pod, created) = shared.mutate(|st| st.as_writer(writer).patch_pod(ns, name, kind, &r.body, sub))?;
             Ok(json_response(if created { 201 } else { 200 }, &pod))
         }
         Method::DELETE if sub == Subresource::Main => {

@@ -327,7 +327,7 @@ impl FakeApiServer {
     /// Stores a pod as the kubelet/scheduler would have it (status kept). Fills uid,
     /// creationTimestamp, resourceVersion, namespace ("default") and spec defaults.
     pub fn create_pod(&self, pod: Value) -> Result<Value> {
-        self.shared.mutate(|st| st.create_pod(None, pod, false)).map_err(|e| anyhow!(e))
+        self.handle().create_pod(pod)
     }
 
     /// Changes a pod in place (any field, like the kubelet writing status); one MODIFIED event.
@@ -481,7 +481,9 @@ pub struct ApiHandle {
 impl ApiHandle {
     /// See [`FakeApiServer::create_pod`].
     pub fn create_pod(&self, pod: Value) -> Result<Value> {
-        self.shared.mutate(|st| st.create_pod(None, pod, false)).map_err(|e| anyhow!(e))
+        // Its managedFields as the Job controller's, which creates a Job's pods.
+        let writer = store::Writer::from_user_agent("kube-controller-manager/v1.33.0", false);
+        self.shared.mutate(|st| st.as_writer(writer).create_pod(None, pod, false)).map_err(|e| anyhow!(e))
     }
     /// See [`FakeApiServer::modify_pod`]. From a [`FakeApiServer::kubelet_handle`], counted as
     /// the kubelet's status manager syncs a pod: a `get` of the pod, then a `patch` of
@@ -493,7 +495,11 @@ impl ApiHandle {
                 let mut pod = st.get_pod(namespace, name).ok_or_else(|| ApiError::not_found("pods", name))?;
                 let before = self.kubelet.then(|| pod.clone());
                 f(&mut pod);
-                st.update_pod(namespace, name, pod, Subresource::Control, None).map(|p| (p, before))
+                let writer = match self.kubelet {
+                    true => store::Writer::from_user_agent("kubelet/v1.33.0", true),
+                    false => store::Writer::control(),
+                };
+                st.as_writer(writer).update_pod(namespace, name, pod, Subresource::Control, None).map(|p| (p, before))
             })
             .map_err(|e| anyhow!(e))?;
         if let Some(before) = before {

@@ -14,9 +14,11 @@ use super::status::ApiError;
 use crate::util;
 
 mod events;
+mod managed;
 mod objects;
 mod reads;
 
+pub use managed::Writer;
 pub use objects::{Kind, Propagation};
 
 /// What a watch event says happened.
@@ -126,6 +128,8 @@ pub(crate) struct Store {
     live_floor: u64,
     history_limit: usize,
     pub schema: Schema,
+    /// Who makes the next pod write (its managedFields), then test control again.
+    writer: Writer,
 }
 
 pub(crate) fn key_of(ns: &str, name: &str) -> String {
@@ -189,6 +193,7 @@ impl Store {
             live_floor: 1,
             history_limit: history_limit.max(1),
             schema,
+            writer: Writer::control(),
         }
     }
 
@@ -229,7 +234,22 @@ impl Store {
         self.events.values().cloned().collect()
     }
 
+    /// The next pod write is `writer`'s.
+    pub(crate) fn as_writer(&mut self, writer: Writer) -> &mut Store {
+        self.writer = writer;
+        self
+    }
+
     fn commit_pod(&mut self, key: String, ty: ChangeType, mut obj: Value, prev: Option<Arc<Value>>) -> Arc<Value> {
+        let writer = std::mem::replace(&mut self.writer, Writer::control());
+        if ty != ChangeType::Deleted {
+            if ty == ChangeType::Added
+                && let Some(meta) = obj.get_mut("metadata").and_then(Value::as_object_mut)
+            {
+                meta.remove("managedFields");
+            }
+            managed::record(&mut obj, prev.as_deref(), &writer, &util::now_rfc3339());
+        }
         let rv = self.bump();
         if let Ok(meta) = meta_mut(&mut obj) {
             meta.insert("resourceVersion".into(), Value::String(rv.to_string()));
@@ -365,9 +385,15 @@ impl Store {
             Subresource::Control => {}
         }
         // Identity and server-owned metadata always come from the stored object.
-        for field in
-            ["name", "namespace", "uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds"]
-        {
+        for field in [
+            "name",
+            "namespace",
+            "uid",
+            "creationTimestamp",
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+            "managedFields",
+        ] {
             let v = old.get("metadata").and_then(|m| m.get(field)).cloned();
             if let Ok(meta) = meta_mut(&mut new) {
                 match v {
@@ -388,6 +414,7 @@ impl Store {
         }
         if new == *old {
             // A write that changes nothing is not persisted: same RV, no watch event.
+            self.writer = Writer::control();
             return Ok(new);
         }
         let out = self.commit_pod(key, ChangeType::Modified, new, Some(old));
