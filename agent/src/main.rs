@@ -44,6 +44,18 @@ use valet_agent::vocab::NodeMode;
 /// its arenas (the idle CPU rows of the bench [8], [12] include it).
 const HEAP_TRIM: Duration = Duration::from_secs(30);
 
+/// Pods come and go for the agent's lifetime, each object parsed whole and dropped: what the
+/// allocator keeps of that in its free lists goes back to the node every [`HEAP_TRIM`].
+fn spawn_heap_trim() {
+    tokio::spawn(async {
+        let mut every = tokio::time::interval_at(tokio::time::Instant::now() + HEAP_TRIM, HEAP_TRIM);
+        loop {
+            every.tick().await;
+            resident::trim_heap();
+        }
+    });
+}
+
 fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     use std::io::IsTerminal as _;
@@ -296,15 +308,7 @@ async fn run(
     resident::trim_heap();
     let resident = resident::Resident::now();
     info!(rss_kib = resident.rss_kib, peak_kib = resident.peak_kib, "resident memory after loading");
-    // Pods come and go for the agent's lifetime, each object parsed whole and dropped: what the
-    // allocator keeps of that in its free lists goes back to the node now and then.
-    tokio::spawn(async {
-        let mut every = tokio::time::interval_at(tokio::time::Instant::now() + HEAP_TRIM, HEAP_TRIM);
-        loop {
-            every.tick().await;
-            resident::trim_heap();
-        }
-    });
+    spawn_heap_trim();
 
     let cgroups = CgroupFs::new(node_cgroups.root);
     let ended_by_valet = Arc::new(EndedByValet::default());
