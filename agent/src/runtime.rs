@@ -580,19 +580,9 @@ mod tests {
     fn the_runtimes_records_are_read_through_the_shim_that_started_the_pod() {
         use crate::runtime_record::{Record, read_any};
         let fake = FakeProc::new("records");
-        let host = fake.root.join("host");
-        let state = host.join("run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io");
-        let (sandbox, app) = ("5".repeat(64), "a".repeat(64));
-        fake.bundle(&state, &sandbox, r#"{"annotations":{"io.kubernetes.cri.container-type":"sandbox"}}"#);
-        fake.shim(50, 1000, &state.join(&sandbox));
-        let root_link = fake.proc().join("50/root");
-        std::fs::remove_file(&root_link).expect("rm root");
-        std::os::unix::fs::symlink(&host, &root_link).expect("root");
+        let app = "a".repeat(64);
+        fake.k3s_shim_with_ended_record(50, 1000, &app);
         fake.process(100, 50, "100\t1", 1002);
-        let records = host.join("var/lib/rancher/k3s/agent/containerd/io.containerd.grpc.v1.cri/containers");
-        std::fs::create_dir_all(records.join(&app)).expect("mkdir");
-        std::fs::write(records.join(&app).join("status"), r#"{"Version":"v1","FinishedAt":1764950003200000000}"#)
-            .expect("status");
         let mut bundles = RuntimeBundles::new(Vec::new(), Some(fake.proc()));
         assert!(bundles.record_dirs().is_empty(), "no runtime process found yet");
         assert!(bundles.find_runtime(&[100], &[100].into()), "the shim");

@@ -206,18 +206,8 @@ mod tests {
     #[test]
     fn with_no_live_runtime_known_the_pods_own_is_found_from_its_processes() {
         let fake = FakeProc::new("pod-records");
-        let host = fake.root.join("host");
-        let state = host.join("run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io");
-        let (sandbox, app) = ("5".repeat(64), "a".repeat(64));
-        fake.bundle(&state, &sandbox, r#"{"annotations":{"io.kubernetes.cri.container-type":"sandbox"}}"#);
-        fake.shim(50, 1000, &state.join(&sandbox));
-        let root_link = fake.proc().join("50/root");
-        std::fs::remove_file(&root_link).expect("rm root");
-        std::os::unix::fs::symlink(&host, &root_link).expect("root");
-        let records = host.join("var/lib/rancher/k3s/agent/containerd/io.containerd.grpc.v1.cri/containers");
-        std::fs::create_dir_all(records.join(&app)).expect("mkdir");
-        std::fs::write(records.join(&app).join("status"), r#"{"Version":"v1","FinishedAt":1764950003200000000}"#)
-            .expect("status");
+        let app = "a".repeat(64);
+        fake.k3s_shim_with_ended_record(50, 1000, &app);
         // The app's process (pid 1 of its namespace) under the shim; another pod's process
         // under the node's init.
         fake.process(100, 50, "100\t1", 1002);

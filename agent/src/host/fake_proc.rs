@@ -39,6 +39,24 @@ impl FakeProc {
         std::os::unix::fs::symlink("/", dir.join("root")).expect("root");
     }
 
+    /// A k3s containerd shim (pid `pid`) in a mount namespace of its own, whose root is the
+    /// returned host directory, where containerd's CRI record of container `app` says it ended.
+    pub(crate) fn k3s_shim_with_ended_record(&self, pid: u32, start: u64, app: &str) -> PathBuf {
+        let host = self.root.join("host");
+        let state = host.join("run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io");
+        let sandbox = "5".repeat(64);
+        self.bundle(&state, &sandbox, r#"{"annotations":{"io.kubernetes.cri.container-type":"sandbox"}}"#);
+        self.shim(pid, start, &state.join(&sandbox));
+        let root_link = self.proc().join(pid.to_string()).join("root");
+        std::fs::remove_file(&root_link).expect("rm root");
+        std::os::unix::fs::symlink(&host, &root_link).expect("root");
+        let records = host.join("var/lib/rancher/k3s/agent/containerd/io.containerd.grpc.v1.cri/containers");
+        std::fs::create_dir_all(records.join(app)).expect("mkdir");
+        std::fs::write(records.join(app).join("status"), r#"{"Version":"v1","FinishedAt":1764950003200000000}"#)
+            .expect("status");
+        host
+    }
+
     pub(crate) fn bundle(&self, state: &Path, id: &str, config: &str) {
         std::fs::create_dir_all(state.join(id)).expect("mkdir");
         std::fs::write(state.join(id).join("config.json"), config).expect("config");
