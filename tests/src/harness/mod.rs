@@ -153,17 +153,15 @@ impl Node {
     /// Starts the agent binary for this node, with `extra` flags (and `--runtime-state-dirs`
     /// naming the node's runtime state dir unless `extra` has that flag).
     pub fn start_agent(&self, extra: &[&str]) -> Result<Agent> {
-        let mut agent = self.spawn_agent(extra)?;
-        // A hang guard: loading the programs (BTF, the verifier) takes tens of seconds in an
-        // emulated guest (`cargo xtask kernels`) on a busy machine.
-        agent.wait_ready(Duration::from_secs(180))?;
-        Ok(agent)
+        self.start_agent_env(extra, &[])
     }
 
     /// Like [`Node::start_agent`], with more environment (after the harness's own: e.g. its
     /// `RUST_LOG`).
     pub fn start_agent_env(&self, extra: &[&str], env: &[(&str, &str)]) -> Result<Agent> {
         let mut agent = self.spawn_agent_env(&[], extra, env)?;
+        // A hang guard: loading the programs (BTF, the verifier) takes tens of seconds in an
+        // emulated guest (`cargo xtask kernels`) on a busy machine.
         agent.wait_ready(Duration::from_secs(180))?;
         Ok(agent)
     }
@@ -182,9 +180,7 @@ impl Node {
     /// Like [`Node::start_agent`], as the container of the DaemonSet's pod `pod` (made by
     /// [`Node::daemonset_pod`]): `POD_NAME` and `POD_NAMESPACE` from the downward API.
     pub fn start_agent_in(&self, pod: &str, extra: &[&str]) -> Result<Agent> {
-        let mut agent = self.spawn_agent_env(&[], extra, &pod_env(pod))?;
-        agent.wait_ready(Duration::from_secs(180))?;
-        Ok(agent)
+        self.start_agent_env(extra, &pod_env(pod))
     }
 
     /// Like [`Node::start_agent_in`] without waiting for `/readyz`, through `wrapper` (e.g.
