@@ -402,6 +402,9 @@ class ContainerAgent:
         open(f"{kube_dir}/kubeconfig", "w").write(text)
         self.kube_env = [{"key": "KUBECONFIG", "value": "/var/run/valet-kubeconfig/kubeconfig"}, *self.extra_env]
         self.kube_mount = [{"container_path": "/var/run/valet-kubeconfig", "host_path": kube_dir, "readonly": True}]
+        # The pod's uid is the rendered spec's, the same for every start, so its containers' logs
+        # are appended to: what each start wrote begins where the file ended before it.
+        self.log_starts = {m["name"]: container_log_size(log_dir, m["name"]) for m in everyone}
         self.container_id = self.create(c, 0)
         # The pod's other containers (the deadline keeper), as the kubelet starts them: in order,
         # each once the one before has started.
@@ -452,6 +455,15 @@ class ContainerAgent:
                 self.container_id = new
             else:
                 self.more_ids[index - 1] = new
+
+    def container_log(self, name):
+        """What container `name` wrote to its log since this start ('' when nothing yet)."""
+        path = f"{os.path.dirname(os.path.dirname(self.log_path))}/{name}/0.log"
+        if not os.path.exists(path):
+            return ""
+        with open(path, errors="replace") as f:
+            f.seek(self.log_starts.get(name, 0))
+            return f.read()
 
     def stop(self, sig=signal.SIGTERM):
         if self.sandbox_id is None:
@@ -1108,7 +1120,9 @@ def app_seen_ended(sc, agent):
     if record is None:
         return int(sc.run.exited_at["app"] * 1e9), "the kubelet's report of the app's end"
     agent.log_file.flush()
-    if "the runtime recorded the app's end" not in open(agent.log_path, errors="replace").read():
+    said = f"the runtime recorded the app's end pod=default/{sc.pod['metadata']['name']} " \
+        f"container={sc.run.containers['app']['id']}"
+    if said not in open(agent.log_path, errors="replace").read():
         raise Failed("containerd recorded the app's end, and the agent never said it read the record")
     return record, "containerd's record of the app's end"
 
@@ -1470,6 +1484,14 @@ def daemonset_agent(api, agent, tag="", driver="systemd"):
         return "; ".join(figures)
 
 
+def container_log_size(log_dir, name):
+    """The size of container `name`'s first log in `log_dir` (0 when there is none yet)."""
+    try:
+        return os.path.getsize(f"{log_dir}/{name}/0.log")
+    except OSError:
+        return 0
+
+
 def cgroup_writes(pid, top="/host/sys/fs/cgroup"):
     """Write attempts into every mount of the host's cgroup fs as the container with host pid `pid`
     sees it (through /proc/<pid>/root, which resolves in the container's own mounts, each with its
@@ -1523,13 +1545,13 @@ def cgroup_read_only(api, agent, tag="", driver="systemd"):
             pids = container_pids(cid)
             if not pids:
                 raise Failed(f"{name}: no process")
-            # Each says so once it is done (the keeper starts after the agent's container).
-            said = f"{os.path.dirname(os.path.dirname(boxed.log_path))}/{name}/0.log"
+            # Each says so once it is done (the keeper starts after the agent's container), in
+            # this start's part of its log: an earlier start's line says nothing of this one.
             try:
                 wait_for(f"{name}'s line on its cgroup mounts",
-                         lambda: os.path.exists(said) and "cgroup fs is read-only here" in open(said).read(), 60)
+                         lambda: "cgroup fs is read-only here" in boxed.container_log(name), 60)
             except Failed as e:
-                raise Failed(f"{e}: " + (open(said).read()[-1500:] if os.path.exists(said) else "no log")) from None
+                raise Failed(f"{e}: " + (boxed.container_log(name)[-1500:] or "nothing logged")) from None
             mounts, wrote = cgroup_writes(pids[0])
             if not mounts:
                 raise Failed(f"{name}: no mount of the host's cgroup fs at /host/sys/fs/cgroup")
