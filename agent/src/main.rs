@@ -56,6 +56,19 @@ fn spawn_heap_trim() {
     });
 }
 
+/// Gives back what loading used once: the heap's free memory (loading parsed the kernel's BTF,
+/// megabytes freed since, which the allocator would otherwise keep for the agent's lifetime), and
+/// the executable's pages loading ran through (with the kernel's fault-around, nearly its whole
+/// text stays mapped otherwise; unmapped, the agent maps again only what it runs from here on).
+/// Then trims the heap every [`HEAP_TRIM`].
+fn settle_after_loading() {
+    resident::trim_heap();
+    let unmapped_kib = resident::unmap_start_up_pages();
+    let resident = resident::Resident::now();
+    info!(rss_kib = resident.rss_kib, peak_kib = resident.peak_kib, unmapped_kib, "resident memory after loading");
+    spawn_heap_trim();
+}
+
 fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     use std::io::IsTerminal as _;
@@ -303,12 +316,7 @@ async fn run(
     let (mut kernel, mode) = load_kernel(&cfg, node_cgroups.hierarchy);
     judge_mode(&cfg, mode, &metrics, &health)?;
     let ring = take_kernel_outputs(&cfg, &mut kernel)?;
-    // Loading parsed the kernel's BTF (megabytes, freed since): give that memory back to the
-    // node rather than keep it in the allocator's free lists for the agent's lifetime.
-    resident::trim_heap();
-    let resident = resident::Resident::now();
-    info!(rss_kib = resident.rss_kib, peak_kib = resident.peak_kib, "resident memory after loading");
-    spawn_heap_trim();
+    settle_after_loading();
 
     let cgroups = CgroupFs::new(node_cgroups.root);
     let ended_by_valet = Arc::new(EndedByValet::default());
@@ -423,6 +431,9 @@ fn deadlines_main() -> std::process::ExitCode {
     // Beside a running agent: its pod loops release first (the agent's own thread does the
     // same once the pods are listed).
     Keeper::new(settings.clone(), cgroups.clone(), None, || DEFER).exit_when_refused().start();
+    // Its start ran through code it never runs again (the agent's too: one binary).
+    let unmapped_kib = resident::unmap_start_up_pages();
+    info!(rss_kib = resident::Resident::now().rss_kib, unmapped_kib, "resident memory after starting");
     match stop.wait() {
         Ok(signal) => info!("{signal:?} received"),
         Err(e) => error!("waiting for SIGTERM: {e}"),

@@ -8,5 +8,6 @@ pub(crate) mod fake_proc;
 pub mod proc;
 pub mod read_only;
 pub mod resident;
+pub mod smaps;
 #[allow(unsafe_code, reason = "the one module of libc calls and unsafe blocks, behind safe functions")]
 pub mod sys;

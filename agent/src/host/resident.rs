@@ -39,6 +39,20 @@ pub fn trim_heap() {
     super::sys::malloc_trim();
 }
 
+/// Unmaps the executable's pages that start-up left resident (the code and read-only data it ran
+/// through once: loading the kernel programs, reading the kubeconfig, parsing the flags); what
+/// the agent runs after maps again on its next use. Returns the KiB unmapped (0, logged, when the
+/// kernel refuses).
+pub fn unmap_start_up_pages() -> u64 {
+    match super::sys::unmap_clean_exe_pages() {
+        Ok(kib) => kib,
+        Err(e) => {
+            tracing::warn!("cannot unmap the executable's start-up pages: {e}");
+            0
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -59,5 +73,17 @@ mod tests {
     fn reads_this_process() {
         let r = Resident::now();
         assert!(r.rss_kib > 0 && r.peak_kib >= r.rss_kib, "{r:?}");
+    }
+
+    #[test]
+    fn unmapping_this_process_keeps_it_running() {
+        // The test binary's own clean pages go; the code after the call runs from the file again.
+        let kib = unmap_start_up_pages();
+        assert!(kib > 0, "nothing unmapped");
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("this process's smaps");
+        let exe = std::fs::read_link("/proc/self/exe").expect("this process's executable");
+        let resident: u64 =
+            super::super::smaps::clean_exe_mappings(&smaps, &exe.to_string_lossy()).iter().map(|m| m.rss_kib).sum();
+        assert!(resident < kib, "still {resident} KiB resident of the {kib} unmapped");
     }
 }

@@ -133,6 +133,29 @@ pub fn malloc_trim() {
     unsafe { libc::malloc_trim(0) };
 }
 
+/// Unmaps this process's pages of its own executable whose content is the file's
+/// (`MADV_DONTNEED` on each mapping [`super::smaps::clean_exe_mappings`] picks from
+/// `/proc/self/smaps`): the code and read-only data that start-up ran through. Each page maps
+/// again from the page cache (or the file) on its next use. Returns the KiB that were resident
+/// in those mappings.
+pub fn unmap_clean_exe_pages() -> io::Result<u64> {
+    let exe = std::fs::read_link("/proc/self/exe")?;
+    let smaps = std::fs::read_to_string("/proc/self/smaps")?;
+    let mut kib = 0;
+    for m in super::smaps::clean_exe_mappings(&smaps, &exe.to_string_lossy()) {
+        // SAFETY: the range is one whole mapping of this process, as the kernel lists it: private,
+        // file-backed, not writable, with no page of its own (no copy-on-write copy, so no
+        // relocated RELRO page): every page it drops reads back the same bytes from the file, as
+        // after the kernel's own reclaim of a clean page. The mapping is not writable, so no page
+        // of its own can appear between the listing and this call.
+        if unsafe { libc::madvise(m.start as *mut libc::c_void, m.len, libc::MADV_DONTNEED) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        kib += m.rss_kib;
+    }
+    Ok(kib)
+}
+
 /// Lifts RLIMIT_MEMLOCK, which kernels before 5.11 charge BPF maps and programs to (above the
 /// hard limit it needs CAP_SYS_RESOURCE; short of that, up to the hard limit). Returns the soft
 /// limit in effect after, `None` for unlimited.
