@@ -11,23 +11,26 @@ pub struct CleanMapping {
 }
 
 /// The mappings of `exe` in a `/proc/<pid>/smaps` text whose pages are all the file's: private,
-/// not writable, and with no page of their own (`Anonymous: 0 kB`). The RELRO segment, read-only
-/// but written by the dynamic loader's relocations first, has pages of its own and is left out,
-/// as are the writable data and every other file's mappings.
+/// not writable, and with no page of their own, resident or swapped out (`Anonymous: 0 kB` and
+/// `Swap: 0 kB`, both listed). The RELRO segment, read-only but written by the dynamic loader's
+/// relocations first, has pages of its own (in memory or in swap) and is left out, as are the
+/// writable data and every other file's mappings.
 pub fn clean_exe_mappings(smaps: &str, exe: &str) -> Vec<CleanMapping> {
     let mut found = Vec::new();
-    let mut current: Option<(CleanMapping, Option<u64>)> = None;
+    let mut current: Option<(CleanMapping, Own)> = None;
     for line in smaps.lines() {
         if let Some(head) = mapping_head(line, exe) {
             found.extend(current.take().and_then(clean));
-            current = head.map(|m| (m, None));
+            current = head.map(|m| (m, Own::default()));
             continue;
         }
-        let Some((m, anonymous)) = current.as_mut() else { continue };
+        let Some((m, own)) = current.as_mut() else { continue };
         if let Some(v) = line.strip_prefix("Rss:") {
             m.rss_kib = kib(v).unwrap_or(0);
         } else if let Some(v) = line.strip_prefix("Anonymous:") {
-            *anonymous = kib(v);
+            own.anonymous = kib(v);
+        } else if let Some(v) = line.strip_prefix("Swap:") {
+            own.swap = kib(v);
         }
     }
     found.extend(current.and_then(clean));
@@ -48,8 +51,15 @@ fn mapping_head(line: &str, exe: &str) -> Option<Option<CleanMapping>> {
     Some(wanted.then_some(CleanMapping { start, len: end - start, rss_kib: 0 }))
 }
 
-fn clean((m, anonymous): (CleanMapping, Option<u64>)) -> Option<CleanMapping> {
-    (anonymous == Some(0)).then_some(m)
+/// A mapping's pages of its own, in KiB, as listed (`None`: not listed).
+#[derive(Default)]
+struct Own {
+    anonymous: Option<u64>,
+    swap: Option<u64>,
+}
+
+fn clean((m, own): (CleanMapping, Own)) -> Option<CleanMapping> {
+    (own.anonymous == Some(0) && own.swap == Some(0)).then_some(m)
 }
 
 fn kib(v: &str) -> Option<u64> {
@@ -63,7 +73,14 @@ mod tests {
     const EXE: &str = "/usr/local/bin/valet-agent";
 
     fn mapping(head: &str, rss: u64, anonymous: u64) -> String {
-        format!("{head}\nSize:  100 kB\nRss:  {rss} kB\nPss:  {rss} kB\nAnonymous:  {anonymous} kB\nVmFlags: rd mr\n")
+        swapped(head, rss, anonymous, 0)
+    }
+
+    fn swapped(head: &str, rss: u64, anonymous: u64, swap: u64) -> String {
+        format!(
+            "{head}\nSize:  100 kB\nRss:  {rss} kB\nPss:  {rss} kB\nAnonymous:  {anonymous} kB\nSwap:  {swap} kB\n\
+             VmFlags: rd mr\n"
+        )
     }
 
     #[test]
@@ -73,7 +90,9 @@ mod tests {
             mapping("55d000100000-55d000a00000 r-xp 00100000 fe:00 42    /usr/local/bin/valet-agent", 8000, 0),
             // RELRO: read-only now, relocated by the loader first.
             mapping("55d000a00000-55d000a90000 r--p 00a00000 fe:00 42    /usr/local/bin/valet-agent", 576, 576),
-            mapping("55d000a90000-55d000aa0000 rw-p 00a90000 fe:00 42    /usr/local/bin/valet-agent", 64, 64),
+            // The same, its copies swapped out: nothing anonymous resident, but pages of its own.
+            swapped("55d000a90000-55d000a98000 r--p 00a90000 fe:00 42    /usr/local/bin/valet-agent", 0, 0, 32),
+            mapping("55d000a98000-55d000aa0000 rw-p 00a98000 fe:00 42    /usr/local/bin/valet-agent", 64, 64),
             mapping("7f0000000000-7f0000100000 r-xp 00026000 fe:00 7    /usr/lib/x86_64-linux-gnu/libc.so.6", 1000, 0),
             mapping("7f0000200000-7f0000300000 r--s 00001000 00:10 1038    anon_inode:bpf-map", 500, 0),
             mapping("7f0000300000-7f0000400000 rw-p 00000000 00:00 0 ", 300, 300),
@@ -90,9 +109,11 @@ mod tests {
     }
 
     #[test]
-    fn a_mapping_whose_anonymous_count_is_missing_is_kept() {
-        let smaps = "55d000100000-55d000a00000 r-xp 00100000 fe:00 42    /usr/local/bin/valet-agent\nRss:  8000 kB\n";
-        assert_eq!(clean_exe_mappings(smaps, EXE), []);
+    fn a_mapping_whose_own_pages_are_not_listed_is_kept() {
+        let head = "55d000100000-55d000a00000 r-xp 00100000 fe:00 42    /usr/local/bin/valet-agent";
+        assert_eq!(clean_exe_mappings(&format!("{head}\nRss:  8000 kB\n"), EXE), []);
+        assert_eq!(clean_exe_mappings(&format!("{head}\nRss:  8000 kB\nAnonymous:  0 kB\n"), EXE), []);
+        assert_eq!(clean_exe_mappings(&format!("{head}\nRss:  8000 kB\nSwap:  0 kB\n"), EXE), []);
         assert_eq!(clean_exe_mappings("", EXE), []);
         assert_eq!(clean_exe_mappings("garbage line\nRss: x\n", EXE), []);
     }
