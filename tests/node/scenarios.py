@@ -322,7 +322,8 @@ class ContainerAgent:
         self.probing = threading.Event()
         self.api_url = api_url
         self.metrics = None
-        self.log_path = None
+        self.log_dir = self.log_path = None
+        self.log_starts = {}
         self.proc = self
 
     def poll(self):
@@ -404,12 +405,16 @@ class ContainerAgent:
         self.kube_mount = [{"container_path": "/var/run/valet-kubeconfig", "host_path": kube_dir, "readonly": True}]
         # The pod's uid is the rendered spec's, the same for every start, so its containers' logs
         # are appended to: what each start wrote begins where the file ended before it.
-        self.log_starts = {m["name"]: container_log_size(log_dir, m["name"]) for m in everyone}
+        self.log_dir = log_dir
+        self.log_starts = {}
+        for m in everyone:
+            with contextlib.suppress(OSError):
+                self.log_starts[m["name"]] = os.path.getsize(self.container_log_path(m["name"]))
         self.container_id = self.create(c, 0)
         # The pod's other containers (the deadline keeper), as the kubelet starts them: in order,
         # each once the one before has started.
         self.more_ids = [self.create(m, 0) for m in self.spec.get("more_containers", [])]
-        self.log_path = f"{log_dir}/{c['name']}/0.log"
+        self.log_path = self.container_log_path(c["name"])
         self.metrics = f"{self.pod_ip}:{self.spec['metrics_port']}"
         log(f"agent container {self.container_id[:12]} started, pod IP {self.pod_ip}")
         # The kubelet's liveness workers, one per container with a liveness probe.
@@ -456,9 +461,13 @@ class ContainerAgent:
             else:
                 self.more_ids[index - 1] = new
 
+    def container_log_path(self, name):
+        """Container `name`'s first log, where the kubelet's CRI config puts it."""
+        return f"{self.log_dir}/{name}/0.log"
+
     def container_log(self, name):
         """What container `name` wrote to its log since this start ('' when nothing yet)."""
-        path = f"{os.path.dirname(os.path.dirname(self.log_path))}/{name}/0.log"
+        path = self.container_log_path(name)
         if not os.path.exists(path):
             return ""
         with open(path, errors="replace") as f:
@@ -1482,14 +1491,6 @@ def daemonset_agent(api, agent, tag="", driver="systemd"):
         figures.append("job: " + job(api, boxed, tag="-ds" + tag, driver=driver))
         figures.append("hold_app: " + hold_app(api, boxed, tag="-ds" + tag, driver=driver))
         return "; ".join(figures)
-
-
-def container_log_size(log_dir, name):
-    """The size of container `name`'s first log in `log_dir` (0 when there is none yet)."""
-    try:
-        return os.path.getsize(f"{log_dir}/{name}/0.log")
-    except OSError:
-        return 0
 
 
 def cgroup_writes(pid, top="/host/sys/fs/cgroup"):

@@ -39,9 +39,9 @@ impl FakeProc {
         std::os::unix::fs::symlink("/", dir.join("root")).expect("root");
     }
 
-    /// A k3s containerd shim (pid `pid`) in a mount namespace of its own, whose root is the
-    /// returned host directory, where containerd's CRI record of container `app` says it ended.
-    pub(crate) fn k3s_shim_with_ended_record(&self, pid: u32, start: u64, app: &str) -> PathBuf {
+    /// A k3s containerd shim (pid `pid`) in a mount namespace of its own, whose root (the fake's
+    /// `host` directory) holds containerd's CRI record of container `app`, which says it ended.
+    pub(crate) fn k3s_shim_with_ended_record(&self, pid: u32, start: u64, app: &str) {
         let host = self.root.join("host");
         let state = host.join("run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io");
         let sandbox = "5".repeat(64);
@@ -54,7 +54,6 @@ impl FakeProc {
         std::fs::create_dir_all(records.join(app)).expect("mkdir");
         std::fs::write(records.join(app).join("status"), r#"{"Version":"v1","FinishedAt":1764950003200000000}"#)
             .expect("status");
-        host
     }
 
     pub(crate) fn bundle(&self, state: &Path, id: &str, config: &str) {

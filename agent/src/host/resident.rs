@@ -83,7 +83,7 @@ mod tests {
         let smaps = std::fs::read_to_string("/proc/self/smaps").expect("this process's smaps");
         let exe = std::fs::read_link("/proc/self/exe").expect("this process's executable");
         let resident: u64 =
-            super::super::smaps::clean_exe_mappings(&smaps, &exe.to_string_lossy()).iter().map(|m| m.rss_kib).sum();
+            crate::host::smaps::clean_exe_mappings(&smaps, &exe.to_string_lossy()).iter().map(|m| m.rss_kib).sum();
         assert!(resident < kib, "still {resident} KiB resident of the {kib} unmapped");
     }
 }

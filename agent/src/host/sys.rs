@@ -145,9 +145,10 @@ pub fn unmap_clean_exe_pages() -> io::Result<u64> {
     for m in super::smaps::clean_exe_mappings(&smaps, &exe.to_string_lossy()) {
         // SAFETY: the range is one whole mapping of this process, as the kernel lists it: private,
         // file-backed, not writable, with no page of its own in memory or in swap (no
-        // copy-on-write copy, so no relocated RELRO page): every page it drops reads back the same bytes from the file, as
-        // after the kernel's own reclaim of a clean page. The mapping is not writable, so no page
-        // of its own can appear between the listing and this call.
+        // copy-on-write copy, so no relocated RELRO page): every page it drops reads back the
+        // same bytes from the file, as after the kernel's own reclaim of a clean page. The
+        // mapping is not writable, so no page of its own can appear between the listing and
+        // this call.
         if unsafe { libc::madvise(m.start as *mut libc::c_void, m.len, libc::MADV_DONTNEED) } != 0 {
             return Err(io::Error::last_os_error());
         }
