@@ -256,6 +256,19 @@ pub struct PodFlags {
     #[arg(long, env = "VALET_RUNTIME_RECORD_DIRS", value_delimiter = ',')]
     pub runtime_record_dirs: Vec<PathBuf>,
 
+    /// Where the kubelet's container log links are (unset: its /var/log/containers, through the
+    /// host's pid 1).
+    ///
+    /// The directory of the kubelet's container log links
+    /// (<pod>_<namespace>_<container>-<id>.log, made by every kubelet when it starts a container
+    /// and removed with the container), where a container that started and ended while the agent
+    /// could not look (stopped, throttled) is named by its id once the runtime has removed its
+    /// cgroup and bundle, so that its end quits the sidecars without waiting for the API's report.
+    /// By default /var/log/containers through the host's pid 1 in --host-proc (no host path
+    /// mounted). Where it cannot be read, such an end waits for the API's report.
+    #[arg(long, env = "VALET_CONTAINER_LOG_LINKS")]
+    pub container_log_links: Option<PathBuf>,
+
     /// Length of one pod watch request.
     ///
     /// How long one pod watch request lasts (its `timeoutSeconds`, whole seconds): the API server
@@ -438,6 +451,12 @@ impl Config {
             return dirs.map(|d| crate::runtime_record::RecordDir { dir: d.clone(), through: None }).collect();
         }
         crate::runtime_record::dirs_under(&self.kernel.host_root, None)
+    }
+
+    /// Where the kubelet's container log links are read: the flag's, else the kubelet's
+    /// directory through the host's pid 1.
+    pub fn log_links_dir(&self) -> PathBuf {
+        self.pods.container_log_links.clone().unwrap_or_else(|| crate::log_links::default_dir(&self.host.host_proc))
     }
 
     /// Checks what clap cannot.

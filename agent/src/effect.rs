@@ -94,6 +94,12 @@ pub enum Effect {
         pod_rel: String,
         adopt: bool,
     },
+    /// Name a container the agent never saw from the kubelet's log link of its id, `id` (answered
+    /// with [`Feedback::EndedNamed`]): it started and ended while the agent could not look.
+    NameEnded {
+        container_cgroup: u64,
+        id: String,
+    },
     /// Look for processes an earlier agent left stopped at exec (answered with
     /// [`Feedback::LeftHeld`]).
     FindLeftHeld {
@@ -227,6 +233,11 @@ pub enum Feedback {
     /// Every container cgroup the pod has on the node now (a scan of the pod cgroup): one the
     /// API calls running that is not among them has ended.
     Containers(Vec<ContainerSeen>),
+    /// What [`Effect::NameEnded`] found: the container's name, `None` when no link names it.
+    EndedNamed {
+        container_cgroup: u64,
+        name: Option<String>,
+    },
     /// What [`Effect::FindLeftHeld`] found. `complete`: every container's processes were read;
     /// when one could not be (a read error), a process left held there may be missing from
     /// `found`, and the search is made again later.

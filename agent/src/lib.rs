@@ -23,6 +23,7 @@ pub mod ended_by_valet;
 pub mod error;
 pub mod host;
 pub mod kernel;
+pub mod log_links;
 pub mod metrics;
 pub mod observe;
 pub mod pod;

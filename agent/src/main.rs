@@ -274,6 +274,7 @@ fn act_settings(cfg: &Config) -> Settings {
         release_priority: cfg.holds.release_priority,
         decide_priority: cfg.holds.decide_priority,
         record_dirs: cfg.record_dirs(),
+        log_links: cfg.log_links_dir(),
     }
 }
 

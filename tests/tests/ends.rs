@@ -49,6 +49,60 @@ fn an_app_that_ended_while_the_agent_was_stopped_is_quit_at_its_resume() {
     println!("quit {:?} after the stop began (the agent was stopped 4 s)", stopped.elapsed());
 }
 
+/// A tracked Job's app started and ended while the agent was stopped, with the kubelet's
+/// reports held past the stop (a kubelet behind): the runtime removed the app's cgroup and
+/// bundle, the API has not named it, and only the kubelet's log link names its id. The agent
+/// quits the proxy at its resume, before the API's report. With the links unreadable the same
+/// end waits for that report.
+#[test]
+fn an_app_that_started_and_ended_in_a_stall_is_named_by_the_kubelets_log_link() {
+    const STALL: Duration = Duration::from_secs(3);
+    for links in [true, false] {
+        let node = Node::new().expect("node");
+        let unreadable = format!("--container-log-links={}", node.scratch.path("no-such-dir").display());
+        let extra: Vec<&str> = if links { Vec::new() } else { vec![unreadable.as_str()] };
+        let agent = node.start_agent(&extra).expect("agent");
+        let mut job = node.job_pod(JobSpec::new("in-stall")).expect("pod");
+        assert!(eventually(HANG_GUARD, || node.proxy_ready_condition(&job)), "placed\n{}", agent.log_text());
+        // The API's reports come well after the resume: long with the links (a quit before them
+        // is the links'), short without (the quit must wait for them).
+        let held = if links { Duration::from_secs(30) } else { Duration::from_secs(2) };
+        let pid = agent.pid().expect("agent pid") as i32;
+        // SAFETY: plain syscall on our own child; it is let go below whatever happens.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        let (stopped, stopped_ns) = (Instant::now(), valet_test_support::monotonic_ns());
+        node.kubelet.hold_status_writes(stopped + STALL + held);
+        let reports_ns = stopped_ns + (STALL + held).as_nanos() as u64;
+        let ran = (|| -> anyhow::Result<()> {
+            job.run_app("app", "exit 0")?;
+            job.apps[0].wait_timeout(HANG_GUARD)?.ok_or_else(|| anyhow::anyhow!("the app never ended"))?;
+            let cgroup = job.sim.container_cgroup_path("app")?;
+            anyhow::ensure!(eventually(HANG_GUARD, || !cgroup.exists()), "the app's cgroup was kept");
+            let bundle = node.runtime_state_dir().join(job.apps[0].id());
+            anyhow::ensure!(eventually(HANG_GUARD, || !bundle.exists()), "the app's bundle was kept");
+            Ok(())
+        })();
+        std::thread::sleep(STALL.saturating_sub(stopped.elapsed()));
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        ran.expect("the app ran in the stall");
+        assert!(eventually(HANG_GUARD + held, || !job.quits().is_empty()), "never quit\n{}", agent.log_text());
+        let quit_ns = job.quits()[0].mono_ns;
+        let named = agent.log_text().contains("named by the kubelet's log link");
+        if links {
+            assert!(quit_ns < reports_ns, "the quit waited for the API's report\n{}", agent.log_text());
+            assert!(named, "{}", agent.log_text());
+            let api = job.api_status("app");
+            assert!(api.as_ref().is_none_or(|s| s.get("containerID").is_none()), "the API named the app: {api:?}");
+        } else {
+            assert!(quit_ns >= reports_ns, "quit before the API's report with no links\n{}", agent.log_text());
+            assert!(!named, "{}", agent.log_text());
+            assert!(agent.log_text().contains("cannot read the kubelet's container log links"), "{}", agent.log_text());
+        }
+        println!("links {links}: quit {:?} after the stop began", stopped.elapsed());
+    }
+}
+
 #[test]
 fn the_end_of_a_debug_container_quits_nothing_and_the_apps_end_does() {
     // `kubectl debug` adds an ephemeral container to a running pod: one the pod's spec does not

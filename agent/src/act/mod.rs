@@ -99,6 +99,8 @@ pub struct Settings {
     /// Where the runtime's records of containers are read first (besides those reached through
     /// the runtime processes found).
     pub record_dirs: Vec<crate::runtime_record::RecordDir>,
+    /// Where the kubelet's container log links are read (a container never seen is named there).
+    pub log_links: PathBuf,
 }
 
 impl Settings {
@@ -106,6 +108,7 @@ impl Settings {
     /// every 20 ms, held pods on their own loops, the release thread in the normal class.
     pub fn quick(host_proc: PathBuf) -> Settings {
         Settings {
+            log_links: crate::log_links::default_dir(&host_proc),
             host_proc,
             quit_timeout: Duration::from_secs(1),
             quit_retry_for: Duration::from_secs(1),
@@ -175,7 +178,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             probes: Probes::new(link, feedback.clone(), &settings),
             records: records::Records::new(settings.host_proc.clone(), settings.record_dirs.clone(), feedback.clone()),
             api: ApiWrites::new(client, events, feedback),
-            pod_cgroups: PodCgroups::new(cgroups, bundles, kernel, settings.host_proc),
+            pod_cgroups: PodCgroups::new(cgroups, bundles, kernel, settings.host_proc).with_log_links(settings.log_links),
             metrics,
         }
     }
@@ -262,6 +265,10 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             Effect::FindPodCgroup => self.pod_cgroups.find_pod(uid),
             Effect::ScanContainers { pod_rel, adopt } => {
                 Some(Feedback::Containers(self.pod_cgroups.scan(uid, &pod_rel, adopt, &self.releases)))
+            }
+            Effect::NameEnded { container_cgroup, id } => {
+                let name = pod.and_then(|p| self.pod_cgroups.name_ended(uid, p, &id));
+                Some(Feedback::EndedNamed { container_cgroup, name })
             }
             Effect::FindLeftHeld { pod_rel } => {
                 let (found, complete) = self.releases.left_held(&pod_rel, now);

@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Pod;
 use tracing::{debug, warn};
 use valet_common::watch_flags;
 
@@ -25,11 +26,39 @@ pub struct PodCgroups<K> {
     /// New container cgroups in watched pods.
     creations: Creations,
     host_proc: PathBuf,
+    /// The kubelet's container log links (see [`crate::log_links`]).
+    log_links: PathBuf,
 }
 
 impl<K: KernelControl> PodCgroups<K> {
     pub fn new(cgroups: CgroupFs, bundles: RuntimeBundles, kernel: K, host_proc: PathBuf) -> PodCgroups<K> {
-        PodCgroups { cgroups, bundles, kernel, creations: Creations::new(), host_proc }
+        let log_links = crate::log_links::default_dir(&host_proc);
+        PodCgroups { cgroups, bundles, kernel, creations: Creations::new(), host_proc, log_links }
+    }
+
+    /// Reads the kubelet's container log links in `dir` instead of the default directory.
+    pub fn with_log_links(mut self, dir: PathBuf) -> PodCgroups<K> {
+        self.log_links = dir;
+        self
+    }
+
+    /// The name the kubelet's log link gives container `id` of `pod`, one the agent never saw
+    /// (effect `NameEnded`): the runtime removed its cgroup and bundle before the agent looked.
+    pub fn name_ended(&self, uid: &str, pod: &Pod, id: &str) -> Option<String> {
+        let (Some(namespace), Some(name)) = (pod.metadata.namespace.as_deref(), pod.metadata.name.as_deref()) else {
+            return None;
+        };
+        match crate::log_links::name_of(&self.log_links, namespace, name, id) {
+            Ok(found) => found,
+            Err(e) => {
+                warn!(
+                    %uid,
+                    dir = %self.log_links.display(),
+                    "cannot read the kubelet's container log links: a container the agent did not see start waits for the API's report: {e}"
+                );
+                None
+            }
+        }
     }
 
     /// New container cgroups in held pods.

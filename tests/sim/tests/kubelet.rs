@@ -29,8 +29,10 @@ fn setup(opts: KubeletOptions) -> Setup {
     valet_sim::standin::set_binary_path(env!("CARGO_BIN_EXE_valet-standin-proxy"));
     let dir = std::env::temp_dir().join(format!("valet-kubelet-{}", valet_sim::util::random_hex(4)));
     let api = FakeApiServer::start_with(ServerOptions::default()).expect("api");
-    let kubelet = Kubelet::start(api.handle(), KubeletOptions { runtime_state_dir: Some(dir.join("state")), ..opts })
-        .expect("kubelet");
+    std::fs::create_dir_all(dir.join("links")).expect("links dir");
+    let opts =
+        KubeletOptions { runtime_state_dir: Some(dir.join("state")), container_log_links: Some(dir.join("links")), ..opts };
+    let kubelet = Kubelet::start(api.handle(), opts).expect("kubelet");
     Setup { api, kubelet, dir }
 }
 
@@ -217,6 +219,11 @@ fn terminated_on_the_relist_after_the_exit_and_the_runtime_cleans_up() {
     let bundle = s.dir.join("state").join(p.id());
     let sandbox_bundle = s.dir.join("state").join(&sim.sandbox().id);
     assert!(sandbox_bundle.join("config.json").is_file(), "the sandbox has a bundle too");
+    // The kubelet's log link, made once the container started; none for the sandbox.
+    let link = s.dir.join("links").join(format!("{}_{}_app-{}.log", sim.name(), sim.namespace(), p.id()));
+    assert!(link.symlink_metadata().is_ok(), "the container's log link once it started");
+    let links = || std::fs::read_dir(s.dir.join("links")).expect("links").count();
+    assert_eq!(links(), 1, "one link: the container's");
     let status_code = p.wait_timeout(HANG_GUARD).expect("wait").expect("exited");
     let exited = Instant::now();
     assert_eq!(status_code.code(), Some(3));
@@ -234,6 +241,7 @@ fn terminated_on_the_relist_after_the_exit_and_the_runtime_cleans_up() {
     assert!(b >= Duration::from_millis(60), "the bundle outlives the cgroup by 50 ms at least: {b:?}");
     assert!(sim.pod_cgroup_path().is_dir(), "the pod cgroup stays");
     assert!(sandbox_bundle.is_dir(), "the sandbox's bundle stays");
+    assert!(link.symlink_metadata().is_ok(), "the log link outlives the container's cgroup and bundle");
 
     let want = format!("containerd://{}", p.id());
     let seen =
@@ -247,6 +255,8 @@ fn terminated_on_the_relist_after_the_exit_and_the_runtime_cleans_up() {
     assert!(t["finishedAt"].is_string());
     assert_eq!(st["ready"], false);
     assert!(wait_for(HANG_GUARD, || phase(&s.api, &sim) == "Failed").is_some(), "restartPolicy Never");
+    s.kubelet.remove_pod(sim.namespace(), sim.name());
+    assert_eq!(links(), 0, "the log link goes with the container");
 }
 
 #[test]

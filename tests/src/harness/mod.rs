@@ -83,6 +83,8 @@ pub struct Node {
     runtime_dir: PathBuf,
     /// Where the simulated containerd keeps its CRI container records.
     record_dir: PathBuf,
+    /// Where the simulated kubelet makes its container log links.
+    log_links: PathBuf,
     /// The agents' pin directory on bpffs: this node's own, shared by its successive agents as
     /// a node's is, and by no other test's agent (whose orphan sweep would release this node's
     /// holds).
@@ -130,10 +132,14 @@ impl Node {
         let record_dir = scratch.path("var/lib/containerd/io.containerd.grpc.v1.cri/containers");
         std::fs::create_dir_all(&record_dir)?;
         opts.runtime_record_dir = Some(record_dir.clone());
+        // And the kubelet's container log links, `/var/log/containers`.
+        let log_links = scratch.path("var/log/containers");
+        std::fs::create_dir_all(&log_links)?;
+        opts.container_log_links = Some(log_links.clone());
         let kubelet = Kubelet::start(api.kubelet_handle(), opts)?;
         let name = format!("node-{}", valet_sim::util::random_hex(3));
         let pin_dir = PathBuf::from(format!("/sys/fs/bpf/valet-test-{}-{name}", std::process::id()));
-        Ok(Node { api, kubelet, name, scratch, kubeconfig, runtime_dir, record_dir, pin_dir })
+        Ok(Node { api, kubelet, name, scratch, kubeconfig, runtime_dir, record_dir, log_links, pin_dir })
     }
 
     pub fn kubeconfig(&self) -> &Path {
@@ -150,8 +156,9 @@ impl Node {
         &self.pin_dir
     }
 
-    /// Starts the agent binary for this node, with `extra` flags (and `--runtime-state-dirs`
-    /// naming the node's runtime state dir unless `extra` has that flag).
+    /// Starts the agent binary for this node, with `extra` flags (and `--runtime-state-dirs`,
+    /// `--runtime-record-dirs` and `--container-log-links` naming the node's own unless `extra`
+    /// has that flag).
     pub fn start_agent(&self, extra: &[&str]) -> Result<Agent> {
         self.start_agent_env(extra, &[])
     }
@@ -221,6 +228,9 @@ impl Node {
         }
         if !extra.iter().any(|a| a.starts_with("--runtime-record-dirs")) {
             command.arg("--runtime-record-dirs").arg(&self.record_dir);
+        }
+        if !extra.iter().any(|a| a.starts_with("--container-log-links")) {
+            command.arg("--container-log-links").arg(&self.log_links);
         }
         // The end-to-end tests read each quit's Event (off by default: one more write per Job).
         if !extra.iter().any(|a| a.starts_with("--quit-events")) {

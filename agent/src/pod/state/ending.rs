@@ -15,8 +15,8 @@ impl PodState {
             debug!(pod = %self.name(), pid = exit.tgid, cgroup = exit.container_cgroup, "exit of a process the kernel took for its container's main one; not its pid 1: not the container's end");
             return Vec::new();
         }
-        if !self.containers.contains_key(&exit.container_cgroup) && (self.is_released() || !self.identify_ended(&exit))
-        {
+        let unseen = !self.containers.contains_key(&exit.container_cgroup);
+        if unseen && (self.is_released() || !self.identify_ended(&exit)) {
             // A pod already let go of, or nothing tells which container it was (the API's report
             // ends it): the kernel's record of the container has nothing more to do.
             debug!(pod = %self.name(), cgroup = exit.container_cgroup, "exit in an unknown container cgroup");
@@ -32,16 +32,21 @@ impl PodState {
             held.retain(|h| h.container_cgroup != exit.container_cgroup);
         }
         let mut fx = vec![Effect::Count(Count::ContainerEnd(exit.end))];
+        if unseen && let Some(c) = self.containers.get(&exit.container_cgroup) {
+            // The kubelet's log link names it, if any does.
+            fx.push(Effect::NameEnded { container_cgroup: exit.container_cgroup, id: c.id.clone() });
+        }
         fx.extend(self.step(now));
         fx
     }
 
     /// A container the agent never saw ended (read after a stall of the agent, its cgroup
     /// already removed by the runtime): it is known from then on by the id in its cgroup's name,
-    /// as the kernel read it at the end. Its name is the API's once the API reports that id, and
-    /// only then does its end count: an unseen container is never taken for the one app the
-    /// agent does not know yet (a `kubectl debug` container, an ephemeral one the pod's spec does
-    /// not list, ends the same way). Whether it could be recorded.
+    /// as the kernel read it at the end. Its name is the kubelet's log link's for that id
+    /// ([`Effect::NameEnded`], [`PodState::name_ended`]) or the API's once the API reports that
+    /// id, and only then does its end count: an unseen container is never taken for the one app
+    /// the agent does not know yet (a `kubectl debug` container, an ephemeral one the pod's spec
+    /// does not list, ends the same way). Whether it could be recorded.
     pub(super) fn identify_ended(&mut self, exit: &ExitSeen) -> bool {
         let (Some(name), Some((pod_rel, _))) = (exit.cgroup_name.as_deref(), self.pod_cgroup.as_ref()) else {
             return false;
@@ -59,6 +64,21 @@ impl PodState {
             Container { id: c.id, rel, runtime_name: None, classified: true, exec_done: true, end: None },
         );
         true
+    }
+
+    /// The kubelet's log link named a container the agent never saw ([`Effect::NameEnded`]):
+    /// the kubelet's own name for that id, as the API will report it.
+    pub(super) fn name_ended(&mut self, container_cgroup: u64, name: Option<String>) {
+        let pod = self.name();
+        let Some(c) = self.containers.get_mut(&container_cgroup) else { return };
+        match name {
+            Some(name) if c.runtime_name.is_none() => {
+                info!(pod = %pod, container = %name, id = %c.id, "a container that ended unseen, named by the kubelet's log link");
+                c.runtime_name = Some(RuntimeName::Container(name));
+            }
+            Some(_) => {}
+            None => debug!(pod = %pod, id = %c.id, "no kubelet log link names a container that ended unseen: its name waits for the API"),
+        }
     }
 
     /// The quit this pod's state machine would send the moment one more container ends, when

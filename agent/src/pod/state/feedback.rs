@@ -21,6 +21,7 @@ impl PodState {
                 self.note_vanished(&seen);
                 self.merge_containers(seen);
             }
+            Feedback::EndedNamed { container_cgroup, name } => self.name_ended(container_cgroup, name),
             Feedback::LeftHeld { found, complete } => fx.extend(self.adopt(found, complete, now)),
             Feedback::Network { ok, detail } => {
                 if !ok {

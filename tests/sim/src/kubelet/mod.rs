@@ -76,6 +76,11 @@ pub struct KubeletOptions {
     /// and again with its `FinishedAt` at the moment its exit is recorded (`exit_record_lag`),
     /// each a new file renamed over the old, as containerd's `Status.UpdateSync` does.
     pub runtime_record_dir: Option<PathBuf>,
+    /// Where the kubelet makes its container log links (`/var/log/containers`:
+    /// `<pod>_<namespace>_<container>-<id>.log`, cut to 251 bytes before `.log`), each right
+    /// after the container's start, as `startContainer` does once the runtime's `StartContainer`
+    /// returned, and removed with the pod (None: nowhere).
+    pub container_log_links: Option<PathBuf>,
     /// Time from a container's exit (its last process gone) to the removal of its cgroup.
     pub cgroup_removal_delay: Duration,
     /// Time from the cgroup's removal to the bundle's: uniform in this range.
@@ -107,6 +112,7 @@ impl Default for KubeletOptions {
             status_sync_delay: (Duration::from_millis(10), Duration::from_millis(60)),
             runtime_state_dir: None,
             runtime_record_dir: None,
+            container_log_links: None,
             cgroup_removal_delay: Duration::from_millis(25),
             bundle_removal_delay: (Duration::from_millis(50), Duration::from_millis(340)),
             restart_backoff: Duration::from_secs(1),

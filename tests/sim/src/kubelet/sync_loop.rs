@@ -35,6 +35,15 @@ impl Inner {
         Some(dir.join(id))
     }
 
+    /// The kubelet's log link of container `c` (`legacyLogSymlink`: the name cut to 251 bytes,
+    /// then `.log`).
+    pub(super) fn log_link(&self, kpod: &KPod, c: &SimContainer) -> Option<PathBuf> {
+        let dir = self.opts.container_log_links.as_ref()?;
+        let mut stem = format!("{}_{}_{}-{}", kpod.sim.name(), kpod.sim.namespace(), c.name, c.id);
+        stem.truncate(251);
+        Some(dir.join(format!("{stem}.log")))
+    }
+
     /// Writes the bundle, makes the cgroup, spawns the process (`spec` None: the sandbox).
     pub(super) fn start_instance(
         &self,
@@ -56,6 +65,14 @@ impl Inner {
             spawn.exec_delay = Some(self.opts.create_start_gap);
         }
         let p = kpod.sim.spawn(name, &args, &spawn)?;
+        // Once started, the kubelet links the container's log (never the sandbox's).
+        if spec.is_some()
+            && let Some(link) = self.log_link(kpod, &c)
+        {
+            let (ns, pod, uid) = (kpod.sim.namespace(), kpod.sim.name(), kpod.sim.uid());
+            let log = format!("/var/log/pods/{ns}_{pod}_{uid}/{}/0.log", c.name);
+            std::os::unix::fs::symlink(log, &link).with_context(|| format!("log link {}", link.display()))?;
+        }
         let proc_ = ContainerProcess::new(p, c.clone());
         if let (Some(dir), Some(_)) = (self.record_dir(kpod), spec) {
             write_record(&dir, &c.id, proc_.host_pid(), None)?;
@@ -492,6 +509,10 @@ impl Inner {
             let _ = inst.proc_.kill();
             if let Some(dir) = self.bundle_dir(&kpod, &inst.c.id) {
                 let _ = std::fs::remove_dir_all(dir);
+            }
+            // And their log links (`removeContainerLog`).
+            if let Some(link) = self.log_link(&kpod, &inst.c) {
+                let _ = std::fs::remove_file(link);
             }
             // The pod removed: its containers' records go with it (RemoveContainer).
             if let Some(dir) = self.record_dir(&kpod) {

@@ -345,6 +345,53 @@ fn an_end_read_after_a_stall_waits_for_the_api_to_name_the_container() {
 }
 
 #[test]
+fn an_end_read_after_a_stall_is_named_by_the_kubelets_log_link() {
+    // The same end, with the kubelet's log link for its id still there: the link names it, and
+    // its end quits the proxy without waiting for the API.
+    let mut d = Drive::new(true);
+    found_without_the_app(&mut d, &["report"]);
+    let name = format!("cri-containerd-{}.scope", id(APP));
+    let fx = d.s.exit(late_end(APP, Some(name), d.now), d.now);
+    assert!(has(&fx, &Effect::NameEnded { container_cgroup: APP, id: id(APP) }), "{fx:?}");
+    assert!(quits(&fx).is_empty(), "quit before the name: {fx:?}");
+    let fx = d.feed(Feedback::EndedNamed { container_cgroup: APP, name: Some("report".into()) });
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
+}
+
+#[test]
+fn a_link_naming_another_container_or_none_quits_nothing() {
+    // A debug container's link names it: not the app. No link: the API names it later.
+    for name in [Some("debugger-x1"), None] {
+        let mut d = Drive::new(true);
+        found_without_the_app(&mut d, &["report"]);
+        let cgroup = format!("cri-containerd-{}.scope", id(APP2));
+        d.s.exit(late_end(APP2, Some(cgroup), d.now), d.now);
+        let fx = d.feed(Feedback::EndedNamed { container_cgroup: APP2, name: name.map(str::to_owned) });
+        assert!(quits(&fx).is_empty() && signals(&fx).is_empty(), "{name:?}: {fx:?}");
+        let scan =
+            vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(APP, named("report")), seen(PROXY, named("istio-proxy"))];
+        assert!(quits(&d.feed(Feedback::Containers(scan))).is_empty(), "{name:?}");
+        let fx = d.exit(APP, 0);
+        assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{name:?}: {fx:?}");
+    }
+}
+
+#[test]
+fn a_linked_end_of_one_of_two_apps_waits_for_the_other() {
+    let mut d = Drive::new(true);
+    found_without_the_app(&mut d, &["report", "upload"]);
+    let cgroup = format!("cri-containerd-{}.scope", id(APP));
+    d.s.exit(late_end(APP, Some(cgroup), d.now), d.now);
+    let fx = d.feed(Feedback::EndedNamed { container_cgroup: APP, name: Some("report".into()) });
+    assert!(quits(&fx).is_empty(), "upload may still run: {fx:?}");
+    let scan =
+        vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(APP2, named("upload")), seen(PROXY, named("istio-proxy"))];
+    assert!(quits(&d.feed(Feedback::Containers(scan))).is_empty());
+    let fx = d.exit(APP2, 0);
+    assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
+}
+
+#[test]
 fn a_child_taken_for_the_main_process_ends_its_container_only_in_a_shared_pid_namespace() {
     // The app's container started before its pod was watched and was not adopted: the kernel
     // recorded a later exec (a child of its pid 1) as its main process and reports the child's

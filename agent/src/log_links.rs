@@ -1,0 +1,130 @@
+//! The kubelet's container log links: a container's name from its id once the runtime has
+//! removed everything else of it.
+//!
+//! Every kubelet makes, for each container it starts and right after the runtime's
+//! `StartContainer` returns, a link `/var/log/containers/<pod>_<namespace>_<container>-<id>.log`
+//! to the container's log (`legacyLogSymlink` in `kuberuntime_container.go`: log collectors read
+//! that directory), for containerd and CRI-O alike; it removes the link only with the container
+//! (`removeContainerLog`, at the container's garbage collection or the pod's deletion). So a
+//! container that started and ended while the agent could not look (a stall) is still named
+//! there after its cgroup and its bundle are gone, by the kubelet itself.
+//!
+//! The name is `<pod>_<namespace>_<container>-<id>` cut to 251 bytes, then `.log`: a link whose
+//! cut took part of the id names no container here (the API's report does, later). Pod names,
+//! namespaces and container names hold no `_`, so the three split apart.
+
+use std::path::{Path, PathBuf};
+
+use crate::cgroup::layout::is_container_id;
+
+/// Where the kubelet makes the links, relative to the host's root.
+pub const KUBELET_LINKS: &str = "var/log/containers";
+/// The most directory entries read in one look (a node keeps a link per container not yet
+/// collected: a few per pod).
+const MAX_ENTRIES: usize = 100_000;
+
+/// The default directory: the kubelet's, through the host's pid 1 (the agent sees the host's
+/// processes, not its file system).
+pub fn default_dir(host_proc: &Path) -> PathBuf {
+    host_proc.join("1/root").join(KUBELET_LINKS)
+}
+
+/// The container name that link file `file_name` gives container `id` of pod
+/// `namespace`/`pod`, if it is that container's link.
+pub fn parse_link(file_name: &str, namespace: &str, pod: &str, id: &str) -> Option<String> {
+    if !is_container_id(id) {
+        return None;
+    }
+    let stem = file_name.strip_suffix(".log")?;
+    let rest = stem.strip_suffix(id)?.strip_suffix('-')?;
+    let mut parts = rest.split('_');
+    let (Some(p), Some(ns), Some(container), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
+        return None;
+    };
+    let label = !container.is_empty()
+        && container.len() <= 63
+        && container.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    (p == pod && ns == namespace && label).then(|| container.to_owned())
+}
+
+/// Looks in `dir` for the link of container `id` of pod `namespace`/`pod`: its container name,
+/// `None` when no link names it.
+pub fn name_of(dir: &Path, namespace: &str, pod: &str, id: &str) -> std::io::Result<Option<String>> {
+    if !is_container_id(id) {
+        return Ok(None);
+    }
+    for entry in std::fs::read_dir(dir)?.take(MAX_ENTRIES) {
+        let entry = entry?;
+        if let Some(name) = entry.file_name().to_str().and_then(|f| parse_link(f, namespace, pod, id)) {
+            return Ok(Some(name));
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID: &str = "4f1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b1c";
+
+    #[test]
+    fn names_the_container_of_its_own_id_and_pod() {
+        let link = format!("job-7x2lq_batch_app-{ID}.log");
+        assert_eq!(parse_link(&link, "batch", "job-7x2lq", ID).as_deref(), Some("app"));
+        let dotted = format!("web.v2-0_default_istio-proxy-{ID}.log");
+        assert_eq!(parse_link(&dotted, "default", "web.v2-0", ID).as_deref(), Some("istio-proxy"));
+    }
+
+    #[test]
+    fn another_container_pod_or_namespace_is_not_it() {
+        let other = "0".repeat(64);
+        let link = format!("job_batch_app-{other}.log");
+        assert_eq!(parse_link(&link, "batch", "job", ID), None, "another id");
+        let link = format!("job_batch_app-{ID}.log");
+        assert_eq!(parse_link(&link, "batch", "job2", ID), None, "another pod");
+        assert_eq!(parse_link(&link, "default", "job", ID), None, "another namespace");
+        assert_eq!(parse_link(&link, "batch", "job", "app"), None, "not an id");
+    }
+
+    #[test]
+    fn a_cut_or_odd_name_names_nothing() {
+        // The kubelet cuts the name to 251 bytes: the id is the part that goes.
+        let long_pod = "p".repeat(200);
+        let whole = format!("{long_pod}_batch_app-{ID}");
+        let cut = format!("{}.log", &whole[..251]);
+        assert_eq!(parse_link(&cut, "batch", &long_pod, ID), None);
+        for odd in [
+            format!("job_batch_app-{ID}"),
+            format!("job_batch_app-{ID}.log.1"),
+            format!("job_batch_-{ID}.log"),
+            format!("job_batch_APP-{ID}.log"),
+            format!("job_batch_a_b-{ID}.log"),
+            format!("job_batch_app{ID}.log"),
+            format!("batch_app-{ID}.log"),
+        ] {
+            assert_eq!(parse_link(&odd, "batch", "job", ID), None, "{odd}");
+        }
+    }
+
+    #[test]
+    fn finds_the_link_among_others_in_a_directory() {
+        let dir = std::env::temp_dir().join(format!("valet-log-links-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let other = "a".repeat(64);
+        for name in [format!("job_batch_istio-proxy-{other}.log"), format!("job_batch_app-{ID}.log")] {
+            // Dangling, as a link whose log was rotated away: only its name is read.
+            std::os::unix::fs::symlink("/var/log/pods/none/0.log", dir.join(name)).expect("link");
+        }
+        assert_eq!(name_of(&dir, "batch", "job", ID).expect("read").as_deref(), Some("app"));
+        assert_eq!(name_of(&dir, "batch", "job", &"b".repeat(64)).expect("read"), None);
+        assert!(name_of(&dir.join("missing"), "batch", "job", ID).is_err());
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
+
+    #[test]
+    fn the_default_is_the_kubelets_directory_through_the_hosts_init() {
+        assert_eq!(default_dir(Path::new("/proc")), Path::new("/proc/1/root/var/log/containers"));
+    }
+}
