@@ -50,16 +50,44 @@ pub fn parse_link(file_name: &str, namespace: &str, pod: &str, id: &str) -> Opti
 /// Looks in `dir` for the link of container `id` of pod `namespace`/`pod`: its container name,
 /// `None` when no link names it.
 pub fn name_of(dir: &Path, namespace: &str, pod: &str, id: &str) -> std::io::Result<Option<String>> {
-    if !is_container_id(id) {
-        return Ok(None);
-    }
-    for entry in std::fs::read_dir(dir)?.take(MAX_ENTRIES) {
-        let entry = entry?;
-        if let Some(name) = entry.file_name().to_str().and_then(|f| parse_link(f, namespace, pod, id)) {
-            return Ok(Some(name));
+    Ok(Links::read(dir)?.name_of(namespace, pod, id))
+}
+
+/// One read of the links' directory: each link's file name by the container id it ends with.
+/// An id is never reused, so what a read found stays true of that container after its link is
+/// gone: a container that ended unseen is looked up here first, and the directory is read again
+/// only for an id it does not have (after a stall, a whole batch of such ends is named from one
+/// read).
+#[derive(Debug, Default)]
+pub struct Links {
+    by_id: std::collections::HashMap<String, String>,
+}
+
+impl Links {
+    pub fn read(dir: &Path) -> std::io::Result<Links> {
+        let mut by_id = std::collections::HashMap::new();
+        for entry in std::fs::read_dir(dir)?.take(MAX_ENTRIES) {
+            let Ok(file) = entry?.file_name().into_string() else { continue };
+            let Some(stem) = file.strip_suffix(".log") else { continue };
+            // `get`: a name with a multi-byte character there is no link (never a panic).
+            let at = stem.len().saturating_sub(crate::cgroup::layout::CONTAINER_ID_LEN);
+            let Some(id) = stem.get(at..) else { continue };
+            if is_container_id(id) {
+                by_id.insert(id.to_owned(), file);
+            }
         }
+        Ok(Links { by_id })
     }
-    Ok(None)
+
+    /// Whether this read has a link ending with container id `id`.
+    pub fn has(&self, id: &str) -> bool {
+        self.by_id.contains_key(id)
+    }
+
+    /// The container name the link of `id` gives, if it is one of pod `namespace`/`pod`.
+    pub fn name_of(&self, namespace: &str, pod: &str, id: &str) -> Option<String> {
+        parse_link(self.by_id.get(id)?, namespace, pod, id)
+    }
 }
 
 #[cfg(test)]
@@ -120,6 +148,30 @@ mod tests {
         assert_eq!(name_of(&dir, "batch", "job", ID).expect("read").as_deref(), Some("app"));
         assert_eq!(name_of(&dir, "batch", "job", &"b".repeat(64)).expect("read"), None);
         assert!(name_of(&dir.join("missing"), "batch", "job", ID).is_err());
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
+
+    #[test]
+    fn one_read_serves_every_id_it_holds_and_skips_what_is_no_link() {
+        let dir = std::env::temp_dir().join(format!("valet-log-links-read-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let ids: Vec<String> = (0..3).map(|i| format!("{i:064x}")).collect();
+        for (i, id) in ids.iter().enumerate() {
+            std::fs::write(dir.join(format!("job-{i}_batch_app-{id}.log")), b"").expect("link");
+        }
+        let multibyte = format!("{}é{}.log", "a".repeat(10), "0".repeat(63));
+        for odd in ["README", "x.log", "é.log", multibyte.as_str()] {
+            std::fs::write(dir.join(odd), b"").expect("file");
+        }
+        let links = Links::read(&dir).expect("read");
+        for (i, id) in ids.iter().enumerate() {
+            assert!(links.has(id));
+            assert_eq!(links.name_of("batch", &format!("job-{i}"), id).as_deref(), Some("app"));
+        }
+        assert_eq!(links.name_of("batch", "job-1", &ids[0]), None, "another pod's link");
+        assert!(!links.has(&"f".repeat(64)));
+        assert_eq!(links.by_id.len(), 3, "only links: {:?}", links.by_id);
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
 

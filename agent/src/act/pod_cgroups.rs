@@ -26,14 +26,16 @@ pub struct PodCgroups<K> {
     /// New container cgroups in watched pods.
     creations: Creations,
     host_proc: PathBuf,
-    /// The kubelet's container log links (see [`crate::log_links`]).
+    /// The kubelet's container log links (see [`crate::log_links`]), and their last read.
     log_links: PathBuf,
+    links_read: crate::log_links::Links,
 }
 
 impl<K: KernelControl> PodCgroups<K> {
     pub fn new(cgroups: CgroupFs, bundles: RuntimeBundles, kernel: K, host_proc: PathBuf) -> PodCgroups<K> {
         let log_links = crate::log_links::default_dir(&host_proc);
-        PodCgroups { cgroups, bundles, kernel, creations: Creations::new(), host_proc, log_links }
+        let links_read = crate::log_links::Links::default();
+        PodCgroups { cgroups, bundles, kernel, creations: Creations::new(), host_proc, log_links, links_read }
     }
 
     /// Reads the kubelet's container log links in `dir` instead of the default directory.
@@ -44,12 +46,18 @@ impl<K: KernelControl> PodCgroups<K> {
 
     /// The name the kubelet's log link gives container `id` of `pod`, one the agent never saw
     /// (effect `NameEnded`): the runtime removed its cgroup and bundle before the agent looked.
-    pub fn name_ended(&self, uid: &str, pod: &Pod, id: &str) -> Option<String> {
+    pub fn name_ended(&mut self, uid: &str, pod: &Pod, id: &str) -> Option<String> {
         let (Some(namespace), Some(name)) = (pod.metadata.namespace.as_deref(), pod.metadata.name.as_deref()) else {
             return None;
         };
-        match crate::log_links::name_of(&self.log_links, namespace, name, id) {
-            Ok(found) => found,
+        if self.links_read.has(id) {
+            return self.links_read.name_of(namespace, name, id);
+        }
+        match crate::log_links::Links::read(&self.log_links) {
+            Ok(links) => {
+                self.links_read = links;
+                self.links_read.name_of(namespace, name, id)
+            }
             Err(e) => {
                 warn!(
                     %uid,

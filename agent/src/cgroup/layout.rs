@@ -102,7 +102,7 @@ pub enum CgroupKind {
 
 /// Longer paths than the kernel's PATH_MAX are not cgroups the kubelet made.
 const MAX_PATH_LEN: usize = 4096;
-const CONTAINER_ID_LEN: usize = 64;
+pub const CONTAINER_ID_LEN: usize = 64;
 const SYSTEMD_ROOT: &str = "kubepods.slice";
 const CGROUPFS_ROOT: &str = "kubepods";
 /// crun's default `run.oci.systemd.subgroup`: the cgroup below a container's scope where its

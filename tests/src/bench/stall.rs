@@ -32,6 +32,8 @@ pub(crate) struct Stalled {
     pub(crate) lost: usize,
     /// `valet_kernel_events_lost_total` across the stall.
     pub(crate) events_lost: f64,
+    /// Ends the agent named by the kubelet's log link of their id (it never saw them start).
+    pub(crate) named_by_link: usize,
     /// Whether the SIGCONT's time is the kernel's (`signal:signal_generate`), not ours.
     pub(crate) traced: bool,
     /// When the agent was let go on.
@@ -46,6 +48,9 @@ impl Stalled {
         self.ring_bytes / self.end_bytes
     }
 }
+
+/// The agent's line for an end it named by the kubelet's log link.
+const NAMED_BY_LINK: &str = "named by the kubelet's log link";
 
 /// `n` Jobs made and tracked, then the agent is stopped for `stall` while every one of their
 /// apps ends; with `start_in_stall` the apps also start while it is stopped (Jobs shorter than
@@ -76,6 +81,7 @@ pub(crate) fn stall_ends(
         trace.sent();
     }
     let lost_before = agent.metric("valet_kernel_events_lost_total ");
+    let named_before = agent.log_text().matches(NAMED_BY_LINK).count();
     let stop = stop_while_apps_end(node, &mut jobs, &app, pid, stall, start_in_stall)?;
     let resumed = trace.as_ref().and_then(|t| t.sent().get(&pid).copied());
     let traced = resumed.is_some();
@@ -103,6 +109,7 @@ pub(crate) fn stall_ends(
     }
     let (sent_after_resume, unsent) = send_times(agent, &jobs, reports_ns, resumed);
     let events_lost = agent.metric("valet_kernel_events_lost_total ") - lost_before;
+    let named_by_link = agent.log_text().matches(NAMED_BY_LINK).count().saturating_sub(named_before);
     if !lost.is_empty() {
         late_quits(&mut jobs, &lost)?;
     }
@@ -116,6 +123,7 @@ pub(crate) fn stall_ends(
         unsent,
         lost,
         events_lost,
+        named_by_link,
         traced,
         resumed_at: stop.resumed_at,
         ring_bytes,
