@@ -14,6 +14,9 @@ the kubelet does, and mirrors the CRI state into the (fake) API server with the 
   next container, then CreateContainer/StartContainer per container, in spec order; once every
   regular container of a pod that does not restart them has exited, the native sidecars are
   stopped (StopContainer, in reverse order), as the kubelet does;
+- once StartContainer returned, the container's log linked as
+  `/var/log/containers/<pod>_<namespace>_<container>-<id>.log` (`legacyLogSymlink`, when the runtime
+  made the log file), the links removed with the pod;
 - a status sync every second (the PLEG relist period), the first one a relist after the pod's
   containers started, never right away: ContainerStatus for every container, the container id in
   `status.containerStatuses` (`initContainerStatuses` for native sidecars) once it runs, `ready`
@@ -49,6 +52,8 @@ CONTAINERD = "unix://" + os.environ.get("CONTAINERD_ADDRESS", "/run/containerd/c
 # The node's runtime: containerd through its CRI, or CRI-O's layout (crio.py: conmon and crun).
 CRI_RUNTIME = os.environ.get("VALET_NODE_CRI", "containerd")
 RELIST = 1.0
+# Where the kubelet links each container's log (`legacyContainerLogsDir`).
+CONTAINER_LOGS = "/var/log/containers"
 RESTART_BACKOFF = 2.0
 DRIVERS = ("systemd", "cgroupfs")
 
@@ -258,6 +263,11 @@ class PodRun:
         self.pod_ip = None
         self.next_relist = None
         self.exited_at = {}  # name -> monotonic time the status sync first reported it terminated
+        # A kubelet behind, or an API server too slow to take its writes: no status write before
+        # this monotonic time (what happened meanwhile is in the first write after it).
+        self.hold_status_until = None
+        # Called with a container's name before the kubelet creates it (a scenario's gate).
+        self.before_start = None
         spec = pod["spec"]
         self.native = [c for c in spec.get("initContainers", []) if c.get("restartPolicy") == "Always"]
         if len(self.native) != len(spec.get("initContainers", [])):
@@ -369,6 +379,8 @@ class PodRun:
             "log_path": f"{c['name']}/{attempt}.log",
             "linux": linux,
         }
+        if self.before_start is not None:
+            self.before_start(c["name"])
         t = time.monotonic()
         cid = self.cri.runtime(
             "CreateContainer", {"pod_sandbox_id": self.sandbox_id, "config": config, "sandbox_config": sandbox_config}
@@ -379,11 +391,29 @@ class PodRun:
         self.cri.runtime("StartContainer", {"container_id": cid})
         self.log(f"kubelet: container {c['name']} {cid[:12]} (attempt {attempt}) created and started in "
                  f"{time.monotonic() - t:.3f}s")
+        self.link_log(c["name"], cid, os.path.join(sandbox_config["log_directory"], config["log_path"]))
         self.containers[c["name"]] = {"id": cid, "ready": False, "next_probe": 0.0, "spec": c, "status": None,
                                       "attempt": attempt, "last": last, "restart_at": None, "ids": [],
                                       "native": native, "stopped": False, "start_asked_ns": start_asked_ns}
         if last is not None:
             self.containers[c["name"]]["ids"] = last["ids"] + [last["id"]]
+
+    def log_link(self, name, cid):
+        """The kubelet's log link of a container (`legacyLogSymlink`: cut to 251 bytes, then `.log`)."""
+        m = self.meta
+        return os.path.join(CONTAINER_LOGS, f"{m['name']}_{m.get('namespace', 'default')}_{name}-{cid}"[:251] + ".log")
+
+    def link_log(self, name, cid, log):
+        """As the kubelet does once StartContainer returned: links the container's log under
+        /var/log/containers, only if the runtime made the log file."""
+        if not os.path.exists(log):
+            return
+        os.makedirs(CONTAINER_LOGS, exist_ok=True)
+        link = self.log_link(name, cid)
+        try:
+            os.symlink(log, link)
+        except OSError as e:
+            self.log(f"kubelet: failed to create legacy symbolic link {link}: {e}")
 
     def restart_due(self, entry, st, mains_done=False):
         """Whether an exited container is to be restarted, per its restart rules. A native
@@ -487,7 +517,8 @@ class PodRun:
         status = {"phase": phase, "podIP": self.pod_ip, "containerStatuses": statuses}
         if self.native:
             status["initContainerStatuses"] = natives
-        self.api.patch_status(self.pod, status)
+        if self.hold_status_until is None or time.monotonic() >= self.hold_status_until:
+            self.api.patch_status(self.pod, status)
         if to_stop:
             grace = self.pod["spec"].get("terminationGracePeriodSeconds", 30)
             threading.Thread(target=self.stop_in_turn, args=(to_stop, grace), daemon=True).start()
@@ -510,7 +541,13 @@ class PodRun:
         return False
 
     def teardown(self):
-        for entry in self.containers.values():
+        for name, entry in self.containers.items():
+            # RemoveContainer's removeContainerLog takes the link with the container.
+            for cid in entry["ids"] + [entry["id"]]:
+                try:
+                    os.unlink(self.log_link(name, cid))
+                except FileNotFoundError:
+                    pass
             for old in entry["ids"]:
                 try:
                     self.cri.runtime("RemoveContainer", {"container_id": old})

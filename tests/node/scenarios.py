@@ -632,9 +632,10 @@ class Scenario:
         open(self.path(name), "w").close()
         return time.monotonic_ns()
 
-    def start(self):
+    def start(self, before_start=None):
         created = self.api.create_pod(self.pod)
         self.run = kubelet.PodRun(node_cri(), self.api, created, log=log, driver=self.driver)
+        self.run.before_start = before_start
         self.run.start()
 
     def sync_until(self, what, cond, deadline_s=POD_DEADLINE):
@@ -1039,6 +1040,91 @@ def short_app(api, agent, tag="", driver="systemd"):
             when = f"{delay:.0f} ms after the 0.3 s app's exit (the proxy started {(exit_ns - started_ns) / 1e6:.0f} ms before it)"
         app = sc.run.containers["app"]["status"]
         return f"quit {when}; app exit code {app.exit_code}{driver_note(sc, where)}"
+    finally:
+        sc.teardown()
+
+
+def agent_pid(agent):
+    """The agent's process: the node's, or the one in its DaemonSet pod's container."""
+    if isinstance(agent, ContainerAgent):
+        pids = [p for p in container_pids(agent.container_id) if read_or(f"/proc/{p}/comm").strip() == "valet-agent"]
+        if not pids:
+            raise Failed("the agent's container has no valet-agent process")
+        return pids[0]
+    return agent.proc.pid
+
+
+def agent_log_text(agent):
+    if hasattr(agent, "log_file"):
+        agent.log_file.flush()
+    return open(agent.log_path, errors="replace").read()
+
+
+def proxy_ready_condition(api, sc):
+    """Whether the agent wrote the pod's valet.dev/ProxyReady condition True."""
+    pod = api.request("GET", f"/api/v1/namespaces/default/pods/{sc.pod['metadata']['name']}")
+    return any(c.get("type") == "valet.dev/ProxyReady" and c.get("status") == "True"
+               for c in pod.get("status", {}).get("conditions", []))
+
+
+STALL_S = 4.0
+# The kubelet's status writes held this long past the agent's resume: a quit before then did not
+# come from the API's report.
+REPORTS_AFTER_RESUME_S = 10.0
+
+
+def stall_short_app(api, agent, tag="", driver="systemd"):
+    """A Job whose app container the runtime creates, starts and ends while the agent is stopped
+    (SIGSTOP, as throttling or a frozen process stops it), the kubelet's status writes held past
+    the agent's resume (a kubelet behind): the runtime has removed the app's cgroup and bundle by
+    then and the API has not named it; what names its id is the kubelet's log link in
+    /var/log/containers, which the agent reads through /proc/1/root. The proxy must be quit right
+    after the resume, before the API's report."""
+    sc = Scenario(api, "stall_short" + tag, "cat /proc/uptime > /events/app-exit; exit 0", driver=driver,
+                  app_first=False)
+    pid = agent_pid(agent)
+    stop = {}
+
+    def gate(name):
+        if name != "app":
+            return
+        # The condition says the agent tracked the pod, found its cgroup (the kernel watches it
+        # from then on) and probed the proxy in the pod's network.
+        sc.sync_until("the agent's ProxyReady condition", lambda: proxy_ready_condition(api, sc), 60)
+        os.kill(pid, signal.SIGSTOP)
+        stop["at"] = time.monotonic()
+        sc.run.hold_status_until = stop["at"] + STALL_S + REPORTS_AFTER_RESUME_S
+        log(f"agent stopped (pid {pid}); the app's container is created now")
+
+    try:
+        try:
+            sc.start(before_start=gate)
+            app_id = sc.run.containers["app"]["id"]
+            wait_for("the app's exit", lambda: os.path.exists(sc.path("app-exit")), 30)
+            wait_for("the app's cgroup removed", lambda: container_cgroup_dir(app_id) is None, 30)
+            time.sleep(max(0.0, stop["at"] + STALL_S - time.monotonic()))
+        finally:
+            if "at" in stop:
+                os.kill(pid, signal.SIGCONT)
+        resumed_ns = time.monotonic_ns()
+        reports_ns = int(sc.run.hold_status_until * 1e9)
+        if sc.quits():
+            raise Failed("the proxy was quit while the agent was stopped")
+        wait_for("the proxy's quit", lambda: sc.quits(), REPORTS_AFTER_RESUME_S + 30, step=0.05)
+        quit_ns = sc.quits()[0]
+        if quit_ns >= reports_ns:
+            raise Failed(f"the quit came {(quit_ns - resumed_ns) / 1e6:.0f} ms after the resume, with the API's "
+                         "report of the app's end")
+        # Text or JSON lines (the DaemonSet logs JSON): the message, with this pod and this app's id.
+        pod = f"default/{sc.pod['metadata']['name']}"
+        if not any("named by the kubelet's log link" in line and pod in line and app_id in line
+                   for line in agent_log_text(agent).splitlines()):
+            raise Failed("the agent quit the proxy without naming the app by the kubelet's log link")
+        sc.run.hold_status_until = None
+        sc.finish()
+        return (f"quit {(quit_ns - resumed_ns) / 1e6:.0f} ms after the agent's resume (stopped {STALL_S:.0f} s; "
+                f"the API's report held {REPORTS_AFTER_RESUME_S:.0f} s more); the app named by the kubelet's "
+                "log link")
     finally:
         sc.teardown()
 
@@ -1470,8 +1556,8 @@ def agent_in_its_pod(api, agent, driver, extra_env=()):
 
 
 def daemonset_agent(api, agent, tag="", driver="systemd"):
-    """The job and hold_app scenarios again, with the agent run from its image under exactly its
-    DaemonSet's privileges (the host agent is stopped meanwhile)."""
+    """The job, hold_app and stall_short_app scenarios again, with the agent run from its image under
+    exactly its DaemonSet's privileges (the host agent is stopped meanwhile)."""
     figures = []
     with agent_in_its_pod(api, agent, driver) as boxed:
         try:
@@ -1490,6 +1576,7 @@ def daemonset_agent(api, agent, tag="", driver="systemd"):
         figures.append(served_as(boxed, "kernel", "none"))
         figures.append("job: " + job(api, boxed, tag="-ds" + tag, driver=driver))
         figures.append("hold_app: " + hold_app(api, boxed, tag="-ds" + tag, driver=driver))
+        figures.append("stall_short_app: " + stall_short_app(api, boxed, tag="-ds" + tag, driver=driver))
         return "; ".join(figures)
 
 
@@ -1779,7 +1866,7 @@ def cgroupfs_twin(scenario):
     return twin
 
 
-BASE = [job, hold_app, nested_pidns, short_app, onfailure_restart, restart_rules, oom_killed, agent_restart_held,
+BASE = [job, hold_app, nested_pidns, short_app, stall_short_app, onfailure_restart, restart_rules, oom_killed, agent_restart_held,
         daemonset_agent, cgroup_read_only, share_pidns, hostpid_nested, native_sidecar, native_record, dind_subcgroup,
         envoy_job,
         no_bpffs, no_btf, kernel_lockdown, drop_infra]
