@@ -353,7 +353,7 @@ async fn run(
     let shutdown = shutdown_signal(cfg.node.clone());
     // The loop runs on this thread (the runtime's `block_on`): from here on in the decision
     // path's class, once the start's work (loading the programs) is done.
-    valet_agent::act::real_time("the loop", cfg.holds.decide_priority);
+    valet_agent::act::real_time("the loop", cfg.holds.decide_priority.max(cfg.holds.loop_priority));
     let stop = if let Some(watch) = router_watch {
         router.run(events, watch, shutdown, drain).await
     } else {

@@ -468,11 +468,16 @@ fn without_sys_nice_the_release_thread_stays_in_the_normal_class() {
     let sched = wait_release_thread_sched(&agent);
     assert_eq!(sched, Some((libc::SCHED_OTHER as u32, 0)), "without SYS_NICE\n{}", agent.log_text());
     assert!(agent.log_text().contains("the release thread stays in the normal class"), "{}", agent.log_text());
+    assert!(
+        eventually(START, || agent.log_text().contains("the loop stays in the normal class")),
+        "{}",
+        agent.log_text()
+    );
     assert!(held_then_released(&agent, &node, "nonice"), "released\n{}", agent.log_text());
 }
 
 #[test]
-fn with_decide_priority_the_prober_and_the_loop_run_real_time() {
+fn with_decide_priority_the_prober_and_the_loop_run_real_time_and_by_default_the_loop_alone() {
     let _serial = serial();
     const FIFO: (u32, u32) = (libc::SCHED_FIFO as u32, 1);
     let node = Node::new().expect("node");
@@ -487,13 +492,25 @@ fn with_decide_priority_the_prober_and_the_loop_run_real_time() {
     });
     assert!(both, "the prober, the loop: {sched:?}\n{}", agent.log_text());
     assert!(held_then_released(&agent, &node, "decide"), "released\n{}", agent.log_text());
-    // Without the flag both stay in the normal class (the default).
+    // Without the flag the loop alone runs real-time (`--loop-priority`'s default, 1).
     let node = Node::new().expect("node");
     let agent = start(&node, &others(""));
     let normal = Some((libc::SCHED_OTHER as u32, 0));
     let _ = wait_release_thread_sched(&agent);
     let pid = agent.pid().expect("pid");
+    let loop_only = eventually(START, || {
+        sched = (thread_sched(pid, "valet-held"), thread_sched(pid, "valet-agent"));
+        sched == (normal, Some(FIFO))
+    });
+    assert!(loop_only, "the prober, the loop: {sched:?}\n{}", agent.log_text());
+    // `--loop-priority 0`: both in the normal class.
+    let node = Node::new().expect("node");
+    let mut agent = spawn_with(&node, None, &others(""), &["--loop-priority", "0"]);
+    agent.wait_ready(START).expect("ready");
+    let _ = wait_release_thread_sched(&agent);
+    let pid = agent.pid().expect("pid");
     assert_eq!((thread_sched(pid, "valet-held"), thread_sched(pid, "valet-agent")), (normal, normal));
+    assert!(!agent.log_text().contains("the loop runs SCHED_FIFO"), "{}", agent.log_text());
 }
 
 /// Whether the agent's maps fit RLIMIT_MEMLOCK `limit` without CAP_SYS_RESOURCE here: always

@@ -107,6 +107,9 @@ pub(crate) const CI_SCENARIOS: [&[&str]; 2] = [
         "job",
         "hold_app",
         "short_app",
+        // An app that starts and ends while the agent is stopped, named by the kubelet's log link
+        // (the v1 cell runs it with the DaemonSet's agent, in daemonset_agent).
+        "stall_short_app",
         "onfailure_restart",
         "restart_rules",
         "share_pidns",

@@ -178,7 +178,8 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
             probes: Probes::new(link, feedback.clone(), &settings),
             records: records::Records::new(settings.host_proc.clone(), settings.record_dirs.clone(), feedback.clone()),
             api: ApiWrites::new(client, events, feedback),
-            pod_cgroups: PodCgroups::new(cgroups, bundles, kernel, settings.host_proc).with_log_links(settings.log_links),
+            pod_cgroups: PodCgroups::new(cgroups, bundles, kernel, settings.host_proc)
+                .with_log_links(settings.log_links),
             metrics,
         }
     }
@@ -259,7 +260,9 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
     }
 
     /// Carries out one effect of pod `uid` (`pod`: its latest object, for Events and the
-    /// condition). Returns the feedback that is available at once.
+    /// condition). Returns the feedback that is available at once. The one place that says which
+    /// part carries out which effect.
+    // table: one arm per kind of effect, each handed to its executor
     pub fn apply(&mut self, uid: &str, pod: Option<&Pod>, effect: Effect, now: Nanos) -> Option<Feedback> {
         match effect {
             Effect::FindPodCgroup => self.pod_cgroups.find_pod(uid),
@@ -267,8 +270,7 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
                 Some(Feedback::Containers(self.pod_cgroups.scan(uid, &pod_rel, adopt, &self.releases)))
             }
             Effect::NameEnded { container_cgroup, id } => {
-                let name = pod.and_then(|p| self.pod_cgroups.name_ended(uid, p, &id));
-                Some(Feedback::EndedNamed { container_cgroup, name })
+                Some(self.pod_cgroups.name_ended(uid, pod, container_cgroup, &id))
             }
             Effect::FindLeftHeld { pod_rel } => {
                 let (found, complete) = self.releases.left_held(&pod_rel, now);

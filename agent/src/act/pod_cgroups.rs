@@ -44,9 +44,15 @@ impl<K: KernelControl> PodCgroups<K> {
         self
     }
 
-    /// The name the kubelet's log link gives container `id` of `pod`, one the agent never saw
-    /// (effect `NameEnded`): the runtime removed its cgroup and bundle before the agent looked.
-    pub fn name_ended(&mut self, uid: &str, pod: &Pod, id: &str) -> Option<String> {
+    /// The name the kubelet's log link gives container `id` (cgroup `container_cgroup`) of `pod`,
+    /// one the agent never saw (effect `NameEnded`): the runtime removed its cgroup and bundle
+    /// before the agent looked.
+    pub fn name_ended(&mut self, uid: &str, pod: Option<&Pod>, container_cgroup: u64, id: &str) -> Feedback {
+        let name = pod.and_then(|pod| self.link_name(uid, pod, id));
+        Feedback::EndedNamed { container_cgroup, name }
+    }
+
+    fn link_name(&mut self, uid: &str, pod: &Pod, id: &str) -> Option<String> {
         let (Some(namespace), Some(name)) = (pod.metadata.namespace.as_deref(), pod.metadata.name.as_deref()) else {
             return None;
         };

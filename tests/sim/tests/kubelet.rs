@@ -30,8 +30,11 @@ fn setup(opts: KubeletOptions) -> Setup {
     let dir = std::env::temp_dir().join(format!("valet-kubelet-{}", valet_sim::util::random_hex(4)));
     let api = FakeApiServer::start_with(ServerOptions::default()).expect("api");
     std::fs::create_dir_all(dir.join("links")).expect("links dir");
-    let opts =
-        KubeletOptions { runtime_state_dir: Some(dir.join("state")), container_log_links: Some(dir.join("links")), ..opts };
+    let opts = KubeletOptions {
+        runtime_state_dir: Some(dir.join("state")),
+        container_log_links: Some(dir.join("links")),
+        ..opts
+    };
     let kubelet = Kubelet::start(api.handle(), opts).expect("kubelet");
     Setup { api, kubelet, dir }
 }

@@ -151,8 +151,9 @@ fn storm_rows(plan: &Plan, storm: &Storm, table: &mut Table) {
         short.sent_after_resume.clone(),
     );
     println!(
-        "  apps started and ended in the stall: {} lost of {}; valet_kernel_events_lost_total across it: {:.0}",
-        short.lost, short.ends, short.events_lost
+        "  apps started and ended in the stall: {} lost of {}, {} named by the kubelet's log link; \
+         valet_kernel_events_lost_total across it: {:.0}",
+        short.lost, short.ends, short.named_by_link, short.events_lost
     );
     println!(
         "  {} container ends during a {:.0} s agent stall: {} lost (not quit before the API's reports); \

@@ -77,7 +77,9 @@ impl PodState {
                 c.runtime_name = Some(RuntimeName::Container(name));
             }
             Some(_) => {}
-            None => debug!(pod = %pod, id = %c.id, "no kubelet log link names a container that ended unseen: its name waits for the API"),
+            None => {
+                debug!(pod = %pod, id = %c.id, "no kubelet log link names a container that ended unseen: its name waits for the API")
+            }
         }
     }
 

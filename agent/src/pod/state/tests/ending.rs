@@ -368,8 +368,11 @@ fn a_link_naming_another_container_or_none_quits_nothing() {
         d.s.exit(late_end(APP2, Some(cgroup), d.now), d.now);
         let fx = d.feed(Feedback::EndedNamed { container_cgroup: APP2, name: name.map(str::to_owned) });
         assert!(quits(&fx).is_empty() && signals(&fx).is_empty(), "{name:?}: {fx:?}");
-        let scan =
-            vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(APP, named("report")), seen(PROXY, named("istio-proxy"))];
+        let scan = vec![
+            seen(SANDBOX, Some(RuntimeName::Sandbox)),
+            seen(APP, named("report")),
+            seen(PROXY, named("istio-proxy")),
+        ];
         assert!(quits(&d.feed(Feedback::Containers(scan))).is_empty(), "{name:?}");
         let fx = d.exit(APP, 0);
         assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{name:?}: {fx:?}");
