@@ -29,13 +29,24 @@ pub struct PodCgroups<K> {
     /// The kubelet's container log links (see [`crate::log_links`]), and their last read.
     log_links: PathBuf,
     links_read: crate::log_links::Links,
+    /// Whether an unreadable links directory was warned of (once; debug after).
+    links_warned: bool,
 }
 
 impl<K: KernelControl> PodCgroups<K> {
     pub fn new(cgroups: CgroupFs, bundles: RuntimeBundles, kernel: K, host_proc: PathBuf) -> PodCgroups<K> {
         let log_links = crate::log_links::default_dir(&host_proc);
         let links_read = crate::log_links::Links::default();
-        PodCgroups { cgroups, bundles, kernel, creations: Creations::new(), host_proc, log_links, links_read }
+        PodCgroups {
+            cgroups,
+            bundles,
+            kernel,
+            creations: Creations::new(),
+            host_proc,
+            log_links,
+            links_read,
+            links_warned: false,
+        }
     }
 
     /// Reads the kubelet's container log links in `dir` instead of the default directory.
@@ -64,12 +75,17 @@ impl<K: KernelControl> PodCgroups<K> {
                 self.links_read = links;
                 self.links_read.name_of(namespace, name, id)
             }
-            Err(e) => {
+            Err(e) if !self.links_warned => {
+                self.links_warned = true;
                 warn!(
                     %uid,
                     dir = %self.log_links.display(),
                     "cannot read the kubelet's container log links: a container the agent did not see start waits for the API's report: {e}"
                 );
+                None
+            }
+            Err(e) => {
+                debug!(%uid, dir = %self.log_links.display(), "cannot read the kubelet's container log links: {e}");
                 None
             }
         }
@@ -280,5 +296,48 @@ mod tests {
         std::os::unix::fs::symlink("/usr/bin/sleep", fake.proc().join("50/exe")).expect("exe");
         fake.process(50, 1, "50", 2000);
         assert_eq!(read_any(&fake.proc(), &pods.record_dirs(Some(pod)), &app), Record::Absent);
+    }
+
+    /// An unseen container is named by its pod's link of its id, by default in the kubelet's
+    /// directory through the host's pid 1; a link made after a read is found by the next; an
+    /// unreadable directory names nothing (warned once).
+    #[test]
+    fn an_unseen_container_is_named_by_its_pods_log_link() {
+        let fake = FakeProc::new("log-links");
+        let host = fake.root.join("host");
+        let links = host.join(crate::log_links::KUBELET_LINKS);
+        std::fs::create_dir_all(&links).expect("links dir");
+        std::fs::create_dir_all(fake.proc().join("1")).expect("proc/1");
+        std::os::unix::fs::symlink(&host, fake.proc().join("1/root")).expect("root link");
+        let (app, later) = ("a".repeat(64), "b".repeat(64));
+        std::fs::write(links.join(format!("job_batch_app-{app}.log")), b"").expect("link");
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "job", "namespace": "batch", "uid": "u1"}
+        }))
+        .expect("pod");
+        let tree = fake.root.join("cgroup");
+        let bundles = RuntimeBundles::new(Vec::new(), None);
+        let mut pods = PodCgroups::new(CgroupFs::new(&tree), bundles, NoKernel, fake.proc());
+        let named = |fb: Feedback| match fb {
+            Feedback::EndedNamed { container_cgroup: 7, name } => name,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(named(pods.name_ended("u1", Some(&pod), 7, &app)).as_deref(), Some("app"));
+        assert_eq!(named(pods.name_ended("u1", None, 7, &app)), None, "no pod object, no name");
+        let other: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "job2", "namespace": "batch", "uid": "u2"}
+        }))
+        .expect("pod");
+        assert_eq!(named(pods.name_ended("u2", Some(&other), 7, &app)), None, "another pod's link");
+        std::fs::write(links.join(format!("job_batch_istio-proxy-{later}.log")), b"").expect("link");
+        assert_eq!(named(pods.name_ended("u1", Some(&pod), 7, &later)).as_deref(), Some("istio-proxy"));
+        std::fs::remove_dir_all(&links).expect("rm links");
+        let gone = "c".repeat(64);
+        for _ in 0..2 {
+            assert_eq!(named(pods.name_ended("u1", Some(&pod), 7, &gone)), None);
+        }
+        assert!(pods.links_warned);
+        // What was read stays true of its containers (an id is never reused).
+        assert_eq!(named(pods.name_ended("u1", Some(&pod), 7, &app)).as_deref(), Some("app"));
     }
 }
