@@ -264,7 +264,10 @@ fn stall_rows(
     table.add(
         "[5] … the same with Jobs shorter than the stall (started and ended while the agent was stopped): lost",
         format!("{} of {}", short.lost, short.ends),
-        "a container the agent never adopted waits for the API's report: its main is not guessed",
+        &format!(
+            "named by the kubelet's log link of their id: {} of {} (their cgroups and bundles removed by then)",
+            short.named_by_link, short.ends
+        ),
         "0",
         met(short.lost == 0 && short.ends >= plan.stall_ends).into(),
     );
