@@ -138,9 +138,7 @@ fn on_failure_waits_for_success_and_follows_the_restarted_instance() {
     // the runtime names before the API does.
     let api = pod("OnFailure", &[("report", APP, terminated(1)), ("istio-proxy", PROXY, running())], &[]);
     assert!(quits(&d.pod(api)).is_empty());
-    let scan =
-        vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(APP2, named("report")), seen(PROXY, named("istio-proxy"))];
-    let fx = d.feed(Feedback::Containers(scan));
+    let fx = d.feed(scan_with(APP2, "report"));
     assert!(quits(&fx).is_empty(), "the new instance runs: {fx:?}");
     let fx = d.exit(APP2, 0);
     assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "the newest instance counts: {fx:?}");
@@ -306,6 +304,21 @@ fn late_end(cg: u64, name: Option<String>, now: Nanos) -> ExitSeen {
     }
 }
 
+/// [`late_end`] of container `cg` under its containerd cgroup name, the one the kernel read.
+fn stalled_end(d: &mut Drive, cg: u64) -> Vec<Effect> {
+    let name = format!("cri-containerd-{}.scope", id(cg));
+    d.s.exit(late_end(cg, Some(name), d.now), d.now)
+}
+
+/// A scan of the node that finds the sandbox, the proxy and container `cg` named `name`.
+fn scan_with(cg: u64, name: &str) -> Feedback {
+    Feedback::Containers(vec![
+        seen(SANDBOX, Some(RuntimeName::Sandbox)),
+        seen(cg, named(name)),
+        seen(PROXY, named("istio-proxy")),
+    ])
+}
+
 /// A pod the API knows nothing of yet (Pending, no ids), found on the node with its sandbox
 /// and sidecar: its app started and ended while the agent was stopped.
 fn found_without_the_app(d: &mut Drive, apps: &[&str]) {
@@ -333,8 +346,7 @@ fn an_end_read_after_a_stall_waits_for_the_api_to_name_the_container() {
     // names the id, the end is the app's (the kernel saw it before the API says so).
     let mut d = Drive::new(true);
     found_without_the_app(&mut d, &["report"]);
-    let name = format!("cri-containerd-{}.scope", id(APP));
-    let fx = d.s.exit(late_end(APP, Some(name), d.now), d.now);
+    let fx = stalled_end(&mut d, APP);
     assert!(quits(&fx).is_empty(), "an unnamed end taken for the app: {fx:?}");
     assert!(has(&fx, &Effect::Count(Count::ContainerEnd(Some(ProcessEnd::Exited(0))))), "{fx:?}");
     let fx = d.pod(pod("Never", &[("report", APP, running()), ("istio-proxy", PROXY, running())], &[]));
@@ -350,8 +362,7 @@ fn an_end_read_after_a_stall_is_named_by_the_kubelets_log_link() {
     // its end quits the proxy without waiting for the API.
     let mut d = Drive::new(true);
     found_without_the_app(&mut d, &["report"]);
-    let name = format!("cri-containerd-{}.scope", id(APP));
-    let fx = d.s.exit(late_end(APP, Some(name), d.now), d.now);
+    let fx = stalled_end(&mut d, APP);
     assert!(has(&fx, &Effect::NameEnded { container_cgroup: APP, id: id(APP) }), "{fx:?}");
     assert!(quits(&fx).is_empty(), "quit before the name: {fx:?}");
     let fx = d.feed(Feedback::EndedNamed { container_cgroup: APP, name: Some("report".into()) });
@@ -364,16 +375,10 @@ fn a_link_naming_another_container_or_none_quits_nothing() {
     for name in [Some("debugger-x1"), None] {
         let mut d = Drive::new(true);
         found_without_the_app(&mut d, &["report"]);
-        let cgroup = format!("cri-containerd-{}.scope", id(APP2));
-        d.s.exit(late_end(APP2, Some(cgroup), d.now), d.now);
+        stalled_end(&mut d, APP2);
         let fx = d.feed(Feedback::EndedNamed { container_cgroup: APP2, name: name.map(str::to_owned) });
         assert!(quits(&fx).is_empty() && signals(&fx).is_empty(), "{name:?}: {fx:?}");
-        let scan = vec![
-            seen(SANDBOX, Some(RuntimeName::Sandbox)),
-            seen(APP, named("report")),
-            seen(PROXY, named("istio-proxy")),
-        ];
-        assert!(quits(&d.feed(Feedback::Containers(scan))).is_empty(), "{name:?}");
+        assert!(quits(&d.feed(scan_with(APP, "report"))).is_empty(), "{name:?}");
         let fx = d.exit(APP, 0);
         assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{name:?}: {fx:?}");
     }
@@ -383,13 +388,10 @@ fn a_link_naming_another_container_or_none_quits_nothing() {
 fn a_linked_end_of_one_of_two_apps_waits_for_the_other() {
     let mut d = Drive::new(true);
     found_without_the_app(&mut d, &["report", "upload"]);
-    let cgroup = format!("cri-containerd-{}.scope", id(APP));
-    d.s.exit(late_end(APP, Some(cgroup), d.now), d.now);
+    stalled_end(&mut d, APP);
     let fx = d.feed(Feedback::EndedNamed { container_cgroup: APP, name: Some("report".into()) });
     assert!(quits(&fx).is_empty(), "upload may still run: {fx:?}");
-    let scan =
-        vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(APP2, named("upload")), seen(PROXY, named("istio-proxy"))];
-    assert!(quits(&d.feed(Feedback::Containers(scan))).is_empty());
+    assert!(quits(&d.feed(scan_with(APP2, "upload"))).is_empty());
     let fx = d.exit(APP2, 0);
     assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
 }
@@ -434,8 +436,7 @@ fn the_end_of_a_debug_container_unseen_is_never_the_apps() {
     const DEBUG: u64 = 107;
     let mut d = Drive::new(true);
     found_without_the_app(&mut d, &["report"]);
-    let name = format!("cri-containerd-{}.scope", id(DEBUG));
-    let fx = d.s.exit(late_end(DEBUG, Some(name), d.now), d.now);
+    let fx = stalled_end(&mut d, DEBUG);
     assert!(quits(&fx).is_empty() && signals(&fx).is_empty(), "the debug container's end quit the proxy: {fx:?}");
     let mut api = pod("Never", &[("istio-proxy", PROXY, running())], &[]);
     let debug = json!([{"name": "debugger-x1", "ready": false, "restartCount": 0, "image": "busybox", "imageID": "",
@@ -444,9 +445,7 @@ fn the_end_of_a_debug_container_unseen_is_never_the_apps() {
         Some(serde_json::from_value(debug).expect("ephemeral statuses"));
     let fx = d.pod(api);
     assert!(quits(&fx).is_empty(), "the API's ephemeral container taken for an app: {fx:?}");
-    let scan =
-        vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(APP, named("report")), seen(PROXY, named("istio-proxy"))];
-    assert!(quits(&d.feed(Feedback::Containers(scan))).is_empty());
+    assert!(quits(&d.feed(scan_with(APP, "report"))).is_empty());
     let fx = d.exit(APP, 0);
     assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
 }
@@ -468,8 +467,7 @@ fn an_end_without_a_name_is_left_to_the_api_and_its_record_freed() {
 fn an_unseen_end_among_two_unknown_apps_waits_for_the_api_to_name_its_id() {
     let mut d = Drive::new(true);
     found_without_the_app(&mut d, &["report", "upload"]);
-    let name = format!("cri-containerd-{}.scope", id(APP));
-    let fx = d.s.exit(late_end(APP, Some(name), d.now), d.now);
+    let fx = stalled_end(&mut d, APP);
     assert!(quits(&fx).is_empty(), "either app could have ended: {fx:?}");
     // The API names both: `report` is the one that ended (by the kernel's word, before the API
     // says so), `upload` still runs.
@@ -486,9 +484,7 @@ fn an_unseen_end_among_two_unknown_apps_waits_for_the_api_to_name_its_id() {
         p
     };
     assert!(quits(&d.pod(two(running()))).is_empty());
-    let scan =
-        vec![seen(SANDBOX, Some(RuntimeName::Sandbox)), seen(APP2, named("upload")), seen(PROXY, named("istio-proxy"))];
-    assert!(quits(&d.feed(Feedback::Containers(scan))).is_empty());
+    assert!(quits(&d.feed(scan_with(APP2, "upload"))).is_empty());
     let fx = d.exit(APP2, 0);
     assert_eq!(quits(&fx), [("istio-proxy".to_owned(), Some(id(PROXY)))], "{fx:?}");
 }
@@ -520,11 +516,7 @@ fn an_empty_scan_proves_no_end_and_a_recheck_looks_again() {
     d.feed(Feedback::PodCgroup { rel: POD_REL.into(), id: POD_CG });
     let fx = d.feed(Feedback::Containers(Vec::new()));
     assert!(quits(&fx).is_empty(), "{fx:?}");
-    let fx = d.feed(Feedback::Containers(vec![
-        seen(SANDBOX, Some(RuntimeName::Sandbox)),
-        seen(APP, named("report")),
-        seen(PROXY, named("istio-proxy")),
-    ]));
+    let fx = d.feed(scan_with(APP, "report"));
     assert!(quits(&fx).is_empty(), "all running: {fx:?}");
     // At a resume or a re-list, the node is looked at again while the API calls a container
     // running that nothing said ended.
