@@ -47,12 +47,6 @@ pub fn parse_link(file_name: &str, namespace: &str, pod: &str, id: &str) -> Opti
     (p == pod && ns == namespace && label).then(|| container.to_owned())
 }
 
-/// Looks in `dir` for the link of container `id` of pod `namespace`/`pod`: its container name,
-/// `None` when no link names it.
-pub fn name_of(dir: &Path, namespace: &str, pod: &str, id: &str) -> std::io::Result<Option<String>> {
-    Ok(Links::read(dir)?.name_of(namespace, pod, id))
-}
-
 /// One read of the links' directory: each link's file name by the container id it ends with.
 /// An id is never reused, so what a read found stays true of that container after its link is
 /// gone: a container that ended unseen is looked up here first, and the directory is read again
@@ -145,9 +139,10 @@ mod tests {
             // Dangling, as a link whose log was rotated away: only its name is read.
             std::os::unix::fs::symlink("/var/log/pods/none/0.log", dir.join(name)).expect("link");
         }
-        assert_eq!(name_of(&dir, "batch", "job", ID).expect("read").as_deref(), Some("app"));
-        assert_eq!(name_of(&dir, "batch", "job", &"b".repeat(64)).expect("read"), None);
-        assert!(name_of(&dir.join("missing"), "batch", "job", ID).is_err());
+        let links = Links::read(&dir).expect("read");
+        assert_eq!(links.name_of("batch", "job", ID).as_deref(), Some("app"));
+        assert_eq!(links.name_of("batch", "job", &"b".repeat(64)), None);
+        assert!(Links::read(&dir.join("missing")).is_err());
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
 

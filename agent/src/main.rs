@@ -351,8 +351,9 @@ async fn run(
     // `successor::LOOKUP_BUDGET`) for in-flight quits to finish.
     let drain = Duration::from_secs(10);
     let shutdown = shutdown_signal(cfg.node.clone());
-    // The loop runs on this thread (the runtime's `block_on`): from here on in the decision
-    // path's class, once the start's work (loading the programs) is done.
+    // The loop runs on this thread (the runtime's `block_on`): from here on in its own class
+    // (`--loop-priority`, or the decision path's), once the start's work (loading the programs)
+    // is done.
     valet_agent::act::real_time("the loop", cfg.holds.decide_priority.max(cfg.holds.loop_priority));
     let stop = if let Some(watch) = router_watch {
         router.run(events, watch, shutdown, drain).await
