@@ -139,14 +139,6 @@ impl PodNetwork {
         self.kept.lock().unwrap_or_else(PoisonError::into_inner).len()
     }
 
-    /// Takes the kept connection to `port` of pod `uid`; `check`: only if it is still open and
-    /// idle (a look costs a syscall: a probe skips it, since a connection the server closed
-    /// answers its request with nothing and the probe goes again on a new one).
-    fn take_kept(&self, uid: &str, port: u16, check: bool) -> Option<tokio::net::TcpStream> {
-        let stream = self.kept.lock().unwrap_or_else(PoisonError::into_inner).remove(&(uid.to_owned(), port))?;
-        (!check || http::idle_and_open(&stream)).then_some(stream)
-    }
-
     /// How many pod network namespaces are held open.
     pub fn open_count(&self) -> usize {
         self.open.lock().unwrap_or_else(PoisonError::into_inner).len()
@@ -187,17 +179,31 @@ impl SidecarLink for PodNetwork {
     }
 
     fn send_ahead(&self, uid: &str, port: u16, path: &str) -> bool {
-        let Some(stream) = self.take_kept(uid, port, true) else { return false };
-        let req = http::request_text(SocketAddr::from((Ipv4Addr::LOCALHOST, port)), "POST", path, false);
+        // The kept connection goes to the requests sent ahead under its lock, and `open`'s (in
+        // `keep`'s order): a quit taking its connection at the same moment finds it in one place
+        // or the other, never in neither (it would open another, and both be sent); the pod's
+        // network closed at the same moment finds it sent ahead (and logs its send time) or
+        // never sends it. Before, a request written in either gap went out unrecorded.
+        let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        if !open.contains_key(uid) {
+            return false;
+        }
         let key = (uid.to_owned(), port);
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(stream) = kept.remove(&key) else { return false };
+        if !http::idle_and_open(&stream) {
+            return false;
+        }
+        let req = http::request_text(SocketAddr::from((Ipv4Addr::LOCALHOST, port)), "POST", path, false);
         match stream.try_write(req.as_bytes()) {
             Ok(n) if n > 0 => {
-                keep(&self.open, &self.ahead, key, (stream, http::Written { bytes: n, at_ns: monotonic_ns() }));
+                let written = http::Written { bytes: n, at_ns: monotonic_ns() };
+                self.ahead.lock().unwrap_or_else(PoisonError::into_inner).entry(key).or_insert((stream, written));
                 true
             }
             // Nothing written: the connection stays kept, and the quit goes the usual way.
             _ => {
-                keep(&self.open, &self.kept, key, stream);
+                kept.insert(key, stream);
                 false
             }
         }
@@ -298,16 +304,20 @@ impl PodNetwork {
         reuse: bool,
     ) -> (Option<tokio::net::TcpStream>, Option<http::Written>) {
         let PodRequest { target, port, fresh, .. } = request;
-        let ahead = match (fresh, reuse) {
-            (false, false) => {
-                self.ahead.lock().unwrap_or_else(PoisonError::into_inner).remove(&(target.uid.clone(), *port))
-            }
-            _ => None,
-        };
-        match ahead {
-            Some((stream, sent)) => (Some(stream), Some(sent)),
-            None => (if *fresh { None } else { self.take_kept(&target.uid, *port, !reuse) }, None),
+        if *fresh {
+            return (None, None);
         }
+        let key = (target.uid.clone(), *port);
+        // Under the kept connections' lock, as `send_ahead` moves one to the requests sent ahead.
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        if !reuse && let Some((stream, sent)) = self.ahead.lock().unwrap_or_else(PoisonError::into_inner).remove(&key) {
+            return (Some(stream), Some(sent));
+        }
+        let stream = kept.remove(&key);
+        // A quit only on a connection still open and idle (a look costs a syscall: a probe skips
+        // it, since a connection the server closed answers its request with nothing and the
+        // probe goes again on a new one).
+        (stream.filter(|s| reuse || http::idle_and_open(s)), None)
     }
 }
 
