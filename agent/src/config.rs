@@ -397,17 +397,18 @@ pub struct HoldFlags {
     #[arg(long, env = "VALET_DECIDE_PRIORITY", default_value_t = 0)]
     pub decide_priority: u8,
 
-    /// Real-time priority of the agent's loop alone (0: none; --decide-priority also sets it).
+    /// Real-time priority of the agent's loop and its kernel event reader (0: none).
     ///
-    /// The real-time priority (SCHED_FIFO, 1-99; 0: the normal class) of the agent's loop alone,
-    /// the thread that decides every pod's next step (a release, a quit) from what the kernel,
-    /// the API and the probes report: the processes its decisions wake (released apps, proxies
-    /// told to quit) and a busy node's other work take its CPU otherwise, and the rest of a
-    /// batch waits for them (after a stall of the agent, the last quits of 200 Jobs went out
-    /// 60-118 ms after its resume in the normal class, 40 ms in this one). It uses its CPU in
-    /// bursts of milliseconds; the kernel's real-time throttling bounds it. The higher of this
-    /// and --decide-priority. Needs CAP_SYS_NICE, as --release-priority; without, the loop keeps
-    /// the normal class and the log says so.
+    /// The real-time priority (SCHED_FIFO, 1-99; 0: the normal class) of the agent's loop, the
+    /// thread that decides every pod's next step (a release, a quit) from what the kernel, the
+    /// API and the probes report, and of the thread that reads the kernel's events and sends
+    /// the quits armed ahead: the processes their decisions wake (released apps, proxies told to
+    /// quit) and a busy node's other work take their CPU otherwise, and the rest of a batch
+    /// waits for them (after a stall of the agent, the last quits of 200 Jobs went out 60-118 ms
+    /// after its resume in the normal class, 40 ms in this one). They use their CPU in bursts of
+    /// milliseconds; the kernel's real-time throttling bounds them. The higher of this and
+    /// --decide-priority. Needs CAP_SYS_NICE, as --release-priority; without, both keep the
+    /// normal class and the log says so.
     #[arg(long, env = "VALET_LOOP_PRIORITY", default_value_t = 1)]
     pub loop_priority: u8,
 }

@@ -338,9 +338,11 @@ async fn run(
         feedback: feedback_tx,
         ended_by_valet,
     });
-    // The ring buffer's reader thread sends the quits armed ahead the moment it reads an end.
+    // The ring buffer's reader thread sends the quits armed ahead the moment it reads an end; it
+    // runs in the loop's class.
+    let loop_priority = cfg.holds.decide_priority.max(cfg.holds.loop_priority);
     let events = match ring {
-        Some(ring) => NodeEvents::Reader(EventReader::spawn(ring, act.quits_ahead())?),
+        Some(ring) => NodeEvents::Reader(EventReader::spawn(ring, act.quits_ahead(), loop_priority)?),
         None => NodeEvents::None,
     };
     // The RuntimeClasses (sandboxes known by their handler), listed before the first pod.
@@ -354,7 +356,7 @@ async fn run(
     // The loop runs on this thread (the runtime's `block_on`): from here on in its own class
     // (`--loop-priority`, or the decision path's), once the start's work (loading the programs)
     // is done.
-    valet_agent::act::real_time("the loop", cfg.holds.decide_priority.max(cfg.holds.loop_priority));
+    valet_agent::act::real_time("the loop", loop_priority);
     let stop = if let Some(watch) = router_watch {
         router.run(events, watch, shutdown, drain).await
     } else {

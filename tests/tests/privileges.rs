@@ -469,7 +469,11 @@ fn without_sys_nice_the_release_thread_stays_in_the_normal_class() {
     assert_eq!(sched, Some((libc::SCHED_OTHER as u32, 0)), "without SYS_NICE\n{}", agent.log_text());
     assert!(agent.log_text().contains("the release thread stays in the normal class"), "{}", agent.log_text());
     assert!(
-        eventually(START, || agent.log_text().contains("the loop stays in the normal class")),
+        eventually(START, || {
+            let log = agent.log_text();
+            log.contains("the loop stays in the normal class")
+                && log.contains("the kernel event reader stays in the normal class")
+        }),
         "{}",
         agent.log_text()
     );
@@ -477,7 +481,7 @@ fn without_sys_nice_the_release_thread_stays_in_the_normal_class() {
 }
 
 #[test]
-fn with_decide_priority_the_prober_and_the_loop_run_real_time_and_by_default_the_loop_alone() {
+fn with_decide_priority_the_prober_and_the_loop_run_real_time_and_by_default_the_loop_and_event_reader() {
     let _serial = serial();
     const FIFO: (u32, u32) = (libc::SCHED_FIFO as u32, 1);
     let node = Node::new().expect("node");
@@ -492,25 +496,30 @@ fn with_decide_priority_the_prober_and_the_loop_run_real_time_and_by_default_the
     });
     assert!(both, "the prober, the loop: {sched:?}\n{}", agent.log_text());
     assert!(held_then_released(&agent, &node, "decide"), "released\n{}", agent.log_text());
-    // Without the flag the loop alone runs real-time (`--loop-priority`'s default, 1).
+    // Without the flag the loop and its kernel event reader alone run real-time
+    // (`--loop-priority`'s default, 1).
     let node = Node::new().expect("node");
     let agent = start(&node, &others(""));
     let normal = Some((libc::SCHED_OTHER as u32, 0));
     let _ = wait_release_thread_sched(&agent);
     let pid = agent.pid().expect("pid");
+    let mut three = (None, None, None);
     let loop_only = eventually(START, || {
-        sched = (thread_sched(pid, "valet-held"), thread_sched(pid, "valet-agent"));
-        sched == (normal, Some(FIFO))
+        three = (thread_sched(pid, "valet-held"), thread_sched(pid, "valet-agent"), thread_sched(pid, "valet-events"));
+        three == (normal, Some(FIFO), Some(FIFO))
     });
-    assert!(loop_only, "the prober, the loop: {sched:?}\n{}", agent.log_text());
-    // `--loop-priority 0`: both in the normal class.
+    assert!(loop_only, "the prober, the loop, the event reader: {three:?}\n{}", agent.log_text());
+    assert!(agent.log_text().contains("the kernel event reader runs SCHED_FIFO"), "{}", agent.log_text());
+    // `--loop-priority 0`: all in the normal class.
     let node = Node::new().expect("node");
     let mut agent = spawn_with(&node, None, &others(""), &["--loop-priority", "0"]);
     agent.wait_ready(START).expect("ready");
     let _ = wait_release_thread_sched(&agent);
     let pid = agent.pid().expect("pid");
-    assert_eq!((thread_sched(pid, "valet-held"), thread_sched(pid, "valet-agent")), (normal, normal));
-    assert!(!agent.log_text().contains("the loop runs SCHED_FIFO"), "{}", agent.log_text());
+    let all = [thread_sched(pid, "valet-held"), thread_sched(pid, "valet-agent"), thread_sched(pid, "valet-events")];
+    assert_eq!(all, [normal, normal, normal], "the prober, the loop, the event reader");
+    let log = agent.log_text();
+    assert!(!log.contains("the loop runs SCHED_FIFO") && !log.contains("event reader runs SCHED_FIFO"), "{log}");
 }
 
 /// Whether the agent's maps fit RLIMIT_MEMLOCK `limit` without CAP_SYS_RESOURCE here: always

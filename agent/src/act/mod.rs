@@ -56,24 +56,7 @@ fn next_multiple(elapsed: Duration, period: Duration) -> Duration {
     Duration::from_nanos(u64::try_from(slots.saturating_mul(period_ns)).unwrap_or(u64::MAX))
 }
 
-/// Puts the calling thread (`what`, for the log) in SCHED_FIFO at `priority` (0: leaves it as it
-/// is): the processes it wakes (released apps, probed proxies) no longer take its CPU. Its
-/// children would start in the normal class (`SCHED_RESET_ON_FORK`). Without CAP_SYS_NICE (or,
-/// where the kernel groups real-time time by cgroup, without a share for the agent's) the thread
-/// stays as it was, and the log says so.
-pub fn real_time(what: &str, priority: u8) {
-    if priority == 0 {
-        return;
-    }
-    match crate::host::sys::real_time(priority) {
-        Ok(()) => tracing::info!(priority, "{what} runs SCHED_FIFO"),
-        Err(e) => warn!(
-            priority,
-            "{what} stays in the normal class (releases may wait for a CPU on a busy node): SCHED_FIFO: {e} (it \
-             needs CAP_SYS_NICE)"
-        ),
-    }
-}
+pub use crate::host::sys::enter_real_time as real_time;
 
 /// What the actuators need to know of the agent's configuration.
 #[derive(Clone, Debug)]

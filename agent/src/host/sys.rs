@@ -181,6 +181,25 @@ pub fn raise_memlock_limit() -> Option<u64> {
     }
 }
 
+/// Puts the calling thread (`what`, for the log) in SCHED_FIFO at `priority` (0: leaves it as it
+/// is): the processes it wakes (released apps, probed proxies) no longer take its CPU. Its
+/// children would start in the normal class (`SCHED_RESET_ON_FORK`). Without CAP_SYS_NICE (or,
+/// where the kernel groups real-time time by cgroup, without a share for the agent's) the thread
+/// stays as it was, and the log says so.
+pub fn enter_real_time(what: &str, priority: u8) {
+    if priority == 0 {
+        return;
+    }
+    match real_time(priority) {
+        Ok(()) => tracing::info!(priority, "{what} runs SCHED_FIFO"),
+        Err(e) => tracing::warn!(
+            priority,
+            "{what} stays in the normal class (releases may wait for a CPU on a busy node): SCHED_FIFO: {e} (it \
+             needs CAP_SYS_NICE)"
+        ),
+    }
+}
+
 /// Puts the calling thread in SCHED_FIFO at `priority`, its children back in the normal class
 /// (SCHED_RESET_ON_FORK). Needs CAP_SYS_NICE.
 pub fn real_time(priority: u8) -> io::Result<()> {
