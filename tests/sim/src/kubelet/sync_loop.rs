@@ -58,6 +58,11 @@ impl Inner {
             let sandbox_pid = kpod.sandbox.as_ref().map(|s| s.proc_.host_pid());
             write_bundle(&dir, &kpod.sim, &c, spec.is_none(), sandbox_pid)?;
         }
+        // containerd's CRI plugin stores the container's status record at its creation (no pid
+        // yet), before the process can run, let alone end: an app that ends at once has one.
+        if let (Some(dir), Some(_)) = (self.record_dir(kpod), spec) {
+            write_record(&dir, &c.id, 0, None)?;
+        }
         kpod.sim.make_container_cgroup(&c)?;
         let args: Vec<&str> = cmd.iter().map(String::as_str).collect();
         let mut spawn = spawn.clone();
@@ -74,6 +79,7 @@ impl Inner {
             std::os::unix::fs::symlink(log, &link).with_context(|| format!("log link {}", link.display()))?;
         }
         let proc_ = ContainerProcess::new(p, c.clone());
+        // Its pid once started, as containerd updates the record at the start.
         if let (Some(dir), Some(_)) = (self.record_dir(kpod), spec) {
             write_record(&dir, &c.id, proc_.host_pid(), None)?;
         }
