@@ -356,7 +356,7 @@ async fn run(
     // The loop runs on this thread (the runtime's `block_on`): from here on in its own class
     // (`--loop-priority`, or the decision path's), once the start's work (loading the programs)
     // is done.
-    valet_agent::act::real_time("the loop", loop_priority);
+    valet_agent::host::sys::enter_real_time("the loop", loop_priority);
     let stop = if let Some(watch) = router_watch {
         router.run(events, watch, shutdown, drain).await
     } else {

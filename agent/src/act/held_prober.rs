@@ -172,7 +172,7 @@ impl HeldProber {
         });
         let p = prober.clone();
         let spawned = std::thread::Builder::new().name("valet-held".into()).spawn(move || {
-            super::real_time("the held pods' prober", priority);
+            crate::host::sys::enter_real_time("the held pods' prober", priority);
             if let Err(why) = p.run(link.as_ref(), &tx) {
                 warn!("held-pod prober stops, its pods go back to their loops: {why}");
             }

@@ -56,8 +56,6 @@ fn next_multiple(elapsed: Duration, period: Duration) -> Duration {
     Duration::from_nanos(u64::try_from(slots.saturating_mul(period_ns)).unwrap_or(u64::MAX))
 }
 
-pub use crate::host::sys::enter_real_time as real_time;
-
 /// What the actuators need to know of the agent's configuration.
 #[derive(Clone, Debug)]
 pub struct Settings {

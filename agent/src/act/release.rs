@@ -257,7 +257,7 @@ impl Releaser {
             .name("valet-release".into())
             .spawn(move || {
                 // An app it wakes no longer takes its CPU before the rest of the batch is out.
-                super::real_time("the release thread", priority);
+                crate::host::sys::enter_real_time("the release thread", priority);
                 let mut retries: Vec<Retry> = Vec::new();
                 loop {
                     let batch = match retries.iter().map(|r| r.at).min() {
