@@ -343,11 +343,11 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, userland: &Userland, lock
     std::fs::write(&script, guest_script(root, bins, &userland.busybox(), lockdown))?;
     let (append, extra) = userland.boot_args(root, bins, &dir, &script)?;
     let append = if lockdown { format!("{LOCKDOWN} {append}") } else { append };
-    let (lines, timed_out) = qemu_guest(kernel, &append, &extra, &dir)?;
+    let (lines, killed) = qemu_guest(kernel, &append, &extra, &dir)?;
     let mut outcome = judge(&lines);
-    if timed_out {
+    if let Some(killed) = killed {
         outcome.failed += 1;
-        outcome.note = Some(format!("killed after {DEADLINE:?}; console: {}", dir.join("console.log").display()));
+        outcome.note = Some(format!("{killed}; console: {}", dir.join("console.log").display()));
     }
     Ok(outcome)
 }
@@ -355,11 +355,11 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, userland: &Userland, lock
 /// [`qemu`] for a kernel guest (console in `dir`), booted once more, from the start, when its
 /// kernel panicked with no BPF program on its stack ([`foreign_panic`]): said in the log, the
 /// first console kept as `console-panicked.log`.
-fn qemu_guest(kernel: &Kernel, append: &str, extra: &[String], dir: &Path) -> Result<(Vec<String>, bool)> {
+fn qemu_guest(kernel: &Kernel, append: &str, extra: &[String], dir: &Path) -> Result<(Vec<String>, Option<String>)> {
     let console = dir.join("console.log");
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let (lines, timed_out) = qemu(kernel, append, &extra, &console, DEADLINE)?;
-    let Some(panic) = (!timed_out).then(|| foreign_panic(&lines)).flatten() else { return Ok((lines, timed_out)) };
+    let (lines, killed) = qemu(kernel, append, &extra, &console, DEADLINE)?;
+    let Some(panic) = killed.is_none().then(|| foreign_panic(&lines)).flatten() else { return Ok((lines, killed)) };
     let kept = dir.join("console-panicked.log");
     std::fs::rename(&console, &kept)?;
     println!(

@@ -503,7 +503,7 @@ fn run_cell(
     for boot in 1..=2 {
         write_script(&only, boot)?;
         let t = Instant::now();
-        let (lines, timed_out) =
+        let (lines, killed) =
             qemu(&kernel, &append, &["-drive", &drive, "-virtfs", &share], &dir.join("console.log"), DEADLINE)?;
         let ready = lines.iter().find_map(|l| l.split_once("VALET-NODE-READY ").map(|(_, t)| t.to_string()));
         versions = reported_versions(&lines);
@@ -515,7 +515,7 @@ fn run_cell(
         );
         let (reported, mut this_boot) = scenario_lines(&lines);
         let finished = !this_boot.is_empty() && lines.iter().any(|l| l.starts_with("VALET-NODE-EXIT"));
-        let panic = if finished || timed_out { None } else { crate::vm::qemu::foreign_panic(&lines) };
+        let panic = if finished || killed.is_some() { None } else { crate::vm::qemu::foreign_panic(&lines) };
         let left: Vec<String> = only.iter().filter(|n| !reported.contains(n)).cloned().collect();
         let rerun = boot == 1 && panic.is_some() && (asked_all || !left.is_empty());
         if let (true, Some(panic)) = (rerun, &panic) {
@@ -535,7 +535,7 @@ fn run_cell(
         }
         if !finished {
             failed += 1;
-            let why = if timed_out { format!("the VM was killed after {DEADLINE:?}") } else { "it stopped".into() };
+            let why = killed.unwrap_or_else(|| "it stopped".into());
             results.push(format!(
                 "  node: the scenarios did not finish: {why}; console: {}",
                 dir.join("console.log").display()

@@ -77,7 +77,7 @@ fn lag_cell(root: &Path, apt: &Apt, cell: Cell, runs: u32) -> Result<(String, bo
     // taken up to ~10 s; a VM still running at twice that is hung.
     let deadline = Duration::from_secs(15 * 60 + u64::from(runs) * n_ways * 20);
     let vm = Instant::now();
-    let (lines, timed_out) = qemu(
+    let (lines, killed) = qemu(
         &kernel,
         &kernel_append(cell, &script),
         &["-drive", &drive, "-virtfs", &share],
@@ -89,10 +89,10 @@ fn lag_cell(root: &Path, apt: &Apt, cell: Cell, runs: u32) -> Result<(String, bo
         println!("{line}");
     }
     let done = lines.iter().find(|l| l.starts_with("node lag done")).cloned();
-    let outcome = match (&done, timed_out) {
+    let outcome = match (&done, killed) {
         (Some(done), _) => done.trim_start_matches("node lag done: ").to_string(),
-        (None, true) => format!("killed after {deadline:?}"),
-        (None, false) => "the runs did not finish".to_string(),
+        (None, Some(killed)) => killed,
+        (None, None) => "the runs did not finish".to_string(),
     };
     let finished = done.as_deref().is_some_and(|d| d.ends_with(", 0 failed"));
     let line = format!(

@@ -6,6 +6,8 @@
 use std::io::{BufRead as _, Write as _};
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow};
@@ -13,16 +15,22 @@ use anyhow::{Context as _, Result, anyhow};
 use super::kernel::Kernel;
 use crate::arch::Arch;
 
+/// A guest that prints no console line for this long is hung, whatever its deadline: the
+/// slowest step seen under TCG on a loaded 2-core machine (a node's image import, a kernel test)
+/// took under 3 minutes.
+const SILENCE: Duration = Duration::from_secs(10 * 60);
+
 /// Boots `kernel` with our initramfs and the host's `/` shared read-only, echoes the serial
 /// console (prefixed with the kernel release) and keeps it in `console`. Returns the console's
-/// lines and whether the guest had to be killed at `deadline`.
+/// lines and, when the guest had to be killed, why: its `deadline` passed, or [`SILENCE`] went by
+/// without a console line.
 pub(crate) fn qemu(
     kernel: &Kernel,
     append: &str,
     extra: &[&str],
     console: &Path,
     deadline: Duration,
-) -> Result<(Vec<String>, bool)> {
+) -> Result<(Vec<String>, Option<String>)> {
     let log = std::fs::File::create(console)?;
     // arm64: the `virt` machine, its PL011 console; `pauth-impdef` makes TCG's pointer
     // authentication cheap (QEMU's own algorithm instead of QARMA's).
@@ -30,7 +38,13 @@ pub(crate) fn qemu(
         Arch::Amd64 => ("qemu-system-x86_64", "q35", "max", "ttyS0"),
         Arch::Arm64 => ("qemu-system-aarch64", "virt", "max,pauth-impdef=on", "ttyAMA0"),
     };
-    let append = format!("console={tty} panic=-1 loglevel=4 mitigations=off no_timer_check rdinit=/init {append}");
+    // A CPU stuck in the kernel (soft lockup) or an RCU stall panics the guest at once (the
+    // panic replays the kernel's whole log, its all-CPU backtraces included, which loglevel=4
+    // keeps off the console), rather than hanging until the deadline.
+    let append = format!(
+        "console={tty} panic=-1 loglevel=4 mitigations=off no_timer_check rdinit=/init softlockup_panic=1 \
+         softlockup_all_cpu_backtrace=1 sysctl.kernel.panic_on_rcu_stall=1 panic_print=0x20 {append}"
+    );
     let mut child = Command::new(program)
         .args(["-accel", "tcg,thread=multi,tb-size=256", "-cpu", cpu, "-machine", machine])
         .args(["-m", "2G", "-smp", "2", "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
@@ -51,10 +65,15 @@ pub(crate) fn qemu(
     // that the deadline is kept even when the guest prints nothing.
     let stdout = child.stdout.take().ok_or_else(|| anyhow!("qemu stdout"))?;
     let release = kernel.release.clone();
+    let started = Instant::now();
+    // Milliseconds from `started` to the last console line.
+    let last_line = Arc::new(AtomicU64::new(0));
+    let heard = last_line.clone();
     let reader = std::thread::spawn(move || {
         let mut log = log;
         let mut lines = Vec::new();
         for line in std::io::BufReader::new(stdout).split(b'\n').map_while(|l| l.ok()) {
+            heard.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
             let line = String::from_utf8_lossy(&line).trim_end_matches('\r').to_string();
             let _ = writeln!(log, "{line}");
             if echoed(&line) {
@@ -71,14 +90,18 @@ pub(crate) fn qemu(
         }
         lines
     });
-    let deadline = Instant::now() + deadline;
-    let mut timed_out = false;
+    let mut killed = None;
     loop {
         if child.try_wait()?.is_some() {
             break;
         }
-        if Instant::now() >= deadline {
-            timed_out = true;
+        let quiet = started.elapsed().saturating_sub(Duration::from_millis(last_line.load(Ordering::Relaxed)));
+        if started.elapsed() >= deadline {
+            killed = Some(format!("the VM was killed at its deadline, {deadline:?}"));
+        } else if quiet >= SILENCE {
+            killed = Some(format!("the VM was killed after {SILENCE:?} without a console line"));
+        }
+        if killed.is_some() {
             let _ = child.kill();
             let _ = child.wait();
             break;
@@ -86,16 +109,17 @@ pub(crate) fn qemu(
         std::thread::sleep(Duration::from_millis(200));
     }
     let lines = reader.join().map_err(|_| anyhow!("console reader panicked"))?;
-    Ok((lines, timed_out))
+    Ok((lines, killed))
 }
 
-/// Console lines worth echoing: test names and results, panics (cut to 400 characters: a
-/// verifier log is long; the whole of it is in the console log), the guest's own markers.
-/// A guest kernel panic with no BPF program on its stack: a fault of the kernel or of the
-/// emulator (QEMU's TCG has double-faulted a Debian kernel in its slab allocator's
-/// `cmpxchg16b`), not of valet's programs. Returns its summary for the log: the oops line, the
-/// faulting function and the task. `None` when the guest did not panic, or when a BPF program
-/// (`bpf_prog_*`, a BPF helper) is on the panicking stack: that is valet's, and never rerun.
+/// A guest kernel panic with no BPF program on its stack and no task of the agent's on a CPU: a
+/// fault of the kernel or of the emulator, not of valet's. QEMU's TCG has double-faulted a
+/// Debian kernel in its slab allocator's `cmpxchg16b`, and has left a CPU of a node stuck in the
+/// kernel (`runc`, a soft lockup, with an RCU stall on the other CPU) for 40 minutes; with
+/// `softlockup_panic` and `panic_on_rcu_stall` such a hang is a panic too, and its report (the
+/// kernel's whole log replayed, `panic_print`) has every CPU's backtrace. Returns its summary for
+/// the log: the oops line, the faulting function and the task. `None` when the guest did not
+/// panic, or when the report names valet ([`names_valet`]): that is valet's, and never rerun.
 pub(crate) fn foreign_panic(lines: &[String]) -> Option<String> {
     let end = lines.iter().position(|l| l.contains("Kernel panic - not syncing"))?;
     let start = lines[..end]
@@ -105,24 +129,42 @@ pub(crate) fn foreign_panic(lines: &[String]) -> Option<String> {
                 || l.contains("BUG:")
                 || l.contains("traps: PANIC")
                 || l.contains("------------[ cut here ]")
+                || l.contains("detected stall")
         })
         .unwrap_or(end);
     // A panic() of its own prints its stack after its line, up to "---[ end Kernel panic".
     let last = lines[end..].iter().position(|l| l.contains("end Kernel panic")).map_or(lines.len() - 1, |i| end + i);
     let report = &lines[start.saturating_sub(1)..=last];
-    if report.iter().any(|l| l.contains("bpf")) {
+    if report.iter().any(|l| names_valet(l)) {
         return None;
     }
     let strip = |l: &String| l.split_once("] ").map_or(l.as_str(), |(_, r)| r).trim().to_string();
     let pick = |key: &str| report.iter().find(|l| l.contains(key)).map(strip);
-    let parts: Vec<String> =
-        [pick("Oops:").or_else(|| pick("BUG:")), pick("RIP: 0010:"), pick("Comm:"), Some(strip(&lines[end]))]
-            .into_iter()
-            .flatten()
-            .collect();
+    let parts: Vec<String> = [
+        pick("Oops:").or_else(|| pick("BUG:")).or_else(|| pick("detected stall")),
+        pick("RIP: 0010:"),
+        pick("Comm:"),
+        Some(strip(&lines[end])),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     Some(parts.join(" | "))
 }
 
+/// A line of a panic's report that names valet: a BPF program or helper in a stack
+/// (`bpf_prog_6deef7357e7b4530_on_exit+0x52/0x9a`, `bpf_ringbuf_reserve+0x1c/0x60`), or a task of
+/// the agent's on a CPU (its threads are all named `valet-*`: `Comm: valet-events`, a soft
+/// lockup's `[valet-agent:812]`). The replayed log's other lines (a unit's `valet-node-run[223]`,
+/// "eBPF" in a boot message) do not.
+fn names_valet(line: &str) -> bool {
+    line.split_whitespace().any(|w| w.contains("bpf") && w.contains("+0x"))
+        || line.contains("Comm: valet")
+        || line.contains("[valet")
+}
+
+/// Console lines worth echoing: test names and results, panics (cut to 400 characters: a
+/// verifier log is long; the whole of it is in the console log), the guest's own markers.
 fn echoed(line: &str) -> bool {
     const PREFIXES: [&str; 11] = [
         "test ",
@@ -159,6 +201,45 @@ mod tests {
         let at = ours.iter().position(|l| l.contains("__alloc_skb+0x14a")).expect("its stack");
         ours.insert(at, "[  221.662036]  bpf_prog_6deef7357e7b4530_on_exit+0x52/0x9a".into());
         assert_eq!(foreign_panic(&ours), None);
+        // A soft lockup made a panic: every CPU's backtrace in the replayed log, none of them
+        // valet's (the log's `valet-node-run[223]` is the guest's unit, not the agent).
+        let lockup: Vec<String> = [
+            "node [  116.848] kubelet: container istio-proxy 59e1339d588e (attempt 0) created and started in 0.856s",
+            "[  139.333500] rcu: INFO: rcu_preempt detected stalls on CPUs/tasks:",
+            "[  139.333500] rcu: \t1-...!: (1 GPs behind) idle=f074/1/0x4000000000000000 softirq=16880/16881 fqs=0",
+            "[  164.589105] watchdog: BUG: soft lockup - CPU#0 stuck for 45s! [runc:2182]",
+            "[  164.589105] Kernel panic - not syncing: softlockup: hung tasks",
+            "[   10.334808] valet-node-run[223]: VALET-NODE-READY 10.32",
+            "[  164.589105] CPU: 0 PID: 2182 Comm: runc Tainted: G             L     6.1.0-50-amd64 #1  Debian 6.1.176-1",
+            "[  164.589105] RIP: 0010:smp_call_function_many_cond+0x13e/0x3a0",
+            "[  164.589105]  flush_tlb_mm_range+0x11b/0x170",
+            "[  164.589105] NMI backtrace for cpu 1",
+            "[  164.589105] CPU: 1 PID: 0 Comm: swapper/1 Tainted: G             L     6.1.0-50-amd64 #1  Debian 6.1.176-1",
+            "[  164.589105] ---[ end Kernel panic - not syncing: softlockup: hung tasks ]---",
+        ]
+        .map(String::from)
+        .to_vec();
+        let summary = foreign_panic(&lockup).expect("a lockup of no task of valet's");
+        assert!(summary.starts_with("watchdog: BUG: soft lockup - CPU#0 stuck for 45s! [runc:2182]"), "{summary}");
+        assert!(summary.contains("RIP: 0010:smp_call_function_many_cond"), "{summary}");
+        assert!(summary.ends_with("Kernel panic - not syncing: softlockup: hung tasks"), "{summary}");
+        // An RCU stall made a panic (`panic_on_rcu_stall`) before any lockup: the stall's report.
+        let mut stall = lockup.clone();
+        stall.remove(3);
+        stall[3] = "[  139.333500] Kernel panic - not syncing: RCU Stall".into();
+        let summary = foreign_panic(&stall).expect("a stall of no task of valet's");
+        assert!(summary.starts_with("rcu: INFO: rcu_preempt detected stalls"), "{summary}");
+        assert!(summary.ends_with("Kernel panic - not syncing: RCU Stall"), "{summary}");
+        // The agent's thread on the other CPU, or stuck itself, or a BPF helper on a stack: valet's.
+        for (at, line) in [
+            (10, "[  164.589105] CPU: 1 PID: 812 Comm: valet-events Tainted: G             L     6.1.0-50-amd64 #1"),
+            (3, "[  164.589105] watchdog: BUG: soft lockup - CPU#0 stuck for 45s! [valet-agent:812]"),
+            (8, "[  164.589105]  bpf_ringbuf_reserve+0x1c/0x60"),
+        ] {
+            let mut ours = lockup.clone();
+            ours[at] = line.into();
+            assert_eq!(foreign_panic(&ours), None, "{line}");
+        }
         // No panic: the scenarios' own lines only.
         assert_eq!(foreign_panic(&lines[..lines.iter().position(|l| l.contains("traps:")).expect("its trap")]), None);
     }
