@@ -471,7 +471,14 @@ fn main() -> std::process::ExitCode {
     let node_cgroups = find_node_cgroups(cfg.host.cgroup_root.as_deref(), &cfg.host.cgroup_mount, &cfg.host.host_proc);
     keep_deadlines(&cfg, &node_cgroups, &metrics, &health);
     let shutdown_root = node_cgroups.as_ref().ok().map(|found| found.root.clone());
-    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+    // Every thread of the agent's is named valet-*: in `ps`, `top` and a guest kernel's panic
+    // report (`Comm: valet-worker`), its threads are known as the agent's.
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("valet-worker")
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("valet-agent: cannot start the async runtime: {e}");
