@@ -31,7 +31,7 @@ use crate::arch::Arch;
 use crate::vm::CACHE;
 use crate::vm::apt::{Apt, arm64_rootfs};
 use crate::vm::kernel::Kernel;
-use crate::vm::qemu::{foreign_panic, qemu};
+use crate::vm::qemu::{Killed, foreign_panic, qemu};
 
 /// Where the guest mounts tmpfs over the host's read-only root: host paths below them (a checkout
 /// or a target directory under /tmp) are bound back into the guest (`valet.keep=`).
@@ -353,17 +353,23 @@ fn boot(root: &Path, kernel: &Kernel, bins: &Binaries, userland: &Userland, lock
 }
 
 /// [`qemu`] for a kernel guest (console in `dir`), booted once more, from the start, when its
-/// kernel panicked with no BPF program on its stack ([`foreign_panic`]): said in the log, the
+/// kernel panicked with no BPF program on its stack ([`foreign_panic`]) or hung with nothing of
+/// valet's on its CPUs ([`Killed::foreign_hang`]): said in the log, the
 /// first console kept as `console-panicked.log`.
-fn qemu_guest(kernel: &Kernel, append: &str, extra: &[String], dir: &Path) -> Result<(Vec<String>, Option<String>)> {
+fn qemu_guest(kernel: &Kernel, append: &str, extra: &[String], dir: &Path) -> Result<(Vec<String>, Option<Killed>)> {
     let console = dir.join("console.log");
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let (lines, killed) = qemu(kernel, append, &extra, &console, DEADLINE)?;
-    let Some(panic) = killed.is_none().then(|| foreign_panic(&lines)).flatten() else { return Ok((lines, killed)) };
+    let foreign = match &killed {
+        Some(killed) => killed.foreign_hang(&lines),
+        None => foreign_panic(&lines),
+    };
+    let Some(panic) = foreign else { return Ok((lines, killed)) };
     let kept = dir.join("console-panicked.log");
     std::fs::rename(&console, &kept)?;
     println!(
-        "[{}] the guest kernel panicked with no BPF program on its stack ({panic}); console: {}; booted again",
+        "[{}] the guest kernel panicked or hung with nothing of valet's on its stacks ({panic}); console: {}; \
+         booted again",
         kernel.release,
         kept.display()
     );

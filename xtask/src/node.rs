@@ -340,7 +340,7 @@ pub(crate) fn run(root: &Path, cells: &[(Cell, Vec<String>)]) -> Result<(u64, u6
             },
             outcome.passed,
             outcome.failed,
-            if outcome.rebooted { ", booted twice: a guest kernel panic not in valet's code" } else { "" },
+            if outcome.rebooted { ", booted twice: a guest kernel panic or hang not in valet's code" } else { "" },
             outcome.versions,
             t.elapsed()
         );
@@ -515,7 +515,11 @@ fn run_cell(
         );
         let (reported, mut this_boot) = scenario_lines(&lines);
         let finished = !this_boot.is_empty() && lines.iter().any(|l| l.starts_with("VALET-NODE-EXIT"));
-        let panic = if finished || killed.is_some() { None } else { crate::vm::qemu::foreign_panic(&lines) };
+        let panic = match &killed {
+            _ if finished => None,
+            Some(killed) => killed.foreign_hang(&lines),
+            None => crate::vm::qemu::foreign_panic(&lines),
+        };
         let left: Vec<String> = only.iter().filter(|n| !reported.contains(n)).cloned().collect();
         let rerun = boot == 1 && panic.is_some() && (asked_all || !left.is_empty());
         if let (true, Some(panic)) = (rerun, &panic) {
@@ -535,7 +539,7 @@ fn run_cell(
         }
         if !finished {
             failed += 1;
-            let why = killed.unwrap_or_else(|| "it stopped".into());
+            let why = killed.map_or_else(|| "it stopped".into(), |k| k.to_string());
             results.push(format!(
                 "  node: the scenarios did not finish: {why}; console: {}",
                 dir.join("console.log").display()
@@ -609,13 +613,14 @@ pub(crate) fn reported_versions(lines: &[String]) -> String {
         .unwrap_or_else(|| "versions not reported".into())
 }
 
-/// A boot that ended in a guest kernel panic not in valet's code: its console kept aside, and the
-/// note (printed, and returned for the cell's results) that the node boots again for `again`.
+/// A boot that ended in a guest kernel panic or hang not in valet's code: its console kept aside,
+/// and the note (printed, and returned for the cell's results) that the node boots again for
+/// `again`.
 fn panic_note(cell: Cell, dir: &Path, panic: &str, again: &str) -> Result<String> {
     let kept = dir.join("console-panicked.log");
     std::fs::rename(dir.join("console.log"), &kept)?;
     let note = format!(
-        "  node: the guest kernel panicked with no BPF program on its stack ({panic}); console: {}; \
+        "  node: the guest kernel panicked or hung with nothing of valet's on its stacks ({panic}); console: {}; \
          booted again for {again}",
         kept.display(),
     );

@@ -91,7 +91,7 @@ fn lag_cell(root: &Path, apt: &Apt, cell: Cell, runs: u32) -> Result<(String, bo
     let done = lines.iter().find(|l| l.starts_with("node lag done")).cloned();
     let outcome = match (&done, killed) {
         (Some(done), _) => done.trim_start_matches("node lag done: ").to_string(),
-        (None, Some(killed)) => killed,
+        (None, Some(killed)) => killed.to_string(),
         (None, None) => "the runs did not finish".to_string(),
     };
     let finished = done.as_deref().is_some_and(|d| d.ends_with(", 0 failed"));

@@ -7,7 +7,7 @@ use std::io::{BufRead as _, Write as _};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow};
@@ -20,17 +20,58 @@ use crate::arch::Arch;
 /// took under 3 minutes.
 const SILENCE: Duration = Duration::from_secs(10 * 60);
 
+/// Why a guest was killed: its deadline passed, or [`SILENCE`] went by without a console line
+/// (then the console's lines from `dump_from` on are what [`dump_hung_guest`] made it print).
+pub(crate) struct Killed {
+    why: String,
+    silent: bool,
+    dump_from: usize,
+}
+
+impl std::fmt::Display for Killed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.why)
+    }
+}
+
+impl Killed {
+    /// A guest gone silent whose dump names nothing of valet's ([`names_valet`]: no task of the
+    /// agent's on a CPU, no BPF frame): a hang of the emulator's or the kernel's, as a lost
+    /// interrupt leaves a guest (a CPU that takes no IPI, a 9p request never answered). Its
+    /// summary: the tasks on the CPUs and where they were, or that SysRq printed nothing.
+    pub(crate) fn foreign_hang(&self, lines: &[String]) -> Option<String> {
+        if !self.silent {
+            return None;
+        }
+        // What was on its CPUs (SysRq `l`); the task lists' stacks hold stale frames (`? ...`).
+        let dump = lines.get(self.dump_from..).unwrap_or(&[]);
+        let start = dump.iter().position(|l| l.contains("sysrq: Show backtrace of all active CPUs"));
+        let dump = start.map_or(&[][..], |i| &dump[i..]);
+        let dump = &dump[..dump.iter().position(|l| l.contains("sysrq: Show State")).unwrap_or(dump.len())];
+        if dump.iter().any(|l| names_valet(l)) {
+            return None;
+        }
+        let strip = |l: &String| l.split_once("] ").map_or(l.as_str(), |(_, r)| r).trim().to_string();
+        let on_cpus: Vec<String> =
+            dump.iter().filter(|l| l.contains("Comm:") || l.contains("RIP: 0010:")).take(8).map(strip).collect();
+        Some(if on_cpus.is_empty() {
+            format!("{}; SysRq printed nothing", self.why)
+        } else {
+            format!("{}; on its CPUs: {}", self.why, on_cpus.join(" | "))
+        })
+    }
+}
+
 /// Boots `kernel` with our initramfs and the host's `/` shared read-only, echoes the serial
 /// console (prefixed with the kernel release) and keeps it in `console`. Returns the console's
-/// lines and, when the guest had to be killed, why: its `deadline` passed, or [`SILENCE`] went by
-/// without a console line.
+/// lines and, when the guest had to be killed, why ([`Killed`]).
 pub(crate) fn qemu(
     kernel: &Kernel,
     append: &str,
     extra: &[&str],
     console: &Path,
     deadline: Duration,
-) -> Result<(Vec<String>, Option<String>)> {
+) -> Result<(Vec<String>, Option<Killed>)> {
     let log = std::fs::File::create(console)?;
     // arm64: the `virt` machine, its PL011 console; `pauth-impdef` makes TCG's pointer
     // authentication cheap (QEMU's own algorithm instead of QARMA's).
@@ -40,15 +81,20 @@ pub(crate) fn qemu(
     };
     // A CPU stuck in the kernel (soft lockup) or an RCU stall panics the guest at once (the
     // panic replays the kernel's whole log, its all-CPU backtraces included, which loglevel=4
-    // keeps off the console), rather than hanging until the deadline.
+    // keeps off the console), rather than hanging until the deadline. SysRq is on for
+    // [`dump_hung_guest`].
     let append = format!(
         "console={tty} panic=-1 loglevel=4 mitigations=off no_timer_check rdinit=/init softlockup_panic=1 \
-         softlockup_all_cpu_backtrace=1 sysctl.kernel.panic_on_rcu_stall=1 panic_print=0x20 {append}"
+         softlockup_all_cpu_backtrace=1 sysctl.kernel.panic_on_rcu_stall=1 panic_print=0x20 sysctl.kernel.sysrq=1 \
+         {append}"
     );
+    let monitor = console.with_extension("monitor.sock");
+    let _ = std::fs::remove_file(&monitor);
     let mut child = Command::new(program)
         .args(["-accel", "tcg,thread=multi,tb-size=256", "-cpu", cpu, "-machine", machine])
         .args(["-m", "2G", "-smp", "2", "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
-        .args(["-serial", "stdio", "-monitor", "none"])
+        .args(["-serial", "stdio", "-monitor"])
+        .arg(format!("unix:{},server=on,wait=off", monitor.display()))
         .args(["-virtfs", "local,path=/,mount_tag=host,security_model=none,readonly=on,multidevs=remap"])
         .arg("-kernel")
         .arg(&kernel.vmlinux)
@@ -69,11 +115,14 @@ pub(crate) fn qemu(
     // Milliseconds from `started` to the last console line.
     let last_line = Arc::new(AtomicU64::new(0));
     let heard = last_line.clone();
+    let line_count = Arc::new(AtomicUsize::new(0));
+    let counted = line_count.clone();
     let reader = std::thread::spawn(move || {
         let mut log = log;
         let mut lines = Vec::new();
         for line in std::io::BufReader::new(stdout).split(b'\n').map_while(|l| l.ok()) {
             heard.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
+            counted.fetch_add(1, Ordering::Relaxed);
             let line = String::from_utf8_lossy(&line).trim_end_matches('\r').to_string();
             let _ = writeln!(log, "{line}");
             if echoed(&line) {
@@ -97,11 +146,14 @@ pub(crate) fn qemu(
         }
         let quiet = started.elapsed().saturating_sub(Duration::from_millis(last_line.load(Ordering::Relaxed)));
         if started.elapsed() >= deadline {
-            killed = Some(format!("the VM was killed at its deadline, {deadline:?}"));
+            let why = format!("the VM was killed at its deadline, {deadline:?}");
+            killed = Some(Killed { why, silent: false, dump_from: line_count.load(Ordering::Relaxed) });
         } else if quiet >= SILENCE {
-            killed = Some(format!("the VM was killed after {SILENCE:?} without a console line"));
+            let why = format!("the VM was killed after {SILENCE:?} without a console line");
+            killed = Some(Killed { why, silent: true, dump_from: line_count.load(Ordering::Relaxed) });
         }
         if killed.is_some() {
+            dump_hung_guest(&monitor, &console.with_extension("monitor.log"));
             let _ = child.kill();
             let _ = child.wait();
             break;
@@ -109,7 +161,38 @@ pub(crate) fn qemu(
         std::thread::sleep(Duration::from_millis(200));
     }
     let lines = reader.join().map_err(|_| anyhow!("console reader panicked"))?;
+    let _ = std::fs::remove_file(&monitor);
     Ok((lines, killed))
+}
+
+/// Before a hung guest is killed: where its CPUs are (the monitor's `info registers -a`, kept in
+/// `log`), then SysRq through its keyboard: the console's log level up, `w` (the blocked tasks, a task waiting on the
+/// host's 9p share included, which the hung-task detector skips as killable), `l` (every
+/// CPU's backtrace) and `t` (every task), onto the console. A guest whose CPUs take no
+/// interrupt prints nothing of these; its registers still say where they are. Best effort.
+fn dump_hung_guest(monitor: &Path, log: &Path) {
+    use std::io::Read as _;
+    let Ok(mut socket) = std::os::unix::net::UnixStream::connect(monitor) else { return };
+    let _ = socket.set_read_timeout(Some(Duration::from_millis(500)));
+    let mut said = Vec::new();
+    let mut ask = |command: &str, wait: Duration| {
+        let _ = socket.write_all(format!("{command}\n").as_bytes());
+        let until = Instant::now() + wait;
+        let mut buf = [0u8; 65536];
+        while Instant::now() < until {
+            match socket.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => said.extend_from_slice(&buf[..n]),
+                Err(_) => {}
+            }
+        }
+    };
+    ask("info registers -a", Duration::from_secs(2));
+    // `8` first: the console's log level to 8, else only each dump's heading passes loglevel=4.
+    for (key, wait) in [("8", 1), ("w", 8), ("l", 8), ("t", 15)] {
+        ask(&format!("sendkey alt-sysrq-{key}"), Duration::from_secs(wait));
+    }
+    let _ = std::fs::write(log, &said);
 }
 
 /// A guest kernel panic with no BPF program on its stack and no task of the agent's on a CPU: a
@@ -152,15 +235,18 @@ pub(crate) fn foreign_panic(lines: &[String]) -> Option<String> {
     Some(parts.join(" | "))
 }
 
-/// A line of a panic's report that names valet: a BPF program or helper in a stack
-/// (`bpf_prog_6deef7357e7b4530_on_exit+0x52/0x9a`, `bpf_ringbuf_reserve+0x1c/0x60`), or a task of
+/// A line of a panic's report that names valet: a BPF program or helper in a stack or at the
+/// faulting instruction (`bpf_prog_6deef7357e7b4530_on_exit+0x52/0x9a`, `RIP: 0010:bpf_prog_...`,
+/// `bpf_ringbuf_reserve+0x1c/0x60`), or a task of
 /// the agent's on a CPU (its threads are all named `valet-*`: `Comm: valet-events`, a soft
 /// lockup's `[valet-agent:812]`). The replayed log's other lines (a unit's `valet-node-run[223]`,
 /// "eBPF" in a boot message) do not.
 fn names_valet(line: &str) -> bool {
-    line.split_whitespace().any(|w| w.contains("bpf") && w.contains("+0x"))
-        || line.contains("Comm: valet")
-        || line.contains("[valet")
+    // A frame, reliable (a `?` one is a stale word on the stack: `? __bpf_trace_tick_stop+0x10`
+    // is in most tasks' stacks), or the faulting instruction.
+    let frame = line.split_once("] ").map_or(line, |(_, rest)| rest).trim_start();
+    let bpf_frame = frame.split_whitespace().next().is_some_and(|w| w.starts_with("bpf_") && w.contains("+0x"));
+    bpf_frame || line.contains(":bpf_") || line.contains("Comm: valet") || line.contains("[valet")
 }
 
 /// Console lines worth echoing: test names and results, panics (cut to 400 characters: a
@@ -240,6 +326,39 @@ mod tests {
             ours[at] = line.into();
             assert_eq!(foreign_panic(&ours), None, "{line}");
         }
+        // A guest gone silent: its SysRq dump names valet or not; killed at the deadline, no rerun.
+        let silent = |dump_from| Killed { why: "silent".into(), silent: true, dump_from };
+        let mut hung: Vec<String> = [
+            "node [   42.002] containerd restarted with the cgroupfs cgroup driver in 1.5s",
+            "[  644.100000] sysrq: Show backtrace of all active CPUs",
+            "[  644.100000] NMI backtrace for cpu 0",
+            "[  644.100000] CPU: 0 PID: 0 Comm: swapper/0 Not tainted 6.1.0-50-amd64 #1  Debian 6.1.176-1",
+            "[  644.100000] RIP: 0010:default_idle+0xb/0x20",
+            "[  644.100000]  ? __bpf_trace_tick_stop+0x10/0x10",
+            "[  644.200000] sysrq: Show State",
+            "[  644.200000] task:valet-events    state:S stack:0     pid:812   ppid:390    flags:0x00000002",
+            "[  644.200000]  ? bpf_prog_790dc5bf24aa4daa_valet_listen+0xae/0x8ab",
+            "[  644.200000]  bpf_ringbuf_reserve+0x1c/0x60",
+        ]
+        .map(String::from)
+        .to_vec();
+        let summary = silent(1).foreign_hang(&hung).expect("a hang of nothing of valet's");
+        assert_eq!(
+            summary,
+            "silent; on its CPUs: CPU: 0 PID: 0 Comm: swapper/0 Not tainted 6.1.0-50-amd64 #1  \
+                             Debian 6.1.176-1 | RIP: 0010:default_idle+0xb/0x20"
+        );
+        assert_eq!(silent(hung.len()).foreign_hang(&hung).as_deref(), Some("silent; SysRq printed nothing"));
+        assert!(Killed { why: "late".into(), silent: false, dump_from: 1 }.foreign_hang(&hung).is_none());
+        // A BPF program on a CPU (a reliable frame, not the stale `? __bpf_trace_...`), or the
+        // agent's thread: valet's.
+        let mut in_bpf = hung.clone();
+        in_bpf[5] = "[  644.100000]  bpf_prog_790dc5bf24aa4daa_valet_listen+0xae/0x8ab".into();
+        assert_eq!(silent(1).foreign_hang(&in_bpf), None);
+        hung[3] = "[  644.100000] CPU: 0 PID: 812 Comm: valet-events Not tainted 6.1.0-50-amd64 #1".into();
+        assert_eq!(silent(1).foreign_hang(&hung), None);
+        // Before the dump, a line naming valet (the scenarios' own) does not count.
+        assert!(silent(4).foreign_hang(&hung).is_some());
         // No panic: the scenarios' own lines only.
         assert_eq!(foreign_panic(&lines[..lines.iter().position(|l| l.contains("traps:")).expect("its trap")]), None);
     }
