@@ -31,7 +31,7 @@ use crate::arch::Arch;
 use crate::vm::CACHE;
 use crate::vm::apt::{Apt, arm64_rootfs};
 use crate::vm::kernel::Kernel;
-use crate::vm::qemu::{Killed, foreign_panic, qemu};
+use crate::vm::qemu::{Killed, foreign_fault, qemu};
 
 /// Where the guest mounts tmpfs over the host's read-only root: host paths below them (a checkout
 /// or a target directory under /tmp) are bound back into the guest (`valet.keep=`).
@@ -360,11 +360,7 @@ fn qemu_guest(kernel: &Kernel, append: &str, extra: &[String], dir: &Path) -> Re
     let console = dir.join("console.log");
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let (lines, killed) = qemu(kernel, append, &extra, &console, DEADLINE)?;
-    let foreign = match &killed {
-        Some(killed) => killed.foreign_hang(&lines),
-        None => foreign_panic(&lines),
-    };
-    let Some(panic) = foreign else { return Ok((lines, killed)) };
+    let Some(panic) = foreign_fault(&lines, killed.as_ref()) else { return Ok((lines, killed)) };
     let kept = dir.join("console-panicked.log");
     std::fs::rename(&console, &kept)?;
     println!(

@@ -515,11 +515,7 @@ fn run_cell(
         );
         let (reported, mut this_boot) = scenario_lines(&lines);
         let finished = !this_boot.is_empty() && lines.iter().any(|l| l.starts_with("VALET-NODE-EXIT"));
-        let panic = match &killed {
-            _ if finished => None,
-            Some(killed) => killed.foreign_hang(&lines),
-            None => crate::vm::qemu::foreign_panic(&lines),
-        };
+        let panic = if finished { None } else { crate::vm::qemu::foreign_fault(&lines, killed.as_ref()) };
         let left: Vec<String> = only.iter().filter(|n| !reported.contains(n)).cloned().collect();
         let rerun = boot == 1 && panic.is_some() && (asked_all || !left.is_empty());
         if let (true, Some(panic)) = (rerun, &panic) {

@@ -110,19 +110,65 @@ pub(crate) fn qemu(
     // The console is read on a thread (kept in `console`, its test lines echoed with a prefix) so
     // that the deadline is kept even when the guest prints nothing.
     let stdout = child.stdout.take().ok_or_else(|| anyhow!("qemu stdout"))?;
-    let release = kernel.release.clone();
-    let started = Instant::now();
-    // Milliseconds from `started` to the last console line.
-    let last_line = Arc::new(AtomicU64::new(0));
-    let heard = last_line.clone();
-    let line_count = Arc::new(AtomicUsize::new(0));
-    let counted = line_count.clone();
-    let reader = std::thread::spawn(move || {
-        let mut log = log;
+    let heard = Heard { started: Instant::now(), last_ms: Arc::default(), count: Arc::default() };
+    let reader = read_console(stdout, log, kernel.release.clone(), heard.clone());
+    let mut killed = None;
+    while child.try_wait()?.is_none() {
+        let (quiet, count) = heard.quiet();
+        if heard.started.elapsed() >= deadline {
+            let why = format!("the VM was killed at its deadline, {deadline:?}");
+            killed = Some(Killed { why, silent: false, dump_from: count });
+        } else if quiet >= SILENCE {
+            let why = format!("the VM was killed after {SILENCE:?} without a console line");
+            killed = Some(Killed { why, silent: true, dump_from: count });
+        }
+        if killed.is_some() {
+            dump_hung_guest(&monitor, &console.with_extension("monitor.log"));
+            let _ = child.kill();
+            let _ = child.wait();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let lines = reader.join().map_err(|_| anyhow!("console reader panicked"))?;
+    let _ = std::fs::remove_file(&monitor);
+    Ok((lines, killed))
+}
+
+/// What the console reader heard: when the last line came (milliseconds from `started`), and how
+/// many lines so far.
+#[derive(Clone)]
+struct Heard {
+    started: Instant,
+    last_ms: Arc<AtomicU64>,
+    count: Arc<AtomicUsize>,
+}
+
+impl Heard {
+    fn line(&self) {
+        self.last_ms.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How long since the last line, and how many lines so far.
+    fn quiet(&self) -> (Duration, usize) {
+        let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
+        (self.started.elapsed().saturating_sub(last), self.count.load(Ordering::Relaxed))
+    }
+}
+
+/// The console's reader thread: every line kept in `log` and returned, test lines echoed with the
+/// kernel release before them.
+fn read_console(
+    stdout: std::process::ChildStdout,
+    mut log: std::fs::File,
+    release: String,
+    heard: Heard,
+) -> std::thread::JoinHandle<Vec<String>> {
+    std::thread::spawn(move || {
         let mut lines = Vec::new();
         for line in std::io::BufReader::new(stdout).split(b'\n').map_while(|l| l.ok()) {
-            heard.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
-            counted.fetch_add(1, Ordering::Relaxed);
+            heard.line();
             let line = String::from_utf8_lossy(&line).trim_end_matches('\r').to_string();
             let _ = writeln!(log, "{line}");
             if echoed(&line) {
@@ -138,37 +184,13 @@ pub(crate) fn qemu(
             lines.push(line);
         }
         lines
-    });
-    let mut killed = None;
-    loop {
-        if child.try_wait()?.is_some() {
-            break;
-        }
-        let quiet = started.elapsed().saturating_sub(Duration::from_millis(last_line.load(Ordering::Relaxed)));
-        if started.elapsed() >= deadline {
-            let why = format!("the VM was killed at its deadline, {deadline:?}");
-            killed = Some(Killed { why, silent: false, dump_from: line_count.load(Ordering::Relaxed) });
-        } else if quiet >= SILENCE {
-            let why = format!("the VM was killed after {SILENCE:?} without a console line");
-            killed = Some(Killed { why, silent: true, dump_from: line_count.load(Ordering::Relaxed) });
-        }
-        if killed.is_some() {
-            dump_hung_guest(&monitor, &console.with_extension("monitor.log"));
-            let _ = child.kill();
-            let _ = child.wait();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let lines = reader.join().map_err(|_| anyhow!("console reader panicked"))?;
-    let _ = std::fs::remove_file(&monitor);
-    Ok((lines, killed))
+    })
 }
 
 /// Before a hung guest is killed: where its CPUs are (the monitor's `info registers -a`, kept in
-/// `log`), then SysRq through its keyboard: the console's log level up, `w` (the blocked tasks, a task waiting on the
-/// host's 9p share included, which the hung-task detector skips as killable), `l` (every
-/// CPU's backtrace) and `t` (every task), onto the console. A guest whose CPUs take no
+/// `log`), then SysRq through its keyboard: the console's log level up, `w` (the blocked tasks,
+/// a task waiting on the host's 9p share included, which the hung-task detector skips as
+/// killable), `l` (every CPU's backtrace) and `t` (every task), onto the console. A guest whose CPUs take no
 /// interrupt prints nothing of these; its registers still say where they are. Best effort.
 fn dump_hung_guest(monitor: &Path, log: &Path) {
     use std::io::Read as _;
@@ -233,6 +255,14 @@ pub(crate) fn foreign_panic(lines: &[String]) -> Option<String> {
     .flatten()
     .collect();
     Some(parts.join(" | "))
+}
+
+/// A panic ([`foreign_panic`]) or a hang ([`Killed::foreign_hang`]) not of valet's: its summary.
+pub(crate) fn foreign_fault(lines: &[String], killed: Option<&Killed>) -> Option<String> {
+    match killed {
+        Some(killed) => killed.foreign_hang(lines),
+        None => foreign_panic(lines),
+    }
 }
 
 /// A line of a panic's report that names valet: a BPF program or helper in a stack or at the
@@ -326,6 +356,12 @@ mod tests {
             ours[at] = line.into();
             assert_eq!(foreign_panic(&ours), None, "{line}");
         }
+        // No panic: the scenarios' own lines only.
+        assert_eq!(foreign_panic(&lines[..lines.iter().position(|l| l.contains("traps:")).expect("its trap")]), None);
+    }
+
+    #[test]
+    fn a_silent_guests_dump_names_valet_or_not() {
         // A guest gone silent: its SysRq dump names valet or not; killed at the deadline, no rerun.
         let silent = |dump_from| Killed { why: "silent".into(), silent: true, dump_from };
         let mut hung: Vec<String> = [
@@ -359,7 +395,5 @@ mod tests {
         assert_eq!(silent(1).foreign_hang(&hung), None);
         // Before the dump, a line naming valet (the scenarios' own) does not count.
         assert!(silent(4).foreign_hang(&hung).is_some());
-        // No panic: the scenarios' own lines only.
-        assert_eq!(foreign_panic(&lines[..lines.iter().position(|l| l.contains("traps:")).expect("its trap")]), None);
     }
 }
