@@ -190,8 +190,9 @@ fn read_console(
 /// Before a hung guest is killed: where its CPUs are (the monitor's `info registers -a`, kept in
 /// `log`), then SysRq through its keyboard: the console's log level up, `w` (the blocked tasks,
 /// a task waiting on the host's 9p share included, which the hung-task detector skips as
-/// killable), `l` (every CPU's backtrace) and `t` (every task), onto the console. A guest whose CPUs take no
-/// interrupt prints nothing of these; its registers still say where they are. Best effort.
+/// killable), `l` (every CPU's backtrace) and `t` (every task), onto the console. A guest whose
+/// CPUs take no interrupt prints nothing of these; its registers still say where they are. Best
+/// effort.
 fn dump_hung_guest(monitor: &Path, log: &Path) {
     use std::io::Read as _;
     let Ok(mut socket) = std::os::unix::net::UnixStream::connect(monitor) else { return };
