@@ -51,9 +51,12 @@ impl Killed {
         if dump.iter().any(|l| names_valet(l)) {
             return None;
         }
-        let strip = |l: &String| l.split_once("] ").map_or(l.as_str(), |(_, r)| r).trim().to_string();
-        let on_cpus: Vec<String> =
-            dump.iter().filter(|l| l.contains("Comm:") || l.contains("RIP: 0010:")).take(8).map(strip).collect();
+        let on_cpus: Vec<String> = dump
+            .iter()
+            .filter(|l| l.contains("Comm:") || l.contains("RIP: 0010:"))
+            .take(8)
+            .map(|l| unstamped(l).trim_end().to_string())
+            .collect();
         Some(if on_cpus.is_empty() {
             format!("{}; SysRq printed nothing", self.why)
         } else {
@@ -244,7 +247,7 @@ pub(crate) fn foreign_panic(lines: &[String]) -> Option<String> {
     if report.iter().any(|l| names_valet(l)) {
         return None;
     }
-    let strip = |l: &String| l.split_once("] ").map_or(l.as_str(), |(_, r)| r).trim().to_string();
+    let strip = |l: &String| unstamped(l).trim_end().to_string();
     let pick = |key: &str| report.iter().find(|l| l.contains(key)).map(strip);
     let parts: Vec<String> = [
         pick("Oops:").or_else(|| pick("BUG:")).or_else(|| pick("detected stall")),
@@ -266,16 +269,20 @@ pub(crate) fn foreign_fault(lines: &[String], killed: Option<&Killed>) -> Option
     }
 }
 
+/// A kernel console line without its timestamp (`[  164.589105] `) and leading blanks.
+fn unstamped(line: &str) -> &str {
+    line.split_once("] ").map_or(line, |(_, rest)| rest).trim_start()
+}
+
 /// A line of a panic's report that names valet: a BPF program or helper in a stack or at the
 /// faulting instruction (`bpf_prog_6deef7357e7b4530_on_exit+0x52/0x9a`, `RIP: 0010:bpf_prog_...`,
-/// `bpf_ringbuf_reserve+0x1c/0x60`), or a task of
-/// the agent's on a CPU (its threads are all named `valet-*`: `Comm: valet-events`, a soft
-/// lockup's `[valet-agent:812]`). The replayed log's other lines (a unit's `valet-node-run[223]`,
-/// "eBPF" in a boot message) do not.
+/// `bpf_ringbuf_reserve+0x1c/0x60`), or a task of the agent's on a CPU (its threads are all named
+/// `valet-*`: `Comm: valet-events`, a soft lockup's `[valet-agent:812]`). The replayed log's
+/// other lines (a unit's `valet-node-run[223]`, "eBPF" in a boot message) do not.
 fn names_valet(line: &str) -> bool {
     // A frame, reliable (a `?` one is a stale word on the stack: `? __bpf_trace_tick_stop+0x10`
     // is in most tasks' stacks), or the faulting instruction.
-    let frame = line.split_once("] ").map_or(line, |(_, rest)| rest).trim_start();
+    let frame = unstamped(line);
     let bpf_frame = frame.split_whitespace().next().is_some_and(|w| w.starts_with("bpf_") && w.contains("+0x"));
     bpf_frame || line.contains(":bpf_") || line.contains("Comm: valet") || line.contains("[valet")
 }
