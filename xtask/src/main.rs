@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 mod arch;
+mod beside;
 mod chaos;
 mod cmd;
 mod compat;

@@ -20,6 +20,8 @@ pub(crate) fn test(root: &Path, filter: Option<&str>, vm: bool, kernels: &[Strin
     // proxy is what they run as the sidecar.
     let release = build_release_bins(root)?;
     let _hog = CpuHog::start(cpu_hog)?;
+    // The fuzz targets and the image build while the tests wait on their agents (crate::beside).
+    let beside = if filter.is_none() { Some(beside(root)?) } else { None };
     let mut tally = Tally::default();
     let mut cmd = cargo();
     cmd.current_dir(root)
@@ -36,16 +38,9 @@ pub(crate) fn test(root: &Path, filter: Option<&str>, vm: bool, kernels: &[Strin
             Command::new(root.join(".venv/bin/python")).current_dir(root).args(["-m", "pytest", "-q", "deploy/tests"]),
             &mut tally,
         )?;
-        ok &= run_counted(&mut crate::fuzz::command()?, &mut tally)?;
-        // The image index, each platform's agent run with `--version` under its architecture.
-        println!("\nthe agent's image: linux/{}", crate::image::ARCHITECTURES.join(", linux/"));
-        match crate::image::build(root) {
-            Ok(_) => tally.passed += crate::image::ARCHITECTURES.len() as u64,
-            Err(e) => {
-                println!("image: FAILED: {e:#}");
-                tally.failed += 1;
-            }
-        }
+    }
+    if let Some(beside) = beside {
+        ok &= replay(beside.join(), &mut tally)?;
     }
     // The qemu suites: Debian's 5.10, 6.1 and 6.12 kernels, arm64's 6.12, and the node cells
     // bookworm/runc/kubeadm and sid/crun/k3s (containerd, the agent also from its image under the
@@ -110,6 +105,47 @@ pub(crate) fn node(root: &Path, matrix: bool, cells: &[String], only: &[String],
         bail!("{failed} failed on the real node");
     }
     Ok(())
+}
+
+/// Starts the fuzz targets and then the image (each platform's agent run with `--version` under
+/// its architecture) beside the tests.
+fn beside(root: &Path) -> Result<crate::beside::Beside> {
+    let xtask = std::env::current_exe().context("own executable")?;
+    let mut image = Command::new(&xtask);
+    image.current_dir(root).arg("image");
+    let logs = crate::cmd::target_dir(root)?.join("xtask-logs");
+    crate::beside::Beside::start(logs, vec![("fuzz", crate::fuzz::command()?), ("image", image)])
+}
+
+/// Prints the output of the tasks run beside the tests and counts it: the fuzz targets' summary
+/// line, and the image as one test per architecture. Whether every task exited 0.
+fn replay(done: Vec<crate::beside::Done>, tally: &mut Tally) -> Result<bool> {
+    let mut ok = true;
+    for task in done {
+        let log = std::fs::read_to_string(&task.log).unwrap_or_default();
+        if task.name == "image" {
+            println!("\nthe agent's image: linux/{}", crate::image::ARCHITECTURES.join(", linux/"));
+        }
+        for line in log.lines() {
+            println!("{line}");
+            if task.name != "image" {
+                tally.read(line);
+            }
+        }
+        let passed = matches!(task.ok, Ok(true));
+        match (&task.ok, task.name) {
+            (Ok(true), "image") => tally.passed += crate::image::ARCHITECTURES.len() as u64,
+            (Ok(true), _) => {}
+            (Ok(false), _) => println!("{}: FAILED (its output above, also in {})", task.name, task.log.display()),
+            (Err(e), _) => println!("{}: FAILED: {e:#}", task.name),
+        }
+        if !passed {
+            // A task that never printed its summary counts as one failure.
+            tally.failed += u64::from(task.name == "image" || !log.lines().any(|l| l.starts_with("fuzz: ")));
+        }
+        ok &= passed;
+    }
+    Ok(ok)
 }
 
 /// Busy loops beside the test run; ended when dropped (on every way out of [`test`]).
