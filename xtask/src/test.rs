@@ -19,16 +19,23 @@ pub(crate) fn test(root: &Path, filter: Option<&str>, vm: bool, kernels: &[Strin
     // The agent binary is what the end-to-end tests run, like a DaemonSet would; the stand-in
     // proxy is what they run as the sidecar.
     let release = build_release_bins(root)?;
+    let envoy = setup::envoy(root)?;
+    let tests = || {
+        let mut cmd = cargo();
+        cmd.current_dir(root)
+            .args(["test", "--workspace", "--exclude", "valet-agent-ebpf", "--no-fail-fast"])
+            .env("VALET_AGENT_BIN", release.join("valet-agent"))
+            .env("VALET_STANDIN_PROXY", release.join("valet-standin-proxy"))
+            .env("VALET_ENVOY", &envoy);
+        cmd
+    };
+    // Built first, so that what runs beside them overlaps their run, not their build.
+    crate::cmd::run(tests().arg("--no-run"))?;
     let _hog = CpuHog::start(cpu_hog)?;
     // The fuzz targets and the image build while the tests wait on their agents (crate::beside).
     let beside = if filter.is_none() { Some(beside(root)?) } else { None };
     let mut tally = Tally::default();
-    let mut cmd = cargo();
-    cmd.current_dir(root)
-        .args(["test", "--workspace", "--exclude", "valet-agent-ebpf", "--no-fail-fast"])
-        .env("VALET_AGENT_BIN", release.join("valet-agent"))
-        .env("VALET_STANDIN_PROXY", release.join("valet-standin-proxy"))
-        .env("VALET_ENVOY", setup::envoy(root)?);
+    let mut cmd = tests();
     if let Some(f) = filter {
         cmd.args(["--", f]);
     }
