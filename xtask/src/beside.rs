@@ -4,6 +4,7 @@
 //! both cores), so running them together saves most of the shorter. Each task's output goes to
 //! a file under `<target>/xtask-logs/`, replayed and counted once the tests are done, so that the
 //! log still reads one runner at a time.
+use std::os::unix::process::CommandExt as _;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,10 +44,10 @@ impl Beside {
         Ok(Beside { running, stop, thread: Some(thread) })
     }
 
-    /// Waits for every task to end.
-    pub(crate) fn join(mut self) -> Vec<Done> {
-        let thread = self.thread.take();
-        thread.map(|t| t.join().unwrap_or_default()).unwrap_or_default()
+    /// Waits for every task to end: each one's outcome, in order.
+    pub(crate) fn join(mut self) -> Result<Vec<Done>> {
+        let thread = self.thread.take().context("joined twice")?;
+        thread.join().map_err(|_| anyhow::anyhow!("the thread of the tasks beside the tests panicked"))
     }
 }
 
@@ -55,7 +56,7 @@ impl Drop for Beside {
         let Some(thread) = self.thread.take() else { return };
         self.stop.store(true, Ordering::SeqCst);
         if let Some(child) = self.running.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
-            let _ = child.kill();
+            kill_group(child);
         }
         // Killed, the task ends at once, and the thread starts no other.
         let _ = thread.join();
@@ -76,8 +77,15 @@ fn run_one(
         }
         let out = std::fs::File::create(&log).with_context(|| format!("create {}", log.display()))?;
         let err = out.try_clone()?;
-        let child =
-            cmd.stdin(Stdio::null()).stdout(out).stderr(err).spawn().with_context(|| format!("spawn {cmd:?}"))?;
+        // A process group of its own, so that a kill reaches what it started (cargo, rustc,
+        // libFuzzer) too.
+        let child = cmd
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("spawn {cmd:?}"))?;
         let pid = child.id();
         *running.lock().unwrap_or_else(PoisonError::into_inner) = Some(child);
         // Polled, not waited on while holding the lock, so that a drop can kill it meanwhile.
@@ -85,7 +93,7 @@ fn run_one(
             let mut slot = running.lock().unwrap_or_else(PoisonError::into_inner);
             let Some(child) = slot.as_mut() else { anyhow::bail!("task {pid} lost") };
             if stop.load(Ordering::SeqCst) {
-                let _ = child.kill();
+                kill_group(child);
             }
             if let Some(status) = child.try_wait()? {
                 *slot = None;
@@ -96,6 +104,12 @@ fn run_one(
         }
     })();
     Done { name, log, ok }
+}
+
+/// SIGKILL to the task's process group (its pid: [`run_one`] made it the group's leader).
+fn kill_group(child: &mut Child) {
+    let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", child.id())]).stderr(Stdio::null()).status();
+    let _ = child.kill();
 }
 
 #[cfg(test)]
@@ -116,7 +130,7 @@ mod tests {
             vec![("first", sh("echo one; echo two >&2; exit 0")), ("second", sh("test -s \"$0\"; exit 3"))],
         )
         .expect("start");
-        let done = beside.join();
+        let done = beside.join().expect("join");
         assert_eq!(done.iter().map(|d| d.name).collect::<Vec<_>>(), ["first", "second"]);
         assert!(matches!(done[0].ok, Ok(true)));
         assert!(matches!(done[1].ok, Ok(false)), "exit 3 is a failure");
@@ -128,12 +142,21 @@ mod tests {
     fn dropped_early_it_kills_the_task_running_and_starts_no_other() {
         let logs = std::env::temp_dir().join(format!("xtask-beside-drop-{}", std::process::id()));
         let marker = logs.join("second-ran");
+        let grandchild = logs.join("grandchild.pid");
+        std::fs::create_dir_all(&logs).expect("logs");
         let second = format!("touch {}", marker.display());
-        let beside = Beside::start(logs.clone(), vec![("sleeper", sh("exec sleep 600")), ("second", sh(&second))])
-            .expect("start");
+        let beside = Beside::start(
+            logs.clone(),
+            vec![
+                ("sleeper", sh(&format!("sleep 600 & echo $! > {}; wait", grandchild.display()))),
+                ("second", sh(&second)),
+            ],
+        )
+        .expect("start");
         let guard = std::time::Instant::now();
         let pid = loop {
-            if let Some(child) = beside.running.lock().expect("lock").as_ref() {
+            let started = std::fs::read_to_string(&grandchild).is_ok_and(|p| p.ends_with('\n'));
+            if let Some(child) = beside.running.lock().expect("lock").as_ref().filter(|_| started) {
                 break child.id();
             }
             assert!(guard.elapsed().as_secs() < 60, "the first task never started");
@@ -146,6 +169,15 @@ mod tests {
             "the sleeper outlived the drop (or was not reaped)"
         );
         assert!(!marker.exists(), "a task started after the drop");
+        // What the task started is killed too (it is no one's child here: not reaped, a zombie
+        // at most until init reaps it).
+        let sleeper: u32 = std::fs::read_to_string(&grandchild).expect("its pid").trim().parse().expect("a pid");
+        let gone = || std::fs::read_to_string(format!("/proc/{sleeper}/stat")).map_or(true, |s| s.contains(") Z "));
+        let guard = std::time::Instant::now();
+        while !gone() {
+            assert!(guard.elapsed().as_secs() < 60, "the task's own child outlived the drop");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         let _ = std::fs::remove_dir_all(logs);
     }
 }

@@ -47,7 +47,14 @@ pub(crate) fn test(root: &Path, filter: Option<&str>, vm: bool, kernels: &[Strin
         )?;
     }
     if let Some(beside) = beside {
-        ok &= replay(beside.join(), &mut tally)?;
+        ok &= match beside.join() {
+            Ok(done) => replay(done, &mut tally)?,
+            Err(e) => {
+                println!("the fuzz targets and the image: FAILED: {e:#}");
+                tally.failed += 1;
+                false
+            }
+        };
     }
     // The qemu suites: Debian's 5.10, 6.1 and 6.12 kernels, arm64's 6.12, and the node cells
     // bookworm/runc/kubeadm and sid/crun/k3s (containerd, the agent also from its image under the
