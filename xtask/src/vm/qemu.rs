@@ -48,7 +48,7 @@ impl Killed {
         let start = dump.iter().position(|l| l.contains("sysrq: Show backtrace of all active CPUs"));
         let dump = start.map_or(&[][..], |i| &dump[i..]);
         let dump = &dump[..dump.iter().position(|l| l.contains("sysrq: Show State")).unwrap_or(dump.len())];
-        if dump.iter().any(|l| names_valet(l)) {
+        if names_valet_in(dump) {
             return None;
         }
         let on_cpus: Vec<String> = dump
@@ -244,14 +244,18 @@ pub(crate) fn foreign_panic(lines: &[String]) -> Option<String> {
     // A panic() of its own prints its stack after its line, up to "---[ end Kernel panic".
     let last = lines[end..].iter().position(|l| l.contains("end Kernel panic")).map_or(lines.len() - 1, |i| end + i);
     let report = &lines[start.saturating_sub(1)..=last];
-    if report.iter().any(|l| names_valet(l)) {
+    if names_valet_in(report) {
         return None;
     }
     let strip = |l: &String| unstamped(l).trim_end().to_string();
     let pick = |key: &str| report.iter().find(|l| l.contains(key)).map(strip);
     let parts: Vec<String> = [
         pick("Oops:").or_else(|| pick("BUG:")).or_else(|| pick("detected stall")),
-        pick("RIP: 0010:"),
+        report
+            .iter()
+            .find(|l| on_text_patch(l))
+            .or_else(|| report.iter().find(|l| l.contains("RIP: 0010:")))
+            .map(strip),
         pick("Comm:"),
         Some(strip(&lines[end])),
     ]
@@ -272,6 +276,30 @@ pub(crate) fn foreign_fault(lines: &[String], killed: Option<&Killed>) -> Option
 /// A kernel console line without its timestamp (`[  164.589105] `) and leading blanks.
 fn unstamped(line: &str) -> &str {
     line.split_once("] ").map_or(line, |(_, rest)| rest).trim_start()
+}
+
+/// Whether a panic's report or a hung guest's dump names valet ([`names_valet`]). A task of the
+/// agent's on a CPU does not when another CPU is trapped on a kernel text patch's `int3`
+/// ([`on_text_patch`]): a tracepoint switched on or off (the agent attaching or detaching its
+/// programs, at its start or its exit) rewrites a jump label with `int3` and IPIs, and under TCG
+/// a CPU has been seen looping on that `int3` while the other waited for it: an RCU stall with
+/// the agent's threads on both CPUs, in `do_exit` at the tracepoint's site (2026-12-06, the
+/// bookworm v1 node cell, at an agent's exit). That is the emulator's cross-modified code, not
+/// valet's; a BPF frame still names valet.
+fn names_valet_in(report: &[String]) -> bool {
+    let bpf = |l: &String| names_valet(l) && !l.contains("Comm: valet") && !l.contains("[valet");
+    report.iter().any(bpf) || (report.iter().any(|l| names_valet(l)) && !report.iter().any(|l| on_text_patch(l)))
+}
+
+/// A CPU stopped at a kernel text patch's breakpoint: `RIP: 0010:asm_exc_int3+0x0/0x40`, or in
+/// the handler that steps a patched site (`poke_int3_handler`; `smp_text_poke_int3_handler` since
+/// 6.16).
+fn on_text_patch(line: &str) -> bool {
+    line.split_once("RIP: 0010:").is_some_and(|(_, at)| {
+        ["asm_exc_int3+", "exc_int3+", "poke_int3_handler+", "smp_text_poke_int3_handler+"]
+            .iter()
+            .any(|f| at.starts_with(f))
+    })
 }
 
 /// A line of a panic's report that names valet: a BPF program or helper in a stack or at the
@@ -366,6 +394,38 @@ mod tests {
         }
         // No panic: the scenarios' own lines only.
         assert_eq!(foreign_panic(&lines[..lines.iter().position(|l| l.contains("traps:")).expect("its trap")]), None);
+    }
+
+    #[test]
+    fn a_stall_on_a_patched_tracepoint_is_the_emulators_even_with_the_agent_on_its_cpus() {
+        // 2026-12-06, the bookworm v1 node cell (6.1): the agent exiting, its threads in `do_exit`
+        // on both CPUs at the exit tracepoint's jump label, CPU 1 on the patch's `int3`; the RCU
+        // stall a panic (`panic_on_rcu_stall`), the NMI backtraces only in the replayed log.
+        let log = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/tcg-int3-rcu-stall.log"))
+            .expect("read the fixture");
+        let lines: Vec<String> = log.lines().map(String::from).collect();
+        let summary = foreign_panic(&lines).expect("a stall on a text patch's int3");
+        assert!(summary.starts_with("rcu: INFO: rcu_preempt self-detected stall on CPU"), "{summary}");
+        assert!(summary.contains("RIP: 0010:asm_exc_int3+0x0/0x40"), "{summary}");
+        assert!(summary.contains("Comm: valet-worker"), "{summary}");
+        // Without the CPU on the int3, the agent's threads on the CPUs are valet's.
+        let no_patch: Vec<String> = lines.iter().filter(|l| !l.contains("asm_exc_int3")).cloned().collect();
+        assert_eq!(foreign_panic(&no_patch), None);
+        // With a BPF program on a stack, valet's whatever the int3.
+        let mut in_bpf = lines.clone();
+        let at = in_bpf.iter().position(|l| l.contains("do_group_exit+0x2d")).expect("a stack");
+        in_bpf.insert(at, "[  192.525789]  bpf_prog_6deef7357e7b4530_on_exit+0x52/0x9a".into());
+        assert_eq!(foreign_panic(&in_bpf), None);
+        // A hung guest's SysRq dump, the same way.
+        let mut dump = vec!["[  900.000000] sysrq: Show backtrace of all active CPUs".to_string()];
+        dump.extend(lines.iter().filter(|l| l.contains("Comm:") || l.contains("RIP: 0010:")).cloned());
+        let silent = Killed { why: "silent".into(), silent: true, dump_from: 0 };
+        assert!(silent.foreign_hang(&dump).is_some_and(|s| s.contains("asm_exc_int3")));
+        dump.retain(|l| !l.contains("asm_exc_int3"));
+        assert_eq!(silent.foreign_hang(&dump), None);
+        assert!(on_text_patch("[  1.0] RIP: 0010:smp_text_poke_int3_handler+0x5/0x90"));
+        assert!(!on_text_patch("[  1.0] RIP: 0033:asm_exc_int3+0x0/0x40"), "user space");
+        assert!(!on_text_patch("[  1.0]  asm_exc_int3+0x39/0x40"), "a frame, not where a CPU is");
     }
 
     #[test]
