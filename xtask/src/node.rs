@@ -31,7 +31,7 @@ use crate::arch::Arch;
 use crate::node_images::oci_images;
 use crate::vm::apt::Apt;
 use crate::vm::kernel::Kernel;
-use crate::vm::qemu::qemu;
+use crate::vm::qemu::{qemu, stopped_why};
 use crate::vm::{CACHE, fnv};
 
 /// Packages of the node image on top of `--variant=minbase`; each suite adds its OCI runtimes.
@@ -535,7 +535,7 @@ fn run_cell(
         }
         if !finished {
             failed += 1;
-            let why = killed.map_or_else(|| "it stopped".into(), |k| k.to_string());
+            let why = stopped_why(&lines, killed.as_ref(), panic.as_deref());
             results.push(format!(
                 "  node: the scenarios did not finish: {why}; console: {}",
                 dir.join("console.log").display()

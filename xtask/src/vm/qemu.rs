@@ -273,6 +273,18 @@ pub(crate) fn foreign_fault(lines: &[String], killed: Option<&Killed>) -> Option
     }
 }
 
+/// Why a guest's scenarios or tests did not finish: it was killed (why), its kernel panicked
+/// (valet's when `foreign` is `None`: no rerun), or it stopped.
+pub(crate) fn stopped_why(lines: &[String], killed: Option<&Killed>, foreign: Option<&str>) -> String {
+    let panic = lines.iter().find(|l| l.contains("Kernel panic - not syncing")).map(|l| unstamped(l).trim_end());
+    match (killed, panic, foreign) {
+        (Some(k), _, _) => k.to_string(),
+        (None, Some(p), None) => format!("its kernel panicked with valet on its stacks, so not rerun ({p})"),
+        (None, Some(p), Some(_)) => format!("its kernel panicked, not rerun: its second boot, or none left ({p})"),
+        (None, None, _) => "it stopped".into(),
+    }
+}
+
 /// A kernel console line without its timestamp (`[  164.589105] `) and leading blanks.
 fn unstamped(line: &str) -> &str {
     line.split_once("] ").map_or(line, |(_, rest)| rest).trim_start()
@@ -423,6 +435,13 @@ mod tests {
         assert!(silent.foreign_hang(&dump).is_some_and(|s| s.contains("asm_exc_int3")));
         dump.retain(|l| !l.contains("asm_exc_int3"));
         assert_eq!(silent.foreign_hang(&dump), None);
+        // What the cell's summary says when it is not rerun.
+        assert_eq!(
+            stopped_why(&in_bpf, None, foreign_panic(&in_bpf).as_deref()),
+            "its kernel panicked with valet on its stacks, so not rerun (Kernel panic - not syncing: RCU Stall)"
+        );
+        assert!(stopped_why(&lines, None, Some("x")).starts_with("its kernel panicked, not rerun"));
+        assert_eq!(stopped_why(&lines[..2], None, None), "it stopped");
         assert!(on_text_patch("[  1.0] RIP: 0010:smp_text_poke_int3_handler+0x5/0x90"));
         assert!(!on_text_patch("[  1.0] RIP: 0033:asm_exc_int3+0x0/0x40"), "user space");
         assert!(!on_text_patch("[  1.0]  asm_exc_int3+0x39/0x40"), "a frame, not where a CPU is");
