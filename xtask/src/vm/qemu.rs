@@ -35,7 +35,7 @@ impl std::fmt::Display for Killed {
 }
 
 impl Killed {
-    /// A guest gone silent whose dump names nothing of valet's ([`names_valet`]: no task of the
+    /// A guest gone silent whose dump names nothing of valet's ([`names_valet_in`]: no task of the
     /// agent's on a CPU, no BPF frame): a hang of the emulator's or the kernel's, as a lost
     /// interrupt leaves a guest (a CPU that takes no IPI, a 9p request never answered). Its
     /// summary: the tasks on the CPUs and where they were, or that SysRq printed nothing.
@@ -228,7 +228,7 @@ fn dump_hung_guest(monitor: &Path, log: &Path) {
 /// `softlockup_panic` and `panic_on_rcu_stall` such a hang is a panic too, and its report (the
 /// kernel's whole log replayed, `panic_print`) has every CPU's backtrace. Returns its summary for
 /// the log: the oops line, the faulting function and the task. `None` when the guest did not
-/// panic, or when the report names valet ([`names_valet`]): that is valet's, and never rerun.
+/// panic, or when the report names valet ([`names_valet_in`]): that is valet's, and never rerun.
 pub(crate) fn foreign_panic(lines: &[String]) -> Option<String> {
     let end = lines.iter().position(|l| l.contains("Kernel panic - not syncing"))?;
     let start = lines[..end]
@@ -290,17 +290,18 @@ fn unstamped(line: &str) -> &str {
     line.split_once("] ").map_or(line, |(_, rest)| rest).trim_start()
 }
 
-/// Whether a panic's report or a hung guest's dump names valet ([`names_valet`]). A task of the
-/// agent's on a CPU does not when another CPU is trapped on a kernel text patch's `int3`
-/// ([`on_text_patch`]): a tracepoint switched on or off (the agent attaching or detaching its
-/// programs, at its start or its exit) rewrites a jump label with `int3` and IPIs, and under TCG
-/// a CPU has been seen looping on that `int3` while the other waited for it: an RCU stall with
-/// the agent's threads on both CPUs, in `do_exit` at the tracepoint's site (2026-12-06, the
-/// bookworm v1 node cell, at an agent's exit). That is the emulator's cross-modified code, not
-/// valet's; a BPF frame still names valet.
+/// Whether a panic's report or a hung guest's dump names valet: a BPF frame ([`names_bpf`]), or
+/// a task of the agent's on a CPU ([`names_agent_task`]). The task does not when another CPU is
+/// trapped on a kernel text patch's `int3` ([`on_text_patch`]): a tracepoint switched on or off
+/// (the agent attaching or detaching its programs, at its start or its exit) rewrites a jump
+/// label with `int3` and IPIs, and under TCG a CPU has been seen looping on that `int3` while the
+/// other waited for it: an RCU stall with the agent's threads on both CPUs, in `do_exit` at the
+/// tracepoint's site (2026-12-06, the bookworm v1 node cell, at an agent's exit). That is the
+/// emulator's cross-modified code, not valet's; a BPF frame still names valet. The replayed log's
+/// other lines (a unit's `valet-node-run[223]`, "eBPF" in a boot message) name nothing.
 fn names_valet_in(report: &[String]) -> bool {
-    let bpf = |l: &String| names_valet(l) && !l.contains("Comm: valet") && !l.contains("[valet");
-    report.iter().any(bpf) || (report.iter().any(|l| names_valet(l)) && !report.iter().any(|l| on_text_patch(l)))
+    let any = |f: fn(&str) -> bool| report.iter().any(|l| f(l));
+    any(names_bpf) || (any(names_agent_task) && !any(on_text_patch))
 }
 
 /// A CPU stopped at a kernel text patch's breakpoint: `RIP: 0010:asm_exc_int3+0x0/0x40`, or in
@@ -314,17 +315,21 @@ fn on_text_patch(line: &str) -> bool {
     })
 }
 
-/// A line of a panic's report that names valet: a BPF program or helper in a stack or at the
-/// faulting instruction (`bpf_prog_6deef7357e7b4530_on_exit+0x52/0x9a`, `RIP: 0010:bpf_prog_...`,
-/// `bpf_ringbuf_reserve+0x1c/0x60`), or a task of the agent's on a CPU (its threads are all named
-/// `valet-*`: `Comm: valet-events`, a soft lockup's `[valet-agent:812]`). The replayed log's
-/// other lines (a unit's `valet-node-run[223]`, "eBPF" in a boot message) do not.
-fn names_valet(line: &str) -> bool {
+/// A BPF program or helper in a stack or at the faulting instruction
+/// (`bpf_prog_6deef7357e7b4530_on_exit+0x52/0x9a`, `RIP: 0010:bpf_prog_...`,
+/// `bpf_ringbuf_reserve+0x1c/0x60`).
+fn names_bpf(line: &str) -> bool {
     // A frame, reliable (a `?` one is a stale word on the stack: `? __bpf_trace_tick_stop+0x10`
     // is in most tasks' stacks), or the faulting instruction.
     let frame = unstamped(line);
     let bpf_frame = frame.split_whitespace().next().is_some_and(|w| w.starts_with("bpf_") && w.contains("+0x"));
-    bpf_frame || line.contains(":bpf_") || line.contains("Comm: valet") || line.contains("[valet")
+    bpf_frame || line.contains(":bpf_")
+}
+
+/// A task of the agent's on a CPU: its threads are all named `valet-*` (`Comm: valet-events`, a
+/// soft lockup's `[valet-agent:812]`).
+fn names_agent_task(line: &str) -> bool {
+    line.contains("Comm: valet") || line.contains("[valet")
 }
 
 /// Console lines worth echoing: test names and results, panics (cut to 400 characters: a
@@ -350,11 +355,15 @@ fn echoed(line: &str) -> bool {
 mod tests {
     use super::*;
 
+    /// A console kept in `xtask/testdata/`, by line.
+    fn fixture(name: &str) -> Vec<String> {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata").join(name);
+        std::fs::read_to_string(&path).expect("read the fixture").lines().map(String::from).collect()
+    }
+
     #[test]
     fn foreign_panic_and_ours() {
-        let log = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/tcg-double-fault.log"))
-            .expect("read the fixture");
-        let lines: Vec<String> = log.lines().map(String::from).collect();
+        let lines = fixture("tcg-double-fault.log");
         let summary = foreign_panic(&lines).expect("a panic with no BPF program on its stack");
         assert!(summary.starts_with("Oops: double fault"), "{summary}");
         assert!(summary.contains("RIP: 0010:kmem_cache_alloc_node_noprof"), "{summary}");
@@ -413,9 +422,7 @@ mod tests {
         // 2026-12-06, the bookworm v1 node cell (6.1): the agent exiting, its threads in `do_exit`
         // on both CPUs at the exit tracepoint's jump label, CPU 1 on the patch's `int3`; the RCU
         // stall a panic (`panic_on_rcu_stall`), the NMI backtraces only in the replayed log.
-        let log = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/tcg-int3-rcu-stall.log"))
-            .expect("read the fixture");
-        let lines: Vec<String> = log.lines().map(String::from).collect();
+        let lines = fixture("tcg-int3-rcu-stall.log");
         let summary = foreign_panic(&lines).expect("a stall on a text patch's int3");
         assert!(summary.starts_with("rcu: INFO: rcu_preempt self-detected stall on CPU"), "{summary}");
         assert!(summary.contains("RIP: 0010:asm_exc_int3+0x0/0x40"), "{summary}");
