@@ -273,6 +273,7 @@ fn act_settings(cfg: &Config) -> Settings {
         held_prober: probes.held_prober,
         release_priority: cfg.holds.release_priority,
         decide_priority: cfg.holds.decide_priority,
+        urgent_priority: cfg.holds.decide_priority.max(cfg.holds.loop_priority),
         record_dirs: cfg.record_dirs(),
         log_links: cfg.log_links_dir(),
     }

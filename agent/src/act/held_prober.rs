@@ -1,6 +1,8 @@
-//! One thread probes every held pod's proxies (`--held-prober`). Each slot, every request is
-//! written back to back on the pods' kept connections, the answers are read as `ppoll` says
-//! they are there, and the round's news goes out together. On the runtime, each probe cost
+//! One thread probes every held pod's proxies (`--held-prober`). Each period, every pod is asked
+//! once on its kept connection, the pods in groups spread over the period (a flip waits for the
+//! next group, not the next period); the answers are read as `ppoll` says they are there, and a
+//! group's news goes out together. A pod that turns ready brings the others' asks forward, once
+//! a period: the held pods of a node often wait for the same thing. On the runtime, each probe cost
 //! wake-ups of its threads for the answers (about twice the CPU per probe on a 2-core VM).
 //!
 //! The probe loops of the held pods hand their pod over while it is held, and only when the
@@ -23,8 +25,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
+use super::PodFeedback;
 use super::answer::{Answer, LIMITS, REPEAT, all_ready, detail};
-use super::{PodFeedback, next_multiple};
+use super::held_pace::{Boost, SlotClock};
 use crate::effect::Feedback;
 use crate::sidecar::http::{self, Failure};
 use crate::sidecar::{SidecarLink, SocketError};
@@ -39,40 +42,15 @@ const LISTEN_BURST: u8 = 5;
 const BURST_GAP: Duration = Duration::from_millis(2);
 /// With nothing to do, how often the thread looks whether the agent is still there.
 const IDLE_WAIT: Duration = Duration::from_secs(1);
-
-/// The prober's CPU budget kept across its slots: each slot it reads its own CPU time, and the
-/// next slot comes no sooner than that period's CPU allows within the share.
-struct CpuPace {
-    /// The thread's CPU time at the last slot.
-    last: Duration,
-    /// What a period costs: the latest, or, while periods get cheaper, a decaying memory of the
-    /// dearer ones (so that the pace does not swing back at once after a burst).
-    cost: Duration,
-}
-
-impl CpuPace {
-    fn new(cpu: Duration) -> CpuPace {
-        CpuPace { last: cpu, cost: Duration::ZERO }
-    }
-
-    /// At a slot, with the thread's CPU time `cpu`: the period until the next one, at least
-    /// `floor`, long enough that the last period's CPU (its slot's probes, and the bursts and the
-    /// pods probed at once since) is at most `share` of it.
-    fn period(&mut self, cpu: Duration, floor: Duration, share: f64) -> Duration {
-        let spent = cpu.saturating_sub(self.last);
-        self.last = cpu;
-        self.cost = spent.max(self.cost.mul_f64(0.75));
-        if share >= 1.0 || share.is_nan() || share <= 0.0 {
-            return floor;
-        }
-        floor.max(self.cost.div_f64(share))
-    }
-}
-
-/// The calling thread's CPU time (zero if the clock cannot be read: no budget then).
-fn thread_cpu() -> Duration {
-    crate::host::sys::thread_cpu()
-}
+/// A period's asks are spread over it in groups at least this far apart, and of at least this
+/// many pods: a flip is seen by the next group's ask, and each group costs the thread its
+/// wake-ups (for the group's slot, and for its answers).
+const SPREAD_GAP: Duration = Duration::from_millis(2);
+const GROUP_LEAST: usize = 4;
+/// A spread group's answers are read this long after its asks, together: read as each came, a
+/// probe cost the thread a wake-up more (about twice the CPU on a 2-core VM). A flip seen in them
+/// brings the rest of the period forward ([`sweep`]); a sweep's answers are read as they come.
+const ANSWER_LAG: Duration = Duration::from_millis(1);
 
 /// A pod as handed over.
 struct Wanted {
@@ -144,16 +122,26 @@ struct Pod {
     /// Asked, and not every answer is in yet.
     asked: bool,
     last: Option<(Vec<Answer>, Instant)>,
+    /// When this period asks it (its group's place in the period, or at once in a sweep).
+    due: Option<Instant>,
+    /// Its due ask is a spread group's, whose answers are read after [`ANSWER_LAG`]...
+    lazy: bool,
+    /// ...at this moment, for its request in flight.
+    read_at: Option<Instant>,
+    /// Its due ask is a sweep's.
+    urgent: bool,
 }
 
 impl HeldProber {
     /// Starts the thread; its news goes to `tx`. It ends once `tx` is closed. None: no thread
     /// (the held pods are probed by their loops).
-    /// `priority`: the thread's SCHED_FIFO priority (0: the normal class).
+    /// `priority`: the thread's SCHED_FIFO priority (0: the normal class); `urgent`: its priority
+    /// while the asks a release waits on are out, if it is in the normal class (0: none).
     pub fn start<L: SidecarLink>(
         link: Arc<L>,
         tx: mpsc::UnboundedSender<PodFeedback>,
         priority: u8,
+        urgent: u8,
     ) -> Option<Arc<HeldProber>> {
         let wake = match crate::host::sys::eventfd() {
             Ok(fd) => File::from(fd),
@@ -173,7 +161,8 @@ impl HeldProber {
         let p = prober.clone();
         let spawned = std::thread::Builder::new().name("valet-held".into()).spawn(move || {
             crate::host::sys::enter_real_time("the held pods' prober", priority);
-            if let Err(why) = p.run(link.as_ref(), &tx) {
+            let boost = Boost::new(if priority == 0 { urgent } else { 0 });
+            if let Err(why) = p.run(link.as_ref(), &tx, boost) {
                 warn!("held-pod prober stops, its pods go back to their loops: {why}");
             }
             let mut registry = p.registry();
@@ -300,12 +289,21 @@ impl HeldProber {
                 burst_next: None,
                 asked: false,
                 last: None,
+                due: None,
+                lazy: false,
+                read_at: None,
+                urgent: false,
             });
         }
     }
 
     /// Probes until the agent is gone (Ok) or this thread may make no other socket (Err).
-    fn run(&self, link: &dyn SidecarLink, tx: &mpsc::UnboundedSender<PodFeedback>) -> Result<(), String> {
+    fn run(
+        &self,
+        link: &dyn SidecarLink,
+        tx: &mpsc::UnboundedSender<PodFeedback>,
+        mut boost: Boost,
+    ) -> Result<(), String> {
         let mut clock = SlotClock::new(Instant::now());
         let mut pods: Vec<Pod> = Vec::new();
         let mut seen = 0;
@@ -313,6 +311,8 @@ impl HeldProber {
         let mut round: Option<Instant> = None;
         let mut news: Vec<PodFeedback> = Vec::new();
         let mut poll = PollSet::default();
+        // This period's asks were brought forward by a pod that turned ready.
+        let mut swept = false;
         loop {
             if tx.is_closed() {
                 return Ok(());
@@ -321,20 +321,25 @@ impl HeldProber {
             let now = Instant::now();
             let floor = Duration::from_nanos(self.interval_ns.load(Ordering::Relaxed));
             let share = f64::from_bits(self.cpu_share.load(Ordering::Relaxed));
-            let slot = !pods.is_empty() && clock.slot(now, floor, share, pods.len());
-            let burst_due = |p: &Pod| p.burst_next.is_some_and(|at| now >= at);
-            for pod in pods.iter_mut().filter(|p| slot || p.fresh || burst_due(p)) {
-                round.get_or_insert(now);
-                pod.fresh = false;
-                if burst_due(pod) {
-                    pod.burst_next = None;
-                    pod.burst -= 1;
-                }
-                ask(link, pod, now)?;
+            if !pods.is_empty() && clock.slot(now, floor, share, pods.len()) {
+                swept = false;
+                spread(&mut pods, now, clock.next.saturating_duration_since(now));
             }
+            if ask_due(link, &mut pods, now, &mut boost)? {
+                round.get_or_insert(now);
+            }
+            boost.end_when_answered(|at| in_flight(&pods).any(|since| since >= at));
             let deadline = self.deadline();
             expire(&mut pods, Instant::now(), deadline);
-            collect(&mut pods, &mut news);
+            // A pod that turned ready brings the others' asks forward, once a period: the held
+            // pods of a node often wait for the same thing (the control plane's first push).
+            if collect(&mut pods, &mut news) && !swept {
+                swept = true;
+                let now = Instant::now();
+                sweep(&mut pods, now);
+                // Its news and the flip's go out together, once the sweep's answers are in.
+                round.get_or_insert(now);
+            }
             go_on_bursting(&mut pods, Instant::now());
             // The round's news, once its answers are in or it waited long enough.
             let waiting = |at: Instant| in_flight(&pods).any(|since| since >= at);
@@ -352,15 +357,12 @@ impl HeldProber {
             }
             // Until an answer, a hand-over, the next slot, the round's end or a deadline.
             let now = Instant::now();
-            let mut until = now + IDLE_WAIT;
+            let mut until = (now + IDLE_WAIT).min(next_ask(&pods, now));
             if !pods.is_empty() {
                 until = until.min(clock.next);
             }
             if let Some(at) = round {
                 until = until.min(at + ROUND_WAIT);
-            }
-            if let Some(at) = pods.iter().filter_map(|p| p.burst_next).min() {
-                until = until.min(at);
             }
             if let Some(first) = in_flight(&pods).min() {
                 until = until.min(first + deadline);
@@ -376,7 +378,8 @@ impl HeldProber {
         fds.clear();
         polled.clear();
         fds.push(libc::pollfd { fd: self.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-        for (i, pod) in pods.iter().enumerate() {
+        let now = Instant::now();
+        for (i, pod) in pods.iter().enumerate().filter(|(_, p)| p.read_at.is_none_or(|at| at <= now)) {
             for (j, ep) in pod.endpoints.iter().enumerate() {
                 let (fd, events) = match &ep.conn {
                     Conn::Connecting { stream, .. } => (stream.as_raw_fd(), libc::POLLOUT),
@@ -406,50 +409,75 @@ impl HeldProber {
     }
 }
 
-/// The prober's slots: at its interval on its own clock, further apart when the CPU budget asks.
-struct SlotClock {
-    origin: Instant,
-    /// When the next slot is due.
-    next: Instant,
-    pace: CpuPace,
-    period: Duration,
-}
-
-impl SlotClock {
-    fn new(origin: Instant) -> SlotClock {
-        SlotClock { origin, next: origin, pace: CpuPace::new(thread_cpu()), period: Duration::ZERO }
-    }
-
-    /// Whether a slot is due at `now` (the interval `floor`, the CPU `share`; `held`: the pods,
-    /// for the log); when it is, the next one is set, as often as the interval and the CPU budget
-    /// allow.
-    fn slot(&mut self, now: Instant, floor: Duration, share: f64, held: usize) -> bool {
-        if now < self.next {
-            return false;
-        }
-        let next = self.pace.period(thread_cpu(), floor, share);
-        if next > floor && (next > self.period * 2 || self.period > next * 2) {
-            debug!(?next, ?floor, held, "the held pods' probe period, within the CPU budget");
-        }
-        self.period = next;
-        // On the prober's clock at its interval; a period the budget lengthened counts from this
-        // slot (a multiple of a period that changes from slot to slot can fall right after it, and
-        // the slots come faster than the budget allows).
-        self.next = if self.period > floor {
-            now + self.period
-        } else {
-            self.origin + next_multiple(now.duration_since(self.origin), self.period)
-        };
-        true
-    }
-}
-
 /// What one wait polls (kept across waits): the wake-up first, then each connection in flight,
 /// with its pod's and endpoint's places.
 #[derive(Default)]
 struct PollSet {
     fds: Vec<libc::pollfd>,
     polled: Vec<(usize, usize)>,
+}
+
+/// Asks every pod whose ask is due at `now`: its group's, a sweep's, a burst's, or handed over.
+/// Those a release waits on go out in the loop's class (`boost`). True if any was asked. Err: this
+/// thread may make no other socket.
+fn ask_due(link: &dyn SidecarLink, pods: &mut [Pod], now: Instant, boost: &mut Boost) -> Result<bool, String> {
+    let burst_due = |p: &Pod| p.burst_next.is_some_and(|at| now >= at);
+    // A pod waiting for an answer keeps its due ask until the answer is in.
+    let due = |p: &Pod| !p.asked && p.due.is_some_and(|at| now >= at);
+    if pods.iter().any(|p| p.fresh || burst_due(p) || (p.urgent && due(p))) {
+        boost.start(now);
+    }
+    let mut asked = false;
+    for pod in pods.iter_mut().filter(|p| due(p) || p.fresh || burst_due(p)) {
+        asked = true;
+        let lazy = pod.lazy && !pod.fresh && !burst_due(pod);
+        pod.read_at = lazy.then_some(now + ANSWER_LAG);
+        pod.fresh = false;
+        if due(pod) {
+            pod.due = None;
+            pod.urgent = false;
+        }
+        if burst_due(pod) {
+            pod.burst_next = None;
+            pod.burst -= 1;
+        }
+        ask(link, pod, now)?;
+    }
+    Ok(asked)
+}
+
+/// The next moment a pod is to be asked, or its lazy answers read (far off if none).
+fn next_ask(pods: &[Pod], now: Instant) -> Instant {
+    let next = |p: &Pod| {
+        let read = p.read_at.filter(|at| p.asked && *at > now);
+        p.burst_next.into_iter().chain(p.due.filter(|_| !p.asked)).chain(read).min()
+    };
+    pods.iter().filter_map(next).min().unwrap_or(now + IDLE_WAIT)
+}
+
+/// A period's asks, spread over `period` from `now` in groups at least [`SPREAD_GAP`] apart and
+/// of at least [`GROUP_LEAST`] pods, so that a flip waits for the next group rather than for the
+/// next period.
+fn spread(pods: &mut [Pod], now: Instant, period: Duration) {
+    let n = pods.len().max(1);
+    let by_gap = usize::try_from(period.as_nanos() / SPREAD_GAP.as_nanos()).unwrap_or(usize::MAX);
+    let groups = by_gap.min(n / GROUP_LEAST).max(1);
+    let gap = period.div_f64(groups as f64);
+    for (i, pod) in pods.iter_mut().enumerate() {
+        pod.due = Some(now + gap.mul_f64((i * groups / n) as f64));
+        pod.lazy = groups > 1;
+    }
+}
+
+/// Every pod not ready by its last answer is asked at `now` (one waiting for an answer, asked
+/// before the flip, once it has it): in place of its ask later in the period.
+fn sweep(pods: &mut [Pod], now: Instant) {
+    let not_ready = |p: &Pod| !p.last.as_ref().is_some_and(|(answers, _)| all_ready(answers));
+    for pod in pods.iter_mut().filter(|p| not_ready(p)) {
+        pod.due = Some(now);
+        pod.lazy = false;
+        pod.urgent = true;
+    }
 }
 
 /// A burst goes on while the pod's answers are in and not ready yet.
@@ -632,7 +660,9 @@ fn expire(pods: &mut [Pod], now: Instant, deadline: Duration) {
 }
 
 /// The news of every pod whose answers are all in: a changed answer, or the same after a while.
-fn collect(pods: &mut [Pod], news: &mut Vec<PodFeedback>) {
+/// True if a pod whose last answers were not all ready now is.
+fn collect(pods: &mut [Pod], news: &mut Vec<PodFeedback>) -> bool {
+    let mut flipped = false;
     for pod in pods.iter_mut().filter(|p| p.asked && p.endpoints.iter().all(|ep| ep.answer.is_some())) {
         pod.asked = false;
         // Compared in place: an unchanged answer, the common case, costs no allocation.
@@ -647,10 +677,12 @@ fn collect(pods: &mut [Pod], news: &mut Vec<PodFeedback>) {
         }
         let answers: Vec<Answer> = pod.endpoints.iter_mut().filter_map(|ep| ep.answer.take()).collect();
         let ready = all_ready(&answers);
+        flipped |= ready && pod.last.as_ref().is_some_and(|(last, _)| !all_ready(last));
         let detail = detail(pod.endpoints.iter().map(|ep| ep.name.as_str()), &answers);
         pod.last = Some((answers, Instant::now()));
         news.push((pod.uid.clone(), Feedback::Probed { ready, detail }));
     }
+    flipped
 }
 
 #[cfg(test)]
@@ -715,7 +747,7 @@ mod tests {
 
     fn prober() -> (Arc<HeldProber>, mpsc::UnboundedReceiver<PodFeedback>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        (HeldProber::start(Arc::new(TestLink::default()), tx, 0).expect("a prober thread"), rx)
+        (HeldProber::start(Arc::new(TestLink::default()), tx, 0, 0).expect("a prober thread"), rx)
     }
 
     async fn next(rx: &mut mpsc::UnboundedReceiver<PodFeedback>) -> (String, bool, String) {
@@ -785,34 +817,6 @@ mod tests {
         assert_eq!(count(&seen.conns), 1, "a new connection after it was given back");
     }
 
-    #[test]
-    fn the_pace_keeps_the_threads_cpu_within_its_share() {
-        let (ms, us) = (Duration::from_millis, Duration::from_micros);
-        let mut cpu = ms(100);
-        let mut pace = CpuPace::new(cpu);
-        let mut slot = |spent: Duration, floor: Duration, share: f64| {
-            cpu += spent;
-            pace.period(cpu, floor, share)
-        };
-        // A cheap period (2.5 ms at 2 %): the interval.
-        assert_eq!(slot(us(50), ms(10), 0.02), ms(10));
-        // 0.88 ms of CPU a period (20 held pods at 44 µs each), which 2 % of a core allows every 44 ms.
-        assert_eq!(slot(us(880), ms(10), 0.02), ms(44));
-        // Cheaper again: the dear period fades by a quarter a slot.
-        assert_eq!(slot(Duration::ZERO, ms(10), 0.02), ms(33));
-        assert_eq!(slot(us(100), ms(10), 0.02), us(24_750));
-        // A longer interval is kept; no budget (a whole core or more) is the interval.
-        assert_eq!(slot(us(100), Duration::from_secs(1), 0.02), Duration::from_secs(1));
-        assert_eq!(slot(ms(5), ms(10), 1.0), ms(10));
-        // The thread's own clock moves with its work.
-        let before = thread_cpu();
-        let mut x = 0u64;
-        for i in 0..5_000_000u64 {
-            x = std::hint::black_box(x.wrapping_add(i));
-        }
-        assert!(thread_cpu() > before, "the thread's CPU clock did not move ({x})");
-    }
-
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_pod_handed_over_is_probed_at_once_not_at_the_next_slot() {
         let (port, _, _) = server(true, false);
@@ -823,6 +827,98 @@ mod tests {
         assert_eq!(next(&mut rx).await.0, "first");
         let _ = prober.hold("second", endpoint(port));
         assert_eq!(next(&mut rx).await.0, "second");
+    }
+
+    /// A held pod as the thread keeps it, with no connection and `last`'s answer.
+    fn held(uid: &str, last: Option<u16>) -> Pod {
+        Pod {
+            uid: uid.into(),
+            token: 0,
+            endpoints: Vec::new(),
+            fresh: false,
+            burst: 0,
+            burst_next: None,
+            asked: false,
+            last: last.map(|status| (vec![Answer::Status(status)], Instant::now())),
+            due: None,
+            lazy: false,
+            read_at: None,
+            urgent: false,
+        }
+    }
+
+    #[test]
+    fn a_period_asks_its_pods_in_groups_spread_over_it() {
+        let now = Instant::now();
+        let ms = Duration::from_millis;
+        let at =
+            |pods: &[Pod]| -> Vec<Duration> { pods.iter().map(|p| p.due.expect("due").duration_since(now)).collect() };
+        // 40 pods over 10 ms: five groups of eight, 2 ms apart, their answers read late.
+        let mut pods: Vec<Pod> = (0..40).map(|i| held(&format!("p{i}"), None)).collect();
+        spread(&mut pods, now, ms(10));
+        let want: Vec<Duration> = (0..40).map(|i| ms(2 * (i / 8))).collect();
+        assert_eq!(at(&pods), want);
+        assert!(pods.iter().all(|p| p.lazy));
+        // Over 100 ms: ten groups (four pods at least), 10 ms apart.
+        spread(&mut pods, now, ms(100));
+        let want: Vec<Duration> = (0..40).map(|i| ms(10 * (i / 4))).collect();
+        assert_eq!(at(&pods), want);
+        // Too few pods for two groups, or a period shorter than a gap: all at once, their
+        // answers read as they come.
+        let mut few: Vec<Pod> = (0..7).map(|i| held(&format!("p{i}"), None)).collect();
+        spread(&mut few, now, ms(30));
+        assert_eq!(at(&few), vec![ms(0); 7]);
+        assert!(few.iter().all(|p| !p.lazy));
+        spread(&mut pods, now, ms(1));
+        assert_eq!(at(&pods), vec![ms(0); 40]);
+        spread(&mut [], now, ms(10));
+    }
+
+    #[test]
+    fn a_sweep_asks_the_pods_not_ready_by_their_last_answer() {
+        let now = Instant::now();
+        let mut pods =
+            vec![held("ready", Some(200)), held("not-yet", Some(503)), held("new", None), held("asked", Some(503))];
+        pods[3].asked = true;
+        pods.iter_mut().for_each(|p| p.lazy = true);
+        sweep(&mut pods, now);
+        let due: Vec<bool> = pods.iter().map(|p| p.due == Some(now)).collect();
+        assert_eq!(due, vec![false, true, true, true]);
+        // A sweep's answers are read as they come.
+        let lazy: Vec<bool> = pods.iter().map(|p| p.lazy).collect();
+        assert_eq!(lazy, vec![true, false, false, false]);
+        let urgent: Vec<bool> = pods.iter().map(|p| p.urgent).collect();
+        assert_eq!(urgent, vec![false, true, true, true]);
+    }
+
+    // The held pods of a node often wait for the same thing: one turning ready brings every other
+    // pod's ask forward, once a period. No slot comes within the hang guard here.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pod_that_turns_ready_brings_the_others_asks_forward() {
+        let (prober, mut rx) = prober();
+        prober.set_interval(Duration::from_secs(3600));
+        let servers: Vec<_> = (0..4).map(|_| server(false, false)).collect();
+        // (In the normal class here: the prober of these tests has no real-time priority.)
+        for (i, (port, _, _)) in servers.iter().enumerate() {
+            let _ = prober.hold(&format!("pod-{i}"), endpoint(*port));
+            assert!(!next_of(&mut rx, &format!("pod-{i}"), None).await.0);
+        }
+        servers.iter().for_each(|(_, ready, _)| ready.store(true, Ordering::SeqCst));
+        // Only pod-0 is asked (a listen): its flip brings the other three's asks.
+        prober.probe_now("pod-0");
+        // The four turn ready, the three swept in the order their answers came.
+        let mut ready = std::collections::BTreeSet::new();
+        while ready.len() < 4 {
+            let (uid, is_ready, detail) = next(&mut rx).await;
+            if is_ready {
+                assert_eq!(detail, "istio-proxy answered 200");
+                ready.insert(uid);
+            }
+        }
+        assert_eq!(ready.into_iter().collect::<Vec<_>>(), ["pod-0", "pod-1", "pod-2", "pod-3"]);
+        // Each of the three asked once at its hand-over and once by the sweep.
+        let asks: Vec<u64> = servers[1..].iter().map(|(_, _, seen)| count(&seen.requests)).collect();
+        assert_eq!(asks, vec![2, 2, 2]);
     }
 
     // A socket listening in a held pod brings a probe at once and, while the proxy still says no

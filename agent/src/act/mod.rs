@@ -11,6 +11,7 @@
 pub mod ahead;
 mod answer;
 mod api_writes;
+mod held_pace;
 pub mod held_prober;
 mod pod_cgroups;
 pub mod probe;
@@ -77,6 +78,9 @@ pub struct Settings {
     /// The decision path's (the held pods' prober's, the loop's) SCHED_FIFO priority (0: the
     /// normal class).
     pub decide_priority: u8,
+    /// The held pods' prober's SCHED_FIFO priority while the asks a release waits on are out (a
+    /// pod handed over, a listen's, a sweep's): the loop's (0: it stays in its class).
+    pub urgent_priority: u8,
     /// Where the runtime's records of containers are read first (besides those reached through
     /// the runtime processes found).
     pub record_dirs: Vec<crate::runtime_record::RecordDir>,
@@ -101,6 +105,7 @@ impl Settings {
             held_prober: false,
             release_priority: 0,
             decide_priority: 0,
+            urgent_priority: 0,
             record_dirs: Vec::new(),
         }
     }

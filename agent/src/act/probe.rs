@@ -37,7 +37,9 @@ impl<L: SidecarLink> Probes<L> {
     pub fn new(link: Arc<L>, reports: mpsc::UnboundedSender<PodFeedback>, settings: &Settings) -> Probes<L> {
         let held_prober = settings
             .held_prober
-            .then(|| HeldProber::start(link.clone(), reports.clone(), settings.decide_priority))
+            .then(|| {
+                HeldProber::start(link.clone(), reports.clone(), settings.decide_priority, settings.urgent_priority)
+            })
             .flatten();
         if let Some(p) = &held_prober {
             p.set_interval(settings.held_probe_interval);

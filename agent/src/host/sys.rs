@@ -211,6 +211,26 @@ pub fn real_time(priority: u8) -> io::Result<()> {
     Ok(())
 }
 
+/// The calling thread's scheduling policy (`SCHED_OTHER`, `SCHED_FIFO`, ...; without the
+/// `SCHED_RESET_ON_FORK` flag).
+pub fn sched_policy() -> io::Result<i32> {
+    // SAFETY: no pointer is passed; pid 0 is the calling thread.
+    match unsafe { libc::sched_getscheduler(0) } {
+        -1 => Err(io::Error::last_os_error()),
+        policy => Ok(policy & !libc::SCHED_RESET_ON_FORK),
+    }
+}
+
+/// Puts the calling thread back in the normal class (SCHED_OTHER; no privilege needed).
+pub fn normal_class() -> io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid sched_param for the call; pid 0 is the calling thread.
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Asks the scheduler for a slice of `slice` for the calling thread (sched_setattr(2)'s
 /// `sched_runtime` under SCHED_OTHER: Linux 6.12+, EEVDF; unprivileged, nice unchanged).
 pub fn short_slice(slice: Duration) -> io::Result<()> {

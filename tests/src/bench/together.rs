@@ -423,7 +423,8 @@ fn complete_rows(setup: &Setup<'_>, f: &Figures, table: &mut Table) {
 
 /// With no listen, the release waits for the poll. A probe costs the prober `per` of its CPU;
 /// within the CPU target (5 % of a core, all of it the prober's) every held pod is probed no more
-/// often than every `period`, and a flip at a random moment of it waits half of it at the median.
+/// often than every `period`, and a lone flip at a random moment of it waits half of it at the
+/// median. A round's flips come together: the first one seen brings the others' asks forward.
 fn poll_rows(pods: usize, prober_ns: u64, probes: usize, table: &mut Table) {
     let per = prober_ns as f64 / probes as f64;
     let period = pods as f64 * per / 0.05;
@@ -437,14 +438,16 @@ fn poll_rows(pods: usize, prober_ns: u64, probes: usize, table: &mut Table) {
     table.add(
         &format!(
             "[7] … the floor the poll's cost sets: a probe {:.1} µs of the prober's CPU, {pods} pods within 5 % of a \
-             core: a flip waits (median)",
+             core: a lone flip waits (median)",
             per / 1000.0
         ),
         format!("{:.2} ms", period / 2.0 / 1e6),
         "—",
         "—",
         if period / 2.0 > 12.5e6 {
-            "above the target: no poll at this cost meets it within the CPU target".into()
+            "above the target for a lone flip: no poll at this cost meets it within the CPU target (a round's \
+             first flip brings the others' asks forward)"
+                .into()
         } else {
             "below the target".into()
         },

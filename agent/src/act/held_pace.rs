@@ -1,0 +1,181 @@
+//! When the held pods' prober asks: its slots, paced by its own CPU within a share of a core, and
+//! the real-time class it asks in when a release waits on the answers.
+
+use std::time::{Duration, Instant};
+
+use tracing::{debug, warn};
+
+use super::next_multiple;
+
+/// The prober's CPU budget kept across its slots: each slot it reads its own CPU time, and the
+/// next slot comes no sooner than that period's CPU allows within the share.
+struct CpuPace {
+    /// The thread's CPU time at the last slot.
+    last: Duration,
+    /// What a period costs: the latest, or, while periods get cheaper, a decaying memory of the
+    /// dearer ones (so that the pace does not swing back at once after a burst).
+    cost: Duration,
+}
+
+impl CpuPace {
+    fn new(cpu: Duration) -> CpuPace {
+        CpuPace { last: cpu, cost: Duration::ZERO }
+    }
+
+    /// At a slot, with the thread's CPU time `cpu`: the period until the next one, at least
+    /// `floor`, long enough that the last period's CPU (its slot's probes, and the bursts and the
+    /// pods probed at once since) is at most `share` of it.
+    fn period(&mut self, cpu: Duration, floor: Duration, share: f64) -> Duration {
+        let spent = cpu.saturating_sub(self.last);
+        self.last = cpu;
+        self.cost = spent.max(self.cost.mul_f64(0.75));
+        if share >= 1.0 || share.is_nan() || share <= 0.0 {
+            return floor;
+        }
+        floor.max(self.cost.div_f64(share))
+    }
+}
+
+/// The calling thread's CPU time (zero if the clock cannot be read: no budget then).
+fn thread_cpu() -> Duration {
+    crate::host::sys::thread_cpu()
+}
+
+/// The prober's slots: at its interval on its own clock, further apart when the CPU budget asks.
+pub(super) struct SlotClock {
+    origin: Instant,
+    /// When the next slot is due.
+    pub(super) next: Instant,
+    pace: CpuPace,
+    period: Duration,
+}
+
+impl SlotClock {
+    pub(super) fn new(origin: Instant) -> SlotClock {
+        SlotClock { origin, next: origin, pace: CpuPace::new(thread_cpu()), period: Duration::ZERO }
+    }
+
+    /// Whether a slot is due at `now` (the interval `floor`, the CPU `share`; `held`: the pods,
+    /// for the log); when it is, the next one is set, as often as the interval and the CPU budget
+    /// allow.
+    pub(super) fn slot(&mut self, now: Instant, floor: Duration, share: f64, held: usize) -> bool {
+        if now < self.next {
+            return false;
+        }
+        let next = self.pace.period(thread_cpu(), floor, share);
+        if next > floor && (next > self.period * 2 || self.period > next * 2) {
+            debug!(?next, ?floor, held, "the held pods' probe period, within the CPU budget");
+        }
+        self.period = next;
+        // On the prober's clock at its interval; a period the budget lengthened counts from this
+        // slot (a multiple of a period that changes from slot to slot can fall right after it, and
+        // the slots come faster than the budget allows).
+        self.next = if self.period > floor {
+            now + self.period
+        } else {
+            self.origin + next_multiple(now.duration_since(self.origin), self.period)
+        };
+        true
+    }
+}
+
+/// The asks that a release waits on (a pod handed over, a listen's, a sweep's) go out, and their
+/// answers are read, in the loop's real-time class: the proxies they wake, and the apps released
+/// in the same moment, do not take the prober's CPU. The spread poll stays in the normal class.
+pub(super) struct Boost {
+    /// SCHED_FIFO priority (0: none).
+    priority: u8,
+    /// In the class since.
+    since: Option<Instant>,
+    /// The class was refused once (no CAP_SYS_NICE): not asked again.
+    failed: bool,
+}
+
+/// The longest the prober stays in the real-time class at a time.
+const BOOST_MOST: Duration = Duration::from_millis(10);
+
+impl Boost {
+    pub(super) fn new(priority: u8) -> Boost {
+        Boost { priority, since: None, failed: false }
+    }
+
+    pub(super) fn start(&mut self, now: Instant) {
+        if self.priority == 0 || self.failed || self.since.is_some() {
+            return;
+        }
+        match crate::host::sys::real_time(self.priority) {
+            Ok(()) => self.since = Some(now),
+            Err(e) => {
+                self.failed = true;
+                debug!("the held pods' prober asks in its own class: SCHED_FIFO: {e}");
+            }
+        }
+    }
+
+    /// Back to the normal class once the requests made since it entered are answered (or after
+    /// [`BOOST_MOST`]).
+    /// `waiting(at)`: whether a request made since `at` is still in flight.
+    pub(super) fn end_when_answered(&mut self, waiting: impl FnOnce(Instant) -> bool) {
+        let Some(at) = self.since else { return };
+        if at.elapsed() < BOOST_MOST && waiting(at) {
+            return;
+        }
+        self.since = None;
+        if let Err(e) = crate::host::sys::normal_class() {
+            warn!("the held pods' prober stays SCHED_FIFO: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pace_keeps_the_threads_cpu_within_its_share() {
+        let (ms, us) = (Duration::from_millis, Duration::from_micros);
+        let mut cpu = ms(100);
+        let mut pace = CpuPace::new(cpu);
+        let mut slot = |spent: Duration, floor: Duration, share: f64| {
+            cpu += spent;
+            pace.period(cpu, floor, share)
+        };
+        // A cheap period (2.5 ms at 2 %): the interval.
+        assert_eq!(slot(us(50), ms(10), 0.02), ms(10));
+        // 0.88 ms of CPU a period (20 held pods at 44 µs each), which 2 % of a core allows every 44 ms.
+        assert_eq!(slot(us(880), ms(10), 0.02), ms(44));
+        // Cheaper again: the dear period fades by a quarter a slot.
+        assert_eq!(slot(Duration::ZERO, ms(10), 0.02), ms(33));
+        assert_eq!(slot(us(100), ms(10), 0.02), us(24_750));
+        // A longer interval is kept; no budget (a whole core or more) is the interval.
+        assert_eq!(slot(us(100), Duration::from_secs(1), 0.02), Duration::from_secs(1));
+        assert_eq!(slot(ms(5), ms(10), 1.0), ms(10));
+        // The thread's own clock moves with its work.
+        let before = thread_cpu();
+        let mut x = 0u64;
+        for i in 0..5_000_000u64 {
+            x = std::hint::black_box(x.wrapping_add(i));
+        }
+        assert!(thread_cpu() > before, "the thread's CPU clock did not move ({x})");
+    }
+
+    #[test]
+    fn the_real_time_class_lasts_until_the_requests_made_in_it_are_answered() {
+        let policy = || crate::host::sys::sched_policy().expect("sched_getscheduler");
+        assert_eq!(policy(), libc::SCHED_OTHER);
+        let mut boost = Boost::new(1);
+        let now = Instant::now();
+        boost.start(now);
+        assert!(!boost.failed, "SCHED_FIFO refused: the tests run as root (CAP_SYS_NICE)");
+        assert_eq!(policy(), libc::SCHED_FIFO);
+        // A request made since in flight keeps it there; once answered, back.
+        boost.end_when_answered(|at| at == now);
+        assert_eq!(policy(), libc::SCHED_FIFO);
+        boost.end_when_answered(|_| false);
+        assert_eq!(policy(), libc::SCHED_OTHER);
+        // None asked for: the class is never entered.
+        let mut none = Boost::new(0);
+        none.start(Instant::now());
+        assert_eq!((policy(), none.since), (libc::SCHED_OTHER, None));
+    }
+}
