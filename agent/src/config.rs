@@ -406,8 +406,9 @@ pub struct HoldFlags {
     /// quit) and a busy node's other work take their CPU otherwise, and the rest of a batch
     /// waits for them (after a stall of the agent, the last quits of 200 Jobs went out 60-118 ms
     /// after its resume in the normal class, 40 ms in this one). They use their CPU in bursts of
-    /// milliseconds; the kernel's real-time throttling bounds them. The higher of this and
-    /// --decide-priority. Needs CAP_SYS_NICE, as --release-priority; without, both keep the
+    /// milliseconds; the kernel's real-time throttling bounds them. The held pods' prober takes it
+    /// too while a release waits on its asks (a pod handed over, a listen's, a sweep's after a
+    /// pod turned ready), 10 ms at most at a time. The higher of this and --decide-priority. Needs CAP_SYS_NICE, as --release-priority; without, both keep the
     /// normal class and the log says so.
     #[arg(long, env = "VALET_LOOP_PRIORITY", default_value_t = 1)]
     pub loop_priority: u8,
