@@ -397,7 +397,8 @@ pub struct HoldFlags {
     #[arg(long, env = "VALET_DECIDE_PRIORITY", default_value_t = 0)]
     pub decide_priority: u8,
 
-    /// Real-time priority of the agent's loop and its kernel event reader (0: none).
+    /// Real-time priority of the agent's loop and its kernel event reader, and of the held pods'
+    /// prober while a release waits on its asks (0: none).
     ///
     /// The real-time priority (SCHED_FIFO, 1-99; 0: the normal class) of the agent's loop, the
     /// thread that decides every pod's next step (a release, a quit) from what the kernel, the
