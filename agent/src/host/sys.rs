@@ -203,32 +203,33 @@ pub fn enter_real_time(what: &str, priority: u8) {
 /// Puts the calling thread in SCHED_FIFO at `priority`, its children back in the normal class
 /// (SCHED_RESET_ON_FORK). Needs CAP_SYS_NICE.
 pub fn real_time(priority: u8) -> io::Result<()> {
+    set_scheduler(libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, priority)
+}
+
+/// Puts the calling thread back in the normal class (SCHED_OTHER; no privilege needed).
+pub fn normal_class() -> io::Result<()> {
+    set_scheduler(libc::SCHED_OTHER, 0)
+}
+
+/// sched_setscheduler(2) on the calling thread.
+fn set_scheduler(policy: i32, priority: u8) -> io::Result<()> {
     let param = libc::sched_param { sched_priority: i32::from(priority) };
     // SAFETY: `param` is a valid sched_param for the call; pid 0 is the calling thread.
-    if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &param) } != 0 {
+    if unsafe { libc::sched_setscheduler(0, policy, &param) } != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())
 }
 
 /// The calling thread's scheduling policy (`SCHED_OTHER`, `SCHED_FIFO`, ...; without the
-/// `SCHED_RESET_ON_FORK` flag).
+/// `SCHED_RESET_ON_FORK` flag): for the tests.
+#[cfg(test)]
 pub fn sched_policy() -> io::Result<i32> {
     // SAFETY: no pointer is passed; pid 0 is the calling thread.
     match unsafe { libc::sched_getscheduler(0) } {
         -1 => Err(io::Error::last_os_error()),
         policy => Ok(policy & !libc::SCHED_RESET_ON_FORK),
     }
-}
-
-/// Puts the calling thread back in the normal class (SCHED_OTHER; no privilege needed).
-pub fn normal_class() -> io::Result<()> {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: `param` is a valid sched_param for the call; pid 0 is the calling thread.
-    if unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// Asks the scheduler for a slice of `slice` for the calling thread (sched_setattr(2)'s
