@@ -132,6 +132,13 @@ struct Pod {
     urgent: bool,
 }
 
+impl Pod {
+    /// Whether its last answers were all ready (None: no answer yet).
+    fn last_ready(&self) -> Option<bool> {
+        self.last.as_ref().map(|(answers, _)| all_ready(answers))
+    }
+}
+
 impl HeldProber {
     /// Starts the thread; its news goes to `tx`. It ends once `tx` is closed. None: no thread
     /// (the held pods are probed by their loops).
@@ -357,9 +364,12 @@ impl HeldProber {
             }
             // Until an answer, a hand-over, the next slot, the round's end or a deadline.
             let now = Instant::now();
-            let mut until = (now + IDLE_WAIT).min(next_ask(&pods, now));
+            let mut until = now + IDLE_WAIT;
             if !pods.is_empty() {
                 until = until.min(clock.next);
+            }
+            if let Some(at) = next_ask(&pods, now) {
+                until = until.min(at);
             }
             if let Some(at) = round {
                 until = until.min(at + ROUND_WAIT);
@@ -446,13 +456,13 @@ fn ask_due(link: &dyn SidecarLink, pods: &mut [Pod], now: Instant, boost: &mut B
     Ok(asked)
 }
 
-/// The next moment a pod is to be asked, or its lazy answers read (far off if none).
-fn next_ask(pods: &[Pod], now: Instant) -> Instant {
+/// The next moment a pod is to be asked, or its lazy answers read.
+fn next_ask(pods: &[Pod], now: Instant) -> Option<Instant> {
     let next = |p: &Pod| {
         let read = p.read_at.filter(|at| p.asked && *at > now);
         p.burst_next.into_iter().chain(p.due.filter(|_| !p.asked)).chain(read).min()
     };
-    pods.iter().filter_map(next).min().unwrap_or(now + IDLE_WAIT)
+    pods.iter().filter_map(next).min()
 }
 
 /// A period's asks, spread over `period` from `now` in groups at least [`SPREAD_GAP`] apart and
@@ -472,8 +482,7 @@ fn spread(pods: &mut [Pod], now: Instant, period: Duration) {
 /// Every pod not ready by its last answer is asked at `now` (one waiting for an answer, asked
 /// before the flip, once it has it): in place of its ask later in the period.
 fn sweep(pods: &mut [Pod], now: Instant) {
-    let not_ready = |p: &Pod| !p.last.as_ref().is_some_and(|(answers, _)| all_ready(answers));
-    for pod in pods.iter_mut().filter(|p| not_ready(p)) {
+    for pod in pods.iter_mut().filter(|p| p.last_ready() != Some(true)) {
         pod.due = Some(now);
         pod.lazy = false;
         pod.urgent = true;
@@ -483,7 +492,7 @@ fn sweep(pods: &mut [Pod], now: Instant) {
 /// A burst goes on while the pod's answers are in and not ready yet.
 fn go_on_bursting(pods: &mut [Pod], now: Instant) {
     for pod in pods.iter_mut().filter(|p| p.burst > 0 && !p.asked && p.burst_next.is_none()) {
-        if pod.last.as_ref().is_some_and(|(answers, _)| all_ready(answers)) {
+        if pod.last_ready() == Some(true) {
             pod.burst = 0;
         } else {
             pod.burst_next = Some(now + BURST_GAP);
@@ -677,7 +686,7 @@ fn collect(pods: &mut [Pod], news: &mut Vec<PodFeedback>) -> bool {
         }
         let answers: Vec<Answer> = pod.endpoints.iter_mut().filter_map(|ep| ep.answer.take()).collect();
         let ready = all_ready(&answers);
-        flipped |= ready && pod.last.as_ref().is_some_and(|(last, _)| !all_ready(last));
+        flipped |= ready && pod.last_ready() == Some(false);
         let detail = detail(pod.endpoints.iter().map(|ep| ep.name.as_str()), &answers);
         pod.last = Some((answers, Instant::now()));
         news.push((pod.uid.clone(), Feedback::Probed { ready, detail }));
