@@ -122,14 +122,22 @@ struct Pod {
     /// Asked, and not every answer is in yet.
     asked: bool,
     last: Option<(Vec<Answer>, Instant)>,
-    /// When this period asks it (its group's place in the period, or at once in a sweep).
-    due: Option<Instant>,
-    /// Its due ask is a spread group's, whose answers are read after [`ANSWER_LAG`]...
-    lazy: bool,
-    /// ...at this moment, for its request in flight.
+    /// When this period asks it, and which ask that is (its group's place in the period, or at
+    /// once in a sweep).
+    due: Option<(Instant, Due)>,
+    /// When the answers of its lagged group's ask in flight are read.
     read_at: Option<Instant>,
-    /// Its due ask is a sweep's.
-    urgent: bool,
+}
+
+/// Which ask a pod's due one is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Due {
+    /// The period's only group: its answers read as they come.
+    Group,
+    /// One group of several: its answers read together, [`ANSWER_LAG`] after its asks.
+    LaggedGroup,
+    /// A sweep's: in the loop's class, its answers read as they come.
+    Sweep,
 }
 
 impl Pod {
@@ -297,9 +305,7 @@ impl HeldProber {
                 asked: false,
                 last: None,
                 due: None,
-                lazy: false,
                 read_at: None,
-                urgent: false,
             });
         }
     }
@@ -433,19 +439,19 @@ struct PollSet {
 fn ask_due(link: &dyn SidecarLink, pods: &mut [Pod], now: Instant, boost: &mut Boost) -> Result<bool, String> {
     let burst_due = |p: &Pod| p.burst_next.is_some_and(|at| now >= at);
     // A pod waiting for an answer keeps its due ask until the answer is in.
-    let due = |p: &Pod| !p.asked && p.due.is_some_and(|at| now >= at);
-    if pods.iter().any(|p| p.fresh || burst_due(p) || (p.urgent && due(p))) {
+    let due = |p: &Pod| !p.asked && p.due.is_some_and(|(at, _)| now >= at);
+    let sweep_due = |p: &Pod| due(p) && p.due.is_some_and(|(_, kind)| kind == Due::Sweep);
+    if pods.iter().any(|p| p.fresh || burst_due(p) || sweep_due(p)) {
         boost.start(now);
     }
     let mut asked = false;
     for pod in pods.iter_mut().filter(|p| due(p) || p.fresh || burst_due(p)) {
         asked = true;
-        let lazy = pod.lazy && !pod.fresh && !burst_due(pod);
-        pod.read_at = lazy.then_some(now + ANSWER_LAG);
+        let lagged = pod.due.is_some_and(|(_, kind)| kind == Due::LaggedGroup) && !pod.fresh && !burst_due(pod);
+        pod.read_at = lagged.then_some(now + ANSWER_LAG);
         pod.fresh = false;
         if due(pod) {
             pod.due = None;
-            pod.urgent = false;
         }
         if burst_due(pod) {
             pod.burst_next = None;
@@ -456,11 +462,12 @@ fn ask_due(link: &dyn SidecarLink, pods: &mut [Pod], now: Instant, boost: &mut B
     Ok(asked)
 }
 
-/// The next moment a pod is to be asked, or its lazy answers read.
+/// The next moment a pod is to be asked, or its lagged group's answers read.
 fn next_ask(pods: &[Pod], now: Instant) -> Option<Instant> {
     let next = |p: &Pod| {
         let read = p.read_at.filter(|at| p.asked && *at > now);
-        p.burst_next.into_iter().chain(p.due.filter(|_| !p.asked)).chain(read).min()
+        let due = p.due.map(|(at, _)| at).filter(|_| !p.asked);
+        p.burst_next.into_iter().chain(due).chain(read).min()
     };
     pods.iter().filter_map(next).min()
 }
@@ -473,9 +480,9 @@ fn spread(pods: &mut [Pod], now: Instant, period: Duration) {
     let by_gap = usize::try_from(period.as_nanos() / SPREAD_GAP.as_nanos()).unwrap_or(usize::MAX);
     let groups = by_gap.min(n / GROUP_LEAST).max(1);
     let gap = period.div_f64(groups as f64);
+    let kind = if groups > 1 { Due::LaggedGroup } else { Due::Group };
     for (i, pod) in pods.iter_mut().enumerate() {
-        pod.due = Some(now + gap.mul_f64((i * groups / n) as f64));
-        pod.lazy = groups > 1;
+        pod.due = Some((now + gap.mul_f64((i * groups / n) as f64), kind));
     }
 }
 
@@ -483,9 +490,7 @@ fn spread(pods: &mut [Pod], now: Instant, period: Duration) {
 /// before the flip, once it has it): in place of its ask later in the period.
 fn sweep(pods: &mut [Pod], now: Instant) {
     for pod in pods.iter_mut().filter(|p| p.last_ready() != Some(true)) {
-        pod.due = Some(now);
-        pod.lazy = false;
-        pod.urgent = true;
+        pod.due = Some((now, Due::Sweep));
     }
 }
 
@@ -850,9 +855,7 @@ mod tests {
             asked: false,
             last: last.map(|status| (vec![Answer::Status(status)], Instant::now())),
             due: None,
-            lazy: false,
             read_at: None,
-            urgent: false,
         }
     }
 
@@ -860,14 +863,15 @@ mod tests {
     fn a_period_asks_its_pods_in_groups_spread_over_it() {
         let now = Instant::now();
         let ms = Duration::from_millis;
-        let at =
-            |pods: &[Pod]| -> Vec<Duration> { pods.iter().map(|p| p.due.expect("due").duration_since(now)).collect() };
+        let at = |pods: &[Pod]| -> Vec<Duration> {
+            pods.iter().map(|p| p.due.expect("due").0.duration_since(now)).collect()
+        };
         // 40 pods over 10 ms: five groups of eight, 2 ms apart, their answers read late.
         let mut pods: Vec<Pod> = (0..40).map(|i| held(&format!("p{i}"), None)).collect();
         spread(&mut pods, now, ms(10));
         let want: Vec<Duration> = (0..40).map(|i| ms(2 * (i / 8))).collect();
         assert_eq!(at(&pods), want);
-        assert!(pods.iter().all(|p| p.lazy));
+        assert!(pods.iter().all(|p| p.due.is_some_and(|(_, kind)| kind == Due::LaggedGroup)));
         // Over 100 ms: ten groups (four pods at least), 10 ms apart.
         spread(&mut pods, now, ms(100));
         let want: Vec<Duration> = (0..40).map(|i| ms(10 * (i / 4))).collect();
@@ -877,7 +881,7 @@ mod tests {
         let mut few: Vec<Pod> = (0..7).map(|i| held(&format!("p{i}"), None)).collect();
         spread(&mut few, now, ms(30));
         assert_eq!(at(&few), vec![ms(0); 7]);
-        assert!(few.iter().all(|p| !p.lazy));
+        assert!(few.iter().all(|p| p.due.is_some_and(|(_, kind)| kind == Due::Group)));
         spread(&mut pods, now, ms(1));
         assert_eq!(at(&pods), vec![ms(0); 40]);
         spread(&mut [], now, ms(10));
@@ -889,15 +893,15 @@ mod tests {
         let mut pods =
             vec![held("ready", Some(200)), held("not-yet", Some(503)), held("new", None), held("asked", Some(503))];
         pods[3].asked = true;
-        pods.iter_mut().for_each(|p| p.lazy = true);
+        let later = now + Duration::from_millis(30);
+        pods.iter_mut().for_each(|p| p.due = Some((later, Due::LaggedGroup)));
         sweep(&mut pods, now);
-        let due: Vec<bool> = pods.iter().map(|p| p.due == Some(now)).collect();
+        let due: Vec<bool> = pods.iter().map(|p| p.due.is_some_and(|(at, _)| at == now)).collect();
         assert_eq!(due, vec![false, true, true, true]);
-        // A sweep's answers are read as they come.
-        let lazy: Vec<bool> = pods.iter().map(|p| p.lazy).collect();
-        assert_eq!(lazy, vec![true, false, false, false]);
-        let urgent: Vec<bool> = pods.iter().map(|p| p.urgent).collect();
-        assert_eq!(urgent, vec![false, true, true, true]);
+        // A sweep's asks go out in the loop's class, their answers read as they come; the ready
+        // pod keeps its group's.
+        let kinds: Vec<Due> = pods.iter().filter_map(|p| p.due.map(|(_, kind)| kind)).collect();
+        assert_eq!(kinds, vec![Due::LaggedGroup, Due::Sweep, Due::Sweep, Due::Sweep]);
     }
 
     // The held pods of a node often wait for the same thing: one turning ready brings every other
