@@ -19,10 +19,13 @@ pub(crate) fn process_cpu_ns(pid: u32) -> Option<u64> {
     )
 }
 
+/// The parts of the agent's CPU [`agent_parts_ns`] tells apart.
+pub(crate) const AGENT_PARTS: usize = 5;
+
 /// The CPU (ns) of the threads of `pid` by part: the main thread (the agent's loop), the held
-/// pods' prober, the runtime's workers (the API writes), the rest.
-fn agent_parts_ns(pid: u32) -> [u64; 4] {
-    let mut parts = [0; 4];
+/// pods' prober, the runtime's workers (the API writes), the kernel event reader, the rest.
+fn agent_parts_ns(pid: u32) -> [u64; AGENT_PARTS] {
+    let mut parts = [0; AGENT_PARTS];
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return parts };
     for tid in dir.flatten().filter_map(|t| t.file_name().to_str()?.parse::<u32>().ok()) {
         let Some(ns) = task_cpu_ns(pid, tid) else { continue };
@@ -30,8 +33,9 @@ fn agent_parts_ns(pid: u32) -> [u64; 4] {
         let part = match comm.trim_end() {
             _ if tid == pid => 0,
             "valet-held" => 1,
-            "tokio-rt-worker" => 2,
-            _ => 3,
+            "valet-worker" => 2,
+            "valet-events" => 3,
+            _ => 4,
         };
         parts[part] += ns;
     }
@@ -66,7 +70,7 @@ pub(crate) struct RoundCpu {
     apps: HashSet<u32>,
     /// Each process of the tree (the agent and the bench left out): its CPU at the start.
     start: HashMap<u32, u64>,
-    agent_start: [u64; 4],
+    agent_start: [u64; AGENT_PARTS],
     own_start: u64,
 }
 
@@ -74,9 +78,9 @@ pub(crate) struct RoundCpu {
 #[derive(Clone, Copy, Default)]
 pub(crate) struct RoundSpent {
     /// The agent's (every thread), and by part: its loop (the main thread), the held pods'
-    /// prober, the runtime's workers (the API writes), the rest.
+    /// prober, the runtime's workers (the API writes), the kernel event reader, the rest.
     pub(crate) agent_ns: u64,
-    pub(crate) agent_parts: [u64; 4],
+    pub(crate) agent_parts: [u64; AGENT_PARTS],
     /// The bench's own process: the API server and kubelet stand-ins, the readers of the stamps.
     pub(crate) bench_ns: u64,
     /// The node's other processes: the proxies (their readiness, their answers to the probes),
@@ -105,7 +109,7 @@ impl RoundCpu {
         let me = std::process::id();
         let bench_ns = process_cpu_ns(me).unwrap_or(0).saturating_sub(self.own_start);
         let now = agent_parts_ns(self.agent);
-        let agent_parts: [u64; 4] = std::array::from_fn(|i| now[i].saturating_sub(self.agent_start[i]));
+        let agent_parts: [u64; AGENT_PARTS] = std::array::from_fn(|i| now[i].saturating_sub(self.agent_start[i]));
         let agent_ns = agent_parts.iter().sum();
         let mut spent = RoundSpent { agent_ns, agent_parts, bench_ns, ..RoundSpent::default() };
         for p in descendants(me).into_iter().filter(|p| *p != self.agent) {

@@ -27,6 +27,11 @@ struct Rounds {
     /// (when traced) (µs).
     samples: Vec<f64>,
     released: Vec<f64>,
+    /// Of the release: from the ready moment to the proxy's reading of the first ask after it
+    /// (the ask that found it ready: the agent's asking and the proxy's wait for a CPU), and from
+    /// that read to the SIGCONT (the answer's way back and the agent's decision) (µs).
+    asked: Vec<f64>,
+    decided: Vec<f64>,
     /// The agent's CPU share in each of the first rounds.
     cpu: Vec<f64>,
     /// Proxies that bind as they turn ready are ready only once they got the CPU to bind (with
@@ -181,10 +186,16 @@ fn together_round(setup: &Setup<'_>, round: usize, acc: &mut Rounds) -> Result<(
     own_starts(&jobs, &held_cpu, setup.cpus, round, spent, acc);
     if let Some(trace) = &setup.trace {
         let sent = trace.sent();
-        for (i, ((.., app_pid), ready)) in jobs.iter().zip(&ready_at).enumerate() {
-            match sent.get(app_pid) {
-                Some(at) => acc.released.push(at.saturating_sub(*ready) as f64 / 1000.0),
-                None => println!("  round {round}, pod {i}: its SIGCONT was not traced (left out)"),
+        for (i, ((job, _, app_pid), ready)) in jobs.iter().zip(&ready_at).enumerate() {
+            let Some(&at) = sent.get(app_pid) else {
+                println!("  round {round}, pod {i}: its SIGCONT was not traced (left out)");
+                continue;
+            };
+            acc.released.push(at.saturating_sub(*ready) as f64 / 1000.0);
+            let asks = job.requests().into_iter().filter(|e| e.method == "GET" && e.mono_ns >= *ready);
+            if let Some(read) = asks.map(|e| e.mono_ns).filter(|&t| t <= at).min() {
+                acc.asked.push(read.saturating_sub(*ready) as f64 / 1000.0);
+                acc.decided.push(at.saturating_sub(read) as f64 / 1000.0);
             }
         }
     }
@@ -256,6 +267,10 @@ fn own_starts(
 fn together_figures(acc: Rounds, cpus: usize) -> Figures {
     let released =
         (!acc.released.is_empty()).then(|| report("released (SIGCONT sent) after its proxy is ready", acc.released));
+    if !acc.asked.is_empty() {
+        report("  of it: the proxy read the first ask after its ready moment", acc.asked);
+        report("  of it: from that read to the SIGCONT", acc.decided);
+    }
     let runs = report("held app runs after its proxy is ready", acc.samples);
     let (binding, from_file) = (acc.binding, acc.from_file);
     let delivery = (!from_file.is_empty()).then(|| {
@@ -270,10 +285,10 @@ fn together_figures(acc: Rounds, cpus: usize) -> Figures {
         acc.complete,
     );
     let spent = median_spent(&acc.spent);
-    let [main, prober, workers, rest] = spent.agent_parts.map(|ns| ns as f64 / 1e6);
+    let [main, prober, workers, events, rest] = spent.agent_parts.map(|ns| ns as f64 / 1e6);
     println!(
         "  a round's CPU (median of {} rounds): the agent {:.2} ms (its loop {main:.2}, the prober {prober:.2}, \
-         the runtime's workers {workers:.2}, the rest {rest:.2}); not the agent's: the bench's own {:.2} ms, \
+         the runtime's workers {workers:.2}, the event reader {events:.2}, the rest {rest:.2}); not the agent's: the bench's own {:.2} ms, \
          the proxies and sandboxes {:.2} ms, the apps {:.2} ms",
         acc.spent.len(),
         spent.agent_ns as f64 / 1e6,
@@ -287,22 +302,17 @@ fn together_figures(acc: Rounds, cpus: usize) -> Figures {
 
 /// Each part's median over the rounds.
 fn median_spent(rounds: &[RoundSpent]) -> RoundSpent {
-    let median = |part: fn(&RoundSpent) -> u64| {
+    let median = |part: &dyn Fn(&RoundSpent) -> u64| {
         let mut v: Vec<u64> = rounds.iter().map(part).collect();
         v.sort_unstable();
         v.get(v.len() / 2).copied().unwrap_or(0)
     };
     RoundSpent {
-        agent_ns: median(|s| s.agent_ns),
-        agent_parts: [
-            median(|s| s.agent_parts[0]),
-            median(|s| s.agent_parts[1]),
-            median(|s| s.agent_parts[2]),
-            median(|s| s.agent_parts[3]),
-        ],
-        bench_ns: median(|s| s.bench_ns),
-        others_ns: median(|s| s.others_ns),
-        apps_ns: median(|s| s.apps_ns),
+        agent_ns: median(&|s| s.agent_ns),
+        agent_parts: std::array::from_fn(|i| median(&|s| s.agent_parts[i])),
+        bench_ns: median(&|s| s.bench_ns),
+        others_ns: median(&|s| s.others_ns),
+        apps_ns: median(&|s| s.apps_ns),
     }
 }
 
@@ -408,11 +418,12 @@ fn complete_rows(setup: &Setup<'_>, f: &Figures, table: &mut Table) {
         target,
         result,
     );
-    let [main, prober, workers, _] = f.spent.agent_parts.map(ms);
+    let [main, prober, workers, events, _] = f.spent.agent_parts.map(ms);
     table.add(
         &format!(
             "[7] … the agent's own CPU in a round, from the ready moment to its last app running (median; its loop \
-             {main:.1} ms, the prober {prober:.1} ms, the runtime's workers, which write the conditions, {workers:.1} ms)"
+             {main:.1} ms, the prober {prober:.1} ms, the runtime's workers, which write the conditions, {workers:.1} ms, \
+             the kernel event reader {events:.1} ms)"
         ),
         format!("{:.2} ms", ms(f.spent.agent_ns)),
         "—",
