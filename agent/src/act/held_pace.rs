@@ -1,6 +1,8 @@
 //! When the held pods' prober asks: its slots, paced by its own CPU within a share of a core, and
 //! the real-time class it asks in when a release waits on the answers.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
@@ -82,47 +84,121 @@ impl SlotClock {
 /// The asks that a release waits on (a pod handed over, a listen's, a sweep's) go out, and their
 /// answers are read, in the loop's real-time class: the proxies they wake, and the apps released
 /// in the same moment, do not take the prober's CPU. The spread poll stays in the normal class.
+/// The loop raises the thread before it wakes it ([`Raise::raise`]): woken in the normal class, it
+/// waited for a CPU behind every task the same moment woke (7 ms at 110 pods) before it could
+/// raise itself.
 pub(super) struct Boost {
-    /// SCHED_FIFO priority (0: none).
-    priority: u8,
+    raise: Arc<Raise>,
     /// In the class since.
     since: Option<Instant>,
+}
+
+/// The prober's class, shared by the thread and the loop that wakes it.
+pub(super) struct Raise {
+    /// SCHED_FIFO priority (0: none).
+    priority: u8,
+    /// The thread's id (0 until it runs).
+    tid: AtomicI32,
+    /// In the real-time class, or being put there.
+    raised: AtomicBool,
     /// The class was refused once (no CAP_SYS_NICE): not asked again.
-    failed: bool,
+    failed: AtomicBool,
+}
+
+impl Raise {
+    pub(super) fn new(priority: u8) -> Arc<Raise> {
+        Arc::new(Raise {
+            priority,
+            tid: AtomicI32::new(0),
+            raised: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+        })
+    }
+
+    /// On the loop, before it wakes the thread for an ask a release waits on: the thread in the
+    /// real-time class, unless it is there already.
+    pub(super) fn raise(&self) {
+        if self.priority == 0 || self.failed.load(Ordering::Relaxed) || self.raised.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let tid = self.tid.load(Ordering::Acquire);
+        let raised = if tid == 0 { Ok(()) } else { crate::host::sys::real_time_thread(tid, self.priority) };
+        if tid == 0 || raised.is_err() {
+            self.raised.store(false, Ordering::SeqCst);
+        }
+        if let Err(e) = raised {
+            self.refused(&e);
+        }
+    }
+
+    fn refused(&self, e: &std::io::Error) {
+        if !self.failed.swap(true, Ordering::Relaxed) {
+            debug!("the held pods' prober asks in its own class: SCHED_FIFO: {e}");
+        }
+    }
+
+    fn usable(&self) -> bool {
+        self.priority > 0 && !self.failed.load(Ordering::Relaxed)
+    }
 }
 
 /// The longest the prober stays in the real-time class at a time.
 const BOOST_MOST: Duration = Duration::from_millis(10);
 
 impl Boost {
-    pub(super) fn new(priority: u8) -> Boost {
-        Boost { priority, since: None, failed: false }
+    /// On the prober's thread: its id recorded for the loop's raises.
+    pub(super) fn new(raise: Arc<Raise>) -> Boost {
+        raise.tid.store(crate::host::sys::gettid(), Ordering::Release);
+        Boost { raise, since: None }
     }
 
+    /// Into the class (if not there already) for asks about to go out.
     pub(super) fn start(&mut self, now: Instant) {
-        if self.priority == 0 || self.failed || self.since.is_some() {
+        if self.since.is_some() || !self.raise.usable() {
             return;
         }
-        match crate::host::sys::real_time(self.priority) {
+        if self.raise.raised.swap(true, Ordering::SeqCst) {
+            // The loop put it there.
+            self.since = Some(now);
+            return;
+        }
+        self.enter(now);
+    }
+
+    fn enter(&mut self, now: Instant) {
+        match crate::host::sys::real_time(self.raise.priority) {
             Ok(()) => self.since = Some(now),
             Err(e) => {
-                self.failed = true;
-                debug!("the held pods' prober asks in its own class: SCHED_FIFO: {e}");
+                self.raise.raised.store(false, Ordering::SeqCst);
+                self.raise.refused(&e);
             }
         }
     }
 
-    /// Back to the normal class once the requests made since it entered are answered (or after
-    /// [`BOOST_MOST`]).
-    /// `waiting(at)`: whether a request made since `at` is still in flight.
-    pub(super) fn end_when_answered(&mut self, waiting: impl FnOnce(Instant) -> bool) {
+    /// At the thread's turn: a raise by the loop counts from `now`.
+    pub(super) fn adopt(&mut self, now: Instant) {
+        if self.since.is_none() && self.raise.raised.load(Ordering::SeqCst) {
+            self.since = Some(now);
+        }
+    }
+
+    /// Back to the normal class once the requests made since it entered are answered and no
+    /// burst goes on (or after [`BOOST_MOST`]); straight back in if the loop handed over an ask
+    /// meanwhile (`pending`), since its raise may have come before this.
+    /// `waiting(at)`: whether a request made since `at` is still in flight, or a burst goes on.
+    pub(super) fn end_when_answered(&mut self, waiting: impl FnOnce(Instant) -> bool, pending: impl FnOnce() -> bool) {
         let Some(at) = self.since else { return };
         if at.elapsed() < BOOST_MOST && waiting(at) {
             return;
         }
         self.since = None;
+        self.raise.raised.store(false, Ordering::SeqCst);
         if let Err(e) = crate::host::sys::normal_class() {
             warn!("the held pods' prober stays SCHED_FIFO: {e}");
+        }
+        if pending() {
+            self.raise.raised.store(true, Ordering::SeqCst);
+            self.enter(Instant::now());
         }
     }
 }
@@ -163,19 +239,54 @@ mod tests {
     fn the_real_time_class_lasts_until_the_requests_made_in_it_are_answered() {
         let policy = || crate::host::sys::sched_policy().expect("sched_getscheduler");
         assert_eq!(policy(), libc::SCHED_OTHER);
-        let mut boost = Boost::new(1);
+        let mut boost = Boost::new(Raise::new(1));
         let now = Instant::now();
         boost.start(now);
-        assert!(!boost.failed, "SCHED_FIFO refused: the tests run as root (CAP_SYS_NICE)");
+        assert!(boost.raise.usable(), "SCHED_FIFO refused: the tests run as root (CAP_SYS_NICE)");
         assert_eq!(policy(), libc::SCHED_FIFO);
         // A request made since in flight keeps it there; once answered, back.
-        boost.end_when_answered(|at| at == now);
+        boost.end_when_answered(|at| at == now, || false);
         assert_eq!(policy(), libc::SCHED_FIFO);
-        boost.end_when_answered(|_| false);
+        boost.end_when_answered(|_| false, || false);
+        assert_eq!(policy(), libc::SCHED_OTHER);
+        // An ask handed over meanwhile: straight back in.
+        boost.start(Instant::now());
+        boost.end_when_answered(|_| false, || true);
+        assert_eq!((policy(), boost.since.is_some()), (libc::SCHED_FIFO, true));
+        boost.end_when_answered(|_| false, || false);
         assert_eq!(policy(), libc::SCHED_OTHER);
         // None asked for: the class is never entered.
-        let mut none = Boost::new(0);
+        let mut none = Boost::new(Raise::new(0));
         none.start(Instant::now());
         assert_eq!((policy(), none.since), (libc::SCHED_OTHER, None));
+    }
+
+    /// The loop raises the thread it is about to wake: the thread is in the class before it runs,
+    /// and counts its time there from its next turn.
+    #[test]
+    fn the_loop_raises_the_prober_before_it_wakes_it() {
+        let raise = Raise::new(1);
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let (back, policies) = std::sync::mpsc::channel();
+        let thread_raise = raise.clone();
+        let thread = std::thread::spawn(move || {
+            let policy = || crate::host::sys::sched_policy().expect("sched_getscheduler");
+            let mut boost = Boost::new(thread_raise);
+            back.send((policy(), boost.since.is_some())).expect("send");
+            rx.recv().expect("woken");
+            // The loop's raise came before the wake-up.
+            let woken = policy();
+            boost.adopt(Instant::now());
+            let adopted = boost.since.is_some();
+            boost.end_when_answered(|_| false, || false);
+            back.send((woken, adopted)).expect("send");
+            back.send((policy(), boost.since.is_some())).expect("send");
+        });
+        assert_eq!(policies.recv().expect("first"), (libc::SCHED_OTHER, false));
+        raise.raise();
+        tx.send(()).expect("wake");
+        assert_eq!(policies.recv().expect("woken"), (libc::SCHED_FIFO, true), "raised before its wake-up");
+        assert_eq!(policies.recv().expect("after"), (libc::SCHED_OTHER, false), "back once answered");
+        thread.join().expect("join");
     }
 }

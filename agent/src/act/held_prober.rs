@@ -27,7 +27,7 @@ use tracing::{debug, warn};
 
 use super::PodFeedback;
 use super::answer::{Answer, LIMITS, REPEAT, all_ready, detail};
-use super::held_pace::{Boost, SlotClock};
+use super::held_pace::{Boost, Raise, SlotClock};
 use crate::effect::Feedback;
 use crate::sidecar::http::{self, Failure};
 use crate::sidecar::{SidecarLink, SocketError};
@@ -81,6 +81,9 @@ pub struct HeldProber {
     /// other pods while one request is still open).
     deadline_ns: AtomicU64,
     tokens: AtomicU64,
+    /// Its real-time class for the asks a release waits on, which a hand-over or a listen puts it
+    /// in before waking it.
+    raise: Arc<Raise>,
 }
 
 /// A connection to one endpoint, and where its request is.
@@ -172,11 +175,12 @@ impl HeldProber {
             cpu_share: AtomicU64::new(1.0f64.to_bits()),
             deadline_ns: AtomicU64::new(nanos(LIMITS.total_timeout)),
             tokens: AtomicU64::new(0),
+            raise: Raise::new(if priority == 0 { urgent } else { 0 }),
         });
         let p = prober.clone();
         let spawned = std::thread::Builder::new().name("valet-held".into()).spawn(move || {
             crate::host::sys::enter_real_time("the held pods' prober", priority);
-            let boost = Boost::new(if priority == 0 { urgent } else { 0 });
+            let boost = Boost::new(p.raise.clone());
             if let Err(why) = p.run(link.as_ref(), &tx, boost) {
                 warn!("held-pod prober stops, its pods go back to their loops: {why}");
             }
@@ -231,6 +235,7 @@ impl HeldProber {
             registry.pods.insert(uid.to_owned(), Wanted { token, endpoints });
             registry.version += 1;
         }
+        self.raise.raise();
         if let Err(e) = (&self.wake).write(&1u64.to_ne_bytes()) {
             debug!("waking the held-pod prober: {e}");
         }
@@ -247,6 +252,7 @@ impl HeldProber {
             registry.now.push(uid.to_owned());
             registry.version += 1;
         }
+        self.raise.raise();
         if let Err(e) = (&self.wake).write(&1u64.to_ne_bytes()) {
             debug!("waking the held-pod prober: {e}");
         }
@@ -332,6 +338,7 @@ impl HeldProber {
             }
             self.sync(&mut pods, &mut seen);
             let now = Instant::now();
+            boost.adopt(now);
             let floor = Duration::from_nanos(self.interval_ns.load(Ordering::Relaxed));
             let share = f64::from_bits(self.cpu_share.load(Ordering::Relaxed));
             if !pods.is_empty() && clock.slot(now, floor, share, pods.len()) {
@@ -341,7 +348,10 @@ impl HeldProber {
             if ask_due(link, &mut pods, now, &mut boost)? {
                 round.get_or_insert(now);
             }
-            boost.end_when_answered(|at| in_flight(&pods).any(|since| since >= at));
+            boost.end_when_answered(
+                |at| in_flight(&pods).any(|since| since >= at) || pods.iter().any(|p| p.burst > 0),
+                || self.registry().version != seen,
+            );
             let deadline = self.deadline();
             expire(&mut pods, Instant::now(), deadline);
             // A pod that turned ready brings the others' asks forward, once a period: the held

@@ -206,16 +206,33 @@ pub fn real_time(priority: u8) -> io::Result<()> {
     set_scheduler(libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, priority)
 }
 
+/// As [`real_time`], for thread `tid` of this process (another thread raises it before it wakes
+/// it, so that it wakes in the class, not behind the normal class's runnable tasks).
+pub fn real_time_thread(tid: i32, priority: u8) -> io::Result<()> {
+    set_thread_scheduler(tid, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, priority)
+}
+
 /// Puts the calling thread back in the normal class (SCHED_OTHER; no privilege needed).
 pub fn normal_class() -> io::Result<()> {
     set_scheduler(libc::SCHED_OTHER, 0)
 }
 
+/// The calling thread's id (gettid(2)).
+pub fn gettid() -> i32 {
+    // SAFETY: gettid takes no argument and cannot fail.
+    unsafe { libc::gettid() }
+}
+
 /// sched_setscheduler(2) on the calling thread.
 fn set_scheduler(policy: i32, priority: u8) -> io::Result<()> {
+    set_thread_scheduler(0, policy, priority)
+}
+
+/// sched_setscheduler(2) on thread `tid` (0: the calling thread).
+fn set_thread_scheduler(tid: i32, policy: i32, priority: u8) -> io::Result<()> {
     let param = libc::sched_param { sched_priority: i32::from(priority) };
-    // SAFETY: `param` is a valid sched_param for the call; pid 0 is the calling thread.
-    if unsafe { libc::sched_setscheduler(0, policy, &param) } != 0 {
+    // SAFETY: `param` is a valid sched_param for the call; `tid` is a thread id or 0 (the caller).
+    if unsafe { libc::sched_setscheduler(tid, policy, &param) } != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())
