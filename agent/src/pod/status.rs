@@ -3,7 +3,7 @@
 
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 
-use crate::cgroup::layout::parse_container_id;
+use crate::cgroup::layout::split_container_id;
 
 /// Statuses of app/sidecar containers and init containers.
 pub fn statuses(pod: &Pod) -> impl Iterator<Item = &ContainerStatus> {
@@ -16,23 +16,23 @@ pub fn statuses(pod: &Pod) -> impl Iterator<Item = &ContainerStatus> {
 }
 
 /// The 64-hex id in a status's `containerID` (`containerd://<id>`).
-pub fn hex_id(status_id: Option<&str>) -> Option<String> {
-    status_id.and_then(parse_container_id).map(|(_, id)| id)
+pub fn hex_id(status_id: Option<&str>) -> Option<&str> {
+    status_id.and_then(split_container_id).map(|(_, id)| id)
 }
 
 /// The current container id (64 hex) of a container, from the API.
 pub fn current_id(pod: &Pod, name: &str) -> Option<String> {
-    statuses(pod).find(|s| s.name == name).and_then(|s| hex_id(s.container_id.as_deref()))
+    statuses(pod).find(|s| s.name == name).and_then(|s| hex_id(s.container_id.as_deref())).map(str::to_owned)
 }
 
 /// The container a container id belongs to, from the API: its current instance or the one
 /// before (`lastState.terminated`, a container the kubelet restarted).
-pub fn name_of_id(pod: &Pod, id: &str) -> Option<String> {
+pub fn name_of_id<'p>(pod: &'p Pod, id: &str) -> Option<&'p str> {
     statuses(pod).find_map(|s| {
         let current = hex_id(s.container_id.as_deref());
         let previous =
             hex_id(s.last_state.as_ref().and_then(|l| l.terminated.as_ref()).and_then(|t| t.container_id.as_deref()));
-        (current.as_deref() == Some(id) || previous.as_deref() == Some(id)).then(|| s.name.clone())
+        (current == Some(id) || previous == Some(id)).then_some(s.name.as_str())
     })
 }
 
@@ -76,9 +76,9 @@ mod tests {
         }))
         .expect("pod");
         assert_eq!(current_id(&pod, "app").as_deref(), Some(b.as_str()));
-        assert_eq!(name_of_id(&pod, &a).as_deref(), Some("app"), "the instance before the restart");
-        assert_eq!(name_of_id(&pod, &b).as_deref(), Some("app"));
-        assert_eq!(name_of_id(&pod, &c).as_deref(), Some("istio-init"));
+        assert_eq!(name_of_id(&pod, &a), Some("app"), "the instance before the restart");
+        assert_eq!(name_of_id(&pod, &b), Some("app"));
+        assert_eq!(name_of_id(&pod, &c), Some("istio-init"));
         assert_eq!(name_of_id(&pod, &"d".repeat(64)), None);
         assert_eq!(current_id(&pod, "nope"), None);
         assert_eq!(pod_name(&pod), "jobs/p");

@@ -100,12 +100,12 @@ impl PodState {
                 continue;
             }
             let Some(id) = hex_id(s.container_id.as_deref()) else { continue };
-            if self.vanished.contains(&id) || self.kernel_end(&id).is_some() {
+            if self.vanished.contains(id) || self.kernel_end(id).is_some() {
                 continue;
             }
             let on_node = seen.iter().find(|c| c.id == id);
             if on_node.is_none_or(|c| !c.live) {
-                ended.push((name.clone(), id, on_node.is_some()));
+                ended.push((name.clone(), id.to_owned(), on_node.is_some()));
             }
         }
         for (name, id, empty) in ended {
@@ -141,8 +141,8 @@ impl PodState {
                 .filter(|s| s.state.as_ref().is_some_and(|st| st.running.is_some()))
                 .and_then(|s| hex_id(s.container_id.as_deref()))
                 .is_some_and(|id| {
-                    self.kernel_end(&id).is_none()
-                        && !self.vanished.contains(&id)
+                    self.kernel_end(id).is_none()
+                        && !self.vanished.contains(id)
                         && (!unknown_only || !self.containers.values().any(|c| c.id == id))
                 })
         });
@@ -304,15 +304,15 @@ impl PodState {
         let newest = self
             .containers
             .iter()
-            .filter(|(_, c)| self.name_of(&c.id).as_deref() == Some(name))
+            .filter(|(_, c)| self.is_named(&c.id, name))
             .max_by_key(|(cg, _)| **cg)
             .map(|(cg, c)| (*cg, c.id.clone()));
-        let from_api = |id: String| Instance { id, api };
+        let from_api = |id: &str| Instance { id: id.to_owned(), api };
         Some(match (api_id, newest) {
             (None, None) => return None,
             (Some(a), None) => from_api(a),
             (None, Some((_, k))) => Instance { id: k, api: None },
-            (Some(a), Some((_, k))) if a == k => from_api(a),
+            (Some(a), Some((_, k))) if a == k.as_str() => from_api(a),
             (Some(a), Some((kcg, k))) => {
                 let a_cgroup = self.containers.iter().find(|(_, c)| c.id == a).map(|(cg, _)| *cg);
                 let previous = api
@@ -324,7 +324,7 @@ impl PodState {
                     Some(acg) => kcg > acg,
                     // The API's instance ended and another one of the same name exists that is
                     // not the one before it: the kubelet restarted the container.
-                    None => previous.as_deref() != Some(k.as_str()) && api_terminated,
+                    None => previous != Some(k.as_str()) && api_terminated,
                 };
                 if node_is_newer { Instance { id: k, api: None } } else { from_api(a) }
             }
@@ -334,11 +334,21 @@ impl PodState {
     /// The container name an id belongs to: from the API (current or previous instance), else
     /// from the runtime's bundle.
     pub(super) fn name_of(&self, id: &str) -> Option<String> {
+        self.name_ref(id).map(str::to_owned)
+    }
+
+    /// Whether container id `id` belongs to container `name` ([`PodState::name_of`], without a
+    /// copy of the name).
+    fn is_named(&self, id: &str, name: &str) -> bool {
+        self.name_ref(id) == Some(name)
+    }
+
+    fn name_ref(&self, id: &str) -> Option<&str> {
         if let Some(name) = self.pod.as_ref().and_then(|p| status::name_of_id(p, id)) {
             return Some(name);
         }
         self.containers.values().find(|c| c.id == id).and_then(|c| match &c.runtime_name {
-            Some(RuntimeName::Container(n)) => Some(n.clone()),
+            Some(RuntimeName::Container(n)) => Some(n.as_str()),
             _ => None,
         })
     }
