@@ -121,17 +121,18 @@ impl Raise {
         if self.priority == 0 || self.failed.load(Ordering::Relaxed) || self.raised.swap(true, Ordering::SeqCst) {
             return;
         }
+        // Before the thread runs there is nothing to raise: it asks in its own class when it does.
         let tid = self.tid.load(Ordering::Acquire);
-        let raised = if tid == 0 { Ok(()) } else { crate::host::sys::real_time_thread(tid, self.priority) };
-        if tid == 0 || raised.is_err() {
+        if tid == 0 {
             self.raised.store(false, Ordering::SeqCst);
-        }
-        if let Err(e) = raised {
+        } else if let Err(e) = crate::host::sys::real_time_thread(tid, self.priority) {
             self.refused(&e);
         }
     }
 
+    /// The class was refused: the thread stays out of it, and it is not asked for again.
     fn refused(&self, e: &std::io::Error) {
+        self.raised.store(false, Ordering::SeqCst);
         if !self.failed.swap(true, Ordering::Relaxed) {
             debug!("the held pods' prober asks in its own class: SCHED_FIFO: {e}");
         }
@@ -168,10 +169,7 @@ impl Boost {
     fn enter(&mut self, now: Instant) {
         match crate::host::sys::real_time(self.raise.priority) {
             Ok(()) => self.since = Some(now),
-            Err(e) => {
-                self.raise.raised.store(false, Ordering::SeqCst);
-                self.raise.refused(&e);
-            }
+            Err(e) => self.raise.refused(&e),
         }
     }
 

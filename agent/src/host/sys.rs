@@ -203,29 +203,25 @@ pub fn enter_real_time(what: &str, priority: u8) {
 /// Puts the calling thread in SCHED_FIFO at `priority`, its children back in the normal class
 /// (SCHED_RESET_ON_FORK). Needs CAP_SYS_NICE.
 pub fn real_time(priority: u8) -> io::Result<()> {
-    set_scheduler(libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, priority)
+    real_time_thread(0, priority)
 }
 
-/// As [`real_time`], for thread `tid` of this process (another thread raises it before it wakes
-/// it, so that it wakes in the class, not behind the normal class's runnable tasks).
+/// As [`real_time`], for thread `tid` of this process (0: the calling thread; another thread
+/// raises it before it wakes it, so that it wakes in the class, not behind the normal class's
+/// runnable tasks).
 pub fn real_time_thread(tid: i32, priority: u8) -> io::Result<()> {
     set_thread_scheduler(tid, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, priority)
 }
 
 /// Puts the calling thread back in the normal class (SCHED_OTHER; no privilege needed).
 pub fn normal_class() -> io::Result<()> {
-    set_scheduler(libc::SCHED_OTHER, 0)
+    set_thread_scheduler(0, libc::SCHED_OTHER, 0)
 }
 
 /// The calling thread's id (gettid(2)).
 pub fn gettid() -> i32 {
     // SAFETY: gettid takes no argument and cannot fail.
     unsafe { libc::gettid() }
-}
-
-/// sched_setscheduler(2) on the calling thread.
-fn set_scheduler(policy: i32, priority: u8) -> io::Result<()> {
-    set_thread_scheduler(0, policy, priority)
 }
 
 /// sched_setscheduler(2) on thread `tid` (0: the calling thread).
