@@ -414,6 +414,7 @@ fn deadlines_main() -> std::process::ExitCode {
         error!("cannot give up CAP_SYS_ADMIN: {e}");
         return std::process::ExitCode::FAILURE;
     }
+    info!("CAP_SYS_ADMIN given up");
     // Blocked before any thread starts (threads inherit the mask): this thread waits for them.
     let mut stop = SigSet::empty();
     stop.add(Signal::SIGTERM);

@@ -15,6 +15,12 @@ struct Reps {
     wrapper_lost: usize,
     /// The slowest quit of each repetition: valet's and the wrapper's (µs).
     slowest: Vec<(f64, f64)>,
+    /// Each valet quit's two parts (µs), by the agent's send time in its log: from the app's exit
+    /// stamp to the agent's write, and from the write to the proxy's receipt; per repetition, its
+    /// slowest quit's parts.
+    written: Vec<f64>,
+    read: Vec<f64>,
+    slowest_parts: Vec<Option<(f64, f64)>>,
     /// From the first repetition: the pod-watch latency with every pod tracked, in the second
     /// the burst's Jobs start and at rest (after the idle window), idle CPU (millicores) and RSS
     /// (KiB).
@@ -51,6 +57,9 @@ pub(crate) fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
         lost: 0,
         wrapper_lost: 0,
         slowest: Vec::new(),
+        written: Vec::new(),
+        read: Vec::new(),
+        slowest_parts: Vec::new(),
         burst_watch: WatchLag::default(),
         rest_watch: WatchLag::default(),
         idle_mc: f64::NAN,
@@ -75,6 +84,7 @@ pub(crate) fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
         words.join(", "),
         slowest.len()
     );
+    print_quit_parts(&reps, q.n);
     let peak = peak_rss_kib(pid);
     println!(
         "  agent peak RSS (VmHWM): {:.1} MiB once started (loading included), {:.1} MiB at the end",
@@ -130,8 +140,14 @@ fn node_rep(plan: &Plan, node: &Node, agent: &Agent, rep: usize, reps: &mut Reps
             open_fds(pid)
         );
     }
-    // The Jobs end within the same second as they started: their quits.
-    let (quits, v_lost) = jobs.quits()?;
+    // The Jobs end within the same second as they started: their quits, each split at the
+    // agent's send time.
+    let (timed, v_lost) = jobs.timed_quits()?;
+    let quits: Vec<f64> = timed.iter().map(|t| t.received.saturating_sub(t.exited) as f64 / 1e3).collect();
+    let (parts, slowest_parts) = split_quits(&timed, &agent.log_text());
+    reps.written.extend(parts.iter().map(|p| p.0));
+    reps.read.extend(parts.iter().map(|p| p.1));
+    reps.slowest_parts.push(slowest_parts);
     remove_jobs(node, jobs.jobs);
     agent.wait_tracked(plan.services, Duration::from_secs(30))?;
     let w = report(
@@ -145,6 +161,45 @@ fn node_rep(plan: &Plan, node: &Node, agent: &Agent, rep: usize, reps: &mut Reps
     reps.lost += v_lost;
     reps.wrapper_lost += w_lost;
     Ok(())
+}
+
+/// A repetition's valet quits split at the agent's send time (`sidecar accepted quit ...
+/// sent_ns=`, from its log): each quit's (the app's exit stamp → the write, the write → the
+/// proxy's receipt), in µs, and the slowest quit's two parts. A quit without a send time in the
+/// log is left out of the parts (and the slowest has none when it is that one).
+fn split_quits(timed: &[TimedQuit], log: &str) -> (Vec<(f64, f64)>, Option<(f64, f64)>) {
+    let sent = quits_sent(log);
+    let parts = |t: &TimedQuit| {
+        let s = *sent.get(&t.pod)?;
+        Some((s.saturating_sub(t.exited) as f64 / 1e3, t.received.saturating_sub(s) as f64 / 1e3))
+    };
+    let slowest = timed.iter().max_by_key(|t| t.received.saturating_sub(t.exited));
+    (timed.iter().filter_map(parts).collect(), slowest.and_then(parts))
+}
+
+/// Where valet's quits went, over the repetitions: the median / p99 of each part, and each
+/// repetition's slowest split in two.
+fn print_quit_parts(reps: &Reps, quits: usize) {
+    let w = report("  valet: the app's exit stamp → the agent's write of its quit", reps.written.clone());
+    let r = report("  valet: the agent's write → the proxy's receipt", reps.read.clone());
+    let each: Vec<String> = reps
+        .slowest_parts
+        .iter()
+        .zip(&reps.slowest)
+        .map(|(p, (v, _))| match p {
+            Some((w, r)) => format!("{:.2} = {:.2} + {:.2}", v / 1e3, w / 1e3, r / 1e3),
+            None => format!("{:.2} (no send time)", v / 1e3),
+        })
+        .collect();
+    println!(
+        "  valet's quits, split at the agent's write ({} of {} with a send time): to the write {}, the proxy's read {}; \
+         each repetition's slowest (ms) = to the write + the read: {}",
+        reps.written.len(),
+        quits,
+        w.ms(),
+        r.ms(),
+        each.join(", ")
+    );
 }
 
 /// [8]'s rows, from the repetitions, the agent's peak RSS and the quits' figures (valet's, the
@@ -196,53 +251,15 @@ fn node_rows(plan: &Plan, reps: &Reps, peak: u64, [q, w]: [&Stats; 2], table: &m
 }
 
 /// [8]'s pod-watch row: the latency with no pods and with `total` (until the pod's event reached
-/// the agent's router, by its log), and where the difference goes: the API stand-in's own
-/// delivery (a bare watch client's receipt) and what is left, the agent's own receipt; beside it,
-/// the bench's earlier figure, read from the agent's count on `/metrics` back to back.
+/// the agent's router, by its log), and where the difference goes ([`watch_split`]).
 fn watch_row(with: &str, quiet: &WatchLag, full: &WatchLag, table: &mut Table) {
-    let own = |l: &WatchLag| l.logged.iter().zip(&l.api).map(|(a, b)| a - b).collect::<Vec<f64>>();
-    let qw = report("pod-watch latency, no pods", quiet.logged.clone());
-    let fw = report(&format!("pod-watch latency, {with}"), full.logged.clone());
-    let qa = report("  the API stand-in's delivery to a bare watch, no pods", quiet.api.clone());
-    let fa = report("  the API stand-in's delivery to a bare watch, full", full.api.clone());
-    let qo = report("  the agent's part (latency less the bare watch's), no pods", own(quiet));
-    let fo = report("  the agent's part (latency less the bare watch's), full", own(full));
-    let qm = report("  read from the agent's count on /metrics back to back, no pods", quiet.agent.clone());
-    let fm = report("  read from the agent's count on /metrics back to back, full", full.agent.clone());
-    let qs = report("  one read of the agent's /metrics, no pods", quiet.scrape.clone());
-    let fs = report("  one read of the agent's /metrics, full", full.scrape.clone());
-    println!(
-        "  the agent over the samples read from its log, per sample: CPU {:.0} / {:.0} µs, its threads waiting for a \
-         CPU {:.0} / {:.0} µs (no pods / {with})\n  no pods: {}\n  {with}: {}",
-        quiet.cpu, full.cpu, quiet.waited, full.waited, quiet.threads, full.threads
-    );
-    let ratio = fw.median / qw.median;
-    let own_ratio = fo.median / qo.median;
+    let split = watch_split(("no pods", "full"), with, quiet, full);
     table.add(
         &format!("[8] pod-watch latency with {with}, to the agent's router by its log (median / p99)"),
-        fw.ms(),
-        &format!(
-            "no pods {}; of it (medians, no pods / full): the API stand-in's delivery to a bare watch client \
-             {:.2} / {:.2} ms, the rest (the agent's receipt) {:.2} / {:.2} ms; per sample, the agent's CPU \
-             {:.0} / {:.0} µs and its threads' wait for a CPU {:.0} / {:.0} µs; read from its count on /metrics \
-             back to back instead, {:.2} / {:.2} ms ({:.2}×), one read {:.2} / {:.2} ms",
-            qw.ms(),
-            qa.median / 1e3,
-            fa.median / 1e3,
-            qo.median / 1e3,
-            fo.median / 1e3,
-            quiet.cpu,
-            full.cpu,
-            quiet.waited,
-            full.waited,
-            qm.median / 1e3,
-            fm.median / 1e3,
-            fm.median / qm.median,
-            qs.median / 1e3,
-            fs.median / 1e3,
-        ),
+        split.latency,
+        &split.reference,
         "no lag (≤ 1.2× no pods), or a measurement that puts the difference outside the agent",
-        format!("{ratio:.2}×; the rest alone {own_ratio:.2}×: {}", met(ratio <= 1.2 || own_ratio <= 1.2)),
+        split.verdict,
     );
 }
 
@@ -315,4 +332,28 @@ pub(crate) fn observed_idle(plan: &Plan, total: usize, labelled: usize, observe:
     );
     remove_jobs(&node, pods);
     Ok((rss, idle_mc))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{TimedQuit, split_quits};
+
+    #[test]
+    fn a_bursts_quits_split_at_the_agents_send_time() {
+        let log = "2026-12-06T22:00:00.000001Z  INFO valet_agent::pod::state::ending: sidecar accepted quit \
+                   pod=jobs/burst-0-a sidecar=istio-proxy status=200 attempts=1 sent_ns=1300000\n\
+                   2026-12-06T22:00:00.000002Z  INFO valet_agent::pod::state::ending: sidecar accepted quit \
+                   pod=jobs/burst-0-b sidecar=istio-proxy status=200 attempts=1 sent_ns=2100000\n";
+        let quit = |pod: &str, exited: u64, received: u64| TimedQuit { pod: pod.into(), exited, received };
+        let timed = [
+            quit("burst-0-a", 1_000_000, 1_500_000),
+            quit("burst-0-b", 2_000_000, 4_000_000),
+            quit("burst-0-c", 3_000_000, 3_100_000),
+        ];
+        let (parts, slowest) = split_quits(&timed, log);
+        assert_eq!(parts, [(300.0, 200.0), (100.0, 1900.0)], "a quit without a send time has no parts");
+        assert_eq!(slowest, Some((100.0, 1900.0)), "the slowest quit is b's (2 ms)");
+        let (_, slowest) = split_quits(&timed[..2], "");
+        assert_eq!(slowest, None, "no send time in the log: no parts");
+    }
 }

@@ -197,6 +197,66 @@ pub(crate) fn watch_latency(node: &Node, agent: &Agent, base: f64, samples: usiz
     Ok(out)
 }
 
+/// A pod-watch row's cells ([`watch_split`]).
+pub(crate) struct WatchSplit {
+    pub(crate) latency: String,
+    pub(crate) reference: String,
+    pub(crate) verdict: String,
+}
+
+/// A pod-watch row ([8]'s and [5]'s): the latency by the agent's log under load (`full`) against
+/// its reference (`quiet`), and where the difference goes: the API stand-in's own delivery (a bare
+/// watch client's receipt of the same pod) and what is left, the agent's own receipt; beside it
+/// the agent's CPU and its threads' wait for one per sample, and the bench's earlier figure, read
+/// from the agent's count on `/metrics` back to back. Met at ≤ 1.2× the reference, or when the part
+/// left after the bare watch's delivery is itself ≤ 1.2× its reference: the difference then lies
+/// outside the agent. `names` name the two (`("no pods", "full")`), `with` the load.
+pub(crate) fn watch_split(names: (&str, &str), with: &str, quiet: &WatchLag, full: &WatchLag) -> WatchSplit {
+    let (q, f) = names;
+    let own = |l: &WatchLag| l.logged.iter().zip(&l.api).map(|(a, b)| a - b).collect::<Vec<f64>>();
+    let qw = report(&format!("pod-watch latency, {q}"), quiet.logged.clone());
+    let fw = report(&format!("pod-watch latency, {with}"), full.logged.clone());
+    let qa = report(&format!("  the API stand-in's delivery to a bare watch, {q}"), quiet.api.clone());
+    let fa = report(&format!("  the API stand-in's delivery to a bare watch, {f}"), full.api.clone());
+    let qo = report(&format!("  the agent's part (latency less the bare watch's), {q}"), own(quiet));
+    let fo = report(&format!("  the agent's part (latency less the bare watch's), {f}"), own(full));
+    let qm = report(&format!("  read from the agent's count on /metrics back to back, {q}"), quiet.agent.clone());
+    let fm = report(&format!("  read from the agent's count on /metrics back to back, {f}"), full.agent.clone());
+    let qs = report(&format!("  one read of the agent's /metrics, {q}"), quiet.scrape.clone());
+    let fs = report(&format!("  one read of the agent's /metrics, {f}"), full.scrape.clone());
+    println!(
+        "  the agent over the samples read from its log, per sample: CPU {:.0} / {:.0} µs, its threads waiting for a \
+         CPU {:.0} / {:.0} µs ({q} / {with})\n  {q}: {}\n  {with}: {}",
+        quiet.cpu, full.cpu, quiet.waited, full.waited, quiet.threads, full.threads
+    );
+    let ratio = fw.median / qw.median;
+    let own_ratio = fo.median / qo.median;
+    WatchSplit {
+        latency: fw.ms(),
+        reference: format!(
+            "{q} {}; of it (medians, {q} / {f}): the API stand-in's delivery to a bare watch client \
+             {:.2} / {:.2} ms, the rest (the agent's receipt) {:.2} / {:.2} ms; per sample, the agent's CPU \
+             {:.0} / {:.0} µs and its threads' wait for a CPU {:.0} / {:.0} µs; read from its count on /metrics \
+             back to back instead, {:.2} / {:.2} ms ({:.2}×), one read {:.2} / {:.2} ms",
+            qw.ms(),
+            qa.median / 1e3,
+            fa.median / 1e3,
+            qo.median / 1e3,
+            fo.median / 1e3,
+            quiet.cpu,
+            full.cpu,
+            quiet.waited,
+            full.waited,
+            qm.median / 1e3,
+            fm.median / 1e3,
+            fm.median / qm.median,
+            qs.median / 1e3,
+            fs.median / 1e3,
+        ),
+        verdict: format!("{ratio:.2}×; the rest alone {own_ratio:.2}×: {}", met(ratio <= 1.2 || own_ratio <= 1.2)),
+    }
+}
+
 /// One 0.3 s Job: the time from its app's exit to the quit its proxy received, or None when the
 /// proxy was not asked to quit within 5 s (a container end lost). `during` runs after the app
 /// started (e.g. stalling the agent).
@@ -325,6 +385,13 @@ impl Burst {
 
     /// Waits for the apps to end: each one's exit → quit (µs), and how many were not quit.
     pub(crate) fn quits(&mut self) -> Result<(Vec<f64>, usize)> {
+        let (timed, lost) = self.timed_quits()?;
+        Ok((timed.iter().map(|t| t.received.saturating_sub(t.exited) as f64 / 1e3).collect(), lost))
+    }
+
+    /// As [`Burst::quits`], each quit with its pod's name and its two moments (CLOCK_MONOTONIC
+    /// ns): the app's exit stamp and the proxy's receipt of the quit.
+    pub(crate) fn timed_quits(&mut self) -> Result<(Vec<TimedQuit>, usize)> {
         let (mut quits, mut lost) = (Vec::new(), 0);
         for (job, stamp) in self.jobs.iter_mut().zip(&self.stamps) {
             let left = self.run.saturating_sub(self.started.elapsed());
@@ -333,12 +400,20 @@ impl Burst {
                 None => None,
             };
             match (quit, read_stamp(stamp)) {
-                (Some(q), Some(e)) => quits.push(q.saturating_sub(e) as f64 / 1e3),
+                (Some(received), Some(exited)) => quits.push(TimedQuit { pod: job.name.clone(), exited, received }),
                 _ => lost += 1,
             }
         }
         Ok((quits, lost))
     }
+}
+
+/// One Job's quit in a burst: its pod's name, its app's exit stamp and its proxy's receipt of the
+/// quit (CLOCK_MONOTONIC ns).
+pub(crate) struct TimedQuit {
+    pub(crate) pod: String,
+    pub(crate) exited: u64,
+    pub(crate) received: u64,
 }
 
 #[cfg(test)]

@@ -266,7 +266,7 @@ fn late_quits(jobs: &mut [JobPod], lost: &[usize]) -> Result<()> {
 /// `sidecar accepted quit` lines (`pod=<namespace>/<name>`, `sent_ns=<ns>`), and by pod uid from
 /// the `quit sent ahead, its answer not read` ones (`uid=<uid>`), a quit the event reader sent
 /// whose pod ended before the answer was read.
-fn quits_sent(log: &str) -> HashMap<String, u64> {
+pub(crate) fn quits_sent(log: &str) -> HashMap<String, u64> {
     log.lines()
         .filter(|l| l.contains("sidecar accepted quit") || l.contains("quit sent ahead, its answer not read"))
         .filter_map(|l| {
