@@ -15,12 +15,10 @@ struct Reps {
     wrapper_lost: usize,
     /// The slowest quit of each repetition: valet's and the wrapper's (µs).
     slowest: Vec<(f64, f64)>,
-    /// Each valet quit's two parts (µs), by the agent's send time in its log: from the app's exit
-    /// stamp to the agent's write, and from the write to the proxy's receipt; per repetition, its
-    /// slowest quit's parts.
-    written: Vec<f64>,
-    read: Vec<f64>,
-    slowest_parts: Vec<Option<(f64, f64)>>,
+    /// Each valet quit's [`Parts`], by the agent's moments in its log; per repetition, its
+    /// slowest quit's.
+    parts: Vec<Parts>,
+    slowest_parts: Vec<Option<Parts>>,
     /// From the first repetition: the pod-watch latency with every pod tracked, in the second
     /// the burst's Jobs start and at rest (after the idle window), idle CPU (millicores) and RSS
     /// (KiB).
@@ -57,8 +55,7 @@ pub(crate) fn full_node(plan: &Plan, table: &mut Table) -> Result<()> {
         lost: 0,
         wrapper_lost: 0,
         slowest: Vec::new(),
-        written: Vec::new(),
-        read: Vec::new(),
+        parts: Vec::new(),
         slowest_parts: Vec::new(),
         burst_watch: WatchLag::default(),
         rest_watch: WatchLag::default(),
@@ -145,8 +142,7 @@ fn node_rep(plan: &Plan, node: &Node, agent: &Agent, rep: usize, reps: &mut Reps
     let (timed, v_lost) = jobs.timed_quits()?;
     let quits: Vec<f64> = timed.iter().map(|t| t.received.saturating_sub(t.exited) as f64 / 1e3).collect();
     let (parts, slowest_parts) = split_quits(&timed, &agent.log_text());
-    reps.written.extend(parts.iter().map(|p| p.0));
-    reps.read.extend(parts.iter().map(|p| p.1));
+    reps.parts.extend(parts);
     reps.slowest_parts.push(slowest_parts);
     remove_jobs(node, jobs.jobs);
     agent.wait_tracked(plan.services, Duration::from_secs(30))?;
@@ -163,39 +159,60 @@ fn node_rep(plan: &Plan, node: &Node, agent: &Agent, rep: usize, reps: &mut Reps
     Ok(())
 }
 
-/// A repetition's valet quits split at the agent's send time (`sidecar accepted quit ...
-/// sent_ns=`, from its log): each quit's (the app's exit stamp → the write, the write → the
-/// proxy's receipt), in µs, and the slowest quit's two parts. A quit without a send time in the
-/// log is left out of the parts (and the slowest has none when it is that one).
-fn split_quits(timed: &[TimedQuit], log: &str) -> (Vec<(f64, f64)>, Option<(f64, f64)>) {
+/// A quit's three parts (µs): the app's exit stamp → the kernel's moment of its end (the app's
+/// own exit), that → the agent's write of the quit, the write → the proxy's receipt.
+type Parts = (f64, f64, f64);
+
+/// A repetition's valet quits split at the agent's moments in its log (`sidecar accepted quit ...
+/// sent_ns= ended_ns=`): each quit's [`Parts`], and the slowest quit's. A quit without both
+/// moments in the log is left out (and the slowest has none when it is that one).
+fn split_quits(timed: &[TimedQuit], log: &str) -> (Vec<Parts>, Option<Parts>) {
     let sent = quits_sent(log);
+    let ended = quits_ended(log);
     let parts = |t: &TimedQuit| {
-        let s = *sent.get(&t.pod)?;
-        Some((s.saturating_sub(t.exited) as f64 / 1e3, t.received.saturating_sub(s) as f64 / 1e3))
+        let (s, e) = (*sent.get(&t.pod)?, *ended.get(&t.pod)?);
+        let us = |from: u64, to: u64| to.saturating_sub(from) as f64 / 1e3;
+        Some((us(t.exited, e), us(e, s), us(s, t.received)))
     };
     let slowest = timed.iter().max_by_key(|t| t.received.saturating_sub(t.exited));
     (timed.iter().filter_map(parts).collect(), slowest.and_then(parts))
 }
 
-/// Where valet's quits went, over the repetitions: the median / p99 of each part, and each
-/// repetition's slowest split in two.
+/// The kernel's moment of each quit's app end (`ended_ns=`, CLOCK_MONOTONIC), by pod name, from
+/// the agent's `sidecar accepted quit` lines.
+fn quits_ended(log: &str) -> std::collections::HashMap<String, u64> {
+    log.lines()
+        .filter(|l| l.contains("sidecar accepted quit"))
+        .filter_map(|l| {
+            let field = |key: &str| l.split_whitespace().find_map(|w| w.strip_prefix(key));
+            let pod = field("pod=")?.rsplit('/').next()?.to_owned();
+            Some((pod, field("ended_ns=")?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Where valet's quits went, over the repetitions: the median / p99 of each [`Parts`], and each
+/// repetition's slowest split in three.
 fn print_quit_parts(reps: &Reps, quits: usize) {
-    let w = report("  valet: the app's exit stamp → the agent's write of its quit", reps.written.clone());
-    let r = report("  valet: the agent's write → the proxy's receipt", reps.read.clone());
+    let part = |label: &str, f: fn(&Parts) -> f64| report(label, reps.parts.iter().map(f).collect());
+    let e = part("  valet: the app's exit stamp → the kernel's moment of its end", |p| p.0);
+    let w = part("  valet: the kernel's moment → the agent's write of the quit", |p| p.1);
+    let r = part("  valet: the agent's write → the proxy's receipt", |p| p.2);
     let each: Vec<String> = reps
         .slowest_parts
         .iter()
         .zip(&reps.slowest)
         .map(|(p, (v, _))| match p {
-            Some((w, r)) => format!("{:.2} = {:.2} + {:.2}", v / 1e3, w / 1e3, r / 1e3),
-            None => format!("{:.2} (no send time)", v / 1e3),
+            Some((e, w, r)) => format!("{:.2} = {:.2} + {:.2} + {:.2}", v / 1e3, e / 1e3, w / 1e3, r / 1e3),
+            None => format!("{:.2} (no moments in the log)", v / 1e3),
         })
         .collect();
     println!(
-        "  valet's quits, split at the agent's write ({} of {} with a send time): to the write {}, the proxy's read {}; \
-         each repetition's slowest (ms) = to the write + the read: {}",
-        reps.written.len(),
-        quits,
+        "  valet's quits, split at the agent's moments ({} of {quits} with both in its log): the app's own exit {}, \
+         the agent's write {}, the proxy's read {}; each repetition's slowest (ms) = the exit + the write + the \
+         read: {}",
+        reps.parts.len(),
+        e.ms(),
         w.ms(),
         r.ms(),
         each.join(", ")
@@ -339,21 +356,29 @@ mod tests {
     use super::{TimedQuit, split_quits};
 
     #[test]
-    fn a_bursts_quits_split_at_the_agents_send_time() {
+    fn a_bursts_quits_split_at_the_agents_moments() {
         let log = "2026-12-06T22:00:00.000001Z  INFO valet_agent::pod::state::ending: sidecar accepted quit \
-                   pod=jobs/burst-0-a sidecar=istio-proxy status=200 attempts=1 sent_ns=1300000\n\
+                   pod=jobs/burst-0-a sidecar=istio-proxy status=200 attempts=1 quit_after_us=9 sent_ns=1300000 \
+                   ended_ns=1100000\n\
                    2026-12-06T22:00:00.000002Z  INFO valet_agent::pod::state::ending: sidecar accepted quit \
-                   pod=jobs/burst-0-b sidecar=istio-proxy status=200 attempts=1 sent_ns=2100000\n";
+                   pod=jobs/burst-0-b sidecar=istio-proxy status=200 attempts=1 sent_ns=2100000 ended_ns=2050000\n\
+                   2026-12-06T22:00:00.000003Z  INFO valet_agent::pod::state::ending: sidecar accepted quit \
+                   pod=jobs/burst-0-c sidecar=istio-proxy status=200 attempts=1 sent_ns=3050000\n";
         let quit = |pod: &str, exited: u64, received: u64| TimedQuit { pod: pod.into(), exited, received };
         let timed = [
             quit("burst-0-a", 1_000_000, 1_500_000),
             quit("burst-0-b", 2_000_000, 4_000_000),
             quit("burst-0-c", 3_000_000, 3_100_000),
+            quit("burst-0-d", 3_000_000, 3_200_000),
         ];
         let (parts, slowest) = split_quits(&timed, log);
-        assert_eq!(parts, [(300.0, 200.0), (100.0, 1900.0)], "a quit without a send time has no parts");
-        assert_eq!(slowest, Some((100.0, 1900.0)), "the slowest quit is b's (2 ms)");
+        assert_eq!(
+            parts,
+            [(100.0, 200.0, 200.0), (50.0, 50.0, 1900.0)],
+            "a quit without both moments in the log has no parts"
+        );
+        assert_eq!(slowest, Some((50.0, 50.0, 1900.0)), "the slowest quit is b's (2 ms)");
         let (_, slowest) = split_quits(&timed[..2], "");
-        assert_eq!(slowest, None, "no send time in the log: no parts");
+        assert_eq!(slowest, None, "no moments in the log: no parts");
     }
 }

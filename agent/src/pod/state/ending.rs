@@ -237,7 +237,7 @@ impl PodState {
             // The pod's state moved on before the answer came (a relist found the sidecar
             // ended): the acceptance is still the sidecar's, logged with its request's moment.
             if let QuitOutcome::Accepted { status, attempts, sent_ns } = &outcome {
-                info!(pod = %name, %sidecar, status, attempts, sent_ns, "sidecar accepted quit");
+                info!(pod = %name, %sidecar, status, attempts, sent_ns, ended_ns = done_ktime, "sidecar accepted quit");
             }
             return fx;
         };
@@ -252,7 +252,8 @@ impl PodState {
                 }
                 let after_text = after.map(|ns| format!(" {}µs after the app finished", ns / 1000)).unwrap_or_default();
                 // `sent_ns`: the request's own moment, beside the answer's (`quit_after_us` counts
-                // to the answer's processing).
+                // to the answer's processing); `ended_ns`: the kernel's moment of the app's end
+                // (CLOCK_MONOTONIC, as `sent_ns`).
                 info!(
                     pod = %name,
                     %sidecar,
@@ -260,6 +261,7 @@ impl PodState {
                     attempts,
                     quit_after_us = after.map(|n| n / 1000),
                     sent_ns,
+                    ended_ns = done_ktime,
                     "sidecar accepted quit"
                 );
                 fx.extend(rules.quit_events.then(|| Effect::Publish {
