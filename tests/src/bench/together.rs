@@ -32,6 +32,11 @@ struct Rounds {
     /// that read to the SIGCONT (the answer's way back and the agent's decision) (µs).
     asked: Vec<f64>,
     decided: Vec<f64>,
+    /// That first ask split at its bytes' arrival in the proxy's socket (the kernel's receive
+    /// timestamp, the stand-in's `--stamp-arrivals`; on loopback, the agent's write): (from the
+    /// ready moment to the arrival, 0 when it came before it; from the arrival to the read, the
+    /// proxy's own wait) (µs).
+    ask_parts: Vec<(f64, f64)>,
     /// The agent's CPU share in each of the first rounds.
     cpu: Vec<f64>,
     /// Proxies that bind as they turn ready are ready only once they got the CPU to bind (with
@@ -193,9 +198,14 @@ fn together_round(setup: &Setup<'_>, round: usize, acc: &mut Rounds) -> Result<(
             };
             acc.released.push(at.saturating_sub(*ready) as f64 / 1000.0);
             let asks = job.requests().into_iter().filter(|e| e.method == "GET" && e.mono_ns >= *ready);
-            if let Some(read) = asks.map(|e| e.mono_ns).filter(|&t| t <= at).min() {
+            if let Some(first) = asks.filter(|e| e.mono_ns <= at).min_by_key(|e| e.mono_ns) {
+                let read = first.mono_ns;
                 acc.asked.push(read.saturating_sub(*ready) as f64 / 1000.0);
                 acc.decided.push(at.saturating_sub(read) as f64 / 1000.0);
+                if let Some(arrived) = first.arrived_ns {
+                    let us = |from: u64, to: u64| to.saturating_sub(from) as f64 / 1000.0;
+                    acc.ask_parts.push((us(*ready, arrived), us(arrived, read)));
+                }
             }
         }
     }
@@ -219,6 +229,7 @@ fn together_jobs(setup: &Setup<'_>, round: usize) -> Result<(PathBuf, Vec<HeldJo
         let mut spec = JobSpec::new("together").annotation("valet.dev/hold-app", "true");
         spec.ready_file = Some(ready.clone());
         spec.listen_when_ready = (setup.flip == Flip::Listens).then_some(15006);
+        spec.stamp_arrivals = true;
         let mut job = node.job_pod(spec)?;
         let stamp = node.scratch.path(&format!("together-ran-{round}-{i}"));
         let stamp_s = stamp.to_str().context("path")?.to_owned();
@@ -263,6 +274,25 @@ fn own_starts(
     }
 }
 
+/// The first ask that found each proxy ready, split at its arrival in the proxy's socket: the
+/// agent's part (ready moment → arrival) and the proxy's wait (arrival → read), over every pod
+/// and over the tenth read latest after its ready moment, where the round's tail is.
+fn ask_split(parts: &[(f64, f64)]) {
+    if parts.is_empty() {
+        return;
+    }
+    report("    the ask reached the proxy's socket after the ready moment", parts.iter().map(|p| p.0).collect());
+    report("    the ask waited in the socket until the proxy read it", parts.iter().map(|p| p.1).collect());
+    let mut late: Vec<(f64, f64)> = parts.to_vec();
+    late.sort_by(|a, b| (b.0 + b.1).total_cmp(&(a.0 + a.1)));
+    late.truncate(parts.len().div_ceil(10));
+    report(
+        "    the latest tenth: the ask reached the socket after the ready moment",
+        late.iter().map(|p| p.0).collect(),
+    );
+    report("    the latest tenth: the ask waited in the socket", late.iter().map(|p| p.1).collect());
+}
+
 /// [7]'s figures, each reported (printed) in turn.
 fn together_figures(acc: Rounds, cpus: usize) -> Figures {
     let released =
@@ -271,6 +301,7 @@ fn together_figures(acc: Rounds, cpus: usize) -> Figures {
         report("  of it: the proxy read the first ask after its ready moment", acc.asked);
         report("  of it: from that read to the SIGCONT", acc.decided);
     }
+    ask_split(&acc.ask_parts);
     let runs = report("held app runs after its proxy is ready", acc.samples);
     let (binding, from_file) = (acc.binding, acc.from_file);
     let delivery = (!from_file.is_empty()).then(|| {

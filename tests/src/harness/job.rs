@@ -149,6 +149,8 @@ pub struct JobSpec {
     /// With `ready_file`: the stand-in binds this port when the file appears, and turns ready
     /// only then (as Envoy binds the listeners its configuration brings).
     pub listen_when_ready: Option<u16>,
+    /// The stand-in logs when each request's bytes reached its socket (`--stamp-arrivals`).
+    pub stamp_arrivals: bool,
     pub proxy_hangs: bool,
     pub proxy_ignores_quit: bool,
     /// The stand-in answers every request with an endless body (set `ready_file` too: the
@@ -208,6 +210,7 @@ impl JobSpec {
             already_exited: Vec::new(),
             ready_file: None,
             listen_when_ready: None,
+            stamp_arrivals: false,
             share_process_namespace: false,
             extra_containers: Vec::new(),
             proxy_hangs: false,
@@ -501,6 +504,7 @@ impl JobSpec {
         standin.events = Some(events.to_path_buf());
         standin.ready_file = self.ready_file.clone();
         standin.listen_when_ready = self.listen_when_ready;
+        standin.stamp_arrivals = self.stamp_arrivals;
         standin.hang = self.proxy_hangs;
         standin.quit_ignored = self.proxy_ignores_quit;
         standin.flood = self.proxy_floods;

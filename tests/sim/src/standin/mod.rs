@@ -92,7 +92,7 @@ impl State {
         // whoever waits for it, never for them), logged as `READY / 0.0.0.0:<port>`.
         let at = monotonic_ns();
         *self.configured.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(l);
-        self.log_at(at, "READY", "/", SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)));
+        self.log_at(at, "READY", "/", SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)), None);
         Ok(())
     }
 
@@ -219,12 +219,25 @@ impl State {
     }
 
     fn log(&self, method: &str, path: &str, peer: SocketAddr) {
-        self.log_at(monotonic_ns(), method, path, peer);
+        self.log_at(monotonic_ns(), method, path, peer, None);
     }
 
-    fn log_at(&self, mono_ns: u64, method: &str, path: &str, peer: SocketAddr) {
+    /// `arrived_real_ns`: with `--stamp-arrivals`, the kernel's receive timestamp of the
+    /// request's bytes (CLOCK_REALTIME), logged as CLOCK_MONOTONIC (`arrived=`).
+    fn log_at(&self, mono_ns: u64, method: &str, path: &str, peer: SocketAddr, arrived_real_ns: Option<u64>) {
         if let Some(f) = &self.events {
-            let line = format!("{mono_ns} {method} {path} {peer}\n");
+            let arrived = arrived_real_ns
+                .map(|real| {
+                    // The two clocks read back to back: the monotonic one on both sides.
+                    let before = monotonic_ns();
+                    let now_real = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_nanos() as u64);
+                    let now = before / 2 + monotonic_ns() / 2;
+                    format!(" arrived={}", now.saturating_sub(now_real.saturating_sub(real)))
+                })
+                .unwrap_or_default();
+            let line = format!("{mono_ns} {method} {path} {peer}{arrived}\n");
             let mut f = f.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             // One write per line on an O_APPEND file: lines from threads never interleave.
             let _ = f.write_all(line.as_bytes());
@@ -284,6 +297,69 @@ async fn read_head<R: AsyncBufRead + Unpin>(r: &mut R) -> Option<(String, String
     Some((method, path, content_length, close))
 }
 
+/// A connection's read half. With `--stamp-arrivals` it reads with `recvmsg` and keeps the
+/// kernel's receive timestamp (SO_TIMESTAMPNS, CLOCK_REALTIME) of the bytes it read last.
+struct StampedRead {
+    half: tokio::net::tcp::OwnedReadHalf,
+    stamped: bool,
+    last_real_ns: Option<u64>,
+}
+
+impl tokio::io::AsyncRead for StampedRead {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if !this.stamped {
+            return std::pin::Pin::new(&mut this.half).poll_read(cx, buf);
+        }
+        loop {
+            let stream: &tokio::net::TcpStream = this.half.as_ref();
+            std::task::ready!(stream.poll_read_ready(cx))?;
+            let unfilled = buf.initialize_unfilled();
+            match stream.try_io(tokio::io::Interest::READABLE, || recv_stamped(stream, unfilled)) {
+                Ok((n, at)) => {
+                    if at.is_some() {
+                        this.last_real_ns = at;
+                    }
+                    buf.advance(n);
+                    return std::task::Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return std::task::Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+/// `--stamp-arrivals`: the kernel stamps what reaches the connections `l` accepts (they inherit
+/// SO_TIMESTAMPNS from it, so a request sent right after the connect is stamped too: the
+/// kernel stamps nothing that arrived before any socket asked for it).
+fn stamp_arrivals(l: &TcpListener) -> Result<()> {
+    nix::sys::socket::setsockopt(l, nix::sys::socket::sockopt::ReceiveTimestampns, &true)
+        .context("SO_TIMESTAMPNS on a listener")
+}
+
+/// One `recvmsg` into `buf`: the bytes read and their receive timestamp (CLOCK_REALTIME ns), if
+/// the kernel gave one.
+fn recv_stamped(stream: &tokio::net::TcpStream, buf: &mut [u8]) -> std::io::Result<(usize, Option<u64>)> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    use std::os::fd::AsRawFd as _;
+    let mut iov = [std::io::IoSliceMut::new(buf)];
+    let mut space = nix::cmsg_space!(nix::sys::time::TimeSpec);
+    let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::empty())
+        .map_err(std::io::Error::from)?;
+    let at = msg.cmsgs().ok().and_then(|mut c| {
+        c.find_map(|m| match m {
+            ControlMessageOwned::ScmTimestampns(t) => Some(t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64),
+            _ => None,
+        })
+    });
+    Ok((msg.bytes, at))
+}
+
 async fn handle(stream: tokio::net::TcpStream, role: Role, state: Arc<State>) {
     let peer = match stream.peer_addr() {
         Ok(p) => p,
@@ -295,13 +371,16 @@ async fn handle(stream: tokio::net::TcpStream, role: Role, state: Arc<State>) {
     let _ = stream.set_nodelay(true);
     // A line per connection too (`ACCEPT /`), so tests can tell which requests shared one.
     state.log("ACCEPT", "/", peer);
+    // Stamped from its listener ([`stamp_arrivals`]).
+    let stamped = state.opts.stamp_arrivals;
     let (read_half, mut w) = stream.into_split();
-    let mut reader = tokio::io::BufReader::new(read_half);
+    let mut reader = tokio::io::BufReader::new(StampedRead { half: read_half, stamped, last_real_ns: None });
     loop {
         let Some((method, path, content_length, close)) = read_head(&mut reader).await else {
             return;
         };
-        state.log(&method, &path, peer);
+        let read_ns = monotonic_ns();
+        state.log_at(read_ns, &method, &path, peer, reader.get_ref().last_real_ns);
         if state.opts.hang {
             // Hold the connection open and never answer (until the peer gives up).
             let mut sink = [0u8; 4096];
@@ -373,6 +452,9 @@ pub fn run(opts: StandinOptions) -> Result<()> {
         .map(|(role, addr)| {
             let l = TcpListener::bind(addr).with_context(|| format!("bind {addr}"))?;
             l.set_nonblocking(true)?;
+            if opts.stamp_arrivals {
+                stamp_arrivals(&l)?;
+            }
             Ok((role, l))
         })
         .collect::<Result<Vec<_>>>()?;
@@ -500,6 +582,9 @@ pub struct RequestEvent {
     pub method: String,
     pub path: String,
     pub peer: SocketAddr,
+    /// With `--stamp-arrivals`: CLOCK_MONOTONIC ns when the request's bytes reached the socket
+    /// (the kernel's receive timestamp).
+    pub arrived_ns: Option<u64>,
 }
 
 /// Reads an `--events` file (missing file = no events yet).
@@ -513,14 +598,23 @@ pub fn read_events(path: impl AsRef<Path>) -> Result<Vec<RequestEvent>> {
         .filter(|l| !l.trim().is_empty())
         .map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
-            if f.len() != 4 {
+            if f.len() != 4 && f.len() != 5 {
                 bail!("bad event line {l:?}");
             }
+            let arrived_ns = match f.get(4) {
+                Some(a) => Some(
+                    a.strip_prefix("arrived=")
+                        .and_then(|n| n.parse().ok())
+                        .with_context(|| format!("bad arrival in {l:?}"))?,
+                ),
+                None => None,
+            };
             Ok(RequestEvent {
                 mono_ns: f[0].parse().with_context(|| format!("bad timestamp in {l:?}"))?,
                 method: f[1].to_string(),
                 path: f[2].to_string(),
                 peer: f[3].parse().with_context(|| format!("bad peer in {l:?}"))?,
+                arrived_ns,
             })
         })
         .collect()
@@ -704,6 +798,67 @@ mod tests {
         assert!(
             StandinOptions::parse_args(["--listen-when-ready".to_string(), "15006".into()]).is_err(),
             "--listen-when-ready needs --ready-file"
+        );
+    }
+
+    /// `--stamp-arrivals`: a request read only a while after it was written is logged with its
+    /// bytes' arrival, between the write and the read; without the flag, with none.
+    #[test]
+    fn a_requests_arrival_is_logged_apart_from_its_read() {
+        use std::io::{Read as _, Write as _};
+        let dir = std::env::temp_dir().join(format!("valet-standin-arrivals-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        for stamp in [true, false] {
+            let events = dir.join(format!("events-{stamp}"));
+            let _ = std::fs::remove_file(&events);
+            let mut s = state(ProxyKind::Istio);
+            s.opts.stamp_arrivals = stamp;
+            s.events = Some(Mutex::new(
+                std::fs::OpenOptions::new().create(true).append(true).open(&events).expect("events file"),
+            ));
+            let s = Arc::new(s);
+            let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+            if stamp {
+                stamp_arrivals(&listener).expect("SO_TIMESTAMPNS");
+            }
+            let mut client = std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+            let (conn, _) = listener.accept().expect("accept");
+            // Written before the stand-in reads anything: its read comes later.
+            let written = monotonic_ns();
+            client.write_all(b"GET /healthz/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").expect("write");
+            let after_write = monotonic_ns();
+            // Read well after the write: an arrival logged at the read would be this much late.
+            std::thread::sleep(Duration::from_millis(100));
+            rt.block_on(async {
+                conn.set_nonblocking(true).expect("nonblocking");
+                let conn = tokio::net::TcpStream::from_std(conn).expect("tokio stream");
+                handle(conn, Role::IstioHealth, s.clone()).await;
+            });
+            let mut answer = String::new();
+            client.read_to_string(&mut answer).expect("answer");
+            assert!(answer.starts_with("HTTP/1.1 "), "{answer:?}");
+            let got = read_events(&events).expect("events");
+            let get = got.iter().find(|e| e.method == "GET").expect("the GET logged");
+            match (stamp, get.arrived_ns) {
+                (true, Some(arrived)) => {
+                    // The two clocks are read back to back at the log: slack for a preemption
+                    // between them, well short of the 100 ms before the read.
+                    let slack = 20_000_000;
+                    assert!(
+                        arrived + slack >= written && arrived <= after_write + slack,
+                        "arrived {arrived} not at the write ({written}..{after_write}), read at {}",
+                        get.mono_ns
+                    );
+                }
+                (false, None) => {}
+                other => panic!("--stamp-arrivals {stamp}: arrival {:?}", other.1),
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            StandinOptions::parse_args(["--stamp-arrivals".to_string()]).is_err(),
+            "--stamp-arrivals needs --events"
         );
     }
 }

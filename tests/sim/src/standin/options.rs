@@ -90,6 +90,10 @@ pub struct StandinOptions {
     pub quit_ignored: bool,
     /// Append `<CLOCK_MONOTONIC ns> <method> <path> <peer>` per request to this file.
     pub events: Option<PathBuf>,
+    /// With `events`: each request's line also says when its bytes reached the socket
+    /// (`arrived=<CLOCK_MONOTONIC ns>`, the kernel's receive timestamp: on loopback, the sender's
+    /// write), so a request read late tells the reader's wait from the sender's.
+    pub stamp_arrivals: bool,
     /// Istio status port (15020).
     pub status_port: Option<u16>,
     /// Istio health (15021) / cloud-sql-proxy health (9090) port.
@@ -120,6 +124,7 @@ impl StandinOptions {
             flood: false,
             quit_ignored: false,
             events: None,
+            stamp_arrivals: false,
             status_port: None,
             health_port: None,
             admin_port: None,
@@ -174,6 +179,7 @@ impl StandinOptions {
             (self.quit_ignored, "--quit-ignored"),
             (self.linkerd_shutdown_disabled, "--linkerd-shutdown-disabled"),
             (self.quit_disabled, "--quit-disabled"),
+            (self.stamp_arrivals, "--stamp-arrivals"),
         ] {
             if on {
                 a.push(flag.to_string());
@@ -215,6 +221,7 @@ impl StandinOptions {
                 "--sigterm-exit-code" => {
                     o.sigterm_exit_code = Some(value("--sigterm-exit-code")?.parse().context("bad exit code")?)
                 }
+                "--stamp-arrivals" => o.stamp_arrivals = true,
                 "--hang" => o.hang = true,
                 "--flood" => o.flood = true,
                 "--quit-ignored" => o.quit_ignored = true,
@@ -222,6 +229,9 @@ impl StandinOptions {
                 "--quit-disabled" => o.quit_disabled = true,
                 other => bail!("unknown flag {other:?}\n{USAGE}"),
             }
+        }
+        if o.stamp_arrivals && o.events.is_none() {
+            bail!("--stamp-arrivals needs --events");
         }
         if o.listen_when_ready.is_some() && o.ready_file.is_none() {
             bail!("--listen-when-ready needs --ready-file");
@@ -307,6 +317,6 @@ impl StandinOptions {
 pub const USAGE: &str = "usage: valet-standin-proxy [--kind istio|envoy|linkerd|cloudsql|vault|consul|alloydb|kuma]
        [--ready-after-ms N | --ready-file PATH]
        [--listen-when-ready PORT]
-       [--hang] [--flood] [--quit-ignored] [--events PATH]
+       [--hang] [--flood] [--quit-ignored] [--events PATH [--stamp-arrivals]]
        [--status-port N] [--health-port N] [--admin-port N] [--admin-addr IP]
        [--drain-ms N] [--sigterm-exit-code N] [--linkerd-shutdown-disabled] [--quit-disabled]";
