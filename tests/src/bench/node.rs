@@ -140,7 +140,7 @@ fn node_rep(plan: &Plan, node: &Node, agent: &Agent, rep: usize, reps: &mut Reps
     // The Jobs end within the same second as they started: their quits, each split at the
     // agent's send time.
     let (timed, v_lost) = jobs.timed_quits()?;
-    let quits: Vec<f64> = timed.iter().map(|t| t.received.saturating_sub(t.exited) as f64 / 1e3).collect();
+    let quits: Vec<f64> = timed.iter().map(TimedQuit::us).collect();
     let (parts, slowest_parts) = split_quits(&timed, &agent.log_text());
     reps.parts.extend(parts);
     reps.slowest_parts.push(slowest_parts);
@@ -174,21 +174,8 @@ fn split_quits(timed: &[TimedQuit], log: &str) -> (Vec<Parts>, Option<Parts>) {
         let us = |from: u64, to: u64| to.saturating_sub(from) as f64 / 1e3;
         Some((us(t.exited, e), us(e, s), us(s, t.received)))
     };
-    let slowest = timed.iter().max_by_key(|t| t.received.saturating_sub(t.exited));
+    let slowest = timed.iter().max_by(|a, b| a.us().total_cmp(&b.us()));
     (timed.iter().filter_map(parts).collect(), slowest.and_then(parts))
-}
-
-/// The kernel's moment of each quit's app end (`ended_ns=`, CLOCK_MONOTONIC), by pod name, from
-/// the agent's `sidecar accepted quit` lines.
-fn quits_ended(log: &str) -> std::collections::HashMap<String, u64> {
-    log.lines()
-        .filter(|l| l.contains("sidecar accepted quit"))
-        .filter_map(|l| {
-            let field = |key: &str| l.split_whitespace().find_map(|w| w.strip_prefix(key));
-            let pod = field("pod=")?.rsplit('/').next()?.to_owned();
-            Some((pod, field("ended_ns=")?.parse().ok()?))
-        })
-        .collect()
 }
 
 /// Where valet's quits went, over the repetitions: the median / p99 of each [`Parts`], and each

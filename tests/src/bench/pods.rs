@@ -386,7 +386,7 @@ impl Burst {
     /// Waits for the apps to end: each one's exit → quit (µs), and how many were not quit.
     pub(crate) fn quits(&mut self) -> Result<(Vec<f64>, usize)> {
         let (timed, lost) = self.timed_quits()?;
-        Ok((timed.iter().map(|t| t.received.saturating_sub(t.exited) as f64 / 1e3).collect(), lost))
+        Ok((timed.iter().map(TimedQuit::us).collect(), lost))
     }
 
     /// As [`Burst::quits`], each quit with its pod's name and its two moments (CLOCK_MONOTONIC
@@ -414,6 +414,13 @@ pub(crate) struct TimedQuit {
     pub(crate) pod: String,
     pub(crate) exited: u64,
     pub(crate) received: u64,
+}
+
+impl TimedQuit {
+    /// Its exit → quit (µs).
+    pub(crate) fn us(&self) -> f64 {
+        self.received.saturating_sub(self.exited) as f64 / 1e3
+    }
 }
 
 #[cfg(test)]

@@ -267,6 +267,18 @@ fn late_quits(jobs: &mut [JobPod], lost: &[usize]) -> Result<()> {
 /// the `quit sent ahead, its answer not read` ones (`uid=<uid>`), a quit the event reader sent
 /// whose pod ended before the answer was read.
 pub(crate) fn quits_sent(log: &str) -> HashMap<String, u64> {
+    quit_moments(log, "sent_ns=")
+}
+
+/// The kernel's moment (CLOCK_MONOTONIC ns) of the app's end each quit was for (`ended_ns=`), by
+/// pod name from the agent's `sidecar accepted quit` lines.
+pub(crate) fn quits_ended(log: &str) -> HashMap<String, u64> {
+    quit_moments(log, "ended_ns=")
+}
+
+/// A moment (`key`, ns; 0 is none) of the agent's quit lines ([`quits_sent`]), by pod name or
+/// uid.
+fn quit_moments(log: &str, key: &str) -> HashMap<String, u64> {
     log.lines()
         .filter(|l| l.contains("sidecar accepted quit") || l.contains("quit sent ahead, its answer not read"))
         .filter_map(|l| {
@@ -275,8 +287,8 @@ pub(crate) fn quits_sent(log: &str) -> HashMap<String, u64> {
                 Some(pod) => pod.rsplit('/').next()?.to_string(),
                 None => field("uid=")?.to_string(),
             };
-            let sent: u64 = field("sent_ns=")?.parse().ok()?;
-            (sent > 0).then_some((pod, sent))
+            let at: u64 = field(key)?.parse().ok()?;
+            (at > 0).then_some((pod, at))
         })
         .collect()
 }

@@ -35,8 +35,8 @@ struct Rounds {
     /// That first ask split at its bytes' arrival in the proxy's socket (the kernel's receive
     /// timestamp, the stand-in's `--stamp-arrivals`; on loopback, the agent's write): (from the
     /// ready moment to the arrival, 0 when it came before it; from the arrival to the read, the
-    /// proxy's own wait) (µs).
-    ask_parts: Vec<(f64, f64)>,
+    /// proxy's own wait), each beside its read's delay after the ready moment (`asked`) (µs).
+    ask_parts: Vec<AskParts>,
     /// The agent's CPU share in each of the first rounds.
     cpu: Vec<f64>,
     /// Proxies that bind as they turn ready are ready only once they got the CPU to bind (with
@@ -197,20 +197,30 @@ fn together_round(setup: &Setup<'_>, round: usize, acc: &mut Rounds) -> Result<(
                 continue;
             };
             acc.released.push(at.saturating_sub(*ready) as f64 / 1000.0);
-            let asks = job.requests().into_iter().filter(|e| e.method == "GET" && e.mono_ns >= *ready);
-            if let Some(first) = asks.filter(|e| e.mono_ns <= at).min_by_key(|e| e.mono_ns) {
-                let read = first.mono_ns;
-                acc.asked.push(read.saturating_sub(*ready) as f64 / 1000.0);
-                acc.decided.push(at.saturating_sub(read) as f64 / 1000.0);
-                if let Some(arrived) = first.arrived_ns {
-                    let us = |from: u64, to: u64| to.saturating_sub(from) as f64 / 1000.0;
-                    acc.ask_parts.push((us(*ready, arrived), us(arrived, read)));
-                }
-            }
+            first_ask(job, *ready, at, acc);
         }
     }
     remove_jobs(node, jobs.into_iter().map(|j| j.0).collect());
     agent.wait_tracked(0, Duration::from_secs(30))
+}
+
+/// A released pod's release split at the first ask its proxy read after its `ready` moment (and
+/// before the SIGCONT `at`): the read's delay, from it to the SIGCONT, and the ask's arrival in the
+/// socket, into `acc`.
+fn first_ask(job: &JobPod, ready: u64, at: u64, acc: &mut Rounds) {
+    let us = |from: u64, to: u64| to.saturating_sub(from) as f64 / 1000.0;
+    let asks = job.requests().into_iter().filter(|e| e.method == "GET" && (ready..=at).contains(&e.mono_ns));
+    let Some(first) = asks.min_by_key(|e| e.mono_ns) else { return };
+    let read = first.mono_ns;
+    acc.asked.push(us(ready, read));
+    acc.decided.push(us(read, at));
+    if let Some(arrived) = first.arrived_ns {
+        acc.ask_parts.push(AskParts {
+            read_after: us(ready, read),
+            in_socket: us(ready, arrived),
+            waited: us(arrived, read),
+        });
+    }
 }
 
 /// A round's held pods, each with its app started (held) and the stamp it writes once it runs;
@@ -274,23 +284,33 @@ fn own_starts(
     }
 }
 
+/// The first ask that found a proxy ready, split at its arrival in the proxy's socket (µs).
+#[derive(Clone, Copy)]
+struct AskParts {
+    /// Its read after the ready moment.
+    read_after: f64,
+    /// The ready moment → the arrival (0 when it came before the moment).
+    in_socket: f64,
+    /// The arrival → the read: the proxy's own wait (longer than `read_after` when the ask came
+    /// before the moment).
+    waited: f64,
+}
+
 /// The first ask that found each proxy ready, split at its arrival in the proxy's socket: the
 /// agent's part (ready moment → arrival) and the proxy's wait (arrival → read), over every pod
 /// and over the tenth read latest after its ready moment, where the round's tail is.
-fn ask_split(parts: &[(f64, f64)]) {
+fn ask_split(parts: &[AskParts]) {
     if parts.is_empty() {
         return;
     }
-    report("    the ask reached the proxy's socket after the ready moment", parts.iter().map(|p| p.0).collect());
-    report("    the ask waited in the socket until the proxy read it", parts.iter().map(|p| p.1).collect());
-    let mut late: Vec<(f64, f64)> = parts.to_vec();
-    late.sort_by(|a, b| (b.0 + b.1).total_cmp(&(a.0 + a.1)));
+    let each = |parts: &[AskParts], f: fn(&AskParts) -> f64| parts.iter().map(f).collect::<Vec<f64>>();
+    report("    the ask reached the proxy's socket after the ready moment", each(parts, |p| p.in_socket));
+    report("    the ask waited in the socket until the proxy read it", each(parts, |p| p.waited));
+    let mut late = parts.to_vec();
+    late.sort_by(|a, b| b.read_after.total_cmp(&a.read_after));
     late.truncate(parts.len().div_ceil(10));
-    report(
-        "    the latest tenth: the ask reached the socket after the ready moment",
-        late.iter().map(|p| p.0).collect(),
-    );
-    report("    the latest tenth: the ask waited in the socket", late.iter().map(|p| p.1).collect());
+    report("    the latest tenth: the ask reached the socket after the ready moment", each(&late, |p| p.in_socket));
+    report("    the latest tenth: the ask waited in the socket", each(&late, |p| p.waited));
 }
 
 /// [7]'s figures, each reported (printed) in turn.
