@@ -260,26 +260,53 @@ fn canonical_uid(text: &str) -> Option<String> {
 /// Every path (without a nested kubelet root) where the cgroup of the pod with this UID can be:
 /// both drivers, every QoS class. Empty when `uid` is not a UUID. Upper-case input is accepted.
 pub fn pod_cgroup_candidates(uid: &str) -> Vec<String> {
+    STANDARD_KUBELET_ROOTS.iter().flat_map(|root| pod_cgroup_candidates_under(root, uid)).collect()
+}
+
+/// The kubelet roots at the top of the tree: the systemd driver's and cgroupfs's.
+const STANDARD_KUBELET_ROOTS: [&str; 2] = ["/kubepods.slice", "/kubepods"];
+
+/// Every path below the kubelet root `root` (relative, starting with `/`: a `kubepods`
+/// directory, or a `<prefix>kubepods.slice` with the systemd driver, whose prefix every slice
+/// below repeats) where the cgroup of the pod with this UID can be: every QoS class. Empty when
+/// `root` is no kubelet root by its name or `uid` is not a UUID.
+pub fn pod_cgroup_candidates_under(root: &str, uid: &str) -> Vec<String> {
     let Some(uid) = canonical_uid(&uid.to_ascii_lowercase()) else {
         return Vec::new();
     };
+    let root = root.trim_end_matches('/');
+    let name = root.rsplit('/').next().unwrap_or_default();
+    if name == CGROUPFS_ROOT {
+        return Qos::ALL
+            .iter()
+            .map(|qos| match qos.component() {
+                Some(q) => format!("{root}/{q}/pod{uid}"),
+                None => format!("{root}/pod{uid}"),
+            })
+            .collect();
+    }
+    let Some(prefix) = name.strip_suffix(SYSTEMD_ROOT).filter(|p| p.is_empty() || p.ends_with('-')) else {
+        return Vec::new();
+    };
     let systemd_uid = uid.replace('-', "_");
-    let mut out = Vec::with_capacity(6);
-    for qos in Qos::ALL {
-        out.push(match qos.component() {
-            Some(q) => {
-                format!("/{SYSTEMD_ROOT}/kubepods-{q}.slice/kubepods-{q}-pod{systemd_uid}.slice")
-            }
-            None => format!("/{SYSTEMD_ROOT}/kubepods-pod{systemd_uid}.slice"),
-        });
+    Qos::ALL
+        .iter()
+        .map(|qos| match qos.component() {
+            Some(q) => format!("{root}/{prefix}kubepods-{q}.slice/{prefix}kubepods-{q}-pod{systemd_uid}.slice"),
+            None => format!("{root}/{prefix}kubepods-pod{systemd_uid}.slice"),
+        })
+        .collect()
+}
+
+/// The kubelet root that holds the pod cgroup at `pod_rel` (the pod's QoS parent's parent, or
+/// its parent for a Guaranteed pod): what [`pod_cgroup_candidates_under`] takes.
+pub fn kubelet_root_of<'a>(pod_rel: &'a str, pod: &PodCgroup) -> Option<&'a str> {
+    let up = |p: &'a str| p.rsplit_once('/').map(|(head, _)| head).filter(|h| !h.is_empty());
+    let parent = up(pod_rel.trim_end_matches('/'))?;
+    match pod.qos.component() {
+        None => Some(parent),
+        Some(_) => up(parent),
     }
-    for qos in Qos::ALL {
-        out.push(match qos.component() {
-            Some(q) => format!("/{CGROUPFS_ROOT}/{q}/pod{uid}"),
-            None => format!("/{CGROUPFS_ROOT}/pod{uid}"),
-        });
-    }
-    out
 }
 
 /// The name of a container's cgroup directory inside its pod's cgroup.
@@ -409,6 +436,25 @@ mod tests {
         for bad in ["", "nope", UID_, "0f5c9b6e-3a7d-4e21-9b8a-1c2d3e4f5a6", "../../etc"] {
             assert!(pod_cgroup_candidates(bad).is_empty(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn candidates_under_a_nested_root_are_its_pods_and_lead_back_to_it() {
+        for root in ["/kubepods", "/kind/kubelet/kubepods", "/kubepods.slice", "/kubelet.slice/kubelet-kubepods.slice"]
+        {
+            let candidates = pod_cgroup_candidates_under(root, UID);
+            assert_eq!(candidates.len(), Qos::ALL.len(), "{root}");
+            for rel in &candidates {
+                let CgroupKind::Pod(pod) = classify(rel) else { panic!("{rel} is not a pod cgroup") };
+                assert_eq!(pod.uid, UID, "{rel}");
+                assert_eq!(kubelet_root_of(rel, &pod), Some(root), "{rel}");
+            }
+        }
+        // Not a kubelet root by its name (a systemd prefix must end in a dash), or not a UID.
+        for root in ["/", "/system.slice", "/kubeletkubepods.slice", "/kubepods/burstable"] {
+            assert!(pod_cgroup_candidates_under(root, UID).is_empty(), "{root}");
+        }
+        assert!(pod_cgroup_candidates_under("/kubepods", "../../etc").is_empty());
     }
 
     #[test]

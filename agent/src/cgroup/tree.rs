@@ -4,13 +4,26 @@
 
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use super::layout::{CgroupKind, ContainerCgroup, PodCgroup, classify, pod_cgroup_candidates};
+use super::layout::{
+    CgroupKind, ContainerCgroup, PodCgroup, classify, kubelet_root_of, pod_cgroup_candidates,
+    pod_cgroup_candidates_under,
+};
 use crate::error::{Error, Result};
 
 /// How deep to look for a pod cgroup below the root when it is not at a standard place
 /// (nested kubelet roots such as kind's `/kubelet.slice/kubelet-kubepods.slice/...`).
 const POD_SEARCH_DEPTH: usize = 5;
+
+/// Once a kubelet root is known, how often at most the walk looks for a pod that is at none of
+/// the known roots' places (one the kubelet has not made yet, usually: it reads every pod cgroup
+/// of a full node, and ran on every step of each new pod until its cgroup was there).
+const WALK_EVERY: Duration = Duration::from_secs(1);
+
+/// Kubelet roots are few: one per node, a nested one in kind or a test's.
+const MAX_KNOWN_ROOTS: usize = 8;
 
 /// A container cgroup of a pod, found on disk.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,14 +53,24 @@ pub struct PodDir {
 }
 
 /// The cgroup hierarchy under `root` (v2, or a v1 controller's: the kubelet's paths are the same).
+///
+/// Clones share what [`CgroupFs::find_pod`] learned of the kubelet roots.
 #[derive(Clone, Debug)]
 pub struct CgroupFs {
     root: PathBuf,
+    known: Arc<Mutex<KnownRoots>>,
+}
+
+/// The kubelet roots where pods were found, and when the walk last ran.
+#[derive(Debug, Default)]
+struct KnownRoots {
+    roots: Vec<String>,
+    walked: Option<Instant>,
 }
 
 impl CgroupFs {
     pub fn new(root: impl Into<PathBuf>) -> CgroupFs {
-        CgroupFs { root: root.into() }
+        CgroupFs { root: root.into(), known: Arc::default() }
     }
 
     pub fn root(&self) -> &Path {
@@ -65,14 +88,48 @@ impl CgroupFs {
         std::fs::metadata(&path).map(|m| m.ino()).map_err(|e| Error::io(format!("stat {}", path.display()), e))
     }
 
-    /// Finds the cgroup of the pod with this UID, if the kubelet created it yet.
+    /// Finds the cgroup of the pod with this UID, if the kubelet created it yet: at its places
+    /// below the kubelet roots where pods were found before (three `stat`s), or the standard
+    /// roots' while none was, else by a bounded walk of the tree, at most once a [`WALK_EVERY`]
+    /// once a root is known.
     pub fn find_pod(&self, uid: &str) -> Option<PodDir> {
-        for rel in pod_cgroup_candidates(uid) {
-            if let Some(found) = self.pod_dir(&rel, uid) {
-                return Some(found);
+        let roots = self.known().roots.clone();
+        let candidates = if roots.is_empty() {
+            pod_cgroup_candidates(uid)
+        } else {
+            roots.iter().flat_map(|root| pod_cgroup_candidates_under(root, uid)).collect()
+        };
+        let found = candidates.into_iter().find_map(|rel| self.pod_dir(&rel, uid));
+        let found = match found {
+            Some(found) => found,
+            None if self.may_walk() => self.walk_for_pod(uid)?,
+            None => return None,
+        };
+        if let Some(root) = kubelet_root_of(&found.rel, &found.pod) {
+            let mut known = self.known();
+            if !known.roots.iter().any(|r| r == root) && known.roots.len() < MAX_KNOWN_ROOTS {
+                known.roots.push(root.to_owned());
             }
         }
-        // Not at a standard place: a bounded walk for nested kubelet roots.
+        Some(found)
+    }
+
+    fn known(&self) -> std::sync::MutexGuard<'_, KnownRoots> {
+        self.known.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether the walk may run now (and if so, it is counted as run).
+    fn may_walk(&self) -> bool {
+        let mut known = self.known();
+        let due = known.roots.is_empty() || known.walked.is_none_or(|at| at.elapsed() >= WALK_EVERY);
+        if due {
+            known.walked = Some(Instant::now());
+        }
+        due
+    }
+
+    /// A bounded walk for a pod cgroup below a nested kubelet root.
+    fn walk_for_pod(&self, uid: &str) -> Option<PodDir> {
         let mut frontier = vec![String::new()];
         for _ in 0..POD_SEARCH_DEPTH {
             let mut next = Vec::new();
@@ -405,10 +462,34 @@ mod tests {
         let found = fs.find_pod(REAL).expect("the real pod cgroup");
         assert_eq!(found.rel, real);
         assert_eq!(found.id, fs.id_of(&real).expect("id"));
-        // And at the standard place, the candidates find it directly.
+        // And at the standard place, the candidates find it directly (while no other kubelet
+        // root is known).
         let standard = format!("/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{REAL_}.slice");
         tree.mkdir(&standard);
-        assert_eq!(fs.find_pod(REAL).map(|d| d.rel), Some(standard));
+        assert_eq!(CgroupFs::new(&tree.0).find_pod(REAL).map(|d| d.rel), Some(standard));
+    }
+
+    #[test]
+    fn once_a_root_is_known_its_pods_are_found_at_once_and_the_walk_waits() {
+        let tree = TempTree::new("known");
+        let fs = CgroupFs::new(&tree.0);
+        let uid = |n: u8| format!("{n:08x}-3a7d-4e21-9b8a-1c2d3e4f5a6b");
+        let under = |root: &str, n: u8| format!("{root}/kubepods/burstable/pod{}", uid(n));
+        let (known, other) = ("/kube-a/kubelet", "/kube-b/kubelet");
+        tree.mkdir(&under(known, 1));
+        // The first pod: only the walk finds it, and it teaches the root.
+        assert_eq!(fs.find_pod(&uid(1)).map(|d| d.rel), Some(under(known, 1)));
+        // A pod in another root right after a walk: the walk waits, so it is not found yet...
+        tree.mkdir(&under(other, 2));
+        assert_eq!(fs.find_pod(&uid(2)), None, "the walk ran less than a second ago");
+        // ...while a new pod in the known root is found at its place, with no walk, and a pod
+        // not made yet is no walk either (a clone shares what was learned).
+        tree.mkdir(&format!("{known}/kubepods/pod{}", uid(3)));
+        assert_eq!(fs.clone().find_pod(&uid(3)).map(|d| d.rel), Some(format!("{known}/kubepods/pod{}", uid(3))));
+        assert_eq!(fs.find_pod(&uid(4)), None);
+        // Once the walk is due again, it finds the other root's pod.
+        fs.known().walked = Instant::now().checked_sub(WALK_EVERY);
+        assert_eq!(fs.find_pod(&uid(2)).map(|d| d.rel), Some(under(other, 2)));
     }
 
     #[test]
