@@ -245,7 +245,7 @@ pub(crate) fn main() -> Result<()> {
     let want = |s: &str| args.only.as_deref().is_none_or(|o| o.split(',').any(|o| o == s));
     let machine = machine();
     println!("valet benchmarks{}: {machine}", if plan.quick { " (--quick: a smoke run, not figures)" } else { "" });
-    let started = Instant::now();
+    let (started, machine_at_start) = (Instant::now(), MachineCpu::now());
     let mut table = Table::default();
     type Section<'a> = &'a dyn Fn(&mut Table) -> Result<()>;
     let sections: [(&str, Section); 13] = [
@@ -271,12 +271,13 @@ pub(crate) fn main() -> Result<()> {
     ];
     for (name, section) in sections {
         if want(name) {
-            let t = Instant::now();
+            let (t, cpu) = (Instant::now(), MachineCpu::now());
             section(&mut table)?;
-            println!("  ({name}: {:.0} s)", t.elapsed().as_secs_f64());
+            println!("  ({name}: {:.0} s, {})", t.elapsed().as_secs_f64(), steal_words(cpu));
         }
     }
-    let markdown = table.markdown(&machine, started.elapsed(), plan.quick, args.only.as_deref());
+    let took = format!("{:.0} s, {}", started.elapsed().as_secs_f64(), steal_words(machine_at_start));
+    let markdown = table.markdown(&machine, &took, plan.quick, args.only.as_deref());
     println!("\n{markdown}");
     if let Some(path) = &args.table {
         write_table(path, &markdown)?;

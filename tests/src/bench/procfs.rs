@@ -254,3 +254,58 @@ pub(crate) fn thread_waits(pid: u32) -> Waits {
     }
     out
 }
+
+/// The machine's CPU time so far, from the first line of `/proc/stat` (in clock ticks): the
+/// time every CPU spent, and of it the steal (time a hypervisor ran something else while this
+/// machine's virtual CPU had work: the other guests of a shared host).
+#[derive(Clone, Copy, Default)]
+pub(crate) struct MachineCpu {
+    total: u64,
+    steal: u64,
+}
+
+impl MachineCpu {
+    pub(crate) fn now() -> MachineCpu {
+        std::fs::read_to_string("/proc/stat").ok().and_then(|s| MachineCpu::parse(&s)).unwrap_or_default()
+    }
+
+    /// `cpu  user nice system idle iowait irq softirq steal guest guest_nice`: guest time is
+    /// already in user and nice.
+    fn parse(stat: &str) -> Option<MachineCpu> {
+        let line = stat.lines().next()?.strip_prefix("cpu ")?;
+        let fields: Vec<u64> = line.split_whitespace().map(|f| f.parse().ok()).collect::<Option<_>>()?;
+        let steal = *fields.get(7)?;
+        Some(MachineCpu { total: fields.iter().take(8).sum(), steal })
+    }
+
+    /// The steal's share of the CPUs' time since `self` (0 to 1), or None when nothing was read.
+    pub(crate) fn steal_since(self, later: MachineCpu) -> Option<f64> {
+        let total = later.total.checked_sub(self.total).filter(|t| *t > 0)?;
+        Some(later.steal.saturating_sub(self.steal) as f64 / total as f64)
+    }
+}
+
+/// The steal since `since` as words for a section's or a run's line.
+pub(crate) fn steal_words(since: MachineCpu) -> String {
+    match since.steal_since(MachineCpu::now()) {
+        Some(share) => format!("steal {:.1} % of the CPUs' time", share * 100.0),
+        None => "steal not read".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod machine_cpu_tests {
+    use super::MachineCpu;
+
+    #[test]
+    fn steal_is_its_share_of_every_cpus_time() {
+        let before = MachineCpu::parse("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3\n").expect("parsed");
+        let after = MachineCpu::parse("cpu  200 0 100 1500 10 0 10 85 7 0\n").expect("parsed");
+        // 1000 → 1905 ticks (the guest's 7 already in user), 50 of the 905 stolen.
+        let share = before.steal_since(after).expect("a share");
+        assert!((share - 50.0 / 905.0).abs() < 1e-9, "{share}");
+        assert_eq!(before.steal_since(before), None, "no time passed");
+        assert!(MachineCpu::parse("cpu0 1 2 3 4 5 6 7 8\n").is_none(), "only the machine's line");
+        assert!(MachineCpu::parse("cpu  1 2 3\n").is_none(), "no steal field");
+    }
+}

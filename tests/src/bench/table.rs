@@ -1,6 +1,5 @@
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 
@@ -25,12 +24,12 @@ impl Table {
 
     /// The table in Markdown, under a line naming the run: what `--table` writes and the docs
     /// include as it is.
-    pub(crate) fn markdown(&self, machine: &str, took: Duration, quick: bool, only: Option<&str>) -> String {
+    /// `took`: the run's wall time and the machine's steal over it, as words.
+    pub(crate) fn markdown(&self, machine: &str, took: &str, quick: bool, only: Option<&str>) -> String {
         let mut out = format!(
-            "`cargo xtask bench{}{}` on {machine}: {:.0} s, {}.\n\n",
+            "`cargo xtask bench{}{}` on {machine}: {took}, {}.\n\n",
             if quick { " --quick" } else { "" },
             only.map(|o| format!(" --only {o}")).unwrap_or_default(),
-            took.as_secs_f64(),
             match self.missed.len() {
                 0 => "every target met".to_owned(),
                 n => format!("{n} target{} NOT met", if n == 1 { "" } else { "s" }),
