@@ -230,7 +230,7 @@ pub(crate) fn watch_split(names: (&str, &str), with: &str, quiet: &WatchLag, ful
         quiet.cpu, full.cpu, quiet.waited, full.waited, quiet.threads, full.threads
     );
     let ratio = fw.median / qw.median;
-    let own_ratio = fo.median / qo.median;
+    let split = split_verdict(qo.median, fo.median);
     WatchSplit {
         latency: fw.ms(),
         reference: format!(
@@ -253,7 +253,20 @@ pub(crate) fn watch_split(names: (&str, &str), with: &str, quiet: &WatchLag, ful
             qs.median / 1e3,
             fs.median / 1e3,
         ),
-        verdict: format!("{ratio:.2}×; the rest alone {own_ratio:.2}×: {}", met(ratio <= 1.2 || own_ratio <= 1.2)),
+        verdict: format!("{ratio:.2}×; the rest alone {}: {}", split.0, met(ratio <= 1.2 || split.1)),
+    }
+}
+
+/// The split's words and whether it puts the difference outside the agent: its part (the latency
+/// less the bare watch's, medians in µs) under load at most 1.2× its part with no load. A part
+/// with no load that is not above zero (the bare watch read the pod as late as the agent or
+/// later: noise at this scale) gives no ratio, and judges nothing.
+fn split_verdict(quiet: f64, full: f64) -> (String, bool) {
+    if quiet > 0.0 {
+        let ratio = full / quiet;
+        (format!("{ratio:.2}×"), ratio <= 1.2)
+    } else {
+        (format!("{:.2} ms with no pods, no ratio", quiet / 1e3), false)
     }
 }
 
@@ -425,6 +438,17 @@ impl TimedQuit {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_split_with_no_part_to_compare_to_judges_nothing() {
+        assert_eq!(super::split_verdict(40.0, 48.0), ("1.20×".to_owned(), true));
+        assert!(!super::split_verdict(40.0, 49.0).1);
+        assert!(super::split_verdict(140.0, -250.0).1, "the agent's part fell below the bare watch's");
+        // With no pods the bare watch read the pod later than the agent: a negative ratio
+        // would pass whatever the part under load.
+        assert_eq!(super::split_verdict(-130.0, 90.0), ("-0.13 ms with no pods, no ratio".to_owned(), false));
+        assert!(!super::split_verdict(0.0, 0.0).1);
+    }
+
     #[test]
     fn router_lines_give_each_pods_tracking_and_its_end() {
         let lines = [
