@@ -126,14 +126,10 @@ pub fn classify(path: &str) -> CgroupKind {
     // (`/docker/kubepods/kubepods/...`): try each, left to right, until one holds a pod.
     for (i, name) in components.iter().enumerate() {
         let rest = &components[i + 1..];
-        let below_pod = if *name == CGROUPFS_ROOT {
-            classify_cgroupfs(rest)
-        } else if let Some(prefix) = name.strip_suffix(SYSTEMD_ROOT)
-            && (prefix.is_empty() || prefix.ends_with('-'))
-        {
-            classify_systemd(prefix, rest)
-        } else {
-            continue;
+        let below_pod = match kubelet_root_name(name) {
+            Some(RootName::Cgroupfs) => classify_cgroupfs(rest),
+            Some(RootName::Systemd { prefix }) => classify_systemd(prefix, rest),
+            None => continue,
         };
         // A pod cgroup is on the path: it, one of its containers, or nothing valet knows.
         if let Some(kind) = below_pod {
@@ -275,27 +271,38 @@ pub fn pod_cgroup_candidates_under(root: &str, uid: &str) -> Vec<String> {
         return Vec::new();
     };
     let root = root.trim_end_matches('/');
-    let name = root.rsplit('/').next().unwrap_or_default();
-    if name == CGROUPFS_ROOT {
-        return Qos::ALL
-            .iter()
-            .map(|qos| match qos.component() {
-                Some(q) => format!("{root}/{q}/pod{uid}"),
-                None => format!("{root}/pod{uid}"),
-            })
-            .collect();
-    }
-    let Some(prefix) = name.strip_suffix(SYSTEMD_ROOT).filter(|p| p.is_empty() || p.ends_with('-')) else {
+    let Some(driver) = kubelet_root_name(root.rsplit('/').next().unwrap_or_default()) else {
         return Vec::new();
     };
     let systemd_uid = uid.replace('-', "_");
     Qos::ALL
         .iter()
-        .map(|qos| match qos.component() {
-            Some(q) => format!("{root}/{prefix}kubepods-{q}.slice/{prefix}kubepods-{q}-pod{systemd_uid}.slice"),
-            None => format!("{root}/{prefix}kubepods-pod{systemd_uid}.slice"),
+        .map(|qos| match (&driver, qos.component()) {
+            (RootName::Cgroupfs, Some(q)) => format!("{root}/{q}/pod{uid}"),
+            (RootName::Cgroupfs, None) => format!("{root}/pod{uid}"),
+            (RootName::Systemd { prefix }, Some(q)) => {
+                format!("{root}/{prefix}kubepods-{q}.slice/{prefix}kubepods-{q}-pod{systemd_uid}.slice")
+            }
+            (RootName::Systemd { prefix }, None) => format!("{root}/{prefix}kubepods-pod{systemd_uid}.slice"),
         })
         .collect()
+}
+
+/// What a cgroup directory's name says of it as a kubelet root.
+enum RootName<'a> {
+    /// `kubepods`.
+    Cgroupfs,
+    /// `<prefix>kubepods.slice`, the prefix empty or ending in a dash (`kubelet-` in kind).
+    Systemd { prefix: &'a str },
+}
+
+/// Whether `name` is a kubelet root's name, and of which driver.
+fn kubelet_root_name(name: &str) -> Option<RootName<'_>> {
+    if name == CGROUPFS_ROOT {
+        return Some(RootName::Cgroupfs);
+    }
+    let prefix = name.strip_suffix(SYSTEMD_ROOT).filter(|p| p.is_empty() || p.ends_with('-'))?;
+    Some(RootName::Systemd { prefix })
 }
 
 /// The kubelet root that holds the pod cgroup at `pod_rel` (the pod's QoS parent's parent, or
