@@ -1,6 +1,7 @@
 //! The Kubernetes API side: the pod watch, Events, and the readiness condition.
 pub mod condition;
 pub mod events;
+pub mod lean_pod;
 pub mod runtime_classes;
 pub mod successor;
 pub mod watch;

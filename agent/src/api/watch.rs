@@ -6,10 +6,12 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use futures::Stream;
+use futures::{Stream, TryStreamExt as _};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, Client};
+
+use super::lean_pod::LeanPod;
 
 /// The opt-in label.
 pub const ENABLED_LABEL: &str = "valet.dev/enabled";
@@ -174,14 +176,22 @@ fn bounded(
     config: watcher::Config,
     timeout: Duration,
 ) -> impl Stream<Item = Result<watcher::Event<Pod>, watcher::Error>> + Send + 'static {
-    let api: Api<Pod> = Api::all(client);
+    let api: Api<LeanPod> = Api::all(client);
     let seconds = u32::try_from(timeout.as_secs()).unwrap_or(u32::MAX).max(1);
-    // A real API server's pods carry `managedFields` (an entry per field manager: the Job
-    // controller, the scheduler, the kubelet, the agent's own condition write), often as large as
-    // the rest of the object. The agent never reads them; every pod it keeps is kept without.
-    watcher(api, from_watch_cache(config).timeout(seconds))
-        .default_backoff()
-        .modify(|pod: &mut Pod| pod.metadata.managed_fields = None)
+    // The pods are read without their `managedFields`, which the agent never reads ([`LeanPod`]).
+    watcher(api, from_watch_cache(config).timeout(seconds)).default_backoff().map_ok(into_pods)
+}
+
+/// A watch event of [`LeanPod`]s as one of [`Pod`]s.
+fn into_pods(event: watcher::Event<LeanPod>) -> watcher::Event<Pod> {
+    use watcher::Event::{Apply, Delete, Init, InitApply, InitDone};
+    match event {
+        Init => Init,
+        InitApply(pod) => InitApply(pod.into_pod()),
+        InitDone => InitDone,
+        Apply(pod) => Apply(pod.into_pod()),
+        Delete(pod) => Delete(pod.into_pod()),
+    }
 }
 
 /// `config` with its lists read from the API server's watch cache ([`bounded`]).
