@@ -32,6 +32,11 @@ struct Rounds {
     /// that read to the SIGCONT (the answer's way back and the agent's decision) (µs).
     asked: Vec<f64>,
     decided: Vec<f64>,
+    /// That read to the SIGCONT split at the answer's write (the stand-in's `replied=`): the
+    /// proxy's answering (its read to its write) and the agent's part after it (the prober's
+    /// reading of the answer, the loop's decision, the signal) (µs).
+    answered: Vec<f64>,
+    after_answer: Vec<f64>,
     /// That first ask split at its bytes' arrival in the proxy's socket (the kernel's receive
     /// timestamp, the stand-in's `--stamp-arrivals`; on loopback, the agent's write): (from the
     /// ready moment to the arrival, 0 when it came before it; from the arrival to the read, the
@@ -214,6 +219,10 @@ fn first_ask(job: &JobPod, ready: u64, at: u64, acc: &mut Rounds) {
     let read = first.mono_ns;
     acc.asked.push(us(ready, read));
     acc.decided.push(us(read, at));
+    if let Some(replied) = first.replied_ns.filter(|r| *r <= at) {
+        acc.answered.push(us(read, replied));
+        acc.after_answer.push(us(replied, at));
+    }
     if let Some(arrived) = first.arrived_ns {
         acc.ask_parts.push(AskParts {
             read_after: us(ready, read),
@@ -320,6 +329,10 @@ fn together_figures(acc: Rounds, cpus: usize) -> Figures {
     if !acc.asked.is_empty() {
         report("  of it: the proxy read the first ask after its ready moment", acc.asked);
         report("  of it: from that read to the SIGCONT", acc.decided);
+        if !acc.answered.is_empty() {
+            report("    the proxy's answer written after its read", acc.answered);
+            report("    the agent's part after it: the answer read, the decision, the SIGCONT", acc.after_answer);
+        }
     }
     ask_split(&acc.ask_parts);
     let runs = report("held app runs after its proxy is ready", acc.samples);

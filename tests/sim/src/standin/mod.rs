@@ -225,6 +225,20 @@ impl State {
     /// `arrived_real_ns`: with `--stamp-arrivals`, the kernel's receive timestamp of the
     /// request's bytes (CLOCK_REALTIME), logged as CLOCK_MONOTONIC (`arrived=`).
     fn log_at(&self, mono_ns: u64, method: &str, path: &str, peer: SocketAddr, arrived_real_ns: Option<u64>) {
+        self.log_answered(mono_ns, method, path, peer, arrived_real_ns, None);
+    }
+
+    /// [`State::log_at`], and with `replied_ns` the moment the answer had been written
+    /// (CLOCK_MONOTONIC, `replied=`).
+    fn log_answered(
+        &self,
+        mono_ns: u64,
+        method: &str,
+        path: &str,
+        peer: SocketAddr,
+        arrived_real_ns: Option<u64>,
+        replied_ns: Option<u64>,
+    ) {
         if let Some(f) = &self.events {
             let arrived = arrived_real_ns
                 .map(|real| {
@@ -237,7 +251,8 @@ impl State {
                     format!(" arrived={}", now.saturating_sub(now_real.saturating_sub(real)))
                 })
                 .unwrap_or_default();
-            let line = format!("{mono_ns} {method} {path} {peer}{arrived}\n");
+            let replied = replied_ns.map(|ns| format!(" replied={ns}")).unwrap_or_default();
+            let line = format!("{mono_ns} {method} {path} {peer}{arrived}{replied}\n");
             let mut f = f.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             // One write per line on an O_APPEND file: lines from threads never interleave.
             let _ = f.write_all(line.as_bytes());
@@ -380,7 +395,14 @@ async fn handle(stream: tokio::net::TcpStream, role: Role, state: Arc<State>) {
             return;
         };
         let read_ns = monotonic_ns();
-        state.log_at(read_ns, &method, &path, peer, reader.get_ref().last_real_ns);
+        let arrived = reader.get_ref().last_real_ns;
+        // Stamped, a request's line is written once its answer is out, with the answer's moment:
+        // the bench then tells the proxy's part of an answer (its read to its write) from the
+        // asker's (the answer's way back). Otherwise, and where no answer comes, at the read.
+        let log_answered = stamped && !state.opts.hang && !state.opts.flood;
+        if !log_answered {
+            state.log_at(read_ns, &method, &path, peer, arrived);
+        }
         if state.opts.hang {
             // Hold the connection open and never answer (until the peer gives up).
             let mut sink = [0u8; 4096];
@@ -408,6 +430,9 @@ async fn handle(stream: tokio::net::TcpStream, role: Role, state: Arc<State>) {
             format!("HTTP/1.1 {code} {}\r\n{ct}Content-Length: {}\r\n{conn}\r\n{body}", reason(code), body.len());
         let _ = w.write_all(resp.as_bytes()).await;
         let _ = w.flush().await;
+        if log_answered {
+            state.log_answered(read_ns, &method, &path, peer, arrived, Some(monotonic_ns()));
+        }
         if let Some((code, after)) = exit_later {
             // The answer is out; the process ends once its grace period has passed.
             std::thread::spawn(move || {
@@ -585,6 +610,9 @@ pub struct RequestEvent {
     /// With `--stamp-arrivals`: CLOCK_MONOTONIC ns when the request's bytes reached the socket
     /// (the kernel's receive timestamp).
     pub arrived_ns: Option<u64>,
+    /// With `--stamp-arrivals`: CLOCK_MONOTONIC ns when its answer had been written (none for a
+    /// request left unanswered).
+    pub replied_ns: Option<u64>,
 }
 
 /// Reads an `--events` file (missing file = no events yet).
@@ -598,23 +626,25 @@ pub fn read_events(path: impl AsRef<Path>) -> Result<Vec<RequestEvent>> {
         .filter(|l| !l.trim().is_empty())
         .map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
-            if f.len() != 4 && f.len() != 5 {
+            if !(4..=6).contains(&f.len()) {
                 bail!("bad event line {l:?}");
             }
-            let arrived_ns = match f.get(4) {
-                Some(a) => Some(
-                    a.strip_prefix("arrived=")
-                        .and_then(|n| n.parse().ok())
-                        .with_context(|| format!("bad arrival in {l:?}"))?,
-                ),
-                None => None,
-            };
+            let (mut arrived_ns, mut replied_ns) = (None, None);
+            for stamp in &f[4..] {
+                let (slot, n) = match stamp.split_once('=') {
+                    Some(("arrived", n)) if arrived_ns.is_none() => (&mut arrived_ns, n),
+                    Some(("replied", n)) if replied_ns.is_none() => (&mut replied_ns, n),
+                    _ => bail!("bad stamp {stamp:?} in {l:?}"),
+                };
+                *slot = Some(n.parse().with_context(|| format!("bad stamp {stamp:?} in {l:?}"))?);
+            }
             Ok(RequestEvent {
                 mono_ns: f[0].parse().with_context(|| format!("bad timestamp in {l:?}"))?,
                 method: f[1].to_string(),
                 path: f[2].to_string(),
                 peer: f[3].parse().with_context(|| format!("bad peer in {l:?}"))?,
                 arrived_ns,
+                replied_ns,
             })
         })
         .collect()
@@ -821,6 +851,7 @@ mod tests {
             let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
             if stamp {
                 stamp_arrivals(&listener).expect("SO_TIMESTAMPNS");
+                until_stamped(&rt, &listener);
             }
             let mut client = std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
             let (conn, _) = listener.accept().expect("accept");
@@ -854,11 +885,69 @@ mod tests {
                 (false, None) => {}
                 other => panic!("--stamp-arrivals {stamp}: arrival {:?}", other.1),
             }
+            // The answer's moment: after the read, and logged only with the stamps.
+            match (stamp, get.replied_ns) {
+                (true, Some(replied)) => {
+                    assert!(replied >= get.mono_ns, "replied {replied} before the read {}", get.mono_ns)
+                }
+                (false, None) => {}
+                other => panic!("--stamp-arrivals {stamp}: answer {:?}", other.1),
+            }
         }
         let _ = std::fs::remove_dir_all(&dir);
         assert!(
             StandinOptions::parse_args(["--stamp-arrivals".to_string()]).is_err(),
             "--stamp-arrivals needs --events"
         );
+    }
+
+    /// Waits until what reaches `listener`'s connections is stamped: the kernel turns its receive
+    /// timestamps on a moment after the first socket asks for them (a static key flipped from a
+    /// work queue), and stamps nothing before; with no other stamping socket on the host, the
+    /// test's request came first.
+    fn until_stamped(rt: &tokio::runtime::Runtime, listener: &TcpListener) {
+        use std::io::Write as _;
+        let addr = listener.local_addr().expect("addr");
+        for _ in 0..500 {
+            let mut client = std::net::TcpStream::connect(addr).expect("connect");
+            let (conn, _) = listener.accept().expect("accept");
+            client.write_all(b"x").expect("write");
+            let stamped = rt.block_on(async {
+                conn.set_nonblocking(true).expect("nonblocking");
+                let conn = tokio::net::TcpStream::from_std(conn).expect("tokio stream");
+                conn.readable().await.expect("readable");
+                recv_stamped(&conn, &mut [0u8; 8]).is_ok_and(|(_, at)| at.is_some())
+            });
+            if stamped {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("nothing reaching {addr} was stamped within 5 s of SO_TIMESTAMPNS");
+    }
+
+    /// A line with both stamps, in either order, is read; a stamp twice, unknown or not a
+    /// number is not.
+    #[test]
+    fn an_event_lines_stamps_are_read_by_name() {
+        let dir = std::env::temp_dir().join(format!("valet-standin-lines-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let lines = dir.join("lines");
+        let line = |l: &str| {
+            std::fs::write(&lines, format!("{l}\n")).expect("write");
+            read_events(&lines)
+        };
+        let e = line("5 GET /x 127.0.0.1:9 replied=9 arrived=3").expect("read");
+        assert_eq!((e[0].mono_ns, e[0].arrived_ns, e[0].replied_ns), (5, Some(3), Some(9)));
+        let e = line("5 GET /x 127.0.0.1:9").expect("read");
+        assert_eq!((e[0].arrived_ns, e[0].replied_ns), (None, None));
+        for bad in [
+            "5 GET /x 127.0.0.1:9 replied=9 replied=9",
+            "5 GET /x 127.0.0.1:9 sent=9",
+            "5 GET /x 127.0.0.1:9 arrived=x",
+        ] {
+            assert!(line(bad).is_err(), "{bad}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -92,7 +92,8 @@ pub struct StandinOptions {
     pub events: Option<PathBuf>,
     /// With `events`: each request's line also says when its bytes reached the socket
     /// (`arrived=<CLOCK_MONOTONIC ns>`, the kernel's receive timestamp: on loopback, the sender's
-    /// write), so a request read late tells the reader's wait from the sender's.
+    /// write), so a request read late tells the reader's wait from the sender's; and, the line
+    /// then written once the answer is out, when it was (`replied=<CLOCK_MONOTONIC ns>`).
     pub stamp_arrivals: bool,
     /// Istio status port (15020).
     pub status_port: Option<u16>,
