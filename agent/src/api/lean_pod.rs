@@ -59,7 +59,8 @@ struct Wire {
 }
 
 /// [`ObjectMeta`]'s fields but `managedFields`, which serde skips as it skips any field it does
-/// not name (without building it). A field added here must be added to `into_object_meta` too.
+/// not name (without building it). Each is moved into [`ObjectMeta`] by `into_object_meta`, whose
+/// literal the compiler holds to every field of it; a field of here left out there is dead code.
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Meta {
@@ -81,38 +82,22 @@ struct Meta {
 
 impl Meta {
     fn into_object_meta(self) -> ObjectMeta {
-        let Meta {
-            annotations,
-            creation_timestamp,
-            deletion_grace_period_seconds,
-            deletion_timestamp,
-            finalizers,
-            generate_name,
-            generation,
-            labels,
-            name,
-            namespace,
-            owner_references,
-            resource_version,
-            self_link,
-            uid,
-        } = self;
         ObjectMeta {
-            annotations,
-            creation_timestamp,
-            deletion_grace_period_seconds,
-            deletion_timestamp,
-            finalizers,
-            generate_name,
-            generation,
-            labels,
+            annotations: self.annotations,
+            creation_timestamp: self.creation_timestamp,
+            deletion_grace_period_seconds: self.deletion_grace_period_seconds,
+            deletion_timestamp: self.deletion_timestamp,
+            finalizers: self.finalizers,
+            generate_name: self.generate_name,
+            generation: self.generation,
+            labels: self.labels,
             managed_fields: None,
-            name,
-            namespace,
-            owner_references,
-            resource_version,
-            self_link,
-            uid,
+            name: self.name,
+            namespace: self.namespace,
+            owner_references: self.owner_references,
+            resource_version: self.resource_version,
+            self_link: self.self_link,
+            uid: self.uid,
         }
     }
 }
