@@ -69,6 +69,20 @@ pub fn name_suffix() -> String {
     b.iter().map(|x| ALPHABET[*x as usize % ALPHABET.len()] as char).collect()
 }
 
+/// Whether a child of this process has exited and is not reaped yet: one look (`waitid` with
+/// `WNOWAIT`, nothing reaped) in place of a `waitpid` per child. True if it cannot tell.
+pub fn child_exited() -> bool {
+    // SAFETY: a zeroed siginfo_t is a valid value; waitid only writes into it.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    let flags = libc::WEXITED | libc::WNOHANG | libc::WNOWAIT | libc::__WALL;
+    // SAFETY: plain syscall writing into `info`.
+    if unsafe { libc::waitid(libc::P_ALL, 0, &mut info, flags) } != 0 {
+        return std::io::Error::last_os_error().raw_os_error() != Some(libc::ECHILD);
+    }
+    // SAFETY: waitid filled it (si_pid 0: no child has changed state).
+    unsafe { info.si_pid() != 0 }
+}
+
 /// RFC 3339 UTC time with second precision, as `metav1.Time` serialises.
 pub fn now_rfc3339() -> String {
     chrono::Utc::now().format("%Y-%m-%dT%H:%M:%SZ").to_string()

@@ -40,7 +40,7 @@ use std::collections::BTreeMap;
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::PathBuf;
 use std::process::ExitStatus;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
@@ -361,6 +361,10 @@ impl ContainerProcess {
     pub fn try_wait(&self) -> Result<Option<ExitStatus>> {
         lock(&self.inner).try_wait()
     }
+    /// Whether it has been reaped already (by a test's wait or kill, say), without a syscall.
+    fn reaped(&self) -> bool {
+        lock(&self.inner).reaped()
+    }
     pub fn wait_timeout(&self, timeout: Duration) -> Result<Option<ExitStatus>> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -433,7 +437,7 @@ struct Instance {
     /// Its startupProbe passed (true from the start without one).
     started_ok: Arc<AtomicBool>,
     /// Stops its probe thread.
-    stop: Arc<AtomicBool>,
+    stop: Arc<probe::Stop>,
     cgroup_removed: bool,
     bundle_remove_at: Option<Instant>,
     bundle_removed: bool,
@@ -449,7 +453,7 @@ impl Instance {
 
 impl Drop for Instance {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
+        self.stop.set();
     }
 }
 
@@ -627,7 +631,7 @@ impl Kubelet {
         if pods.contains_key(&key) {
             bail!("the kubelet already runs pod {}/{}", key.0, key.1);
         }
-        self.inner.step(&mut kpod, Instant::now());
+        self.inner.step(&mut kpod, Instant::now(), true);
         pods.insert(key, kpod);
         Ok(pod)
     }

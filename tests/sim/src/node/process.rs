@@ -118,6 +118,10 @@ impl SimProcess {
         }
         Ok(self.status)
     }
+    /// Whether it has been reaped (its status is known), without a syscall.
+    pub fn reaped(&self) -> bool {
+        self.status.is_some()
+    }
     /// Waits up to `timeout` for the exit; None if still running.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<Option<ExitStatus>> {
         let deadline = Instant::now() + timeout;
