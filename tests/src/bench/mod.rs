@@ -256,9 +256,17 @@ pub(crate) fn main() -> Result<()> {
         ("storm", &|t| storm(&plan, t)),
         ("kernel", &|t| kernel_cost(t)),
         ("together", &|t| {
+            // VALET_BENCH_TOGETHER: only these rows, by hand (`110:listens`, `20:silent,110:silent`).
+            let rows = std::env::var("VALET_BENCH_TOGETHER").ok();
+            let want_row = |pods: usize, flip: Flip| {
+                rows.as_deref().is_none_or(|r| r.split(',').any(|r| r == format!("{pods}:{}", flip.name())))
+            };
             for flip in [Flip::Silent, Flip::Listens] {
-                held_together(20, if plan.quick { 1 } else { 20 }, flip, t)?;
-                held_together(110, if plan.quick { 1 } else { 4 }, flip, t)?;
+                for (pods, rounds) in [(20, 20), (110, 4)] {
+                    if want_row(pods, flip) {
+                        held_together(pods, if plan.quick { 1 } else { rounds }, flip, t)?;
+                    }
+                }
             }
             Ok(())
         }),

@@ -20,6 +20,16 @@ pub(crate) enum Flip {
     Listens,
 }
 
+impl Flip {
+    /// Its name in `VALET_BENCH_TOGETHER`.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Flip::Silent => "silent",
+            Flip::Listens => "listens",
+        }
+    }
+}
+
 /// What [7]'s rounds measured, summed over the rounds.
 #[derive(Default)]
 struct Rounds {
