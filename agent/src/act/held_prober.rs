@@ -891,19 +891,10 @@ mod tests {
 
     /// A held pod as the thread keeps it, with no connection and `last`'s answer.
     fn held(uid: &str, last: Option<u16>) -> Pod {
-        Pod {
-            uid: uid.into(),
-            token: 0,
-            endpoints: Vec::new(),
-            fresh: false,
-            burst: 0,
-            burst_next: None,
-            listen_ask: false,
-            asked: false,
-            last: last.map(|status| (vec![Answer::Status(status)], Instant::now())),
-            due: None,
-            read_at: None,
-        }
+        let mut pod = Pod::handed(uid.into(), &Wanted { token: 0, endpoints: Vec::new() });
+        pod.fresh = false;
+        pod.last = last.map(|status| (vec![Answer::Status(status)], Instant::now()));
+        pod
     }
 
     #[test]
