@@ -363,6 +363,95 @@ pub fn drop_capability(cap: u32) -> io::Result<()> {
     Ok(())
 }
 
+/// What one `BPF_MAP_LOOKUP_BATCH` call read: how many entries it wrote, where the next call
+/// starts, and whether the walk reached the map's end (`ENOENT`, with these entries the last).
+#[derive(Clone, Copy, Debug)]
+pub struct BatchRead {
+    pub count: usize,
+    pub next: u32,
+    pub end: bool,
+}
+
+/// `BPF_MAP_LOOKUP_BATCH` (Linux 5.6+) on hash map `map` (aya checked its key and value sizes
+/// against `u32` and `V` when it was made): up to `keys.len()` entries from position `from`
+/// (None: the start), the keys into `keys` and the values, back to back, into `values` (room for
+/// at least `keys.len()` values). `ENOSPC`: a bucket holds more entries than `keys` has room for.
+pub fn bpf_map_lookup_batch<V: aya::Pod>(
+    map: &aya::maps::HashMap<aya::maps::MapData, u32, V>,
+    from: Option<u32>,
+    keys: &mut [u32],
+    values: &mut [u8],
+) -> io::Result<BatchRead> {
+    use aya::maps::IterableMap as _;
+    /// `union bpf_attr`'s part for the batch commands.
+    #[repr(C)]
+    struct BatchAttr {
+        in_batch: u64,
+        out_batch: u64,
+        keys: u64,
+        values: u64,
+        count: u32,
+        map_fd: u32,
+        elem_flags: u64,
+        flags: u64,
+    }
+    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    let value_size = size_of::<V>();
+    if values.len() < keys.len().saturating_mul(value_size) || value_size == 0 {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    let token = from.unwrap_or(0);
+    let mut next: u32 = 0;
+    let mut attr = BatchAttr {
+        in_batch: if from.is_some() { &raw const token as u64 } else { 0 },
+        out_batch: &raw mut next as u64,
+        keys: keys.as_mut_ptr() as u64,
+        values: values.as_mut_ptr() as u64,
+        count: u32::try_from(keys.len()).unwrap_or(u32::MAX),
+        map_fd: map.map().fd().as_fd().as_raw_fd() as u32,
+        elem_flags: 0,
+        flags: 0,
+    };
+    // SAFETY: `attr` points at `count` keys and at room for `count` values of the map's value
+    // size (checked above: aya made `map` only with `V`'s size), and at two u32 positions, all
+    // live for the call; the kernel writes nothing else.
+    let rc =
+        unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &raw mut attr, size_of::<BatchAttr>() as u32) };
+    let count = (attr.count as usize).min(keys.len());
+    if rc == 0 {
+        return Ok(BatchRead { count, next, end: false });
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::ENOENT) => Ok(BatchRead { count, next, end: true }),
+        _ => Err(e),
+    }
+}
+
+/// A BPF hash map made by `BPF_MAP_CREATE` (keys of `key_size`, values of `value_size` bytes,
+/// at most `max_entries`): tests make one as the kernel programs' maps are.
+#[cfg(test)]
+pub fn bpf_hash_map_create(key_size: u32, value_size: u32, max_entries: u32) -> io::Result<OwnedFd> {
+    #[repr(C)]
+    struct CreateAttr {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+    }
+    const BPF_MAP_CREATE: libc::c_long = 0;
+    const BPF_MAP_TYPE_HASH: u32 = 1;
+    let mut attr = CreateAttr { map_type: BPF_MAP_TYPE_HASH, key_size, value_size, max_entries, map_flags: 0 };
+    // SAFETY: a valid attr of the size passed.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, &raw mut attr, size_of::<CreateAttr>() as u32) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the fd was just made and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
 /// A plain struct read from the start of `bytes` (a ring buffer record), unaligned; `None` when
 /// `bytes` is too short.
 pub fn read_pod<T: aya::Pod>(bytes: &[u8]) -> Option<T> {

@@ -30,7 +30,11 @@ pub trait HeldMap<V>: Send {
 
 impl<V: aya::Pod + Send> HeldMap<V> for HashMap<MapData, u32, V> {
     fn snapshot(&self) -> Vec<(u32, V)> {
-        self.iter().filter_map(Result::ok).collect()
+        // In a few calls where the kernel has batch lookups (5.6+), else walked by keys.
+        match super::map_batch::lookup_all(self) {
+            Ok(all) => all,
+            Err(_) => self.iter().filter_map(Result::ok).collect(),
+        }
     }
 
     fn lookup(&self, tgid: u32) -> std::result::Result<Option<V>, String> {

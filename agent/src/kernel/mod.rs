@@ -3,6 +3,7 @@
 pub mod btf;
 pub mod held_ledger;
 pub mod loader;
+pub mod map_batch;
 pub mod mode;
 pub mod offsets;
 pub mod programs;
