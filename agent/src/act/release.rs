@@ -89,7 +89,12 @@ struct Retry {
 /// ones that failed come back, to be tried again after a backoff: their records stay (a
 /// successor, or the deadline keeper, finds them), and nothing takes them for released.
 fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<PinnedRelease>) -> Vec<Retry> {
-    let sent: Vec<(Release, Sent)> = batch
+    account_releases(metrics, ledger, signal_releases(batch))
+}
+
+/// The SIGCONTs of a batch, back to back; what became of each.
+fn signal_releases(batch: Vec<PinnedRelease>) -> Vec<(Release, Sent)> {
+    batch
         .into_iter()
         .map(|(r, placed)| {
             let sent = match placed {
@@ -110,7 +115,12 @@ fn send_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, batch: Vec<Pinn
             };
             (r, sent)
         })
-        .collect();
+        .collect()
+}
+
+/// Counts and logs what [`signal_releases`] did, and drops the records of the processes
+/// released; the ones that failed come back as retries.
+fn account_releases(metrics: &Metrics, ledger: Option<&HeldLedger>, sent: Vec<(Release, Sent)>) -> Vec<Retry> {
     let mut retries = Vec::new();
     for (release, sent) in sent {
         let Release { tgid, reason, held_ns, .. } = release;
@@ -272,7 +282,14 @@ impl Releaser {
                         },
                     };
                     if let Some(batch) = batch {
-                        retries.extend(send_releases(&metrics, ledger.as_deref(), batch));
+                        // The batches the loop handed over meanwhile are signalled before any
+                        // is counted and logged (a record dropped, a line written: tens of µs
+                        // each, which the next batch's apps would wait for).
+                        let mut sent = signal_releases(batch);
+                        while let Ok(more) = rx.try_recv() {
+                            sent.extend(signal_releases(more));
+                        }
+                        retries.extend(account_releases(&metrics, ledger.as_deref(), sent));
                     }
                     retries = retry_releases(&cgroups, &metrics, ledger.as_deref(), retries);
                 }
