@@ -1,6 +1,7 @@
 //! One thread probes every held pod's proxies (`--held-prober`). Each period, every pod is asked
 //! once on its kept connection, the pods in groups spread over the period (a flip waits for the
-//! next group, not the next period); the answers are read as `ppoll` says they are there, and a
+//! next group, not the next period); the answers are read as the epoll set says they are there
+//! ([`super::held_poll`]), and a
 //! group's news goes out together. A pod that turns ready brings the others' asks forward, once
 //! a period: the held pods of a node often wait for the same thing. On the runtime, each probe cost
 //! wake-ups of its threads for the answers (about twice the CPU per probe on a 2-core VM).
@@ -15,9 +16,8 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{ErrorKind, Read as _, Write as _};
-use std::net::TcpStream;
-use std::os::fd::AsRawFd as _;
+use std::io::{Read as _, Write as _};
+use std::os::fd::AsFd as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -27,10 +27,12 @@ use tracing::{debug, warn};
 
 use super::PodFeedback;
 use super::answer::{Answer, LIMITS, REPEAT, all_ready, detail};
+use super::held_conn::{Conn, Endpoint, answer_so_far, connect, progress, send};
 use super::held_pace::{Boost, Raise, Retired, SlotClock};
+use super::held_poll::{Key, Poller};
 use crate::effect::Feedback;
+use crate::sidecar::SidecarLink;
 use crate::sidecar::http::{self, Failure};
-use crate::sidecar::{SidecarLink, SocketError};
 
 /// How long the news of a round waits for the round's slower answers: the answers of a slot
 /// come within a millisecond or so, and their news then wakes the agent once.
@@ -91,33 +93,6 @@ pub struct HeldProber {
     raise: Arc<Raise>,
 }
 
-/// A connection to one endpoint, and where its request is.
-enum Conn {
-    None,
-    /// Answered; can carry the next request.
-    Idle(TcpStream),
-    Connecting {
-        stream: TcpStream,
-        since: Instant,
-    },
-    Waiting {
-        stream: TcpStream,
-        since: Instant,
-        buf: Vec<u8>,
-        /// On a connection that had carried a request: closed by the server before any answer,
-        /// the request goes again on a new one.
-        reused: bool,
-    },
-}
-
-struct Endpoint {
-    name: String,
-    port: u16,
-    request: Vec<u8>,
-    conn: Conn,
-    answer: Option<Answer>,
-}
-
 struct Pod {
     uid: String,
     token: u64,
@@ -159,7 +134,7 @@ impl Pod {
             .map(|(name, port, path)| {
                 let addr = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, *port));
                 let request = http::request_text(addr, "GET", path, true).into_bytes();
-                Endpoint { name: name.clone(), port: *port, request, conn: Conn::None, answer: None }
+                Endpoint { name: name.clone(), port: *port, request, conn: Conn::None, key: 0, answer: None }
             })
             .collect();
         Pod {
@@ -355,7 +330,8 @@ impl HeldProber {
         // When the open round's requests went out: its news waits a moment for the rest.
         let mut round: Option<Instant> = None;
         let mut news: Vec<PodFeedback> = Vec::new();
-        let mut poll = PollSet::default();
+        let mut poller = Poller::new().map_err(|e| format!("epoll: {e}"))?;
+        let mut moved = Vec::new();
         // This period's asks were brought forward by a pod that turned ready.
         let mut swept = false;
         loop {
@@ -371,7 +347,7 @@ impl HeldProber {
                 swept = false;
                 spread(&mut pods, now, clock.next.saturating_duration_since(now));
             }
-            if ask_due(link, &mut pods, now, &mut boost)? {
+            if ask_due(link, &poller, &mut pods, now, &mut boost)? {
                 round.get_or_insert(now);
             }
             boost.end_when_answered(
@@ -406,60 +382,62 @@ impl HeldProber {
             }
             let now = Instant::now();
             let until = wake_at(&pods, now, clock.next, round, retired.close_due(now), deadline);
-            self.wait(link, &mut pods, &mut poll, until.saturating_duration_since(now))?;
+            self.wait(link, &mut poller, &mut moved, &mut pods, until.saturating_duration_since(now))?;
         }
     }
 
     /// Waits up to `left` for the wake-up or for a connection to move, and moves those that did.
-    /// Err: this thread may make no other socket.
-    fn wait(&self, link: &dyn SidecarLink, pods: &mut [Pod], poll: &mut PollSet, left: Duration) -> Result<(), String> {
-        let PollSet { fds, polled } = poll;
-        fds.clear();
-        polled.clear();
-        fds.push(libc::pollfd { fd: self.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+    /// A lagged group's connections are moved once its lag is over, whatever moved meanwhile (an
+    /// edge-triggered event came once, maybe before); it returns at once then. Err: this thread
+    /// may make no other socket.
+    fn wait(
+        &self,
+        link: &dyn SidecarLink,
+        poller: &mut Poller,
+        moved: &mut Vec<Key>,
+        pods: &mut [Pod],
+        left: Duration,
+    ) -> Result<(), String> {
         let now = Instant::now();
-        for (i, pod) in pods.iter().enumerate().filter(|(_, p)| p.read_at.is_none_or(|at| at <= now)) {
-            for (j, ep) in pod.endpoints.iter().enumerate() {
-                let (fd, events) = match &ep.conn {
-                    Conn::Connecting { stream, .. } => (stream.as_raw_fd(), libc::POLLOUT),
-                    Conn::Waiting { stream, .. } => (stream.as_raw_fd(), libc::POLLIN),
-                    Conn::None | Conn::Idle(_) => continue,
-                };
-                fds.push(libc::pollfd { fd, events, revents: 0 });
-                polled.push((i, j));
+        let mut lag_over = false;
+        for pod in pods.iter_mut().filter(|p| p.read_at.is_some_and(|at| at <= now)) {
+            pod.read_at = None;
+            lag_over = true;
+            for ep in pod.endpoints.iter_mut().filter(|ep| ep.moved_meanwhile()) {
+                progress(link, poller, &pod.uid, ep, now)?;
             }
         }
-        if !crate::host::sys::ppoll(fds, left).is_ok_and(|n| n > 0) {
+        if lag_over {
             return Ok(());
         }
-        if fds[0].revents != 0 {
+        let waited = poller.wait(self.wake.as_fd(), left, moved);
+        if waited.woken {
             let _ = (&self.wake).read(&mut [0u8; 8]);
         }
+        if waited.moved.is_empty() {
+            return Ok(());
+        }
         let now = Instant::now();
-        for (pfd, &(i, j)) in fds[1..].iter().zip(polled.iter()) {
-            let Some(Pod { uid, endpoints, .. }) = pods.get_mut(i) else { continue };
-            if pfd.revents != 0
-                && let Some(ep) = endpoints.get_mut(j)
-            {
-                progress(link, uid, ep, now)?;
+        // A lagged group's answers wait for its lag (their events came once: read then).
+        for pod in pods.iter_mut().filter(|p| p.read_at.is_none()) {
+            for ep in pod.endpoints.iter_mut().filter(|ep| ep.in_flight() && waited.moved.contains(&ep.key)) {
+                progress(link, poller, &pod.uid, ep, now)?;
             }
         }
         Ok(())
     }
 }
 
-/// What one wait polls (kept across waits): the wake-up first, then each connection in flight,
-/// with its pod's and endpoint's places.
-#[derive(Default)]
-struct PollSet {
-    fds: Vec<libc::pollfd>,
-    polled: Vec<(usize, usize)>,
-}
-
 /// Asks every pod whose ask is due at `now`: its group's, a sweep's, a burst's, or handed over.
 /// Those a release waits on go out in the loop's class (`boost`). True if any was asked. Err: this
 /// thread may make no other socket.
-fn ask_due(link: &dyn SidecarLink, pods: &mut [Pod], now: Instant, boost: &mut Boost) -> Result<bool, String> {
+fn ask_due(
+    link: &dyn SidecarLink,
+    poller: &Poller,
+    pods: &mut [Pod],
+    now: Instant,
+    boost: &mut Boost,
+) -> Result<bool, String> {
     let burst_due = |p: &Pod| p.burst_next.is_some_and(|at| now >= at);
     // A pod waiting for an answer keeps its due ask until the answer is in.
     let due = |p: &Pod| !p.asked && p.due.is_some_and(|(at, _)| now >= at);
@@ -481,7 +459,7 @@ fn ask_due(link: &dyn SidecarLink, pods: &mut [Pod], now: Instant, boost: &mut B
             pod.burst_next = None;
             pod.burst -= 1;
         }
-        ask(link, pod, now)?;
+        ask(link, poller, pod, now)?;
     }
     Ok(asked)
 }
@@ -562,7 +540,7 @@ fn in_flight(pods: &[Pod]) -> impl Iterator<Item = Instant> + '_ {
 
 /// Asks every endpoint of `pod` whose last request was answered. Err: this thread may make no
 /// other socket.
-fn ask(link: &dyn SidecarLink, pod: &mut Pod, now: Instant) -> Result<(), String> {
+fn ask(link: &dyn SidecarLink, poller: &Poller, pod: &mut Pod, now: Instant) -> Result<(), String> {
     pod.asked = true;
     for ep in &mut pod.endpoints {
         if matches!(ep.conn, Conn::Connecting { .. } | Conn::Waiting { .. }) {
@@ -570,131 +548,11 @@ fn ask(link: &dyn SidecarLink, pod: &mut Pod, now: Instant) -> Result<(), String
         }
         ep.answer = None;
         match std::mem::replace(&mut ep.conn, Conn::None) {
-            Conn::Idle(stream) => send(link, &pod.uid, ep, stream, now, true)?,
-            _ => connect(link, &pod.uid, ep, now)?,
+            Conn::Idle(stream) => send(link, poller, &pod.uid, ep, stream, now, true)?,
+            _ => connect(link, poller, &pod.uid, ep, now)?,
         }
     }
     Ok(())
-}
-
-/// A new connection to `ep` (answered at once if it cannot be made).
-fn connect(link: &dyn SidecarLink, uid: &str, ep: &mut Endpoint, now: Instant) -> Result<(), String> {
-    use nix::errno::Errno;
-    use nix::sys::socket::SockaddrIn;
-    let fd = match link.pod_socket(uid) {
-        Ok(fd) => fd,
-        Err(SocketError::Failed(why)) => {
-            ep.answer = Some(Answer::Failed(why));
-            return Ok(());
-        }
-        Err(SocketError::Stranded(why)) => return Err(why),
-    };
-    let stream = TcpStream::from(fd);
-    let _ = stream.set_nodelay(true);
-    match nix::sys::socket::connect(stream.as_raw_fd(), &SockaddrIn::new(127, 0, 0, 1, ep.port)) {
-        Ok(()) => send(link, uid, ep, stream, now, false)?,
-        Err(Errno::EINPROGRESS) => ep.conn = Conn::Connecting { stream, since: now },
-        Err(Errno::ECONNREFUSED) => ep.answer = Some(Answer::Failed(Failure::Refused.to_string())),
-        Err(e) => ep.answer = Some(Answer::Failed(format!("connect: {e}"))),
-    }
-    Ok(())
-}
-
-/// Writes `ep`'s request on `stream`. A kept connection the server closed meanwhile is replaced
-/// by a new one.
-fn send(
-    link: &dyn SidecarLink,
-    uid: &str,
-    ep: &mut Endpoint,
-    stream: TcpStream,
-    now: Instant,
-    reused: bool,
-) -> Result<(), String> {
-    match (&stream).write(&ep.request) {
-        Ok(n) if n == ep.request.len() => {
-            ep.conn = Conn::Waiting { stream, since: now, buf: Vec::new(), reused };
-            Ok(())
-        }
-        Err(_) if reused => {
-            drop(stream);
-            connect(link, uid, ep, now)
-        }
-        Ok(_) => {
-            ep.answer = Some(Answer::Failed("request not written whole".into()));
-            Ok(())
-        }
-        Err(e) => {
-            ep.answer = Some(Answer::Failed(format!("write: {e}")));
-            Ok(())
-        }
-    }
-}
-
-/// What `ppoll` says about `ep`'s connection: connected (the request goes out), or answer bytes.
-fn progress(link: &dyn SidecarLink, uid: &str, ep: &mut Endpoint, now: Instant) -> Result<(), String> {
-    match std::mem::replace(&mut ep.conn, Conn::None) {
-        Conn::Connecting { stream, since } => match stream.take_error() {
-            Ok(None) => send(link, uid, ep, stream, since, false),
-            Ok(Some(e)) | Err(e) => {
-                let failure = match e.kind() {
-                    ErrorKind::ConnectionRefused => Failure::Refused.to_string(),
-                    _ => format!("connect: {e}"),
-                };
-                ep.answer = Some(Answer::Failed(failure));
-                Ok(())
-            }
-        },
-        Conn::Waiting { mut stream, since, mut buf, reused } => {
-            let mut chunk = [0u8; 512];
-            loop {
-                match stream.read(&mut chunk) {
-                    // Closed before any answer on a kept connection: the request goes again.
-                    Ok(0) if buf.is_empty() && reused => return connect(link, uid, ep, now),
-                    Ok(0) => {
-                        ep.answer = Some(answer_so_far(&buf, "the connection was closed".into()));
-                        return Ok(());
-                    }
-                    Ok(n) => {
-                        if http::absorb(&mut buf, &chunk[..n], LIMITS) {
-                            match http::answer(&buf, LIMITS, true) {
-                                Ok((r, again)) => {
-                                    ep.answer = Some(Answer::Status(r.status));
-                                    if again {
-                                        ep.conn = Conn::Idle(stream);
-                                    }
-                                }
-                                Err(f) => ep.answer = Some(Answer::Failed(f.to_string())),
-                            }
-                            return Ok(());
-                        }
-                    }
-                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                        ep.conn = Conn::Waiting { stream, since, buf, reused };
-                        return Ok(());
-                    }
-                    Err(_) if buf.is_empty() && reused => return connect(link, uid, ep, now),
-                    Err(e) => {
-                        ep.answer = Some(Answer::Failed(e.to_string()));
-                        return Ok(());
-                    }
-                }
-            }
-        }
-        other => {
-            ep.conn = other;
-            Ok(())
-        }
-    }
-}
-
-/// What an unfinished read says: a status line that already arrived is an answer, even if the
-/// rest never comes; else `failure`.
-fn answer_so_far(buf: &[u8], failure: String) -> Answer {
-    match http::parse_response(buf, LIMITS) {
-        Ok(r) => Answer::Status(r.status),
-        Err(_) => Answer::Failed(failure),
-    }
 }
 
 /// Requests past the probe's deadline are answered with a failure, as a loop's probe would be;
@@ -1013,6 +871,7 @@ mod tests {
                 port: 15021,
                 request: Vec::new(),
                 conn: Conn::None,
+                key: 0,
                 answer: Some(Answer::Status(200)),
             });
             pod.asked = true;
@@ -1038,7 +897,8 @@ mod tests {
         pods[1].burst = LISTEN_BURST;
         pods[2].burst = 1;
         pods[2].burst_next = Some(now);
-        assert!(ask_due(&link, &mut pods, now, &mut boost).expect("ask"));
+        let poller = Poller::new().expect("epoll");
+        assert!(ask_due(&link, &poller, &mut pods, now, &mut boost).expect("ask"));
         let listens: Vec<bool> = pods.iter().map(|p| p.listen_ask).collect();
         assert_eq!(listens, vec![false, true, true]);
         assert_eq!(pods[2].burst, 0, "the burst's last ask");

@@ -11,7 +11,9 @@
 pub mod ahead;
 mod answer;
 mod api_writes;
+mod held_conn;
 mod held_pace;
+mod held_poll;
 pub mod held_prober;
 mod pod_cgroups;
 pub mod probe;
