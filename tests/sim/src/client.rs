@@ -213,6 +213,14 @@ impl WatchStream {
     /// The next event line as JSON; `Ok(None)` when the server ended the stream cleanly;
     /// an error on a read timeout (`timeout` applies per read) or an aborted connection.
     pub fn next_event(&mut self, timeout: Duration) -> Result<Option<Value>> {
+        match self.next_line(timeout)? {
+            Some(line) => Ok(Some(serde_json::from_str(&line).context("watch line is not JSON")?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The next event line as the server wrote it ([`WatchStream::next_event`], unparsed).
+    pub fn next_line(&mut self, timeout: Duration) -> Result<Option<String>> {
         self.reader.get_ref().set_read_timeout(Some(timeout))?;
         loop {
             if let Some(pos) = self.pending.iter().position(|b| *b == b'\n') {
@@ -220,7 +228,7 @@ impl WatchStream {
                 if line.iter().all(u8::is_ascii_whitespace) {
                     continue;
                 }
-                return Ok(Some(serde_json::from_slice(&line).context("watch line is not JSON")?));
+                return Ok(Some(String::from_utf8(line).context("watch line is not UTF-8")?));
             }
             if self.done {
                 return Ok(None);

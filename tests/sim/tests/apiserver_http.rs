@@ -185,7 +185,10 @@ fn watch_sends_what_exists_then_changes(s: &FakeApiServer) {
     .expect("watch");
     assert_eq!(w.header_value("content-type"), Some("application/json"));
     assert_eq!(w.header_value("transfer-encoding"), Some("chunked"));
-    let e = w.next_event(T).expect("read").expect("event");
+    // As kube-apiserver writes it: the type first, then the object.
+    let line = w.next_line(T).expect("read").expect("event");
+    assert!(line.starts_with(r#"{"type":"ADDED","object":{"#), "{line}");
+    let e: serde_json::Value = serde_json::from_str(&line).expect("JSON");
     assert_eq!(e["type"], "ADDED");
     assert_eq!(e["object"]["kind"], "Pod");
     s.modify_pod("ns", "a", |p| p["status"]["phase"] = json!("Succeeded")).expect("modify");

@@ -82,9 +82,11 @@ struct Lines {
 }
 
 impl Lines {
-    /// Sends one line; false when the client has gone.
+    /// Sends one line; false when the client has gone. `type` first, as kube-apiserver writes
+    /// its watch events (a `json!` map sorts its keys: `object` came first, which made a client's
+    /// serde buffer the whole object before it knew what the event was).
     async fn send(&self, ty: &str, object: &Value) -> bool {
-        let mut s = json!({"type": ty, "object": object}).to_string();
+        let mut s = format!("{{\"type\":{},\"object\":{}}}", Value::from(ty), object);
         s.push('\n');
         self.meter.watch_line(ty);
         self.tx.send(Ok(Bytes::from(s))).await.is_ok()
