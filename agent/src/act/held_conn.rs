@@ -38,6 +38,9 @@ pub(super) struct Endpoint {
     pub(super) conn: Conn,
     /// Its connection's place in the prober's epoll set.
     pub(super) key: Key,
+    /// Its connection moved (an edge-triggered event, which comes once) and was not looked at
+    /// yet: its pod's lagged group's answers were not to be read then.
+    pub(super) moved: bool,
     pub(super) answer: Option<Answer>,
 }
 
@@ -78,6 +81,7 @@ pub(super) fn connect(
     };
     let stream = TcpStream::from(fd);
     let _ = stream.set_nodelay(true);
+    ep.moved = false;
     ep.key = match poller.register(&stream) {
         Ok(key) => key,
         Err(e) => {
@@ -134,6 +138,7 @@ pub(super) fn progress(
     ep: &mut Endpoint,
     now: Instant,
 ) -> Result<(), String> {
+    ep.moved = false;
     match std::mem::replace(&mut ep.conn, Conn::None) {
         Conn::Connecting { stream, since } => match stream.take_error() {
             Ok(None) => send(link, poller, uid, ep, stream, since, false),
