@@ -28,11 +28,14 @@ pub fn current_id(pod: &Pod, name: &str) -> Option<String> {
 /// The container a container id belongs to, from the API: its current instance or the one
 /// before (`lastState.terminated`, a container the kubelet restarted).
 pub fn name_of_id<'p>(pod: &'p Pod, id: &str) -> Option<&'p str> {
+    // A status id that does not end with `id` is not its: the scheme and the id's form are
+    // checked only on one that does (the loop asks this for each container of a pod, many times
+    // a step).
+    let is = |status_id: Option<&str>| status_id.is_some_and(|s| s.ends_with(id)) && hex_id(status_id) == Some(id);
     statuses(pod).find_map(|s| {
-        let current = hex_id(s.container_id.as_deref());
         let previous =
-            hex_id(s.last_state.as_ref().and_then(|l| l.terminated.as_ref()).and_then(|t| t.container_id.as_deref()));
-        (current == Some(id) || previous == Some(id)).then_some(s.name.as_str())
+            s.last_state.as_ref().and_then(|l| l.terminated.as_ref()).and_then(|t| t.container_id.as_deref());
+        (is(s.container_id.as_deref()) || is(previous)).then_some(s.name.as_str())
     })
 }
 
