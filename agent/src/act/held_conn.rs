@@ -4,7 +4,6 @@
 
 use std::io::{ErrorKind, Read as _, Write as _};
 use std::net::TcpStream;
-use std::os::fd::AsFd as _;
 use std::time::Instant;
 
 use super::answer::{Answer, LIMITS};
@@ -48,16 +47,6 @@ impl Endpoint {
     /// Its request is out and its answer not read yet (or it is still connecting).
     pub(super) fn in_flight(&self) -> bool {
         matches!(self.conn, Conn::Connecting { .. } | Conn::Waiting { .. })
-    }
-
-    /// In flight, and worth a look without an event: waiting for its answer (a read that would
-    /// block costs nothing), or connected (a connect still under way is told by its event).
-    pub(super) fn moved_meanwhile(&self) -> bool {
-        match &self.conn {
-            Conn::Waiting { .. } => true,
-            Conn::Connecting { stream, .. } => crate::host::sys::ready_now(stream.as_fd(), libc::POLLOUT),
-            Conn::None | Conn::Idle(_) => false,
-        }
     }
 }
 

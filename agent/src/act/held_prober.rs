@@ -395,11 +395,10 @@ impl HeldProber {
     }
 
     /// Waits up to `left` for the wake-up or for a connection to move, and moves those that did.
-    /// A lagged group's connections are moved once its lag is over, whatever moved meanwhile (an
-    /// edge-triggered event came once, maybe before); it returns at once then, and when a
-    /// connection that moved while its pod was lagged can be moved now (the pod was asked again
-    /// meanwhile, out of its group: handed over, or a listen's). Err: this thread may make no
-    /// other socket.
+    /// A connection that moved while its pod's lagged group waited is marked (an edge-triggered
+    /// event comes once) and moved once the pod is not lagged: its lag over, or the pod asked
+    /// again meanwhile, out of its group (handed over, or a listen's); it returns at once then.
+    /// Err: this thread may make no other socket.
     fn wait(
         &self,
         link: &dyn SidecarLink,
@@ -413,9 +412,6 @@ impl HeldProber {
         for pod in pods.iter_mut().filter(|p| p.read_at.is_some_and(|at| at <= now)) {
             pod.read_at = None;
             lag_over = true;
-            for ep in pod.endpoints.iter_mut().filter(|ep| ep.moved_meanwhile()) {
-                progress(link, poller, &pod.uid, ep, now)?;
-            }
         }
         if lag_over | move_marked(link, poller, pods, now)? {
             return Ok(());
