@@ -62,6 +62,9 @@ pub struct PodRouter<K, L> {
     ticks_since_sweep: u32,
     /// When the last tick ran (monotonic ns).
     last_tick: Option<u64>,
+    /// While a batch of reports is decided: the pods whose quit ahead is armed anew once its
+    /// releases are out ([`PodRouter::arm_batch`]).
+    arms_due: Option<Vec<String>>,
 }
 
 impl<K: KernelControl, L: SidecarLink> PodRouter<K, L> {
@@ -87,6 +90,7 @@ impl<K: KernelControl, L: SidecarLink> PodRouter<K, L> {
             map_full_seen: 0,
             ticks_since_sweep: 0,
             last_tick: None,
+            arms_due: None,
         }
     }
 
@@ -127,12 +131,14 @@ impl<K: KernelControl, L: SidecarLink> PodRouter<K, L> {
                     // each after another turn of the select (a watch event to parse, a kernel
                     // batch) or after the decisions of the others.
                     self.act.batch_releases();
+                    self.arms_due = Some(Vec::new());
                     self.on_feedback(&uid, feedback);
                     for _ in 0..REPORT_BATCH {
                         let Ok((uid, feedback)) = self.reports.try_recv() else { break };
                         self.on_feedback(&uid, feedback);
                     }
                     self.act.flush_releases();
+                    self.arm_batch();
                 }
                 pods = self.act.creations().next() => for pod in pods { self.on_container_made(pod) },
                 event = watch.next() => match event {
@@ -200,9 +206,31 @@ impl<K: KernelControl, L: SidecarLink> PodRouter<K, L> {
                 queue.extend(state.feedback(feedback, &self.rules, now));
             }
         }
-        // Whatever changed, the quit the pod's next end would call for is armed anew.
+        // Whatever changed, the quit the pod's next end would call for is armed anew (in a
+        // batch of reports, once its releases are out).
+        match &mut self.arms_due {
+            Some(due) => due.push(uid.to_owned()),
+            None => self.arm(uid),
+        }
+    }
+
+    fn arm(&mut self, uid: &str) {
         let arm = self.pods.get(uid).and_then(PodState::quit_ahead);
         self.act.arm_ahead(uid, arm);
+    }
+
+    /// Arms the quits ahead of the pods a batch of reports changed, after its releases: in a
+    /// 110-pod round's batch they took 0.5-0.7 ms, against 1.5 ms for its decisions. A pod's
+    /// arm meanwhile is the one before the batch: an app that ends first fires that one (for a
+    /// release, the same quit) or its end goes through the loop (see `act::ahead` for why an arm
+    /// left from an earlier transition is safe).
+    fn arm_batch(&mut self) {
+        let mut due = self.arms_due.take().unwrap_or_default();
+        due.sort_unstable();
+        due.dedup();
+        for uid in due {
+            self.arm(&uid);
+        }
     }
 
     fn on_feedback(&mut self, uid: &str, feedback: Feedback) {

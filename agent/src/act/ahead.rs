@@ -11,7 +11,8 @@
 //!
 //! Safety of the shortcut: an arm is what [`PodState::quit_ahead`] returns after the pod's last
 //! transition, for one container of one watched pod cgroup, and is replaced after every
-//! transition of that pod. It fires only for an end reported under that same pod cgroup and
+//! transition of that pod (after a batch of probe reports, once the batch's releases are out).
+//! It fires only for an end reported under that same pod cgroup and
 //! container cgroup, and only once. If the loop's transition then does not quit (the pod changed
 //! between the arm and the end: it was deleted, opted out), the request sent ahead is counted
 //! `unclaimed` (and logged, when the end's transition finds it).
