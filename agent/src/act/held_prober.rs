@@ -521,8 +521,9 @@ fn next_ask(pods: &[Pod], now: Instant) -> Option<Instant> {
 struct Round {
     /// When its first requests went out (those sent since are its own too).
     at: Instant,
-    /// A sweep is in it: its news waits while its answers keep coming, up to [`SWEEP_WAIT`].
-    sweep: bool,
+    /// When a sweep joined it: its news waits while its answers keep coming, up to
+    /// [`SWEEP_WAIT`] from then.
+    sweep: Option<Instant>,
     /// Its requests in flight when last counted, and when the count last fell.
     left: usize,
     answered: Instant,
@@ -530,12 +531,12 @@ struct Round {
 
 impl Round {
     fn new(at: Instant) -> Round {
-        Round { at, sweep: false, left: usize::MAX, answered: at }
+        Round { at, sweep: None, left: usize::MAX, answered: at }
     }
 
     /// A sweep joined it at `now`.
     fn swept(&mut self, now: Instant) {
-        self.sweep = true;
+        self.sweep = Some(now);
         self.answered = now;
     }
 
@@ -548,9 +549,12 @@ impl Round {
     }
 
     /// When its news goes out while some answers are missing: [`ROUND_WAIT`] after its asks; a
-    /// sweep's, [`ROUND_WAIT`] after its last answer, at most [`SWEEP_WAIT`] after its asks.
+    /// sweep's, [`ROUND_WAIT`] after its last answer, at most [`SWEEP_WAIT`] after the sweep.
     fn ends_at(&self) -> Instant {
-        if self.sweep { (self.answered + ROUND_WAIT).min(self.at + SWEEP_WAIT) } else { self.at + ROUND_WAIT }
+        match self.sweep {
+            Some(swept) => (self.answered + ROUND_WAIT).min(swept + SWEEP_WAIT),
+            None => self.at + ROUND_WAIT,
+        }
     }
 
     /// Its news goes out: every answer is in, or it waited long enough.
@@ -900,13 +904,14 @@ mod tests {
         assert!(round.over(at + step + ROUND_WAIT), "the rest may never come");
         round.note(0, at + 2 * step);
         assert!(round.over(at + 2 * step), "every answer is in");
-        // ... up to its bound.
+        // ... up to its bound, from the sweep (a round its thread came back to late may be older).
         let mut long = Round::new(at);
-        long.swept(at);
+        let swept = at + 50 * step;
+        long.swept(swept);
         for k in 1..=100u32 {
-            long.note(1000 - k as usize, at + step * k);
+            long.note(1000 - k as usize, swept + step * k);
         }
-        assert_eq!(long.ends_at(), at + SWEEP_WAIT);
+        assert_eq!(long.ends_at(), swept + SWEEP_WAIT);
         let plain = Round::new(at);
         assert_eq!(plain.ends_at(), at + ROUND_WAIT);
     }
