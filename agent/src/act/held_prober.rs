@@ -434,8 +434,9 @@ impl HeldProber {
                 wake_at(&pods, now, clock.next, round.as_ref().map(Round::ends_at), retired.close_due(now), deadline);
             let paced = round.as_ref().and_then(|r| r.sweep).map(|_| next_read);
             self.wait(link, &mut poller, &mut moved, &mut pods, paced, until.saturating_duration_since(now))?;
-            if paced.is_some_and(|at| Instant::now() >= at) {
-                next_read = Instant::now() + SWEEP_READ_GAP;
+            let now = Instant::now();
+            if paced.is_some_and(|at| now >= at) {
+                next_read = now + SWEEP_READ_GAP;
             }
         }
     }
