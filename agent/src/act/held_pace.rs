@@ -18,7 +18,9 @@ use super::next_multiple;
 /// costly period (a burst of pods handed over, a sweep, or the host taking the CPU while the
 /// thread ran) is paid for over the next periods, not by the next one alone. Paid at once, one
 /// period of 8.3 ms at 20 pods made the next one 207 ms instead of 20-25, and a ready moment in it
-/// was seen 52 ms late. The mean keeps the thread within its share over time all the same.
+/// was seen 52 ms late. The mean keeps the thread within its share over time all the same. It
+/// follows a lasting rise (more pods held) over about eight periods, and meanwhile the thread can
+/// spend over its share: about eight of the new periods' cost at most, over that time.
 struct CpuPace {
     /// The thread's CPU time at the last slot.
     last: Duration,
