@@ -172,7 +172,6 @@ impl Pod {
         }
     }
 
-    /// Whether its last answers were all ready (None: no answer yet).
     /// Takes the idle connections of `old`, a hand-over of the same pod given back or replaced,
     /// for the same endpoints: a pod is handed over again when its loop starts anew (its IP
     /// known, a second after its start), and each connection made anew cost the thread a
@@ -190,6 +189,7 @@ impl Pod {
         }
     }
 
+    /// Whether its last answers were all ready (None: no answer yet).
     fn last_ready(&self) -> Option<bool> {
         self.last.as_ref().map(|(answers, _)| all_ready(answers))
     }
