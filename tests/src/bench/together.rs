@@ -206,26 +206,48 @@ fn together_round(setup: &Setup<'_>, round: usize, acc: &mut Rounds) -> Result<(
     own_starts(&jobs, &held_cpu, setup.cpus, round, spent, acc);
     if let Some(trace) = &setup.trace {
         let sent = trace.sent();
+        let (mut signals, mut answers) = (Vec::new(), Vec::new());
         for (i, ((job, _, app_pid), ready)) in jobs.iter().zip(&ready_at).enumerate() {
             let Some(&at) = sent.get(app_pid) else {
                 println!("  round {round}, pod {i}: its SIGCONT was not traced (left out)");
                 continue;
             };
+            signals.push(at.saturating_sub(t_ready) as f64 / 1000.0);
             acc.released.push(at.saturating_sub(*ready) as f64 / 1000.0);
-            first_ask(job, *ready, at, acc);
+            answers.extend(first_ask(job, *ready, at, acc).map(|r| r.saturating_sub(t_ready) as f64 / 1000.0));
         }
+        round_line(round, &mut answers, &mut signals);
     }
     remove_jobs(node, jobs.into_iter().map(|j| j.0).collect());
     agent.wait_tracked(0, Duration::from_secs(30))
 }
 
+/// A round's timeline from its ready moment (the file's): when the proxies wrote their answers to
+/// the first asks after it, and when the SIGCONTs went out, first, median and last (ms). The gap
+/// between the last answer and the first SIGCONT is the round's wait and its decisions; the
+/// SIGCONTs' own spread, the releases'.
+fn round_line(round: usize, answers: &mut [f64], signals: &mut [f64]) {
+    let spread = |v: &mut [f64]| {
+        v.sort_by(f64::total_cmp);
+        match (v.first(), v.get(v.len() / 2), v.last()) {
+            (Some(a), Some(m), Some(z)) => format!("{:.2} / {:.2} / {:.2} ms", a / 1000.0, m / 1000.0, z / 1000.0),
+            _ => "none".to_string(),
+        }
+    };
+    println!(
+        "  round {round}, from the file (first / median / last): the answers written {}, the SIGCONTs sent {}",
+        spread(answers),
+        spread(signals)
+    );
+}
+
 /// A released pod's release split at the first ask its proxy read after its `ready` moment (and
 /// before the SIGCONT `at`): the read's delay, from it to the SIGCONT, and the ask's arrival in the
-/// socket, into `acc`.
-fn first_ask(job: &JobPod, ready: u64, at: u64, acc: &mut Rounds) {
+/// socket, into `acc`. Returns when its answer was written, if the stand-in said.
+fn first_ask(job: &JobPod, ready: u64, at: u64, acc: &mut Rounds) -> Option<u64> {
     let us = |from: u64, to: u64| to.saturating_sub(from) as f64 / 1000.0;
     let asks = job.requests().into_iter().filter(|e| e.method == "GET" && (ready..=at).contains(&e.mono_ns));
-    let Some(first) = asks.min_by_key(|e| e.mono_ns) else { return };
+    let first = asks.min_by_key(|e| e.mono_ns)?;
     let read = first.mono_ns;
     acc.asked.push(us(ready, read));
     acc.decided.push(us(read, at));
@@ -240,6 +262,7 @@ fn first_ask(job: &JobPod, ready: u64, at: u64, acc: &mut Rounds) {
             waited: us(arrived, read),
         });
     }
+    first.replied_ns
 }
 
 /// A round's held pods, each with its app started (held) and the stamp it writes once it runs;
