@@ -207,16 +207,18 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         &self.metrics
     }
 
-    /// Keeps the releases of the effects applied from now on, until [`Actuators::flush_releases`]
-    /// (a batch of probe answers: their apps go on together).
+    /// Keeps the releases of the effects applied from now on, and their probes' pace changes,
+    /// until [`Actuators::flush_releases`] (a batch of probe answers: their apps go on together).
     pub fn batch_releases(&mut self) {
         self.releases.keep_batch();
+        self.probes.keep_paces();
     }
 
     /// Carries out the releases kept since [`Actuators::batch_releases`], then starts the batch's
-    /// other tasks (see [`Releases::flush`]).
+    /// other tasks (see [`Releases::flush`]) and makes its pace changes.
     pub fn flush_releases(&mut self) {
         self.releases.flush();
+        self.probes.flush_paces();
     }
 
     /// Returns once every release handed to the release thread is sent (before the agent
