@@ -127,15 +127,17 @@ impl<K: KernelControl, L: SidecarLink> PodRouter<K, L> {
                 },
                 Some((uid, feedback)) = self.reports.recv() => {
                     // Whatever else has come in: one slot's probes answer together, and their
-                    // releases go out together, back to back once all are decided, rather than
-                    // each after another turn of the select (a watch event to parse, a kernel
-                    // batch) or after the decisions of the others.
+                    // releases go out together, back to back as they are decided (a chunk at a
+                    // time while this thread is in the real-time class, else once all are),
+                    // rather than each after another turn of the select (a watch event to parse,
+                    // a kernel batch).
                     self.act.batch_releases();
                     self.arms_due = Some(Vec::new());
                     self.on_feedback(&uid, feedback);
                     for _ in 0..REPORT_BATCH {
                         let Ok((uid, feedback)) = self.reports.try_recv() else { break };
                         self.on_feedback(&uid, feedback);
+                        self.act.send_decided();
                     }
                     self.act.flush_releases();
                     self.arm_batch();

@@ -214,6 +214,12 @@ impl<K: KernelControl, L: SidecarLink> Actuators<K, L> {
         self.probes.keep_paces();
     }
 
+    /// Sends the releases of the batch decided so far, a chunk at a time (see
+    /// [`Releases::send_decided`]).
+    pub fn send_decided(&mut self) {
+        self.releases.send_decided();
+    }
+
     /// Carries out the releases kept since [`Actuators::batch_releases`], then starts the batch's
     /// other tasks (see [`Releases::flush`]) and makes its pace changes.
     pub fn flush_releases(&mut self) {

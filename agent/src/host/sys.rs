@@ -235,8 +235,7 @@ fn set_thread_scheduler(tid: i32, policy: i32, priority: u8) -> io::Result<()> {
 }
 
 /// The calling thread's scheduling policy (`SCHED_OTHER`, `SCHED_FIFO`, ...; without the
-/// `SCHED_RESET_ON_FORK` flag): for the tests.
-#[cfg(test)]
+/// `SCHED_RESET_ON_FORK` flag).
 pub fn sched_policy() -> io::Result<i32> {
     // SAFETY: no pointer is passed; pid 0 is the calling thread.
     match unsafe { libc::sched_getscheduler(0) } {
