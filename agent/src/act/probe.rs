@@ -23,8 +23,9 @@ pub struct Probes<L> {
     link: Arc<L>,
     loops: HashMap<String, Handle>,
     /// How many of `loops` probe a held pod (`Pace::Urgent`), kept as they change: counted over
-    /// every loop at each change, a 110-pod round's releases cost the loop 0.6-1.1 ms (each
-    /// release a pace change, each a look at all 110 loops) before the batch's first SIGCONT.
+    /// every loop at each change, a 110-pod round's releases looked at all 110 loops 110 times,
+    /// in the loop's time before the batch's first SIGCONT (with the wake-ups of the loops whose
+    /// pace changed, 0.1-1.1 ms a round: [`Probes::keep_paces`]).
     urgent: usize,
     /// The pace changes kept while a batch's releases are (see [`Probes::keep_paces`]).
     kept: Option<Vec<(String, Pace)>>,
