@@ -397,8 +397,7 @@ impl Releases {
         if self.batch.is_none() {
             // In the normal class, the apps a chunk wakes would take the caller's CPU from the
             // rest of the batch's decisions: they go out together then.
-            let chunked = self.releaser.is_some()
-                && crate::host::sys::sched_policy().is_ok_and(|p| p == libc::SCHED_FIFO || p == libc::SCHED_RR);
+            let chunked = self.releaser.is_some() && crate::host::sys::in_real_time();
             self.batch = Some(Batch { chunked, ..Batch::default() });
         }
     }

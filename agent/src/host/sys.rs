@@ -234,6 +234,12 @@ fn set_thread_scheduler(tid: i32, policy: i32, priority: u8) -> io::Result<()> {
     Ok(())
 }
 
+/// Whether the calling thread runs in a real-time class (`SCHED_FIFO` or `SCHED_RR`); false if
+/// its policy cannot be read.
+pub fn in_real_time() -> bool {
+    sched_policy().is_ok_and(|p| p == libc::SCHED_FIFO || p == libc::SCHED_RR)
+}
+
 /// The calling thread's scheduling policy (`SCHED_OTHER`, `SCHED_FIFO`, ...; without the
 /// `SCHED_RESET_ON_FORK` flag).
 pub fn sched_policy() -> io::Result<i32> {
